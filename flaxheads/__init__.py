@@ -1,0 +1,20 @@
+"""flaxheads: poolers and heads for any FlaxAutoModel encoder, as Flax modules."""
+from .config import from_dict, from_json, to_dict, to_json
+from .describe import describe
+from .heads import Head, IdentityHead, LinearHead, MLPHead, ProjectionHead, SequenceHead, make_head
+from .losses import (MULTI_LABEL, REGRESSION, SINGLE_LABEL, infer_problem_type, loss_fn, mean_squared_error,
+                     sigmoid_binary_cross_entropy, softmax_cross_entropy, validate_labels)
+from .model import LoadReport, SequenceModel, build_head, from_pretrained, load_backbone
+from .poolers import (AttentionPool, Concat, DensePooler, Pool, Pooler, SequenceSummary, make_pooler)
+from .presets import PRESETS, Preset, preset_for
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AttentionPool", "Concat", "DensePooler", "Head", "IdentityHead", "LinearHead", "LoadReport", "MLPHead",
+    "MULTI_LABEL", "PRESETS", "Pool", "Pooler", "Preset", "ProjectionHead", "REGRESSION", "SINGLE_LABEL",
+    "SequenceHead", "SequenceModel", "SequenceSummary", "build_head", "describe", "from_dict", "from_json",
+    "from_pretrained", "infer_problem_type", "load_backbone", "loss_fn", "make_head", "make_pooler",
+    "mean_squared_error", "preset_for", "sigmoid_binary_cross_entropy", "softmax_cross_entropy", "to_dict",
+    "to_json", "validate_labels",
+]

@@ -1,0 +1,82 @@
+"""JSON round trip for the frozen module configs (poolers and heads).
+
+A pooler or head *is* its config: a Flax linen module is a frozen dataclass, so its
+fields (minus Flax's ``parent``/``name``) are the config. Each serialisable module
+class registers a ``kind`` string used as the ``"type"`` tag in JSON.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+_KINDS: dict[str, type] = {}
+
+
+def register(kind: str):
+    """Class decorator: make a module class loadable from ``{"type": kind, ...}``."""
+
+    def wrap(cls):
+        if kind in _KINDS and _KINDS[kind] is not cls:
+            raise ValueError(f"config kind {kind!r} registered twice")
+        cls.kind = kind
+        _KINDS[kind] = cls
+        return cls
+
+    return wrap
+
+
+def _fields(obj) -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(obj) if f.name not in ("parent", "name") and f.init]
+
+
+def to_dict(obj) -> dict[str, Any]:
+    """Serialise a registered module (recursively) to plain JSON-able data."""
+    out: dict[str, Any] = {"type": type(obj).kind}
+    for f in _fields(obj):
+        out[f.name] = _encode(getattr(obj, f.name))
+    return out
+
+
+def _encode(v):
+    if hasattr(type(v), "kind") and dataclasses.is_dataclass(v):
+        return to_dict(v)
+    if isinstance(v, (tuple, list)):
+        return [_encode(x) for x in v]
+    return v
+
+
+def from_dict(d: dict[str, Any]):
+    """Inverse of :func:`to_dict`; unknown kinds or fields raise a ``ValueError``."""
+    if not isinstance(d, dict) or "type" not in d:
+        raise ValueError(f"expected a config dict with a 'type' key, got {d!r}")
+    kind = d["type"]
+    if kind not in _KINDS:
+        raise ValueError(f"unknown config type {kind!r}; known types: {sorted(_KINDS)}")
+    cls = _KINDS[kind]
+    names = {f.name: f for f in _fields(cls)}
+    extra = set(d) - set(names) - {"type"}
+    if extra:
+        raise ValueError(f"config for {kind!r} has unknown fields {sorted(extra)}; valid fields: {sorted(names)}")
+    kwargs = {k: _decode(v) for k, v in d.items() if k != "type"}
+    return cls(**kwargs)
+
+
+def _decode(v):
+    if isinstance(v, dict) and "type" in v:
+        return from_dict(v)
+    if isinstance(v, list):
+        return tuple(_decode(x) for x in v)
+    return v
+
+
+def to_json(obj, **kw) -> str:
+    return json.dumps(to_dict(obj), **kw)
+
+
+def from_json(s: str):
+    return from_dict(json.loads(s))
+
+
+def registered_kinds() -> list[str]:
+    return sorted(_KINDS)

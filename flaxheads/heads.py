@@ -1,0 +1,230 @@
+"""Heads: Flax linen modules of the pooled vector [B, H'] -> logits / embedding [B, N].
+
+Every Hugging Face classification head is a configuration of :class:`LinearHead` or
+:class:`MLPHead` (see ``presets.py``); :class:`ProjectionHead` maps embeddings to
+another width. Each module's dataclass fields are its JSON config.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from .activations import get_activation
+from .config import register
+from .poolers import Pooler
+
+
+def _check_positive(what: str, v: int) -> None:
+    if not isinstance(v, int) or v < 1:
+        raise ValueError(f"{what} must be a positive integer, got {v!r}")
+
+
+def _check_rate(what: str, p: float) -> None:
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"{what} must be in [0, 1), got {p!r}")
+
+
+class Head(nn.Module):
+    """Base class: ``__call__(x [B, H'], deterministic=True) -> [B, N]``."""
+
+    def out_features(self) -> int:
+        raise NotImplementedError
+
+    def steps(self, in_features: int) -> list[str]:
+        raise NotImplementedError
+
+
+@register("linear")
+class LinearHead(Head):
+    """dropout -> dense. BERT/ALBERT/DeBERTa-v2 (``classifier``), XLNet (``logits_proj``,
+    no dropout), GPT-2 (``score``, no dropout, no bias)."""
+
+    num_labels: int = 2
+    dropout: float = 0.1
+    use_bias: bool = True
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        _check_positive("num_labels", self.num_labels)
+        _check_rate("dropout", self.dropout)
+        super().__post_init__()
+
+    @nn.compact
+    def __call__(self, x, deterministic: bool = True):
+        x = nn.Dropout(self.dropout)(x, deterministic=deterministic)
+        return nn.Dense(self.num_labels, use_bias=self.use_bias,
+                        kernel_init=nn.initializers.normal(self.init_std), name="classifier")(x)
+
+    def out_features(self):
+        return self.num_labels
+
+    def steps(self, in_features):
+        s = [f"dropout({self.dropout})"] if self.dropout else []
+        return s + [f"dense {in_features}->{self.num_labels}{'' if self.use_bias else ' (no bias)'}"]
+
+
+@register("mlp")
+class MLPHead(Head):
+    """input dropout -> [dense -> act -> (LayerNorm) -> dropout] x depth -> dense ``out_proj``.
+
+    ``hidden_dims`` entries of ``None`` mean "the input width". HF presets:
+    RoBERTa/XLM-R/BART (input_dropout=p, tanh), ELECTRA (input_dropout=p, gelu),
+    DistilBERT (input_dropout=0, relu), ModernBERT (input_dropout=0, act, LayerNorm)."""
+
+    num_labels: int = 2
+    hidden_dims: tuple[int | None, ...] = (None,)
+    activation: str | None = "gelu"
+    dropout: float = 0.1
+    input_dropout: float = 0.0
+    layer_norm: bool = False
+    norm_eps: float = 1e-5
+    norm_bias: bool = True
+    dense_bias: bool = True
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        _check_positive("num_labels", self.num_labels)
+        _check_rate("dropout", self.dropout)
+        _check_rate("input_dropout", self.input_dropout)
+        for d in self.hidden_dims:
+            if d is not None:
+                _check_positive("hidden_dims entry", d)
+        get_activation(self.activation)
+        super().__post_init__()
+
+    @nn.compact
+    def __call__(self, x, deterministic: bool = True):
+        init = nn.initializers.normal(self.init_std)
+        act = get_activation(self.activation)
+        x = nn.Dropout(self.input_dropout)(x, deterministic=deterministic)
+        for i, d in enumerate(self.hidden_dims):
+            x = nn.Dense(d or x.shape[-1], use_bias=self.dense_bias, kernel_init=init, name=f"dense_{i}")(x)
+            x = act(x)
+            if self.layer_norm:
+                x = nn.LayerNorm(epsilon=self.norm_eps, use_bias=self.norm_bias, name=f"norm_{i}")(x)
+            x = nn.Dropout(self.dropout)(x, deterministic=deterministic)
+        return nn.Dense(self.num_labels, kernel_init=init, name="out_proj")(x)
+
+    def out_features(self):
+        return self.num_labels
+
+    def steps(self, in_features):
+        s = [f"dropout({self.input_dropout})"] if self.input_dropout else []
+        w = in_features
+        for d in self.hidden_dims:
+            o = d or w
+            s.append(f"dense {w}->{o}{'' if self.dense_bias else ' (no bias)'}")
+            if self.activation:
+                s.append(self.activation)
+            if self.layer_norm:
+                s.append(f"LayerNorm(eps={self.norm_eps}{'' if self.norm_bias else ', no bias'})")
+            if self.dropout:
+                s.append(f"dropout({self.dropout})")
+            w = o
+        return s + [f"dense {w}->{self.num_labels}"]
+
+
+@register("projection")
+class ProjectionHead(Head):
+    """dense -> act for each width in ``features``, then optional L2 normalisation.
+
+    Maps embeddings to another width (distillation, CLIP-style alignment); the layers are
+    sentence-transformers ``Dense`` modules and ``normalize`` its ``Normalize``."""
+
+    features: int | tuple[int, ...] = 256
+    activation: str | None = None
+    use_bias: bool = True
+    normalize: bool = False
+    dropout: float = 0.0
+    init_std: float = 0.02
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        return (self.features,) if isinstance(self.features, int) else tuple(self.features)
+
+    def __post_init__(self):
+        if not self.widths:
+            raise ValueError("ProjectionHead needs at least one output width in `features`")
+        for d in self.widths:
+            _check_positive("projection width", d)
+        _check_rate("dropout", self.dropout)
+        get_activation(self.activation)
+        super().__post_init__()
+
+    @nn.compact
+    def __call__(self, x, deterministic: bool = True):
+        act = get_activation(self.activation)
+        x = nn.Dropout(self.dropout)(x, deterministic=deterministic)
+        for i, d in enumerate(self.widths):
+            x = act(nn.Dense(d, use_bias=self.use_bias, kernel_init=nn.initializers.normal(self.init_std),
+                             name=f"dense_{i}")(x))
+        if self.normalize:
+            # same as torch.nn.functional.normalize: x / max(||x||, 1e-12)
+            x = x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
+        return x
+
+    def out_features(self):
+        return self.widths[-1]
+
+    def steps(self, in_features):
+        s = [f"dropout({self.dropout})"] if self.dropout else []
+        w = in_features
+        for d in self.widths:
+            s.append(f"dense {w}->{d}{'' if self.use_bias else ' (no bias)'}")
+            if self.activation:
+                s.append(self.activation)
+            w = d
+        return s + (["L2 normalise"] if self.normalize else [])
+
+
+@register("identity")
+class IdentityHead(Head):
+    """No head: the pooled vector itself (plain sentence embeddings)."""
+
+    width: int = 0
+
+    def __call__(self, x, deterministic: bool = True):
+        return x
+
+    def out_features(self):
+        return self.width
+
+    def steps(self, in_features):
+        return ["identity"]
+
+
+@register("sequence_head")
+class SequenceHead(nn.Module):
+    """Everything after the encoder's last hidden state: ``pooler`` then ``head``.
+
+    Hidden states are cast to float32 first, so a bfloat16 backbone still gives float32
+    logits. Params: ``{"pooler": ..., "head": ...}`` (``pooler`` absent when it has none)."""
+
+    pooler: Pooler
+    head: Head
+
+    def __call__(self, hidden, mask, deterministic: bool = True):
+        hidden = hidden.astype(jnp.float32)
+        return self.head(self.pooler(hidden, mask, deterministic), deterministic)
+
+
+HEAD_NAMES = {"linear": LinearHead, "mlp": MLPHead, "projection": ProjectionHead, "identity": IdentityHead}
+
+
+def make_head(spec: str | Head, **options) -> Head:
+    """A head from a name (``linear``, ``mlp``, ``projection``, ``identity``) and options,
+    or an already-built head module."""
+    if isinstance(spec, Head):
+        if options:
+            raise ValueError(f"head options {sorted(options)} given with an already-built head {spec!r}")
+        return spec
+    if spec not in HEAD_NAMES:
+        raise ValueError(f"unknown head {spec!r}; valid heads: {sorted(HEAD_NAMES)} "
+                         "(the HF heads are presets: see flaxheads.presets.PRESETS)")
+    try:
+        return HEAD_NAMES[spec](**options)
+    except TypeError as e:
+        raise ValueError(f"head {spec!r} does not take options {sorted(options)}: {e}") from None

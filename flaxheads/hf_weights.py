@@ -1,0 +1,128 @@
+"""Read PyTorch state dicts without torch, and map head params to/from HF names.
+
+A Flax ``Dense`` is ``{"kernel": [in, out], "bias": [out]}``; PyTorch ``nn.Linear`` is
+``{name}.weight [out, in]`` and ``{name}.bias``. A Flax ``LayerNorm`` is
+``{"scale", "bias"}``; PyTorch's is ``{name}.weight``, ``{name}.bias``.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+
+SAFE = "model.safetensors"
+SAFE_INDEX = "model.safetensors.index.json"
+
+
+def read_state_dict(folder: str | os.PathLike) -> dict[str, np.ndarray]:
+    """All tensors of an HF checkpoint folder (single or sharded safetensors) as numpy."""
+    from safetensors.numpy import load_file
+
+    folder = os.fspath(folder)
+    single, index = os.path.join(folder, SAFE), os.path.join(folder, SAFE_INDEX)
+    if os.path.isfile(single):
+        return dict(load_file(single))
+    if os.path.isfile(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        out: dict[str, np.ndarray] = {}
+        for s in shards:
+            out.update(load_file(os.path.join(folder, s)))
+        return out
+    raise FileNotFoundError(
+        f"no {SAFE} or {SAFE_INDEX} in {folder!r}; flaxheads reads safetensors checkpoints "
+        "(re-save a PyTorch model with `model.save_pretrained(folder, safe_serialization=True)`)"
+    )
+
+
+def _subtree(params: Mapping, path: str):
+    node = params
+    for part in path.split("/"):
+        if not isinstance(node, Mapping) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _set(params: dict, path: str, value: dict) -> dict:
+    parts = path.split("/")
+    out = dict(params)
+    node = out
+    for p in parts[:-1]:
+        node[p] = dict(node[p])
+        node = node[p]
+    node[parts[-1]] = value
+    return out
+
+
+def module_to_hf(module_params: Mapping[str, Any], hf_name: str) -> dict[str, np.ndarray]:
+    """One Dense or LayerNorm param dict -> ``{hf_name.weight, hf_name.bias}``."""
+    out = {}
+    if "kernel" in module_params:
+        out[f"{hf_name}.weight"] = np.ascontiguousarray(np.asarray(module_params["kernel"]).T)
+    elif "scale" in module_params:
+        out[f"{hf_name}.weight"] = np.asarray(module_params["scale"])
+    if "bias" in module_params:
+        out[f"{hf_name}.bias"] = np.asarray(module_params["bias"])
+    return out
+
+
+def head_to_hf(head_params: Mapping, hf_names: Iterable[tuple[str, str]]) -> dict[str, np.ndarray]:
+    """Head params -> PyTorch state-dict entries for the mapped modules."""
+    out: dict[str, np.ndarray] = {}
+    for path, hf_name in hf_names:
+        sub = _subtree(head_params, path)
+        if sub is None:
+            raise KeyError(f"head params have no module at {path!r}; present: {sorted(head_params)}")
+        out.update(module_to_hf(sub, hf_name))
+    return out
+
+
+def _find(state: Mapping[str, np.ndarray], hf_name: str, strip_prefixes: Iterable[str]) -> str | None:
+    candidates = [hf_name] + [hf_name[len(p) + 1:] for p in strip_prefixes if hf_name.startswith(p + ".")]
+    for c in candidates:
+        if f"{c}.weight" in state:
+            return c
+    return None
+
+
+def head_from_hf(head_params: Mapping, hf_names: Iterable[tuple[str, str]], state: Mapping[str, np.ndarray], *,
+                 strip_prefixes: Iterable[str] = (), ignore_mismatched_sizes: bool = False,
+                 source: str = "checkpoint"):
+    """Copy mapped modules from an HF state dict into (a copy of) ``head_params``.
+
+    Returns ``(params, loaded, new)`` where ``loaded`` lists ``(path, hf_name)`` copied and
+    ``new`` the paths left at their fresh initialisation."""
+    params = dict(head_params)
+    loaded, new = [], []
+    for path, hf_name in hf_names:
+        sub = _subtree(params, path)
+        if sub is None:
+            continue
+        name = _find(state, hf_name, strip_prefixes)
+        if name is None:
+            new.append(path)
+            continue
+        got: dict[str, np.ndarray] = {}
+        w = state[f"{name}.weight"]
+        key = "kernel" if "kernel" in sub else "scale"
+        got[key] = w.T if key == "kernel" else w
+        if "bias" in sub:
+            if f"{name}.bias" not in state:
+                raise ValueError(f"{source}: {name}.weight is present but {name}.bias is missing")
+            got["bias"] = state[f"{name}.bias"]
+        mismatch = [(k, np.shape(sub[k]), got[k].shape) for k in got if np.shape(sub[k]) != got[k].shape]
+        if mismatch:
+            if ignore_mismatched_sizes:
+                new.append(path)
+                continue
+            k, want, have = mismatch[0]
+            raise ValueError(
+                f"{source}: {name} has shape {have} for {k} but the head needs {want} (e.g. a different "
+                "num_labels). Pass ignore_mismatched_sizes=True to initialise this module fresh instead."
+            )
+        params = _set(params, path, {k: np.asarray(v, dtype=np.asarray(sub[k]).dtype) for k, v in got.items()})
+        loaded.append((path, name))
+    return params, loaded, new

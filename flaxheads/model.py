@@ -1,0 +1,290 @@
+"""Compose any ``FlaxAutoModel`` encoder with a pooler and a head, functionally.
+
+The HF Flax wrapper is a pure function of its params, so the backbone is called as
+``backbone(input_ids, attention_mask, params=..., dropout_rng=..., train=...)`` and every
+architecture it loads works, extra inputs (position ids, token types) included.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import config as _config
+from .heads import Head, LinearHead, ProjectionHead, SequenceHead, make_head
+from .hf_weights import head_from_hf, read_state_dict
+from .losses import SINGLE_LABEL, check_problem_type, infer_problem_type, loss_fn
+from .poolers import Pool, Pooler, make_pooler
+from .presets import POOL_MASKS, Preset, preset_for
+
+# HF Flax models that build a pooler we never use (the head owns pooling): skip it.
+_HAS_UNUSED_POOLER = {"bert", "roberta", "xlm-roberta", "albert", "big_bird", "roberta-prelayernorm"}
+
+
+@dataclasses.dataclass
+class LoadReport:
+    """Which head modules came from the checkpoint and which were freshly initialised."""
+
+    pretrained: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (our path, HF name)
+    new: list[str] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class SequenceModel:
+    """A backbone (HF Flax wrapper) + :class:`SequenceHead`, with the initial ``params``.
+
+    ``params = {"backbone": ..., "head": {"pooler": ..., "head": ...}}``. All methods are
+    pure functions of the params passed in; ``self.params`` is only the starting point."""
+
+    backbone: Any
+    head: SequenceHead
+    num_labels: int
+    problem_type: str
+    params: dict
+    id2label: dict[int, str] | None = None
+    pool_mask: str = "attention_mask"
+    pad_token_id: int | None = None
+    eos_token_id: int | None = None
+    arch: str | None = None  # HF preset name when the head is exactly that preset's
+    hf_names: tuple[tuple[str, str], ...] = ()
+    name_or_path: str = ""
+    report: LoadReport = dataclasses.field(default_factory=LoadReport)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.backbone.config.hidden_size)
+
+    @property
+    def model_type(self) -> str:
+        return self.backbone.config.model_type
+
+    # ---- pure pieces -------------------------------------------------------------------
+    def pooling_mask(self, input_ids: jax.Array, attention_mask: jax.Array) -> jax.Array:
+        """The mask the pooler sees (GPT-2: ids != pad; BART: ids == eos; else attention mask)."""
+        if self.pool_mask == "non_pad_token":
+            return input_ids != self.pad_token_id
+        if self.pool_mask == "eos_token":
+            return input_ids == self.eos_token_id
+        return attention_mask
+
+    def features(self, backbone_params, input_ids, attention_mask, *, train: bool = False,
+                 dropout_rng: jax.Array | None = None, **extra) -> tuple[jax.Array, jax.Array]:
+        """Encoder last hidden state [B, T, H] and the pooling mask [B, T]."""
+        out = self.backbone(input_ids, attention_mask=attention_mask, params=backbone_params,
+                            dropout_rng=dropout_rng, train=train, **extra)
+        return out[0], self.pooling_mask(input_ids, attention_mask)
+
+    def head_apply(self, head_params, hidden, mask, *, train: bool = False,
+                   dropout_rng: jax.Array | None = None) -> jax.Array:
+        """Pooler + head on hidden states: logits (or embeddings) [B, N], float32."""
+        if train and dropout_rng is None:
+            raise ValueError("train=True needs a dropout_rng")
+        rngs = {"dropout": dropout_rng} if train else {}
+        return self.head.apply({"params": head_params}, hidden, mask, deterministic=not train, rngs=rngs)
+
+    def apply(self, params, input_ids, attention_mask=None, *, train: bool = False,
+              dropout_rng: jax.Array | None = None, **extra) -> jax.Array:
+        """Logits [B, num_labels] in float32 (embeddings for projection heads)."""
+        if attention_mask is None:
+            attention_mask = jnp.ones_like(input_ids)
+        if train:
+            if dropout_rng is None:
+                raise ValueError("train=True needs a dropout_rng")
+            rb, rh = jax.random.split(dropout_rng)
+        else:
+            rb = rh = None
+        hidden, mask = self.features(params["backbone"], input_ids, attention_mask, train=train, dropout_rng=rb,
+                                     **extra)
+        return self.head_apply(params["head"], hidden, mask, train=train, dropout_rng=rh)
+
+    def __call__(self, input_ids, attention_mask=None, params=None, **kw) -> jax.Array:
+        return self.apply(self.params if params is None else params, input_ids, attention_mask, **kw)
+
+    def loss_fn(self, **options):
+        """``f(logits, labels, weights)`` for this model's problem type (see ``losses.loss_fn``)."""
+        return loss_fn(self.problem_type, self.num_labels, **options)
+
+    def head_config(self) -> dict:
+        return _config.to_dict(self.head)
+
+
+def _same_structure(a, b) -> bool:
+    """Same module config ignoring dropout rates and init scale (they do not change weights' meaning)."""
+    def strip(d):
+        if isinstance(d, dict):
+            return {k: strip(v) for k, v in d.items() if k not in ("dropout", "input_dropout", "init_std",
+                                                                   "first_dropout", "last_dropout")}
+        if isinstance(d, list):
+            return [strip(x) for x in d]
+        return d
+    return strip(_config.to_dict(a)) == strip(_config.to_dict(b))
+
+
+def load_backbone(path: str | os.PathLike, dtype=jnp.float32):
+    """A ``FlaxAutoModel`` for a local HF folder (no hub access), weights from its safetensors.
+
+    Every backbone weight must come from the checkpoint: a folder whose weights do not fit
+    raises instead of leaving random weights behind a warning (HF's Flax loader does the
+    latter, e.g. for XLM-R, whose Flax and PyTorch classes disagree on the weight prefix).
+    The architecture's built-in pooler is skipped where the head owns pooling."""
+    from flax.traverse_util import flatten_dict, unflatten_dict
+    from transformers import AutoConfig, FlaxAutoModel
+    from transformers.modeling_flax_pytorch_utils import convert_pytorch_state_dict_to_flax
+
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"backbone folder {path!r} does not exist (flaxheads loads local folders only)")
+    cfg = AutoConfig.from_pretrained(path, local_files_only=True)
+    kwargs = {"add_pooling_layer": False} if cfg.model_type in _HAS_UNUSED_POOLER else {}
+    if os.path.isfile(os.path.join(path, "flax_model.msgpack")):
+        return FlaxAutoModel.from_pretrained(path, dtype=dtype, local_files_only=True, **kwargs)
+    try:
+        model = FlaxAutoModel.from_config(cfg, dtype=dtype, **kwargs)
+    except ValueError as e:
+        if "Unrecognized configuration class" in str(e):
+            raise ValueError(f"model_type {cfg.model_type!r} has no Flax backbone in transformers "
+                             f"(FlaxAutoModel cannot build it). Its head presets still work on hidden states: "
+                             f"see flaxheads.presets.PRESETS.") from None
+        raise
+    state = read_state_dict(path)
+    top = set(model.params)
+    # Strip whatever PyTorch prefix wraps the base model ("bert.", "roberta.", "transformer.", ...).
+    base_state = {}
+    for k, v in state.items():
+        head, _, rest = k.partition(".")
+        if head not in top and rest.partition(".")[0] in top:
+            k = rest
+        base_state[k] = v
+    converted = flatten_dict(convert_pytorch_state_dict_to_flax(base_state, model))
+    want = flatten_dict(model.params)
+    missing = sorted("/".join(k) for k in want if k not in converted)
+    if missing:
+        raise ValueError(
+            f"{path}: the checkpoint does not provide {len(missing)} of the {len(want)} backbone weights of "
+            f"{type(model).__name__} (e.g. {missing[:5]}). Is this folder a {cfg.model_type} checkpoint?")
+    model.params = unflatten_dict({k: jnp.asarray(converted[k], dtype=want[k].dtype) for k in want})
+    return model
+
+
+def build_head(hf_config, num_labels: int, *, pooler=None, head=None, pooler_options: dict | None = None,
+               head_options: dict | None = None) -> tuple[SequenceHead, Preset | None]:
+    """The HF preset for ``hf_config.model_type`` unless ``pooler``/``head`` choose otherwise."""
+    preset = preset_for(hf_config, num_labels)
+    pooler_options, head_options = dict(pooler_options or {}), dict(head_options or {})
+    if pooler is None and not pooler_options:
+        p: Pooler = preset.pooler if preset else Pool("mean")
+    else:
+        p = make_pooler(pooler if pooler is not None else "mean", **pooler_options)
+    if head is None and not head_options:
+        h: Head = preset.head if preset else LinearHead(
+            num_labels, dropout=float(getattr(hf_config, "hidden_dropout_prob", 0.1) or 0.0))
+    elif isinstance(head, Head):
+        h = make_head(head, **head_options)
+    else:
+        name = head or "linear"
+        if name in ("linear", "mlp"):
+            head_options.setdefault("num_labels", num_labels)
+        h = make_head(name, **head_options)
+    return SequenceHead(p, h), preset
+
+
+def from_pretrained(path: str | os.PathLike, *, pooler: str | Sequence[str] | Pooler | None = None,
+                    head: str | Head | None = None, num_labels: int | None = None,
+                    problem_type: str | None = None, id2label: dict | Sequence[str] | None = None,
+                    dtype=jnp.float32, seed: int = 0, ignore_mismatched_sizes: bool = False,
+                    pooler_options: dict | None = None, head_options: dict | None = None,
+                    pool_mask: str | None = None) -> SequenceModel:
+    """Load a local HF model folder as backbone and attach a pooler + head.
+
+    Defaults to the HF-exact preset for the backbone's ``model_type`` (and copies its
+    pretrained pooler/classifier weights when the checkpoint has them); ``pooler`` and
+    ``head`` pick any other combination. ``dtype=jnp.bfloat16`` runs the backbone in
+    bfloat16; params, head and logits stay float32."""
+    path = os.fspath(path)
+    backbone = load_backbone(path, dtype=dtype)
+    cfg = backbone.config
+    labels = _labels(id2label, num_labels, cfg)
+    n = len(labels) if labels else int(num_labels or getattr(cfg, "num_labels", 2))
+    if head is not None and isinstance(head, ProjectionHead):
+        n = head.out_features()
+    ptype = problem_type or getattr(cfg, "problem_type", None) or infer_problem_type(n)
+    if not (isinstance(head, ProjectionHead) or head == "projection" or head == "identity"):
+        check_problem_type(ptype, n)
+    seq_head, preset = build_head(cfg, n, pooler=pooler, head=head, pooler_options=pooler_options,
+                                  head_options=head_options)
+    if head in ("projection", "identity") or isinstance(seq_head.head, ProjectionHead):
+        n = seq_head.head.out_features() or cfg.hidden_size
+    uses_preset_pooler = preset is not None and _same_structure(seq_head.pooler, preset.pooler)
+    mask_src = pool_mask or (preset.pool_mask if uses_preset_pooler and pooler is None else "attention_mask")
+    if mask_src not in POOL_MASKS:
+        raise ValueError(f"pool_mask must be one of {POOL_MASKS}, got {mask_src!r}")
+    pad, eos = getattr(cfg, "pad_token_id", None), getattr(cfg, "eos_token_id", None)
+    if mask_src == "non_pad_token" and pad is None:
+        raise ValueError(
+            f"{cfg.model_type}: last-non-pad-token pooling (GPT-2's rule) needs config.pad_token_id, which is "
+            "None. Set it (e.g. `config.pad_token_id = config.eos_token_id` and save), or pass "
+            "pool_mask='attention_mask' to pool by the attention mask instead.")
+    if mask_src == "eos_token" and eos is None:
+        raise ValueError(f"{cfg.model_type}: last-<eos> pooling needs config.eos_token_id, which is None; "
+                         "pass pool_mask='attention_mask' to use the last non-pad token instead.")
+
+    h = cfg.hidden_size
+    variables = seq_head.init(jax.random.PRNGKey(seed), jnp.zeros((1, 1, h), jnp.float32),
+                              jnp.ones((1, 1), jnp.int32))
+    head_params = jax.device_get(variables.get("params", {}))
+    report = LoadReport()
+    arch, names = None, ()
+    if preset is not None:
+        names = tuple((p, n_) for p, n_ in preset.hf_names
+                      if (p.startswith("pooler/") and uses_preset_pooler)
+                      or (p.startswith("head/") and _same_structure(seq_head.head, preset.head)))
+        if uses_preset_pooler and _same_structure(seq_head.head, preset.head):
+            arch = preset.arch
+        state = _read_state_if_any(path)
+        base = getattr(backbone, "base_model_prefix", "") or ""
+        head_params, loaded, new = head_from_hf(head_params, names, state, strip_prefixes=[base] if base else [],
+                                                ignore_mismatched_sizes=ignore_mismatched_sizes, source=path)
+        report = LoadReport(pretrained=loaded, new=new)
+    all_modules = _module_paths(head_params)
+    done = {p for p, _ in report.pretrained}
+    report.new = [p for p in all_modules if p not in done]
+    params = {"backbone": backbone.params, "head": jax.tree.map(jnp.asarray, head_params)}
+    return SequenceModel(backbone=backbone, head=seq_head, num_labels=n, problem_type=ptype, params=params,
+                         id2label=labels, pool_mask=mask_src, pad_token_id=pad, eos_token_id=eos, arch=arch,
+                         hf_names=names if arch else (), name_or_path=path, report=report)
+
+
+def _labels(id2label, num_labels, cfg) -> dict[int, str] | None:
+    if id2label is not None:
+        labels = dict(enumerate(id2label)) if not isinstance(id2label, dict) else {int(k): str(v) for k, v in id2label.items()}
+        if num_labels is not None and num_labels != len(labels):
+            raise ValueError(f"num_labels={num_labels} but id2label has {len(labels)} entries")
+        if sorted(labels) != list(range(len(labels))):
+            raise ValueError(f"id2label keys must be 0..{len(labels) - 1}, got {sorted(labels)}")
+        return labels
+    cfg_labels = getattr(cfg, "id2label", None)
+    if cfg_labels and (num_labels is None or len(cfg_labels) == num_labels):
+        return {int(k): str(v) for k, v in cfg_labels.items()}
+    return None
+
+
+def _read_state_if_any(path: str) -> dict[str, np.ndarray]:
+    try:
+        return read_state_dict(path)
+    except FileNotFoundError:
+        return {}
+
+
+def _module_paths(tree, prefix: str = "") -> list[str]:
+    out = []
+    for k, v in tree.items():
+        p = f"{prefix}{k}"
+        if isinstance(v, dict) and v and all(not isinstance(x, dict) for x in v.values()):
+            out.append(p)
+        elif isinstance(v, dict):
+            out.extend(_module_paths(v, p + "/"))
+    return out

@@ -1,0 +1,145 @@
+"""Hugging Face's fixed pooler + head choices, one preset per ``config.model_type``.
+
+Each preset reads the dropout/activation settings from the backbone's HF config exactly
+where the PyTorch ``XForSequenceClassification`` reads them, and names the PyTorch
+state-dict modules of its weights (``hf_names``: our params path -> HF module name;
+Dense ``kernel`` [in, out] is HF ``weight`` [out, in]; LayerNorm ``scale`` is ``weight``).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from .heads import Head, LinearHead, MLPHead
+from .poolers import DensePooler, Pool, Pooler, SequenceSummary
+
+# Which mask the pooler sees: the attention mask, or one derived from input_ids.
+POOL_MASKS = ("attention_mask", "non_pad_token", "eos_token")
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    arch: str
+    pooler: Pooler
+    head: Head
+    pool_mask: str = "attention_mask"
+    hf_names: tuple[tuple[str, str], ...] = ()  # ("pooler/dense", "bert.pooler.dense"), ...
+    hf_class: str = ""  # the PyTorch class this preset reproduces
+
+
+def _get(cfg, *names, default=None):
+    for n in names:
+        v = getattr(cfg, n, None)
+        if v is not None:
+            return v
+    return default
+
+
+def _std(cfg) -> float:
+    return float(_get(cfg, "initializer_range", "init_std", default=0.02))
+
+
+def _bert(cfg, n):
+    p = _get(cfg, "classifier_dropout", "hidden_dropout_prob", default=0.1)
+    return Preset("bert", DensePooler(activation="tanh", init_std=_std(cfg)),
+                  LinearHead(n, dropout=p, init_std=_std(cfg)),
+                  hf_names=(("pooler/dense", "bert.pooler.dense"), ("head/classifier", "classifier")),
+                  hf_class="BertForSequenceClassification")
+
+
+def _albert(cfg, n):
+    p = _get(cfg, "classifier_dropout_prob", default=0.1)
+    return Preset("albert", DensePooler(activation="tanh", init_std=_std(cfg)),
+                  LinearHead(n, dropout=p, init_std=_std(cfg)),
+                  hf_names=(("pooler/dense", "albert.pooler"), ("head/classifier", "classifier")),
+                  hf_class="AlbertForSequenceClassification")
+
+
+def _dense_act_head(arch: str, act: str, prefix: str, hf_class: str):
+    # RoBERTa/XLM-R/ELECTRA: first token -> dropout -> dense -> act -> dropout -> out_proj
+    def make(cfg, n):
+        p = _get(cfg, "classifier_dropout", "hidden_dropout_prob", default=0.1)
+        return Preset(arch, Pool("cls"), MLPHead(n, activation=act, dropout=p, input_dropout=p, init_std=_std(cfg)),
+                      hf_names=(("head/dense_0", f"{prefix}.dense"), ("head/out_proj", f"{prefix}.out_proj")),
+                      hf_class=hf_class)
+    return make
+
+
+def _bart(cfg, n):
+    p = float(_get(cfg, "classifier_dropout", default=0.0))
+    return Preset("bart", Pool("last"), MLPHead(n, activation="tanh", dropout=p, input_dropout=p, init_std=_std(cfg)),
+                  pool_mask="eos_token",
+                  hf_names=(("head/dense_0", "classification_head.dense"),
+                            ("head/out_proj", "classification_head.out_proj")),
+                  hf_class="BartForSequenceClassification")
+
+
+def _distilbert(cfg, n):
+    p = _get(cfg, "seq_classif_dropout", default=0.2)
+    return Preset("distilbert", Pool("cls"), MLPHead(n, activation="relu", dropout=p, init_std=_std(cfg)),
+                  hf_names=(("head/dense_0", "pre_classifier"), ("head/out_proj", "classifier")),
+                  hf_class="DistilBertForSequenceClassification")
+
+
+def _gpt2(cfg, n):
+    return Preset("gpt2", Pool("last"), LinearHead(n, dropout=0.0, use_bias=False, init_std=_std(cfg)),
+                  pool_mask="non_pad_token", hf_names=(("head/classifier", "score"),),
+                  hf_class="GPT2ForSequenceClassification")
+
+
+def _xlnet(cfg, n):
+    summary = SequenceSummary(
+        summary_type=_get(cfg, "summary_type", default="last"),
+        use_proj=bool(_get(cfg, "summary_use_proj", default=False)),
+        proj_to_labels=bool(_get(cfg, "summary_proj_to_labels", default=False)),
+        num_labels=n, activation=_get(cfg, "summary_activation"),
+        first_dropout=float(_get(cfg, "summary_first_dropout", default=0.0)),
+        last_dropout=float(_get(cfg, "summary_last_dropout", default=0.0)), init_std=_std(cfg))
+    return Preset("xlnet", summary, LinearHead(n, dropout=0.0, init_std=_std(cfg)),
+                  hf_names=(("pooler/summary", "sequence_summary.summary"), ("head/classifier", "logits_proj")),
+                  hf_class="XLNetForSequenceClassification")
+
+
+def _deberta_v2(cfg, n):
+    ctx = DensePooler(features=_get(cfg, "pooler_hidden_size", "hidden_size"),
+                      activation=_get(cfg, "pooler_hidden_act", default="gelu"),
+                      dropout=float(_get(cfg, "pooler_dropout", default=0.0)), init_std=_std(cfg))
+    p = _get(cfg, "cls_dropout", "hidden_dropout_prob", default=0.1)
+    return Preset("deberta-v2", ctx, LinearHead(n, dropout=p, init_std=_std(cfg)),
+                  hf_names=(("pooler/dense", "pooler.dense"), ("head/classifier", "classifier")),
+                  hf_class="DebertaV2ForSequenceClassification")
+
+
+def _modernbert(cfg, n):
+    pooling = _get(cfg, "classifier_pooling", default="cls")
+    if pooling not in ("cls", "mean"):
+        raise ValueError(f"ModernBERT classifier_pooling must be 'cls' or 'mean', got {pooling!r}")
+    head = MLPHead(n, activation=_get(cfg, "classifier_activation", default="gelu"),
+                   dropout=float(_get(cfg, "classifier_dropout", default=0.0)), layer_norm=True,
+                   norm_eps=float(_get(cfg, "norm_eps", default=1e-5)), norm_bias=bool(_get(cfg, "norm_bias", default=False)),
+                   dense_bias=bool(_get(cfg, "classifier_bias", default=False)), init_std=_std(cfg))
+    return Preset("modernbert", Pool(pooling), head,
+                  hf_names=(("head/dense_0", "head.dense"), ("head/norm_0", "head.norm"),
+                            ("head/out_proj", "classifier")),
+                  hf_class="ModernBertForSequenceClassification")
+
+
+PRESETS: dict[str, Callable[[Any, int], Preset]] = {
+    "bert": _bert,
+    "albert": _albert,
+    "roberta": _dense_act_head("roberta", "tanh", "classifier", "RobertaForSequenceClassification"),
+    "xlm-roberta": _dense_act_head("xlm-roberta", "tanh", "classifier", "XLMRobertaForSequenceClassification"),
+    "electra": _dense_act_head("electra", "gelu", "classifier", "ElectraForSequenceClassification"),
+    "distilbert": _distilbert,
+    "bart": _bart,
+    "gpt2": _gpt2,
+    "xlnet": _xlnet,
+    "deberta-v2": _deberta_v2,
+    "modernbert": _modernbert,
+}
+
+
+def preset_for(hf_config, num_labels: int) -> Preset | None:
+    """The HF-exact preset for ``hf_config.model_type``, or ``None`` when there is none."""
+    make = PRESETS.get(getattr(hf_config, "model_type", None))
+    return None if make is None else make(hf_config, num_labels)
