@@ -74,6 +74,9 @@ class SequenceModel:
     def features(self, backbone_params, input_ids, attention_mask, *, train: bool = False,
                  dropout_rng: jax.Array | None = None, **extra) -> tuple[jax.Array, jax.Array]:
         """Encoder last hidden state [B, T, H] and the pooling mask [B, T]."""
+        if "token_type_ids" not in extra and _takes(self.backbone, "token_type_ids"):
+            # HF's FlaxElectraModel defaults token types to ones (PyTorch: zeros); pass zeros explicitly.
+            extra["token_type_ids"] = jnp.zeros_like(input_ids)
         out = self.backbone(input_ids, attention_mask=attention_mask, params=backbone_params,
                             dropout_rng=dropout_rng, train=train, **extra)
         return out[0], self.pooling_mask(input_ids, attention_mask)
@@ -110,6 +113,12 @@ class SequenceModel:
 
     def head_config(self) -> dict:
         return _config.to_dict(self.head)
+
+
+def _takes(fn, name: str) -> bool:
+    import inspect
+
+    return name in inspect.signature(fn.__call__).parameters
 
 
 def _same_structure(a, b) -> bool:

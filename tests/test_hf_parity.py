@@ -35,8 +35,11 @@ def _run_torch_head(pt, arch, hidden, mask):
     """Run the real HF forward with the encoder replaced by given hidden states."""
     body = {"xlnet": "transformer", "deberta-v2": "deberta", "modernbert": "model"}[arch]
     enc = getattr(pt, body)
-    h = torch.tensor(hidden)
-    enc.forward = lambda *a, **k: (h,)
+    from transformers.modeling_outputs import BaseModelOutput
+
+    out = BaseModelOutput(last_hidden_state=torch.tensor(hidden))
+    out.mems = None  # XLNet reads it
+    enc.forward = lambda *a, **k: out
     ids = torch.ones(mask.shape, dtype=torch.long) * 5
     with torch.no_grad():
         return pt(input_ids=ids, attention_mask=torch.tensor(mask)).logits.numpy()
