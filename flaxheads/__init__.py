@@ -1,4 +1,6 @@
 """flaxheads: poolers and heads for any FlaxAutoModel encoder, as Flax modules."""
+from .checkpoint import (CheckpointError, CorruptCheckpointError, HeadCheckpoint, HeadMismatchError,
+                         IncompatibleCheckpointError, RunCheckpointer, attach_head, load_head, save_head)
 from .config import from_dict, from_json, to_dict, to_json
 from .describe import describe
 from .heads import Head, IdentityHead, LinearHead, MLPHead, ProjectionHead, SequenceHead, make_head
@@ -11,7 +13,9 @@ from .presets import PRESETS, Preset, preset_for
 __version__ = "0.1.0"
 
 __all__ = [
-    "AttentionPool", "Concat", "DensePooler", "Head", "IdentityHead", "LinearHead", "LoadReport", "MLPHead",
+    "AttentionPool", "CheckpointError", "Concat", "CorruptCheckpointError", "HeadCheckpoint", "HeadMismatchError",
+    "IncompatibleCheckpointError", "RunCheckpointer", "attach_head", "load_head", "save_head",
+    "DensePooler", "Head", "IdentityHead", "LinearHead", "LoadReport", "MLPHead",
     "MULTI_LABEL", "PRESETS", "Pool", "Pooler", "Preset", "ProjectionHead", "REGRESSION", "SINGLE_LABEL",
     "SequenceHead", "SequenceModel", "SequenceSummary", "build_head", "describe", "from_dict", "from_json",
     "from_pretrained", "infer_problem_type", "load_backbone", "loss_fn", "make_head", "make_pooler",
