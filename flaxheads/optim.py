@@ -1,0 +1,127 @@
+"""Optimizer factory on optax: AdamW with a weight-decay mask, warmup + decay schedules,
+gradient clipping, gradient accumulation, a separate head learning rate, frozen backbone.
+
+The optimizer always acts on the *trainable* subtree of the params (see :func:`trainable`):
+``{"backbone": ..., "head": ...}`` for a full fine-tune, ``{"head": ...}`` with a frozen
+backbone, so a frozen backbone has no gradients and no optimizer moments at all.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import optax
+from flax.traverse_util import flatten_dict, unflatten_dict
+
+SCHEDULES = ("linear", "cosine", "constant")
+
+# Parameter leaf names that are never weight-decayed: biases and normalisation scales/offsets.
+_NO_DECAY_LEAVES = {"bias", "scale", "b"}
+_NO_DECAY_PARENTS = ("layernorm", "layer_norm", "ln", "norm")
+
+
+@dataclasses.dataclass
+class OptimConfig:
+    """Optimizer settings (every field is a CLI flag of ``train``)."""
+
+    learning_rate: float = 5e-5
+    head_learning_rate: float | None = None  # None: same as learning_rate
+    weight_decay: float = 0.01
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    schedule: str = "linear"  # linear | cosine | constant (after warmup)
+    warmup_steps: int = 0
+    total_steps: int = 1000  # optimizer steps (micro-steps / accumulation_steps)
+    max_grad_norm: float | None = 1.0  # None or 0: no clipping
+    accumulation_steps: int = 1
+    freeze_backbone: bool = False
+
+    def __post_init__(self):
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.accumulation_steps < 1:
+            raise ValueError(f"accumulation_steps must be >= 1, got {self.accumulation_steps}")
+        if self.learning_rate < 0 or (self.head_learning_rate or 0) < 0:
+            raise ValueError("learning rates must be >= 0")
+
+
+def trainable(params: dict, freeze_backbone: bool) -> dict:
+    """The subtree the optimizer updates: the whole tree, or only ``{"head": ...}``."""
+    return {"head": params["head"]} if freeze_backbone else {"backbone": params["backbone"], "head": params["head"]}
+
+
+def merge(params: dict, trained: dict) -> dict:
+    """``params`` with the trainable subtree replaced by ``trained``."""
+    return {**params, **trained}
+
+
+def decay_mask(params) -> Any:
+    """True where weight decay applies: kernels and embeddings; not biases or LayerNorm params."""
+    flat = flatten_dict(params)
+
+    def decays(path) -> bool:
+        leaf = str(path[-1]).lower()
+        if leaf in _NO_DECAY_LEAVES:
+            return False
+        parent = str(path[-2]).lower() if len(path) > 1 else ""
+        return not any(p in parent for p in _NO_DECAY_PARENTS)
+
+    return unflatten_dict({k: decays(k) for k in flat})
+
+
+def schedule(peak: float, cfg: OptimConfig) -> optax.Schedule:
+    """Linear warmup from 0 to ``peak`` over ``warmup_steps``, then linear/cosine decay to 0
+    at ``total_steps`` (or constant)."""
+    warm = max(int(cfg.warmup_steps), 0)
+    rest = max(int(cfg.total_steps) - warm, 1)
+    if cfg.schedule == "constant":
+        after = optax.constant_schedule(peak)
+    elif cfg.schedule == "cosine":
+        after = optax.cosine_decay_schedule(peak, rest)
+    else:
+        after = optax.linear_schedule(peak, 0.0, rest)
+    if warm == 0:
+        return after
+    return optax.join_schedules([optax.linear_schedule(0.0, peak, warm), after], [warm])
+
+
+def _adamw(lr: optax.Schedule, cfg: OptimConfig) -> optax.GradientTransformation:
+    return optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask)
+
+
+def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
+    """The optax transformation for the trainable subtree (``{"backbone","head"}`` or ``{"head"}``).
+
+    Clip by global norm (over everything trained) -> AdamW per group (head group may have
+    its own learning rate) -> wrapped in ``optax.MultiSteps`` when ``accumulation_steps > 1``
+    (gradients of k micro-batches are averaged, one update every k calls)."""
+    head_lr = cfg.learning_rate if cfg.head_learning_rate is None else cfg.head_learning_rate
+    parts = []
+    if cfg.max_grad_norm:
+        parts.append(optax.clip_by_global_norm(cfg.max_grad_norm))
+    if cfg.freeze_backbone:
+        parts.append(optax.multi_transform({"head": _adamw(schedule(head_lr, cfg), cfg)},
+                                           lambda p: {k: k for k in p}))
+    else:
+        parts.append(optax.multi_transform(
+            {"backbone": _adamw(schedule(cfg.learning_rate, cfg), cfg), "head": _adamw(schedule(head_lr, cfg), cfg)},
+            lambda p: {k: k for k in p}))
+    tx = optax.chain(*parts)
+    if cfg.accumulation_steps > 1:
+        tx = optax.MultiSteps(tx, every_k_schedule=cfg.accumulation_steps)
+    return tx
+
+
+def learning_rates(cfg: OptimConfig, step: int) -> dict[str, float]:
+    """The learning rates at optimizer step ``step`` (for logging)."""
+    head_lr = cfg.learning_rate if cfg.head_learning_rate is None else cfg.head_learning_rate
+    out = {"lr_head": float(schedule(head_lr, cfg)(step))}
+    if not cfg.freeze_backbone:
+        out["lr_backbone"] = float(schedule(cfg.learning_rate, cfg)(step))
+    return out
+
+
+def count_params(tree) -> int:
+    return int(sum(x.size for x in jax.tree.leaves(tree)))
