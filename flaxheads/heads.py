@@ -182,18 +182,22 @@ class ProjectionHead(Head):
 
 @register("identity")
 class IdentityHead(Head):
-    """No head: the pooled vector itself (plain sentence embeddings)."""
+    """No head: the pooled vector itself (plain sentence embeddings), optionally L2-normalised
+    (sentence-transformers ``Pooling`` -> ``Normalize`` with no ``Dense`` in between)."""
 
     width: int = 0
+    normalize: bool = False
 
     def __call__(self, x, deterministic: bool = True):
+        if self.normalize:
+            x = x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
         return x
 
     def out_features(self):
         return self.width
 
     def steps(self, in_features):
-        return ["identity"]
+        return ["L2 normalise"] if self.normalize else ["identity"]
 
 
 @register("sequence_head")

@@ -14,10 +14,37 @@ import numpy as np
 
 SAFE = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
+BIN = "pytorch_model.bin"
+BIN_INDEX = "pytorch_model.bin.index.json"
+
+
+def read_torch_bin(path: str) -> dict[str, np.ndarray]:
+    """A ``pytorch_model.bin`` state dict as numpy, unpickled only by ``torch.load(weights_only=True)``:
+    anything but a flat ``{name: tensor}`` dict is refused, never executed."""
+    try:
+        import torch
+    except ImportError:
+        raise ImportError(f"{path}: reading a pytorch_model.bin needs torch; install flaxheads[torch] or "
+                          "re-save the model with `save_pretrained(folder, safe_serialization=True)`") from None
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ValueError(f"{path}: refused to load: it is not a plain PyTorch state dict that "
+                         f"torch.load(weights_only=True) accepts ({type(e).__name__}: {str(e)[:300]}). flaxheads never "
+                         "unpickles arbitrary objects; re-save the weights with save_pretrained(..., "
+                         "safe_serialization=True) from a source you trust.") from None
+    if not isinstance(state, Mapping) or not state or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
+        what = type(state).__name__ if not isinstance(state, Mapping) else \
+            f"a dict with {sorted({type(v).__name__ for v in state.values()}) or 'no'} values"
+        raise ValueError(f"{path}: expected a flat state dict {{name: tensor}}, found {what}. Save "
+                         "`model.state_dict()` (not the model object, an optimizer or a training dict).")
+    return {k: (v.float() if v.dtype == torch.bfloat16 else v).detach().cpu().numpy() for k, v in state.items()}
 
 
 def read_state_dict(folder: str | os.PathLike) -> dict[str, np.ndarray]:
-    """All tensors of an HF checkpoint folder (single or sharded safetensors) as numpy."""
+    """All tensors of an HF checkpoint folder as numpy: single or sharded safetensors (no torch
+    needed), else ``pytorch_model.bin`` (single or sharded) via ``torch.load(weights_only=True)``."""
     from safetensors.numpy import load_file
 
     folder = os.fspath(folder)
@@ -31,8 +58,20 @@ def read_state_dict(folder: str | os.PathLike) -> dict[str, np.ndarray]:
         for s in shards:
             out.update(load_file(os.path.join(folder, s)))
         return out
+    single, index = os.path.join(folder, BIN), os.path.join(folder, BIN_INDEX)
+    if os.path.isfile(single):
+        return read_torch_bin(single)
+    if os.path.isfile(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        out = {}
+        for s in shards:
+            out.update(read_torch_bin(os.path.join(folder, s)))
+        return out
+    present = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
     raise FileNotFoundError(
-        f"no {SAFE} or {SAFE_INDEX} in {folder!r}; flaxheads reads safetensors checkpoints "
+        f"no {SAFE}, {SAFE_INDEX}, {BIN} or {BIN_INDEX} in {folder!r} (it holds: {present[:12]}); flaxheads "
+        "reads safetensors checkpoints, and pytorch_model.bin only through torch.load(weights_only=True) "
         "(re-save a PyTorch model with `model.save_pretrained(folder, safe_serialization=True)`)"
     )
 
