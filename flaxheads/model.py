@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import config as _config
-from .heads import Head, LinearHead, ProjectionHead, SequenceHead, make_head
+from .heads import Head, IdentityHead, LinearHead, ProjectionHead, SequenceHead, make_head
 from .hf_weights import head_from_hf, read_state_dict
-from .losses import SINGLE_LABEL, check_problem_type, infer_problem_type, loss_fn
+from .losses import REGRESSION, check_problem_type, infer_problem_type, loss_fn
 from .poolers import Pool, Pooler, make_pooler
 from .presets import POOL_MASKS, Preset, preset_for
 
@@ -218,15 +218,15 @@ def from_pretrained(path: str | os.PathLike, *, pooler: str | Sequence[str] | Po
     cfg = backbone.config
     labels = _labels(id2label, num_labels, cfg)
     n = len(labels) if labels else int(num_labels or getattr(cfg, "num_labels", 2))
-    if head is not None and isinstance(head, ProjectionHead):
-        n = head.out_features()
-    ptype = problem_type or getattr(cfg, "problem_type", None) or infer_problem_type(n)
-    if not (isinstance(head, ProjectionHead) or head == "projection" or head == "identity"):
-        check_problem_type(ptype, n)
     seq_head, preset = build_head(cfg, n, pooler=pooler, head=head, pooler_options=pooler_options,
                                   head_options=head_options)
-    if head in ("projection", "identity") or isinstance(seq_head.head, ProjectionHead):
-        n = seq_head.head.out_features() or cfg.hidden_size
+    if isinstance(seq_head.head, (ProjectionHead, IdentityHead)):
+        # an embedding head: its width is the output size; MSE (e.g. distillation) is the natural loss
+        n = seq_head.head.out_features() or seq_head.pooler.out_features(cfg.hidden_size)
+        ptype = problem_type or REGRESSION
+    else:
+        ptype = problem_type or getattr(cfg, "problem_type", None) or infer_problem_type(n)
+    check_problem_type(ptype, n)
     uses_preset_pooler = preset is not None and _same_structure(seq_head.pooler, preset.pooler)
     mask_src = pool_mask or (preset.pool_mask if uses_preset_pooler and pooler is None else "attention_mask")
     if mask_src not in POOL_MASKS:

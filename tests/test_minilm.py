@@ -64,6 +64,8 @@ def test_bfloat16_backbone_gives_float32_logits_close_to_float32(path, batch):
     b = np.asarray(b)
     cos = np.sum(a * b, -1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1)
     assert cos.min() > 0.999 and not np.array_equal(a, b)
-    # and the loss stays float32 under bf16
-    loss = bf16.loss_fn()  # identity head: 384 "labels", single-label CE works on it all the same
-    assert loss(jnp.asarray(b), jnp.array([0, 1, 2, 3])).dtype == jnp.float32
+    # with a classification head: float32 logits and loss from the bf16 backbone
+    clf = fh.from_pretrained(path, num_labels=3, dtype=jnp.bfloat16)
+    logits = clf(batch["input_ids"], batch["attention_mask"])
+    assert logits.dtype == jnp.float32
+    assert clf.loss_fn()(logits, jnp.array([0, 1, 2, 0])).dtype == jnp.float32
