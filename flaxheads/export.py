@@ -18,6 +18,7 @@ an error never leaves a half-written ``out`` behind.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -515,6 +516,47 @@ def load_head_export(folder: str | os.PathLike) -> tuple[SequenceHead, dict, dic
             node = node.setdefault(m, {})
         node[leaf] = v
     return head, params, cfg
+
+
+# ---- Orbax checkpoints ------------------------------------------------------------------------------------
+def model_from_checkpoint(directory: str | os.PathLike, step: int | str | None = None, *,
+                          backbone: str | os.PathLike | None = None, head_only: bool = False):
+    """The model saved in a run / checkpoint folder, ready to export.
+
+    ``head_only=True`` returns the ``HeadCheckpoint`` (enough for ``export_head``). Otherwise
+    the backbone comes from the checkpoint's ``backbone`` item when it was trained and saved,
+    on top of the backbone folder ``backbone`` (default: ``meta["backbone_name_or_path"]``)."""
+    from . import checkpoint as ck
+    from .model import from_pretrained
+
+    step = int(step) if isinstance(step, str) and step.isdigit() else step
+    ckpt = ck.load_head(directory, step)
+    if head_only:
+        return ckpt
+    meta = ckpt.meta
+    path = os.fspath(backbone) if backbone else meta.get("backbone_name_or_path")
+    if not path or not os.path.isdir(path):
+        raise FileNotFoundError(
+            f"{ckpt.path}: the backbone folder {path!r} (recorded in the checkpoint's meta) does not exist here; "
+            "pass backbone=<folder> (--backbone) with the same backbone, or export the head alone with "
+            "format='head'")
+    base = from_pretrained(path, num_labels=int(meta["num_labels"]), ignore_mismatched_sizes=True)
+    if base.model_type != meta.get("backbone_model_type", base.model_type):
+        raise ValueError(f"{ckpt.path}: the head was trained on a {meta['backbone_model_type']} backbone, but "
+                         f"{path!r} is a {base.model_type}")
+    model = ck.attach_head(base, ckpt)
+    if meta.get("backbone_saved"):
+        root, _ = ck.resolve_root(directory)
+        mgr = ck._manager(root, read_only=True)
+        try:
+            import jax
+
+            dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            got = ck._restore_arrays(mgr, root, ckpt.step, {ck.BACKBONE: ck._abstract(model.params["backbone"], dev)})
+        finally:
+            mgr.close()
+        model = dataclasses.replace(model, params={"backbone": got[ck.BACKBONE], "head": model.params["head"]})
+    return dataclasses.replace(model, name_or_path=path)
 
 
 # ---- dispatcher ---------------------------------------------------------------------------------------

@@ -1,0 +1,105 @@
+"""The ``flaxheads`` command line: one ``add_<name>_command(subparsers)`` function per subcommand.
+
+To add a subcommand, write ``add_x_command(sub)`` that registers its parser and sets
+``func=`` (``func(args) -> exit code``), and append it to :data:`SUBCOMMANDS`.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Callable
+
+
+# ---- export ------------------------------------------------------------------------------------
+def _load_export_source(args):
+    """A model (or, for ``--format head``, a head) from a model folder, head export or checkpoint."""
+    from .export import HEAD_CONFIG, load_head_export, model_from_checkpoint
+
+    src = os.fspath(args.src)
+    if not os.path.isdir(src):
+        raise FileNotFoundError(f"--from {src!r} does not exist (expected a run folder, a checkpoint folder or a "
+                                "model folder)")
+    if os.path.isfile(os.path.join(src, HEAD_CONFIG)):
+        if args.format != "head":
+            raise ValueError(f"{src} is a head-only export (no backbone weights); it can only be re-exported with "
+                             "--format head")
+        head, params, cfg = load_head_export(src)
+        return head, params, cfg
+    if os.path.isfile(os.path.join(src, "config.json")) or os.path.isfile(os.path.join(src, "modules.json")):
+        from .hf_import import import_model
+
+        return import_model(src), None, None
+    return model_from_checkpoint(src, step=args.step, backbone=args.backbone, head_only=args.format == "head"), \
+        None, None
+
+
+def run_export(args) -> int:
+    from .export import export_head, export_sentence_transformers, export_transformers
+
+    source, params, cfg = _load_export_source(args)
+    if args.format == "head":
+        if cfg is not None:  # re-export of a head export
+            meta = {k: v for k, v in cfg.items() if k not in ("format", "flaxheads_version", "sequence_head",
+                                                               "hf_names", "params")}
+            out = export_head(source, args.out, params=params, meta=meta, hf_names=[tuple(x) for x in cfg["hf_names"]],
+                              overwrite=args.overwrite)
+        else:
+            out = export_head(source, args.out, overwrite=args.overwrite)
+    elif args.format == "transformers":
+        out = export_transformers(source, args.out, tokenizer_from=args.tokenizer, overwrite=args.overwrite)
+    else:
+        out = export_sentence_transformers(source, args.out, tokenizer_from=args.tokenizer,
+                                           pooling_format=args.pooling_format, max_seq_length=args.max_seq_length,
+                                           overwrite=args.overwrite)
+    print(f"wrote {args.format} export to {out}")
+    return 0
+
+
+def add_export_command(sub) -> None:
+    p = sub.add_parser(
+        "export", help="export a model or head to PyTorch layouts",
+        description="Export to the PyTorch transformers layout (HF-exact heads), the sentence-transformers layout "
+                    "(pooling + dense layers + normalize) or a head-only safetensors + JSON config (any head). "
+                    "Needs no torch.")
+    p.add_argument("--from", dest="src", required=True,
+                   help="a run folder, an Orbax checkpoint folder (root or one step), a transformers / "
+                        "sentence-transformers model folder, or a head export")
+    p.add_argument("--format", required=True, choices=("transformers", "sentence-transformers", "head"))
+    p.add_argument("--out", required=True, help="output folder (must not exist or be empty, unless --overwrite)")
+    p.add_argument("--step", default=None, help="checkpoint step: an integer, 'latest' (default) or 'best'")
+    p.add_argument("--backbone", default=None,
+                   help="backbone folder for a checkpoint that did not save its (frozen) backbone; default: the "
+                        "backbone_name_or_path recorded in the checkpoint's meta")
+    p.add_argument("--tokenizer", default=None, help="folder to copy tokenizer files from (default: the backbone's)")
+    p.add_argument("--pooling-format", default="legacy", choices=("legacy", "v6"),
+                   help="sentence-transformers Pooling config: legacy pooling_mode_* keys (every ST version) or "
+                        "the pooling_mode key")
+    p.add_argument("--max-seq-length", type=int, default=None, help="sentence-transformers max_seq_length")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    p.set_defaults(func=run_export)
+
+
+# ---- entry point -------------------------------------------------------------------------------------
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_export_command]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flaxheads", description="flaxheads command-line tools")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in SUBCOMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError, FileExistsError, ImportError, KeyError) as e:
+        print(f"flaxheads {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
