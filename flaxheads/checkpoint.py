@@ -646,10 +646,13 @@ class RunCheckpointer:
                   **got[EXTRA]}
         if "step" in _state_fields(target_state):
             old = _state_fields(target_state)["step"]
-            values["step"] = (jnp.asarray(step_info["step"], dtype=getattr(old, "dtype", jnp.int32))
-                              if hasattr(old, "dtype") else int(step_info["step"]))
-            if sharding is not None and hasattr(old, "dtype"):
-                values["step"] = jax.device_put(values["step"], sharding)
+            if hasattr(old, "dtype"):
+                where_to = sharding or getattr(old, "sharding", None)
+                values["step"] = jnp.asarray(step_info["step"], dtype=old.dtype)
+                if where_to is not None:
+                    values["step"] = jax.device_put(values["step"], where_to)
+            else:
+                values["step"] = int(step_info["step"])
         return _replace_fields(target_state, values)
 
 

@@ -80,8 +80,43 @@ def add_export_command(sub) -> None:
     p.set_defaults(func=run_export)
 
 
+# ---- checkpoints ---------------------------------------------------------------------------------
+def run_checkpoints(args) -> int:
+    import json
+
+    from .checkpoint import format_listing, format_meta, list_checkpoints, read_meta
+
+    if args.meta:
+        step = args.step if args.step in (None, "latest", "best") else int(args.step)
+        meta, step, root = read_meta(args.path, step)
+        if args.json:
+            print(json.dumps({"path": os.path.join(root, str(step)), "step": step, "meta": meta}, indent=2))
+        else:
+            print(f"{os.path.join(root, str(step))} (step {step})\n{format_meta(meta)}")
+        return 0
+    rows = list_checkpoints(args.path)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        print(format_listing(rows))
+    return 0
+
+
+def add_checkpoints_command(sub) -> None:
+    p = sub.add_parser(
+        "checkpoints", help="list a run's checkpoints, or print one checkpoint's meta",
+        description="List the checkpoint steps of a run folder (items, size, metrics, latest/best, unfinished "
+                    "or corrupt saves), or with --meta print a head checkpoint's meta readably: backbone, "
+                    "pooler and head config, labels, parameter shapes.")
+    p.add_argument("path", help="a run folder, a checkpoint folder (holding step folders) or one step's folder")
+    p.add_argument("--meta", action="store_true", help="print the meta of one step (default: the latest)")
+    p.add_argument("--step", default=None, help="with --meta: an integer, 'latest' (default) or 'best'")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=run_checkpoints)
+
+
 # ---- entry point -------------------------------------------------------------------------------------
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_export_command]
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_export_command, add_checkpoints_command]
 
 
 def build_parser() -> argparse.ArgumentParser:
