@@ -82,7 +82,14 @@ def load_transformers(folder: str | os.PathLike, *, allow_new_head: bool = False
             f"({preset.hf_class}) only. Load the base model with flaxheads.from_pretrained(folder) to attach "
             "a new head instead.")
     _check_weights_present(folder)
-    model = from_pretrained(folder, **options)
+    try:
+        model = from_pretrained(folder, **options)
+    except ValueError as e:
+        if "expected to be of shape" not in str(e):
+            raise
+        # HF's PyTorch->Flax converter names the tensor but not the folder or the likely cause
+        raise ModelImportError(f"{folder}: mismatched shapes: {e} The weights do not fit the architecture in "
+                               "config.json (edited config, or weights from another model size).") from None
     if model.report.new and not allow_new_head:
         missing = [dict(preset.hf_names).get(p, p) for p in model.report.new]
         raise ModelImportError(

@@ -1,0 +1,157 @@
+"""Importing PyTorch folders: pytorch_model.bin through torch.load(weights_only=True) only,
+and every bad input a clear error with nothing half-written."""
+import json
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import jax.numpy as jnp  # noqa: E402
+from safetensors.numpy import load_file, save_file  # noqa: E402
+
+import flaxheads as fh  # noqa: E402
+from flaxheads import export as ex  # noqa: E402
+from hf_tiny import padded_batch, tiny_torch_model  # noqa: E402
+
+
+def _logits(pt, ids, mask):
+    with torch.no_grad():
+        return pt(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory):
+    d = tmp_path_factory.mktemp("imp") / "bert"
+    pt = tiny_torch_model("bert", seed=3)
+    pt.save_pretrained(d, safe_serialization=True)
+    return pt, d
+
+
+def _copy(src, dst):
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_pytorch_model_bin_imports_with_same_logits(tmp_path):
+    pt = tiny_torch_model("distilbert", seed=4)
+    pt.save_pretrained(tmp_path, safe_serialization=False)
+    assert (tmp_path / "pytorch_model.bin").exists() and not (tmp_path / "model.safetensors").exists()
+    model = fh.load_transformers(tmp_path)
+    ids, mask = padded_batch("distilbert", pt.config)
+    np.testing.assert_allclose(np.asarray(model(jnp.asarray(ids), jnp.asarray(mask))), _logits(pt, ids, mask),
+                               atol=1e-4, rtol=0)
+    # and out again as safetensors: a bin -> safetensors conversion
+    fh.export_transformers(model, tmp_path / "out")
+    from transformers import AutoModelForSequenceClassification
+
+    pt2 = AutoModelForSequenceClassification.from_pretrained(tmp_path / "out").eval()
+    np.testing.assert_allclose(_logits(pt2, ids, mask), _logits(pt, ids, mask), atol=1e-5, rtol=0)
+
+
+class _Evil:
+    """Unpickling this would create a folder: a stand-in for arbitrary code execution."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.makedirs, (self.marker,))
+
+
+@pytest.mark.parametrize("payload", ["evil", "module", "nested"])
+def test_pickle_that_is_not_a_plain_state_dict_is_refused(bert, tmp_path, payload):
+    pt, src = bert
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text((src / "config.json").read_text())
+    marker = tmp_path / "pwned"
+    obj = {"evil": {"x": _Evil(str(marker))}, "module": pt.classifier,
+           "nested": {"state_dict": pt.state_dict()}}[payload]
+    torch.save(obj, d / "pytorch_model.bin")
+    with pytest.raises(ValueError, match="refused to load|flat state dict") as e:
+        fh.load_transformers(d)
+    assert "pytorch_model.bin" in str(e.value)
+    assert not marker.exists()
+
+
+def test_missing_weights(bert, tmp_path):
+    _, src = bert
+    d = _copy(src, tmp_path / "m")
+    os.remove(d / "model.safetensors")
+    (d / "tf_model.h5").write_bytes(b"not read")
+    with pytest.raises(fh.ModelImportError, match="no model weights.*tf_model.h5"):
+        fh.load_transformers(d)
+    # a base model saved under a classifier config: the head weights are missing
+    state = load_file(src / "model.safetensors")
+    save_file({k: v for k, v in state.items() if not k.startswith("classifier.")}, d / "model.safetensors")
+    with pytest.raises(fh.ModelImportError, match=r"missing weights.*classifier"):
+        fh.load_transformers(d)
+    # a backbone weight missing
+    save_file({k: v for k, v in state.items() if "layer.1.output.dense" not in k}, d / "model.safetensors")
+    with pytest.raises(ValueError, match="does not provide"):
+        fh.load_transformers(d)
+
+
+def test_mismatched_shapes(bert, tmp_path):
+    _, src = bert
+    d = _copy(src, tmp_path / "m")
+    state = load_file(src / "model.safetensors")
+    bad = dict(state, **{"classifier.weight": np.zeros((5, 32), np.float32), "classifier.bias": np.zeros(5, np.float32)})
+    save_file(bad, d / "model.safetensors")
+    with pytest.raises(ValueError, match=r"classifier has shape \(32, 5\).*needs \(32, 3\).*ignore_mismatched_sizes"):
+        fh.load_transformers(d)
+    bad = dict(state, **{"bert.encoder.layer.0.intermediate.dense.weight": np.zeros((36, 32), np.float32)})
+    save_file(bad, d / "model.safetensors")
+    with pytest.raises(fh.ModelImportError, match=r"mismatched shapes.*intermediate\.dense\.weight"):
+        fh.load_transformers(d)
+
+
+def test_unknown_architecture(bert, tmp_path):
+    _, src = bert
+    d = _copy(src, tmp_path / "m")
+    cfg = json.loads((src / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(dict(cfg, architectures=["BertForMaskedLM"])))
+    with pytest.raises(fh.ModelImportError, match="unknown architecture 'BertForMaskedLM'"):
+        fh.load_transformers(d)
+    (d / "config.json").write_text(json.dumps(dict(cfg, model_type="t5", architectures=["T5ForConditionalGeneration"])))
+    with pytest.raises(fh.ModelImportError, match="unknown architecture.*'t5'"):
+        fh.load_transformers(d)
+    os.remove(d / "config.json")
+    with pytest.raises(fh.ModelImportError, match="no config.json"):
+        fh.load_transformers(d)
+
+
+def test_nothing_half_written(bert, tmp_path, monkeypatch):
+    pt, src = bert
+    model = fh.load_transformers(src)
+    out = tmp_path / "out"
+    calls = []
+
+    def boom(tensors, path):
+        calls.append(path)
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ex, "_save_safetensors", boom)
+    with pytest.raises(OSError, match="disk full"):
+        fh.export_transformers(model, out)
+    assert calls and not out.exists()
+    assert os.listdir(tmp_path) == []  # the temporary folder is gone too
+    monkeypatch.undo()
+
+    # an existing, non-empty folder is never replaced without overwrite=True, and a failed
+    # overwrite leaves the old export intact
+    fh.export_transformers(model, out)
+    before = sorted(os.listdir(out))
+    with pytest.raises(FileExistsError, match="overwrite"):
+        fh.export_transformers(model, out)
+    monkeypatch.setattr(ex, "_save_safetensors", boom)
+    with pytest.raises(OSError):
+        fh.export_transformers(model, out, overwrite=True)
+    monkeypatch.undo()
+    assert sorted(os.listdir(out)) == before and sorted(os.listdir(tmp_path)) == ["out"]
+    fh.export_transformers(model, out, overwrite=True)
+    assert sorted(os.listdir(tmp_path)) == ["out"]
