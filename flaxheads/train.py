@@ -86,7 +86,7 @@ def _apply_grads(state, tx, trained, objective, denom_local, axis_name):
         loss, grads = jax.lax.psum((loss, grads), axis_name)
     updates, opt_state = tx.update(grads, state.opt_state, trained)
     trained = optax.apply_updates(trained, updates)
-    return trained, opt_state, {"loss": loss, "grad_norm": optax.global_norm(grads), "weight": total}
+    return trained, opt_state, {"loss": loss, "grad_norm": optax.tree.norm(grads), "weight": total}
 
 
 def make_train_step(model, tx: optax.GradientTransformation, *, freeze_backbone: bool = False,

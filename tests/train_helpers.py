@@ -1,0 +1,46 @@
+"""Shared fixtures for the training tests: a tiny random BERT folder with a fast tokenizer,
+and synthetic tokenised splits."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
+         "upsilon phi chi psi omega red green blue cyan magenta yellow black white stock market bank share "
+         "profit goal match team player score film music actor award song vote party minister election "
+         "phone computer software internet game").split()
+
+
+def tiny_bert_folder(path, num_labels: int = 3, dropout: float = 0.0, seed: int = 0) -> str:
+    """Random tiny BERT (hf_tiny sizes) + a word-level fast tokenizer, saved as an HF folder."""
+    from transformers import BertTokenizerFast
+
+    from hf_tiny import V, tiny_torch_model
+
+    path = os.fspath(path)
+    model = tiny_torch_model("bert", num_labels=num_labels, seed=seed, hidden_dropout_prob=dropout,
+                             attention_probs_dropout_prob=dropout)
+    model.save_pretrained(path, safe_serialization=True)
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + list(WORDS)
+    vocab += [f"w{i}" for i in range(V - len(vocab))]
+    assert len(vocab) == V
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "vocab.txt"), "w") as f:
+        f.write("\n".join(vocab) + "\n")
+    tok = BertTokenizerFast(os.path.join(path, "vocab.txt"), do_lower_case=True)
+    tok.model_max_length = 64
+    tok.save_pretrained(path)
+    return path
+
+
+def random_split(n: int, num_labels: int = 3, lengths=(5, 20), seed: int = 0, vocab: int = 99, name="train"):
+    """A tokenised Split of random token ids with [CLS] ... [SEP] and random labels."""
+    from flaxheads.data import Split
+
+    rng = np.random.default_rng(seed)
+    ids = []
+    for _ in range(n):
+        k = int(rng.integers(lengths[0], lengths[1] + 1))
+        ids.append(np.concatenate([[2], rng.integers(5, vocab, size=k - 2), [3]]).astype(np.int32))
+    return Split(name, ids, rng.integers(0, num_labels, size=n).astype(np.int32))
