@@ -455,17 +455,19 @@ def export_head(source, out: str | os.PathLike, *, params: Mapping | None = None
             "pooler" in p["head"] or "head" in p["head"]) else p
     info = {**_meta_of(source), **dict(meta or {})}
     if hf_names is None:
-        hf_names = getattr(source, "hf_names", ()) or ()
+        hf_names = getattr(source, "hf_names", ()) or [tuple(x) for x in info.get("hf_names") or ()]
         arch = info.get("arch")
         if not hf_names and arch in PRESETS and getattr(source, "backbone", None) is not None:
             hf_names = PRESETS[arch](source.backbone.config, info.get("num_labels", 2)).hf_names
     state = head_state_dict(hp, tuple(hf_names))
     from . import __version__
 
-    cfg = {"format": HEAD_FORMAT, "flaxheads_version": __version__, "sequence_head": _config.to_dict(head),
+    own = {"format": HEAD_FORMAT, "flaxheads_version": __version__, "sequence_head": _config.to_dict(head),
            "hf_names": [list(x) for x in hf_names],
-           "params": {"/".join(map(str, k)): list(np.shape(v)) for k, v in _flatten(_np_tree(hp)).items()},
-           **{k: v for k, v in info.items() if k != "sequence_head"}}
+           "params": {"/".join(map(str, k)): list(np.shape(v)) for k, v in _flatten(_np_tree(hp)).items()}}
+    # a checkpoint's meta rides along, minus what this file states itself
+    skip = set(own) | {"head_config", "head_shapes", "head_shapes_hash", "library", "library_version"}
+    cfg = {**own, **{k: v for k, v in info.items() if k not in skip}}
     with atomic_dir(out, overwrite) as tmp:
         _save_safetensors(state, os.path.join(tmp, HEAD_WEIGHTS))
         _write_json(os.path.join(tmp, HEAD_CONFIG), _jsonable(cfg))
@@ -546,16 +548,20 @@ def model_from_checkpoint(directory: str | os.PathLike, step: int | str | None =
                          f"{path!r} is a {base.model_type}")
     model = ck.attach_head(base, ckpt)
     if meta.get("backbone_saved"):
-        root, _ = ck.resolve_root(directory)
-        mgr = ck._manager(root, read_only=True)
-        try:
-            import jax
+        if hasattr(ck, "load_backbone_params"):
+            bb = ck.load_backbone_params(directory, ckpt.step, target=model.params["backbone"])
+        else:  # older checkpoint module without the public helper
+            root, _ = ck.resolve_root(directory)
+            mgr = ck._manager(root, read_only=True)
+            try:
+                import jax
 
-            dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-            got = ck._restore_arrays(mgr, root, ckpt.step, {ck.BACKBONE: ck._abstract(model.params["backbone"], dev)})
-        finally:
-            mgr.close()
-        model = dataclasses.replace(model, params={"backbone": got[ck.BACKBONE], "head": model.params["head"]})
+                dev = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+                bb = ck._restore_arrays(mgr, root, ckpt.step,
+                                        {ck.BACKBONE: ck._abstract(model.params["backbone"], dev)})[ck.BACKBONE]
+            finally:
+                mgr.close()
+        model = dataclasses.replace(model, params={"backbone": bb, "head": model.params["head"]})
     return dataclasses.replace(model, name_or_path=path)
 
 
