@@ -206,15 +206,19 @@ def from_pretrained(path: str | os.PathLike, *, pooler: str | Sequence[str] | Po
                     problem_type: str | None = None, id2label: dict | Sequence[str] | None = None,
                     dtype=jnp.float32, seed: int = 0, ignore_mismatched_sizes: bool = False,
                     pooler_options: dict | None = None, head_options: dict | None = None,
-                    pool_mask: str | None = None) -> SequenceModel:
+                    pool_mask: str | None = None, fast_encoder: bool | str = "auto") -> SequenceModel:
     """Load a local HF model folder as backbone and attach a pooler + head.
 
     Defaults to the HF-exact preset for the backbone's ``model_type`` (and copies its
     pretrained pooler/classifier weights when the checkpoint has them); ``pooler`` and
     ``head`` pick any other combination. ``dtype=jnp.bfloat16`` runs the backbone in
-    bfloat16; params, head and logits stay float32."""
+    bfloat16; params, head and logits stay float32. ``fast_encoder`` ("auto", True, False):
+    run BERT-family backbones on flaxheads' own encoder (same params, HF's outputs to 1e-5,
+    faster on CPU; see ``flaxheads.encoders``); every other architecture uses HF's wrapper."""
     path = os.fspath(path)
     backbone = load_backbone(path, dtype=dtype)
+    from .encoders import maybe_fast
+    backbone = maybe_fast(backbone, fast_encoder)
     cfg = backbone.config
     labels = _labels(id2label, num_labels, cfg)
     n = len(labels) if labels else int(num_labels or getattr(cfg, "num_labels", 2))

@@ -1,0 +1,234 @@
+"""A BERT-family encoder of flaxheads' own, on HF ``FlaxBertModel``'s parameter tree.
+
+Why it exists: on CPU, HF's Flax BERT spends more time in the glue around its matmuls
+(separate q/k/v projections, 4-D reshapes per head, the mask broadcast, flax's LayerNorm)
+than PyTorch does. This encoder computes the same function with
+
+* one fused q/k/v matmul per layer on a 2-D ``[B*T, H]`` activation (the kernel is
+  concatenated inside the jitted program, so the params keep HF's tree and names),
+* the attention scale folded into ``q`` (``B*T*H`` multiplies instead of ``B*nh*T*T``),
+* the additive mask built once per forward and reused by every layer,
+* a two-pass LayerNorm in the compute dtype,
+
+and nothing else: parameters, their names and shapes, dropout placement and the outputs
+are HF's (parity-tested against ``FlaxBertModel`` and PyTorch ``BertModel`` to 1e-4).
+
+:class:`FastBertBackbone` has the calling convention of an HF Flax wrapper
+(``backbone(input_ids, attention_mask=..., token_type_ids=..., params=..., dropout_rng=...,
+train=...)[0]`` is the last hidden state), so :class:`flaxheads.SequenceModel` uses it
+unchanged. Every other architecture keeps using the HF wrapper.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ..activations import get_activation
+
+#: ``model_type`` values whose encoder is BERT's (same tree, same math).
+SUPPORTED_MODEL_TYPES = ("bert",)
+
+
+def supports(config) -> tuple[bool, str]:
+    """Whether :class:`FastBertBackbone` computes exactly what HF's model for ``config`` does.
+
+    Returns ``(ok, reason)``; ``reason`` says what is unsupported when ``ok`` is False."""
+    mt = getattr(config, "model_type", None)
+    if mt not in SUPPORTED_MODEL_TYPES:
+        return False, f"model_type {mt!r} is not one of {SUPPORTED_MODEL_TYPES}"
+    pet = getattr(config, "position_embedding_type", "absolute")
+    if pet != "absolute":
+        return False, f"position_embedding_type {pet!r} (only 'absolute')"
+    if getattr(config, "is_decoder", False) or getattr(config, "add_cross_attention", False):
+        return False, "decoder / cross-attention configs"
+    if config.hidden_size % config.num_attention_heads:
+        return False, "hidden_size not divisible by num_attention_heads"
+    try:
+        get_activation(config.hidden_act)
+    except ValueError:
+        return False, f"hidden_act {config.hidden_act!r}"
+    return True, ""
+
+
+def _layer_norm(x: jax.Array, p: dict, eps: float) -> jax.Array:
+    # Two-pass variance: as accurate as PyTorch's, and XLA fuses it into two reductions.
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    xc = x - mean
+    var = jnp.mean(xc * xc, axis=-1, keepdims=True)
+    return xc * (lax.rsqrt(var + eps) * p["scale"].astype(x.dtype)) + p["bias"].astype(x.dtype)
+
+
+def _dense(x: jax.Array, p: dict) -> jax.Array:
+    return x @ p["kernel"].astype(x.dtype) + p["bias"].astype(x.dtype)
+
+
+def _dropout(x: jax.Array, rate: float, rng: jax.Array | None) -> jax.Array:
+    if rng is None or rate == 0.0:
+        return x
+    keep = jax.random.bernoulli(rng, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
+
+
+def embed(params: dict, input_ids, token_type_ids, position_ids, *, eps: float, dtype) -> jax.Array:
+    """Word + position + token-type embeddings, LayerNorm: ``[B, T, H]``."""
+    e = params["embeddings"]
+    x = (jnp.take(e["word_embeddings"]["embedding"], input_ids, axis=0)
+         + jnp.take(e["position_embeddings"]["embedding"], position_ids, axis=0)
+         + jnp.take(e["token_type_embeddings"]["embedding"], token_type_ids, axis=0))
+    return _layer_norm(x.astype(dtype), e["LayerNorm"], eps)
+
+
+#: Target size of one attention chunk's score tensor. Chunks that fit in cache cost less
+#: CPU time in softmax/mask than one big ``[B, nh, T, T]`` tensor (measured on MiniLM).
+_CHUNK_BYTES = 4 << 20
+
+
+def attention_chunks(batch: int, num_heads: int, seq: int, itemsize: int = 4,
+                     want: int | str = "auto") -> int:
+    """How many batch chunks attention is split into: ``want``, or for ``"auto"`` the
+    smallest count whose score chunk is <= 4 MiB; always a divisor of ``batch``."""
+    if want == "auto":
+        want = -(-batch * num_heads * seq * seq * itemsize // _CHUNK_BYTES)
+    n = max(1, min(int(want), batch))
+    while batch % n:
+        n += 1
+    return n
+
+
+def layer(p: dict, x: jax.Array, mask_bias: jax.Array, *, num_heads: int, eps: float, act, batch: int,
+          hidden_dropout: float = 0.0, attn_dropout: float = 0.0, rng: jax.Array | None = None,
+          attn_chunks: int | str = "auto") -> jax.Array:
+    """One BERT layer on the flattened activation ``x [B*T, H]``; ``mask_bias [B, 1, 1, T]``."""
+    bt, h = x.shape
+    t, d = bt // batch, h // num_heads
+    a = p["attention"]["self"]
+    # One matmul for q, k and v; the 1/sqrt(d) scale goes on q's kernel and bias (H*H + H
+    # multiplies) instead of on the [B, nh, T, T] scores.
+    scale = 1.0 / math.sqrt(d)
+    w = jnp.concatenate([a["query"]["kernel"] * scale, a["key"]["kernel"], a["value"]["kernel"]], axis=1)
+    b = jnp.concatenate([a["query"]["bias"] * scale, a["key"]["bias"], a["value"]["bias"]])
+    qkv = (x @ w.astype(x.dtype) + b.astype(x.dtype)).reshape(batch, t, 3, num_heads, d)
+    if rng is not None:
+        r_attn, r_out, r_ffn = jax.random.split(rng, 3)
+    else:
+        r_attn = r_out = r_ffn = None
+    n = attention_chunks(batch, num_heads, t, jnp.dtype(x.dtype).itemsize, attn_chunks)
+    parts = []
+    for c in range(n):
+        # Independent batch chunks: XLA's CPU runtime runs them concurrently, so the
+        # (single-threaded) softmax/mask fusions of one chunk overlap the other's.
+        sl = slice(c * batch // n, (c + 1) * batch // n)
+        q, k, v = qkv[sl, :, 0], qkv[sl, :, 1], qkv[sl, :, 2]
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) + mask_bias[sl]
+        probs = jax.nn.softmax(scores, axis=-1)
+        if r_attn is not None:
+            probs = _dropout(probs, attn_dropout, jax.random.fold_in(r_attn, c))
+        parts.append(jnp.einsum("bhqk,bkhd->bqhd", probs, v))
+    ctx = (parts[0] if n == 1 else jnp.concatenate(parts, axis=0)).reshape(bt, h)
+    o = p["attention"]["output"]
+    x = _layer_norm(_dropout(_dense(ctx, o["dense"]), hidden_dropout, r_out) + x, o["LayerNorm"], eps)
+    inter = act(_dense(x, p["intermediate"]["dense"]))
+    out = _dropout(_dense(inter, p["output"]["dense"]), hidden_dropout, r_ffn)
+    return _layer_norm(out + x, p["output"]["LayerNorm"], eps)
+
+
+def encode(params: dict, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, *, config,
+           dtype=jnp.float32, dropout_rng: jax.Array | None = None, train: bool = False,
+           attn_chunks: int | str = "auto") -> jax.Array:
+    """BERT encoder forward: last hidden state ``[B, T, H]`` in ``dtype``. Pure in ``params``.
+
+    ``attn_chunks`` splits attention into independent batch chunks (see
+    :func:`attention_chunks`); it changes speed only, never the result."""
+    input_ids = jnp.asarray(input_ids)
+    bsz, t = input_ids.shape
+    if attention_mask is None:
+        attention_mask = jnp.ones_like(input_ids)
+    if token_type_ids is None:
+        token_type_ids = jnp.zeros_like(input_ids)
+    if position_ids is None:
+        position_ids = jnp.broadcast_to(jnp.arange(t), (bsz, t))
+    if train and dropout_rng is None:
+        raise ValueError("train=True needs a dropout_rng (dropout is active in training)")
+    eps = float(config.layer_norm_eps)
+    x = embed(params, input_ids, token_type_ids, position_ids, eps=eps, dtype=dtype)
+    hd = float(config.hidden_dropout_prob or 0.0) if train else 0.0
+    ad = float(config.attention_probs_dropout_prob or 0.0) if train else 0.0
+    rngs = list(jax.random.split(dropout_rng, config.num_hidden_layers + 1)) if train else [None] * (
+        config.num_hidden_layers + 1)
+    x = _dropout(x, hd, rngs[-1])
+    # HF uses finfo(dtype).min for masked keys; any large negative gives the same softmax.
+    mask_bias = jnp.where(attention_mask[:, None, None, :] > 0, 0.0, jnp.finfo(dtype).min).astype(dtype)
+    act = get_activation(config.hidden_act)
+    x = x.reshape(bsz * t, -1)
+    layers = params["encoder"]["layer"]
+    for i in range(config.num_hidden_layers):
+        x = layer(layers[str(i)], x, mask_bias, num_heads=config.num_attention_heads, eps=eps, act=act,
+                  batch=bsz, hidden_dropout=hd, attn_dropout=ad, rng=rngs[i], attn_chunks=attn_chunks)
+    return x.reshape(bsz, t, -1)
+
+
+def maybe_fast(backbone: Any, fast_encoder: bool | str = "auto") -> Any:
+    """``backbone`` (an HF Flax model) or its :class:`FastBertBackbone` equivalent.
+
+    ``fast_encoder``: ``"auto"`` swaps when :func:`supports` the config, ``True`` requires it
+    (raises otherwise), ``False`` keeps the HF wrapper."""
+    if fast_encoder not in (True, False, "auto"):
+        raise ValueError(f"fast_encoder must be True, False or 'auto', got {fast_encoder!r}")
+    if fast_encoder is False or isinstance(backbone, FastBertBackbone):
+        return backbone
+    ok, why = supports(backbone.config)
+    if not ok:
+        if fast_encoder is True:
+            raise ValueError(f"fast_encoder=True but flaxheads' own encoder does not cover this model: {why}. "
+                             "Pass fast_encoder='auto' or False to use the HF Flax wrapper.")
+        return backbone
+    return FastBertBackbone.from_hf(backbone)
+
+
+class FastBertBackbone:
+    """HF-wrapper-compatible BERT encoder: ``self(input_ids, attention_mask, ..., params=p)[0]``.
+
+    Holds ``config``, ``params`` (HF ``FlaxBertModel`` tree without the pooler) and
+    ``dtype``. Build it with :meth:`from_hf` from a loaded HF Flax model."""
+
+    base_model_prefix = "bert"
+
+    def __init__(self, config, params: dict, dtype=jnp.float32, attn_chunks: int | str = "auto"):
+        ok, why = supports(config)
+        if not ok:
+            raise ValueError(f"FastBertBackbone cannot run this config: {why}. Use the HF Flax wrapper "
+                             "(flaxheads.from_pretrained(..., fast_encoder=False)).")
+        self.config = config
+        self.params = params
+        self.dtype = dtype
+        self.attn_chunks = attn_chunks
+
+    @classmethod
+    def from_hf(cls, model: Any) -> "FastBertBackbone":
+        """Wrap a loaded HF ``FlaxBertModel`` (its params are shared, not copied)."""
+        params = {k: v for k, v in model.params.items() if k in ("embeddings", "encoder")}
+        return cls(model.config, params, dtype=getattr(model, "dtype", jnp.float32))
+
+    def __call__(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None,
+                 params: dict | None = None, dropout_rng: jax.Array | None = None, train: bool = False,
+                 **unused) -> tuple[jax.Array]:
+        bad = {k for k, v in unused.items() if v is not None and k not in ("return_dict",)}
+        if bad:
+            raise TypeError(f"FastBertBackbone does not support {sorted(bad)}; use the HF Flax wrapper")
+        hidden = encode(self.params if params is None else params, input_ids, attention_mask, token_type_ids,
+                        position_ids, config=self.config, dtype=self.dtype, dropout_rng=dropout_rng,
+                        train=train, attn_chunks=self.attn_chunks)
+        return (hidden,)
+
+    def save_pretrained(self, *args, **kwargs):
+        raise NotImplementedError("FastBertBackbone has no save_pretrained; export through flaxheads' export "
+                                  "functions (the params are HF's FlaxBertModel tree)")
+
+    def __repr__(self):
+        c = self.config
+        return (f"FastBertBackbone(layers={c.num_hidden_layers}, hidden={c.hidden_size}, "
+                f"heads={c.num_attention_heads}, dtype={jnp.dtype(self.dtype).name})")

