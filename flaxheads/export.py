@@ -352,6 +352,30 @@ def sentence_transformers_modules(model, params: Mapping | None = None, pooling_
     return pool_cfg, dense, normalize
 
 
+def _unused_pooler_tensors(model, params: Mapping | None, have: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The PyTorch base model's own pooler (BERT & co. build one that sentence-transformers never
+    uses; the Flax backbone skips it): written so PyTorch reports no freshly initialised weights.
+    Taken from the model's BERT-preset pooler, else from the source folder's safetensors."""
+    out: dict[str, np.ndarray] = {}
+    names = dict(getattr(model, "hf_names", ()) or ())
+    hp = (params or model.params)["head"]
+    if names.get("pooler/dense", "").endswith(".pooler.dense") and "pooler" in hp:
+        got = head_to_hf(_np_tree(hp), (("pooler/dense", names["pooler/dense"]),))
+        return {k.split(".", 1)[1]: v for k, v in got.items()}
+    src = os.path.join(model.name_or_path or "", "model.safetensors")
+    if not os.path.isfile(src):
+        return out
+    from safetensors import safe_open
+
+    with safe_open(src, "np") as f:
+        for k in f.keys():
+            parts = k.split(".")
+            short = ".".join(parts[1:]) if len(parts) > 1 and parts[1] == "pooler" else k
+            if short.startswith("pooler.") and short not in have:
+                out[short] = f.get_tensor(k)
+    return out
+
+
 def export_sentence_transformers(model, out: str | os.PathLike, *, params: Mapping | None = None,
                                  tokenizer_from: str | os.PathLike | None = None, pooling_format: str = "legacy",
                                  max_seq_length: int | None = None, overwrite: bool = False) -> str:
@@ -365,6 +389,7 @@ def export_sentence_transformers(model, out: str | os.PathLike, *, params: Mappi
                           "head. Use format='head'.")
     pool_cfg, dense, normalize = sentence_transformers_modules(model, params, pooling_format)
     state = backbone_state_dict(model, params)
+    state.update(_unused_pooler_tensors(model, params, state))
     src = os.fspath(tokenizer_from) if tokenizer_from else model.name_or_path
     with atomic_dir(out, overwrite) as tmp:
         if not _copy_tokenizer(src, tmp):

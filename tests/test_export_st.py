@@ -71,6 +71,9 @@ def test_mean_pool_projection_normalize_roundtrip(bert_dir, tmp_path):
     ref, got = _st_and_flax(model, out)
     _assert_same(ref, got)
     np.testing.assert_allclose(np.linalg.norm(ref, axis=-1), 1.0, atol=1e-5)
+    from safetensors.numpy import load_file
+
+    assert "pooler.dense.weight" in load_file(out / "model.safetensors")  # BertModel's own, so none is random
 
     back = fh.load_sentence_transformers(out)
     assert back.head.head == fh.ProjectionHead(features=(24, 16), activation="tanh", normalize=True)
@@ -164,6 +167,13 @@ def test_real_minilm_import_export_reload(tmp_path):
     ref, got = _st_and_flax(model, src, texts)
     _assert_same(ref, got)
     fh.export_sentence_transformers(model, tmp_path / "st")
+    from safetensors.numpy import load_file
+
+    exported = load_file(tmp_path / "st" / "model.safetensors")
+    original = load_file(os.path.join(src, "model.safetensors"))
+    assert set(original) - set(exported) == {"embeddings.position_ids"}  # a buffer, not a weight
+    for k in exported:
+        np.testing.assert_array_equal(exported[k], original[k], err_msg=k)
     st2 = SentenceTransformer(str(tmp_path / "st"), device="cpu")
     assert st2.max_seq_length == 256
     again = st2.encode(texts, convert_to_numpy=True)

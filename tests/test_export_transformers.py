@@ -141,7 +141,8 @@ def _run_torch_head(pt, arch, hidden, mask):
     out.mems = None  # XLNet reads it
     getattr(pt, body).forward = lambda *a, **k: out
     with torch.no_grad():
-        return pt(input_ids=torch.ones(mask.shape, dtype=torch.long) * 5, attention_mask=torch.tensor(mask)).logits.numpy()
+        ids = torch.ones(mask.shape, dtype=torch.long) * 5
+        return pt(input_ids=ids, attention_mask=torch.tensor(mask)).logits.numpy()
 
 
 @pytest.mark.parametrize("arch,over", [("xlnet", {}), ("deberta-v2", {}),

@@ -100,7 +100,8 @@ def test_mismatched_shapes(bert, tmp_path):
     _, src = bert
     d = _copy(src, tmp_path / "m")
     state = load_file(src / "model.safetensors")
-    bad = dict(state, **{"classifier.weight": np.zeros((5, 32), np.float32), "classifier.bias": np.zeros(5, np.float32)})
+    bad = dict(state, **{"classifier.weight": np.zeros((5, 32), np.float32),
+                         "classifier.bias": np.zeros(5, np.float32)})
     save_file(bad, d / "model.safetensors")
     with pytest.raises(ValueError, match=r"classifier has shape \(32, 5\).*needs \(32, 3\).*ignore_mismatched_sizes"):
         fh.load_transformers(d)
