@@ -487,6 +487,26 @@ def _module_names(tree, prefix: str = "") -> list[str]:
     return out
 
 
+def load_backbone_params(directory: str | os.PathLike, step: int | str | None = None, *, target,
+                         sharding: jax.sharding.Sharding | None = None):
+    """The ``backbone`` item of a checkpoint that saved it, in the structure/dtypes of ``target``
+    (e.g. ``from_pretrained(meta["backbone_name_or_path"]).params["backbone"]``). Raises
+    ``FileNotFoundError`` when the backbone was frozen (not saved: load it from its folder)."""
+    root, s = resolve_root(directory)
+    mgr = _manager(root, read_only=True)
+    try:
+        step = _pick_step(mgr, root, s if step is None and s is not None else step)
+        meta = _read_json(mgr, root, step, META)
+        if not meta.get("backbone_saved"):
+            raise FileNotFoundError(
+                f"{os.path.join(root, str(step))} does not contain the backbone (it was frozen); load it from "
+                f"{meta.get('backbone_name_or_path')!r}")
+        dev = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        return _restore_arrays(mgr, root, step, {BACKBONE: _abstract(target, dev)})[BACKBONE]
+    finally:
+        mgr.close()
+
+
 # ---- training runs -----------------------------------------------------------------------
 
 def _metric_getter(name: str):
@@ -534,7 +554,8 @@ class RunCheckpointer:
 
     def __init__(self, run_dir: str | os.PathLike, model: SequenceModel | None = None, *, keep: int | None = 3,
                  best_metric: str | None = None, mode: str = "max", keep_best: int = 1,
-                 save_backbone: bool = True, async_save: bool = True, read_only: bool = False):
+                 save_backbone: bool = True, async_save: bool = True, read_only: bool = False,
+                 extra_meta: Mapping[str, Any] | None = None):
         if mode not in ("max", "min"):
             raise ValueError(f"mode must be 'max' or 'min', got {mode!r}")
         if keep is not None and keep < 1:
@@ -544,6 +565,7 @@ class RunCheckpointer:
         self.root = os.path.join(self.run_dir, CHECKPOINTS_SUBDIR)
         self.model, self.best_metric, self.mode = model, best_metric, mode
         self.save_backbone = save_backbone
+        self.extra_meta = dict(extra_meta or {})
         cm = ocp.checkpoint_managers
         policies = [cm.LatestN(n=keep)]
         best_fn = None
@@ -591,7 +613,7 @@ class RunCheckpointer:
             raise KeyError(f"best_metric {self.best_metric!r} is not among the metrics {sorted(metrics)}")
         if self.model is None:
             raise ValueError("RunCheckpointer needs model= to write the checkpoint's meta")
-        meta = make_meta(self.model, params["head"], backbone_saved=self.save_backbone)
+        meta = make_meta(self.model, params["head"], backbone_saved=self.save_backbone, extra=self.extra_meta)
         info = {"step": int(step), "metrics": metrics, "best_metric": self.best_metric, "mode": self.mode}
         items = {META: ocp.args.JsonSave(meta), STEP: ocp.args.JsonSave(info)}
         for name, tree in ((HEAD, params["head"]), (OPT_STATE, opt_state), (EXTRA, fields),
@@ -773,3 +795,66 @@ def _human(n: int) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return str(n)
+
+
+# ---- glue for flaxheads.train.fit ------------------------------------------------------------
+
+def flat_metrics(results: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
+    """``{"validation": {"accuracy": 0.9, ...}}`` -> ``{"validation/accuracy": 0.9, ...}`` (scalars only)."""
+    return {f"{split}/{k}": float(v) for split, r in results.items() for k, v in r.items()
+            if isinstance(v, (int, float, np.number)) and not isinstance(v, bool)}
+
+
+class FitCheckpointing:
+    """``on_step_end`` / ``on_eval`` hooks for :func:`flaxheads.train.fit` that save through a
+    :class:`RunCheckpointer`: at every evaluation (with its metrics, for keep-best), every
+    ``every`` steps (None: evaluations only; 0: never) and at the last step.
+
+    ``host_state`` turns the placed state into a saveable one (``parallel.get_state`` under
+    pmap, whose state has a leading device axis); None saves it as placed (single device or
+    mesh-replicated arrays, copied asynchronously)."""
+
+    def __init__(self, ckr: RunCheckpointer, *, every: int | None, eval_every: int, total: int, has_evals: bool,
+                 host_state=None):
+        self.ckr, self.every, self.eval_every, self.total = ckr, every, eval_every, total
+        self.has_evals, self.host_state = has_evals, host_state
+        self.saved: list[int] = []
+
+    def _evaluated(self, step: int) -> bool:  # mirrors fit(): each eval_every steps, and the last step
+        return self.has_evals and (step % self.eval_every == 0 or step == self.total)
+
+    def _due(self, step: int) -> bool:
+        if self.every == 0:
+            return False
+        return step == self.total or bool(self.every and step % self.every == 0) or self._evaluated(step)
+
+    def _save(self, state, step: int, metrics=None) -> None:
+        if step in self.ckr.all_steps():  # resumed at the very step it was saved (e.g. the last one)
+            return
+        self.ckr.save(step, state if self.host_state is None else self.host_state(state), metrics=metrics)
+        self.saved.append(step)
+
+    def on_step_end(self, state, step: int, metrics=None) -> None:
+        if self._due(step) and not self._evaluated(step):
+            self._save(state, step)
+
+    def on_eval(self, state, step: int, results) -> None:
+        if self._due(step):
+            m = flat_metrics(results)
+            if self.ckr.best_metric is not None and self.ckr.best_metric not in m:
+                raise KeyError(f"best metric {self.ckr.best_metric!r} is not among the evaluation metrics "
+                               f"{sorted(m)}")
+            self._save(state, step, m)
+
+
+def changed_settings(saved: Mapping[str, Any] | None, current: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """Keys whose values differ between a checkpoint's recorded run settings and the current ones."""
+    out = []
+    saved = saved or {}
+    for k in sorted(set(saved) | set(current)):
+        a, b = saved.get(k), current.get(k)
+        if isinstance(a, Mapping) and isinstance(b, Mapping):
+            out += changed_settings(a, b, f"{prefix}{k}.")
+        elif json.dumps(a, default=str, sort_keys=True) != json.dumps(b, default=str, sort_keys=True):
+            out.append(f"{prefix}{k}: {a!r} -> {b!r}")
+    return out

@@ -93,6 +93,17 @@ def build_parser() -> argparse.ArgumentParser:
     g = ap.add_argument_group("output")
     g.add_argument("--output-dir", default=None, help="run folder (default runs/<time>-<data>)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
+    g = ap.add_argument_group("checkpoints (Orbax, in <run folder>/checkpoints)")
+    g.add_argument("--no-resume", action="store_true",
+                   help="start from step 0; refuses a run folder that already has checkpoints (default: resume "
+                        "from its latest checkpoint)")
+    g.add_argument("--resume-step", type=int, default=None, help="resume from this step instead of the latest")
+    g.add_argument("--checkpoint-every", type=int, default=None,
+                   help="also checkpoint every N steps (default: at each evaluation and the last step; 0: never)")
+    g.add_argument("--keep", type=int, default=3, help="keep the N most recent checkpoints (default 3)")
+    g.add_argument("--keep-best-by", default="auto",
+                   help="also keep the best checkpoint by this metric, e.g. validation/accuracy (default: the "
+                        "validation headline metric; `none`: off)")
     return ap
 
 
@@ -193,6 +204,8 @@ def run(args: argparse.Namespace) -> dict:
               "params": {"backbone": count_params(model.params["backbone"]),
                          "head": count_params(model.params["head"])},
               "argv": sys.argv[1:], "flaxheads_version": fh.__version__}
+    ckpt, state0 = _setup_checkpoints(args, model, trainer, out, config, lead, micro, "validation" in splits,
+                                      len(splits["train"]))
     log = None
     if lead:
         out.mkdir(parents=True, exist_ok=True)
@@ -225,8 +238,12 @@ def run(args: argparse.Namespace) -> dict:
 
     evals = {"validation": splits["validation"]} if "validation" in splits else {}
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    if ckpt is not None:
+        on_step_end, on_eval = _chain(on_step_end, ckpt.on_step_end), _chain(on_eval, ckpt.on_eval)
     res = fit(trainer, splits["train"], evals=evals, buckets=buckets, pad_id=pad, on_step_end=on_step_end,
-              on_eval=on_eval, progress=lead and not args.no_progress)
+              on_eval=on_eval, progress=lead and not args.no_progress, state=state0)
+    if ckpt is not None:
+        ckpt.ckr.close()  # wait for the last asynchronous save
     final = {}
     from flaxheads.data import iterate_batches
     from flaxheads.metrics import compute_metrics
@@ -239,7 +256,8 @@ def run(args: argparse.Namespace) -> dict:
         if "eval" in e:
             final = {**e["eval"], **final}
             break
-    summary = {"steps": res.step, "seconds": round(res.seconds, 1), "train_compiles": res.train_compiles,
+    summary = {"steps": res.step, "resumed_from": None if state0 is None else int(state0.step),
+               "checkpoints": None if ckpt is None else ckpt.ckr.root, "seconds": round(res.seconds, 1), "train_compiles": res.train_compiles,
                "eval_compiles": res.eval_compiles, "buckets": list(buckets),
                "metrics": {n: _scalars(r) for n, r in final.items()}, "run_folder": str(out)}
     if lead:
@@ -255,6 +273,69 @@ def run(args: argparse.Namespace) -> dict:
         print(f"\n{text}\n\n{res.step} steps in {res.seconds:.0f} s; compiles: {res.train_compiles} train, "
               f"{res.eval_compiles} eval (buckets {list(buckets)}); run folder: {out}", flush=True)
     return summary
+
+
+def _chain(*hooks):
+    def call(*a):
+        for h in hooks:
+            h(*a)
+    return call
+
+
+def _setup_checkpoints(args, model, trainer, out: Path, config: dict, lead: bool, total: int, has_evals: bool,
+                       n_train: int):
+    """The run's checkpointer hooks (None with --checkpoint-every 0) and the state to resume from
+    (None: start at step 0). Resuming reproduces the uninterrupted run: same params, optimizer
+    state, dropout key, and (from the step number) the same position in the same data order."""
+    from flaxheads.checkpoint import CheckpointError, FitCheckpointing, RunCheckpointer, changed_settings
+    from flaxheads.metrics import headline
+    from flaxheads.train import steps_per_epoch
+
+    best = None if args.keep_best_by == "none" else args.keep_best_by
+    if best == "auto":
+        best = f"validation/{headline(model.problem_type)}" if has_evals else None
+    settings = json.loads(json.dumps({k: config[k] for k in ("model", "head_config", "problem_type", "num_labels",
+                                                             "labels", "bf16", "max_length", "data", "train",
+                                                             "optimizer")}, default=str))
+    ckr = RunCheckpointer(out, model, keep=args.keep, best_metric=best, mode="max",
+                          save_backbone=not args.freeze_backbone, extra_meta={"run": settings})
+    state0, latest = None, ckr.latest_step()
+    if args.no_resume:
+        if latest is not None and args.checkpoint_every != 0:
+            raise CheckpointError(f"--no-resume: {ckr.root} already has checkpoints (latest step {latest}); use a "
+                                  "new --output-dir, or delete that folder to start this run over")
+    elif args.resume_step is not None or latest is not None:
+        step = args.resume_step if args.resume_step is not None else latest
+        changed = changed_settings(ckr.read_meta(step).get("run"), settings)
+        if changed and lead:
+            print("warning: resuming with other settings than the checkpoint's (the run will not repeat an "
+                  "uninterrupted one): " + "; ".join(changed[:8]), file=sys.stderr)
+        state0 = ckr.restore(step, target_state=trainer.init_state())
+        if lead:
+            print(f"resuming from step {step} ({ckr.root})", flush=True)
+            _trim_log(out / "metrics.jsonl", step)
+    if args.checkpoint_every == 0:
+        ckr.close()
+        return None, state0
+    eval_every = trainer.cfg.eval_every or steps_per_epoch(n_train, trainer.cfg.batch_size)
+    host = trainer.parallel.get_state if trainer.parallel.mode == "pmap" else None
+    return FitCheckpointing(ckr, every=args.checkpoint_every, eval_every=eval_every, total=total,
+                            has_evals=has_evals, host_state=host), state0
+
+
+def _trim_log(path: Path, step: int) -> None:
+    """Drop the log lines an interrupted run wrote after the step it resumes from."""
+    if not path.exists():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            e = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by the interruption
+        if e.get("step", 0) <= step and "final" not in e:
+            keep.append(line)
+    path.write_text("".join(x + "\n" for x in keep))
 
 
 def _scalars(r: dict) -> dict:
@@ -307,10 +388,11 @@ def main(argv=None) -> int:
     import warnings
     warnings.filterwarnings("ignore", message=".*TensorFlow and JAX classes are deprecated.*")
     args = build_parser().parse_args(argv)
+    from flaxheads.checkpoint import CheckpointError
     from flaxheads.data import DataError
     try:
         run(args)
-    except DataError as e:
+    except (DataError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -1,0 +1,149 @@
+"""Resume: a `train` run SIGKILLed mid-run and resumed equals an uninterrupted run, bitwise on CPU
+(params, optimizer state, dropout key, logged losses, evaluations); the same through `fit`
+with a frozen backbone and under pmap."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import jax
+import numpy as np
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _data_csv(path, n=40, seed=0):
+    from train_helpers import WORDS
+
+    rng = np.random.default_rng(seed)
+    rows = ["text,label"]
+    for i in range(n):
+        label = i % 3
+        # class-dependent vocabulary, so the model has something to learn
+        words = [WORDS[(label * 7 + int(rng.integers(0, 12))) % len(WORDS)] for _ in range(int(rng.integers(3, 12)))]
+        rows.append(f"{' '.join(words)},c{label}")
+    path.write_text("\n".join(rows) + "\n")
+    return str(path)
+
+
+_SLEEPER = textwrap.dedent("""
+    # `python -m train`, but at step KILL_AT it says so and waits to be killed.
+    import os, sys, time
+    import flaxheads.train as T
+    import train.cli as C
+
+    K = int(os.environ["KILL_AT"])
+    real_fit = T.fit
+
+    def fit(*a, on_step_end=None, **kw):
+        def hook(state, step, m):
+            on_step_end(state, step, m)
+            if step == K:
+                print(f"REACHED {K}", flush=True)
+                time.sleep(600)
+        return real_fit(*a, on_step_end=hook, **kw)
+
+    T.fit = fit
+    sys.exit(C.main(sys.argv[1:]))
+""")
+
+
+def _train_args(model, data, out):
+    return ["--model", model, "--data", data, "--split", "0.6,0.2,0.2", "--epochs", "3", "--batch-size", "4",
+            "--eval-every", "3", "--log-every", "1", "--max-length", "16", "--bucket-step", "8", "--lr", "3e-3",
+            "--keep", "2", "--no-progress", "--output-dir", out]
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def _log(run):
+    """metrics.jsonl without the wall-clock throughput."""
+    out = []
+    for line in open(os.path.join(run, "metrics.jsonl")):
+        e = json.loads(line)
+        e.pop("examples_per_s", None)
+        out.append(e)
+    return out
+
+
+def _items(step_dir):
+    import orbax.checkpoint as ocp
+
+    ckptr = ocp.StandardCheckpointer()
+    out = {}
+    for item in ("head", "backbone", "opt_state", "extra"):
+        p = os.path.join(step_dir, item)
+        if os.path.isdir(p):
+            out[item] = jax.tree.map(np.asarray, ckptr.restore(p))
+    return out
+
+
+def _assert_bitwise(a, b):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        assert np.array_equal(x, y), np.max(np.abs(x.astype(np.float64) - y.astype(np.float64)))
+
+
+@pytest.mark.slow
+def test_sigkilled_train_run_resumes_to_the_same_result(tmp_path):
+    from train_helpers import tiny_bert_folder
+
+    model = tiny_bert_folder(tmp_path / "bert", dropout=0.1)  # dropout on: the keys must match too
+    data = _data_csv(tmp_path / "data.csv")
+    full, cut = str(tmp_path / "full"), str(tmp_path / "cut")
+    script = tmp_path / "sleeper.py"
+    script.write_text(_SLEEPER)
+    env = _env()
+    # the uninterrupted run and the run to be killed, side by side
+    a = subprocess.Popen([sys.executable, "-m", "train", *_train_args(model, data, full)], cwd=REPO, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    b = subprocess.Popen([sys.executable, str(script), *_train_args(model, data, cut)], cwd=REPO,
+                         env={**env, "KILL_AT": "8"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in b.stdout:
+        lines.append(line)
+        if line.startswith("REACHED 8"):
+            os.kill(b.pid, signal.SIGKILL)
+            break
+    b.wait(timeout=60)
+    assert b.returncode == -signal.SIGKILL, "".join(lines)[-3000:]
+    out_a, _ = a.communicate(timeout=400)
+    assert a.returncode == 0, out_a[-3000:]
+    steps_left = sorted(int(x) for x in os.listdir(os.path.join(cut, "checkpoints")) if x.isdigit())
+    assert steps_left and max(steps_left) <= 8
+
+    # resume: the same command, nothing else
+    r = subprocess.run([sys.executable, "-m", "train", *_train_args(model, data, cut)], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert f"resuming from step {max(steps_left)}" in r.stdout
+    sa, sb = (json.load(open(os.path.join(d, "summary.json"))) for d in (full, cut))
+    assert sb["resumed_from"] == max(steps_left) and sa["resumed_from"] is None
+    assert sa["steps"] == sb["steps"] == 18
+    assert sa["metrics"] == sb["metrics"]
+    assert _log(full) == _log(cut)  # every step's loss, grad norm, lr, and every evaluation
+    ia, ib = (_items(os.path.join(d, "checkpoints", "18")) for d in (full, cut))
+    assert set(ia) == {"head", "backbone", "opt_state", "extra"}
+    _assert_bitwise(ia, ib)
+    # and the run really trained: the final params moved away from the initial ones
+    assert not np.array_equal(ia["head"]["head"]["classifier"]["kernel"],
+                              _items(os.path.join(full, "checkpoints", str(min(
+                                  int(x) for x in os.listdir(os.path.join(full, "checkpoints"))
+                                  if x.isdigit()))))["head"]["head"]["classifier"]["kernel"])
+    # retention: the 2 latest + the best by validation accuracy
+    kept = sorted(int(x) for x in os.listdir(os.path.join(full, "checkpoints")) if x.isdigit())
+    assert kept[-2:] == [15, 18] and len(kept) <= 3
+    # the listing command sees them
+    ls = subprocess.run([sys.executable, "-m", "flaxheads.cli", "checkpoints", full], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=120)
+    assert ls.returncode == 0 and "latest" in ls.stdout and "validation/accuracy=" in ls.stdout, ls.stderr
