@@ -4,7 +4,8 @@ from .checkpoint import (CheckpointError, CorruptCheckpointError, HeadCheckpoint
 from .config import from_dict, from_json, to_dict, to_json
 from .describe import describe
 from .heads import Head, IdentityHead, LinearHead, MLPHead, ProjectionHead, SequenceHead, make_head
-from .export import ExportError, export_head, export_sentence_transformers, export_transformers, load_head_export
+from .export import (ExportError, export_head, export_sentence_transformers, export_transformers, load_head_export,
+                     model_from_checkpoint)
 from .hf_import import ModelImportError, import_model, load_sentence_transformers, load_transformers
 from .losses import (MULTI_LABEL, REGRESSION, SINGLE_LABEL, infer_problem_type, loss_fn, mean_squared_error,
                      sigmoid_binary_cross_entropy, softmax_cross_entropy, validate_labels)
@@ -17,6 +18,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ExportError", "ModelImportError", "export_head", "export_sentence_transformers",
     "export_transformers", "import_model", "load_head_export", "load_sentence_transformers", "load_transformers",
+    "model_from_checkpoint",
     "AttentionPool", "CheckpointError", "Concat", "CorruptCheckpointError", "HeadCheckpoint", "HeadMismatchError",
     "IncompatibleCheckpointError", "RunCheckpointer", "attach_head", "load_head", "save_head",
     "DensePooler", "Head", "IdentityHead", "LinearHead", "LoadReport", "MLPHead",

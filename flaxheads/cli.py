@@ -12,6 +12,16 @@ from typing import Callable
 
 
 # ---- export ------------------------------------------------------------------------------------
+def _is_checkpoint_folder(path: str) -> bool:
+    """A run folder (``checkpoints/`` inside; its ``config.json`` is the training config), a
+    checkpoint root (step folders with ``meta``) or one step's folder."""
+    def is_step(p):
+        return os.path.basename(p).isdigit() and os.path.isdir(os.path.join(p, "meta"))
+
+    return (os.path.isdir(os.path.join(path, "checkpoints")) or is_step(path)
+            or any(is_step(os.path.join(path, d)) for d in os.listdir(path)))
+
+
 def _load_export_source(args):
     """A model (or, for ``--format head``, a head) from a model folder, head export or checkpoint."""
     from .export import HEAD_CONFIG, load_head_export, model_from_checkpoint
@@ -26,7 +36,8 @@ def _load_export_source(args):
                              "--format head")
         head, params, cfg = load_head_export(src)
         return head, params, cfg
-    if os.path.isfile(os.path.join(src, "config.json")) or os.path.isfile(os.path.join(src, "modules.json")):
+    if not _is_checkpoint_folder(src) and (os.path.isfile(os.path.join(src, "config.json"))
+                                           or os.path.isfile(os.path.join(src, "modules.json"))):
         from .hf_import import import_model
 
         return import_model(src), None, None

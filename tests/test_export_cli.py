@@ -74,6 +74,7 @@ def test_export_from_run_folder_with_trained_backbone(src, tmp_path):
     params = {"backbone": _shifted(model.params["backbone"], 0.01), "head": _shifted(model.params["head"], -0.02)}
     with fh.RunCheckpointer(tmp_path / "run", model, save_backbone=True) as ck:
         ck.save(3, {"step": 3, "params": params, "opt_state": {}})
+    (tmp_path / "run" / "config.json").write_text('{"model": "x", "lr": 0.001}')  # a run's training config
     ids, mask = padded_batch("electra", model.backbone.config)
     want = np.asarray(model.apply(params, jnp.asarray(ids), jnp.asarray(mask)))
     before = np.asarray(model(jnp.asarray(ids), jnp.asarray(mask)))
