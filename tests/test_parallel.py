@@ -1,0 +1,146 @@
+"""Data parallel: one device, pmap over 4 and jit over a 4-device mesh give the same loss and
+params (odd dataset size: the padded last batch puts its padding on some devices only), and the
+multi-host mesh path with two processes on loopback (gloo CPU collectives)."""
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import jax
+import numpy as np
+import pytest
+
+import flaxheads as fh
+from flaxheads.optim import OptimConfig
+from flaxheads.train import Parallel, TrainConfig, Trainer, fit, process_rows
+from train_helpers import random_split, tiny_bert_folder
+
+N_TRAIN, N_EVAL, BATCH, STEPS = 21, 13, 8, 3  # 21 = 8 + 8 + 5: last batch has 3 padding rows
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return tiny_bert_folder(tmp_path_factory.mktemp("tiny_bert_par"))
+
+
+@pytest.fixture(scope="module")
+def single(folder):
+    return _run(folder, "single")
+
+
+def _run(folder, mode):
+    model = fh.from_pretrained(folder, pooler="mean", head="linear", num_labels=3, head_options={"dropout": 0.0})
+    cfg = TrainConfig(batch_size=BATCH, eval_batch_size=BATCH, max_steps=STEPS, seed=1, log_every=1, parallel=mode)
+    ocfg = OptimConfig(learning_rate=1e-3, head_learning_rate=1e-2, total_steps=STEPS, warmup_steps=1)
+    trainer = Trainer.build(model, ocfg, cfg, Parallel(mode))
+    res = fit(trainer, random_split(N_TRAIN, seed=4), evals={"validation": random_split(N_EVAL, seed=6)},
+              buckets=(16, 24), progress=False, group_by_length=False)
+    logits, labels = trainer.predict(res.state.params, _eval_batches())
+    return trainer.parallel.get_state(res.state).params, [h["loss"] for h in res.history if "loss" in h], \
+        res.history[-1]["eval"]["validation"], logits
+
+
+def _eval_batches():
+    from flaxheads.data import iterate_batches
+    return iterate_batches(random_split(N_EVAL, seed=6), BATCH, (16, 24), shuffle=False)
+
+
+def _close(a, b, tol=1e-5):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=tol, rtol=tol)
+
+
+def test_single_pmap_mesh_agree(folder, single):
+    assert jax.device_count() == 4, "conftest sets 4 fake CPU devices"
+    p1, l1, e1, g1 = single
+    assert len(l1) == STEPS
+    for mode in ("pmap", "mesh"):
+        p, losses, ev, logits = _run(folder, mode)
+        np.testing.assert_allclose(losses, l1, rtol=1e-5, atol=1e-6)
+        _close(p, p1)
+        # evaluation counts each of the 13 examples exactly once on 4 devices
+        assert logits.shape == (N_EVAL, 3)
+        np.testing.assert_allclose(logits, g1, atol=1e-5)
+        assert ev["accuracy"] == pytest.approx(e1["accuracy"])
+    # the run really changed the params
+    assert not np.allclose(p1["head"]["head"]["classifier"]["kernel"],
+                           fh.from_pretrained(folder, pooler="mean", head="linear", num_labels=3)
+                           .params["head"]["head"]["classifier"]["kernel"])
+
+
+def test_process_rows_slices_global_batch():
+    b = {"x": np.arange(8), "y": np.arange(8) * 10}
+    parts = [process_rows(b, i, 4) for i in range(4)]
+    np.testing.assert_array_equal(np.concatenate([p["x"] for p in parts]), b["x"])
+    np.testing.assert_array_equal(parts[2]["y"], [40, 50])
+    with pytest.raises(ValueError, match="does not split"):
+        process_rows({"x": np.arange(6)}, 0, 4)
+
+
+WORKER = textwrap.dedent("""
+    import json, sys, numpy as np, jax
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    pid, port, folder, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+    jax.distributed.initialize(coordinator_address="127.0.0.1:" + port, num_processes=2, process_id=pid)
+    sys.path.insert(0, sys.argv[5])
+    import flaxheads as fh
+    from flaxheads.optim import OptimConfig
+    from flaxheads.train import Parallel, TrainConfig, Trainer, fit
+    from train_helpers import random_split
+    assert jax.device_count() == 2 and jax.local_device_count() == 1
+    model = fh.from_pretrained(folder, pooler="mean", head="linear", num_labels=3, head_options={"dropout": 0.0})
+    cfg = TrainConfig(batch_size=8, eval_batch_size=8, max_steps=3, seed=1, log_every=1, parallel="mesh")
+    ocfg = OptimConfig(learning_rate=1e-3, head_learning_rate=1e-2, total_steps=3, warmup_steps=1)
+    trainer = Trainer.build(model, ocfg, cfg, Parallel("mesh"))
+    res = fit(trainer, random_split(21, seed=4), evals={"validation": random_split(13, seed=6)},
+              buckets=(16, 24), progress=False, group_by_length=False)
+    params = trainer.parallel.get_state(res.state).params
+    flat = {"/".join(str(getattr(k, "key", k)) for k in path): np.asarray(v)
+            for path, v in jax.tree_util.tree_flatten_with_path(params)[0]}
+    np.savez(out + f".{pid}.npz", **flat)
+    json.dump({"losses": [h["loss"] for h in res.history if "loss" in h],
+               "acc": res.history[-1]["eval"]["validation"]["accuracy"]}, open(out + f".{pid}.json", "w"))
+    jax.distributed.shutdown()
+""")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_multi_host_mesh_matches_single_process(folder, single, tmp_path):
+    """Two processes x 1 CPU device, jax.distributed on a loopback port: each feeds its half of
+    every global batch; both end with the single-process params."""
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
+    port, out = str(_free_port()), str(tmp_path / "res")
+    here = os.path.dirname(os.path.abspath(__file__))
+    procs = [subprocess.Popen([sys.executable, str(script), str(i), port, folder, out, here], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    logs = []
+    for p in procs:
+        try:
+            logs.append(p.communicate(timeout=240)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail("multi-host workers timed out")
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-3000:]
+    p1, l1, e1, _ = single
+    flat1 = {"/".join(str(getattr(k, "key", k)) for k in path): np.asarray(v)
+             for path, v in jax.tree_util.tree_flatten_with_path(p1)[0]}
+    for pid in range(2):
+        got = np.load(f"{out}.{pid}.npz")
+        assert set(got.files) == set(flat1)
+        for k in flat1:
+            np.testing.assert_allclose(got[k], flat1[k], atol=1e-5, rtol=1e-5, err_msg=k)
+        meta = json.load(open(f"{out}.{pid}.json"))
+        np.testing.assert_allclose(meta["losses"], l1, rtol=1e-5)
+        assert meta["acc"] == pytest.approx(e1["accuracy"])
