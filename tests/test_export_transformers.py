@@ -168,3 +168,34 @@ def test_head_only_export_loads_into_pytorch_head(arch, over, tmp_path):
     assert not [k for k in res.missing_keys if k.rsplit(".", 1)[0] in head_modules]
     got = np.asarray(head.apply({"params": params}, jnp.asarray(hidden), jnp.asarray(mask)))
     np.testing.assert_allclose(got, _run_torch_head(pt, arch, hidden, mask), atol=1e-5, rtol=0)
+
+
+_NO_TORCH = """
+import sys
+sys.modules["torch"] = None  # as if torch were not installed: import fails, find_spec returns None
+import flaxheads as fh
+src, out = sys.argv[1], sys.argv[2]
+m = fh.from_pretrained(src)
+fh.export_transformers(m, out + "/pt")
+fh.export_head(m, out + "/head")
+fh.export_sentence_transformers(m, out + "/st")
+assert not [k for k in sys.modules if k.startswith("torch.")]
+"""
+
+
+def test_export_needs_no_torch(tmp_path):
+    import subprocess
+    import sys
+
+    pt = tiny_torch_model("bert", seed=6)
+    pt.save_pretrained(tmp_path / "src", safe_serialization=True)
+    (tmp_path / "src" / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a"]))
+    r = subprocess.run([sys.executable, "-c", _NO_TORCH, str(tmp_path / "src"), str(tmp_path / "out")],
+                       capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    pt2, info = AutoModelForSequenceClassification.from_pretrained(tmp_path / "out" / "pt", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    for k, v in pt.state_dict().items():
+        if k in pt2.state_dict():
+            np.testing.assert_array_equal(pt2.state_dict()[k].numpy(), v.numpy(), err_msg=k)
+    assert {"1_Pooling", "2_Dense", "modules.json", "vocab.txt"} <= set(os.listdir(tmp_path / "out" / "st"))
