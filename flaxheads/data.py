@@ -70,6 +70,8 @@ def load_table(path: str | os.PathLike, *, text_column: str = "text", label_colu
     try:
         ds = datasets.load_dataset(TABLE_FORMATS[ext], data_files=path, split="train", **kw)
     except Exception as e:  # the builders raise many types; the message is what matters
+        if "no data" in str(e) or os.path.getsize(path) == 0:
+            raise DataError(f"{path}: no rows (empty dataset)") from None
         raise DataError(f"{path}: could not read it as {TABLE_FORMATS[ext]}: {e}") from None
     cols = list(ds.column_names)
     for col, flag in ((text_column, "--text-column"), (label_column, "--label-column"),
