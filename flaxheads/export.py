@@ -476,8 +476,7 @@ def export_head(source, out: str | os.PathLike, *, params: Mapping | None = None
     else:
         head = source.head
         p = params if params is not None else source.params
-        hp = p["head"] if "head" in p and isinstance(p["head"], Mapping) and (
-            "pooler" in p["head"] or "head" in p["head"]) else p
+        hp = p["head"] if "backbone" in p else p  # full params, or already the head subtree
     info = {**_meta_of(source), **dict(meta or {})}
     if hf_names is None:
         hf_names = getattr(source, "hf_names", ()) or [tuple(x) for x in info.get("hf_names") or ()]
