@@ -1,0 +1,115 @@
+"""Cached features: a head on the cache computes what it computes on a recomputed backbone."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import flaxheads as fh
+from flaxheads.features import cache_features, choose_level, predict_cached
+from tests.feature_helpers import padded, tiny_bert_dir, toy_split
+
+BUCKETS = (4, 8, 16)
+
+
+@pytest.fixture(scope="module")
+def bert_dir(tmp_path_factory):
+    return tiny_bert_dir(tmp_path_factory)
+
+
+def _recomputed_logits(model, split):
+    t = max(len(x) for x in split.input_ids)
+    ids, mask = padded(split, range(len(split.input_ids)), t)
+    return np.asarray(model.apply(model.params, ids, mask))
+
+
+@pytest.mark.parametrize("pooler,head,level", [
+    (None, None, "pooled"),            # BERT preset: cls -> dense+tanh pooler (pretrained) -> classifier
+    ("mean", "linear", "pooled"),
+    ("max", "mlp", "pooled"),
+    ("attention", "linear", "token"),  # learned token weights: full hidden states
+    ("mean", "linear", "token"),       # token level forced for a pool that could be pooled
+])
+def test_cache_equals_recompute(bert_dir, pooler, head, level):
+    model = fh.from_pretrained(bert_dir, pooler=pooler, head=head, num_labels=3)
+    split = toy_split()
+    cache = cache_features(model, model.params["backbone"], split, batch_size=8, buckets=BUCKETS,
+                           level="auto" if level == "pooled" else level)
+    assert cache.level == level and len(cache) == len(split.input_ids)
+    if level == "token":
+        assert sorted(b.length for b in cache.buckets) == [4, 8, 16]  # bucketed, not padded to the longest
+    got = predict_cached(model, model.params["head"], cache, batch_size=8)
+    np.testing.assert_allclose(got, _recomputed_logits(model, split), atol=1e-5, rtol=0)
+
+
+def test_memory_bound_spills_to_disk_or_refuses(bert_dir, tmp_path):
+    model = fh.from_pretrained(bert_dir, pooler="attention", head="linear", num_labels=3)
+    split = toy_split()
+    with pytest.raises(ValueError, match="directory="):
+        cache_features(model, model.params["backbone"], split, buckets=BUCKETS, max_bytes=1000)
+    cache = cache_features(model, model.params["backbone"], split, buckets=BUCKETS, max_bytes=1000,
+                           directory=tmp_path)
+    assert cache.directory == str(tmp_path)
+    assert sorted(os.listdir(tmp_path)) == sorted([f"{k}_{t}.npy" for k in ("hidden", "mask") for t in BUCKETS])
+    assert isinstance(cache.buckets[0].hidden, np.memmap)
+    np.testing.assert_allclose(predict_cached(model, model.params["head"], cache), _recomputed_logits(model, split),
+                               atol=1e-5, rtol=0)
+
+
+def test_level_choice_is_checked(bert_dir):
+    model = fh.from_pretrained(bert_dir, pooler="attention", head="linear", num_labels=3)
+    assert choose_level(model.head.pooler) == "token"
+    with pytest.raises(ValueError, match="cannot train on pooled"):
+        choose_level(model.head.pooler, "pooled")
+    with pytest.raises(ValueError, match="level must be"):
+        choose_level(model.head.pooler, "tokens")
+
+
+def test_batches_cover_every_example_once_and_are_reproducible(bert_dir):
+    model = fh.from_pretrained(bert_dir, pooler="attention", head="linear", num_labels=3)
+    split = toy_split()
+    cache = cache_features(model, model.params["backbone"], split, buckets=BUCKETS)
+    seen = []
+    for b in cache.batches(8, seed=1, epoch=0):
+        assert b["hidden"].shape[0] == 8
+        keep = b["weights"] > 0
+        seen += list(b["index"][keep])
+        np.testing.assert_array_equal(b["labels"][keep], split.labels[b["index"][keep]])
+    assert sorted(seen) == list(range(len(split.input_ids)))
+    a = [b["index"] for b in cache.batches(8, seed=1, epoch=3)]
+    b_ = [b["index"] for b in cache.batches(8, seed=1, epoch=3)]
+    assert all((x == y).all() for x, y in zip(a, b_))
+
+
+def test_head_training_on_cache_equals_frozen_backbone_training(bert_dir):
+    """Same rows, same step count: the head trained on cached features equals the head trained by
+    flaxheads.train with a frozen backbone recomputing features every step (dropout on)."""
+    from flaxheads.optim import OptimConfig, make_optimizer
+    from flaxheads.train import create_state, make_head_train_step, make_train_step
+
+    model = fh.from_pretrained(bert_dir, num_labels=3)  # BERT preset: dropout 0.1 in the head
+    split = toy_split()
+    cache = cache_features(model, model.params["backbone"], split, batch_size=8, buckets=BUCKETS)
+    cfg = OptimConfig(learning_rate=1e-2, freeze_backbone=True, total_steps=20)
+    tx = make_optimizer(cfg)
+    s_cache = create_state(model.params, tx, freeze_backbone=True, seed=5)
+    s_full = create_state(model.params, tx, freeze_backbone=True, seed=5)
+    head_step = jax.jit(make_head_train_step(model, tx))
+    full_step = jax.jit(make_train_step(model, tx, freeze_backbone=True))
+    for b in list(cache.batches(8, seed=0, epoch=0))[:4]:
+        keep = b["index"] >= 0
+        ids, mask = padded(split, b["index"][keep], 16)
+        full = {"input_ids": np.zeros((8, 16), np.int32), "attention_mask": np.zeros((8, 16), np.int32),
+                "labels": b["labels"], "weights": b["weights"]}
+        full["input_ids"][keep], full["attention_mask"][keep] = ids, mask
+        full["attention_mask"][~keep, 0] = 1
+        s_cache, m1 = head_step(s_cache, {k: b[k] for k in ("hidden", "pool_mask", "labels", "weights")})
+        s_full, m2 = full_step(s_full, full)
+        np.testing.assert_allclose(float(m1["loss"]), float(m2["loss"]), atol=1e-5)
+    for a, c in zip(jax.tree.leaves(s_cache.params["head"]), jax.tree.leaves(s_full.params["head"])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(c), atol=1e-5, rtol=0)
