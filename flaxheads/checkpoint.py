@@ -17,6 +17,7 @@ becomes the latest step.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import hashlib
@@ -182,14 +183,22 @@ def _manager(root: str, *, read_only: bool = False, async_save: bool = True, pre
         opts["save_interval_steps"] = 0
     if preservation is not None:
         opts["preservation_policy"] = preservation
+    with _quiet():  # orbax warns that a read-only manager is read-only
+        return ocp.CheckpointManager(os.path.abspath(root), options=ocp.CheckpointManagerOptions(**opts),
+                                     item_handlers=_handlers())
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Silence orbax's absl warnings that are expected here (read-only managers, saves between
+    evaluations that carry no metrics) and its Python warnings."""
     absl = logging.getLogger("absl")
     level = absl.level
-    absl.setLevel(logging.ERROR)  # orbax warns that a read-only manager is read-only
+    absl.setLevel(logging.ERROR)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return ocp.CheckpointManager(os.path.abspath(root), options=ocp.CheckpointManagerOptions(**opts),
-                                         item_handlers=_handlers())
+            yield
     finally:
         absl.setLevel(level)
 
@@ -593,13 +602,19 @@ class RunCheckpointer:
         self._mgr.wait_until_finished()
 
     def all_steps(self) -> list[int]:
-        return sorted(self._mgr.all_steps())
+        """Finished steps (a save still in progress is not listed until its folder is in place)."""
+        return sorted(s for s in self._mgr.all_steps() if os.path.isdir(os.path.join(self.root, str(s))))
 
     def latest_step(self) -> int | None:
-        return self._mgr.latest_step()
+        steps = self.all_steps()
+        return steps[-1] if steps else None
 
     def best_step(self) -> int | None:
-        return self._mgr.best_step() if self.best_metric else None
+        """The best finished step by ``best_metric`` (waits for a save in progress)."""
+        if not self.best_metric:
+            return None
+        self._mgr.wait_until_finished()
+        return self._mgr.best_step()
 
     def save(self, step: int, state, metrics: Mapping[str, float] | None = None, *, force: bool = True) -> bool:
         """Start an asynchronous, atomic save of ``state`` as ``step``; returns at once after the
@@ -620,11 +635,11 @@ class RunCheckpointer:
                            (BACKBONE, params["backbone"] if self.save_backbone else {})):
             if not _is_empty(tree):
                 items[name] = ocp.args.StandardSave(tree)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with _quiet():
             return self._mgr.save(int(step), args=ocp.args.Composite(**items), metrics=metrics, force=force)
 
     def read_meta(self, step: int | None = None) -> dict:
+        self._mgr.wait_until_finished()  # a step still being written is not readable yet
         step = _pick_step(self._mgr, self.root, step)
         return _read_json(self._mgr, self.root, step, META)
 
@@ -633,6 +648,7 @@ class RunCheckpointer:
         ``target_state``. Arrays go to ``sharding`` when given (a mesh ``NamedSharding`` or one
         device), else to each target leaf's own sharding. A frozen backbone (not saved) is
         taken from ``target_state``."""
+        self._mgr.wait_until_finished()  # a step still being written is not readable yet
         step = _pick_step(self._mgr, self.root, step)
         where = os.path.join(self.root, str(step))
         meta = _read_json(self._mgr, self.root, step, META)

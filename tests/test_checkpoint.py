@@ -387,15 +387,15 @@ def test_killed_during_save_leaves_previous_checkpoint(tmp_path):
         rows = ck.list_checkpoints(run)
         assert [r["step"] for r in rows if r["step"] is not None] == [1]  # ... and never listed as a step
         assert any(r["status"].startswith("incomplete") for r in rows)
-        ckr = fh.RunCheckpointer(run, model)  # a writer cleans up the unfinished save
+        ckr = fh.RunCheckpointer(run, model)
         assert ckr.latest_step() == 1
         got = ckr.restore(target_state=_state(model, seed=9))
         _assert_tree_equal(got.params, st.params)
         _assert_tree_equal(got.opt_state, st.opt_state)
         assert int(got.step) == 1
-        assert not [n for n in os.listdir(run / "checkpoints") if ".orbax-checkpoint-tmp" in n]
-        ckr.save(2, st)
+        ckr.save(2, st)  # the same step again: the unfinished one is cleaned up first
         ckr.close()
+        assert not [n for n in os.listdir(run / "checkpoints") if ".orbax-checkpoint-tmp" in n]
         assert fh.RunCheckpointer(run, model).all_steps() == [1, 2]
 
 

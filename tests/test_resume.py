@@ -55,13 +55,16 @@ _SLEEPER = textwrap.dedent("""
 
 def _train_args(model, data, out):
     return ["--model", model, "--data", data, "--split", "0.6,0.2,0.2", "--epochs", "3", "--batch-size", "4",
-            "--eval-every", "3", "--log-every", "1", "--max-length", "16", "--bucket-step", "8", "--lr", "3e-3",
+            "--eval-every", "3", "--log-every", "1", "--max-length", "16", "--bucket-step", "16", "--lr", "3e-3",
             "--keep", "2", "--no-progress", "--output-dir", out]
 
 
-def _env():
+def _env(cache):
     env = dict(os.environ)
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    # the killed run compiles; the two later runs load its executables (same programs, less CI time)
+    env.update(JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
     return env
 
 
@@ -103,10 +106,7 @@ def test_sigkilled_train_run_resumes_to_the_same_result(tmp_path):
     full, cut = str(tmp_path / "full"), str(tmp_path / "cut")
     script = tmp_path / "sleeper.py"
     script.write_text(_SLEEPER)
-    env = _env()
-    # the uninterrupted run and the run to be killed, side by side
-    a = subprocess.Popen([sys.executable, "-m", "train", *_train_args(model, data, full)], cwd=REPO, env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = _env(tmp_path / "jax-cache")
     b = subprocess.Popen([sys.executable, str(script), *_train_args(model, data, cut)], cwd=REPO,
                          env={**env, "KILL_AT": "8"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
@@ -117,14 +117,16 @@ def test_sigkilled_train_run_resumes_to_the_same_result(tmp_path):
             break
     b.wait(timeout=60)
     assert b.returncode == -signal.SIGKILL, "".join(lines)[-3000:]
-    out_a, _ = a.communicate(timeout=400)
-    assert a.returncode == 0, out_a[-3000:]
     steps_left = sorted(int(x) for x in os.listdir(os.path.join(cut, "checkpoints")) if x.isdigit())
     assert steps_left and max(steps_left) <= 8
 
-    # resume: the same command, nothing else
+    # side by side: the uninterrupted run, and the resume (the same command, nothing else)
+    a = subprocess.Popen([sys.executable, "-m", "train", *_train_args(model, data, full)], cwd=REPO, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     r = subprocess.run([sys.executable, "-m", "train", *_train_args(model, data, cut)], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=400)
+    out_a, _ = a.communicate(timeout=400)
+    assert a.returncode == 0, out_a[-3000:]
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert f"resuming from step {max(steps_left)}" in r.stdout
     sa, sb = (json.load(open(os.path.join(d, "summary.json"))) for d in (full, cut))
@@ -144,6 +146,46 @@ def test_sigkilled_train_run_resumes_to_the_same_result(tmp_path):
     kept = sorted(int(x) for x in os.listdir(os.path.join(full, "checkpoints")) if x.isdigit())
     assert kept[-2:] == [15, 18] and len(kept) <= 3
     # the listing command sees them
-    ls = subprocess.run([sys.executable, "-m", "flaxheads.cli", "checkpoints", full], cwd=REPO, env=env,
-                        capture_output=True, text=True, timeout=120)
-    assert ls.returncode == 0 and "latest" in ls.stdout and "validation/accuracy=" in ls.stdout, ls.stderr
+    from flaxheads.checkpoint import format_listing, list_checkpoints
+
+    rows = list_checkpoints(full)
+    assert rows[-1]["latest"] and sum(r["best"] for r in rows) == 1
+    assert "validation/accuracy=" in format_listing(rows)
+
+
+def test_fit_checkpointing_schedule(tmp_path):
+    """Which steps the train hooks save: every evaluation (with its metrics), every N, the last."""
+    import flaxheads as fh
+    from flaxheads.checkpoint import FitCheckpointing
+    from test_checkpoint import _state, _stub_model
+
+    model = _stub_model()
+    st = _state(model)
+    for every, want in ((None, [3, 6, 9, 10]), (4, [3, 4, 6, 8, 9, 10]), (0, [])):
+        ckr = fh.RunCheckpointer(tmp_path / str(every), model, keep=None, best_metric="validation/accuracy")
+        hooks = FitCheckpointing(ckr, every=every, eval_every=3, total=10, has_evals=True)
+        for step in range(1, 11):
+            hooks.on_step_end(st, step, {})
+            if step % 3 == 0 or step == 10:
+                hooks.on_eval(st, step, {"validation": {"accuracy": step / 10, "per_class": {"f1": [0.1]}}})
+        ckr.close()
+        assert hooks.saved == want and ckr.all_steps() == want
+        if want:
+            assert ckr.best_step() == 10
+    # without evaluations: every N and the last step
+    ckr = fh.RunCheckpointer(tmp_path / "noeval", model, keep=None)
+    hooks = FitCheckpointing(ckr, every=4, eval_every=3, total=10, has_evals=False)
+    for step in range(1, 11):
+        hooks.on_step_end(st, step, {})
+    ckr.close()
+    assert ckr.all_steps() == [4, 8, 10]
+    # a pmap state (leading device axis) is saved through host_state
+    ckr = fh.RunCheckpointer(tmp_path / "pmap", model, keep=None)
+    stacked = jax.tree.map(lambda x: np.stack([np.asarray(x)] * 2), st)
+    hooks = FitCheckpointing(ckr, every=1, eval_every=3, total=1, has_evals=False,
+                             host_state=lambda s: jax.tree.map(lambda x: x[0], s))
+    hooks.on_step_end(stacked, 1, {})
+    got = ckr.restore(target_state=_state(model, 3))
+    ckr.close()
+    for x, y in zip(jax.tree.leaves(got.params), jax.tree.leaves(st.params)):
+        assert np.array_equal(np.asarray(x), np.asarray(y))
