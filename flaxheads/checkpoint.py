@@ -259,9 +259,16 @@ def _best_step(mgr, root: str, steps: list[int]) -> int | None:
         if name and name in m:
             scored.append((float(m[name]), s))
             mode = info.get("mode", "max")
+    return _pick_best(scored, mode)
+
+
+def _pick_best(scored: list[tuple[float, int]], mode: str) -> int | None:
+    """Best (value, step) by ``mode``; ties go to the latest step (as Orbax's ``best_step``)."""
     if not scored:
         return None
-    return (max if mode == "max" else min)(scored)[1]
+    if mode == "max":
+        return max(scored)[1]
+    return min(scored, key=lambda vs: (vs[0], -vs[1]))[1]
 
 
 def _corrupt(root: str, step: int, item: str, steps: list[int], err: BaseException) -> CorruptCheckpointError:
@@ -734,10 +741,10 @@ def list_checkpoints(directory: str | os.PathLike) -> list[dict]:
             rows.append(row)
         if best_by is not None:
             name, mode = best_by
-            scored = [r for r in rows if r["metrics"] and name in r["metrics"]]
-            if scored:
-                pick = (max if mode == "max" else min)(scored, key=lambda r: r["metrics"][name])
-                pick["best"] = True
+            best = _pick_best([(float(r["metrics"][name]), r["step"]) for r in rows
+                               if r["metrics"] and name in r["metrics"]], mode)
+            for r in rows:
+                r["best"] = r["step"] == best
         for name in sorted(os.listdir(root)):
             if ".orbax-checkpoint-tmp" in name:
                 rows.append({"step": None, "path": os.path.join(root, name), "items": [], "bytes":
@@ -779,7 +786,15 @@ def format_meta(meta: dict) -> str:
              "param_dtype", "pool_mask", "pad_token_id", "eos_token_id", "arch", "hf_names", "head_shapes",
              "head_shapes_hash", "jax_version"}
     for k in sorted(set(meta) - known):
-        lines.append(f"{k + ':':<13} {json.dumps(meta[k])}")
+        v = meta[k]
+        if isinstance(v, dict):  # e.g. the train program's run settings
+            lines.append(f"{k}:")
+            for sub, val in v.items():
+                text = (", ".join(f"{a}={json.dumps(b)}" for a, b in val.items()) if isinstance(val, dict)
+                        else json.dumps(val))
+                lines.append(f"  {sub + ':':<14}{text}")
+        else:
+            lines.append(f"{k + ':':<13} {json.dumps(v)}")
     return "\n".join(lines)
 
 
@@ -794,14 +809,14 @@ def _one_line(cfg) -> str:
 def format_listing(rows: list[dict]) -> str:
     if not rows:
         return "no checkpoints"
-    out = [f"{'step':>8}  {'items':<36} {'size':>9}  {'metrics':<28} flags"]
+    out = [f"{'step':>8}  {'items':<40} {'size':>10}  {'metrics':<28} flags"]
     for r in rows:
         flags = ",".join(f for f, on in (("latest", r["latest"]), ("best", r["best"])) if on)
         if r["status"] != "ok":
             flags = (flags + " " if flags else "") + r["status"]
         m = ", ".join(f"{k}={v:.4g}" for k, v in (r["metrics"] or {}).items())
         step = "-" if r["step"] is None else str(r["step"])
-        out.append(f"{step:>8}  {','.join(r['items']):<36} {_human(r['bytes']):>9}  {m:<28} {flags}")
+        out.append(f"{step:>8}  {','.join(r['items']):<40} {_human(r['bytes']):>10}  {m:<28} {flags}")
     return "\n".join(out)
 
 
