@@ -1,0 +1,272 @@
+"""Head sweeps with ``jax.vmap``: K heads trained at once on the same cached features.
+
+Every head of a sweep has the same parameter shapes; they differ in learning rate, weight
+decay, init/dropout seed and the sequence reduction in front of the pooler's params
+(``Pool`` mode or ``DensePooler`` source: ``mean``, ``max``, ``cls``, ...). Their params
+and optimizer states are stacked on a leading axis of size K and one jitted, vmapped step
+updates all of them on a shared batch: the batch is read once, the K small matmuls run as
+one batched matmul, and there is one compile for the whole sweep.
+
+Each head follows exactly the update of a separate run of
+``flaxheads.train.make_head_train_step`` with ``flaxheads.optim.make_optimizer``
+(``freeze_backbone=True``): clip by global norm, AdamW with the decay mask, the shared
+schedule scaled to the head's peak learning rate, dropout key ``fold_in(PRNGKey(seed), step)``.
+The best head on validation becomes a normal :class:`flaxheads.SequenceModel` head
+(:meth:`SweepResult.best_model`), which ``flaxheads.checkpoint.save_head`` saves like any other.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax.traverse_util import flatten_dict, unflatten_dict
+
+from .features import FeatureCache
+from .heads import SequenceHead
+from .optim import OptimConfig, decay_mask, schedule
+from .poolers import DensePooler, Pool
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One head of a sweep. ``pooler``: a reduction name (None: the model's own)."""
+
+    learning_rate: float
+    weight_decay: float = 0.0
+    seed: int = 0
+    pooler: str | None = None
+
+    def label(self) -> str:
+        p = f" pool={self.pooler}" if self.pooler else ""
+        return f"lr={self.learning_rate:g} wd={self.weight_decay:g} seed={self.seed}{p}"
+
+
+def grid(learning_rates: Sequence[float], weight_decays: Sequence[float] = (0.0,), seeds: Sequence[int] = (0,),
+         poolers: Sequence[str | None] = (None,)) -> list[Variant]:
+    """The full product of the given settings."""
+    return [Variant(float(lr), float(wd), int(s), p)
+            for lr, wd, s, p in itertools.product(learning_rates, weight_decays, seeds, poolers)]
+
+
+def head_with_reduction(head: SequenceHead, reduction: str | None) -> SequenceHead:
+    """``head`` with its pooler's fixed reduction replaced (same params tree)."""
+    if reduction is None:
+        return head
+    p = head.pooler
+    if isinstance(p, Pool):
+        return SequenceHead(Pool(reduction), head.head)
+    if isinstance(p, DensePooler):
+        return SequenceHead(p.clone(source=reduction, parent=None), head.head.clone(parent=None))
+    raise ValueError(f"{type(p).__name__} has no fixed reduction to vary; sweep poolers only for Pool or DensePooler")
+
+
+def _reductions(model, variants: Sequence[Variant], cache: FeatureCache) -> np.ndarray:
+    from .features import reduction
+
+    own = reduction(model.head.pooler)
+    want = [v.pooler or own for v in variants]
+    if cache.level != "pooled":
+        if any(v.pooler for v in variants):
+            raise ValueError("varying the pooler needs a pooled cache built with reductions=(...)")
+        return np.zeros(len(variants), np.int32)
+    missing = sorted({w for w in want if w not in cache.reductions})
+    if missing:
+        raise ValueError(f"the cache holds reductions {cache.reductions}, the sweep needs {missing}: build it with "
+                         f"cache_features(..., reductions={tuple(sorted(set(want)))})")
+    return np.asarray([cache.reductions.index(w) for w in want], np.int32)
+
+
+def init_heads(model, variants: Sequence[Variant]) -> dict:
+    """Stacked ``[K, ...]`` head params: fresh init from each variant's seed, except modules
+    that came from the checkpoint (``model.report.pretrained``), which every head starts from."""
+    h = model.hidden_size
+    keep = [p for p, _ in model.report.pretrained]
+    start = flatten_dict(jax.device_get(model.params["head"]), sep="/")
+    heads = []
+    for v in variants:
+        fresh = flatten_dict(jax.device_get(model.head.init(jax.random.PRNGKey(v.seed), jnp.zeros((1, 1, h)),
+                                                            jnp.ones((1, 1), jnp.int32))["params"]), sep="/")
+        heads.append({k: (start[k] if any(k.startswith(p + "/") for p in keep) else x) for k, x in fresh.items()})
+    stacked = {k: np.stack([np.asarray(hd[k]) for hd in heads]) for k in heads[0]}
+    return jax.tree.map(jnp.asarray, unflatten_dict(stacked, sep="/"))
+
+
+def _tx(lr, wd, cfg: OptimConfig) -> optax.GradientTransformation:
+    parts = [optax.clip_by_global_norm(cfg.max_grad_norm)] if cfg.max_grad_norm else []
+    parts.append(optax.adamw(schedule(lr, cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=wd,
+                             mask=decay_mask))
+    return optax.chain(*parts)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SweepState:
+    """K heads' state: ``params``/``opt_state`` stacked on axis 0; per-head ``lr``, ``wd``,
+    ``rng`` and ``reduction`` (index into the cache's reductions)."""
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    lr: jax.Array
+    wd: jax.Array
+    rng: jax.Array
+    reduction: jax.Array
+
+
+def init_state(model, variants: Sequence[Variant], cfg: OptimConfig, reductions: np.ndarray) -> SweepState:
+    params = init_heads(model, variants)
+    lr = jnp.asarray([v.learning_rate for v in variants], jnp.float32)
+    wd = jnp.asarray([v.weight_decay for v in variants], jnp.float32)
+    opt = jax.vmap(lambda p, a, b: _tx(a, b, cfg).init({"head": p}))(params, lr, wd)
+    rng = jnp.stack([jax.random.PRNGKey(v.seed) for v in variants])
+    return SweepState(jnp.zeros((), jnp.int32), params, opt, lr, wd, rng, jnp.asarray(reductions))
+
+
+def make_sweep_step(model, cfg: OptimConfig, *, level: str = "pooled", loss_options: dict | None = None):
+    """``step(state, batch) -> (state, losses [K])``, jitted with the state donated.
+    ``batch``: ``hidden [B, R, H]`` (pooled) or ``[B, T, H]`` (token), ``pool_mask``, ``labels``,
+    ``weights``. The loss is the weighted mean, as in ``make_head_train_step``."""
+    lf = model.loss_fn(**dict(loss_options or {}))
+
+    def one(params, opt_state, lr, wd, rng, r, step, batch):
+        key = jax.random.fold_in(rng, step)
+        hidden, mask = _select(batch, r, level)
+
+        def objective(t):
+            logits = model.head_apply(t["head"], hidden, mask, train=True, dropout_rng=key)
+            return lf(logits, batch["labels"], batch["weights"])
+
+        trained = {"head": params}
+        loss, grads = jax.value_and_grad(objective)(trained)
+        updates, opt_state = _tx(lr, wd, cfg).update(grads, opt_state, trained)
+        return optax.apply_updates(trained, updates)["head"], opt_state, loss
+
+    def step(state: SweepState, batch: dict):
+        p, o, loss = jax.vmap(one, in_axes=(0, 0, 0, 0, 0, 0, None, None))(
+            state.params, state.opt_state, state.lr, state.wd, state.rng, state.reduction, state.step, batch)
+        return dataclasses.replace(state, step=state.step + 1, params=p, opt_state=o), loss
+
+    return jax.jit(step, donate_argnums=0)
+
+
+def _select(batch: dict, r, level: str):
+    """The head's one-token view of a pooled batch (position ``r``), or the token batch as is."""
+    hidden, mask = batch["hidden"], batch["pool_mask"]
+    if level == "token":
+        return hidden, mask
+    return jax.lax.dynamic_slice_in_dim(hidden, r, 1, axis=1), mask[:, :1]
+
+
+def make_sweep_predict(model, level: str = "pooled"):
+    """``predict(params [K,...], reduction [K], batch) -> logits [K, B, N]`` (inference mode)."""
+    def one(p, r, batch):
+        hidden, mask = _select(batch, r, level)
+        return model.head_apply(p, hidden, mask, train=False)
+    return jax.jit(jax.vmap(one, in_axes=(0, 0, None)))
+
+
+def _device_batch(b: dict) -> dict:
+    return {k: b[k] for k in ("hidden", "pool_mask", "labels", "weights")}
+
+
+def predict_all(model, state_params, reductions, cache: FeatureCache, batch_size: int = 256,
+                labels: np.ndarray | None = None) -> np.ndarray:
+    """Logits ``[K, n, N]`` of every head on every cached example (example order)."""
+    pred = make_sweep_predict(model, cache.level)
+    n = int(max(int(b.index.max()) for b in cache.buckets) + 1)
+    dummy = np.zeros((n,), np.int32) if labels is None and cache.labels is None else labels
+    out = None
+    for b in cache.batches(batch_size, shuffle=False, labels=dummy):
+        lg = np.asarray(pred(state_params, reductions, _device_batch(b)))
+        if out is None:
+            out = np.zeros((lg.shape[0], n, lg.shape[-1]), np.float32)
+        keep = b["index"] >= 0
+        out[:, b["index"][keep]] = lg[:, keep]
+    return out
+
+
+@dataclasses.dataclass
+class SweepResult:
+    """A finished sweep: per-head final params (stacked, host), losses and validation scores."""
+
+    variants: list[Variant]
+    params: Any
+    reductions: np.ndarray
+    losses: np.ndarray            # [epochs, K] mean training loss per epoch
+    scores: np.ndarray | None     # [K] validation metric (higher is better), None without validation
+    metric: str | None
+    best: int
+    seconds: float
+    steps: int
+
+    def head_params(self, k: int) -> dict:
+        return jax.tree.map(lambda x: jnp.asarray(x[k]), self.params)
+
+    def best_model(self, model):
+        """``model`` with the best head (params and, if the sweep varied it, the pooler)."""
+        v = self.variants[self.best]
+        head = head_with_reduction(model.head, v.pooler)
+        same = v.pooler is None
+        return dataclasses.replace(model, head=head, params={**model.params, "head": self.head_params(self.best)},
+                                   arch=model.arch if same else None, hf_names=model.hf_names if same else ())
+
+    def table(self) -> str:
+        rows = [f"| # | head | final train loss | {self.metric or 'val'} |", "| --- | --- | --- | --- |"]
+        for k, v in enumerate(self.variants):
+            sc = f"{self.scores[k]:.4f}" if self.scores is not None else "-"
+            mark = " **best**" if k == self.best else ""
+            rows.append(f"| {k} | {v.label()}{mark} | {self.losses[-1, k]:.4f} | {sc} |")
+        return "\n".join(rows)
+
+
+def steps_per_epoch(cache: FeatureCache, batch_size: int) -> int:
+    return int(sum(math.ceil(len(b.index) / batch_size) for b in cache.buckets))
+
+
+def sweep(model, train: FeatureCache, variants: Sequence[Variant], *, optim: OptimConfig | None = None,
+          epochs: int = 20, batch_size: int = 32, val: FeatureCache | None = None, seed: int = 0,
+          loss_options: dict | None = None, metric: str | None = None) -> SweepResult:
+    """Train ``len(variants)`` heads at once on cached features; pick the best on ``val``.
+
+    ``optim`` supplies everything but the per-head learning rate and weight decay
+    (schedule, warmup, clipping, Adam betas); its ``total_steps`` is set to the sweep's."""
+    from .metrics import compute_metrics, headline
+
+    variants = list(variants)
+    if not variants:
+        raise ValueError("sweep needs at least one variant")
+    cfg = optim or OptimConfig(schedule="constant", max_grad_norm=None)
+    if cfg.accumulation_steps != 1:
+        raise ValueError("sweeps do not accumulate gradients (accumulation_steps must be 1)")
+    spe = steps_per_epoch(train, batch_size)
+    cfg = dataclasses.replace(cfg, total_steps=spe * epochs, freeze_backbone=True)
+    reds = _reductions(model, variants, train)
+    state = init_state(model, variants, cfg, reds)
+    step = make_sweep_step(model, cfg, level=train.level, loss_options=loss_options)
+    losses = []
+    t0 = time.perf_counter()
+    for e in range(epochs):
+        tot, cnt = 0.0, 0
+        for b in train.batches(batch_size, seed=seed, epoch=e):
+            state, loss = step(state, _device_batch(b))
+            tot, cnt = tot + loss, cnt + 1
+        losses.append(np.asarray(tot) / max(cnt, 1))
+    params = jax.device_get(state.params)
+    seconds = time.perf_counter() - t0
+    scores, best, name = None, 0, None
+    if val is not None:
+        if val.labels is None:
+            raise ValueError("the validation cache has no labels")
+        name = metric or headline(model.problem_type)
+        logits = predict_all(model, state.params, state.reduction, val)
+        scores = np.asarray([compute_metrics(model.problem_type, lg, val.labels, model.num_labels)[name]
+                             for lg in logits])
+        best = int(np.argmax(scores))
+    return SweepResult(variants, params, reds, np.stack(losses), scores, name, best, seconds, spe * epochs)
