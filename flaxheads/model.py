@@ -228,6 +228,11 @@ def from_pretrained(path: str | os.PathLike, *, pooler: str | Sequence[str] | Po
         # an embedding head: its width is the output size; MSE (e.g. distillation) is the natural loss
         n = seq_head.head.out_features() or seq_head.pooler.out_features(cfg.hidden_size)
         ptype = problem_type or REGRESSION
+        if labels is not None and len(labels) != n:
+            if id2label is not None:
+                raise ValueError(f"id2label has {len(labels)} entries but the {type(seq_head.head).__name__} "
+                                 f"outputs {n} values")
+            labels = None  # the backbone config's classification labels do not describe an embedding
     else:
         ptype = problem_type or getattr(cfg, "problem_type", None) or infer_problem_type(n)
     check_problem_type(ptype, n)

@@ -69,3 +69,12 @@ def test_bfloat16_backbone_gives_float32_logits_close_to_float32(path, batch):
     logits = clf(batch["input_ids"], batch["attention_mask"])
     assert logits.dtype == jnp.float32
     assert clf.loss_fn()(logits, jnp.array([0, 1, 2, 0])).dtype == jnp.float32
+
+
+@pytest.mark.slow
+def test_embedding_head_drops_classification_labels(path):
+    model = fh.from_pretrained(path, pooler="mean", head="projection", head_options={"features": 16})
+    assert model.num_labels == 16 and model.id2label is None and model.problem_type == "regression"
+    with pytest.raises(ValueError, match="outputs 16 values"):
+        fh.from_pretrained(path, pooler="mean", head="projection", head_options={"features": 16},
+                           id2label=["a", "b"])
