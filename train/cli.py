@@ -124,8 +124,8 @@ def _init_distributed(args) -> None:
     if args.coordinator_address is None:
         return
     import jax
-    if (jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS", "")).startswith("cpu"):
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # CPU devices need a collectives backend across processes (gloo); GPU/TPU ignore this setting.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if args.coordinator_address == "auto":
         jax.distributed.initialize()
     else:
