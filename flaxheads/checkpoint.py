@@ -216,6 +216,33 @@ def _abstract(tree, sharding=None):
     return jax.tree.map(one, tree)
 
 
+def _is_key(x) -> bool:
+    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _keys_to_data(tree):
+    """Typed PRNG keys (``jax.random.key``) are stored as their raw ``key_data``."""
+    return jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, tree)
+
+
+def _abstract_state(tree, sharding=None):
+    """Like :func:`_abstract`, with typed keys described by their ``key_data``."""
+    return _abstract(jax.tree.map(lambda x: jax.eval_shape(jax.random.key_data, x) if _is_key(x) else x, tree),
+                     sharding)
+
+
+def _data_to_keys(restored, target):
+    return jax.tree.map(lambda r, t: jax.random.wrap_key_data(r, impl=jax.random.key_impl(t)) if _is_key(t) else r,
+                        restored, target)
+
+
+def backbone_checksum(backbone_params) -> float:
+    """Sum of |w| over every backbone weight (float64 on the host): tells a frozen backbone
+    loaded again from its folder apart from another one with the same shapes."""
+    return float(sum(np.abs(np.asarray(jax.device_get(x), np.float64)).sum()
+                     for x in jax.tree.leaves(backbone_params) if hasattr(x, "dtype")))
+
+
 def _is_empty(tree) -> bool:
     return len(jax.tree.leaves(tree)) == 0
 
@@ -582,6 +609,7 @@ class RunCheckpointer:
         self.model, self.best_metric, self.mode = model, best_metric, mode
         self.save_backbone = save_backbone
         self.extra_meta = dict(extra_meta or {})
+        self._checksum: float | None = None
         cm = ocp.checkpoint_managers
         policies = [cm.LatestN(n=keep)]
         best_fn = None
@@ -635,7 +663,13 @@ class RunCheckpointer:
             raise KeyError(f"best_metric {self.best_metric!r} is not among the metrics {sorted(metrics)}")
         if self.model is None:
             raise ValueError("RunCheckpointer needs model= to write the checkpoint's meta")
-        meta = make_meta(self.model, params["head"], backbone_saved=self.save_backbone, extra=self.extra_meta)
+        extra = dict(self.extra_meta)
+        if not self.save_backbone:
+            if self._checksum is None:  # frozen: the same for every step of the run
+                self._checksum = backbone_checksum(params["backbone"])
+            extra["backbone_checksum"] = self._checksum
+        meta = make_meta(self.model, params["head"], backbone_saved=self.save_backbone, extra=extra)
+        fields = _keys_to_data(fields)
         info = {"step": int(step), "metrics": metrics, "best_metric": self.best_metric, "mode": self.mode}
         items = {META: ocp.args.JsonSave(meta), STEP: ocp.args.JsonSave(info)}
         for name, tree in ((HEAD, params["head"]), (OPT_STATE, opt_state), (EXTRA, fields),
@@ -678,8 +712,16 @@ class RunCheckpointer:
                     raise IncompatibleCheckpointError(
                         f"{where}: checkpoint {key}={meta.get(key)!r} but this run's backbone has {have!r}; "
                         "resume with the backbone the run was started with, or start a new run folder.")
+        saved_sum = meta.get("backbone_checksum")
+        if not meta.get("backbone_saved") and saved_sum is not None:
+            have = backbone_checksum(params["backbone"])
+            if not np.isclose(have, saved_sum, rtol=1e-6, atol=0.0):
+                raise IncompatibleCheckpointError(
+                    f"{where}: the run's frozen backbone was not saved, and the backbone given now differs from the "
+                    f"one it was trained with (weight checksum {have!r} vs {saved_sum!r}; saved from "
+                    f"{meta.get('backbone_name_or_path')!r}). Load that backbone folder, or start a new run.")
         items = {HEAD: _abstract(params["head"], sharding), OPT_STATE: _abstract(opt_state, sharding),
-                 EXTRA: _abstract(fields, sharding)}
+                 EXTRA: _abstract_state(fields, sharding)}
         if meta.get("backbone_saved"):
             items[BACKBONE] = _abstract(params["backbone"], sharding)
         got = _restore_arrays(self._mgr, self.root, step, items)
@@ -688,7 +730,7 @@ class RunCheckpointer:
         if backbone is None:
             backbone = params["backbone"] if sharding is None else jax.device_put(params["backbone"], sharding)
         values = {"params": {"backbone": backbone, "head": got[HEAD]}, "opt_state": got[OPT_STATE],
-                  **got[EXTRA]}
+                  **_data_to_keys(got[EXTRA], fields)}
         if "step" in _state_fields(target_state):
             old = _state_fields(target_state)["step"]
             if hasattr(old, "dtype"):
