@@ -171,7 +171,7 @@ def environment() -> str:
 
 
 HEADER = ("| bench | system | examples/s | median ms (min..max) | GFLOP/s | % roof | first call s | "
-          "peak MB (RSS / XLA) | vs PyTorch | vs HF Flax |")
+          "peak MB (step RSS growth / XLA buffers) | vs PyTorch | vs HF Flax |")
 RULE = "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
 
 

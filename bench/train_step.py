@@ -1,0 +1,145 @@
+"""One training step (forward + backward + AdamW) of a BERT classifier: flaxheads vs HF Flax
+(run_flax_glue-style jitted step) vs PyTorch eager.
+
+    python bench/train_step.py [--batch 32] [--seq 128] [--repeats 8]
+
+Same checkpoint (all-MiniLM-L6-v2 + a seeded 5-label classifier), same batch, dropout on,
+interleaved. Systems:
+
+* ``flaxheads``: ``flaxheads.train.make_train_step`` + ``flaxheads.optim.make_optimizer``
+  (clip 1.0, AdamW), jitted with the state donated, default encoder (flaxheads' own BERT)
+* ``flaxheads_hf_backbone``: the same step with ``fast_encoder=False``
+* ``hf_flax``: ``FlaxBertForSequenceClassification``, ``optax.adamw``, ``jax.value_and_grad``
+  of softmax cross-entropy, jitted with the state donated (transformers' run_flax_glue.py step)
+* ``pytorch``: ``BertForSequenceClassification.train()``, ``torch.optim.AdamW``,
+  clip_grad_norm_ 1.0, ``loss.backward()``, ``step()``, ``zero_grad()``
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=8)
+    ap.add_argument("--labels", type=int, default=5)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--xla-flags", default=None)
+    ap.add_argument("--systems", default="flaxheads,flaxheads_hf_backbone,hf_flax,pytorch")
+    return ap.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse(argv)
+    if args.xla_flags:
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + args.xla_flags).strip()
+    from bench import common
+    from bench.forward import classifier_checkpoint
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    import torch
+
+    src = args.model or common.minilm_path()
+    b, t = args.batch, args.seq
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1000, 30000, (b, t)).astype(np.int32)
+    ids[:, 0] = 101
+    mask = np.ones((b, t), np.int32)
+    labels = rng.integers(0, args.labels, (b,)).astype(np.int32)
+    want = args.systems.split(",")
+    systems, xla = {}, {}
+    batch = {"input_ids": jnp.asarray(ids), "attention_mask": jnp.asarray(mask), "labels": jnp.asarray(labels),
+             "weights": jnp.ones((b,), jnp.float32)}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = classifier_checkpoint(src, args.labels, tmp)
+        import flaxheads as fh
+        from flaxheads.optim import OptimConfig, make_optimizer
+        from flaxheads.train import create_state, make_train_step
+
+        for name, fast in (("flaxheads", "auto"), ("flaxheads_hf_backbone", False)):
+            if name not in want:
+                continue
+            m = fh.from_pretrained(path, fast_encoder=fast)
+            tx = make_optimizer(OptimConfig(learning_rate=2e-5, total_steps=1000))
+            box = {"s": create_state(m.params, tx, seed=0)}
+            step = jax.jit(make_train_step(m, tx), donate_argnums=0)
+            xla[name] = common.xla_bytes(step, box["s"], batch)
+
+            def run(step=step, box=box):
+                box["s"], met = step(box["s"], batch)
+                met["loss"].block_until_ready()
+
+            systems[name] = run
+            cfg = m.backbone.config
+        if "hf_flax" in want:
+            from transformers import FlaxBertForSequenceClassification
+
+            hf = FlaxBertForSequenceClassification.from_pretrained(path, local_files_only=True)
+            htx = optax.adamw(2e-5, weight_decay=0.01)
+            hbox = {"s": (hf.params, htx.init(hf.params), jax.random.PRNGKey(0))}
+
+            def hf_step(state, batch):
+                params, opt, key = state
+                key, drop = jax.random.split(key)
+
+                def loss_fn(p):
+                    logits = hf(batch["input_ids"], batch["attention_mask"], params=p, dropout_rng=drop,
+                                train=True)[0]
+                    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
+
+                loss, g = jax.value_and_grad(loss_fn)(params)
+                upd, opt = htx.update(g, opt, params)
+                return (optax.apply_updates(params, upd), opt, key), loss
+
+            hstep = jax.jit(hf_step, donate_argnums=0)
+            xla["hf_flax"] = common.xla_bytes(hstep, hbox["s"], batch)
+
+            def run_hf():
+                hbox["s"], loss = hstep(hbox["s"], batch)
+                loss.block_until_ready()
+
+            systems["hf_flax"] = run_hf
+            cfg = hf.config
+        if "pytorch" in want:
+            from transformers import BertForSequenceClassification
+
+            tm = BertForSequenceClassification.from_pretrained(path).train()
+            opt = torch.optim.AdamW(tm.parameters(), lr=2e-5, weight_decay=0.01)
+            tids, tmask = torch.tensor(ids).long(), torch.tensor(mask).long()
+            tlab = torch.tensor(labels).long()
+
+            def run_torch():
+                loss = tm(tids, attention_mask=tmask, labels=tlab).loss
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(tm.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+            systems["pytorch"] = run_torch
+            cfg = tm.config
+    flops = common.train_flops(common.bert_forward_flops(cfg, b, t, args.labels))
+    print(f"# train step, {os.path.basename(src.rstrip('/'))}, batch {b} x seq {t}, {flops / 1e9:.1f} GFLOP/step")
+    print("#", common.environment())
+    roof = common.matmul_roof()
+    print(f"# fp32 matmul roof (2048^3): jax {roof['jax']:.0f}, torch {roof['torch']:.0f} GFLOP/s")
+    res = common.run_interleaved(systems, repeats=args.repeats, warmup=2, examples=b, flops=flops)
+    for k, r in res.items():
+        r.xla_bytes = xla.get(k)
+    print(common.table(f"train {t}x{b}", res, roof["roof"]))
+    ours = "flaxheads" if "flaxheads" in res else next(iter(res))
+    print("#", common.summary_line(f"train {t}x{b}", res, ours, roof["roof"]))
+    return res
+
+
+if __name__ == "__main__":
+    main()
