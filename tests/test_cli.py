@@ -104,3 +104,24 @@ def test_help_is_usable():
         assert flag in text
     out = subprocess.run([sys.executable, "-m", "train", "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "bbc_news" in out.stdout
+
+
+def test_multi_label_jsonl_and_regression_csv(folder, tmp_path):
+    rng = np.random.default_rng(0)
+    with open(tmp_path / "ml.jsonl", "w") as f:
+        for _ in range(24):
+            labels = [x for x in ("x", "y", "z") if rng.random() < 0.5]
+            f.write(json.dumps({"text": " ".join(rng.choice(WORDS, 5)), "label": labels}) + "\n")
+    rc = main(["--model", folder, "--data", str(tmp_path / "ml.jsonl"), "--max-steps", "2", "--max-length", "16",
+               "--no-progress", "--output-dir", str(tmp_path / "ml"), "--checkpoint-every", "0"])
+    assert rc == 0
+    s = json.loads((tmp_path / "ml" / "summary.json").read_text())
+    assert json.loads((tmp_path / "ml" / "config.json").read_text())["problem_type"] == "multi_label_classification"
+    assert {"micro_f1", "macro_f1"} <= set(s["metrics"]["test"])
+    (tmp_path / "r.csv").write_text("text,score\n" + "".join(
+        f"{' '.join(rng.choice(WORDS, 5))},{rng.normal():.3f}\n" for _ in range(24)))
+    rc = main(["--model", folder, "--data", str(tmp_path / "r.csv"), "--label-column", "score", "--max-steps", "2",
+               "--max-length", "16", "--no-progress", "--output-dir", str(tmp_path / "r"), "--checkpoint-every", "0"])
+    assert rc == 0
+    s = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert {"mse", "pearson", "spearman"} <= set(s["metrics"]["test"])
