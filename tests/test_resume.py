@@ -55,7 +55,7 @@ _SLEEPER = textwrap.dedent("""
 
 def _train_args(model, data, out):
     return ["--model", model, "--data", data, "--split", "0.6,0.2,0.2", "--epochs", "3", "--batch-size", "4",
-            "--eval-every", "3", "--log-every", "1", "--max-length", "16", "--bucket-step", "16", "--lr", "3e-3",
+            "--eval-every", "4", "--log-every", "1", "--max-length", "16", "--bucket-step", "16", "--lr", "3e-3",
             "--keep", "2", "--no-progress", "--output-dir", out]
 
 
@@ -108,17 +108,19 @@ def test_sigkilled_train_run_resumes_to_the_same_result(tmp_path):
     script.write_text(_SLEEPER)
     env = _env(tmp_path / "jax-cache")
     b = subprocess.Popen([sys.executable, str(script), *_train_args(model, data, cut)], cwd=REPO,
-                         env={**env, "KILL_AT": "8"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                         env={**env, "KILL_AT": "10"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
     for line in b.stdout:
         lines.append(line)
-        if line.startswith("REACHED 8"):
+        if line.startswith("REACHED 10"):
             os.kill(b.pid, signal.SIGKILL)
             break
     b.wait(timeout=60)
     assert b.returncode == -signal.SIGKILL, "".join(lines)[-3000:]
     steps_left = sorted(int(x) for x in os.listdir(os.path.join(cut, "checkpoints")) if x.isdigit())
-    assert steps_left and max(steps_left) <= 8
+    # 24 training examples, batches of 4: 6 steps per epoch; checkpoints at the evaluations
+    # (every 4 steps), so the resume starts mid-epoch (step 8 = epoch 1 + 2 batches)
+    assert steps_left and max(steps_left) <= 10
 
     # side by side: the uninterrupted run, and the resume (the same command, nothing else)
     a = subprocess.Popen([sys.executable, "-m", "train", *_train_args(model, data, full)], cwd=REPO, env=env,
@@ -144,7 +146,7 @@ def test_sigkilled_train_run_resumes_to_the_same_result(tmp_path):
                                   if x.isdigit()))))["head"]["head"]["classifier"]["kernel"])
     # retention: the 2 latest + the best by validation accuracy
     kept = sorted(int(x) for x in os.listdir(os.path.join(full, "checkpoints")) if x.isdigit())
-    assert kept[-2:] == [15, 18] and len(kept) <= 3
+    assert kept[-2:] == [16, 18] and len(kept) <= 3
     # the listing command sees them
     from flaxheads.checkpoint import format_listing, list_checkpoints
 
