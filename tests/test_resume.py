@@ -98,7 +98,7 @@ def _assert_bitwise(a, b):
 
 
 @pytest.mark.slow
-def test_sigkilled_train_run_resumes_to_the_same_result(tmp_path):
+def test_sigkilled_train_run_resumes_to_the_same_result(tmp_path, capfd):
     from train_helpers import tiny_bert_folder
 
     model = tiny_bert_folder(tmp_path / "bert", dropout=0.1)  # dropout on: the keys must match too
@@ -148,6 +148,20 @@ def test_sigkilled_train_run_resumes_to_the_same_result(tmp_path):
     kept = sorted(int(x) for x in os.listdir(os.path.join(full, "checkpoints")) if x.isdigit())
     assert kept[-2:] == [16, 18] and len(kept) <= 3
     # the listing command sees them
+    # what the program says about resuming that cannot work (in-process: no training happens)
+    from train.cli import main
+
+    def err(*extra):
+        code = main(_train_args(model, data, full) + list(extra))
+        return code, capfd.readouterr().err
+
+    code, msg = err("--no-resume")
+    assert code == 2 and "already has checkpoints (latest step 18)" in msg
+    code, msg = err("--head", "mlp")
+    assert code == 2 and "incompatible head config" in msg and "head.type: checkpoint 'linear' vs target 'mlp'" in msg
+    code, msg = err("--resume-step", "3")
+    assert code == 2 and "no checkpoint for step 3" in msg and "available steps: [16, 18]" in msg
+
     from flaxheads.checkpoint import format_listing, list_checkpoints
 
     rows = list_checkpoints(full)

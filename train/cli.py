@@ -392,7 +392,7 @@ def main(argv=None) -> int:
     from flaxheads.data import DataError
     try:
         run(args)
-    except (DataError, CheckpointError) as e:
+    except (DataError, CheckpointError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
