@@ -105,7 +105,7 @@ def run_checkpoints(args) -> int:
         else:
             print(f"{os.path.join(root, str(step))} (step {step})\n{format_meta(meta)}")
         return 0
-    rows = list_checkpoints(args.path)
+    rows = list_checkpoints(args.path, verify=args.verify)
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
@@ -122,6 +122,7 @@ def add_checkpoints_command(sub) -> None:
     p.add_argument("path", help="a run folder, a checkpoint folder (holding step folders) or one step's folder")
     p.add_argument("--meta", action="store_true", help="print the meta of one step (default: the latest)")
     p.add_argument("--step", default=None, help="with --meta: an integer, 'latest' (default) or 'best'")
+    p.add_argument("--verify", action="store_true", help="read every array of every step (finds truncated files)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run_checkpoints)
 

@@ -456,6 +456,11 @@ def test_corrupt_checkpoint_is_reported_and_previous_step_loads(tmp_path, bert, 
         shutil.rmtree(step2 / "opt_state")
     else:
         (step2 / "meta" / "metadata").write_text('{"format": "flaxheads-checkp')
+    rows = ck.list_checkpoints(tmp_path, verify=True)
+    assert rows[0]["status"] == "ok" and rows[1]["status"].startswith("corrupt"), rows
+    with pytest.raises(fh.CorruptCheckpointError, match="step 2"):
+        ck.verify_checkpoint(tmp_path)
+    assert ck.verify_checkpoint(tmp_path, 1) == 1
     ckr = fh.RunCheckpointer(tmp_path, bert, save_backbone=False)
     with pytest.raises(fh.CorruptCheckpointError, match=r"step 2 .*corrupt.*step=1") as e:
         ckr.restore(target_state=_state(bert, 5))
