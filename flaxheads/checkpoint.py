@@ -299,9 +299,11 @@ def _pick_best(scored: list[tuple[float, int]], mode: str) -> int | None:
 
 
 def _corrupt(root: str, step: int, item: str, steps: list[int], err: BaseException) -> CorruptCheckpointError:
-    others = [s for s in steps if s != step]
-    hint = (f" Earlier steps in this folder: {others}; restore one with step={others[-1]} "
-            f"(train: --resume-step {others[-1]}), or delete {os.path.join(root, str(step))}."
+    others = sorted(s for s in steps if s != step)
+    earlier = [s for s in others if s < step]
+    pick = earlier[-1] if earlier else (others[-1] if others else None)
+    hint = (f" Other steps in this folder: {others}; restore one with step={pick} "
+            f"(train: --resume-step {pick}), or delete {os.path.join(root, str(step))}."
             if others else " There is no other step in this folder.")
     return CorruptCheckpointError(
         f"checkpoint step {step} at {os.path.join(root, str(step))} is corrupt: its '{item}' item could not be "
