@@ -424,7 +424,7 @@ def fit(trainer: Trainer, train: "Split", *, evals: dict | None = None, buckets:
 
     t0 = time.perf_counter()
     last = time.perf_counter()
-    seen = 0.0
+    seen, window = 0.0, []
     while step < total:
         epoch, offset = divmod(step, spe)
         for batch in iterate_batches(train, cfg.batch_size, buckets, seed=cfg.seed, epoch=epoch, start=offset,
@@ -432,13 +432,16 @@ def fit(trainer: Trainer, train: "Split", *, evals: dict | None = None, buckets:
             placed, m = trainer.step(placed, batch)
             step += 1
             seen += m["weight"]
+            window.append(m["loss"])
             m.update(step=step, epoch=epoch + (offset + 1) / spe)
             offset += 1
             if step % cfg.log_every == 0 or step == total:
                 now = time.perf_counter()
                 m["examples_per_s"] = seen / max(now - last, 1e-9)
-                last, seen = now, 0.0
-                history.append({k: m[k] for k in ("step", "epoch", "loss", "grad_norm", "examples_per_s")})
+                m["loss_avg"] = float(np.mean(window))  # mean over the steps since the last log line
+                last, seen, window = now, 0.0, []
+                history.append({"step": step, "epoch": m["epoch"], "loss": m["loss_avg"], "step_loss": m["loss"],
+                                "grad_norm": m["grad_norm"], "examples_per_s": m["examples_per_s"]})
                 if bar is not None:
                     bar.set_postfix(loss=f"{m['loss']:.4f}", ex_s=f"{m['examples_per_s']:.1f}", ep=f"{m['epoch']:.2f}")
             if bar is not None:

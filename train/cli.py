@@ -219,7 +219,7 @@ def run(args: argparse.Namespace) -> dict:
 
     def on_step_end(state, step, m):
         if log is not None and (step % tcfg.log_every == 0 or step == micro):
-            log.write(json.dumps({"step": step, **{k: m[k] for k in ("epoch", "loss", "grad_norm", "examples_per_s")
+            log.write(json.dumps({"step": step, **{k: m[k] for k in ("epoch", "loss", "loss_avg", "grad_norm", "examples_per_s")
                                                     if k in m}, **ocfg_lr(step)}) + "\n")
             log.flush()
 
@@ -351,14 +351,15 @@ def _plots(out: Path, history: list[dict], final: dict, model, metric: str) -> N
     train = [h for h in history if "loss" in h]
     evals = [h for h in history if "eval" in h and "validation" in h["eval"]]
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([h["step"] for h in train], [h["loss"] for h in train], label="train loss", color="tab:blue")
+    ax.plot([h["step"] for h in train], [h["loss"] for h in train], label="train loss (mean since last log)",
+            color="tab:blue")
     ax.set_xlabel("step"), ax.set_ylabel("loss")
     if evals:
         ax2 = ax.twinx()
         ax2.plot([h["step"] for h in evals], [h["eval"]["validation"][metric] for h in evals], "o-",
                  color="tab:orange", label=f"validation {metric}")
         ax2.set_ylabel(f"validation {metric}")
-    fig.legend(loc="upper right")
+    fig.legend(loc="center right", bbox_to_anchor=(0.85, 0.6))
     ax.set_title("training curve")
     fig.tight_layout()
     fig.savefig(out / "curve.png", dpi=100)
