@@ -266,7 +266,8 @@ def sweep(model, train: FeatureCache, variants: Sequence[Variant], *, optim: Opt
             raise ValueError("the validation cache has no labels")
         name = metric or headline(model.problem_type)
         logits = predict_all(model, state.params, state.reduction, val)
-        scores = np.asarray([compute_metrics(model.problem_type, lg, val.labels, model.num_labels)[name]
+        rows = np.sort(np.concatenate([b.index for b in val.buckets]))  # the cached examples only
+        scores = np.asarray([compute_metrics(model.problem_type, lg[rows], val.labels[rows], model.num_labels)[name]
                              for lg in logits])
         best = int(np.argmax(scores))
     return SweepResult(variants, params, reds, np.stack(losses), scores, name, best, seconds, spe * epochs)
