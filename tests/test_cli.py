@@ -32,7 +32,7 @@ def test_end_to_end_run_folder(folder, tmp_path, capsys):
     out = tmp_path / "run"
     rc = main(["--model", folder, "--data", data, "--max-length", "16", "--bucket-step", "8", "--epochs", "2",
                "--batch-size", "12", "--lr", "5e-3", "--head-lr", "1e-2", "--output-dir", str(out),
-               "--no-progress", "--log-every", "2"])
+               "--no-progress", "--log-every", "2", "--checkpoint-every", "0"])
     assert rc == 0
     printed = capsys.readouterr().out
     for name in ("config.json", "metrics.jsonl", "curve.png", "confusion_matrix.png", "eval.txt", "summary.json"):
@@ -59,7 +59,7 @@ def test_frozen_backbone_mode_and_pmap(folder, tmp_path):
     out = tmp_path / "probe"
     rc = main(["--model", folder, "--data", data, "--max-length", "16", "--freeze-backbone", "--max-steps", "4",
                "--batch-size", "8", "--eval-batch-size", "8", "--parallel", "pmap", "--output-dir", str(out),
-               "--no-progress"])
+               "--no-progress", "--checkpoint-every", "0"])
     assert rc == 0
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["optimizer"]["freeze_backbone"] and cfg["optimizer"]["learning_rate"] == 5e-3
