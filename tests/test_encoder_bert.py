@@ -46,13 +46,13 @@ def test_forward_matches_hf_flax_and_pytorch(tiny_bert):
 
 
 @pytest.mark.parametrize("chunks", [1, 3, "auto"])
-def test_attention_chunks_do_not_change_the_result(tiny_bert, chunks):
+def test_chunks_do_not_change_the_result(tiny_bert, chunks):
     path, tm = tiny_bert
     hf = _hf_flax(path)
     params = FastBertBackbone.from_hf(hf).params
     ids, mask = padded_batch("bert", tm.config)
     a = encode(params, ids, mask, config=hf.config, attn_chunks=1)
-    b = encode(params, ids, mask, config=hf.config, attn_chunks=chunks)
+    b = encode(params, ids, mask, config=hf.config, attn_chunks=chunks, ffn_chunks=3)
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=0)
 
 

@@ -101,7 +101,7 @@ def attention_chunks(batch: int, num_heads: int, seq: int, itemsize: int = 4,
 
 def layer(p: dict, x: jax.Array, mask_bias: jax.Array, *, num_heads: int, eps: float, act, batch: int,
           hidden_dropout: float = 0.0, attn_dropout: float = 0.0, rng: jax.Array | None = None,
-          attn_chunks: int | str = "auto") -> jax.Array:
+          attn_chunks: int | str = "auto", ffn_chunks: int = 1) -> jax.Array:
     """One BERT layer on the flattened activation ``x [B*T, H]``; ``mask_bias [B, 1, 1, T]``."""
     bt, h = x.shape
     t, d = bt // batch, h // num_heads
@@ -131,14 +131,26 @@ def layer(p: dict, x: jax.Array, mask_bias: jax.Array, *, num_heads: int, eps: f
     ctx = (parts[0] if n == 1 else jnp.concatenate(parts, axis=0)).reshape(bt, h)
     o = p["attention"]["output"]
     x = _layer_norm(_dropout(_dense(ctx, o["dense"]), hidden_dropout, r_out) + x, o["LayerNorm"], eps)
-    inter = act(_dense(x, p["intermediate"]["dense"]))
-    out = _dropout(_dense(inter, p["output"]["dense"]), hidden_dropout, r_ffn)
-    return _layer_norm(out + x, p["output"]["LayerNorm"], eps)
+    return _ffn(p, x, eps=eps, act=act, hidden_dropout=hidden_dropout, rng=r_ffn, chunks=ffn_chunks)
+
+
+def _ffn(p: dict, x: jax.Array, *, eps: float, act, hidden_dropout: float, rng, chunks: int) -> jax.Array:
+    """dense -> act -> dense -> dropout -> residual -> LayerNorm, in ``chunks`` independent row blocks."""
+    rows = x.shape[0]
+    n = chunks if chunks > 1 and rows % chunks == 0 else 1
+    outs = []
+    for c in range(n):
+        xc = x[c * rows // n:(c + 1) * rows // n]
+        inter = act(_dense(xc, p["intermediate"]["dense"]))
+        r = None if rng is None else (rng if n == 1 else jax.random.fold_in(rng, c))
+        out = _dropout(_dense(inter, p["output"]["dense"]), hidden_dropout, r)
+        outs.append(_layer_norm(out + xc, p["output"]["LayerNorm"], eps))
+    return outs[0] if n == 1 else jnp.concatenate(outs, axis=0)
 
 
 def encode(params: dict, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, *, config,
            dtype=jnp.float32, dropout_rng: jax.Array | None = None, train: bool = False,
-           attn_chunks: int | str = "auto") -> jax.Array:
+           attn_chunks: int | str = "auto", ffn_chunks: int = 1) -> jax.Array:
     """BERT encoder forward: last hidden state ``[B, T, H]`` in ``dtype``. Pure in ``params``.
 
     ``attn_chunks`` splits attention into independent batch chunks (see
@@ -167,7 +179,8 @@ def encode(params: dict, input_ids, attention_mask=None, token_type_ids=None, po
     layers = params["encoder"]["layer"]
     for i in range(config.num_hidden_layers):
         x = layer(layers[str(i)], x, mask_bias, num_heads=config.num_attention_heads, eps=eps, act=act,
-                  batch=bsz, hidden_dropout=hd, attn_dropout=ad, rng=rngs[i], attn_chunks=attn_chunks)
+                  batch=bsz, hidden_dropout=hd, attn_dropout=ad, rng=rngs[i], attn_chunks=attn_chunks,
+                  ffn_chunks=ffn_chunks)
     return x.reshape(bsz, t, -1)
 
 
