@@ -156,7 +156,7 @@ def cache_features(model, backbone_params, split, *, batch_size: int = 32,
                    buckets: Sequence[int] = (32, 64, 128, 256, 512), level: str = "auto", dtype=np.float32,
                    max_bytes: int = 2 << 30, directory: str | os.PathLike | None = None,
                    labels: np.ndarray | None = None, progress: Callable[[int, int], None] | None = None,
-                   reductions: Sequence[str] | None = None) -> FeatureCache:
+                   reductions: Sequence[str] | None = None, encoder: Callable | None = None) -> FeatureCache:
     """Encode ``split`` (``.input_ids``: list of 1-D token arrays, optional ``.token_type_ids``,
     ``.labels``; e.g. ``flaxheads.data.Split``) once with ``model``'s backbone.
 
@@ -164,7 +164,9 @@ def cache_features(model, backbone_params, split, *, batch_size: int = 32,
     ``dtype``: storage dtype (float32 exact; float16 halves memory). Texts longer than the
     largest bucket are truncated to it, as the training batches would be. ``reductions``
     (pooled only): cache several reductions side by side (``[N, R, H]``, for head sweeps
-    over poolers, see :mod:`flaxheads.sweep`); default: the pooler's own."""
+    over poolers, see :mod:`flaxheads.sweep`); default: the pooler's own. ``encoder``: a
+    :func:`make_encoder` result to reuse (its compiled buckets carry over between calls, e.g.
+    train / validation / test splits); it must match ``level`` and ``reductions``."""
     from .data import bucket_length
 
     lvl = choose_level(model.head.pooler, level)
@@ -190,7 +192,7 @@ def cache_features(model, backbone_params, split, *, batch_size: int = 32,
                          "dtype=np.float16, or shorten the texts (smaller buckets).")
     if to_disk:
         os.makedirs(directory, exist_ok=True)
-    enc = make_encoder(model, lvl, reds)
+    enc = encoder or make_encoder(model, lvl, reds)
     pad = model.pad_token_id if model.pad_token_id is not None else 0
     out, done, t0 = [], 0, time.perf_counter()
     for t, index in groups.items():
@@ -201,16 +203,20 @@ def cache_features(model, backbone_params, split, *, batch_size: int = 32,
             msk = np.lib.format.open_memmap(os.path.join(directory, f"mask_{t}.npy"), "w+", np.int32, shape[:2])
         else:
             hid, msk = np.empty(shape, dtype), np.empty(shape[:2], np.int32)
-        for s in range(0, len(index), batch_size):
-            rows = index[s:s + batch_size]
-            batch = _pad_batch(ids, tt, rows, batch_size, t, pad)
-            f, m = enc(backbone_params, batch)
-            k = len(rows)
-            hid[s:s + k] = np.asarray(f[:k]).astype(dtype)
-            msk[s:s + k] = np.asarray(m[:k])
-            done += k
-            if progress:
-                progress(done, n)
+        pending = None  # the previous batch's result: copied out after the next one is dispatched
+        for s in range(0, len(index) + batch_size, batch_size):
+            launched = None
+            if s < len(index):
+                rows = index[s:s + batch_size]
+                launched = (s, len(rows), *enc(backbone_params, _pad_batch(ids, tt, rows, batch_size, t, pad)))
+            if pending is not None:
+                ps, k, f, m = pending
+                hid[ps:ps + k] = np.asarray(f[:k]).astype(dtype)
+                msk[ps:ps + k] = np.asarray(m[:k])
+                done += k
+                if progress:
+                    progress(done, n)
+            pending = launched
         if to_disk:
             hid.flush()
             msk.flush()

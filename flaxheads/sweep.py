@@ -303,9 +303,14 @@ def cli_run(args, model, splits: dict, buckets: Sequence[int], *, lr: float, out
     if getattr(args, "parallel", "single") != "single" or getattr(args, "accumulation_steps", 1) != 1:
         raise ValueError("--cache-features/--sweep run on one device without gradient accumulation "
                          "(drop --parallel/--accumulation-steps)")
+    from .features import choose_level, make_encoder, reduction
+
     t0 = time.perf_counter()
+    level = choose_level(model.head.pooler)
+    enc = make_encoder(model, level, (reduction(model.head.pooler),) if level == "pooled" else ())  # compile once
     caches = {n: cache_features(model, model.params["backbone"], s, batch_size=args.eval_batch_size,
-                                buckets=buckets, directory=out / "feature_cache" / n) for n, s in splits.items()}
+                                buckets=buckets, directory=out / "feature_cache" / n, encoder=enc)
+              for n, s in splits.items()}
     encode_s = time.perf_counter() - t0
     k = max(int(args.sweep or 1), 1)
     variants = sweep_variants(k, lr, args.weight_decay, args.seed)
