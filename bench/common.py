@@ -115,7 +115,7 @@ class Result:
 
 
 def run_interleaved(systems: dict[str, Callable[[], object]], *, repeats: int, warmup: int = 2,
-                    examples: int, flops: float | dict[str, float]) -> dict[str, Result]:
+                    examples: int, flops: float | dict[str, float], settle: float = 0.2) -> dict[str, Result]:
     """Time each system ``repeats`` times, round-robin, after ``warmup`` untimed calls each.
 
     Each callable must block until its result is ready. The first call of each system is
@@ -133,10 +133,14 @@ def run_interleaved(systems: dict[str, Callable[[], object]], *, repeats: int, w
         with PeakRSS() as pk:
             f()
         res[name].peak_bytes = pk.peak
-    for _ in range(repeats):
-        for name, f in systems.items():
+    names = list(systems)
+    for r in range(repeats):
+        # Rotate the order each round and let the previous system's worker threads go idle
+        # (OpenMP/Eigen pools spin after a call): otherwise whoever runs right after PyTorch pays.
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            time.sleep(settle)
             t0 = time.perf_counter()
-            f()
+            systems[name]()
             res[name].times.append(time.perf_counter() - t0)
     return res
 
