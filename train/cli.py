@@ -179,16 +179,13 @@ def run(args: argparse.Namespace) -> dict:
     head_options = {}
     if args.head_hidden:
         head_options["hidden_dims"] = tuple(int(x) for x in args.head_hidden.split(","))
-    if args.cache_features or args.sweep:  # head(s) on features encoded once: flaxheads.sweep.cli_run
-        args.freeze_backbone = True
-    # flaxheads' own BERT encoder wins on the forward pass (bench/forward.py: 1.16x HF Flax) but its
-    # backward is slower (bench/train_step.py, idle: 0.86x flaxheads on HF's backbone), so a full
-    # fine-tune keeps HF's wrapper; a frozen backbone only runs forward and gets the fast encoder.
     model = fh.from_pretrained(model_path, pooler=pooler, head=head, id2label=space.id2label if space.names else None,
                                num_labels=space.num_labels, problem_type=space.problem_type,
                                dtype=jnp.bfloat16 if args.bf16 else jnp.float32, seed=args.seed,
-                               ignore_mismatched_sizes=True, head_options=head_options or None,
-                               fast_encoder="auto" if args.freeze_backbone else False)
+                               ignore_mismatched_sizes=True, head_options=head_options or None)
+
+    if args.cache_features or args.sweep:  # head(s) on features encoded once: flaxheads.sweep.cli_run
+        args.freeze_backbone = True
     lr = args.lr if args.lr is not None else (DEFAULTS["probe_lr"] if args.freeze_backbone else DEFAULTS["lr"])
     head_lr = args.head_lr if args.head_lr is not None else (lr if args.freeze_backbone else DEFAULTS["head_lr"])
     tcfg = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, eval_batch_size=args.eval_batch_size,
