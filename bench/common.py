@@ -34,6 +34,16 @@ def minilm_path() -> str:
 
 
 # ---- FLOPs ---------------------------------------------------------------------------------
+def token_batch(batch: int, seq: int, seed: int = 0):
+    """Seeded random word-piece ids (a [CLS] first) and an all-ones mask, plus the rng for more."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(1000, 30000, (batch, seq)).astype(np.int32)
+    ids[:, 0] = 101
+    return ids, np.ones((batch, seq), np.int32), rng
+
+
 def bert_forward_flops(cfg, batch: int, seq: int, num_labels: int = 0) -> float:
     """Multiply-add FLOPs (2 per MAC) of a BERT encoder forward + pooler/classifier."""
     h, i, n = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers

@@ -56,10 +56,7 @@ def main(argv=None) -> dict:
 
     src = args.model or common.minilm_path()
     b, t = args.batch, args.seq
-    rng = np.random.default_rng(0)
-    ids = rng.integers(1000, 30000, (b, t)).astype(np.int32)
-    ids[:, 0] = 101
-    mask = np.ones((b, t), np.int32)
+    ids, mask, _ = common.token_batch(b, t)
     want = args.systems.split(",")
     systems, outputs, xla = {}, {}, {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -51,10 +51,7 @@ def main(argv=None):
 
     src = args.model or common.minilm_path()
     b, t = args.batch, args.seq
-    rng = np.random.default_rng(0)
-    ids = rng.integers(1000, 30000, (b, t)).astype(np.int32)
-    ids[:, 0] = 101
-    mask = np.ones((b, t), np.int32)
+    ids, mask, rng = common.token_batch(b, t)
     labels = rng.integers(0, args.labels, (b,)).astype(np.int32)
     want = args.systems.split(",")
     systems, xla = {}, {}
