@@ -95,6 +95,18 @@ def make_train_step(model, tx: optax.GradientTransformation, *, freeze_backbone:
 
     ``axis_name`` is the pmap axis to reduce over (None for one device or for jit over a mesh,
     where the computation is written globally and XLA inserts the collectives)."""
+    if freeze_backbone:
+        # the backbone only runs forward, outside the differentiated function: the head step on its features
+        head_step = make_head_train_step(model, tx, loss_options=loss_options, axis_name=axis_name)
+
+        def frozen_step(state: TrainState, batch: dict):
+            hidden, pmask = model.features(state.params["backbone"], batch["input_ids"], batch["attention_mask"],
+                                           train=False, **_extra(batch))
+            return head_step(state, {"hidden": jax.lax.stop_gradient(hidden), "pool_mask": pmask,
+                                     "labels": batch["labels"], "weights": batch["weights"]})
+
+        return frozen_step
+
     loss_options = dict(loss_options or {})
     lf = model.loss_fn(**loss_options)
     cw = loss_options.get("class_weights")
@@ -103,21 +115,14 @@ def make_train_step(model, tx: optax.GradientTransformation, *, freeze_backbone:
         key = step_key(state, axis_name)
         labels, weights = batch["labels"], batch["weights"]
         denom = loss_denominator(model.problem_type, labels, weights, cw)
-        trained = trainable(state.params, freeze_backbone)
-        if freeze_backbone:
-            hidden, pmask = model.features(state.params["backbone"], batch["input_ids"], batch["attention_mask"],
-                                           train=False, **_extra(batch))
-            hidden = jax.lax.stop_gradient(hidden)
 
-            def objective(t):
-                return lf(model.head_apply(t["head"], hidden, pmask, train=True, dropout_rng=key), labels, weights)
-        else:
-            def objective(t):
-                logits = model.apply(merge(state.params, t), batch["input_ids"], batch["attention_mask"],
-                                     train=True, dropout_rng=key, **_extra(batch))
-                return lf(logits, labels, weights)
+        def objective(t):
+            logits = model.apply(merge(state.params, t), batch["input_ids"], batch["attention_mask"],
+                                 train=True, dropout_rng=key, **_extra(batch))
+            return lf(logits, labels, weights)
 
-        trained, opt_state, metrics = _apply_grads(state, tx, trained, objective, denom, axis_name)
+        trained, opt_state, metrics = _apply_grads(state, tx, trainable(state.params, False), objective, denom,
+                                                   axis_name)
         new = state.replace(step=state.step + 1, params=merge(state.params, trained), opt_state=opt_state)
         return new, metrics
 
