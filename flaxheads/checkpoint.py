@@ -432,17 +432,24 @@ def _check_params_fit(head: SequenceHead, hidden_size: int, head_params, where: 
             f"{_shape_diff(want, got)}")
 
 
-def read_meta(directory: str | os.PathLike, step: int | str | None = None) -> tuple[dict, int, str]:
-    """(meta, step, root) of a checkpoint; reads nothing but the ``meta`` item."""
+@contextlib.contextmanager
+def _open_step(directory: str | os.PathLike, step: int | str | None):
+    """``(manager, root, step)`` of a checkpoint opened read-only; ``step`` defaults to the one
+    named by ``directory`` (a step folder) else the latest."""
     root, s = resolve_root(directory)
     if not os.path.isdir(root):
         raise FileNotFoundError(f"checkpoint folder {root} does not exist")
     mgr = _manager(root, read_only=True)
     try:
-        step = _pick_step(mgr, root, s if step is None and s is not None else step)
-        return _read_json(mgr, root, step, META), step, root
+        yield mgr, root, _pick_step(mgr, root, s if step is None and s is not None else step)
     finally:
         mgr.close()
+
+
+def read_meta(directory: str | os.PathLike, step: int | str | None = None) -> tuple[dict, int, str]:
+    """(meta, step, root) of a checkpoint; reads nothing but the ``meta`` item."""
+    with _open_step(directory, step) as (mgr, root, step):
+        return _read_json(mgr, root, step, META), step, root
 
 
 def load_head(directory: str | os.PathLike, step: int | str | None = None, *,
@@ -453,12 +460,7 @@ def load_head(directory: str | os.PathLike, step: int | str | None = None, *,
     ``None``/``"latest"`` or ``"best"``. Params land on ``sharding`` (default: the first
     device). Raises :class:`IncompatibleCheckpointError` when the saved config does not
     produce the saved shapes, :class:`CorruptCheckpointError` for damaged files."""
-    root, s = resolve_root(directory)
-    if not os.path.isdir(root):
-        raise FileNotFoundError(f"checkpoint folder {root} does not exist")
-    mgr = _manager(root, read_only=True)
-    try:
-        step = _pick_step(mgr, root, s if step is None and s is not None else step)
+    with _open_step(directory, step) as (mgr, root, step):
         where = os.path.join(root, str(step))
         meta = _read_json(mgr, root, step, META)
         _check_meta_format(meta, where)
@@ -477,8 +479,6 @@ def load_head(directory: str | os.PathLike, step: int | str | None = None, *,
         dev = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
         params = _restore_arrays(mgr, root, step, {HEAD: _abstract(target, dev)})[HEAD]
         return HeadCheckpoint(head=head, params=params, meta=meta, step=step, path=where)
-    finally:
-        mgr.close()
 
 
 def attach_head(model: SequenceModel, ckpt: HeadCheckpoint, *, pool_mask: str | None = None) -> SequenceModel:
@@ -537,10 +537,7 @@ def load_backbone_params(directory: str | os.PathLike, step: int | str | None = 
     """The ``backbone`` item of a checkpoint that saved it, in the structure/dtypes of ``target``
     (e.g. ``from_pretrained(meta["backbone_name_or_path"]).params["backbone"]``). Raises
     ``FileNotFoundError`` when the backbone was frozen (not saved: load it from its folder)."""
-    root, s = resolve_root(directory)
-    mgr = _manager(root, read_only=True)
-    try:
-        step = _pick_step(mgr, root, s if step is None and s is not None else step)
+    with _open_step(directory, step) as (mgr, root, step):
         meta = _read_json(mgr, root, step, META)
         if not meta.get("backbone_saved"):
             raise FileNotFoundError(
@@ -548,8 +545,6 @@ def load_backbone_params(directory: str | os.PathLike, step: int | str | None = 
                 f"{meta.get('backbone_name_or_path')!r}")
         dev = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
         return _restore_arrays(mgr, root, step, {BACKBONE: _abstract(target, dev)})[BACKBONE]
-    finally:
-        mgr.close()
 
 
 # ---- training runs -----------------------------------------------------------------------
@@ -787,14 +782,9 @@ def _verify_step(mgr, root: str, step: int) -> None:
 def verify_checkpoint(directory: str | os.PathLike, step: int | str | None = None) -> int:
     """Read every file of a checkpoint step; returns the step, or raises
     :class:`CorruptCheckpointError` naming the damaged item and the earlier steps."""
-    root, s = resolve_root(directory)
-    mgr = _manager(root, read_only=True)
-    try:
-        step = _pick_step(mgr, root, s if step is None and s is not None else step)
+    with _open_step(directory, step) as (mgr, root, step):
         _verify_step(mgr, root, step)
         return step
-    finally:
-        mgr.close()
 
 
 def list_checkpoints(directory: str | os.PathLike, *, verify: bool = False) -> list[dict]:
