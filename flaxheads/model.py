@@ -133,7 +133,7 @@ def _same_structure(a, b) -> bool:
     return strip(_config.to_dict(a)) == strip(_config.to_dict(b))
 
 
-def load_backbone(path: str | os.PathLike, dtype=jnp.float32):
+def load_backbone(path: str | os.PathLike, dtype=jnp.float32, *, state: dict[str, np.ndarray] | None = None):
     """A ``FlaxAutoModel`` for a local HF folder (no hub access), weights from its safetensors.
 
     Every backbone weight must come from the checkpoint: a folder whose weights do not fit
@@ -159,7 +159,7 @@ def load_backbone(path: str | os.PathLike, dtype=jnp.float32):
                              f"(FlaxAutoModel cannot build it). Its head presets still work on hidden states: "
                              f"see flaxheads.presets.PRESETS.") from None
         raise
-    state = read_state_dict(path)
+    state = read_state_dict(path) if state is None else state  # callers that already read it pass it in
     top = set(model.params)
     # Strip whatever PyTorch prefix wraps the base model ("bert.", "roberta.", "transformer.", ...).
     base_state = {}
@@ -216,7 +216,8 @@ def from_pretrained(path: str | os.PathLike, *, pooler: str | Sequence[str] | Po
     run BERT-family backbones on flaxheads' own encoder (same params, HF's outputs to 1e-5,
     faster on CPU; see ``flaxheads.encoders``); every other architecture uses HF's wrapper."""
     path = os.fspath(path)
-    backbone = load_backbone(path, dtype=dtype)
+    state = _read_state_if_any(path)  # read once: the backbone's weights and the head's
+    backbone = load_backbone(path, dtype=dtype, state=state or None)
     from .encoders import maybe_fast
     backbone = maybe_fast(backbone, fast_encoder)
     cfg = backbone.config
@@ -262,7 +263,6 @@ def from_pretrained(path: str | os.PathLike, *, pooler: str | Sequence[str] | Po
                       or (p.startswith("head/") and _same_structure(seq_head.head, preset.head)))
         if uses_preset_pooler and _same_structure(seq_head.head, preset.head):
             arch = preset.arch
-        state = _read_state_if_any(path)
         base = getattr(backbone, "base_model_prefix", "") or ""
         head_params, loaded, new = head_from_hf(head_params, names, state, strip_prefixes=[base] if base else [],
                                                 ignore_mismatched_sizes=ignore_mismatched_sizes, source=path)
