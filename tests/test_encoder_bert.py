@@ -56,6 +56,85 @@ def test_chunks_do_not_change_the_result(tiny_bert, chunks):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=0)
 
 
+def test_chunked_attention_gradients_equal_unchunked(tiny_bert):
+    """The chunks are split (their backward is a concatenation); gradients must not change."""
+    path, tm = tiny_bert
+    hf = _hf_flax(path)
+    params = FastBertBackbone.from_hf(hf).params
+    ids, mask = padded_batch("bert", tm.config)
+    w = jax.random.normal(jax.random.PRNGKey(0), (3, 9, hf.config.hidden_size))
+
+    def grads(chunks):
+        f = lambda p: jnp.sum(encode(p, ids, mask, config=hf.config, attn_chunks=chunks, ffn_chunks=1) * w)
+        return jax.grad(f)(params)
+
+    for a, b in zip(jax.tree_util.tree_leaves(grads(1)), jax.tree_util.tree_leaves(grads(3))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
+
+
+def test_forward_mode_matches_reverse_mode(tiny_bert):
+    """LayerNorm and GELU carry explicit derivative rules: jvp and vjp must agree (jacfwd users)."""
+    path, tm = tiny_bert
+    hf = _hf_flax(path)
+    params = FastBertBackbone.from_hf(hf).params
+    ids, mask = padded_batch("bert", tm.config)
+    tangent = jax.tree_util.tree_map(lambda x: jax.random.normal(jax.random.PRNGKey(1), x.shape), params)
+    w = jax.random.normal(jax.random.PRNGKey(0), (3, 9, hf.config.hidden_size))
+    f = lambda p: jnp.sum(encode(p, ids, mask, config=hf.config) * w)
+    _, fwd = jax.jvp(f, (params,), (tangent,))
+    g = jax.grad(f)(params)
+    rev = sum(jnp.vdot(a, b) for a, b in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(tangent)))
+    np.testing.assert_allclose(float(fwd), float(rev), rtol=1e-4)
+
+
+def test_layer_norm_and_gelu_equal_references():
+    """flaxheads' LayerNorm / exact GELU (explicit derivatives) vs flax's LayerNorm and PyTorch."""
+    import flax.linen as nn
+    import torch
+
+    from flaxheads.activations import gelu_exact
+    from flaxheads.encoders.bert import layer_norm
+
+    k = jax.random.split(jax.random.PRNGKey(0), 4)
+    x = 3.0 * jax.random.normal(k[0], (5, 7, 32)) + 1.0
+    scale, bias = jax.random.normal(k[1], (32,)), jax.random.normal(k[2], (32,))
+    w = jax.random.normal(k[3], x.shape)
+    ref = lambda x, s, b: nn.LayerNorm(epsilon=1e-12).apply({"params": {"scale": s, "bias": b}}, x)
+    ours = lambda x, s, b: layer_norm(x, s, b, 1e-12)
+    np.testing.assert_allclose(ours(x, scale, bias), ref(x, scale, bias), atol=2e-6)
+    for i in range(3):
+        ga = jax.grad(lambda *a: jnp.sum(ours(*a) * w), argnums=i)(x, scale, bias)
+        gb = jax.grad(lambda *a: jnp.sum(ref(*a) * w), argnums=i)(x, scale, bias)
+        np.testing.assert_allclose(ga, gb, atol=2e-5, rtol=1e-5)
+    tx = torch.tensor(np.asarray(x), requires_grad=True)
+    tg = torch.nn.functional.gelu(tx)  # exact erf form
+    tg.backward(torch.tensor(np.asarray(w)))
+    np.testing.assert_allclose(gelu_exact(x), tg.detach().numpy(), atol=2e-6)
+    np.testing.assert_allclose(jax.grad(lambda x: jnp.sum(gelu_exact(x) * w))(x), tx.grad.numpy(), atol=2e-6)
+
+
+def test_dropout_masks_are_unbiased_and_independent():
+    """The counter-hash dropout bits: right keep rate, inverted scaling, no correlation between
+    neighbours or keys, every bit fair, a pure function of the key."""
+    from flaxheads.encoders.bert import _dropout, _random_bits
+
+    bits = np.asarray(_random_bits(jax.random.PRNGKey(0), (512, 1024)), np.uint64)
+    u = bits / 2.0 ** 32
+    assert abs(u.mean() - 0.5) < 3e-3 and abs(u.var() - 1 / 12) < 1e-3
+    assert abs(np.corrcoef(u[:, :-1].ravel(), u[:, 1:].ravel())[0, 1]) < 5e-3  # neighbours in a row
+    assert abs(np.corrcoef(u[:-1].ravel(), u[1:].ravel())[0, 1]) < 5e-3  # neighbours across rows
+    other = np.asarray(_random_bits(jax.random.PRNGKey(1), (512, 1024))) / 2.0 ** 32
+    assert abs(np.corrcoef(u.ravel(), other.ravel())[0, 1]) < 5e-3
+    for b in range(32):
+        assert abs(((bits >> b) & 1).mean() - 0.5) < 3e-3, f"bit {b} is biased"
+    np.testing.assert_array_equal(bits, np.asarray(_random_bits(jax.random.PRNGKey(0), (512, 1024))))
+    ones = jnp.ones((512, 1024))
+    for rate in (0.1, 0.5):
+        y = np.asarray(_dropout(ones, rate, jax.random.PRNGKey(2)))
+        assert abs((y == 0).mean() - rate) < 4e-3
+        np.testing.assert_allclose(y[y != 0], 1.0 / (1.0 - rate), rtol=1e-6)
+
+
 def test_attention_chunk_count():
     assert attention_chunks(32, 12, 128) == 8  # 24 MiB of scores -> 6 chunks of <= 4 MiB -> next divisor
     assert attention_chunks(30, 12, 128) == 6

@@ -21,6 +21,7 @@ unchanged. Every other architecture keeps using the HF wrapper.
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Any
 
 import jax
@@ -54,23 +55,78 @@ def supports(config) -> tuple[bool, str]:
     return True, ""
 
 
-def _layer_norm(x: jax.Array, p: dict, eps: float) -> jax.Array:
-    # Two-pass variance: as accurate as PyTorch's, and XLA fuses it into two reductions.
+@partial(jax.custom_jvp, nondiff_argnums=(3,))
+def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
+    """LayerNorm over the last axis (two-pass variance, as accurate as PyTorch's).
+
+    The explicit derivative keeps only the normalised ``x`` and ``1/std`` for the backward
+    pass, where autodiff of the formula keeps more and runs more passes over the
+    activation (~3% of a BERT train step on CPU). Forward and reverse mode both work."""
+    return _layer_norm_parts(x, eps)[0] * scale + bias
+
+
+def _layer_norm_parts(x, eps):
     mean = jnp.mean(x, axis=-1, keepdims=True)
     xc = x - mean
-    var = jnp.mean(xc * xc, axis=-1, keepdims=True)
-    return xc * (lax.rsqrt(var + eps) * p["scale"].astype(x.dtype)) + p["bias"].astype(x.dtype)
+    rstd = lax.rsqrt(jnp.mean(xc * xc, axis=-1, keepdims=True) + eps)
+    return xc * rstd, rstd
+
+
+@layer_norm.defjvp
+def _layer_norm_jvp(eps, primals, tangents):
+    x, scale, bias = primals
+    dx, dscale, dbias = tangents
+    xh, rstd = _layer_norm_parts(x, eps)
+    dxc = dx - jnp.mean(dx, axis=-1, keepdims=True)
+    dxh = rstd * (dxc - xh * jnp.mean(xh * dxc, axis=-1, keepdims=True))
+    return xh * scale + bias, dxh * scale + xh * dscale + dbias
+
+
+def _layer_norm(x: jax.Array, p: dict, eps: float) -> jax.Array:
+    return layer_norm(x, p["scale"].astype(x.dtype), p["bias"].astype(x.dtype), eps)
 
 
 def _dense(x: jax.Array, p: dict) -> jax.Array:
     return x @ p["kernel"].astype(x.dtype) + p["bias"].astype(x.dtype)
 
 
+def _random_bits(rng: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """Uniform uint32 bits for a dropout mask: a SplitMix32-style counter hash keyed by ``rng``.
+
+    Why not ``jax.random.bernoulli``: threefry's 20 rounds per word cost ~10% of a MiniLM
+    train step on CPU, and XLA's own Philox (``lax.rng_bit_generator``) is slower still
+    there. This is a Weyl sequence over the element index, offset by the 64-bit key and
+    finished with two rounds of murmur3's fmix32 avalanche: a handful of integer ops that
+    XLA fuses into the dropout multiply, so the bits are never stored. Keys still come from
+    ``jax.random`` (one per layer), and the bits are a pure function of ``rng``, so a
+    resumed run reproduces an uninterrupted one. Statistical checks live in the tests."""
+    if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+        rng = jax.random.key_data(rng)
+    key = rng.reshape(-1).astype(jnp.uint32)
+    k0, k1 = key[0], key[-1]
+    size = math.prod(shape)
+    if size >= 2 ** 32:
+        raise ValueError(f"dropout on {size} elements at once is not supported (at most 2**32 - 1)")
+    idx = lax.iota(jnp.uint32, size).reshape(shape) if shape else jnp.uint32(0)
+
+    def fmix(h):
+        h = h ^ (h >> 16)
+        h = h * jnp.uint32(0x85EBCA6B)
+        h = h ^ (h >> 13)
+        h = h * jnp.uint32(0xC2B2AE35)
+        return h ^ (h >> 16)
+
+    h = fmix(idx * jnp.uint32(0x9E3779B9) + k0)
+    return fmix(h ^ k1)
+
+
 def _dropout(x: jax.Array, rate: float, rng: jax.Array | None) -> jax.Array:
     if rng is None or rate == 0.0:
         return x
-    keep = jax.random.bernoulli(rng, 1.0 - rate, x.shape)
-    return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
+    # keep with probability 1 - rate (to 2**-32), inverted scaling as in HF / PyTorch.
+    threshold = jnp.uint32(min(int(round((1.0 - rate) * 2.0 ** 32)), 2 ** 32 - 1))
+    keep = _random_bits(rng, x.shape) < threshold
+    return x * (keep.astype(x.dtype) * jnp.asarray(1.0 / (1.0 - rate), x.dtype))
 
 
 def embed(params: dict, input_ids, token_type_ids, position_ids, *, eps: float, dtype) -> jax.Array:
@@ -118,12 +174,15 @@ def layer(p: dict, x: jax.Array, mask_bias: jax.Array, *, num_heads: int, eps: f
         r_attn = r_out = r_ffn = None
     n = attention_chunks(batch, num_heads, t, jnp.dtype(x.dtype).itemsize, attn_chunks)
     parts = []
+    # Independent batch chunks: XLA's CPU runtime runs them concurrently, so the
+    # (single-threaded) softmax/mask fusions of one chunk overlap the other's. Split (not
+    # sliced) so the backward pass concatenates the chunks' gradients instead of adding
+    # zero-padded full-size copies of them.
+    chunks = jnp.split(qkv, n, axis=0) if n > 1 else [qkv]
+    biases = jnp.split(mask_bias, n, axis=0) if n > 1 else [mask_bias]
     for c in range(n):
-        # Independent batch chunks: XLA's CPU runtime runs them concurrently, so the
-        # (single-threaded) softmax/mask fusions of one chunk overlap the other's.
-        sl = slice(c * batch // n, (c + 1) * batch // n)
-        q, k, v = qkv[sl, :, 0], qkv[sl, :, 1], qkv[sl, :, 2]
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) + mask_bias[sl]
+        q, k, v = (a.squeeze(2) for a in jnp.split(chunks[c], 3, axis=2))
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) + biases[c]
         probs = jax.nn.softmax(scores, axis=-1)
         if r_attn is not None:
             probs = _dropout(probs, attn_dropout, jax.random.fold_in(r_attn, c))
