@@ -32,12 +32,15 @@ def parse(argv=None):
     ap.add_argument("--epochs", type=int, default=20)
     ap.add_argument("--sweep", type=int, default=16)
     ap.add_argument("--recompute-batches", type=int, default=4)
+    ap.add_argument("--xla-flags", default=None, help="extra XLA_FLAGS (set before jax starts)")
     return ap.parse_args(argv)
 
 
 def main(argv=None):
     args = parse(argv)
     from bench import common
+
+    common.configure_xla(args.xla_flags)
 
     import jax
     import jax.numpy as jnp

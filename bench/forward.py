@@ -46,9 +46,9 @@ def classifier_checkpoint(src: str, num_labels: int, out: str) -> str:
 
 def main(argv=None) -> dict:
     args = parse(argv)
-    if args.xla_flags:
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + args.xla_flags).strip()
     from bench import common
+
+    common.configure_xla(args.xla_flags)
 
     import jax
     import numpy as np

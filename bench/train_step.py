@@ -38,9 +38,9 @@ def parse(argv=None):
 
 def main(argv=None):
     args = parse(argv)
-    if args.xla_flags:
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + args.xla_flags).strip()
     from bench import common
+
+    common.configure_xla(args.xla_flags)
     from bench.forward import classifier_checkpoint
 
     import jax

