@@ -139,20 +139,20 @@ def embed(params: dict, input_ids, token_type_ids, position_ids, *, eps: float, 
 
 
 #: Target size of one attention chunk's score tensor. Chunks that fit in cache cost less
-#: CPU time in softmax/mask than one big ``[B, nh, T, T]`` tensor. Measured on MiniLM at
-#: 32 x 128 with XLA's CPU flags from :mod:`flaxheads.runtime`: inference is fastest with
-#: ~1 MiB chunks (one example each there, +8% over 4 MiB); the train step is fastest with
-#: 4 MiB (its backward interleaves with the chunks; 1 MiB was 5% slower and compiled 3x longer).
+#: CPU time in softmax/mask than one big ``[B, nh, T, T]`` tensor (measured on MiniLM).
 _CHUNK_BYTES = 4 << 20
-_INFERENCE_CHUNK_BYTES = 1 << 20
+#: Most chunks "auto" picks: each chunk is its own copy of the attention ops in the
+#: compiled program, and past 8 the compile time grows faster than the step time falls
+#: (MiniLM forward at 32 x 256: 32 chunks compile in ~5.7 s, 8 in ~1.7 s, same speed).
+_MAX_AUTO_CHUNKS = 8
 
 
 def attention_chunks(batch: int, num_heads: int, seq: int, itemsize: int = 4,
-                     want: int | str = "auto", chunk_bytes: int = _CHUNK_BYTES) -> int:
+                     want: int | str = "auto") -> int:
     """How many batch chunks attention is split into: ``want``, or for ``"auto"`` the
-    smallest count whose score chunk is <= ``chunk_bytes``; always a divisor of ``batch``."""
+    smallest count whose score chunk is <= 4 MiB, at most 8; always a divisor of ``batch``."""
     if want == "auto":
-        want = -(-batch * num_heads * seq * seq * itemsize // chunk_bytes)
+        want = min(-(-batch * num_heads * seq * seq * itemsize // _CHUNK_BYTES), _MAX_AUTO_CHUNKS)
     n = max(1, min(int(want), batch))
     while batch % n:
         n += 1
@@ -176,8 +176,7 @@ def layer(p: dict, x: jax.Array, mask_bias: jax.Array, *, num_heads: int, eps: f
         r_attn, r_out, r_ffn = jax.random.split(rng, 3)
     else:
         r_attn = r_out = r_ffn = None
-    n = attention_chunks(batch, num_heads, t, jnp.dtype(x.dtype).itemsize, attn_chunks,
-                         _CHUNK_BYTES if rng is not None else _INFERENCE_CHUNK_BYTES)
+    n = attention_chunks(batch, num_heads, t, jnp.dtype(x.dtype).itemsize, attn_chunks)
     parts = []
     # Independent batch chunks: XLA's CPU runtime runs them concurrently, so the
     # (single-threaded) softmax/mask fusions of one chunk overlap the other's. Split (not
