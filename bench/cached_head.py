@@ -130,7 +130,10 @@ def main(argv=None):
         met["loss"].block_until_ready()
         epoch_times.append(time.perf_counter() - t0)
     head_epoch = statistics.median(epoch_times[1:] or epoch_times)
-    probe_total = enc_times[-1] + sum(epoch_times)
+    # What a user waits for: the first encode (it compiles every bucket) and the head epochs
+    # (the first compiles the head step). The warm figure reuses the compiled encoder.
+    probe_total = enc_times[0] + sum(epoch_times)
+    probe_warm = enc_times[-1] + sum(epoch_times)
 
     # an epoch recomputing the backbone (frozen): time a few real batches, scale to the epoch
     from flaxheads.data import iterate_batches
@@ -168,8 +171,10 @@ def main(argv=None):
         f"{enc_times[-1]:.1f} | {min(torch_times):.1f} | {min(torch_times) / enc_times[-1]:.2f}x |",
         f"| cached BBC {n}x{args.max_length} | head epoch on cache, ms | {head_epoch * 1e3:.1f} | - | "
         f"{recompute_epoch / head_epoch:.0f}x faster than recomputing ({recompute_epoch:.1f} s/epoch) |",
-        f"| cached BBC {n}x{args.max_length} | linear probe: encode + {args.epochs} epochs, s | {probe_total:.1f} | "
-        f"{min(torch_times):.1f} (encode only) | {min(torch_times) / probe_total:.2f}x |",
+        f"| cached BBC {n}x{args.max_length} | linear probe: encode (incl. compiles) + {args.epochs} epochs, s | "
+        f"{probe_total:.1f} | {min(torch_times):.1f} (encode only) | {min(torch_times) / probe_total:.2f}x |",
+        f"| cached BBC {n}x{args.max_length} | linear probe, encoder already compiled, s | {probe_warm:.1f} | "
+        f"{min(torch_times):.1f} (encode only) | {min(torch_times) / probe_warm:.2f}x |",
         f"| cached BBC {n}x{args.max_length} | sweep K={k} vs K=1, s for {args.epochs} epochs | {rk.seconds:.2f} "
         f"vs {one:.2f} | - | {rk.seconds / one:.2f}x the cost of one head |",
     ]
@@ -177,7 +182,7 @@ def main(argv=None):
     print("\n".join(rows))
     print(f"# sweep best: {rk.variants[rk.best].label()} val {rk.metric} {rk.scores[rk.best]:.4f} "
           f"(K=1 head: {r1.scores[0]:.4f})")
-    print(f"# cached: probe {probe_total:.1f} s vs PyTorch encode {min(torch_times):.1f} s; head epoch "
+    print(f"# cached: probe {probe_total:.1f} s (incl. compiles) vs PyTorch encode {min(torch_times):.1f} s; head epoch "
           f"{recompute_epoch / head_epoch:.0f}x faster on cache; K={k} sweep {rk.seconds / one:.2f}x one head")
 
 
