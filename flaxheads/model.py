@@ -201,12 +201,25 @@ def build_head(hf_config, num_labels: int, *, pooler=None, head=None, pooler_opt
     return SequenceHead(p, h), preset
 
 
+def _enable_remat(backbone) -> None:
+    from .encoders import FastBertBackbone
+
+    if isinstance(backbone, FastBertBackbone):
+        backbone.remat = True
+    elif hasattr(backbone, "enable_gradient_checkpointing"):
+        backbone.enable_gradient_checkpointing()
+    else:
+        raise ValueError(f"remat=True: {type(backbone).__name__} has no gradient checkpointing in transformers' "
+                         "Flax implementation; load without remat, or use a BERT-family model (flaxheads' encoder)")
+
+
 def from_pretrained(path: str | os.PathLike, *, pooler: str | Sequence[str] | Pooler | None = None,
                     head: str | Head | None = None, num_labels: int | None = None,
                     problem_type: str | None = None, id2label: dict | Sequence[str] | None = None,
                     dtype=jnp.float32, seed: int = 0, ignore_mismatched_sizes: bool = False,
                     pooler_options: dict | None = None, head_options: dict | None = None,
-                    pool_mask: str | None = None, fast_encoder: bool | str = "auto") -> SequenceModel:
+                    pool_mask: str | None = None, fast_encoder: bool | str = "auto",
+                    remat: bool = False) -> SequenceModel:
     """Load a local HF model folder as backbone and attach a pooler + head.
 
     Defaults to the HF-exact preset for the backbone's ``model_type`` (and copies its
@@ -214,12 +227,16 @@ def from_pretrained(path: str | os.PathLike, *, pooler: str | Sequence[str] | Po
     ``head`` pick any other combination. ``dtype=jnp.bfloat16`` runs the backbone in
     bfloat16; params, head and logits stay float32. ``fast_encoder`` ("auto", True, False):
     run BERT-family backbones on flaxheads' own encoder (same params, HF's outputs to 1e-5,
-    faster on CPU; see ``flaxheads.encoders``); every other architecture uses HF's wrapper."""
+    faster on CPU; see ``flaxheads.encoders``); every other architecture uses HF's wrapper.
+    ``remat=True`` turns on gradient checkpointing per encoder layer (flaxheads' encoder, or
+    HF's ``enable_gradient_checkpointing`` where the Flax model has it; else an error)."""
     path = os.fspath(path)
     state = _read_state_if_any(path)  # read once: the backbone's weights and the head's
     backbone = load_backbone(path, dtype=dtype, state=state or None)
     from .encoders import maybe_fast
     backbone = maybe_fast(backbone, fast_encoder)
+    if remat:
+        _enable_remat(backbone)
     cfg = backbone.config
     labels = _labels(id2label, num_labels, cfg)
     n = len(labels) if labels else int(num_labels or getattr(cfg, "num_labels", 2))

@@ -135,6 +135,35 @@ def test_dropout_masks_are_unbiased_and_independent():
         np.testing.assert_allclose(y[y != 0], 1.0 / (1.0 - rate), rtol=1e-6)
 
 
+def test_remat_same_gradients(tiny_bert):
+    """Gradient checkpointing per layer: identical gradients, dropout on. (Its memory saving is an
+    XLA-scheduler matter: on XLA:CPU the temp buffers barely change, see README; not asserted.)"""
+    path, tm = tiny_bert
+    hf = _hf_flax(path)
+    params = FastBertBackbone.from_hf(hf).params
+    ids = jnp.asarray(padded_batch("bert", tm.config)[0])
+    mask = jnp.ones_like(ids)
+    w = jax.random.normal(jax.random.PRNGKey(0), ids.shape + (hf.config.hidden_size,))
+
+    def grad_fn(remat):
+        def f(p):
+            h = encode(p, ids, mask, config=hf.config, train=True, dropout_rng=jax.random.PRNGKey(3), remat=remat)
+            return jnp.sum(h * w)
+        return jax.jit(jax.grad(f))
+
+    plain, ckpt = grad_fn(False), grad_fn(True)
+    for a, b in zip(jax.tree_util.tree_leaves(plain(params)), jax.tree_util.tree_leaves(ckpt(params))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-5)
+    assert "remat" in str(jax.make_jaxpr(ckpt)(params)) or "checkpoint" in str(jax.make_jaxpr(ckpt)(params))
+
+
+def test_from_pretrained_remat(tiny_bert):
+    path, _ = tiny_bert
+    assert fh.from_pretrained(path, remat=True).backbone.remat is True
+    hf_backed = fh.from_pretrained(path, remat=True, fast_encoder=False).backbone
+    assert getattr(hf_backed, "gradient_checkpointing", True)  # HF's own switch
+
+
 def test_attention_chunk_count():
     assert attention_chunks(32, 12, 128) == 8  # 24 MiB of scores -> 6 chunks of <= 4 MiB -> next divisor
     assert attention_chunks(30, 12, 128) == 6

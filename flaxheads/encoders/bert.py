@@ -213,11 +213,13 @@ def _ffn(p: dict, x: jax.Array, *, eps: float, act, hidden_dropout: float, rng, 
 
 def encode(params: dict, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, *, config,
            dtype=jnp.float32, dropout_rng: jax.Array | None = None, train: bool = False,
-           attn_chunks: int | str = "auto", ffn_chunks: int = 1) -> jax.Array:
+           attn_chunks: int | str = "auto", ffn_chunks: int = 1, remat: bool = False) -> jax.Array:
     """BERT encoder forward: last hidden state ``[B, T, H]`` in ``dtype``. Pure in ``params``.
 
     ``attn_chunks`` splits attention into independent batch chunks (see
-    :func:`attention_chunks`); it changes speed only, never the result."""
+    :func:`attention_chunks`); it changes speed only, never the result. ``remat=True``
+    recomputes each layer in the backward pass (gradient checkpointing): same values and
+    gradients, less activation memory."""
     input_ids = jnp.asarray(input_ids)
     bsz, t = input_ids.shape
     if attention_mask is None:
@@ -240,10 +242,14 @@ def encode(params: dict, input_ids, attention_mask=None, token_type_ids=None, po
     act = get_activation(config.hidden_act)
     x = x.reshape(bsz * t, -1)
     layers = params["encoder"]["layer"]
+    step = partial(layer, num_heads=config.num_attention_heads, eps=eps, act=act, batch=bsz, hidden_dropout=hd,
+                   attn_dropout=ad, attn_chunks=attn_chunks, ffn_chunks=ffn_chunks)
+    if remat:
+        # Keep only each layer's input for the backward pass and recompute the rest: activation
+        # memory stops growing with the layer count (long sequences), ~1 extra forward of compute.
+        step = jax.checkpoint(step)
     for i in range(config.num_hidden_layers):
-        x = layer(layers[str(i)], x, mask_bias, num_heads=config.num_attention_heads, eps=eps, act=act,
-                  batch=bsz, hidden_dropout=hd, attn_dropout=ad, rng=rngs[i], attn_chunks=attn_chunks,
-                  ffn_chunks=ffn_chunks)
+        x = step(layers[str(i)], x, mask_bias, rng=rngs[i])
     return x.reshape(bsz, t, -1)
 
 
@@ -273,7 +279,8 @@ class FastBertBackbone:
 
     base_model_prefix = "bert"
 
-    def __init__(self, config, params: dict, dtype=jnp.float32, attn_chunks: int | str = "auto"):
+    def __init__(self, config, params: dict, dtype=jnp.float32, attn_chunks: int | str = "auto",
+                 remat: bool = False):
         ok, why = supports(config)
         if not ok:
             raise ValueError(f"FastBertBackbone cannot run this config: {why}. Use the HF Flax wrapper "
@@ -282,6 +289,7 @@ class FastBertBackbone:
         self.params = params
         self.dtype = dtype
         self.attn_chunks = attn_chunks
+        self.remat = bool(remat)
 
     @classmethod
     def from_hf(cls, model: Any) -> "FastBertBackbone":
@@ -297,7 +305,7 @@ class FastBertBackbone:
             raise TypeError(f"FastBertBackbone does not support {sorted(bad)}; use the HF Flax wrapper")
         hidden = encode(self.params if params is None else params, input_ids, attention_mask, token_type_ids,
                         position_ids, config=self.config, dtype=self.dtype, dropout_rng=dropout_rng,
-                        train=train, attn_chunks=self.attn_chunks)
+                        train=train, attn_chunks=self.attn_chunks, remat=self.remat)
         return (hidden,)
 
     def save_pretrained(self, *args, **kwargs):
