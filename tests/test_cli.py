@@ -37,6 +37,7 @@ def test_end_to_end_run_folder(folder, tmp_path, capsys):
     printed = capsys.readouterr().out
     for name in ("config.json", "metrics.jsonl", "curve.png", "confusion_matrix.png", "eval.txt", "summary.json"):
         assert (out / name).is_file(), name
+    assert not (out / "checkpoints").exists()  # --checkpoint-every 0 leaves no empty folder
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["labels"] == ["business", "politics", "sport"] and cfg["num_labels"] == 3  # folder had 2: resized
     assert cfg["sizes"] == {"train": 36, "validation": 6, "test": 3}

@@ -310,6 +310,7 @@ def _setup_checkpoints(args, model, trainer, out: Path, config: dict, lead: bool
     settings = json.loads(json.dumps({k: config[k] for k in ("model", "head_config", "problem_type", "num_labels",
                                                              "labels", "bf16", "max_length", "data", "train",
                                                              "optimizer")}, default=str))
+    had_folder = (out / "checkpoints").exists()
     ckr = RunCheckpointer(out, model, keep=args.keep, best_metric=best, mode="max",
                           save_backbone=not args.freeze_backbone, extra_meta={"run": settings})
     state0, latest = None, ckr.latest_step()
@@ -329,6 +330,9 @@ def _setup_checkpoints(args, model, trainer, out: Path, config: dict, lead: bool
             _trim_log(out / "metrics.jsonl", step)
     if args.checkpoint_every == 0:
         ckr.close()
+        root = Path(ckr.root)
+        if not had_folder and root.is_dir() and not any(root.iterdir()):
+            root.rmdir()  # opened only to look for a run to resume; leave no empty folder behind
         return None, state0
     eval_every = trainer.cfg.eval_every or steps_per_epoch(n_train, trainer.cfg.batch_size)
     host = trainer.parallel.get_state if trainer.parallel.mode == "pmap" else None
