@@ -15,7 +15,6 @@ Systems, on the same documents and length buckets:
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -25,14 +24,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def parse(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from bench import common
+
+    ap = common.parser(__doc__)
     ap.add_argument("--limit", type=int, default=500, help="documents (0: all 2225)")
     ap.add_argument("--max-length", type=int, default=256)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--epochs", type=int, default=20)
     ap.add_argument("--sweep", type=int, default=16)
     ap.add_argument("--recompute-batches", type=int, default=4)
-    ap.add_argument("--xla-flags", default=None, help="extra XLA_FLAGS (set before jax starts)")
     return ap.parse_args(argv)
 
 

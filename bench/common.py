@@ -27,6 +27,23 @@ import warnings  # noqa: E402
 warnings.filterwarnings("ignore", message=".*TensorFlow and JAX classes are deprecated.*")
 
 
+def parser(doc: str, *, repeats: int | None = None, systems: str | None = None):
+    """The benches' argument parser: ``--xla-flags`` always; with ``repeats``/``systems``, the
+    options every model-step bench takes (batch, seq, repeats, labels, model, systems)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if repeats is not None:
+        ap.add_argument("--batch", type=int, default=32)
+        ap.add_argument("--seq", type=int, default=128)
+        ap.add_argument("--repeats", type=int, default=repeats)
+        ap.add_argument("--labels", type=int, default=5)
+        ap.add_argument("--model", default=None, help="HF BERT folder (default: all-MiniLM-L6-v2)")
+        ap.add_argument("--systems", default=systems)
+    ap.add_argument("--xla-flags", default=None, help="extra XLA_FLAGS (set before jax starts)")
+    return ap
+
+
 def configure_xla(extra: str | None = None) -> list[str]:
     """``--xla-flags`` from the command line, then flaxheads' program defaults
     (:func:`flaxheads.runtime.configure_xla`), before JAX starts. Every system in a bench

@@ -16,7 +16,6 @@ interleaved. Systems:
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tempfile
@@ -25,14 +24,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def parse(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=8)
-    ap.add_argument("--labels", type=int, default=5)
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--xla-flags", default=None)
-    ap.add_argument("--systems", default="flaxheads,flaxheads_hf_backbone,hf_flax,pytorch")
+    from bench import common
+
+    ap = common.parser(__doc__, repeats=8, systems="flaxheads,flaxheads_hf_backbone,hf_flax,pytorch")
     return ap.parse_args(argv)
 
 
