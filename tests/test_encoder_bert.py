@@ -158,10 +158,16 @@ def test_remat_same_gradients(tiny_bert):
 
 
 def test_from_pretrained_remat(tiny_bert):
+    from flaxheads.model import _enable_remat
+
     path, _ = tiny_bert
     assert fh.from_pretrained(path, remat=True).backbone.remat is True
-    hf_backed = fh.from_pretrained(path, remat=True, fast_encoder=False).backbone
-    assert getattr(hf_backed, "gradient_checkpointing", True)  # HF's own switch
+    assert fh.from_pretrained(path).backbone.remat is False
+    # HF-backed: transformers' own switch, read back from its module
+    assert fh.from_pretrained(path, remat=True, fast_encoder=False).backbone.module.gradient_checkpointing is True
+    assert fh.from_pretrained(path, fast_encoder=False).backbone.module.gradient_checkpointing is False
+    with pytest.raises(ValueError, match="no gradient checkpointing"):
+        _enable_remat(object())
 
 
 def test_attention_chunk_count():
