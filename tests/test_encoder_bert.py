@@ -45,6 +45,21 @@ def test_forward_matches_hf_flax_and_pytorch(tiny_bert):
     np.testing.assert_allclose(ours, ref_flax, atol=1e-5, rtol=0)
 
 
+def test_fully_masked_row_matches_hf_flax(tiny_bert):
+    """The mask bias rides inside the score matmul (``[q, 1] . [k, bias]``); a row whose keys
+    are all masked must still give HF's finite, uniform attention, not NaN."""
+    path, tm = tiny_bert
+    hf = _hf_flax(path)
+    fast = FastBertBackbone.from_hf(hf)
+    ids, mask = padded_batch("bert", tm.config)
+    mask = mask.copy()
+    mask[0] = 0
+    ours = np.asarray(fast(jnp.asarray(ids), jnp.asarray(mask))[0])
+    ref = np.asarray(hf(jnp.asarray(ids), jnp.asarray(mask))[0])
+    assert np.isfinite(ours).all()
+    np.testing.assert_allclose(ours, ref, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("chunks", [1, 3, "auto"])
 def test_chunks_do_not_change_the_result(tiny_bert, chunks):
     path, tm = tiny_bert
