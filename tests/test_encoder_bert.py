@@ -87,6 +87,30 @@ def test_chunked_attention_gradients_equal_unchunked(tiny_bert):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
 
 
+def test_key_bias_has_no_effect_and_zero_gradient(tiny_bert):
+    """HF Flax's own output does not move when every key bias is changed (softmax cancels a
+    per-query constant), so the exact gradient is 0: flaxheads returns exactly 0, where
+    autodiff's rounding noise would become lr-sized Adam steps."""
+    path, tm = tiny_bert
+    hf = _hf_flax(path)
+    ids, mask = padded_batch("bert", tm.config)
+    moved = jax.tree_util.tree_map(lambda x: x, hf.params)
+    for i, lp in moved["encoder"]["layer"].items():
+        kb = lp["attention"]["self"]["key"]["bias"]
+        lp["attention"]["self"]["key"]["bias"] = kb + jax.random.normal(jax.random.PRNGKey(int(i)), kb.shape)
+    k0 = lambda p: np.asarray(p["encoder"]["layer"]["0"]["attention"]["self"]["key"]["bias"])
+    assert np.abs(k0(moved) - k0(hf.params)).min() > 1e-3  # really moved (a copy, not hf.params)
+    ref = np.asarray(hf(jnp.asarray(ids), jnp.asarray(mask), params=hf.params)[0])
+    ref_moved = np.asarray(hf(jnp.asarray(ids), jnp.asarray(mask), params=moved)[0])
+    np.testing.assert_allclose(ref_moved, ref, atol=1e-5, rtol=0)
+    params = FastBertBackbone.from_hf(hf).params
+    w = jax.random.normal(jax.random.PRNGKey(0), (3, 9, hf.config.hidden_size))
+    g = jax.grad(lambda p: jnp.sum(encode(p, ids, mask, config=hf.config) * w))(params)
+    for lp in g["encoder"]["layer"].values():
+        assert not np.asarray(lp["attention"]["self"]["key"]["bias"]).any()
+        assert np.abs(np.asarray(lp["attention"]["self"]["query"]["bias"])).max() > 1e-6  # the others do flow
+
+
 def test_forward_mode_matches_reverse_mode(tiny_bert):
     """LayerNorm and GELU carry explicit derivative rules: jvp and vjp must agree (jacfwd users)."""
     path, tm = tiny_bert

@@ -216,7 +216,11 @@ def layer(p: dict, x: jax.Array, mask_bias: jax.Array, *, num_heads: int, eps: f
     # multiplies) instead of on the [B, nh, T, T] scores.
     scale = 1.0 / math.sqrt(d)
     w = jnp.concatenate([a["query"]["kernel"] * scale, a["key"]["kernel"], a["value"]["kernel"]], axis=1)
-    b = jnp.concatenate([a["query"]["bias"] * scale, a["key"]["bias"], a["value"]["bias"]])
+    # The key bias adds q . b_k to every score of a query row, which softmax cancels: it has no
+    # effect on the output and its exact gradient is 0. Autodiff returns rounding noise
+    # instead, which Adam's g / (|g| + eps) turns into lr-sized steps that differ with the
+    # batch shape; stop_gradient gives the exact 0.
+    b = jnp.concatenate([a["query"]["bias"] * scale, lax.stop_gradient(a["key"]["bias"]), a["value"]["bias"]])
     qkv = (x @ w.astype(x.dtype) + b.astype(x.dtype)).reshape(batch, t, 3, num_heads, d)
     if rng is not None:
         r_attn, r_out, r_ffn = jax.random.split(rng, 3)
