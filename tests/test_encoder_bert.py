@@ -87,6 +87,30 @@ def test_chunked_attention_gradients_equal_unchunked(tiny_bert):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("rate", [0.0, 0.3])
+def test_cpu_attention_equals_textbook_attention(rate):
+    """The CPU arrangement (bias inside the matmul, normalisation after ``P @ V``, dropout on the
+    unnormalised weights) equals softmax(q k^T + bias) -> dropout -> @ v, values and gradients."""
+    from flaxheads.encoders.bert import _attend, _attend_plain
+
+    ks = jax.random.split(jax.random.PRNGKey(0), 4)
+    q, k, v = (jax.random.normal(ks[i], (2, 7, 3, 4)) for i in range(3))
+    mask = np.ones((2, 7), np.int32)
+    mask[1, 4:] = 0
+    bias = jnp.where(jnp.asarray(mask)[:, None, None, :] > 0, 0.0, jnp.finfo(jnp.float32).min)
+    rng = ks[3] if rate else None
+    f = lambda fn: lambda q, k, v: fn(q, k, v, bias, rate, rng)
+    ours, ref = f(_attend)(q, k, v), f(_attend_plain)(q, k, v)
+    np.testing.assert_allclose(np.asarray(ours), np.asarray(ref), atol=1e-6, rtol=1e-6)
+    w = jax.random.normal(ks[3], ours.shape)
+    g_ours = jax.grad(lambda *a: jnp.sum(f(_attend)(*a) * w), argnums=(0, 1, 2))(q, k, v)
+    g_ref = jax.grad(lambda *a: jnp.sum(f(_attend_plain)(*a) * w), argnums=(0, 1, 2))(q, k, v)
+    for a, b in zip(g_ours, g_ref):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
+    if rate:  # dropout really acted
+        assert not np.allclose(np.asarray(ref), np.asarray(_attend_plain(q, k, v, bias, 0.0, None)))
+
+
 def test_key_bias_has_no_effect_and_zero_gradient(tiny_bert):
     """HF Flax's own output does not move when every key bias is changed (softmax cancels a
     per-query constant), so the exact gradient is 0: flaxheads returns exactly 0, where

@@ -194,7 +194,11 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, rate: flo
       ``[B, nh, T, T]`` probabilities (one pass fewer over the scores; dropout is a per-element
       scale, so dropping ``exp`` then dividing equals dropping the normalised probabilities);
     * ``probs @ v`` is a ``dot_general`` with a ``[B, nh, Tq, d]`` output: ``jnp.einsum`` puts
-      ``v`` first and XLA:CPU then computes the transposed product, 3x slower per call."""
+      ``v`` first and XLA:CPU then computes the transposed product, 3x slower per call.
+
+    On other backends it is :func:`_attend_plain` (see there)."""
+    if jax.default_backend() != "cpu":
+        return _attend_plain(q, k, v, bias, rate, rng)
     b, t, nh, _ = k.shape
     key_bias = jnp.broadcast_to(lax.stop_gradient(bias).reshape(b, t, 1, 1), (b, t, nh, 1)).astype(k.dtype)
     scores = _biased_scores(q, k, key_bias)
@@ -203,6 +207,18 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, rate: flo
     e = _dropout(e, rate, rng)
     ctx = lax.dot_general(e, v, (((3,), (1,)), ((0, 1), (0, 2))))  # [B, nh, Tq, d]
     return (ctx / denom[..., None].astype(ctx.dtype)).transpose(0, 2, 1, 3)
+
+
+def _attend_plain(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, rate: float,
+                  rng: jax.Array | None) -> jax.Array:
+    """HF's arrangement of :func:`_attend` (same function, same dropout bits), used off CPU.
+
+    The ``d + 1``-wide score matmul is a CPU measurement; on GPUs XLA fuses bias + softmax
+    itself and matmuls want aligned head dims, and nothing here was measured on one, so
+    accelerators get the textbook form."""
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) + bias
+    probs = _dropout(jax.nn.softmax(scores, axis=-1), rate, rng)
+    return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
 
 
 def layer(p: dict, x: jax.Array, mask_bias: jax.Array, *, num_heads: int, eps: float, act, batch: int,
