@@ -29,11 +29,11 @@ setup: $(STAMP)
 # 1e-4 backbone / 1e-3 head (the program's defaults; 5e-3 with --freeze-backbone); a new run folder
 # under runs/ each time. Extra flags: make train ARGS="--freeze-backbone --epochs 5"
 train: $(STAMP)
-	$(BIN)/python -m train --model all-MiniLM-L6-v2 --data bbc_news --max-length 128 --batch-size 16 \
+	$(BIN)/python -m flaxheads train --model all-MiniLM-L6-v2 --data bbc_news --max-length 128 --batch-size 16 \
 		--epochs 2 $(ARGS)
 
 demo: $(STAMP)
-	$(BIN)/python -m train.demo
+	$(BIN)/python examples/demo.py
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests

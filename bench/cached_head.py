@@ -49,11 +49,11 @@ def main(argv=None):
     from transformers import AutoModel, AutoTokenizer
 
     import flaxheads as fh
-    from flaxheads.data import bbc_news_path, load_class_folder, make_buckets, split_indices, tokenize
-    from flaxheads.features import cache_features
-    from flaxheads.optim import OptimConfig, make_optimizer
-    from flaxheads.sweep import grid, sweep
-    from flaxheads.train import create_state, make_head_train_step, make_train_step
+    from flaxheads.training.data import bbc_news_path, load_class_folder, make_buckets, split_indices, tokenize
+    from flaxheads.training.features import cache_features
+    from flaxheads.training.optim import OptimConfig, make_optimizer
+    from flaxheads.training.sweep import grid, sweep
+    from flaxheads.training.steps import create_state, make_head_train_step, make_train_step
 
     path = common.minilm_path()
     table = load_class_folder(bbc_news_path())
@@ -72,7 +72,7 @@ def main(argv=None):
 
     model = fh.from_pretrained(path, pooler="mean", head="linear", num_labels=len(names))
     # flaxheads encode (compile included: it is part of what a user waits for); run twice, report both
-    from flaxheads.features import make_encoder
+    from flaxheads.training.features import make_encoder
 
     enc = make_encoder(model, "pooled", ("mean",))  # reused: the second run has every bucket compiled
     enc_times = []
@@ -85,7 +85,7 @@ def main(argv=None):
     # PyTorch encode, same bucketed batches
     tm = AutoModel.from_pretrained(path).eval()
     lengths = split.lengths
-    from flaxheads.data import bucket_length
+    from flaxheads.training.data import bucket_length
 
     groups = {}
     for i, L in enumerate(lengths):
@@ -136,7 +136,7 @@ def main(argv=None):
     probe_warm = enc_times[-1] + sum(epoch_times)
 
     # an epoch recomputing the backbone (frozen): time a few real batches, scale to the epoch
-    from flaxheads.data import iterate_batches
+    from flaxheads.training.data import iterate_batches
 
     fstate = create_state(jax.tree.map(jnp.copy, model.params), tx, freeze_backbone=True)  # donated below
     fstep = jax.jit(make_train_step(model, tx, freeze_backbone=True), donate_argnums=0)

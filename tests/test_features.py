@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import optax
 
 import flaxheads as fh
-from flaxheads.features import cache_features, choose_level, predict_cached
+from flaxheads.training.features import cache_features, choose_level, predict_cached
 from tests.feature_helpers import padded, tiny_bert_dir, toy_split
 
 BUCKETS = (4, 8, 16)
@@ -88,9 +88,9 @@ def test_batches_cover_every_example_once_and_are_reproducible(bert_dir):
 
 def test_head_training_on_cache_equals_frozen_backbone_training(bert_dir):
     """Same rows, same step count: the head trained on cached features equals the head trained by
-    flaxheads.train with a frozen backbone recomputing features every step (dropout on)."""
-    from flaxheads.optim import OptimConfig, make_optimizer
-    from flaxheads.train import create_state, make_head_train_step, make_train_step
+    flaxheads.training.steps with a frozen backbone recomputing features every step (dropout on)."""
+    from flaxheads.training.optim import OptimConfig, make_optimizer
+    from flaxheads.training.steps import create_state, make_head_train_step, make_train_step
 
     model = fh.from_pretrained(bert_dir, num_labels=3)  # BERT preset: dropout 0.1 in the head
     split = toy_split()

@@ -7,7 +7,7 @@ torch = pytest.importorskip("torch")
 import jax.numpy as jnp  # noqa: E402
 
 import flaxheads as fh  # noqa: E402
-from flaxheads.hf_weights import head_from_hf  # noqa: E402
+from flaxheads.backbones.weights import head_from_hf  # noqa: E402
 from hf_tiny import padded_batch, tiny_torch_model  # noqa: E402
 
 FLAX_ARCHS = ["bert", "roberta", "xlm-roberta", "distilbert", "albert", "electra", "gpt2", "bart"]

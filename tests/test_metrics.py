@@ -4,7 +4,7 @@ import pytest
 from scipy import stats
 from sklearn import metrics as skm
 
-from flaxheads.metrics import compute_metrics, format_table, multi_label_metrics, regression_metrics
+from flaxheads.training.metrics import compute_metrics, format_table, multi_label_metrics, regression_metrics
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -11,7 +11,7 @@ import optax
 
 import flaxheads as fh
 from flaxheads.losses import loss_fn
-from flaxheads.multitask import init_multitask_state, make_multitask_train_step, multitask
+from flaxheads.training.multitask import init_multitask_state, make_multitask_train_step, multitask
 from tests.feature_helpers import padded, tiny_bert_dir, toy_split
 
 

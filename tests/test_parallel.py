@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import flaxheads as fh
-from flaxheads.optim import OptimConfig
-from flaxheads.train import Parallel, TrainConfig, Trainer, fit, process_rows
+from flaxheads.training.optim import OptimConfig
+from flaxheads.training.steps import Parallel, TrainConfig, Trainer, fit, process_rows
 from train_helpers import random_split, tiny_bert_folder
 
 N_TRAIN, N_EVAL, BATCH, STEPS = 21, 13, 8, 3  # 21 = 8 + 8 + 5: last batch has 3 padding rows
@@ -43,7 +43,7 @@ def _run(folder, mode):
 
 
 def _eval_batches():
-    from flaxheads.data import iterate_batches
+    from flaxheads.training.data import iterate_batches
     return iterate_batches(random_split(N_EVAL, seed=6), BATCH, (16, 24), shuffle=False)
 
 
@@ -86,8 +86,8 @@ WORKER = textwrap.dedent("""
     jax.distributed.initialize(coordinator_address="127.0.0.1:" + port, num_processes=2, process_id=pid)
     sys.path.insert(0, sys.argv[5])
     import flaxheads as fh
-    from flaxheads.optim import OptimConfig
-    from flaxheads.train import Parallel, TrainConfig, Trainer, fit
+    from flaxheads.training.optim import OptimConfig
+    from flaxheads.training.steps import Parallel, TrainConfig, Trainer, fit
     from train_helpers import random_split
     assert jax.device_count() == 2 and jax.local_device_count() == 1
     model = fh.from_pretrained(folder, pooler="mean", head="linear", num_labels=3, head_options={"dropout": 0.0})

@@ -32,10 +32,10 @@ def _data_csv(path, n=40, seed=0):
 
 
 _SLEEPER = textwrap.dedent("""
-    # `python -m train`, but at step KILL_AT it says so and waits to be killed.
+    # `flaxheads train`, but at step KILL_AT it says so and waits to be killed.
     import os, sys, time
-    import flaxheads.train as T
-    import train.cli as C
+    import flaxheads.training.steps as T
+    import flaxheads.cli.train as C
 
     K = int(os.environ["KILL_AT"])
     real_fit = T.fit
@@ -123,9 +123,9 @@ def test_sigkilled_train_run_resumes_to_the_same_result(tmp_path, capfd):
     assert steps_left and max(steps_left) <= 10
 
     # side by side: the uninterrupted run, and the resume (the same command, nothing else)
-    a = subprocess.Popen([sys.executable, "-m", "train", *_train_args(model, data, full)], cwd=REPO, env=env,
+    a = subprocess.Popen([sys.executable, "-m", "flaxheads", "train", *_train_args(model, data, full)], cwd=REPO, env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    r = subprocess.run([sys.executable, "-m", "train", *_train_args(model, data, cut)], cwd=REPO, env=env,
+    r = subprocess.run([sys.executable, "-m", "flaxheads", "train", *_train_args(model, data, cut)], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=400)
     out_a, _ = a.communicate(timeout=400)
     assert a.returncode == 0, out_a[-3000:]
@@ -149,7 +149,7 @@ def test_sigkilled_train_run_resumes_to_the_same_result(tmp_path, capfd):
     assert kept[-2:] == [16, 18] and len(kept) <= 3
     # the listing command sees them
     # what the program says about resuming that cannot work (in-process: no training happens)
-    from train.cli import main
+    from flaxheads.cli.train import main
 
     def err(*extra):
         code = main(_train_args(model, data, full) + list(extra))
@@ -162,7 +162,7 @@ def test_sigkilled_train_run_resumes_to_the_same_result(tmp_path, capfd):
     code, msg = err("--resume-step", "3")
     assert code == 2 and "no checkpoint for step 3" in msg and "available steps: [16, 18]" in msg
 
-    from flaxheads.checkpoint import format_listing, list_checkpoints
+    from flaxheads.checkpoint.core import format_listing, list_checkpoints
 
     rows = list_checkpoints(full)
     assert rows[-1]["latest"] and sum(r["best"] for r in rows) == 1
@@ -172,7 +172,7 @@ def test_sigkilled_train_run_resumes_to_the_same_result(tmp_path, capfd):
 def test_fit_checkpointing_schedule(tmp_path):
     """Which steps the train hooks save: every evaluation (with its metrics), every N, the last."""
     import flaxheads as fh
-    from flaxheads.checkpoint import FitCheckpointing
+    from flaxheads.checkpoint.core import FitCheckpointing
     from test_checkpoint import _state, _stub_model
 
     model = _stub_model()

@@ -1,5 +1,5 @@
-"""vmapped head sweeps: each of K heads equals its own separate training run (flaxheads.train +
-flaxheads.optim, which this module does not use), and the best head saves as a normal head."""
+"""vmapped head sweeps: each of K heads equals its own separate training run (flaxheads.training.steps +
+flaxheads.training.optim, which this module does not use), and the best head saves as a normal head."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,10 +8,10 @@ import pytest
 import jax
 
 import flaxheads as fh
-from flaxheads.features import cache_features, predict_cached
-from flaxheads.optim import OptimConfig, make_optimizer
-from flaxheads.sweep import Variant, grid, init_heads, sweep
-from flaxheads.train import create_state, make_head_train_step
+from flaxheads.training.features import cache_features, predict_cached
+from flaxheads.training.optim import OptimConfig, make_optimizer
+from flaxheads.training.sweep import Variant, grid, init_heads, sweep
+from flaxheads.training.steps import create_state, make_head_train_step
 from tests.feature_helpers import tiny_bert_dir, toy_split
 
 BUCKETS = (4, 8, 16)
@@ -31,7 +31,7 @@ def setup(tmp_path_factory):
 
 def _separate(model, cache, v: Variant, cfg: OptimConfig, epochs: int, bs: int):
     """One head, trained alone with the training module's step and optimizer."""
-    from flaxheads.sweep import head_with_reduction
+    from flaxheads.training.sweep import head_with_reduction
 
     import dataclasses
 
@@ -66,7 +66,7 @@ def test_sweep_heads_equal_separate_trainings(setup):
 
 
 def test_best_head_is_chosen_on_validation_and_saves_as_a_normal_head(setup, tmp_path):
-    from flaxheads.checkpoint import attach_head, load_head, save_head
+    from flaxheads.checkpoint.core import attach_head, load_head, save_head
 
     d, model, _, tc, vc = setup
     variants = grid([0.0, 3e-2], seeds=(0, 1), poolers=("cls", "mean"))
@@ -115,10 +115,10 @@ def test_sweep_on_token_level_features(tmp_path_factory):
 
 @pytest.mark.slow
 def test_train_program_sweep_saves_the_best_head(tmp_path):
-    """`python -m train --sweep K` on real MiniLM + BBC News: the saved head is the sweep's best and
+    """`flaxheads train --sweep K` on real MiniLM + BBC News: the saved head is the sweep's best and
     scores what the summary says when attached to a freshly loaded backbone."""
-    from flaxheads.checkpoint import attach_head, load_head
-    from train.cli import build_parser, run
+    from flaxheads.checkpoint.core import attach_head, load_head
+    from flaxheads.cli.train import build_parser, run
 
     args = build_parser().parse_args(["--sweep", "3", "--limit", "60", "--max-length", "32", "--epochs", "2",
                                       "--output-dir", str(tmp_path), "--no-progress"])

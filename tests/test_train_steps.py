@@ -7,9 +7,9 @@ import optax
 import pytest
 
 import flaxheads as fh
-from flaxheads.data import collate, make_buckets
-from flaxheads.optim import OptimConfig, decay_mask, make_optimizer, schedule
-from flaxheads.train import (Parallel, TrainConfig, Trainer, create_state, fit, make_eval_step,
+from flaxheads.training.data import collate, make_buckets
+from flaxheads.training.optim import OptimConfig, decay_mask, make_optimizer, schedule
+from flaxheads.training.steps import (Parallel, TrainConfig, Trainer, create_state, fit, make_eval_step,
                              make_head_train_step, make_train_step)
 from train_helpers import random_split, tiny_bert_folder
 

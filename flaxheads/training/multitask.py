@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from .heads import SequenceHead
-from .losses import check_problem_type, infer_problem_type, loss_fn
+from ..nn.heads import SequenceHead
+from ..losses import check_problem_type, infer_problem_type, loss_fn
 
 
 @dataclasses.dataclass
@@ -103,7 +103,7 @@ def multitask(model, tasks: Sequence[dict], *, seed: int = 0) -> MultiTaskModel:
     ``num_labels`` and optionally ``pooler``, ``head``, ``pooler_options``, ``head_options``,
     ``problem_type``, ``weight``, ``loss_options``, ``id2label``. A task without ``pooler``
     and ``head`` reuses ``model``'s head configuration and params (e.g. the pretrained pooler)."""
-    from .model import build_head
+    from ..model import build_head
 
     out, heads, seen = [], {}, set()
     h = model.hidden_size

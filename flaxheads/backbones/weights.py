@@ -165,3 +165,69 @@ def head_from_hf(head_params: Mapping, hf_names: Iterable[tuple[str, str]], stat
         params = _set(params, path, {k: np.asarray(v, dtype=np.asarray(sub[k]).dtype) for k, v in got.items()})
         loaded.append((path, name))
     return params, loaded, new
+
+
+# ---- whole-model name maps ------------------------------------------------------------------------
+#: Last name segments of PyTorch ``nn.Embedding`` modules in the families flaxheads reads: their
+#: ``weight`` is a Flax ``embedding`` (not transposed), where any other 2-D ``weight`` is a
+#: ``Linear``'s and becomes a transposed ``kernel``.
+EMBEDDING_SUFFIXES = ("_embeddings", "embed_tokens", "embed_positions", "wte", "wpe", "shared")
+
+
+def is_embedding(module: str) -> bool:
+    """Whether the PyTorch module named ``module`` (dotted) is an ``nn.Embedding`` by flaxheads' naming rule."""
+    last = module.rsplit(".", 1)[-1]
+    return last.endswith(EMBEDDING_SUFFIXES)
+
+
+def tree_from_torch(state: Mapping[str, np.ndarray], *, embedding=is_embedding,
+                    transpose=lambda module: True) -> dict:
+    """HF's PyTorch -> Flax rule for a whole state dict: ``a.b.0.c.weight`` -> ``{"a": {"b": {"0": {"c": ...}}}}``
+    with ``weight`` [out, in] -> ``kernel`` [in, out] (``transpose(module)`` False keeps the layout:
+    GPT-2's ``Conv1D``), ``weight`` of an embedding -> ``embedding``, 1-D ``weight`` -> ``scale``
+    (LayerNorm; old checkpoints' ``gamma``/``beta`` too). ``bias`` stays ``bias``."""
+    out: dict = {}
+    for name, value in state.items():
+        module, _, leaf = name.rpartition(".")
+        arr = np.asarray(value)
+        if leaf in ("weight", "gamma") and arr.ndim == 1:
+            leaf = "scale"
+        elif leaf == "weight" and embedding(module):
+            leaf = "embedding"
+        elif leaf == "weight" and arr.ndim == 2:
+            leaf, arr = "kernel", (arr.T if transpose(module) else arr)
+        elif leaf == "beta":
+            leaf = "bias"
+        node = out
+        for part in module.split(".") if module else []:
+            node = node.setdefault(part, {})
+        node[leaf] = arr
+    return out
+
+
+def torch_from_tree(params: Mapping, *, transpose=lambda module: True, prefix: str = "") -> dict[str, np.ndarray]:
+    """Inverse of :func:`tree_from_torch`: ``kernel`` -> ``weight`` (transposed unless
+    ``transpose(module)`` is False), ``embedding`` / ``scale`` -> ``weight``."""
+    out: dict[str, np.ndarray] = {}
+
+    def walk(node: Mapping, path: list[str]):
+        for k, v in node.items():
+            if isinstance(v, Mapping):
+                walk(v, path + [str(k)])
+                continue
+            module = ".".join(path)
+            arr = np.asarray(v)
+            if k == "kernel":
+                k, arr = "weight", (arr.T if transpose(module) else arr)
+            elif k in ("embedding", "scale"):
+                k = "weight"
+            name = ".".join([prefix] * bool(prefix) + path + [k])
+            out[name] = np.ascontiguousarray(arr)
+
+    walk(params, [])
+    return out
+
+
+def pick(state: Mapping[str, np.ndarray], keep) -> dict[str, np.ndarray]:
+    """The entries of ``state`` whose name ``keep(name)`` accepts."""
+    return {k: v for k, v in state.items() if keep(k)}

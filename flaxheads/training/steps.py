@@ -25,7 +25,7 @@ import optax
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from .losses import REGRESSION, SINGLE_LABEL
+from ..losses import REGRESSION, SINGLE_LABEL
 from .optim import OptimConfig, make_optimizer, merge, trainable
 
 DATA_AXIS = "data"

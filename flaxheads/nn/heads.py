@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from .activations import get_activation
-from .config import register
+from ..config import register
 from .poolers import Pooler
 
 

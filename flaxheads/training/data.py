@@ -17,7 +17,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from .losses import MULTI_LABEL, REGRESSION, SINGLE_LABEL
+from ..losses import MULTI_LABEL, REGRESSION, SINGLE_LABEL
 
 TABLE_FORMATS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 PACKAGED = ("bbc_news",)

@@ -16,11 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from .export import ST_ACTIVATIONS, ST_LEGACY_KEYS
-from .heads import IdentityHead, ProjectionHead
-from .hf_weights import BIN, BIN_INDEX, SAFE, SAFE_INDEX, read_torch_bin
-from .model import SequenceModel, from_pretrained
-from .poolers import Concat, Pool
-from .presets import PRESETS, preset_for
+from ..nn.heads import IdentityHead, ProjectionHead
+from ..backbones.weights import BIN, BIN_INDEX, SAFE, SAFE_INDEX, read_torch_bin
+from ..model import SequenceModel, from_pretrained
+from ..nn.poolers import Concat, Pool
+from ..presets import PRESETS, preset_for
 
 WEIGHT_FILES = (SAFE, SAFE_INDEX, BIN, BIN_INDEX)
 

@@ -27,11 +27,11 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 
-from . import config as _config
-from .heads import IdentityHead, LinearHead, MLPHead, ProjectionHead, SequenceHead
-from .hf_weights import head_to_hf
-from .poolers import Concat, DensePooler, Pool
-from .presets import PRESETS
+from .. import config as _config
+from ..nn.heads import IdentityHead, LinearHead, MLPHead, ProjectionHead, SequenceHead
+from ..backbones.weights import head_to_hf
+from ..nn.poolers import Concat, DensePooler, Pool
+from ..presets import PRESETS
 
 FORMATS = ("transformers", "sentence-transformers", "head")
 HEAD_WEIGHTS = "head.safetensors"
@@ -161,11 +161,32 @@ def _check_backbone_roundtrip(backbone, backbone_params, state: Mapping[str, np.
 
 
 def backbone_state_dict(model, params: Mapping | None = None, prefix: str = "") -> dict[str, np.ndarray]:
-    """The backbone's weights under PyTorch names (checked to convert back exactly)."""
+    """The backbone's weights under PyTorch names (checked to convert back exactly).
+
+    A native backbone names its own weights (:meth:`~flaxheads.backbones.base.Backbone.state_from_params`);
+    HF's Flax wrappers go through transformers' renaming rule."""
+    from ..backbones.base import Backbone
+
     bp = (params or model.params)["backbone"]
-    state = flax_to_pytorch_names(_np_tree(bp))
-    _check_backbone_roundtrip(model.backbone, bp, state)
+    if isinstance(model.backbone, Backbone):
+        state = model.backbone.state_from_params(_np_tree(bp))
+        back = _flatten(_np_tree(type(model.backbone).params_from_state(model.backbone.config, state)))
+        want = _flatten(_np_tree(bp))
+        if set(back) != set(want) or any(not np.array_equal(back[k], want[k]) for k in want):
+            raise ExportError(f"{model.model_type}: the backbone's PyTorch names do not convert back to its params; "
+                              "this is a bug in flaxheads' name map. Export the head alone with format='head'.")
+    else:
+        state = flax_to_pytorch_names(_np_tree(bp))
+        _check_backbone_roundtrip(model.backbone, bp, state)
     return {f"{prefix}.{k}" if prefix else k: v for k, v in state.items()}
+
+
+def _transformers_version() -> str | None:
+    try:
+        import transformers
+    except ImportError:
+        return None
+    return transformers.__version__
 
 
 # ---- transformers -------------------------------------------------------------------------------
@@ -187,9 +208,8 @@ def transformers_config(model) -> dict:
     key = _DROPOUT_KEY.get(model.arch)
     if key is not None:
         cfg[key] = float(model.head.head.dropout)
-    import transformers
-
-    cfg["transformers_version"] = transformers.__version__
+    if _transformers_version():
+        cfg["transformers_version"] = _transformers_version()
     cfg["torch_dtype"] = "float32"
     return cfg
 
@@ -399,9 +419,9 @@ def export_sentence_transformers(model, out: str | os.PathLike, *, params: Mappi
         cfg = model.backbone.config.to_dict()
         for k in ("_name_or_path", "transformers_version", "torch_dtype", "dtype"):
             cfg.pop(k, None)
-        import transformers
-
-        cfg.update(transformers_version=transformers.__version__, torch_dtype="float32")
+        cfg.update(torch_dtype="float32")
+        if _transformers_version():
+            cfg["transformers_version"] = _transformers_version()
         _write_json(os.path.join(tmp, "config.json"), cfg)
         _save_safetensors(state, os.path.join(tmp, "model.safetensors"))
         sbert = {"max_seq_length": max_seq_length, "do_lower_case": False}
@@ -430,7 +450,8 @@ def export_sentence_transformers(model, out: str | os.PathLike, *, params: Mappi
                                 type="sentence_transformers.models.Normalize"))
         _write_json(os.path.join(tmp, "modules.json"), modules)
         _write_json(os.path.join(tmp, "config_sentence_transformers.json"),
-                    {"__version__": {"transformers": transformers.__version__}, "similarity_fn_name": "cosine"})
+                    {"__version__": {"transformers": _transformers_version() or "unknown"},
+                     "similarity_fn_name": "cosine"})
     return os.fspath(out)
 
 
@@ -484,7 +505,7 @@ def export_head(source, out: str | os.PathLike, *, params: Mapping | None = None
         if not hf_names and arch in PRESETS and getattr(source, "backbone", None) is not None:
             hf_names = PRESETS[arch](source.backbone.config, info.get("num_labels", 2)).hf_names
     state = head_state_dict(hp, tuple(hf_names))
-    from . import __version__
+    from .. import __version__
 
     own = {"format": HEAD_FORMAT, "flaxheads_version": __version__, "sequence_head": _config.to_dict(head),
            "hf_names": [list(x) for x in hf_names],
@@ -552,8 +573,8 @@ def model_from_checkpoint(directory: str | os.PathLike, step: int | str | None =
     ``head_only=True`` returns the ``HeadCheckpoint`` (enough for ``export_head``). Otherwise
     the backbone comes from the checkpoint's ``backbone`` item when it was trained and saved,
     on top of the backbone folder ``backbone`` (default: ``meta["backbone_name_or_path"]``)."""
-    from . import checkpoint as ck
-    from .model import from_pretrained
+    from ..checkpoint import core as ck
+    from ..model import from_pretrained
 
     step = int(step) if isinstance(step, str) and step.isdigit() else step
     ckpt = ck.load_head(directory, step)

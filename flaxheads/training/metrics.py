@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .losses import MULTI_LABEL, REGRESSION, SINGLE_LABEL
+from ..losses import MULTI_LABEL, REGRESSION, SINGLE_LABEL
 
 
 def confusion_matrix(y_true, y_pred, num_labels: int) -> np.ndarray:

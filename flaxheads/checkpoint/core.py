@@ -31,10 +31,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import config as _config
-from .heads import SequenceHead
-from .model import LoadReport, SequenceModel, _same_structure
-from .presets import POOL_MASKS, preset_for
+from .. import config as _config
+from ..nn.heads import SequenceHead
+from ..model import LoadReport, SequenceModel, _same_structure
+from ..presets import POOL_MASKS, preset_for
 
 FORMAT = "flaxheads-checkpoint/1"
 HEAD, BACKBONE, OPT_STATE, EXTRA, STEP, META = "head", "backbone", "opt_state", "extra", "step", "meta"
@@ -77,7 +77,7 @@ class HeadCheckpoint:
 # ---- meta ------------------------------------------------------------------------------
 
 def _version() -> str:
-    from . import __version__
+    from .. import __version__
 
     return __version__
 

@@ -29,9 +29,9 @@ import optax
 from flax.traverse_util import flatten_dict, unflatten_dict
 
 from .features import FeatureCache
-from .heads import SequenceHead
+from ..nn.heads import SequenceHead
 from .optim import OptimConfig, decay_mask, schedule
-from .poolers import DensePooler, Pool
+from ..nn.poolers import DensePooler, Pool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,13 +287,13 @@ def sweep_variants(k: int, lr: float, weight_decay: float, seed: int) -> list[Va
 
 
 def cli_run(args, model, splits: dict, buckets: Sequence[int], *, lr: float, out_dir) -> dict:
-    """``python -m train --cache-features [--sweep K]``: encode every split once, train K heads
+    """``flaxheads train --cache-features [--sweep K]``: encode every split once, train K heads
     (K=1 without ``--sweep``) on the cache, keep the best on validation, save it as a normal
     head checkpoint in ``<run folder>/checkpoints`` and write ``summary.json`` / ``sweep.md``."""
     import json
     from pathlib import Path
 
-    from .checkpoint import save_head
+    from ..checkpoint.core import save_head
     from .features import cache_features
     from .metrics import compute_metrics, format_table, headline
     from .optim import OptimConfig

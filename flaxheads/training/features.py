@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .poolers import POOL_FUNCTIONS, DensePooler, Pool
+from ..nn.poolers import POOL_FUNCTIONS, DensePooler, Pool
 
 LEVELS = ("auto", "pooled", "token")
 
@@ -164,7 +164,7 @@ def cache_features(model, backbone_params, split, *, batch_size: int = 32,
     ``dtype``: storage dtype (float32 exact; float16 halves memory). Texts longer than the
     largest bucket are truncated to it, as the training batches would be. ``reductions``
     (pooled only): cache several reductions side by side (``[N, R, H]``, for head sweeps
-    over poolers, see :mod:`flaxheads.sweep`); default: the pooler's own. ``encoder``: a
+    over poolers, see :mod:`flaxheads.training.sweep`); default: the pooler's own. ``encoder``: a
     :func:`make_encoder` result to reuse (its compiled buckets carry over between calls, e.g.
     train / validation / test splits); it must match ``level`` and ``reductions``."""
     from .data import bucket_length
@@ -247,7 +247,7 @@ def _pad_batch(ids, tt, rows, batch_size: int, t: int, pad: int) -> dict:
 def predict_cached(model, head_params, cache: FeatureCache, batch_size: int = 256) -> np.ndarray:
     """Logits ``[n, N]`` for every cached example, in example order (inference mode)."""
     if len(cache.reductions) > 1:
-        raise ValueError("this cache holds several reductions; predict with flaxheads.sweep on one of them")
+        raise ValueError("this cache holds several reductions; predict with flaxheads.training.sweep on one of them")
     f = jax.jit(lambda hp, hdn, m: model.head_apply(hp, hdn, m, train=False))
     n = int(max(int(b.index.max()) for b in cache.buckets) + 1)
     out = None

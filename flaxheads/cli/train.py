@@ -2,10 +2,10 @@
 on a text-classification dataset, on CPU, GPU or TPU, one or many hosts.
 
 Examples:
-  python -m train                                   # all-MiniLM-L6-v2 on BBC News (the defaults)
-  python -m train --freeze-backbone --epochs 5      # linear probe: backbone frozen, head only
-  python -m train --model path/to/hf-folder --data my.csv --text-column review --label-column stars
-  python -m train --train-file train.jsonl --validation-file dev.jsonl --test-file test.jsonl
+  flaxheads train                                   # all-MiniLM-L6-v2 on BBC News (the defaults)
+  flaxheads train --freeze-backbone --epochs 5      # linear probe: backbone frozen, head only
+  flaxheads train --model path/to/hf-folder --data my.csv --text-column review --label-column stars
+  flaxheads train --train-file train.jsonl --validation-file dev.jsonl --test-file test.jsonl
 
 Data: --data is `bbc_news` (packaged), a folder with one sub-folder of .txt files per class,
 or a CSV / TSV / JSON Lines / Parquet file; it is split --split train,validation,test
@@ -33,7 +33,7 @@ DEFAULTS = dict(max_length=128, epochs=2.0, batch_size=16, lr=1e-4, head_lr=1e-3
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m train", description=__doc__,
+    ap = argparse.ArgumentParser(prog="flaxheads train", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     g = ap.add_argument_group("model")
     g.add_argument("--model", default=DEFAULT_MODEL,
@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train the head only; the backbone is not differentiated (linear probe with --head linear)")
     g.add_argument("--cache-features", action="store_true",
                    help="frozen backbone: encode every split once (length buckets) and train the head on the "
-                        "cached features (implies --freeze-backbone; see flaxheads.features)")
+                        "cached features (implies --freeze-backbone; see flaxheads.training.features)")
     g.add_argument("--sweep", type=int, default=0, metavar="K",
                    help="train K heads at once in one vmapped step on cached features (lr log-spaced over "
                         "[lr/10, lr*10], weight decay on/off, seeds seed..seed+K-1); the best on validation is "
@@ -151,9 +151,9 @@ def run(args: argparse.Namespace) -> dict:
 
     import flaxheads as fh
     from flaxheads import data as D
-    from flaxheads.metrics import format_table, headline
-    from flaxheads.optim import OptimConfig, count_params
-    from flaxheads.train import Parallel, TrainConfig, Trainer, fit
+    from flaxheads.training.metrics import format_table, headline
+    from flaxheads.training.optim import OptimConfig, count_params
+    from flaxheads.training.steps import Parallel, TrainConfig, Trainer, fit
 
     model_path = _resolve_model(args.model)
     try:
@@ -192,7 +192,7 @@ def run(args: argparse.Namespace) -> dict:
                        max_steps=args.max_steps, eval_every=args.eval_every, log_every=args.log_every,
                        seed=args.seed, parallel=args.parallel, threshold=args.threshold,
                        loss_options={"label_smoothing": args.label_smoothing} if args.label_smoothing else {})
-    from flaxheads.train import total_steps
+    from flaxheads.training.steps import total_steps
     micro = total_steps(len(splits["train"]), tcfg)
     opt_steps = max(micro // args.accumulation_steps, 1)
     ocfg = OptimConfig(learning_rate=lr, head_learning_rate=head_lr, weight_decay=args.weight_decay,
@@ -200,7 +200,7 @@ def run(args: argparse.Namespace) -> dict:
                        max_grad_norm=args.max_grad_norm or None, accumulation_steps=args.accumulation_steps,
                        freeze_backbone=args.freeze_backbone)
     if args.cache_features or args.sweep:
-        from flaxheads.sweep import cli_run
+        from flaxheads.training.sweep import cli_run
         return cli_run(args, model, splits, buckets, lr=lr, out_dir=args.output_dir or
                        f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{Path(str(args.data or args.train_file)).stem}")
     trainer = Trainer.build(model, ocfg, tcfg, Parallel(args.parallel))
@@ -237,7 +237,7 @@ def run(args: argparse.Namespace) -> dict:
             log.flush()
 
     def ocfg_lr(step):
-        from flaxheads.optim import learning_rates
+        from flaxheads.training.optim import learning_rates
         return learning_rates(ocfg, (step - 1) // args.accumulation_steps)  # the rate this step used
 
     def on_eval(state, step, results):
@@ -258,8 +258,8 @@ def run(args: argparse.Namespace) -> dict:
     if ckpt is not None:
         ckpt.ckr.close()  # wait for the last asynchronous save
     final = {}
-    from flaxheads.data import iterate_batches
-    from flaxheads.metrics import compute_metrics
+    from flaxheads.training.data import iterate_batches
+    from flaxheads.training.metrics import compute_metrics
     for name in ("test",):
         if name in splits:
             logits, y = trainer.predict(res.state.params, iterate_batches(
@@ -300,9 +300,9 @@ def _setup_checkpoints(args, model, trainer, out: Path, config: dict, lead: bool
     """The run's checkpointer hooks (None with --checkpoint-every 0) and the state to resume from
     (None: start at step 0). Resuming reproduces the uninterrupted run: same params, optimizer
     state, dropout key, and (from the step number) the same position in the same data order."""
-    from flaxheads.checkpoint import CheckpointError, FitCheckpointing, RunCheckpointer, changed_settings
-    from flaxheads.metrics import headline
-    from flaxheads.train import steps_per_epoch
+    from flaxheads.checkpoint.core import CheckpointError, FitCheckpointing, RunCheckpointer, changed_settings
+    from flaxheads.training.metrics import headline
+    from flaxheads.training.steps import steps_per_epoch
 
     best = None if args.keep_best_by == "none" else args.keep_best_by
     if best == "auto":
@@ -409,8 +409,8 @@ def main(argv=None) -> int:
     from flaxheads.runtime import configure_xla
 
     configure_xla()  # before JAX starts a backend; flags and reasons in flaxheads/runtime.py
-    from flaxheads.checkpoint import CheckpointError
-    from flaxheads.data import DataError
+    from flaxheads.checkpoint.core import CheckpointError
+    from flaxheads.training.data import DataError
     try:
         run(args)
     except (DataError, CheckpointError, FileNotFoundError) as e:

@@ -24,7 +24,7 @@ def _is_checkpoint_folder(path: str) -> bool:
 
 def _load_export_source(args):
     """A model (or, for ``--format head``, a head) from a model folder, head export or checkpoint."""
-    from .export import HEAD_CONFIG, load_head_export, model_from_checkpoint
+    from ..interop.export import HEAD_CONFIG, load_head_export, model_from_checkpoint
 
     src = os.fspath(args.src)
     if not os.path.isdir(src):
@@ -38,7 +38,7 @@ def _load_export_source(args):
         return head, params, cfg
     if not _is_checkpoint_folder(src) and (os.path.isfile(os.path.join(src, "config.json"))
                                            or os.path.isfile(os.path.join(src, "modules.json"))):
-        from .hf_import import import_model
+        from ..interop.hf_import import import_model
 
         return import_model(src), None, None
     return model_from_checkpoint(src, step=args.step, backbone=args.backbone, head_only=args.format == "head"), \
@@ -46,7 +46,7 @@ def _load_export_source(args):
 
 
 def run_export(args) -> int:
-    from .export import export_head, export_sentence_transformers, export_transformers
+    from ..interop.export import export_head, export_sentence_transformers, export_transformers
 
     source, params, cfg = _load_export_source(args)
     if args.format == "head":
@@ -95,7 +95,7 @@ def add_export_command(sub) -> None:
 def run_checkpoints(args) -> int:
     import json
 
-    from .checkpoint import format_listing, format_meta, list_checkpoints, read_meta
+    from ..checkpoint.core import format_listing, format_meta, list_checkpoints, read_meta
 
     if args.meta:
         step = args.step if args.step in (None, "latest", "best") else int(args.step)
@@ -140,6 +140,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["train"]:
+        from .train import main as train_main
+
+        return train_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)

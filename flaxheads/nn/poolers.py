@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from .activations import get_activation
-from .config import register
+from ..config import register
 
 _EPS = 1e-9  # sentence-transformers clamps token counts to this
 

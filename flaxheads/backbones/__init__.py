@@ -1,0 +1,1 @@
+"""Backbones: encoders as pure functions of (params, tokens), loaded from Hugging Face folders."""

@@ -1,0 +1,204 @@
+"""The backbone contract: what every encoder family provides to the rest of flaxheads.
+
+A backbone family is one module with one :class:`Backbone` subclass. The subclass
+
+* names the Hugging Face ``model_type`` values it serves (:attr:`Backbone.model_types`) and
+  the PyTorch prefix of its base model inside ``XForSequenceClassification`` state dicts
+  (:attr:`Backbone.base_model_prefix`);
+* reads ``config.json`` into a read-only :class:`HFConfig`, filling the keys the file may
+  omit with the defaults of transformers' config class (:attr:`Backbone.defaults`) and
+  refusing settings it does not compute (:meth:`Backbone.check_config`);
+* turns a PyTorch state dict (base-model names, prefix stripped) into its params tree
+  (:meth:`Backbone.params_from_state`) and back (:meth:`Backbone.state_from_params`);
+  these two are the only place its PyTorch names live: import and export both use them;
+* encodes: :meth:`Backbone.encode` ``(params, input_ids, attention_mask, *, train, rng, **extra)``
+  returns the last hidden state ``[B, T, H]``; a pure function of ``params``;
+* says what it supports (:attr:`Backbone.features`: ``"token_type_ids"``, ``"remat"``,
+  ``"bf16"``, ``"causal"``, ...).
+
+The object also keeps the HF Flax calling convention (``backbone(input_ids, attention_mask,
+params=..., dropout_rng=..., train=...)[0]``) so code written against HF's wrappers works.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, ClassVar, Iterator, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..errors import FlaxheadsError
+
+
+class BackboneError(FlaxheadsError):
+    """A model folder or config that no backbone can load as asked."""
+
+
+class HFConfig(Mapping[str, Any]):
+    """A Hugging Face ``config.json``, read-only, with attribute access.
+
+    ``cfg.hidden_size`` reads the key; a key that is absent raises ``AttributeError``, so
+    ``getattr(cfg, "x", default)`` works as on transformers' config objects."""
+
+    __slots__ = ("_d",)
+
+    def __init__(self, values: Mapping[str, Any]):
+        object.__setattr__(self, "_d", dict(values))
+
+    @classmethod
+    def from_folder(cls, path: str | os.PathLike) -> "HFConfig":
+        f = os.path.join(os.fspath(path), "config.json")
+        if not os.path.isfile(f):
+            raise BackboneError(f"{os.fspath(path)!r} has no config.json: expected a Hugging Face model folder "
+                                "(config.json + model.safetensors or pytorch_model.bin)")
+        with open(f, encoding="utf-8") as fh:
+            try:
+                return cls(json.load(fh))
+            except json.JSONDecodeError as e:
+                raise BackboneError(f"{f}: not valid JSON ({e})") from None
+
+    def __getattr__(self, name: str) -> Any:
+        d = object.__getattribute__(self, "_d")
+        if name in d:
+            return d[name]
+        raise AttributeError(f"config has no {name!r}")
+
+    def __setattr__(self, name, value):
+        raise AttributeError("HFConfig is read-only: build a new one with cfg.replace(key=value)")
+
+    def __getitem__(self, k: str) -> Any:
+        return self._d[k]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._d)
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Mapping) and dict(self) == dict(other)
+
+    def __hash__(self):
+        return hash(json.dumps(self._d, sort_keys=True, default=str))
+
+    def replace(self, **changes) -> "HFConfig":
+        return HFConfig({**self._d, **changes})
+
+    def to_dict(self) -> dict:
+        return json.loads(json.dumps(self._d))
+
+    def __repr__(self) -> str:
+        return f"HFConfig(model_type={self._d.get('model_type')!r}, hidden_size={self._d.get('hidden_size')!r})"
+
+
+class Backbone:
+    """Base class of every backbone family (see the module docstring for the contract).
+
+    Instances hold ``config`` (:class:`HFConfig`), ``params`` (the initial params tree),
+    ``dtype`` (the compute dtype of activations; params stay float32) and ``remat``."""
+
+    model_types: ClassVar[tuple[str, ...]] = ()
+    base_model_prefix: ClassVar[str] = ""
+    defaults: ClassVar[Mapping[str, Any]] = {}
+    features: ClassVar[frozenset[str]] = frozenset()
+    #: keyword inputs :meth:`encode` accepts besides input_ids and attention_mask
+    extra_inputs: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, config: Mapping[str, Any], params: dict, dtype: Any = jnp.float32, remat: bool = False):
+        cfg = config if isinstance(config, HFConfig) else HFConfig(config)
+        self.config = self.complete_config(cfg)
+        self.check_config(self.config)
+        self.params = params
+        self.dtype = dtype
+        if remat and "remat" not in self.features:
+            raise BackboneError(f"{type(self).__name__} has no gradient checkpointing (remat); load without it")
+        self.remat = bool(remat)
+
+    # ---- config -------------------------------------------------------------------------------
+    @classmethod
+    def complete_config(cls, config: HFConfig) -> HFConfig:
+        """``config`` with transformers' class defaults for the keys it omits."""
+        missing = {k: v for k, v in cls.defaults.items() if k not in config}
+        return config.replace(**missing) if missing else config
+
+    @classmethod
+    def check_config(cls, config: HFConfig) -> None:
+        """Raise :class:`BackboneError` for settings this family does not compute."""
+
+    # ---- weights ------------------------------------------------------------------------------
+    @classmethod
+    def params_from_state(cls, config: HFConfig, state: Mapping[str, np.ndarray]) -> dict:
+        """The params tree from a base-model PyTorch state dict (no ``base_model_prefix``)."""
+        raise NotImplementedError
+
+    def state_from_params(self, params: Mapping) -> dict[str, np.ndarray]:
+        """PyTorch base-model names (no prefix) and arrays for ``params``; inverse of :meth:`params_from_state`."""
+        raise NotImplementedError
+
+    @classmethod
+    def from_state(cls, config: Mapping[str, Any], state: Mapping[str, np.ndarray], *, dtype: Any = jnp.float32,
+                   remat: bool = False, source: str = "checkpoint") -> "Backbone":
+        """Build from a full PyTorch state dict: the base-model prefix is stripped, every
+        weight the family needs must be present (a folder of another architecture fails here)."""
+        cfg = cls.complete_config(config if isinstance(config, HFConfig) else HFConfig(config))
+        cls.check_config(cfg)
+        base = strip_prefix(state, cls.base_model_prefix)
+        try:
+            params = cls.params_from_state(cfg, base)
+        except KeyError as e:
+            raise BackboneError(f"{source}: the checkpoint has no weight {e.args[0]!r} that a "
+                                f"{cfg.get('model_type')} backbone needs. Is this folder a "
+                                f"{cfg.get('model_type')} checkpoint?") from None
+        params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
+        return cls(cfg, params, dtype=dtype, remat=remat)
+
+    # ---- compute ------------------------------------------------------------------------------
+    def encode(self, params: Mapping, input_ids: jax.Array, attention_mask: jax.Array, *, train: bool = False,
+               rng: jax.Array | None = None, **extra) -> jax.Array:
+        """Last hidden state ``[B, T, H]`` in ``self.dtype``; a pure function of ``params``."""
+        raise NotImplementedError
+
+    def __call__(self, input_ids, attention_mask=None, *inputs, params: Mapping | None = None,
+                 dropout_rng: jax.Array | None = None, train: bool = False, **extra) -> tuple[jax.Array]:
+        """HF Flax calling convention: ``(last_hidden_state,)``; positional inputs after the
+        mask are :attr:`extra_inputs` in order (BERT: token types, then position ids)."""
+        if len(inputs) > len(self.extra_inputs):
+            raise TypeError(f"{type(self).__name__} takes at most {2 + len(self.extra_inputs)} positional inputs")
+        extra.update(zip(self.extra_inputs, inputs))
+        extra = {k: v for k, v in extra.items() if v is not None and k != "return_dict"}
+        bad = sorted(set(extra) - set(self.extra_inputs))
+        if bad:
+            raise TypeError(f"{type(self).__name__} takes {list(self.extra_inputs) or 'no'} extra inputs, "
+                            f"not {bad}")
+        if attention_mask is None:
+            attention_mask = jnp.ones_like(jnp.asarray(input_ids))
+        if train and dropout_rng is None:
+            raise ValueError("train=True needs a dropout_rng (dropout is active in training)")
+        return (self.encode(self.params if params is None else params, jnp.asarray(input_ids),
+                            jnp.asarray(attention_mask), train=train, rng=dropout_rng, **extra),)
+
+    # ---- facts --------------------------------------------------------------------------------
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config.hidden_size)
+
+    @property
+    def model_type(self) -> str:
+        return str(self.config.model_type)
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"{type(self).__name__}(model_type={c.get('model_type')!r}, hidden={c.get('hidden_size')}, "
+                f"dtype={jnp.dtype(self.dtype).name})")
+
+
+def strip_prefix(state: Mapping[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
+    """``state`` with ``prefix.`` removed where present (a task model's base model becomes the base model)."""
+    if not prefix:
+        return dict(state)
+    p = prefix + "."
+    if not any(k.startswith(p) for k in state):
+        return dict(state)
+    return {k[len(p):]: v for k, v in state.items() if k.startswith(p)}

@@ -1,0 +1,180 @@
+"""Pieces every backbone family shares: LayerNorm, dense, dropout and attention, as pure functions.
+
+Written for XLA:CPU first (each choice measured on MiniLM; see docs/performance.md) and
+equal in value to the textbook forms, which accelerators get where the CPU arrangement
+was never measured.
+"""
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+@partial(jax.custom_jvp, nondiff_argnums=(3,))
+def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
+    """LayerNorm over the last axis (two-pass variance, as accurate as PyTorch's).
+
+    The explicit derivative keeps only the normalised ``x`` and ``1/std`` for the backward
+    pass, where autodiff of the formula keeps more and runs more passes over the
+    activation (~3% of a BERT train step on CPU). Forward and reverse mode both work."""
+    return _layer_norm_parts(x, eps)[0] * scale + bias
+
+
+def _layer_norm_parts(x, eps):
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    xc = x - mean
+    rstd = lax.rsqrt(jnp.mean(xc * xc, axis=-1, keepdims=True) + eps)
+    return xc * rstd, rstd
+
+
+@layer_norm.defjvp
+def _layer_norm_jvp(eps, primals, tangents):
+    x, scale, bias = primals
+    dx, dscale, dbias = tangents
+    xh, rstd = _layer_norm_parts(x, eps)
+    dxc = dx - jnp.mean(dx, axis=-1, keepdims=True)
+    dxh = rstd * (dxc - xh * jnp.mean(xh * dxc, axis=-1, keepdims=True))
+    return xh * scale + bias, dxh * scale + xh * dscale + dbias
+
+
+def layer_norm_p(x: jax.Array, p: dict, eps: float) -> jax.Array:
+    return layer_norm(x, p["scale"].astype(x.dtype), p["bias"].astype(x.dtype), eps)
+
+
+def dense(x: jax.Array, p: dict) -> jax.Array:
+    return x @ p["kernel"].astype(x.dtype) + p["bias"].astype(x.dtype)
+
+
+def random_bits(rng: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """Uniform uint32 bits for a dropout mask: a SplitMix32-style counter hash keyed by ``rng``.
+
+    Why not ``jax.random.bernoulli``: threefry's 20 rounds per word cost ~10% of a MiniLM
+    train step on CPU, and XLA's own Philox (``lax.rng_bit_generator``) is slower still
+    there. This is a Weyl sequence over the element index, offset by the 64-bit key and
+    finished with two rounds of murmur3's fmix32 avalanche: a handful of integer ops that
+    XLA fuses into the dropout multiply, so the bits are never stored. Keys still come from
+    ``jax.random`` (one per layer), and the bits are a pure function of ``rng``, so a
+    resumed run reproduces an uninterrupted one. Statistical checks live in the tests."""
+    if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+        rng = jax.random.key_data(rng)
+    key = rng.reshape(-1).astype(jnp.uint32)
+    k0, k1 = key[0], key[-1]
+    size = math.prod(shape)
+    if size >= 2 ** 32:
+        raise ValueError(f"dropout on {size} elements at once is not supported (at most 2**32 - 1)")
+    idx = lax.iota(jnp.uint32, size).reshape(shape) if shape else jnp.uint32(0)
+
+    def fmix(h):
+        h = h ^ (h >> 16)
+        h = h * jnp.uint32(0x85EBCA6B)
+        h = h ^ (h >> 13)
+        h = h * jnp.uint32(0xC2B2AE35)
+        return h ^ (h >> 16)
+
+    h = fmix(idx * jnp.uint32(0x9E3779B9) + k0)
+    return fmix(h ^ k1)
+
+
+def dropout(x: jax.Array, rate: float, rng: jax.Array | None) -> jax.Array:
+    if rng is None or rate == 0.0:
+        return x
+    # keep with probability 1 - rate (to 2**-32), inverted scaling as in HF / PyTorch.
+    threshold = jnp.uint32(min(int(round((1.0 - rate) * 2.0 ** 32)), 2 ** 32 - 1))
+    keep = random_bits(rng, x.shape) < threshold
+    return x * (keep.astype(x.dtype) * jnp.asarray(1.0 / (1.0 - rate), x.dtype))
+
+
+#: Target size of one attention chunk's score tensor. Chunks that fit in cache cost less
+#: CPU time in softmax/mask than one big ``[B, nh, T, T]`` tensor (measured on MiniLM).
+_CHUNK_BYTES = 4 << 20
+#: Most chunks "auto" picks: each chunk is its own copy of the attention ops in the
+#: compiled program, and past 8 the compile time grows faster than the step time falls
+#: (MiniLM forward at 32 x 128: 32 chunks ~7% faster but ~6 s to compile vs ~1.7 s; at
+#: 32 x 256: 32 chunks ~5.7 s to compile, no faster).
+_MAX_AUTO_CHUNKS = 8
+
+
+def attention_chunks(batch: int, num_heads: int, seq: int, itemsize: int = 4,
+                     want: int | str = "auto") -> int:
+    """How many batch chunks attention is split into: ``want``, or for ``"auto"`` the
+    smallest count whose score chunk is <= 4 MiB, at most 8; always a divisor of ``batch``."""
+    if want == "auto":
+        want = min(-(-batch * num_heads * seq * seq * itemsize // _CHUNK_BYTES), _MAX_AUTO_CHUNKS)
+    n = max(1, min(int(want), batch))
+    while batch % n:
+        n += 1
+    return n
+
+
+@jax.custom_jvp
+def _biased_scores(q: jax.Array, k: jax.Array, key_bias: jax.Array) -> jax.Array:
+    """``q k^T + bias`` as one product: ``[q, 1] . [k, key_bias]`` (head dim ``d + 1``).
+
+    The mask bias rides in the matmul, so XLA:CPU reads the scores once for the softmax
+    max instead of first writing ``scores + bias`` to memory (the add does not fuse into the
+    reduction): attention ~20-30% faster, bit-identical scores. The derivative is written
+    on the ``d``-wide operands so the backward pass has no ``d + 1``-wide products."""
+    q1 = jnp.concatenate([q, jnp.ones((*q.shape[:-1], 1), q.dtype)], axis=-1)
+    k1 = jnp.concatenate([k, key_bias], axis=-1)
+    return jnp.einsum("bqhd,bkhd->bhqk", q1, k1)
+
+
+@_biased_scores.defjvp
+def _biased_scores_jvp(primals, tangents):
+    q, k, key_bias = primals
+    dq, dk, _ = tangents  # the mask bias has no derivative
+    return (_biased_scores(q, k, key_bias),
+            jnp.einsum("bqhd,bkhd->bhqk", dq, k) + jnp.einsum("bqhd,bkhd->bhqk", q, dk))
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, rate: float,
+            rng: jax.Array | None) -> jax.Array:
+    """softmax(q k^T + bias) v for ``q, k, v [B, T, nh, d]``, ``bias [B, 1, 1, T]``: ``[B, T, nh, d]``.
+
+    Same function as HF's attention, arranged for XLA:CPU (each step measured in-process
+    on MiniLM; forward at 32 x 256 ~1.25x the plain ``einsum``/``softmax``/``einsum``):
+
+    * the mask bias is part of the score matmul (:func:`_biased_scores`);
+    * the softmax normalisation is applied to the ``[B, nh, T, d]`` context instead of the
+      ``[B, nh, T, T]`` probabilities (one pass fewer over the scores; dropout is a per-element
+      scale, so dropping ``exp`` then dividing equals dropping the normalised probabilities);
+    * ``probs @ v`` is a ``dot_general`` with a ``[B, nh, Tq, d]`` output: ``jnp.einsum`` puts
+      ``v`` first and XLA:CPU then computes the transposed product, 3x slower per call.
+
+    On other backends it is :func:`attend_plain` (see there)."""
+    if jax.default_backend() != "cpu":
+        return attend_plain(q, k, v, bias, rate, rng)
+    b, t, nh, _ = k.shape
+    key_bias = jnp.broadcast_to(lax.stop_gradient(bias).reshape(b, t, 1, 1), (b, t, nh, 1)).astype(k.dtype)
+    scores = _biased_scores(q, k, key_bias)
+    e = jnp.exp(scores - lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True)))
+    denom = jnp.sum(e, axis=-1, dtype=jnp.float32)  # f32 even for bf16 activations
+    e = dropout(e, rate, rng)
+    ctx = lax.dot_general(e, v, (((3,), (1,)), ((0, 1), (0, 2))))  # [B, nh, Tq, d]
+    return (ctx / denom[..., None].astype(ctx.dtype)).transpose(0, 2, 1, 3)
+
+
+def attend_plain(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, rate: float,
+                  rng: jax.Array | None) -> jax.Array:
+    """HF's arrangement of :func:`attend` (same function, same dropout bits), used off CPU.
+
+    The ``d + 1``-wide score matmul is a CPU measurement; on GPUs XLA fuses bias + softmax
+    itself and matmuls want aligned head dims, and nothing here was measured on one, so
+    accelerators get the textbook form."""
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) + bias
+    probs = dropout(jax.nn.softmax(scores, axis=-1), rate, rng)
+    return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+
+
+
+
+def mask_bias(attention_mask: jax.Array, dtype) -> jax.Array:
+    """Additive key mask ``[B, 1, 1, T]``: 0 where attended, the dtype's lowest value where masked.
+
+    HF uses ``finfo(dtype).min``; any large negative gives the same softmax, and a fully
+    masked row stays finite (uniform) instead of NaN."""
+    return jnp.where(attention_mask[:, None, None, :] > 0, 0.0, jnp.finfo(dtype).min).astype(dtype)

@@ -1,0 +1,59 @@
+"""Which backbone serves a model folder: the native family for its ``model_type``, or HF's Flax wrapper.
+
+One decision, made here: ``implementation="auto"`` picks the native family when one serves
+the ``model_type`` and falls back to the optional HF Flax adapter (transformers < 5) only
+for architectures that have no native backbone."""
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping
+
+import jax.numpy as jnp
+import numpy as np
+
+from .base import Backbone, BackboneError, HFConfig
+from .bert import BertBackbone
+from .weights import read_state_dict
+
+#: Every native family, in the order their ``model_types`` are looked up.
+FAMILIES: tuple[type[Backbone], ...] = (BertBackbone,)
+IMPLEMENTATIONS = ("auto", "native", "hf_flax")
+
+
+def family_for(model_type: str | None) -> type[Backbone] | None:
+    """The native family serving ``model_type``, or None."""
+    for fam in FAMILIES:
+        if model_type in fam.model_types:
+            return fam
+    return None
+
+
+def native_model_types() -> tuple[str, ...]:
+    return tuple(t for fam in FAMILIES for t in fam.model_types)
+
+
+def load_backbone(path: str | os.PathLike, dtype: Any = jnp.float32, *, state: Mapping[str, np.ndarray] | None = None,
+                  remat: bool = False, implementation: str = "auto"):
+    """The backbone of a local Hugging Face folder (``config.json`` + weights; never the hub).
+
+    ``implementation``: ``"native"`` (flaxheads' own JAX code; an error when the family has
+    none), ``"hf_flax"`` (transformers 4.x ``FlaxAutoModel``, the ``flaxheads[hf-flax]`` extra),
+    ``"auto"`` (native when there is one, else HF's Flax wrapper if installed)."""
+    if implementation not in IMPLEMENTATIONS:
+        raise BackboneError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"backbone folder {path!r} does not exist (flaxheads loads local folders only)")
+    config = HFConfig.from_folder(path)
+    fam = family_for(config.get("model_type"))
+    if implementation == "native" or (implementation == "auto" and fam is not None):
+        if fam is None:
+            raise BackboneError(
+                f"{path}: model_type {config.get('model_type')!r} has no native flaxheads backbone (native: "
+                f"{', '.join(native_model_types())}). Use implementation='hf_flax' with transformers < 5 installed "
+                "(pip install 'flaxheads[hf-flax]'), or a model of a supported family.")
+        state = read_state_dict(path) if state is None else state
+        return fam.from_state(config, state, dtype=dtype, remat=remat, source=path)
+    from . import hf_flax
+
+    return hf_flax.load(path, config, dtype=dtype, state=state, remat=remat)

@@ -1,0 +1,1 @@
+"""The ``flaxheads`` command line: ``flaxheads train | export | checkpoints``."""

@@ -1,0 +1,11 @@
+"""The errors flaxheads raises for a user's mistake: every one is a :class:`FlaxheadsError`.
+
+Programs (``flaxheads ...``) print ``error: <message>`` and exit 2 for these; anything else
+is a bug in flaxheads and keeps its traceback."""
+from __future__ import annotations
+
+
+class FlaxheadsError(ValueError):
+    """Base of every user-facing error: the message says what was wrong, what was expected and how to fix it.
+
+    A ``ValueError`` so code that caught the library's ``ValueError`` before keeps working."""
