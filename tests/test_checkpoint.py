@@ -20,7 +20,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 import flaxheads as fh
-from flaxheads import checkpoint as ck
+from flaxheads.checkpoint import core as ck
 from flaxheads.nn.heads import IdentityHead, LinearHead, MLPHead, ProjectionHead, SequenceHead
 from flaxheads.nn.poolers import AttentionPool, Concat, DensePooler, Pool, SequenceSummary
 from flaxheads.presets import PRESETS

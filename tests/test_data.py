@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from flaxheads import data as D
+from flaxheads.training import data as D
 from train_helpers import tiny_bert_folder
 
 ROWS = [("the stock market fell", "business"), ("a late goal won the match", "sport"),

@@ -12,7 +12,7 @@ import jax.numpy as jnp  # noqa: E402
 from safetensors.numpy import load_file, save_file  # noqa: E402
 
 import flaxheads as fh  # noqa: E402
-from flaxheads import export as ex  # noqa: E402
+from flaxheads.interop import export as ex  # noqa: E402
 from hf_tiny import padded_batch, tiny_torch_model  # noqa: E402
 
 

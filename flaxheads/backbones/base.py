@@ -133,6 +133,12 @@ class Backbone:
         """The params tree from a base-model PyTorch state dict (no ``base_model_prefix``)."""
         raise NotImplementedError
 
+    @classmethod
+    def init_params(cls, config: HFConfig, rng: jax.Array) -> dict:
+        """Freshly initialised params (HF's initialiser: normal(initializer_range) weights,
+        zero biases, unit norm scales); under ``jax.eval_shape`` it gives every param's shape."""
+        raise NotImplementedError
+
     def state_from_params(self, params: Mapping) -> dict[str, np.ndarray]:
         """PyTorch base-model names (no prefix) and arrays for ``params``; inverse of :meth:`params_from_state`."""
         raise NotImplementedError
@@ -151,8 +157,14 @@ class Backbone:
             raise BackboneError(f"{source}: the checkpoint has no weight {e.args[0]!r} that a "
                                 f"{cfg.get('model_type')} backbone needs. Is this folder a "
                                 f"{cfg.get('model_type')} checkpoint?") from None
+        check_params(cls.param_shapes(cfg), params, source=source, model_type=cfg.get("model_type"))
         params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
         return cls(cfg, params, dtype=dtype, remat=remat)
+
+    @classmethod
+    def param_shapes(cls, config: HFConfig) -> dict:
+        """The params tree's shapes (``jax.ShapeDtypeStruct`` leaves), computed without allocating it."""
+        return jax.eval_shape(lambda: cls.init_params(config, jax.random.PRNGKey(0)))
 
     # ---- compute ------------------------------------------------------------------------------
     def encode(self, params: Mapping, input_ids: jax.Array, attention_mask: jax.Array, *, train: bool = False,
@@ -192,6 +204,29 @@ class Backbone:
         c = self.config
         return (f"{type(self).__name__}(model_type={c.get('model_type')!r}, hidden={c.get('hidden_size')}, "
                 f"dtype={jnp.dtype(self.dtype).name})")
+
+
+def _torch_style(path: tuple) -> str:
+    *module, leaf = (str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+    return ".".join(module + ["weight" if leaf in ("kernel", "embedding", "scale") else leaf])
+
+
+def check_params(want: Mapping, got: Mapping, *, source: str, model_type: str | None) -> None:
+    """Every param of ``want`` (shapes) present in ``got`` with that shape; else a :class:`BackboneError`
+    that names the weights (PyTorch-style names) and the likely cause."""
+    want_flat = {_torch_style(p): tuple(x.shape) for p, x in jax.tree_util.tree_leaves_with_path(want)}
+    got_flat = {_torch_style(p): tuple(np.shape(x)) for p, x in jax.tree_util.tree_leaves_with_path(got)}
+    missing = sorted(k for k in want_flat if k not in got_flat)
+    if missing:
+        raise BackboneError(f"{source}: the checkpoint does not provide {len(missing)} of the {len(want_flat)} "
+                            f"backbone weights of a {model_type} model (e.g. {missing[:5]}). Is this folder a "
+                            f"{model_type} checkpoint?")
+    bad = [(k, got_flat[k], s) for k, s in want_flat.items() if got_flat[k] != s]
+    if bad:
+        k, have, need = bad[0]
+        raise BackboneError(f"{source}: mismatched shapes: {k} has shape {have} but config.json makes it {need} "
+                            f"({len(bad)} such weights). The weights do not fit the architecture in config.json "
+                            "(edited config, or weights from another model size).")
 
 
 def strip_prefix(state: Mapping[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:

@@ -187,17 +187,32 @@ class BertBackbone(Backbone):
             raise BackboneError(f"flaxheads' BERT backbone cannot run this config: {why}")
 
     @classmethod
+    def init_params(cls, config, rng) -> dict:
+        h, i, std = int(config.hidden_size), int(config.intermediate_size), float(config.initializer_range)
+        keys = iter(jax.random.split(rng, 4 + 6 * int(config.num_hidden_layers)))
+
+        def lin(n_in, n_out):
+            return {"kernel": std * jax.random.normal(next(keys), (n_in, n_out)), "bias": jnp.zeros(n_out)}
+
+        def emb(n):
+            return {"embedding": std * jax.random.normal(next(keys), (n, h))}
+
+        def ln():
+            return {"scale": jnp.ones(h), "bias": jnp.zeros(h)}
+
+        layers = {str(n): {"attention": {"self": {"query": lin(h, h), "key": lin(h, h), "value": lin(h, h)},
+                                         "output": {"dense": lin(h, h), "LayerNorm": ln()}},
+                           "intermediate": {"dense": lin(h, i)}, "output": {"dense": lin(i, h), "LayerNorm": ln()}}
+                  for n in range(int(config.num_hidden_layers))}
+        return {"embeddings": {"word_embeddings": emb(int(config.vocab_size)),
+                               "position_embeddings": emb(int(config.max_position_embeddings)),
+                               "token_type_embeddings": emb(int(config.type_vocab_size)), "LayerNorm": ln()},
+                "encoder": {"layer": layers}}
+
+    @classmethod
     def params_from_state(cls, config, state) -> dict:
-        keep = pick(state, lambda k: k.startswith(("embeddings.", "encoder.")) and not k.endswith("position_ids"))
-        tree = tree_from_torch(keep)
-        for part in ("embeddings", "encoder"):
-            if part not in tree:
-                raise KeyError(f"{part}.*")
-        layers = tree["encoder"].get("layer", {})
-        missing = [str(i) for i in range(int(config.num_hidden_layers)) if str(i) not in layers]
-        if missing:
-            raise KeyError(f"encoder.layer.{missing[0]}.*")
-        return tree
+        return tree_from_torch(pick(state, lambda k: k.startswith(("embeddings.", "encoder."))
+                                    and not k.endswith("position_ids")))
 
     def state_from_params(self, params) -> dict:
         return torch_from_tree({k: params[k] for k in ("embeddings", "encoder")})

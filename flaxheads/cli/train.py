@@ -150,7 +150,7 @@ def run(args: argparse.Namespace) -> dict:
     from transformers import AutoTokenizer
 
     import flaxheads as fh
-    from flaxheads import data as D
+    from flaxheads.training import data as D
     from flaxheads.training.metrics import format_table, headline
     from flaxheads.training.optim import OptimConfig, count_params
     from flaxheads.training.steps import Parallel, TrainConfig, Trainer, fit

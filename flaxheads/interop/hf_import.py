@@ -20,6 +20,7 @@ from ..nn.heads import IdentityHead, ProjectionHead
 from ..backbones.weights import BIN, BIN_INDEX, SAFE, SAFE_INDEX, read_torch_bin
 from ..model import SequenceModel, from_pretrained
 from ..nn.poolers import Concat, Pool
+from ..backbones.base import BackboneError
 from ..presets import PRESETS, preset_for
 
 WEIGHT_FILES = (SAFE, SAFE_INDEX, BIN, BIN_INDEX)
@@ -84,6 +85,8 @@ def load_transformers(folder: str | os.PathLike, *, allow_new_head: bool = False
     _check_weights_present(folder)
     try:
         model = from_pretrained(folder, **options)
+    except BackboneError as e:
+        raise ModelImportError(str(e)) from None
     except ValueError as e:
         if "expected to be of shape" not in str(e):
             raise
