@@ -12,4 +12,23 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import warnings  # noqa: E402
 
+import pytest  # noqa: E402
+
 warnings.filterwarnings("ignore", message=".*TensorFlow and JAX classes are deprecated.*")
+
+#: Per-test limits (pytest-timeout): a hang fails its test, not the run. Slow tests load real
+#: models or start processes; on a busy 2-core machine they need minutes.
+SLOW_TIMEOUT_S = 1800
+#: Folders and files whose tests also run on the legacy stack (`make test-legacy`): parity against
+#: transformers 4.57, HF's Flax adapter, and loading what older flaxheads wrote.
+LEGACY = ("tests/backbones/", "tests/interop/", "tests/test_encoder_bert.py", "tests/checkpoint/test_pre_layout")
+
+
+def pytest_collection_modifyitems(config, items):
+    root = str(config.rootpath) + os.sep
+    for item in items:
+        rel = str(item.path).replace(root, "").replace(os.sep, "/")
+        if item.get_closest_marker("slow") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
+        if rel.startswith(LEGACY):
+            item.add_marker(pytest.mark.legacy)
