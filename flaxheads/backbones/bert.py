@@ -19,21 +19,42 @@ are HF's (parity-tested against ``FlaxBertModel`` and PyTorch ``BertModel`` to 1
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from functools import partial
-from typing import Any
+from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from ..nn.activations import get_activation
 from .base import Backbone, BackboneError
-from .layers import attend, attention_chunks, dense, dropout, layer_norm_p, mask_bias
+from .layers import HFInit, dense, dropout, fused_qkv, layer_norm_p, mask_bias, self_attention
 from .weights import pick, torch_from_tree, tree_from_torch
 
 #: ``model_type`` values whose encoder is BERT's (same tree, same math).
 SUPPORTED_MODEL_TYPES = ("bert",)
+
+
+def check_bert_like(config, *, family: str) -> None:
+    """Raise :class:`BackboneError` unless the BERT-like layers of :func:`encode` compute what
+    HF's model for ``config`` computes (absolute positions, encoder only, a known activation)."""
+    pet = getattr(config, "position_embedding_type", "absolute") or "absolute"
+    why = None
+    if pet != "absolute":
+        why = f"position_embedding_type {pet!r}; only 'absolute' is implemented"
+    elif getattr(config, "is_decoder", False) or getattr(config, "add_cross_attention", False):
+        why = "a decoder / cross-attention config (is_decoder or add_cross_attention); only encoders are implemented"
+    elif int(config.hidden_size) % int(config.num_attention_heads):
+        why = f"hidden_size {config.hidden_size} is not divisible by num_attention_heads {config.num_attention_heads}"
+    else:
+        try:
+            get_activation(getattr(config, "hidden_act", "gelu"))
+        except ValueError as e:
+            why = str(e)
+    if why:
+        raise BackboneError(f"flaxheads' {family} backbone cannot run this config: {why}. Use a checkpoint "
+                            f"without it, or implementation='hf_flax' (transformers < 5) if HF's Flax model has it.")
 
 
 def supports(config) -> tuple[bool, str]:
@@ -43,18 +64,80 @@ def supports(config) -> tuple[bool, str]:
     mt = getattr(config, "model_type", None)
     if mt not in SUPPORTED_MODEL_TYPES:
         return False, f"model_type {mt!r} is not one of {SUPPORTED_MODEL_TYPES}"
-    pet = getattr(config, "position_embedding_type", "absolute")
-    if pet != "absolute":
-        return False, f"position_embedding_type {pet!r} (only 'absolute')"
-    if getattr(config, "is_decoder", False) or getattr(config, "add_cross_attention", False):
-        return False, "decoder / cross-attention configs"
-    if config.hidden_size % config.num_attention_heads:
-        return False, "hidden_size not divisible by num_attention_heads"
     try:
-        get_activation(config.hidden_act)
-    except ValueError:
-        return False, f"hidden_act {config.hidden_act!r}"
+        check_bert_like(config, family="BERT")
+    except BackboneError as e:
+        return False, str(e).partition(": ")[2]
     return True, ""
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerLayout:
+    """Where a BERT-like (post-LayerNorm) layer keeps each weight: paths in one layer's params
+    subtree, plus the path of the layer list in the whole tree. Families that name the same
+    weights differently (DistilBERT's ``q_lin``, ``sa_layer_norm``, ...) give their own layout.
+
+    ``attn_output_dropout``: whether dropout follows the attention output projection (BERT
+    has it, DistilBERT does not)."""
+
+    query: tuple[str, ...] = ("attention", "self", "query")
+    key: tuple[str, ...] = ("attention", "self", "key")
+    value: tuple[str, ...] = ("attention", "self", "value")
+    attn_out: tuple[str, ...] = ("attention", "output", "dense")
+    attn_norm: tuple[str, ...] = ("attention", "output", "LayerNorm")
+    ffn_in: tuple[str, ...] = ("intermediate", "dense")
+    ffn_out: tuple[str, ...] = ("output", "dense")
+    ffn_norm: tuple[str, ...] = ("output", "LayerNorm")
+    layers: tuple[str, ...] = ("encoder", "layer")
+    attn_output_dropout: bool = True
+
+    def __call__(self, tree: Mapping, part: str) -> Any:
+        """The subtree at the path named ``part`` (a field name)."""
+        for k in getattr(self, part):
+            tree = tree[k]
+        return tree
+
+    def layer_list(self, params: Mapping) -> list:
+        """The per-layer params subtrees, in order (``"0"``, ``"1"``, ...)."""
+        node = self(params, "layers")
+        return [node[str(i)] for i in range(len(node))]
+
+    def init_layer(self, init: HFInit, hidden: int, intermediate: int) -> dict:
+        """One freshly initialised layer's params, in this layout."""
+        out: dict = {}
+        for part, leaf in (("query", init.dense(hidden, hidden)), ("key", init.dense(hidden, hidden)),
+                           ("value", init.dense(hidden, hidden)), ("attn_out", init.dense(hidden, hidden)),
+                           ("attn_norm", init.norm(hidden)), ("ffn_in", init.dense(hidden, intermediate)),
+                           ("ffn_out", init.dense(intermediate, hidden)), ("ffn_norm", init.norm(hidden))):
+            *parents, last = getattr(self, part)
+            node = out
+            for k in parents:
+                node = node.setdefault(k, {})
+            node[last] = leaf
+        return out
+
+
+BERT_LAYOUT = LayerLayout()
+
+
+@dataclasses.dataclass(frozen=True)
+class Stack:
+    """The settings of a stack of BERT-like layers (what :func:`encode` needs beyond the params)."""
+
+    num_layers: int
+    num_heads: int
+    eps: float
+    act: Callable[[jax.Array], jax.Array]
+    hidden_dropout: float = 0.0
+    attn_dropout: float = 0.0
+    layout: LayerLayout = BERT_LAYOUT
+
+    @classmethod
+    def from_config(cls, config, layout: LayerLayout = BERT_LAYOUT) -> "Stack":
+        """BERT's config keys (``num_hidden_layers``, ``layer_norm_eps``, ``hidden_act``, ...)."""
+        return cls(int(config.num_hidden_layers), int(config.num_attention_heads), float(config.layer_norm_eps),
+                   get_activation(config.hidden_act), float(config.hidden_dropout_prob or 0.0),
+                   float(config.attention_probs_dropout_prob or 0.0), layout)
 
 
 def embed(params: dict, input_ids, token_type_ids, position_ids, *, eps: float, dtype) -> jax.Array:
@@ -66,68 +149,96 @@ def embed(params: dict, input_ids, token_type_ids, position_ids, *, eps: float, 
     return layer_norm_p(x.astype(dtype), e["LayerNorm"], eps)
 
 
+def bert_embeddings(params: dict, input_ids, token_type_ids, position_ids, *, eps: float, dtype, rate: float,
+                    rng: jax.Array | None) -> jax.Array:
+    """BERT's embedding module: :func:`embed`, then dropout (the default of :func:`encode`'s ``embeddings``)."""
+    return dropout(embed(params, input_ids, token_type_ids, position_ids, eps=eps, dtype=dtype), rate, rng)
+
+
 def layer(p: dict, x: jax.Array, mask_bias: jax.Array, *, num_heads: int, eps: float, act, batch: int,
           hidden_dropout: float = 0.0, attn_dropout: float = 0.0, rng: jax.Array | None = None,
-          attn_chunks: int | str = "auto", ffn_chunks: int = 1) -> jax.Array:
-    """One BERT layer on the flattened activation ``x [B*T, H]``; ``mask_bias [B, 1, 1, T]``."""
-    bt, h = x.shape
-    t, d = bt // batch, h // num_heads
-    a = p["attention"]["self"]
-    # One matmul for q, k and v; the 1/sqrt(d) scale goes on q's kernel and bias (H*H + H
-    # multiplies) instead of on the [B, nh, T, T] scores.
-    scale = 1.0 / math.sqrt(d)
-    w = jnp.concatenate([a["query"]["kernel"] * scale, a["key"]["kernel"], a["value"]["kernel"]], axis=1)
-    # The key bias adds q . b_k to every score of a query row, which softmax cancels: it has no
-    # effect on the output and its exact gradient is 0. Autodiff returns rounding noise
-    # instead, which Adam's g / (|g| + eps) turns into lr-sized steps that differ with the
-    # batch shape; stop_gradient gives the exact 0.
-    b = jnp.concatenate([a["query"]["bias"] * scale, lax.stop_gradient(a["key"]["bias"]), a["value"]["bias"]])
-    qkv = (x @ w.astype(x.dtype) + b.astype(x.dtype)).reshape(batch, t, 3, num_heads, d)
+          attn_chunks: int | str = "auto", ffn_chunks: int = 1, layout: LayerLayout = BERT_LAYOUT) -> jax.Array:
+    """One BERT-like layer on the flattened activation ``x [B*T, H]``; ``mask_bias [B, 1, 1, T]``."""
+    d = x.shape[1] // num_heads
+    qkv = [layout(p, part) for part in ("query", "key", "value")]
+    w, b = fused_qkv(tuple(m["kernel"] for m in qkv), tuple(m["bias"] for m in qkv), 1.0 / math.sqrt(d))
     if rng is not None:
         r_attn, r_out, r_ffn = jax.random.split(rng, 3)
     else:
         r_attn = r_out = r_ffn = None
-    n = attention_chunks(batch, num_heads, t, jnp.dtype(x.dtype).itemsize, attn_chunks)
-    parts = []
-    # Independent batch chunks: XLA's CPU runtime runs them concurrently, so the
-    # (single-threaded) softmax/mask fusions of one chunk overlap the other's. Split (not
-    # sliced) so the backward pass concatenates the chunks' gradients instead of adding
-    # zero-padded full-size copies of them.
-    chunks = jnp.split(qkv, n, axis=0) if n > 1 else [qkv]
-    biases = jnp.split(mask_bias, n, axis=0) if n > 1 else [mask_bias]
-    for c in range(n):
-        q, k, v = (a.squeeze(2) for a in jnp.split(chunks[c], 3, axis=2))
-        r = None if r_attn is None else jax.random.fold_in(r_attn, c)
-        parts.append(attend(q, k, v, biases[c], attn_dropout, r))
-    ctx = (parts[0] if n == 1 else jnp.concatenate(parts, axis=0)).reshape(bt, h)
-    o = p["attention"]["output"]
-    x = layer_norm_p(dropout(dense(ctx, o["dense"]), hidden_dropout, r_out) + x, o["LayerNorm"], eps)
-    return _ffn(p, x, eps=eps, act=act, hidden_dropout=hidden_dropout, rng=r_ffn, chunks=ffn_chunks)
+    ctx = self_attention(x, w, b, mask_bias, num_heads=num_heads, batch=batch, rate=attn_dropout, rng=r_attn,
+                         chunks=attn_chunks)
+    out = dense(ctx, layout(p, "attn_out"))
+    if layout.attn_output_dropout:
+        out = dropout(out, hidden_dropout, r_out)
+    x = layer_norm_p(out + x, layout(p, "attn_norm"), eps)
+    return _ffn(p, x, eps=eps, act=act, hidden_dropout=hidden_dropout, rng=r_ffn, chunks=ffn_chunks, layout=layout)
 
 
-def _ffn(p: dict, x: jax.Array, *, eps: float, act, hidden_dropout: float, rng, chunks: int) -> jax.Array:
+def _ffn(p: dict, x: jax.Array, *, eps: float, act, hidden_dropout: float, rng, chunks: int,
+         layout: LayerLayout = BERT_LAYOUT) -> jax.Array:
     """dense -> act -> dense -> dropout -> residual -> LayerNorm, in ``chunks`` independent row blocks."""
     rows = x.shape[0]
     n = chunks if chunks > 1 and rows % chunks == 0 else 1
     outs = []
     for c in range(n):
         xc = x[c * rows // n:(c + 1) * rows // n]
-        inter = act(dense(xc, p["intermediate"]["dense"]))
+        inter = act(dense(xc, layout(p, "ffn_in")))
         r = None if rng is None else (rng if n == 1 else jax.random.fold_in(rng, c))
-        out = dropout(dense(inter, p["output"]["dense"]), hidden_dropout, r)
-        outs.append(layer_norm_p(out + xc, p["output"]["LayerNorm"], eps))
+        out = dropout(dense(inter, layout(p, "ffn_out")), hidden_dropout, r)
+        outs.append(layer_norm_p(out + xc, layout(p, "ffn_norm"), eps))
     return outs[0] if n == 1 else jnp.concatenate(outs, axis=0)
+
+
+def dropout_keys(rng: jax.Array | None, num_layers: int, train: bool) -> tuple[jax.Array | None, list]:
+    """The embedding dropout key and one key per layer; all None when not training."""
+    if not train:
+        return None, [None] * num_layers
+    if rng is None:
+        raise ValueError("train=True needs a dropout_rng (dropout is active in training)")
+    keys = list(jax.random.split(rng, num_layers + 1))
+    return keys[-1], keys[:-1]
+
+
+def run_layers(layers: Sequence[dict], x: jax.Array, attention_mask: jax.Array, stack: Stack, *,
+               rngs: Sequence[jax.Array | None], attn_chunks: int | str = "auto", ffn_chunks: int = 1,
+               remat: bool = False) -> jax.Array:
+    """``stack``'s layers on the embeddings ``x [B, T, H]``: the last hidden state ``[B, T, H]``.
+
+    ``layers[i]`` is layer ``i``'s params (the same dict repeated shares weights across depth);
+    ``rngs[i]`` its dropout key or None."""
+    bsz, t, _ = x.shape
+    bias = mask_bias(attention_mask, x.dtype)
+    step = partial(layer, num_heads=stack.num_heads, eps=stack.eps, act=stack.act, batch=bsz,
+                   hidden_dropout=stack.hidden_dropout, attn_dropout=stack.attn_dropout, attn_chunks=attn_chunks,
+                   ffn_chunks=ffn_chunks, layout=stack.layout)
+    if remat:
+        # Keep only each layer's input for the backward pass and recompute the rest: activation
+        # memory stops growing with the layer count (long sequences), ~1 extra forward of compute.
+        step = jax.checkpoint(step)
+    x = x.reshape(bsz * t, -1)
+    for p, r in zip(layers, rngs, strict=True):
+        x = step(p, x, bias, rng=r)
+    return x.reshape(bsz, t, -1)
 
 
 def encode(params: dict, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, *, config,
            dtype=jnp.float32, dropout_rng: jax.Array | None = None, train: bool = False,
-           attn_chunks: int | str = "auto", ffn_chunks: int = 1, remat: bool = False) -> jax.Array:
-    """BERT encoder forward: last hidden state ``[B, T, H]`` in ``dtype``. Pure in ``params``.
+           attn_chunks: int | str = "auto", ffn_chunks: int = 1, remat: bool = False, stack: Stack | None = None,
+           embeddings: Callable[..., jax.Array] = bert_embeddings) -> jax.Array:
+    """A BERT-like encoder forward: last hidden state ``[B, T, H]`` in ``dtype``. Pure in ``params``.
+
+    What differs between BERT-like families comes in as arguments: ``stack`` (layer count,
+    sizes, dropout, the :class:`LayerLayout` of the weights; default BERT's from ``config``) and
+    ``embeddings(params, input_ids, token_type_ids, position_ids, *, eps, dtype, rate, rng)``
+    (embedding module with its dropout; default :func:`bert_embeddings`). Token types default
+    to zeros and position ids to ``0..T-1``.
 
     ``attn_chunks`` splits attention into independent batch chunks (see
     :func:`attention_chunks`); it changes speed only, never the result. ``remat=True``
     recomputes each layer in the backward pass (gradient checkpointing): same values and
     gradients, less activation memory."""
+    stack = Stack.from_config(config) if stack is None else stack
     input_ids = jnp.asarray(input_ids)
     bsz, t = input_ids.shape
     if attention_mask is None:
@@ -136,28 +247,14 @@ def encode(params: dict, input_ids, attention_mask=None, token_type_ids=None, po
         token_type_ids = jnp.zeros_like(input_ids)
     if position_ids is None:
         position_ids = jnp.broadcast_to(jnp.arange(t), (bsz, t))
-    if train and dropout_rng is None:
-        raise ValueError("train=True needs a dropout_rng (dropout is active in training)")
-    eps = float(config.layer_norm_eps)
-    x = embed(params, input_ids, token_type_ids, position_ids, eps=eps, dtype=dtype)
-    hd = float(config.hidden_dropout_prob or 0.0) if train else 0.0
-    ad = float(config.attention_probs_dropout_prob or 0.0) if train else 0.0
-    rngs = list(jax.random.split(dropout_rng, config.num_hidden_layers + 1)) if train else [None] * (
-        config.num_hidden_layers + 1)
-    x = dropout(x, hd, rngs[-1])
-    bias = mask_bias(attention_mask, dtype)
-    act = get_activation(config.hidden_act)
-    x = x.reshape(bsz * t, -1)
-    layers = params["encoder"]["layer"]
-    step = partial(layer, num_heads=config.num_attention_heads, eps=eps, act=act, batch=bsz, hidden_dropout=hd,
-                   attn_dropout=ad, attn_chunks=attn_chunks, ffn_chunks=ffn_chunks)
-    if remat:
-        # Keep only each layer's input for the backward pass and recompute the rest: activation
-        # memory stops growing with the layer count (long sequences), ~1 extra forward of compute.
-        step = jax.checkpoint(step)
-    for i in range(config.num_hidden_layers):
-        x = step(layers[str(i)], x, bias, rng=rngs[i])
-    return x.reshape(bsz, t, -1)
+    emb_rng, rngs = dropout_keys(dropout_rng, stack.num_layers, train)
+    x = embeddings(params, input_ids, token_type_ids, position_ids, eps=stack.eps, dtype=dtype,
+                   rate=stack.hidden_dropout, rng=emb_rng)
+    layers = stack.layout.layer_list(params)
+    if len(layers) != stack.num_layers:
+        raise BackboneError(f"the params have {len(layers)} layers but the config has {stack.num_layers}")
+    return run_layers(layers, x, attention_mask, stack, rngs=rngs, attn_chunks=attn_chunks,
+                      ffn_chunks=ffn_chunks, remat=remat)
 
 
 class BertBackbone(Backbone):
@@ -165,7 +262,11 @@ class BertBackbone(Backbone):
 
     The params tree is HF ``FlaxBertModel``'s (``embeddings``, ``encoder/layer/<i>/...``), so
     checkpoints written with HF's Flax BERT load unchanged. ``attn_chunks`` splits attention
-    into independent batch chunks (speed only; see :func:`~flaxheads.backbones.layers.attention_chunks`)."""
+    into independent batch chunks (speed only; see :func:`~flaxheads.backbones.layers.attention_chunks`).
+
+    BERT-like families subclass it and change what differs: :attr:`layout` (the layer's
+    weight names), :attr:`top_level` (the params tree's top-level modules, which are also
+    the PyTorch name prefixes), :meth:`stack`, :meth:`embeddings` and :meth:`init_embeddings`."""
 
     model_types = SUPPORTED_MODEL_TYPES
     base_model_prefix = "bert"
@@ -174,6 +275,12 @@ class BertBackbone(Backbone):
                 "pad_token_id": 0, "initializer_range": 0.02, "max_position_embeddings": 512}
     features = frozenset({"token_type_ids", "position_ids", "remat", "bf16"})
     extra_inputs = ("token_type_ids", "position_ids")
+    #: the family's name in error messages
+    family: ClassVar[str] = "BERT"
+    layout: ClassVar[LayerLayout] = BERT_LAYOUT
+    top_level: ClassVar[tuple[str, ...]] = ("embeddings", "encoder")
+    #: PyTorch buffers (not weights) some checkpoints carry under the base model
+    buffers: ClassVar[tuple[str, ...]] = ("position_ids", "token_type_ids")
 
     def __init__(self, config, params: dict, dtype=jnp.float32, remat: bool = False,
                  attn_chunks: int | str = "auto"):
@@ -182,42 +289,51 @@ class BertBackbone(Backbone):
 
     @classmethod
     def check_config(cls, config) -> None:
-        ok, why = supports(config)
-        if not ok:
-            raise BackboneError(f"flaxheads' BERT backbone cannot run this config: {why}")
+        mt = getattr(config, "model_type", None)
+        if mt not in cls.model_types:
+            raise BackboneError(f"flaxheads' {cls.family} backbone serves model_type {cls.model_types}, "
+                                f"not {mt!r}")
+        check_bert_like(config, family=cls.family)
+
+    @classmethod
+    def init_embeddings(cls, config, init: HFInit) -> dict:
+        """The ``embeddings`` subtree, freshly initialised."""
+        h = int(config.hidden_size)
+        return {"word_embeddings": init.embedding(int(config.vocab_size), h),
+                "position_embeddings": init.embedding(int(config.max_position_embeddings), h),
+                "token_type_embeddings": init.embedding(int(config.type_vocab_size), h), "LayerNorm": init.norm(h)}
 
     @classmethod
     def init_params(cls, config, rng) -> dict:
-        h, i, std = int(config.hidden_size), int(config.intermediate_size), float(config.initializer_range)
-        keys = iter(jax.random.split(rng, 4 + 6 * int(config.num_hidden_layers)))
+        init = HFInit(rng, float(config.initializer_range))
+        n, h = cls.stack(config).num_layers, int(config.hidden_size)
+        layers = {str(i): cls.layout.init_layer(init, h, int(cls.intermediate_size(config))) for i in range(n)}
+        outer, inner = cls.layout.layers
+        return {"embeddings": cls.init_embeddings(config, init), outer: {inner: layers}}
 
-        def lin(n_in, n_out):
-            return {"kernel": std * jax.random.normal(next(keys), (n_in, n_out)), "bias": jnp.zeros(n_out)}
-
-        def emb(n):
-            return {"embedding": std * jax.random.normal(next(keys), (n, h))}
-
-        def ln():
-            return {"scale": jnp.ones(h), "bias": jnp.zeros(h)}
-
-        layers = {str(n): {"attention": {"self": {"query": lin(h, h), "key": lin(h, h), "value": lin(h, h)},
-                                         "output": {"dense": lin(h, h), "LayerNorm": ln()}},
-                           "intermediate": {"dense": lin(h, i)}, "output": {"dense": lin(i, h), "LayerNorm": ln()}}
-                  for n in range(int(config.num_hidden_layers))}
-        return {"embeddings": {"word_embeddings": emb(int(config.vocab_size)),
-                               "position_embeddings": emb(int(config.max_position_embeddings)),
-                               "token_type_embeddings": emb(int(config.type_vocab_size)), "LayerNorm": ln()},
-                "encoder": {"layer": layers}}
+    @classmethod
+    def intermediate_size(cls, config) -> int:
+        return int(config.intermediate_size)
 
     @classmethod
     def params_from_state(cls, config, state) -> dict:
-        return tree_from_torch(pick(state, lambda k: k.startswith(("embeddings.", "encoder."))
-                                    and not k.endswith("position_ids")))
+        return tree_from_torch(pick(state, lambda k: k.partition(".")[0] in cls.top_level
+                                    and k.rpartition(".")[2] not in cls.buffers))
 
     def state_from_params(self, params) -> dict:
-        return torch_from_tree({k: params[k] for k in ("embeddings", "encoder")})
+        return torch_from_tree({k: params[k] for k in self.top_level if k in params})
+
+    @classmethod
+    def stack(cls, config) -> Stack:
+        """The layer settings of ``config``."""
+        return Stack.from_config(config, cls.layout)
+
+    def embeddings(self) -> Callable[..., jax.Array]:
+        """The embedding module for :func:`encode` (see its ``embeddings`` argument)."""
+        return bert_embeddings
 
     def encode(self, params, input_ids, attention_mask, *, train: bool = False, rng=None, token_type_ids=None,
                position_ids=None) -> jax.Array:
         return encode(params, input_ids, attention_mask, token_type_ids, position_ids, config=self.config,
-                      dtype=self.dtype, dropout_rng=rng, train=train, attn_chunks=self.attn_chunks, remat=self.remat)
+                      dtype=self.dtype, dropout_rng=rng, train=train, attn_chunks=self.attn_chunks, remat=self.remat,
+                      stack=self.stack(self.config), embeddings=self.embeddings())

@@ -132,8 +132,10 @@ def _biased_scores_jvp(primals, tangents):
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, rate: float,
-            rng: jax.Array | None) -> jax.Array:
+            rng: jax.Array | None, causal: bool = False) -> jax.Array:
     """softmax(q k^T + bias) v for ``q, k, v [B, T, nh, d]``, ``bias [B, 1, 1, T]``: ``[B, T, nh, d]``.
+
+    ``causal=True`` also hides every key after the query's position (decoder attention).
 
     Same function as HF's attention, arranged for XLA:CPU (each step measured in-process
     on MiniLM; forward at 32 x 256 ~1.25x the plain ``einsum``/``softmax``/``einsum``):
@@ -147,10 +149,12 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, rate: floa
 
     On other backends it is :func:`attend_plain` (see there)."""
     if jax.default_backend() != "cpu":
-        return attend_plain(q, k, v, bias, rate, rng)
+        return attend_plain(q, k, v, bias, rate, rng, causal)
     b, t, nh, _ = k.shape
     key_bias = jnp.broadcast_to(lax.stop_gradient(bias).reshape(b, t, 1, 1), (b, t, nh, 1)).astype(k.dtype)
     scores = _biased_scores(q, k, key_bias)
+    if causal:
+        scores = causal_mask(scores)
     e = jnp.exp(scores - lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True)))
     denom = jnp.sum(e, axis=-1, dtype=jnp.float32)  # f32 even for bf16 activations
     e = dropout(e, rate, rng)
@@ -159,17 +163,69 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, rate: floa
 
 
 def attend_plain(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, rate: float,
-                  rng: jax.Array | None) -> jax.Array:
+                  rng: jax.Array | None, causal: bool = False) -> jax.Array:
     """HF's arrangement of :func:`attend` (same function, same dropout bits), used off CPU.
 
     The ``d + 1``-wide score matmul is a CPU measurement; on GPUs XLA fuses bias + softmax
     itself and matmuls want aligned head dims, and nothing here was measured on one, so
     accelerators get the textbook form."""
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) + bias
+    if causal:
+        scores = causal_mask(scores)
     probs = dropout(jax.nn.softmax(scores, axis=-1), rate, rng)
     return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
 
 
+def causal_mask(scores: jax.Array) -> jax.Array:
+    """``scores [..., Tq, Tk]`` with every key after its query set to the dtype's lowest value
+    (queries are the last ``Tq`` positions of the ``Tk`` keys, as in HF's causal mask).
+
+    A ``where``, not an added bias: it fuses into the softmax's reads, and the hidden
+    entries get exactly zero gradient."""
+    tq, tk = scores.shape[-2:]
+    keep = lax.broadcasted_iota(jnp.int32, (tq, tk), 1) <= lax.broadcasted_iota(jnp.int32, (tq, tk), 0) + (tk - tq)
+    return jnp.where(keep, scores, jnp.finfo(scores.dtype).min)
+
+
+def fused_qkv(kernels: tuple[jax.Array, jax.Array, jax.Array], biases: tuple[jax.Array, jax.Array, jax.Array],
+              scale: float) -> tuple[jax.Array, jax.Array]:
+    """One ``[H, 3H]`` kernel and ``[3H]`` bias for the q, k, v projections (kernels ``[in, out]``).
+
+    The attention scale goes on q's kernel and bias (``H*H + H`` multiplies instead of
+    ``B*nh*T*T`` on the scores). The key bias adds ``q . b_k`` to every score of a query
+    row, which softmax cancels: it has no effect on the output and its exact gradient is 0.
+    Autodiff returns rounding noise instead, which Adam's ``g / (|g| + eps)`` turns into
+    lr-sized steps that differ with the batch shape; ``stop_gradient`` gives the exact 0."""
+    (wq, wk, wv), (bq, bk, bv) = kernels, biases
+    w = jnp.concatenate([wq * scale, wk, wv], axis=1)
+    b = jnp.concatenate([bq * scale, lax.stop_gradient(bk), bv])
+    return w, b
+
+
+def self_attention(x: jax.Array, w: jax.Array, b: jax.Array, bias: jax.Array, *, num_heads: int, batch: int,
+                   rate: float = 0.0, rng: jax.Array | None = None, chunks: int | str = "auto",
+                   causal: bool = False) -> jax.Array:
+    """Multi-head self-attention context ``[B*T, H]`` of the flattened activation ``x [B*T, H]``:
+    one matmul with the fused q/k/v kernel ``w [H, 3H]`` / bias ``b`` (see :func:`fused_qkv`),
+    then :func:`attend` with the key mask ``bias [B, 1, 1, T]``, before the output projection.
+
+    Attention runs in independent batch chunks (:func:`attention_chunks`): XLA's CPU runtime
+    runs them concurrently, so the (single-threaded) softmax/mask fusions of one chunk
+    overlap the other's. They are split (not sliced) so the backward pass concatenates the
+    chunks' gradients instead of adding zero-padded full-size copies of them. Chunk ``c``'s
+    dropout key is ``fold_in(rng, c)``."""
+    bt, h = x.shape
+    t, d = bt // batch, h // num_heads
+    qkv = (x @ w.astype(x.dtype) + b.astype(x.dtype)).reshape(batch, t, 3, num_heads, d)
+    n = attention_chunks(batch, num_heads, t, jnp.dtype(x.dtype).itemsize, chunks)
+    parts = []
+    qkv_chunks = jnp.split(qkv, n, axis=0) if n > 1 else [qkv]
+    biases = jnp.split(bias, n, axis=0) if n > 1 else [bias]
+    for c in range(n):
+        q, k, v = (a.squeeze(2) for a in jnp.split(qkv_chunks[c], 3, axis=2))
+        r = None if rng is None else jax.random.fold_in(rng, c)
+        parts.append(attend(q, k, v, biases[c], rate, r, causal))
+    return (parts[0] if n == 1 else jnp.concatenate(parts, axis=0)).reshape(bt, h)
 
 
 def mask_bias(attention_mask: jax.Array, dtype) -> jax.Array:
@@ -178,3 +234,28 @@ def mask_bias(attention_mask: jax.Array, dtype) -> jax.Array:
     HF uses ``finfo(dtype).min``; any large negative gives the same softmax, and a fully
     masked row stays finite (uniform) instead of NaN."""
     return jnp.where(attention_mask[:, None, None, :] > 0, 0.0, jnp.finfo(dtype).min).astype(dtype)
+
+
+class HFInit:
+    """Fresh params as Hugging Face initialises its models: ``normal(std)`` kernels and
+    embeddings, zero biases, unit norm scales. Each draw has its own key (``fold_in`` of a
+    counter), so the params are a pure function of ``rng``; under ``jax.eval_shape`` nothing
+    is allocated (how backbones learn their params' shapes)."""
+
+    def __init__(self, rng: jax.Array, std: float = 0.02):
+        self.rng, self.std, self._n = rng, float(std), 0
+
+    def normal(self, shape: tuple[int, ...]) -> jax.Array:
+        self._n += 1
+        return self.std * jax.random.normal(jax.random.fold_in(self.rng, self._n), shape)
+
+    def dense(self, n_in: int, n_out: int, bias: bool = True) -> dict:
+        """A Flax ``Dense``: ``kernel [in, out]`` (+ ``bias``)."""
+        return {"kernel": self.normal((n_in, n_out)), **({"bias": jnp.zeros(n_out)} if bias else {})}
+
+    def embedding(self, num: int, dim: int) -> dict:
+        return {"embedding": self.normal((num, dim))}
+
+    def norm(self, dim: int, bias: bool = True) -> dict:
+        """A LayerNorm: ``scale`` ones (+ ``bias`` zeros)."""
+        return {"scale": jnp.ones(dim), **({"bias": jnp.zeros(dim)} if bias else {})}
