@@ -78,7 +78,8 @@ class LayerLayout:
     weights differently (DistilBERT's ``q_lin``, ``sa_layer_norm``, ...) give their own layout.
 
     ``attn_output_dropout``: whether dropout follows the attention output projection (BERT
-    has it, DistilBERT does not)."""
+    has it, DistilBERT does not); ``ffn_output_dropout``: whether it follows the feed-forward
+    output projection (BERT has it, ALBERT does not)."""
 
     query: tuple[str, ...] = ("attention", "self", "query")
     key: tuple[str, ...] = ("attention", "self", "key")
@@ -90,6 +91,7 @@ class LayerLayout:
     ffn_norm: tuple[str, ...] = ("output", "LayerNorm")
     layers: tuple[str, ...] = ("encoder", "layer")
     attn_output_dropout: bool = True
+    ffn_output_dropout: bool = True
 
     def __call__(self, tree: Mapping, part: str) -> Any:
         """The subtree at the path named ``part`` (a field name)."""
@@ -185,7 +187,9 @@ def _ffn(p: dict, x: jax.Array, *, eps: float, act, hidden_dropout: float, rng, 
         xc = x[c * rows // n:(c + 1) * rows // n]
         inter = act(dense(xc, layout(p, "ffn_in")))
         r = None if rng is None else (rng if n == 1 else jax.random.fold_in(rng, c))
-        out = dropout(dense(inter, layout(p, "ffn_out")), hidden_dropout, r)
+        out = dense(inter, layout(p, "ffn_out"))
+        if layout.ffn_output_dropout:
+            out = dropout(out, hidden_dropout, r)
         outs.append(layer_norm_p(out + xc, layout(p, "ffn_norm"), eps))
     return outs[0] if n == 1 else jnp.concatenate(outs, axis=0)
 
