@@ -12,11 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from .base import Backbone, BackboneError, HFConfig
+from .albert import AlbertBackbone
 from .bert import BertBackbone
+from .gpt2 import GPT2Backbone
 from .weights import read_state_dict
 
 #: Every native family, in the order their ``model_types`` are looked up.
-FAMILIES: tuple[type[Backbone], ...] = (BertBackbone,)
+FAMILIES: tuple[type[Backbone], ...] = (BertBackbone, AlbertBackbone, GPT2Backbone)
 IMPLEMENTATIONS = ("auto", "native", "hf_flax")
 
 
