@@ -143,11 +143,13 @@ class Stack:
 
 
 def embed(params: dict, input_ids, token_type_ids, position_ids, *, eps: float, dtype) -> jax.Array:
-    """Word + position + token-type embeddings, LayerNorm: ``[B, T, H]``."""
+    """Word + position + token-type embeddings, LayerNorm: ``[B, T, H]`` (families without
+    ``token_type_embeddings``, e.g. DistilBERT, skip that term)."""
     e = params["embeddings"]
     x = (jnp.take(e["word_embeddings"]["embedding"], input_ids, axis=0)
-         + jnp.take(e["position_embeddings"]["embedding"], position_ids, axis=0)
-         + jnp.take(e["token_type_embeddings"]["embedding"], token_type_ids, axis=0))
+         + jnp.take(e["position_embeddings"]["embedding"], position_ids, axis=0))
+    if "token_type_embeddings" in e:
+        x = x + jnp.take(e["token_type_embeddings"]["embedding"], token_type_ids, axis=0)
     return layer_norm_p(x.astype(dtype), e["LayerNorm"], eps)
 
 
@@ -301,11 +303,12 @@ class BertBackbone(Backbone):
 
     @classmethod
     def init_embeddings(cls, config, init: HFInit) -> dict:
-        """The ``embeddings`` subtree, freshly initialised."""
+        """The top-level modules before the layers (BERT: ``{"embeddings": ...}``), freshly initialised."""
         h = int(config.hidden_size)
-        return {"word_embeddings": init.embedding(int(config.vocab_size), h),
-                "position_embeddings": init.embedding(int(config.max_position_embeddings), h),
-                "token_type_embeddings": init.embedding(int(config.type_vocab_size), h), "LayerNorm": init.norm(h)}
+        return {"embeddings": {"word_embeddings": init.embedding(int(config.vocab_size), h),
+                               "position_embeddings": init.embedding(int(config.max_position_embeddings), h),
+                               "token_type_embeddings": init.embedding(int(config.type_vocab_size), h),
+                               "LayerNorm": init.norm(h)}}
 
     @classmethod
     def init_params(cls, config, rng) -> dict:
@@ -313,7 +316,7 @@ class BertBackbone(Backbone):
         n, h = cls.stack(config).num_layers, int(config.hidden_size)
         layers = {str(i): cls.layout.init_layer(init, h, int(cls.intermediate_size(config))) for i in range(n)}
         outer, inner = cls.layout.layers
-        return {"embeddings": cls.init_embeddings(config, init), outer: {inner: layers}}
+        return {**cls.init_embeddings(config, init), outer: {inner: layers}}
 
     @classmethod
     def intermediate_size(cls, config) -> int:

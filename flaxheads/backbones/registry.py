@@ -14,11 +14,15 @@ import numpy as np
 from .base import Backbone, BackboneError, HFConfig
 from .albert import AlbertBackbone
 from .bert import BertBackbone
+from .distilbert import DistilBertBackbone
+from .electra import ElectraBackbone
 from .gpt2 import GPT2Backbone
+from .roberta import RobertaBackbone
 from .weights import read_state_dict
 
 #: Every native family, in the order their ``model_types`` are looked up.
-FAMILIES: tuple[type[Backbone], ...] = (BertBackbone, AlbertBackbone, GPT2Backbone)
+FAMILIES: tuple[type[Backbone], ...] = (BertBackbone, RobertaBackbone, ElectraBackbone, DistilBertBackbone,
+                                        AlbertBackbone, GPT2Backbone)
 IMPLEMENTATIONS = ("auto", "native", "hf_flax")
 
 
