@@ -9,3 +9,7 @@ class FlaxheadsError(ValueError):
     """Base of every user-facing error: the message says what was wrong, what was expected and how to fix it.
 
     A ``ValueError`` so code that caught the library's ``ValueError`` before keeps working."""
+
+
+class UsageError(FlaxheadsError):
+    """A command-line flag or argument that is missing, malformed or out of range (or two that conflict)."""

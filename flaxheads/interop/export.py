@@ -28,6 +28,7 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 
 from .. import config as _config
+from ..errors import FlaxheadsError
 from ..nn.heads import IdentityHead, LinearHead, MLPHead, ProjectionHead, SequenceHead
 from ..backbones.weights import head_to_hf
 from ..nn.poolers import Concat, DensePooler, Pool
@@ -66,7 +67,7 @@ ST_ACTIVATIONS = {None: "torch.nn.modules.linear.Identity", "linear": "torch.nn.
                   "swish": "torch.nn.modules.activation.SiLU"}
 
 
-class ExportError(ValueError):
+class ExportError(FlaxheadsError):
     """The model cannot be written in the requested format (the message says which format can)."""
 
 

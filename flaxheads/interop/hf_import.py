@@ -21,12 +21,13 @@ from ..backbones.weights import BIN, BIN_INDEX, SAFE, SAFE_INDEX, read_torch_bin
 from ..model import SequenceModel, from_pretrained
 from ..nn.poolers import Concat, Pool
 from ..backbones.base import BackboneError
+from ..errors import FlaxheadsError
 from ..presets import PRESETS, preset_for
 
 WEIGHT_FILES = (SAFE, SAFE_INDEX, BIN, BIN_INDEX)
 
 
-class ModelImportError(ValueError):
+class ModelImportError(FlaxheadsError):
     """A folder flaxheads cannot import (the message says what was wrong and what is expected)."""
 
 

@@ -17,6 +17,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from ..errors import FlaxheadsError
 from ..losses import MULTI_LABEL, REGRESSION, SINGLE_LABEL
 
 TABLE_FORMATS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
@@ -24,7 +25,7 @@ PACKAGED = ("bbc_news",)
 SPLITS = ("train", "validation", "test")
 
 
-class DataError(ValueError):
+class DataError(FlaxheadsError):
     """Bad input data; the message names the file, row and column and says how to fix it."""
 
 
