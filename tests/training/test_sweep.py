@@ -66,7 +66,7 @@ def test_sweep_heads_equal_separate_trainings(setup):
 
 
 def test_best_head_is_chosen_on_validation_and_saves_as_a_normal_head(setup, tmp_path):
-    from flaxheads.checkpoint.core import attach_head, load_head, save_head
+    from flaxheads.checkpoint import attach_head, load_head, save_head
 
     d, model, _, tc, vc = setup
     variants = grid([0.0, 3e-2], seeds=(0, 1), poolers=("cls", "mean"))
@@ -117,7 +117,7 @@ def test_sweep_on_token_level_features(tmp_path_factory):
 def test_train_program_sweep_saves_the_best_head(tmp_path):
     """`flaxheads train --sweep K` on real MiniLM + BBC News: the saved head is the sweep's best and
     scores what the summary says when attached to a freshly loaded backbone."""
-    from flaxheads.checkpoint.core import attach_head, load_head
+    from flaxheads.checkpoint import attach_head, load_head
     from flaxheads.cli.train import build_parser, run
 
     args = build_parser().parse_args(["--sweep", "3", "--limit", "60", "--max-length", "32", "--epochs", "2",
