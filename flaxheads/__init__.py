@@ -1,6 +1,6 @@
 """flaxheads: poolers and heads for any FlaxAutoModel encoder, as Flax modules."""
-from .checkpoint.core import (CheckpointError, CorruptCheckpointError, HeadCheckpoint, HeadMismatchError,
-                         IncompatibleCheckpointError, RunCheckpointer, attach_head, load_head, save_head)
+from .checkpoint import (CheckpointError, CorruptCheckpointError, HeadCheckpoint, HeadMismatchError,
+                    IncompatibleCheckpointError, RunCheckpointer, attach_head, load_head, save_head)
 from .config import from_dict, from_json, to_dict, to_json
 from .describe import describe
 from .nn.heads import Head, IdentityHead, LinearHead, MLPHead, ProjectionHead, SequenceHead, make_head
@@ -13,7 +13,7 @@ from .model import LoadReport, SequenceModel, build_head, from_pretrained, load_
 from .nn.poolers import (AttentionPool, Concat, DensePooler, Pool, Pooler, SequenceSummary, make_pooler)
 from .presets import PRESETS, Preset, preset_for
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 __all__ = [
     "ExportError", "ModelImportError", "export_head", "export_sentence_transformers",

@@ -20,7 +20,9 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 import flaxheads as fh
-from flaxheads.checkpoint import core as ck
+from flaxheads import checkpoint as ck
+from flaxheads.checkpoint.meta import OWN_KEYS
+from flaxheads.errors import FlaxheadsError
 from flaxheads.nn.heads import IdentityHead, LinearHead, MLPHead, ProjectionHead, SequenceHead
 from flaxheads.nn.poolers import AttentionPool, Concat, DensePooler, Pool, SequenceSummary
 from flaxheads.presets import PRESETS
@@ -147,7 +149,7 @@ def test_round_trip_every_hf_preset(tmp_path, bert, arch):
 
 
 def test_meta_has_everything(tmp_path, bert):
-    path = fh.save_head(tmp_path, bert)
+    path = fh.save_head(tmp_path, bert, extra_meta={"note": "x"})
     meta = fh.load_head(path).meta
     hc = fh.to_dict(bert.head)
     assert meta["library_version"] == fh.__version__
@@ -165,10 +167,19 @@ def test_meta_has_everything(tmp_path, bert):
     assert meta["head_shapes_hash"] == ck.head_shapes_hash(_perturb(bert.params["head"], 5))
     other = _with_head(bert, SequenceHead(DensePooler(), LinearHead(4)), num_labels=4)
     assert ck.head_shapes_hash(other.params["head"]) != meta["head_shapes_hash"]
+    assert set(meta) - {"note"} == OWN_KEYS  # format_meta lists any other key as extra meta
+    text = ck.format_meta(meta)
+    assert text.splitlines()[-1].split() == ["note:", '"x"'] and "jax_version" not in text
     with pytest.raises(ValueError, match="overwrite"):
         fh.save_head(tmp_path / "x", bert, extra_meta={"hidden_size": 1})
     with pytest.raises(FileExistsError, match="step 0"):
         fh.save_head(tmp_path, bert)
+
+
+def test_checkpoint_errors_are_flaxheads_value_errors():
+    for err in (ck.CheckpointError, ck.CorruptCheckpointError, ck.IncompatibleCheckpointError, ck.HeadMismatchError):
+        assert issubclass(err, FlaxheadsError) and issubclass(err, ValueError)
+        assert getattr(fh, err.__name__) is err
 
 
 # ---- head without the backbone; attaching to other backbones ----------------------------------

@@ -162,7 +162,7 @@ def test_sigkilled_train_run_resumes_to_the_same_result(tmp_path, capfd):
     code, msg = err("--resume-step", "3")
     assert code == 2 and "no checkpoint for step 3" in msg and "available steps: [16, 18]" in msg
 
-    from flaxheads.checkpoint.core import format_listing, list_checkpoints
+    from flaxheads.checkpoint import format_listing, list_checkpoints
 
     rows = list_checkpoints(full)
     assert rows[-1]["latest"] and sum(r["best"] for r in rows) == 1

@@ -1,6 +1,33 @@
-"""Orbax checkpoints: heads saved apart from backbones, with the meta that checks compatibility."""
-from .core import *  # noqa: F401,F403
-from .core import (CheckpointError, CorruptCheckpointError, FitCheckpointing, HeadCheckpoint, HeadMismatchError,
-                   IncompatibleCheckpointError, RunCheckpointer, attach_head, changed_settings, format_listing,
-                   format_meta, list_checkpoints, load_backbone_params, load_head, make_meta, read_meta, save_head,
-                   verify_checkpoint)
+"""Orbax checkpoints: heads saved apart from backbones, with the meta that checks compatibility.
+
+Layout: one directory per step (``<root>/<step>/``), one Orbax item per piece::
+
+    head/       the head params {"pooler": ..., "head": ...}          (always, unless it has no params)
+    backbone/   the backbone params                                   (only when the backbone was trained)
+    opt_state/  the optimiser state                                   (training checkpoints)
+    extra/      any other array fields of the train state (rng, ...)  (training checkpoints, when present)
+    step/       JSON: {"step": k, "metrics": {...}}
+    meta/       JSON: library version, pooler/head config, problem type, labels, hidden width,
+                backbone type and name/path, dtype, per-leaf shapes and their hash
+
+A frozen backbone is not copied: ``meta`` names it (``backbone_name_or_path``). Restoring a
+head reads ``meta`` and ``head`` only, never ``backbone``. Saves are Orbax's: asynchronous
+and atomic (written to a temporary folder and renamed when complete), so a killed save never
+becomes the latest step.
+
+Modules: :mod:`.meta` (format, meta, errors), :mod:`.io` (Orbax plumbing), :mod:`.heads`
+(head checkpoints), :mod:`.runs` (training runs), :mod:`.inspect` (verify, list, print).
+"""
+from .heads import HeadCheckpoint, attach_head, load_backbone_params, load_head, read_meta, save_head
+from .inspect import format_listing, format_meta, list_checkpoints, verify_checkpoint
+from .io import resolve_root
+from .meta import (FORMAT, CheckpointError, CorruptCheckpointError, HeadMismatchError, IncompatibleCheckpointError,
+                   backbone_checksum, expected_head_shapes, head_shapes, head_shapes_hash, make_meta)
+from .runs import RunCheckpointer
+
+__all__ = [
+    "FORMAT", "CheckpointError", "CorruptCheckpointError", "HeadCheckpoint", "HeadMismatchError",
+    "IncompatibleCheckpointError", "RunCheckpointer", "attach_head", "backbone_checksum", "expected_head_shapes",
+    "format_listing", "format_meta", "head_shapes", "head_shapes_hash", "list_checkpoints", "load_backbone_params",
+    "load_head", "make_meta", "read_meta", "resolve_root", "save_head", "verify_checkpoint",
+]

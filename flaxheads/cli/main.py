@@ -95,7 +95,7 @@ def add_export_command(sub) -> None:
 def run_checkpoints(args) -> int:
     import json
 
-    from ..checkpoint.core import format_listing, format_meta, list_checkpoints, read_meta
+    from ..checkpoint import format_listing, format_meta, list_checkpoints, read_meta
 
     if args.meta:
         step = args.step if args.step in (None, "latest", "best") else int(args.step)

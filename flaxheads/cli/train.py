@@ -300,7 +300,8 @@ def _setup_checkpoints(args, model, trainer, out: Path, config: dict, lead: bool
     """The run's checkpointer hooks (None with --checkpoint-every 0) and the state to resume from
     (None: start at step 0). Resuming reproduces the uninterrupted run: same params, optimizer
     state, dropout key, and (from the step number) the same position in the same data order."""
-    from flaxheads.checkpoint.core import CheckpointError, FitCheckpointing, RunCheckpointer, changed_settings
+    from flaxheads.checkpoint import CheckpointError, RunCheckpointer
+    from flaxheads.checkpoint.core import FitCheckpointing, changed_settings
     from flaxheads.training.metrics import headline
     from flaxheads.training.steps import steps_per_epoch
 
@@ -409,7 +410,7 @@ def main(argv=None) -> int:
     from flaxheads.runtime import configure_xla
 
     configure_xla()  # before JAX starts a backend; flags and reasons in flaxheads/runtime.py
-    from flaxheads.checkpoint.core import CheckpointError
+    from flaxheads.checkpoint import CheckpointError
     from flaxheads.training.data import DataError
     try:
         run(args)

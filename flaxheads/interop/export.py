@@ -574,7 +574,7 @@ def model_from_checkpoint(directory: str | os.PathLike, step: int | str | None =
     ``head_only=True`` returns the ``HeadCheckpoint`` (enough for ``export_head``). Otherwise
     the backbone comes from the checkpoint's ``backbone`` item when it was trained and saved,
     on top of the backbone folder ``backbone`` (default: ``meta["backbone_name_or_path"]``)."""
-    from ..checkpoint import core as ck
+    from .. import checkpoint as ck
     from ..model import from_pretrained
 
     step = int(step) if isinstance(step, str) and step.isdigit() else step

@@ -293,7 +293,7 @@ def cli_run(args, model, splits: dict, buckets: Sequence[int], *, lr: float, out
     import json
     from pathlib import Path
 
-    from ..checkpoint.core import save_head
+    from ..checkpoint import save_head
     from .features import cache_features
     from .metrics import compute_metrics, format_table, headline
     from .optim import OptimConfig
