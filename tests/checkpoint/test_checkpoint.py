@@ -28,7 +28,9 @@ from flaxheads.nn.poolers import AttentionPool, Concat, DensePooler, Pool, Seque
 from flaxheads.presets import PRESETS
 
 H = 32  # tests/hf_tiny.py hidden width
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(HERE)
+REPO = os.path.dirname(TESTS)
 
 
 # ---- tiny backbones (random PyTorch models saved as safetensors, loaded by flaxheads) ----------
@@ -378,7 +380,7 @@ def _stub_model(seed=0):
 
 _KILLER = textwrap.dedent("""
     import os, signal, sys
-    sys.path.insert(0, {tests!r})
+    sys.path[:0] = [{tests!r}, {here!r}]
     import conftest  # noqa: F401  (XLA flags)
     import jax.numpy as jnp
     import flaxheads as fh
@@ -413,7 +415,7 @@ _KILLER = textwrap.dedent("""
 def test_killed_during_save_leaves_previous_checkpoint(tmp_path):
     """SIGKILL at two points of an async save of step 2 (both processes run side by side)."""
     script = tmp_path / "killer.py"
-    script.write_text(_KILLER.format(tests=os.path.join(REPO, "tests")))
+    script.write_text(_KILLER.format(tests=TESTS, here=HERE))
     procs = {w: subprocess.Popen([sys.executable, str(script), str(tmp_path / w), w], stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, text=True, cwd=REPO) for w in ("step", "item")}
     model = _stub_model()
