@@ -4,21 +4,23 @@ from .checkpoint import (CheckpointError, CorruptCheckpointError, HeadCheckpoint
 from .config import from_dict, from_json, to_dict, to_json
 from .describe import describe
 from .nn.heads import Head, IdentityHead, LinearHead, MLPHead, ProjectionHead, SequenceHead, make_head
-from .interop.export import (ExportError, export_head, export_sentence_transformers, export_transformers, load_head_export,
-                     model_from_checkpoint)
-from .interop.hf_import import ModelImportError, import_model, load_sentence_transformers, load_transformers
+from .checkpoint.models import model_from_checkpoint
+from .interop import (ExportError, ModelImportError, export_head, export_sentence_transformers, export_transformers,
+                      import_model, load_head_export, load_sentence_transformers, load_transformers)
+from .interop.tokenizers import Tokenizer, TokenizerError, load_tokenizer
 from .losses import (MULTI_LABEL, REGRESSION, SINGLE_LABEL, infer_problem_type, loss_fn, mean_squared_error,
                      sigmoid_binary_cross_entropy, softmax_cross_entropy, validate_labels)
 from .model import LoadReport, SequenceModel, build_head, from_pretrained, load_backbone
 from .nn.poolers import (AttentionPool, Concat, DensePooler, Pool, Pooler, SequenceSummary, make_pooler)
-from .presets import PRESETS, Preset, preset_for
+from .presets import PRESETS, PoolMaskError, Preset, PresetMatch, match_preset, preset_for
 
 from ._version import __version__
 
 __all__ = [
     "ExportError", "ModelImportError", "export_head", "export_sentence_transformers",
     "export_transformers", "import_model", "load_head_export", "load_sentence_transformers", "load_transformers",
-    "model_from_checkpoint",
+    "model_from_checkpoint", "Tokenizer", "TokenizerError", "load_tokenizer", "PoolMaskError", "PresetMatch",
+    "match_preset",
     "AttentionPool", "CheckpointError", "Concat", "CorruptCheckpointError", "HeadCheckpoint", "HeadMismatchError",
     "IncompatibleCheckpointError", "RunCheckpointer", "attach_head", "load_head", "save_head",
     "DensePooler", "Head", "IdentityHead", "LinearHead", "LoadReport", "MLPHead",

@@ -1,1 +1,39 @@
-"""Import and export of the formats flaxheads reads and writes (transformers, sentence-transformers, head files)."""
+"""Import and export of the formats flaxheads reads and writes, one module per format:
+:mod:`.transformers` (``XForSequenceClassification`` folders), :mod:`.sentence_transformers`,
+:mod:`.head_files` (``head.safetensors`` + ``head_config.json``); :mod:`.tokenizers` loads a
+folder's tokenizer without transformers; :mod:`.files` holds what they share."""
+from __future__ import annotations
+
+import os
+
+from ..model import SequenceModel
+from .files import ExportError, ModelImportError
+from .head_files import HEAD_CONFIG, export_head, load_head_export
+from .sentence_transformers import export_sentence_transformers, load_sentence_transformers
+from .transformers import export_transformers, load_transformers
+
+FORMATS = ("transformers", "sentence-transformers", "head")
+
+
+def import_model(folder: str | os.PathLike, **options) -> SequenceModel:
+    """Import a sentence-transformers folder (it has ``modules.json``) or a transformers classifier."""
+    folder = os.fspath(folder)
+    if os.path.isfile(os.path.join(folder, "modules.json")):
+        return load_sentence_transformers(folder, **options)
+    return load_transformers(folder, **options)
+
+
+def export(source, out: str | os.PathLike, format: str = "transformers", **options) -> str:  # noqa: A002
+    """Export ``source`` in ``format`` (``transformers``, ``sentence-transformers``, ``head``)."""
+    if format == "transformers":
+        return export_transformers(source, out, **options)
+    if format in ("sentence-transformers", "sentence_transformers", "st"):
+        return export_sentence_transformers(source, out, **options)
+    if format == "head":
+        return export_head(source, out, **options)
+    raise ExportError(f"unknown export format {format!r}; valid formats: {FORMATS}")
+
+
+__all__ = ["FORMATS", "HEAD_CONFIG", "ExportError", "ModelImportError", "export", "export_head",
+           "export_sentence_transformers", "export_transformers", "import_model", "load_head_export",
+           "load_sentence_transformers", "load_transformers"]

@@ -12,7 +12,7 @@ import jax.numpy as jnp  # noqa: E402
 from safetensors.numpy import load_file, save_file  # noqa: E402
 
 import flaxheads as fh  # noqa: E402
-from flaxheads.interop import export as ex  # noqa: E402
+from flaxheads.interop import transformers as tf_folder  # noqa: E402
 from hf_tiny import padded_batch, tiny_torch_model  # noqa: E402
 
 
@@ -136,7 +136,7 @@ def test_nothing_half_written(bert, tmp_path, monkeypatch):
         calls.append(path)
         raise OSError("disk full")
 
-    monkeypatch.setattr(ex, "_save_safetensors", boom)
+    monkeypatch.setattr(tf_folder, "save_safetensors", boom)
     with pytest.raises(OSError, match="disk full"):
         fh.export_transformers(model, out)
     assert calls and not out.exists()
@@ -149,7 +149,7 @@ def test_nothing_half_written(bert, tmp_path, monkeypatch):
     before = sorted(os.listdir(out))
     with pytest.raises(FileExistsError, match="overwrite"):
         fh.export_transformers(model, out)
-    monkeypatch.setattr(ex, "_save_safetensors", boom)
+    monkeypatch.setattr(tf_folder, "save_safetensors", boom)
     with pytest.raises(OSError):
         fh.export_transformers(model, out, overwrite=True)
     monkeypatch.undo()

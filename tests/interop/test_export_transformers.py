@@ -14,7 +14,8 @@ import jax.numpy as jnp  # noqa: E402
 from transformers import AutoModelForSequenceClassification  # noqa: E402
 
 import flaxheads as fh  # noqa: E402
-from flaxheads.interop.export import _DROPOUT_KEY, ExportError, load_head_export  # noqa: E402
+from flaxheads.interop.head_files import load_head_export  # noqa: E402
+from flaxheads.interop.transformers import DROPOUT_KEY, ExportError  # noqa: E402
 from hf_tiny import padded_batch, tiny_torch_model  # noqa: E402
 
 FLAX_ARCHS = ["bert", "roberta", "xlm-roberta", "distilbert", "albert", "electra", "gpt2", "bart"]
@@ -55,8 +56,8 @@ def test_preset_roundtrip_through_pytorch(arch, tmp_path):
     assert cfg["architectures"] == [type(pt).__name__]
     assert cfg["num_labels"] == 3 and cfg["problem_type"] == model.problem_type
     assert cfg["id2label"] == {"0": "LABEL_0", "1": "LABEL_1", "2": "LABEL_2"}
-    if arch in _DROPOUT_KEY:
-        assert cfg[_DROPOUT_KEY[arch]] == pytest.approx(model.head.head.dropout)
+    if arch in DROPOUT_KEY:
+        assert cfg[DROPOUT_KEY[arch]] == pytest.approx(model.head.head.dropout)
     pt2, info = AutoModelForSequenceClassification.from_pretrained(out, output_loading_info=True)
     assert info["missing_keys"] == [] and info["unexpected_keys"] == [] and info["mismatched_keys"] == []
     pt2.eval()

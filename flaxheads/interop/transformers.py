@@ -1,0 +1,202 @@
+"""The PyTorch ``transformers`` folder (``config.json`` + ``model.safetensors`` + tokenizer files) of an
+``XForSequenceClassification``, both ways, with numpy only (no torch, no transformers classes).
+
+Export writes a folder ``AutoModelForSequenceClassification.from_pretrained`` loads with no
+missing or unexpected keys, for models whose pooler + head + pool mask is exactly an HF preset
+(:func:`flaxheads.presets.match_preset`). Import reads such a folder back with the same logits;
+weights come from safetensors, or ``pytorch_model.bin`` through ``torch.load(weights_only=True)``.
+"""
+from __future__ import annotations
+
+import os
+from typing import Mapping
+
+import numpy as np
+
+from ..backbones.base import Backbone, BackboneError, HFConfig
+from ..backbones.registry import family_for
+from ..backbones.weights import BIN, BIN_INDEX, SAFE, SAFE_INDEX, head_to_hf
+from ..model import SequenceModel, from_pretrained
+from ..presets import PRESETS, PresetMatch, match_preset, preset_for
+from .files import (ExportError, ModelImportError, atomic_dir, backbone_config_dict, copy_tokenizer, flatten,
+                    flax_to_pytorch_names, np_tree, read_json, save_safetensors, write_json)
+
+# PyTorch ``base_model_prefix`` of each preset's XForSequenceClassification (no torch import needed).
+PT_BASE_PREFIX = {"bert": "bert", "albert": "albert", "roberta": "roberta", "xlm-roberta": "roberta",
+                  "electra": "electra", "distilbert": "distilbert", "gpt2": "transformer", "bart": "model"}
+# The config key each PyTorch class reads its classifier dropout from.
+DROPOUT_KEY = {"bert": "classifier_dropout", "albert": "classifier_dropout_prob",
+               "roberta": "classifier_dropout", "xlm-roberta": "classifier_dropout",
+               "electra": "classifier_dropout", "distilbert": "seq_classif_dropout", "bart": "classifier_dropout"}
+WEIGHT_FILES = (SAFE, SAFE_INDEX, BIN, BIN_INDEX)
+_OTHER_FORMATS = ("Export it with format='sentence-transformers' (pooling + dense layers + normalize) or "
+                  "format='head' (head.safetensors + head_config.json, any head).")
+
+
+# ---- shared with sentence-transformers' Transformer module --------------------------------------------
+def read_config(folder: str | os.PathLike) -> HFConfig:
+    """``config.json`` of a model folder, completed with its native family's defaults (where there is one)."""
+    cfg = HFConfig.from_folder(folder)
+    fam = family_for(cfg.get("model_type"))
+    return fam.complete_config(cfg) if fam is not None else cfg
+
+
+def check_weights_present(folder: str) -> None:
+    """Raise :class:`ModelImportError` unless ``folder`` holds weights flaxheads reads."""
+    if not any(os.path.isfile(os.path.join(folder, w)) for w in WEIGHT_FILES):
+        present = sorted(os.listdir(folder))
+        raise ModelImportError(
+            f"{folder}: no model weights: expected one of {list(WEIGHT_FILES)}, found {present[:12]}. "
+            "flaxheads reads safetensors, or pytorch_model.bin through torch.load(weights_only=True); other "
+            "formats (TensorFlow .h5, arbitrary pickles, .pt training files) are not read. Re-save the model "
+            "with `save_pretrained(folder, safe_serialization=True)`.")
+
+
+def backbone_state_dict(model, params: Mapping | None = None, prefix: str = "") -> dict[str, np.ndarray]:
+    """The backbone's weights under PyTorch names, checked to convert back to exactly the params.
+
+    A native backbone names its own weights (:meth:`~flaxheads.backbones.base.Backbone.state_from_params`);
+    HF's Flax models (the optional legacy adapter) go through transformers' renaming rule."""
+    bp = np_tree((params or model.params)["backbone"])
+    if isinstance(model.backbone, Backbone):
+        state = model.backbone.state_from_params(bp)
+        back = flatten(np_tree(type(model.backbone).params_from_state(model.backbone.config, state)))
+        want = flatten(bp)
+        if set(back) != set(want) or any(not np.array_equal(back[k], want[k]) for k in want):
+            raise ExportError(f"{model.model_type}: the backbone's PyTorch names do not convert back to its params; "
+                              "this is a bug in flaxheads' name map. Export the head alone with format='head'.")
+    else:
+        state = flax_to_pytorch_names(bp)
+        _check_hf_flax_roundtrip(model.backbone, bp, state)
+    return {f"{prefix}.{k}" if prefix else k: v for k, v in state.items()}
+
+
+def _check_hf_flax_roundtrip(backbone, backbone_params, state: Mapping[str, np.ndarray]) -> None:
+    """HF Flax backbones: the exported names must convert back (HF's own PyTorch -> Flax rule) to the params."""
+    from flax.traverse_util import flatten_dict
+    from transformers.modeling_flax_pytorch_utils import convert_pytorch_state_dict_to_flax
+
+    back = flatten_dict(convert_pytorch_state_dict_to_flax(dict(state), backbone))
+    want = flatten_dict(backbone_params)
+    bad = [k for k in want if k not in back or np.shape(back[k]) != np.shape(want[k])
+           or not np.array_equal(np.asarray(back[k]), want[k])]
+    if bad:
+        raise ExportError(f"{backbone.config.model_type}: {len(bad)} backbone weights do not survive the "
+                          f"Flax -> PyTorch renaming (e.g. {['/'.join(map(str, k)) for k in bad[:3]]}); "
+                          "this backbone cannot be exported to PyTorch yet. Export the head alone with "
+                          "format='head'.")
+
+
+# ---- export -------------------------------------------------------------------------------------------
+def _match(model) -> PresetMatch:
+    return match_preset(model.backbone.config, model.num_labels, model.head.pooler, model.head.head, model.pool_mask)
+
+
+def check_transformers_exportable(model) -> PresetMatch:
+    """The model's exact HF preset match; :class:`ExportError` unless it has a PyTorch class to load into."""
+    if getattr(model, "backbone", None) is None:
+        raise ExportError(f"a transformers export needs the backbone weights; this source has only a head. "
+                          f"{_OTHER_FORMATS}")
+    match = _match(model)
+    if not (match.same_pooler and match.same_head) or match.preset.arch not in PT_BASE_PREFIX:
+        kind = f"{type(model.head.pooler).__name__} + {type(model.head.head).__name__}"
+        raise ExportError(
+            f"the head ({kind}) on this {model.model_type} backbone is not the Hugging Face "
+            f"{model.model_type} sequence-classification head, so no PyTorch XForSequenceClassification "
+            f"class can load it (HF-exact presets with a JAX backbone: {sorted(PT_BASE_PREFIX)}). {_OTHER_FORMATS}")
+    if not match.exact:
+        raise ExportError(f"{match.preset.hf_class} pools by {match.preset.pool_mask!r} but this model pools by "
+                          f"{model.pool_mask!r}: PyTorch would give other logits. {_OTHER_FORMATS}")
+    return match
+
+
+def transformers_config(model) -> dict:
+    """``config.json`` of the PyTorch XForSequenceClassification equal to ``model``."""
+    match = check_transformers_exportable(model)
+    cfg = backbone_config_dict(model.backbone.config)
+    labels = model.id2label or {i: f"LABEL_{i}" for i in range(model.num_labels)}
+    cfg.update(architectures=[match.preset.hf_class], num_labels=model.num_labels,
+               id2label={str(i): labels[i] for i in sorted(labels)},
+               label2id={labels[i]: i for i in sorted(labels)}, problem_type=model.problem_type)
+    key = DROPOUT_KEY.get(match.arch)
+    if key is not None:
+        cfg[key] = float(model.head.head.dropout)
+    return cfg
+
+
+def transformers_state_dict(model, params: Mapping | None = None) -> dict[str, np.ndarray]:
+    """The full PyTorch state dict (backbone under its base prefix + head modules)."""
+    match = check_transformers_exportable(model)
+    params = params or model.params
+    state = backbone_state_dict(model, params, prefix=PT_BASE_PREFIX[match.arch])
+    state.update(head_to_hf(np_tree(params["head"]), match.hf_names))
+    return state
+
+
+def export_transformers(model, out: str | os.PathLike, *, params: Mapping | None = None,
+                        tokenizer_from: str | os.PathLike | None = None, overwrite: bool = False) -> str:
+    """Write ``model`` as a PyTorch ``XForSequenceClassification`` folder; returns ``out``.
+
+    Needs an HF-exact preset (pooler, head and pool mask); tokenizer files are copied from
+    ``tokenizer_from`` (default: the folder the model was loaded from) when present."""
+    state = transformers_state_dict(model, params)
+    cfg = transformers_config(model)
+    with atomic_dir(out, overwrite) as tmp:
+        write_json(os.path.join(tmp, "config.json"), cfg)
+        save_safetensors(state, os.path.join(tmp, "model.safetensors"))
+        copy_tokenizer(os.fspath(tokenizer_from) if tokenizer_from else model.name_or_path, tmp)
+    return os.fspath(out)
+
+
+# ---- import -------------------------------------------------------------------------------------------
+def _classifier_config(folder: str) -> HFConfig:
+    """The folder's config, checked to be a sequence classifier of a model type with a preset."""
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"model folder {folder!r} does not exist")
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        raise ModelImportError(f"{folder}: no config.json; a transformers model folder has config.json plus "
+                               f"weights ({SAFE} or {BIN})")
+    raw = read_json(os.path.join(folder, "config.json"))
+    model_type, archs = raw.get("model_type"), raw.get("architectures") or []
+    if model_type not in PRESETS:
+        raise ModelImportError(
+            f"{folder}: unknown architecture: model_type {model_type!r} (architectures {archs}) has no "
+            f"flaxheads preset; supported model types: {sorted(PRESETS)}. To put a new head on a backbone "
+            "flaxheads can load, use flaxheads.from_pretrained(folder, pooler=..., head=...).")
+    return read_config(folder)
+
+
+def load_transformers(folder: str | os.PathLike, *, allow_new_head: bool = False, **options) -> SequenceModel:
+    """A trained PyTorch ``XForSequenceClassification`` folder as a flaxheads model with the same logits.
+
+    The ``config.json`` must name the preset's PyTorch class in ``architectures`` and the
+    weights must contain every head module (else the folder is a base model: pass
+    ``allow_new_head=True`` or use :func:`flaxheads.from_pretrained`). ``options`` go to
+    :func:`flaxheads.from_pretrained` (``dtype``, ``ignore_mismatched_sizes``, ...)."""
+    folder = os.fspath(folder)
+    cfg = _classifier_config(folder)
+    preset = preset_for(cfg, len(cfg.get("id2label") or {}) or int(cfg.get("num_labels", 2)))
+    archs = cfg.get("architectures") or []
+    if archs and archs[0] != preset.hf_class:
+        raise ModelImportError(
+            f"{folder}: unknown architecture {archs[0]!r}: flaxheads imports {cfg.model_type} sequence classifiers "
+            f"({preset.hf_class}) only. Load the base model with flaxheads.from_pretrained(folder) to attach "
+            "a new head instead.")
+    check_weights_present(folder)
+    try:
+        model = from_pretrained(folder, **options)
+    except BackboneError as e:
+        raise ModelImportError(str(e)) from None
+    except ValueError as e:
+        if "expected to be of shape" not in str(e):
+            raise
+        # HF's PyTorch->Flax converter (legacy adapter) names the tensor but not the folder or the likely cause
+        raise ModelImportError(f"{folder}: mismatched shapes: {e} The weights do not fit the architecture in "
+                               "config.json (edited config, or weights from another model size).") from None
+    if model.report.new and not allow_new_head:
+        missing = [dict(preset.hf_names).get(p, p) for p in model.report.new]
+        raise ModelImportError(
+            f"{folder}: missing weights: the checkpoint has no weights for the head modules {missing} of "
+            f"{preset.hf_class}, so it is not a trained sequence classifier. Pass allow_new_head=True (or use "
+            "flaxheads.from_pretrained) to start a new head on this backbone.")
+    return model
