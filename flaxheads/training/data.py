@@ -1,6 +1,6 @@
 """Data for training: seeded stratified splits of the raw examples of
 :mod:`flaxheads.training.tables` (whose names are re-exported here); tokenisation with the
-backbone's fast tokenizer; bucketed, weighted batches.
+backbone's tokenizer; bucketed, weighted batches.
 
 Batch order is a pure function of ``(seed, epoch)``: a run resumed at step k sees exactly the
 batches an uninterrupted run would. Every batch has ``batch_size`` rows; rows past the end of
@@ -60,23 +60,16 @@ class Split:
 
 
 def tokenize(table: TextTable, labels: np.ndarray, tokenizer, max_length: int, name: str = "train") -> Split:
-    """Tokenise with the backbone's (fast) tokenizer through ``datasets.Dataset.map`` (batched),
-    truncating to ``max_length``."""
-    import datasets
+    """Tokenise ``table`` (texts, and text pairs when it has them), truncating to ``max_length``.
 
-    datasets.disable_progress_bars()
-    cols = {"text": table.texts} if table.pairs is None else {"text": table.texts, "pair": table.pairs}
-    ds = datasets.Dataset.from_dict(cols)
-
-    def enc(b):
-        args = (b["text"],) if "pair" not in b else (b["text"], b["pair"])
-        out = tokenizer(*args, truncation=True, max_length=max_length)
-        keep = ["input_ids"] + (["token_type_ids"] if "pair" in b and "token_type_ids" in out else [])
-        return {k: out[k] for k in keep}
-
-    ds = ds.map(enc, batched=True, batch_size=256, remove_columns=list(cols))
-    ids = [np.asarray(x, np.int32) for x in ds["input_ids"]]
-    tt = [np.asarray(x, np.int32) for x in ds["token_type_ids"]] if "token_type_ids" in ds.column_names else None
+    ``tokenizer``: a :class:`flaxheads.interop.tokenizers.Tokenizer` (``load_tokenizer(folder)``),
+    or any tokenizer called as transformers' are (``tokenizer(texts, pairs, truncation=True,
+    max_length=..., padding=False)``). Token types are kept for pairs, when the model takes them."""
+    out = tokenizer(list(table.texts), None if table.pairs is None else list(table.pairs), truncation=True,
+                    max_length=max_length, padding=False)
+    ids = [np.asarray(x, np.int32) for x in out["input_ids"]]
+    tt = [np.asarray(x, np.int32) for x in out["token_type_ids"]] \
+        if table.pairs is not None and "token_type_ids" in out else None
     return Split(name, ids, labels, tt)
 
 
