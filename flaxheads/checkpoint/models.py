@@ -5,8 +5,9 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from .heads import HeadCheckpoint, attach_head, load_backbone_params, load_head
+from .meta import CheckpointError
 from ..model import SequenceModel, from_pretrained
-from . import CheckpointError, HeadCheckpoint, attach_head, load_backbone_params, load_head
 
 
 def model_from_checkpoint(directory: str | os.PathLike, step: int | str | None = None, *,
