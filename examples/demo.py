@@ -36,14 +36,13 @@ def main(argv=None) -> None:
 
     configure_xla()  # before JAX starts a backend
     import jax.numpy as jnp
-    from transformers import AutoTokenizer
 
     import flaxheads as fh
 
     path = model_folder(args.model)
     pooler = args.pooler.split(",") if args.pooler else None
     model = fh.from_pretrained(path, pooler=pooler, head=args.head, num_labels=args.num_labels)
-    enc = AutoTokenizer.from_pretrained(path)(TEXTS, padding=True, return_tensors="np")
+    enc = fh.load_tokenizer(path)(TEXTS)  # tokenizer.json: no transformers needed
     extra = {"token_type_ids": jnp.asarray(enc["token_type_ids"])} if "token_type_ids" in enc else {}
     logits = model(jnp.asarray(enc["input_ids"]), jnp.asarray(enc["attention_mask"]), **extra)
     fh.describe(model)

@@ -1,5 +1,6 @@
 """``flaxheads export``: from a model folder, a head checkpoint (frozen backbone) and a run
-folder whose checkpoints saved a trained backbone; errors exit 2 and write nothing."""
+folder whose checkpoints saved a trained backbone, to each format; errors exit 2 with one line
+and write nothing."""
 import numpy as np
 import pytest
 
@@ -11,6 +12,7 @@ from transformers import AutoModelForSequenceClassification  # noqa: E402
 
 import flaxheads as fh  # noqa: E402
 from flaxheads.cli.main import build_parser, main  # noqa: E402
+from cli_helpers import SMALL, assert_one_line_error, bert_folder, run_cli, write_csv  # noqa: E402,F401
 from hf_tiny import padded_batch, tiny_torch_model  # noqa: E402
 
 
@@ -88,12 +90,19 @@ def test_errors_exit_2_and_write_nothing(src, tmp_path, capsys):
     model = fh.from_pretrained(src, pooler="mean", head="mlp", num_labels=3)
     fh.save_head(tmp_path / "ckpt", model)
     out = tmp_path / "pt"
-    assert main(["export", "--from", str(tmp_path / "ckpt"), "--format", "transformers", "--out", str(out)]) == 2
-    err = capsys.readouterr().err
-    assert "flaxheads export: error:" in err and "format='head'" in err
+    code, _, err = run_cli(capsys, "export", "--from", tmp_path / "ckpt", "--format", "transformers", "--out", out)
+    assert_one_line_error(code, err, "format='head'")
     assert not out.exists()
-    assert main(["export", "--from", str(tmp_path / "nope"), "--format", "head", "--out", str(out)]) == 2
-    assert "does not exist" in capsys.readouterr().err and not out.exists()
+    code, _, err = run_cli(capsys, "export", "--from", tmp_path / "nope", "--format", "head", "--out", out)
+    assert_one_line_error(code, err, "--from", "does not exist")
+    assert not out.exists()
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("keep")
+    code, _, err = run_cli(capsys, "export", "--from", src, "--format", "transformers", "--out", tmp_path / "full")
+    assert_one_line_error(code, err, "already exists and is not empty", "--overwrite")
+    assert (tmp_path / "full" / "x").read_text() == "keep"
+    code, _, err = run_cli(capsys, "export", "--from", src, "--format", "onnx", "--out", out)
+    assert_one_line_error(code, err, "--format: invalid choice: 'onnx'")
 
 
 def test_checkpoint_whose_backbone_folder_moved_needs_backbone_option(src, tmp_path, capsys):
@@ -104,10 +113,40 @@ def test_checkpoint_whose_backbone_folder_moved_needs_backbone_option(src, tmp_p
     fh.save_head(tmp_path / "ckpt", model)
     shutil.rmtree(moved)
     out = tmp_path / "pt"
-    assert main(["export", "--from", str(tmp_path / "ckpt"), "--format", "transformers", "--out", str(out)]) == 2
-    assert "--backbone" in capsys.readouterr().err and not out.exists()
+    code, _, err = run_cli(capsys, "export", "--from", tmp_path / "ckpt", "--format", "transformers", "--out", out)
+    assert_one_line_error(code, err, "--backbone")
+    assert not out.exists()
     assert main(["export", "--from", str(tmp_path / "ckpt"), "--format", "transformers", "--out", str(out),
                  "--backbone", str(src)]) == 0
     ids, mask = padded_batch("electra", model.backbone.config)
     np.testing.assert_allclose(_pt_logits(out, ids, mask), np.asarray(model(jnp.asarray(ids), jnp.asarray(mask))),
                                atol=1e-4, rtol=0)
+
+
+def test_sentence_transformers_export_of_a_trained_run(bert_folder, tmp_path, capsys):
+    """A run of `flaxheads train` (mean pooling, linear head) exported with --format
+    sentence-transformers: sentence-transformers' own encode gives the run's logits."""
+    from sentence_transformers import SentenceTransformer
+    from transformers import AutoTokenizer
+
+    run = tmp_path / "run"
+    data = write_csv(tmp_path / "d.csv", 30)
+    assert main(["train", "--model", bert_folder, "--data", data, "--output-dir", str(run), *SMALL,
+                 "--max-steps", "2", "--batch-size", "6", "--lr", "1e-2", "--pooler", "mean", "--head", "linear"]) == 0
+    code, out, _ = run_cli(capsys, "export", "--from", run, "--format", "sentence-transformers", "--out",
+                           tmp_path / "st", "--max-seq-length", "16")
+    assert code == 0 and "wrote sentence-transformers export" in out
+    texts = ["stock market bank", "goal match team player", "vote"]
+    st = SentenceTransformer(str(tmp_path / "st"), device="cpu")
+    assert st.max_seq_length == 16
+    got = st.encode(texts, convert_to_numpy=True)
+    model = fh.model_from_checkpoint(run)
+    enc = AutoTokenizer.from_pretrained(bert_folder)(texts, padding=True, return_tensors="np")
+    want = np.asarray(model(jnp.asarray(enc["input_ids"]), jnp.asarray(enc["attention_mask"]),
+                            token_type_ids=jnp.asarray(enc["token_type_ids"])))
+    assert got.shape == (3, 3)
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    untrained = np.asarray(fh.from_pretrained(bert_folder, pooler="mean", head="linear", num_labels=3,
+                                            ignore_mismatched_sizes=True)(
+        jnp.asarray(enc["input_ids"]), jnp.asarray(enc["attention_mask"])))
+    assert np.abs(untrained - want).max() > 1e-3  # the export carries the trained run, not a fresh head
