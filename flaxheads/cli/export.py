@@ -1,0 +1,106 @@
+"""``flaxheads export``: a model, run, checkpoint or head export to the PyTorch transformers
+layout, the sentence-transformers layout, or a head-only safetensors + JSON config."""
+from __future__ import annotations
+
+import argparse
+import os
+
+from .. import (export_head, export_sentence_transformers, export_transformers, import_model, load_head_export,
+                model_from_checkpoint)
+from ..errors import UsageError
+from . import flags
+
+#: The file that marks a head-only export folder.
+HEAD_CONFIG = "head_config.json"
+#: Keys of a head export's config that describe the file, not the head (dropped when re-exporting).
+_FILE_KEYS = ("format", "flaxheads_version", "sequence_head", "hf_names", "params")
+
+
+def _is_checkpoint_folder(path: str) -> bool:
+    """A run folder (``checkpoints/`` inside; its ``config.json`` is the training config), a
+    checkpoint root (step folders with ``meta``) or one step's folder."""
+    def is_step(p):
+        return os.path.basename(p).isdigit() and os.path.isdir(os.path.join(p, "meta"))
+
+    return (os.path.isdir(os.path.join(path, "checkpoints")) or is_step(path)
+            or any(is_step(os.path.join(path, d)) for d in os.listdir(path)))
+
+
+def _is_model_folder(path: str) -> bool:
+    return not _is_checkpoint_folder(path) and any(os.path.isfile(os.path.join(path, f))
+                                                   for f in ("config.json", "modules.json"))
+
+
+def _check_paths(args: argparse.Namespace) -> None:
+    if not os.path.isdir(args.src):
+        raise UsageError(f"--from {args.src!r} does not exist (expected a run folder, a checkpoint folder, a model "
+                         "folder or a head export)")
+    out = args.out
+    if os.path.exists(out) and not (os.path.isdir(out) and not os.listdir(out)) and not args.overwrite:
+        raise UsageError(f"--out {out!r} already exists and is not empty; pass --overwrite to replace it, or choose "
+                         "a new folder")
+
+
+def _from_checkpoint(args: argparse.Namespace):
+    """The model (or, for ``--format head``, the head) saved in a run or checkpoint folder."""
+    if args.backbone is not None and not os.path.isdir(args.backbone):
+        raise UsageError(f"--backbone {args.backbone!r} is not a folder (expected the Hugging Face folder of the "
+                         "backbone the head was trained on)")
+    try:
+        return model_from_checkpoint(args.src, step=args.step, backbone=args.backbone,
+                                     head_only=args.format == "head")
+    except FileNotFoundError as e:  # the backbone folder recorded in the checkpoint is not here: a user's fix
+        raise UsageError(str(e)) from None
+
+
+def run_export(args: argparse.Namespace) -> int:
+    """Load the source (model folder, head export or checkpoint) and write it in ``--format``."""
+    _check_paths(args)
+    src, common = os.fspath(args.src), {"overwrite": args.overwrite}
+    if os.path.isfile(os.path.join(src, HEAD_CONFIG)):
+        if args.format != "head":
+            raise UsageError(f"{src} is a head-only export (no backbone weights); it can only be re-exported with "
+                             "--format head")
+        head, params, cfg = load_head_export(src)
+        meta = {k: v for k, v in cfg.items() if k not in _FILE_KEYS}
+        out = export_head(head, args.out, params=params, meta=meta, hf_names=[tuple(x) for x in cfg["hf_names"]],
+                          **common)
+    else:
+        source = import_model(src) if _is_model_folder(src) else _from_checkpoint(args)
+        if args.format == "head":
+            out = export_head(source, args.out, **common)
+        elif args.format == "transformers":
+            out = export_transformers(source, args.out, tokenizer_from=args.tokenizer, **common)
+        else:
+            out = export_sentence_transformers(source, args.out, tokenizer_from=args.tokenizer,
+                                               pooling_format=args.pooling_format,
+                                               max_seq_length=args.max_seq_length, **common)
+    print(f"wrote {args.format} export to {out}")
+    return 0
+
+
+def add_export_command(sub: argparse._SubParsersAction) -> None:
+    """Register ``flaxheads export``."""
+    p = sub.add_parser(
+        "export", help="export a model or head to PyTorch layouts",
+        description="Export to the PyTorch transformers layout (HF-exact heads), the sentence-transformers layout "
+                    "(pooling + dense layers + normalize) or a head-only safetensors + JSON config (any head). "
+                    "Needs no torch.")
+    p.add_argument("--from", dest="src", required=True,
+                   help="a run folder, an Orbax checkpoint folder (root or one step), a transformers / "
+                        "sentence-transformers model folder, or a head export")
+    p.add_argument("--format", required=True, choices=("transformers", "sentence-transformers", "head"))
+    p.add_argument("--out", required=True, help="output folder (must not exist or be empty, unless --overwrite)")
+    p.add_argument("--step", type=flags.step_spec, default=None,
+                   help="checkpoint step: an integer, 'latest' (default) or 'best'")
+    p.add_argument("--backbone", default=None,
+                   help="backbone folder for a checkpoint that did not save its (frozen) backbone; default: the "
+                        "backbone_name_or_path recorded in the checkpoint's meta")
+    p.add_argument("--tokenizer", default=None, help="folder to copy tokenizer files from (default: the backbone's)")
+    p.add_argument("--pooling-format", default="legacy", choices=("legacy", "v6"),
+                   help="sentence-transformers Pooling config: legacy pooling_mode_* keys (every ST version) or "
+                        "the pooling_mode key")
+    p.add_argument("--max-seq-length", type=flags.positive_int, default=None,
+                   help="sentence-transformers max_seq_length")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    p.set_defaults(func=run_export)

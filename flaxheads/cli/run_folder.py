@@ -1,0 +1,101 @@
+"""The files of a ``flaxheads train`` run folder: ``config.json``, ``metrics.jsonl`` (written
+while training, by a ``fit`` callback), ``eval.txt``, ``summary.json``, ``predictions.npz``,
+``curve.png`` and ``confusion_matrix.png``. Only process 0 of a multi-process run writes."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import IO
+
+import numpy as np
+
+from ..training import loop
+from ..training.metrics import format_table, headline
+from ..training.optim import OptimConfig, learning_rates
+from .plots import plot_confusion_matrix, plot_curve
+
+#: Keys of fit's step metrics that go to metrics.jsonl.
+LOGGED = ("epoch", "loss", "loss_avg", "grad_norm", "examples_per_s")
+
+
+def scalars(results: dict) -> dict:
+    """The scalar metrics of one evaluation (no per-class tables or matrices)."""
+    return {k: v for k, v in results.items() if isinstance(v, (int, float))}
+
+
+class RunLog(loop.Callback):
+    """``metrics.jsonl``: a line every ``log_every`` steps (loss, throughput, learning rates) and
+    one per evaluation; evaluations are also printed."""
+
+    def __init__(self, file: IO[str] | None, optim: OptimConfig, total: int, log_every: int, problem_type: str):
+        self.file, self.optim, self.total, self.log_every = file, optim, total, log_every
+        self.metric = headline(problem_type)
+
+    def write(self, entry: dict) -> None:
+        if self.file is not None:
+            self.file.write(json.dumps(entry) + "\n")
+            self.file.flush()
+
+    def on_step_end(self, state, step: int, metrics: dict) -> None:
+        if step % self.log_every == 0 or step == self.total:
+            # the rates this step used: optimizer step (step - 1) // accumulation
+            rates = learning_rates(self.optim, (step - 1) // self.optim.accumulation_steps)
+            self.write({"step": step, **{k: metrics[k] for k in LOGGED if k in metrics}, **rates})
+
+    def on_evaluate(self, state, step: int, results: dict) -> None:
+        self.write({"step": step, "eval": {n: scalars(r) for n, r in results.items()}})
+        if self.file is not None:
+            line = ", ".join(f"{n} {self.metric} {r[self.metric]:.4f}" for n, r in results.items())
+            print(f"step {step}: {line}", flush=True)
+
+
+class RunFolder:
+    """One run's folder; ``lead=False`` (processes other than 0) writes and prints nothing."""
+
+    def __init__(self, path: Path, lead: bool = True):
+        self.path, self.lead = Path(path), lead
+        self.log: RunLog | None = None
+
+    def start(self, config: dict, intro: str) -> None:
+        """Create the folder, write ``config.json`` and print where the run goes and what it does."""
+        if not self.lead:
+            return
+        self.path.mkdir(parents=True, exist_ok=True)
+        (self.path / "config.json").write_text(json.dumps(config, indent=2, default=str))
+        print(f"run folder: {self.path}\n{intro}", flush=True)
+
+    def logger(self, optim: OptimConfig, total: int, log_every: int, problem_type: str) -> RunLog:
+        """The ``fit`` callback that appends to ``metrics.jsonl``."""
+        file = open(self.path / "metrics.jsonl", "a") if self.lead else None
+        self.log = RunLog(file, optim, total, log_every, problem_type)
+        return self.log
+
+    def write_results(self, summary: dict, final: dict, id2label: dict | None,
+                      predictions: dict | None = None) -> str:
+        """``eval.txt``, ``summary.json`` and ``predictions.npz``; returns the eval text."""
+        text = "\n\n".join(f"== {n} ==\n{format_table(r, id2label)}" for n, r in final.items())
+        if not self.lead:
+            return text
+        (self.path / "eval.txt").write_text(text + "\n")
+        (self.path / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+        if predictions:
+            np.savez(self.path / "predictions.npz",
+                     **{f"{split}_{k}": v for split, arrays in predictions.items() for k, v in arrays.items()})
+        return text
+
+    def finish(self, summary: dict, final: dict, predictions: dict, model, *, history: list[dict],
+               tail: str) -> None:
+        """The final log line, the result files and plots, and the printed report."""
+        if self.log is not None and self.log.file is not None:
+            self.log.write({"step": summary["steps"], "final": summary["metrics"]})
+            self.log.file.close()
+        text = self.write_results(summary, final, model.id2label, predictions)
+        if not self.lead:
+            return
+        plot_curve(self.path / "curve.png", history, headline(model.problem_type))
+        for name in ("test", "validation"):
+            if "confusion_matrix" in final.get(name, {}):
+                plot_confusion_matrix(self.path / "confusion_matrix.png", final[name]["confusion_matrix"],
+                                      model.id2label, name)
+                break
+        print(f"\n{text}\n\n{tail}; run folder: {self.path}", flush=True)

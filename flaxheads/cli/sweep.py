@@ -1,0 +1,72 @@
+"""``flaxheads train --cache-features [--sweep K]``: encode every split once, train K heads (K=1
+without ``--sweep``) on the cached features with the library's :func:`flaxheads.training.sweep.sweep`,
+keep the best on validation as a normal head checkpoint in ``<run folder>/checkpoints``, and
+write ``sweep.md``, ``eval.txt`` and ``summary.json``."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from typing import TYPE_CHECKING
+
+from ..checkpoint import save_head
+from ..training.features import FeatureCache, cache_features, choose_level, make_encoder, predict_cached, reduction
+from ..training.metrics import compute_metrics, headline
+from ..training.sweep import SweepResult, steps_per_epoch, sweep, sweep_variants
+from .run_folder import RunFolder, scalars
+
+if TYPE_CHECKING:  # annotation only: fit_program imports what imports this module
+    from .fit_program import Job
+
+
+def encode_splits(job: Job, batch_size: int) -> tuple[dict[str, FeatureCache], float]:
+    """Every split's backbone features, encoded once (one compile per bucket); and the seconds it took."""
+    t0 = time.perf_counter()
+    model = job.model
+    level = choose_level(model.head.pooler)
+    enc = make_encoder(model, level, (reduction(model.head.pooler),) if level == "pooled" else ())
+    caches = {n: cache_features(model, model.params["backbone"], s, batch_size=batch_size, buckets=job.buckets,
+                                directory=job.out / "feature_cache" / n, encoder=enc)
+              for n, s in job.splits.items()}
+    return caches, time.perf_counter() - t0
+
+
+def train_heads(job: Job, args: argparse.Namespace, caches: dict[str, FeatureCache]) -> tuple[SweepResult, int]:
+    """The sweep's heads around the run's learning rate; returns the result and the epochs trained."""
+    k = max(args.sweep, 1)
+    variants = sweep_variants(k, job.optim.learning_rate, job.optim.weight_decay, args.seed)
+    epochs = max(int(round(args.epochs)), 1)
+    total = steps_per_epoch(caches["train"], args.batch_size) * epochs
+    ocfg = dataclasses.replace(job.optim, warmup_steps=int(args.warmup_ratio * total), total_steps=total,
+                               head_learning_rate=None, accumulation_steps=1, freeze_backbone=True)
+    res = sweep(job.model, caches["train"], variants, optim=ocfg, epochs=epochs, batch_size=args.batch_size,
+                val=caches.get("validation"), seed=args.seed, loss_options=job.train.loss_options)
+    return res, epochs
+
+
+def run_cached(job: Job, args: argparse.Namespace) -> dict:
+    """The cached-features program; returns the run's summary."""
+    folder = RunFolder(job.out)
+    folder.path.mkdir(parents=True, exist_ok=True)
+    caches, encode_s = encode_splits(job, args.eval_batch_size)
+    res, epochs = train_heads(job, args, caches)
+    k = len(res.variants)
+    best = res.best_model(job.model)
+    ckpt = save_head(job.out / "checkpoints", best, step=res.steps,
+                     extra_meta={"sweep": {"variant": dataclasses.asdict(res.variants[res.best]), "k": k}})
+    final = {name: compute_metrics(best.problem_type, predict_cached(best, best.params["head"], caches[name]),
+                                   caches[name].labels, best.num_labels, threshold=job.train.threshold)
+             for name in ("validation", "test") if name in caches}
+    (job.out / "sweep.md").write_text(res.table() + "\n")
+    summary = {"mode": "cached-features" + (f" sweep K={k}" if k > 1 else ""), "encode_seconds": round(encode_s, 1),
+               "head_seconds": round(res.seconds, 2), "steps": res.steps, "epochs": epochs,
+               "best": dataclasses.asdict(res.variants[res.best]), "checkpoint": str(ckpt),
+               "cache_bytes": {n: c.nbytes for n, c in caches.items()},
+               "metrics": {n: scalars(r) for n, r in final.items()}, "run_folder": str(job.out)}
+    text = folder.write_results(summary, final, best.id2label)
+    h = headline(best.problem_type)
+    print(f"encoded {sum(len(c) for c in caches.values())} examples once in {encode_s:.1f} s; trained {k} head(s) "
+          f"x {epochs} epochs in {res.seconds:.1f} s\n{res.table()}\n\n{text}\n\nbest head "
+          f"({res.variants[res.best].label()}, validation {h} "
+          f"{final.get('validation', {}).get(h, float('nan')):.4f}) saved to {ckpt}", flush=True)
+    return summary
