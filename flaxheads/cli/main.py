@@ -37,8 +37,12 @@ def build_parser() -> Parser:
 
 
 def one_line(error: BaseException) -> str:
-    """The message of ``error`` on one line (multi-line messages are joined with ``; ``)."""
-    return "; ".join(line.strip() for line in str(error).splitlines() if line.strip()) or type(error).__name__
+    """The message of ``error`` on one line: its lines joined with ``; `` (a space after a ``:``)."""
+    text = ""
+    for line in (x.strip() for x in str(error).splitlines()):
+        if line:
+            text += line if not text else (" " if text.endswith(":") else "; ") + line
+    return text or type(error).__name__
 
 
 def _prepare_process() -> None:

@@ -39,8 +39,8 @@ def test_usage_error_is_a_flaxheads_error():
 
 
 def test_a_multi_line_message_prints_as_one_line():
-    assert one_line(FlaxheadsError("incompatible head config:\n  head.type: 'linear' vs 'mlp'\n")) == \
-        "incompatible head config:; head.type: 'linear' vs 'mlp'"
+    assert one_line(FlaxheadsError("incompatible head config:\n  head.type: 'linear' vs 'mlp'\n  num_labels: 3 vs 2")) \
+        == "incompatible head config: head.type: 'linear' vs 'mlp'; num_labels: 3 vs 2"
 
 
 def test_user_error_in_a_subcommand_is_one_line(monkeypatch, capsys, tmp_path):
