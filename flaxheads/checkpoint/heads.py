@@ -10,8 +10,9 @@ import jax
 import jax.numpy as jnp
 
 from . import io
-from .meta import (BACKBONE, HEAD, META, STEP, HeadMismatchError, build_head, check_format, check_params_fit,
-                   check_saved_shapes, expected_head_shapes, int_keys, make_meta, path_str)
+from .meta import (BACKBONE, HEAD, META, STEP, CheckpointExistsError, CheckpointNotFoundError, HeadMismatchError,
+                   build_head, check_format, check_params_fit, check_saved_shapes, expected_head_shapes, int_keys,
+                   make_meta, path_str)
 from ..model import LoadReport, SequenceModel, _module_paths
 from ..nn.heads import SequenceHead
 from ..presets import check_pool_mask, match_preset
@@ -54,7 +55,7 @@ def save_head(directory: str | os.PathLike, model: SequenceModel, params=None, *
     mgr = io.manager(root, async_save=False)
     try:
         if step in mgr.all_steps():
-            raise FileExistsError(f"{root} already has a checkpoint for step {step}; pass another step= "
+            raise CheckpointExistsError(f"{root} already has a checkpoint for step {step}; pass another step= "
                                   "or a new directory")
         args = io.save_args({HEAD: head_params}, {META: meta, STEP: {"step": int(step), "metrics": None}})
         mgr.save(int(step), args=args, force=True)
@@ -125,11 +126,12 @@ def load_backbone_params(directory: str | os.PathLike, step: int | str | None = 
                          sharding: jax.sharding.Sharding | None = None):
     """The ``backbone`` item of a checkpoint that saved it, in the structure/dtypes of ``target``
     (e.g. ``from_pretrained(meta["backbone_name_or_path"]).params["backbone"]``). Raises
-    ``FileNotFoundError`` when the backbone was frozen (not saved: load it from its folder)."""
+    :class:`CheckpointNotFoundError` (a ``FileNotFoundError``) when the backbone was frozen (not
+    saved: load it from its folder)."""
     with io.open_step(directory, step) as (mgr, root, step):
         meta = io.read_json(mgr, root, step, META)
         if not meta.get("backbone_saved"):
-            raise FileNotFoundError(
+            raise CheckpointNotFoundError(
                 f"{os.path.join(root, str(step))} does not contain the backbone (it was frozen); load it from "
                 f"{meta.get('backbone_name_or_path')!r}")
         return io.restore_arrays(mgr, root, step,

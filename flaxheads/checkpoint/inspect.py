@@ -8,7 +8,7 @@ import os
 import numpy as np
 
 from . import io
-from .meta import ARRAY_ITEMS, JSON_ITEMS, META, OWN_KEYS, STEP, CheckpointError
+from .meta import ARRAY_ITEMS, JSON_ITEMS, META, OWN_KEYS, STEP, CheckpointError, CheckpointNotFoundError
 
 
 def _dir_size(path: str) -> int:
@@ -85,7 +85,7 @@ def list_checkpoints(directory: str | os.PathLike, *, verify: bool = False) -> l
     The JSON items are always read; ``verify=True`` reads every array too."""
     root, _ = io.resolve_root(directory)
     if not os.path.isdir(root):
-        raise FileNotFoundError(f"checkpoint folder {root} does not exist")
+        raise CheckpointNotFoundError(f"checkpoint folder {root} does not exist")
     mgr = io.manager(root, read_only=True)
     try:
         steps = sorted(mgr.all_steps())

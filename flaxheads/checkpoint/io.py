@@ -12,7 +12,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from .meta import ARRAY_ITEMS, CHECKPOINTS_SUBDIR, JSON_ITEMS, META, STEP, CheckpointError, CorruptCheckpointError
+from .meta import (ARRAY_ITEMS, CHECKPOINTS_SUBDIR, JSON_ITEMS, META, STEP, CheckpointError, CheckpointNotFoundError,
+                   CorruptCheckpointError)
 
 
 def _handlers() -> dict:
@@ -117,7 +118,7 @@ def pick_step(mgr, root: str, step: int | str | None) -> int:
     """The step an int, ``None``/``"latest"`` or ``"best"`` names among the finished ones."""
     steps = sorted(mgr.all_steps())
     if not steps:
-        raise FileNotFoundError(f"no checkpoints in {root} (expected step folders such as {root}/0/meta)")
+        raise CheckpointNotFoundError(f"no checkpoints in {root} (expected step folders such as {root}/0/meta)")
     if step is None or step == "latest":
         return steps[-1]
     if step == "best":
@@ -127,7 +128,7 @@ def pick_step(mgr, root: str, step: int | str | None) -> int:
                                   f"pick a step by number (available: {steps}) or 'latest'")
         return best
     if int(step) not in steps:
-        raise FileNotFoundError(f"{root}: no checkpoint for step {step}; available steps: {steps}")
+        raise CheckpointNotFoundError(f"{root}: no checkpoint for step {step}; available steps: {steps}")
     return int(step)
 
 
@@ -161,7 +162,7 @@ def open_step(directory: str | os.PathLike, step: int | str | None) -> Iterator[
     named by ``directory`` (a step folder) else the latest."""
     root, s = resolve_root(directory)
     if not os.path.isdir(root):
-        raise FileNotFoundError(f"checkpoint folder {root} does not exist")
+        raise CheckpointNotFoundError(f"checkpoint folder {root} does not exist")
     mgr = manager(root, read_only=True)
     try:
         yield mgr, root, pick_step(mgr, root, s if step is None and s is not None else step)

@@ -50,6 +50,14 @@ class HeadMismatchError(CheckpointError):
     """A saved head cannot be attached to this backbone (width, pad/eos token, ...)."""
 
 
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """A checkpoint folder, step or backbone that is not there (also a ``FileNotFoundError``)."""
+
+
+class CheckpointExistsError(CheckpointError, FileExistsError):
+    """A step that is already saved and would be overwritten (also a ``FileExistsError``)."""
+
+
 # ---- head shapes ---------------------------------------------------------------------------
 
 def key_str(k) -> str:

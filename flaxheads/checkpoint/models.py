@@ -6,7 +6,7 @@ import dataclasses
 import os
 
 from .heads import HeadCheckpoint, attach_head, load_backbone_params, load_head
-from .meta import CheckpointError
+from .meta import CheckpointError, CheckpointNotFoundError
 from ..model import SequenceModel, from_pretrained
 
 
@@ -25,7 +25,7 @@ def model_from_checkpoint(directory: str | os.PathLike, step: int | str | None =
     meta = ckpt.meta
     path = os.fspath(backbone) if backbone else meta.get("backbone_name_or_path")
     if not path or not os.path.isdir(path):
-        raise FileNotFoundError(
+        raise CheckpointNotFoundError(
             f"{ckpt.path}: the backbone folder {path!r} (recorded in the checkpoint's meta) does not exist here; "
             "pass backbone=<folder> (--backbone) with the same backbone, or export the head alone with "
             "format='head'")

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from . import io
 from .meta import (BACKBONE, CHECKPOINTS_SUBDIR, EXTRA, HEAD, META, OPT_STATE, STEP, CheckpointError,
-                   backbone_checksum, check_format, check_resumable, make_meta)
+                   CheckpointNotFoundError, backbone_checksum, check_format, check_resumable, make_meta)
 from ..model import SequenceModel
 
 
@@ -90,7 +90,7 @@ class RunCheckpointer:
         self.extra_meta = dict(extra_meta or {})
         self._checksum: float | None = None
         if read_only and not os.path.isdir(self.root):
-            raise FileNotFoundError(f"no checkpoints folder {self.root}")
+            raise CheckpointNotFoundError(f"no checkpoints folder {self.root}")
         best_fn = None if best_metric is None else _metric_getter(best_metric)
         self._mgr = io.manager(self.root, read_only=read_only, async_save=async_save,
                                preservation=io.retention(keep, best_fn, mode, keep_best), best_fn=best_fn,

@@ -174,14 +174,20 @@ def test_meta_has_everything(tmp_path, bert):
     assert text.splitlines()[-1].split() == ["note:", '"x"'] and "jax_version" not in text
     with pytest.raises(ValueError, match="overwrite"):
         fh.save_head(tmp_path / "x", bert, extra_meta={"hidden_size": 1})
-    with pytest.raises(FileExistsError, match="step 0"):
+    with pytest.raises(FileExistsError, match="step 0") as e:
         fh.save_head(tmp_path, bert)
+    assert isinstance(e.value, ck.CheckpointExistsError)
 
 
 def test_checkpoint_errors_are_flaxheads_value_errors():
     for err in (ck.CheckpointError, ck.CorruptCheckpointError, ck.IncompatibleCheckpointError, ck.HeadMismatchError):
         assert issubclass(err, FlaxheadsError) and issubclass(err, ValueError)
         assert getattr(fh, err.__name__) is err
+    # what is missing or already there is also the OSError code that caught those before
+    assert issubclass(ck.CheckpointNotFoundError, FlaxheadsError) and issubclass(ck.CheckpointNotFoundError,
+                                                                                 FileNotFoundError)
+    assert issubclass(ck.CheckpointExistsError, FlaxheadsError) and issubclass(ck.CheckpointExistsError,
+                                                                               FileExistsError)
 
 
 # ---- head without the backbone; attaching to other backbones ----------------------------------
@@ -526,8 +532,10 @@ def test_missing_checkpoints_are_clear(tmp_path, bert):
     with pytest.raises(FileNotFoundError, match="no checkpoints"):
         fh.load_head(tmp_path / "empty")
     fh.save_head(tmp_path / "h", bert, step=4)
-    with pytest.raises(FileNotFoundError, match=r"available steps: \[4\]"):
+    with pytest.raises(ck.CheckpointNotFoundError, match=r"available steps: \[4\]"):
         fh.load_head(tmp_path / "h", step=3)
+    with pytest.raises(ck.CheckpointNotFoundError, match="frozen"):
+        ck.load_backbone_params(tmp_path / "h", target=bert.params["backbone"])
     assert fh.load_head(tmp_path / "h" / "4").step == 4  # a step folder works too
 
 
