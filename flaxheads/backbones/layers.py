@@ -49,6 +49,16 @@ def dense(x: jax.Array, p: dict) -> jax.Array:
     return x @ p["kernel"].astype(x.dtype) + p["bias"].astype(x.dtype)
 
 
+def embedding_lookup(table: jax.Array, ids: jax.Array, padding_idx: int | None = None) -> jax.Array:
+    """``table[ids]``; with ``padding_idx``, the rows looked up for that id get no gradient, as
+    PyTorch's ``nn.Embedding(padding_idx=...)`` (the padding vector stays as trained, however
+    many pad tokens a batch holds)."""
+    x = jnp.take(table, ids, axis=0)
+    if padding_idx is None:
+        return x
+    return jnp.where((ids == padding_idx)[..., None], lax.stop_gradient(x), x)
+
+
 def random_bits(rng: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     """Uniform uint32 bits for a dropout mask: a SplitMix32-style counter hash keyed by ``rng``.
 
@@ -207,25 +217,44 @@ def self_attention(x: jax.Array, w: jax.Array, b: jax.Array, bias: jax.Array, *,
                    causal: bool = False) -> jax.Array:
     """Multi-head self-attention context ``[B*T, H]`` of the flattened activation ``x [B*T, H]``:
     one matmul with the fused q/k/v kernel ``w [H, 3H]`` / bias ``b`` (see :func:`fused_qkv`),
-    then :func:`attend` with the key mask ``bias [B, 1, 1, T]``, before the output projection.
-
-    Attention runs in independent batch chunks (:func:`attention_chunks`): XLA's CPU runtime
-    runs them concurrently, so the (single-threaded) softmax/mask fusions of one chunk
-    overlap the other's. They are split (not sliced) so the backward pass concatenates the
-    chunks' gradients instead of adding zero-padded full-size copies of them. Chunk ``c``'s
-    dropout key is ``fold_in(rng, c)``."""
+    then :func:`attend_chunked` with the key mask ``bias [B, 1, 1, T]``, before the output projection."""
     bt, h = x.shape
     t, d = bt // batch, h // num_heads
     qkv = (x @ w.astype(x.dtype) + b.astype(x.dtype)).reshape(batch, t, 3, num_heads, d)
-    n = attention_chunks(batch, num_heads, t, jnp.dtype(x.dtype).itemsize, chunks)
-    parts = []
-    qkv_chunks = jnp.split(qkv, n, axis=0) if n > 1 else [qkv]
-    biases = jnp.split(bias, n, axis=0) if n > 1 else [bias]
-    for c in range(n):
-        q, k, v = (a.squeeze(2) for a in jnp.split(qkv_chunks[c], 3, axis=2))
-        r = None if rng is None else jax.random.fold_in(rng, c)
-        parts.append(attend(q, k, v, biases[c], rate, r, causal))
-    return (parts[0] if n == 1 else jnp.concatenate(parts, axis=0)).reshape(bt, h)
+    q, k, v = (a.squeeze(2) for a in jnp.split(qkv, 3, axis=2))
+    return attend_chunked(q, k, v, bias, rate=rate, rng=rng, chunks=chunks, causal=causal).reshape(bt, h)
+
+
+def cross_attention(x: jax.Array, memory: jax.Array, w: jax.Array, b: jax.Array, bias: jax.Array, *,
+                    num_heads: int, batch: int, rate: float = 0.0, rng: jax.Array | None = None,
+                    chunks: int | str = "auto") -> jax.Array:
+    """Multi-head attention context ``[B*Tq, H]`` of the queries of ``x [B*Tq, H]`` over the keys
+    and values of another sequence ``memory [B*Tk, H]`` (an encoder-decoder's cross-attention),
+    before the output projection. ``w``/``b`` are the same fused ``[H, 3H]`` q/k/v kernel and
+    bias as :func:`self_attention`'s (:func:`fused_qkv`): q from ``x``, k and v from ``memory``;
+    ``bias [B, 1, 1, Tk]`` masks ``memory``'s padding."""
+    h = x.shape[1]
+    d = h // num_heads
+    q = (x @ w[:, :h].astype(x.dtype) + b[:h].astype(x.dtype)).reshape(batch, -1, num_heads, d)
+    kv = (memory @ w[:, h:].astype(x.dtype) + b[h:].astype(x.dtype)).reshape(batch, -1, 2, num_heads, d)
+    k, v = (a.squeeze(2) for a in jnp.split(kv, 2, axis=2))
+    return attend_chunked(q, k, v, bias, rate=rate, rng=rng, chunks=chunks).reshape(x.shape[0], h)
+
+
+def attend_chunked(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, *, rate: float = 0.0,
+                   rng: jax.Array | None = None, chunks: int | str = "auto", causal: bool = False) -> jax.Array:
+    """:func:`attend` (``q [B, Tq, nh, d]``, ``k, v [B, Tk, nh, d]``, ``bias [B, 1, 1, Tk]``) in
+    independent batch chunks (:func:`attention_chunks`): XLA's CPU runtime runs them
+    concurrently, so the (single-threaded) softmax/mask fusions of one chunk overlap the
+    other's. They are split (not sliced) so the backward pass concatenates the chunks'
+    gradients instead of adding zero-padded full-size copies of them. Chunk ``c``'s dropout
+    key is ``fold_in(rng, c)``."""
+    batch, _, num_heads, _ = q.shape
+    n = attention_chunks(batch, num_heads, k.shape[1], jnp.dtype(q.dtype).itemsize, chunks)
+    split = (lambda a: jnp.split(a, n, axis=0)) if n > 1 else (lambda a: [a])
+    parts = [attend(qc, kc, vc, bc, rate, None if rng is None else jax.random.fold_in(rng, c), causal)
+             for c, (qc, kc, vc, bc) in enumerate(zip(split(q), split(k), split(v), split(bias)))]
+    return parts[0] if n == 1 else jnp.concatenate(parts, axis=0)
 
 
 def mask_bias(attention_mask: jax.Array, dtype) -> jax.Array:

@@ -13,6 +13,7 @@ import numpy as np
 
 from .base import Backbone, BackboneError, HFConfig
 from .albert import AlbertBackbone
+from .bart import BartBackbone
 from .bert import BertBackbone
 from .distilbert import DistilBertBackbone
 from .electra import ElectraBackbone
@@ -22,7 +23,7 @@ from .weights import read_state_dict
 
 #: Every native family, in the order their ``model_types`` are looked up.
 FAMILIES: tuple[type[Backbone], ...] = (BertBackbone, RobertaBackbone, ElectraBackbone, DistilBertBackbone,
-                                        AlbertBackbone, GPT2Backbone)
+                                        AlbertBackbone, GPT2Backbone, BartBackbone)
 IMPLEMENTATIONS = ("auto", "native", "hf_flax")
 
 
