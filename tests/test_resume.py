@@ -34,19 +34,18 @@ def _data_csv(path, n=40, seed=0):
 _SLEEPER = textwrap.dedent("""
     # `flaxheads train`, but at step KILL_AT it says so and waits to be killed.
     import os, sys, time
-    import flaxheads.training.steps as T
+    import flaxheads.training.loop as T
     import flaxheads.cli.train as C
 
     K = int(os.environ["KILL_AT"])
     real_fit = T.fit
 
-    def fit(*a, on_step_end=None, **kw):
-        def hook(state, step, m):
-            on_step_end(state, step, m)
+    def fit(*a, callbacks=(), **kw):
+        def stop(state, step, m):
             if step == K:
                 print(f"REACHED {K}", flush=True)
                 time.sleep(600)
-        return real_fit(*a, on_step_end=hook, **kw)
+        return real_fit(*a, callbacks=[*callbacks, T.hooks(on_step_end=stop)], **kw)
 
     T.fit = fit
     sys.exit(C.main(sys.argv[1:]))
@@ -167,41 +166,3 @@ def test_sigkilled_train_run_resumes_to_the_same_result(tmp_path, capfd):
     rows = list_checkpoints(full)
     assert rows[-1]["latest"] and sum(r["best"] for r in rows) == 1
     assert "validation/accuracy=" in format_listing(rows)
-
-
-def test_fit_checkpointing_schedule(tmp_path):
-    """Which steps the train hooks save: every evaluation (with its metrics), every N, the last."""
-    import flaxheads as fh
-    from flaxheads.checkpoint.core import FitCheckpointing
-    from test_checkpoint import _state, _stub_model
-
-    model = _stub_model()
-    st = _state(model)
-    for every, want in ((None, [3, 6, 9, 10]), (4, [3, 4, 6, 8, 9, 10]), (0, [])):
-        ckr = fh.RunCheckpointer(tmp_path / str(every), model, keep=None, best_metric="validation/accuracy")
-        hooks = FitCheckpointing(ckr, every=every, eval_every=3, total=10, has_evals=True)
-        for step in range(1, 11):
-            hooks.on_step_end(st, step, {})
-            if step % 3 == 0 or step == 10:
-                hooks.on_eval(st, step, {"validation": {"accuracy": step / 10, "per_class": {"f1": [0.1]}}})
-        ckr.close()
-        assert hooks.saved == want and ckr.all_steps() == want
-        if want:
-            assert ckr.best_step() == 10
-    # without evaluations: every N and the last step
-    ckr = fh.RunCheckpointer(tmp_path / "noeval", model, keep=None)
-    hooks = FitCheckpointing(ckr, every=4, eval_every=3, total=10, has_evals=False)
-    for step in range(1, 11):
-        hooks.on_step_end(st, step, {})
-    ckr.close()
-    assert ckr.all_steps() == [4, 8, 10]
-    # a pmap state (leading device axis) is saved through host_state
-    ckr = fh.RunCheckpointer(tmp_path / "pmap", model, keep=None)
-    stacked = jax.tree.map(lambda x: np.stack([np.asarray(x)] * 2), st)
-    hooks = FitCheckpointing(ckr, every=1, eval_every=3, total=1, has_evals=False,
-                             host_state=lambda s: jax.tree.map(lambda x: x[0], s))
-    hooks.on_step_end(stacked, 1, {})
-    got = ckr.restore(target_state=_state(model, 3))
-    ckr.close()
-    for x, y in zip(jax.tree.leaves(got.params), jax.tree.leaves(st.params)):
-        assert np.array_equal(np.asarray(x), np.asarray(y))

@@ -106,33 +106,61 @@ def batch_plan(lengths: np.ndarray, batch_size: int, *, seed: int, epoch: int, s
     return batches
 
 
+def pad_rows(rows, batch_size: int, fill=0) -> np.ndarray:
+    """``rows`` [k, ...] followed by rows of ``fill`` up to ``batch_size`` (the weight-0 padding rows)."""
+    rows = np.asarray(rows)
+    if len(rows) > batch_size:
+        raise ValueError(f"{len(rows)} rows > batch_size {batch_size}")
+    out = np.full((batch_size, *rows.shape[1:]), fill, rows.dtype)
+    out[:len(rows)] = rows
+    return out
+
+
+def pad_mask(mask_rows, batch_size: int) -> np.ndarray:
+    """A mask padded to ``batch_size`` rows that see their first position only: never a fully
+    masked row, whose pooled value would be NaN (and NaN * weight 0 is still NaN)."""
+    mask = pad_rows(mask_rows, batch_size)
+    mask[len(mask_rows):, 0] = 1
+    return mask
+
+
+def _token_rows(seqs: Sequence, idx, length: int, fill: int) -> np.ndarray:
+    out = np.full((len(idx), length), fill, np.int32)
+    for r, i in enumerate(idx):
+        x = np.asarray(seqs[i][:length])
+        out[r, :len(x)] = x
+    return out
+
+
+def token_batch(input_ids: Sequence, token_type_ids: Sequence | None, idx, batch_size: int, length: int,
+                pad_id: int = 0) -> dict:
+    """``input_ids``, ``attention_mask`` (and ``token_type_ids``) ``[batch_size, length]`` for the
+    sequences ``idx``, truncated to ``length``, then padding rows. Every row attends to its first token."""
+    idx = np.asarray(idx, np.int64)
+    ids = _token_rows(input_ids, idx, length, pad_id)
+    lengths = np.asarray([min(len(input_ids[i]), length) for i in idx], np.int64)
+    mask = (np.arange(length) < lengths[:, None]).astype(np.int32)
+    mask[:, :1] = 1
+    out = {"input_ids": pad_rows(ids, batch_size, pad_id), "attention_mask": pad_mask(mask, batch_size)}
+    if token_type_ids is not None:
+        out["token_type_ids"] = pad_rows(_token_rows(token_type_ids, idx, length, 0), batch_size)
+    return out
+
+
+def labelled_rows(labels: np.ndarray, batch_size: int) -> dict:
+    """``labels`` of k examples padded to ``batch_size`` rows, and ``weights`` (1 real, 0 padding)."""
+    return {"labels": pad_rows(labels, batch_size), "weights": pad_rows(np.ones(len(labels), np.float32), batch_size)}
+
+
 def collate(split: Split, idx: np.ndarray, batch_size: int, buckets: Sequence[int], pad_id: int = 0) -> dict:
     """Rows ``idx`` padded to the bucket of their longest text, plus weight-0 padding rows up to
     ``batch_size``. Padding rows attend to one pad token (never a fully masked row: NaN * 0 = NaN)."""
     idx = np.asarray(idx, np.int64)
     if len(idx) > batch_size:
         raise ValueError(f"{len(idx)} rows > batch_size {batch_size}")
-    longest = max([len(split.input_ids[i]) for i in idx] + [1])
-    t = bucket_length(longest, buckets)
-    ids = np.full((batch_size, t), pad_id, np.int32)
-    mask = np.zeros((batch_size, t), np.int32)
-    mask[:, 0] = 1
-    tt = np.zeros((batch_size, t), np.int32) if split.token_type_ids is not None else None
-    for r, i in enumerate(idx):
-        x = split.input_ids[i][:t]
-        ids[r, :len(x)] = x
-        mask[r, :len(x)] = 1
-        if tt is not None:
-            tt[r, :len(x)] = split.token_type_ids[i][:t]
-    lab = split.labels
-    labels = np.zeros((batch_size, *lab.shape[1:]), lab.dtype)
-    labels[:len(idx)] = lab[idx]
-    weights = np.zeros((batch_size,), np.float32)
-    weights[:len(idx)] = 1.0
-    out = {"input_ids": ids, "attention_mask": mask, "labels": labels, "weights": weights}
-    if tt is not None:
-        out["token_type_ids"] = tt
-    return out
+    t = bucket_length(max([len(split.input_ids[i]) for i in idx] + [1]), buckets)
+    return {**token_batch(split.input_ids, split.token_type_ids, idx, batch_size, t, pad_id),
+            **labelled_rows(split.labels[idx], batch_size)}
 
 
 def iterate_batches(split: Split, batch_size: int, buckets: Sequence[int], *, seed: int = 0, epoch: int = 0,

@@ -20,6 +20,7 @@ shape ``make_head_train_step`` takes: ``hidden``, ``pool_mask``, ``labels``, ``w
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import time
 from typing import Callable, Iterator, Sequence
@@ -29,6 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..nn.poolers import POOL_FUNCTIONS, DensePooler, Pool
+from .data import bucket_length, labelled_rows, pad_mask, pad_rows, token_batch
+from .errors import TrainingError
+from .steps import extra_inputs, predict_batches
 
 LEVELS = ("auto", "pooled", "token")
 
@@ -80,7 +84,7 @@ class FeatureCache:
         ``(seed, epoch)``. ``labels`` (indexed by example) overrides the cached ones."""
         labels = self.labels if labels is None else np.asarray(labels)
         if labels is None:
-            raise ValueError("no labels: pass labels= here or to cache_features")
+            raise TrainingError("no labels: pass labels= here or to cache_features")
         rng = np.random.default_rng([seed, epoch])
         plan = []
         for bi, b in enumerate(self.buckets):
@@ -92,25 +96,19 @@ class FeatureCache:
             yield self._collate(self.buckets[bi], np.sort(rows), batch_size, labels)
 
     def _collate(self, b: Bucket, rows: np.ndarray, batch_size: int, labels: np.ndarray) -> dict:
-        k = len(rows)
-        hidden = np.zeros((batch_size, *b.hidden.shape[1:]), b.hidden.dtype)
-        hidden[:k] = b.hidden[rows]
-        mask = np.zeros((batch_size, b.mask.shape[1]), b.mask.dtype)
-        mask[:k] = b.mask[rows]
-        mask[k:, 0] = 1  # padding rows see one token: no all-masked row (NaN * 0 = NaN)
         idx = b.index[rows]
-        lab = np.zeros((batch_size, *labels.shape[1:]), labels.dtype)
-        lab[:k] = labels[idx]
-        w = np.zeros((batch_size,), np.float32)
-        w[:k] = 1.0
-        index = np.full((batch_size,), -1, np.int64)
-        index[:k] = idx
-        return {"hidden": hidden, "pool_mask": mask, "labels": lab, "weights": w, "index": index}
+        return {"hidden": pad_rows(b.hidden[rows], batch_size), "pool_mask": pad_mask(b.mask[rows], batch_size),
+                **labelled_rows(labels[idx], batch_size), "index": pad_rows(idx, batch_size, fill=-1)}
+
+    @property
+    def num_examples(self) -> int:
+        """One past the largest cached example index (predictions are indexed by example)."""
+        return int(max(int(b.index.max()) for b in self.buckets) + 1)
 
     def gather(self, index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Pooled caches only: ``(hidden [k, R, H], mask [k, R])`` of examples ``index``."""
         if self.level != "pooled":
-            raise ValueError("gather() needs a pooled cache (one bucket of length 1)")
+            raise TrainingError("gather() needs a pooled cache (one bucket of length 1)")
         b = self.buckets[0]
         pos = np.empty(int(b.index.max()) + 1, np.int64)
         pos[b.index] = np.arange(len(b.index))
@@ -120,12 +118,12 @@ class FeatureCache:
 
 def choose_level(pooler, level: str = "auto") -> str:
     if level not in LEVELS:
-        raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
+        raise TrainingError(f"level must be one of {LEVELS}, got {level!r}")
     if level == "auto":
         return "pooled" if reduction(pooler) is not None else "token"
     if level == "pooled" and reduction(pooler) is None:
-        raise ValueError(f"{type(pooler).__name__} reads every token (learned weighting); it cannot train on "
-                         "pooled features. Use level='token' (or 'auto').")
+        raise TrainingError(f"{type(pooler).__name__} reads every token (learned weighting); it cannot train on "
+                            "pooled features. Use level='token' (or 'auto').")
     return level
 
 
@@ -135,8 +133,8 @@ def make_encoder(model, level: str, reductions: Sequence[str] = ()) -> Callable:
     Pooled: features ``[B, R, H]``, one position per reduction (a head reads one of them as
     a one-token sequence); token: the hidden states and the pooling mask."""
     def encode(bparams, batch):
-        extra = {"token_type_ids": batch["token_type_ids"]} if "token_type_ids" in batch else {}
-        hidden, pmask = model.features(bparams, batch["input_ids"], batch["attention_mask"], train=False, **extra)
+        hidden, pmask = model.features(bparams, batch["input_ids"], batch["attention_mask"], train=False,
+                                       **extra_inputs(batch))
         hidden = hidden.astype(jnp.float32)  # SequenceHead casts to float32 first: cache what it sees
         if level == "pooled":
             v = jnp.stack([POOL_FUNCTIONS[r](hidden, pmask) for r in reductions], axis=1)
@@ -152,13 +150,63 @@ def _split_parts(split):
     return ids, tt, labels
 
 
+def _reductions(model, lvl: str, reductions: Sequence[str] | None) -> tuple[str, ...]:
+    """The reductions a cache at level ``lvl`` stores (none at token level)."""
+    if reductions is not None:
+        if lvl != "pooled":
+            raise TrainingError("reductions= needs pooled features (a pooler with a fixed reduction)")
+        bad = [r for r in reductions if r not in POOL_FUNCTIONS]
+        if bad or not reductions:
+            raise TrainingError(f"unknown reductions {bad}; valid: {sorted(POOL_FUNCTIONS)}")
+    return tuple(reductions or (reduction(model.head.pooler),)) if lvl == "pooled" else ()
+
+
+def _storage(groups: dict, lvl: str, width: int, h: int, dtype, max_bytes: int,
+             directory) -> tuple[Callable, bool]:
+    """``(alloc, on_disk)``: ``alloc(t, n) -> (hidden, mask)`` arrays for bucket ``t``, in memory, or
+    memory maps in ``directory`` when the whole cache would exceed ``max_bytes``."""
+    itemsize = np.dtype(dtype).itemsize
+    need = sum(len(ix) * (width if lvl == "pooled" else t) * (h * itemsize + 4) for t, ix in groups.items())
+    to_disk = need > max_bytes
+    if to_disk and directory is None:
+        raise TrainingError(f"the {lvl} feature cache needs {need / 2**20:.0f} MiB > max_bytes="
+                            f"{max_bytes / 2**20:.0f} MiB: pass directory= to keep it on disk (memory-mapped), "
+                            "raise max_bytes, store dtype=np.float16, or shorten the texts (smaller buckets).")
+    if to_disk:
+        os.makedirs(directory, exist_ok=True)
+
+    def alloc(t: int, n: int):
+        shape = (n, width if lvl == "pooled" else t, h)
+        if not to_disk:
+            return np.empty(shape, dtype), np.empty(shape[:2], np.int32)
+        return (np.lib.format.open_memmap(os.path.join(directory, f"hidden_{t}.npy"), "w+", dtype, shape),
+                np.lib.format.open_memmap(os.path.join(directory, f"mask_{t}.npy"), "w+", np.int32, shape[:2]))
+
+    return alloc, to_disk
+
+
+def _encode_rows(enc, backbone_params, batches: Iterator[tuple[int, int, dict]], hid: np.ndarray,
+                 msk: np.ndarray, on_rows: Callable[[int], None]) -> None:
+    """Encode ``(first row, row count, batch)`` items into ``hid``/``msk``; each result is copied
+    out after the next batch is dispatched, so the host copy overlaps the device's work."""
+    pending = None
+    for item in itertools.chain(batches, [None]):
+        launched = None if item is None else (item[0], item[1], *enc(backbone_params, item[2]))
+        if pending is not None:
+            s, k, f, m = pending
+            hid[s:s + k] = np.asarray(f[:k]).astype(hid.dtype)
+            msk[s:s + k] = np.asarray(m[:k])
+            on_rows(k)
+        pending = launched
+
+
 def cache_features(model, backbone_params, split, *, batch_size: int = 32,
                    buckets: Sequence[int] = (32, 64, 128, 256, 512), level: str = "auto", dtype=np.float32,
                    max_bytes: int = 2 << 30, directory: str | os.PathLike | None = None,
                    labels: np.ndarray | None = None, progress: Callable[[int, int], None] | None = None,
                    reductions: Sequence[str] | None = None, encoder: Callable | None = None) -> FeatureCache:
     """Encode ``split`` (``.input_ids``: list of 1-D token arrays, optional ``.token_type_ids``,
-    ``.labels``; e.g. ``flaxheads.data.Split``) once with ``model``'s backbone.
+    ``.labels``; e.g. ``flaxheads.training.data.Split``) once with ``model``'s backbone.
 
     ``level``: ``"auto"`` (pooled when the pooler allows, else token), ``"pooled"`` or ``"token"``.
     ``dtype``: storage dtype (float32 exact; float16 halves memory). Texts longer than the
@@ -167,56 +215,29 @@ def cache_features(model, backbone_params, split, *, batch_size: int = 32,
     over poolers, see :mod:`flaxheads.training.sweep`); default: the pooler's own. ``encoder``: a
     :func:`make_encoder` result to reuse (its compiled buckets carry over between calls, e.g.
     train / validation / test splits); it must match ``level`` and ``reductions``."""
-    from .data import bucket_length
-
     lvl = choose_level(model.head.pooler, level)
-    if reductions is not None:
-        if lvl != "pooled":
-            raise ValueError("reductions= needs pooled features (a pooler with a fixed reduction)")
-        bad = [r for r in reductions if r not in POOL_FUNCTIONS]
-        if bad or not reductions:
-            raise ValueError(f"unknown reductions {bad}; valid: {sorted(POOL_FUNCTIONS)}")
-    reds = tuple(reductions or (reduction(model.head.pooler),)) if lvl == "pooled" else ()
+    reds = _reductions(model, lvl, reductions)
     ids, tt, lab = _split_parts(split)
     labels = lab if labels is None else labels
     buckets = tuple(sorted(buckets))
-    n, h = len(ids), model.hidden_size
     lengths = np.asarray([bucket_length(max(len(x), 1), buckets) for x in ids])
-    itemsize = np.dtype(dtype).itemsize
     groups = {t: np.flatnonzero(lengths == t) for t in buckets if np.any(lengths == t)}
-    need = sum(len(ix) * (len(reds) if lvl == "pooled" else t) * (h * itemsize + 4) for t, ix in groups.items())
-    to_disk = need > max_bytes
-    if to_disk and directory is None:
-        raise ValueError(f"the {lvl} feature cache needs {need / 2**20:.0f} MiB > max_bytes={max_bytes / 2**20:.0f} "
-                         "MiB: pass directory= to keep it on disk (memory-mapped), raise max_bytes, store "
-                         "dtype=np.float16, or shorten the texts (smaller buckets).")
-    if to_disk:
-        os.makedirs(directory, exist_ok=True)
+    alloc, to_disk = _storage(groups, lvl, len(reds), model.hidden_size, dtype, max_bytes, directory)
     enc = encoder or make_encoder(model, lvl, reds)
     pad = model.pad_token_id if model.pad_token_id is not None else 0
     out, done, t0 = [], 0, time.perf_counter()
+
+    def on_rows(k: int) -> None:
+        nonlocal done
+        done += k
+        if progress:
+            progress(done, len(ids))
+
     for t, index in groups.items():
-        tc = len(reds) if lvl == "pooled" else t
-        shape = (len(index), tc, h)
-        if to_disk:
-            hid = np.lib.format.open_memmap(os.path.join(directory, f"hidden_{t}.npy"), "w+", dtype, shape)
-            msk = np.lib.format.open_memmap(os.path.join(directory, f"mask_{t}.npy"), "w+", np.int32, shape[:2])
-        else:
-            hid, msk = np.empty(shape, dtype), np.empty(shape[:2], np.int32)
-        pending = None  # the previous batch's result: copied out after the next one is dispatched
-        for s in range(0, len(index) + batch_size, batch_size):
-            launched = None
-            if s < len(index):
-                rows = index[s:s + batch_size]
-                launched = (s, len(rows), *enc(backbone_params, _pad_batch(ids, tt, rows, batch_size, t, pad)))
-            if pending is not None:
-                ps, k, f, m = pending
-                hid[ps:ps + k] = np.asarray(f[:k]).astype(dtype)
-                msk[ps:ps + k] = np.asarray(m[:k])
-                done += k
-                if progress:
-                    progress(done, n)
-            pending = launched
+        hid, msk = alloc(t, len(index))
+        rows = (index[s:s + batch_size] for s in range(0, len(index), batch_size))
+        batches = ((s * batch_size, len(r), token_batch(ids, tt, r, batch_size, t, pad)) for s, r in enumerate(rows))
+        _encode_rows(enc, backbone_params, batches, hid, msk, on_rows)
         if to_disk:
             hid.flush()
             msk.flush()
@@ -224,37 +245,28 @@ def cache_features(model, backbone_params, split, *, batch_size: int = 32,
     if lvl == "pooled" and len(out) > 1:  # one bucket: batches need not respect the encode lengths
         out = [Bucket(1, np.concatenate([b.index for b in out]), np.concatenate([b.hidden for b in out]),
                       np.concatenate([b.mask for b in out]))]
-    return FeatureCache(lvl, reds, h, out, None if labels is None else np.asarray(labels),
+    return FeatureCache(lvl, reds, model.hidden_size, out, None if labels is None else np.asarray(labels),
                         encode_seconds=time.perf_counter() - t0, directory=os.fspath(directory) if to_disk else None)
 
 
-def _pad_batch(ids, tt, rows, batch_size: int, t: int, pad: int) -> dict:
-    x = np.full((batch_size, t), pad, np.int32)
-    m = np.zeros((batch_size, t), np.int32)
-    m[:, 0] = 1
-    ty = np.zeros((batch_size, t), np.int32) if tt is not None else None
-    for r, i in enumerate(rows):
-        s = np.asarray(ids[i][:t])
-        x[r, :len(s)], m[r, :len(s)] = s, 1
-        if ty is not None:
-            ty[r, :len(s)] = np.asarray(tt[i][:t])
-    out = {"input_ids": x, "attention_mask": m}
-    if ty is not None:
-        out["token_type_ids"] = ty
-    return out
+def predict_cache(predict: Callable[[dict], np.ndarray], cache: FeatureCache, batch_size: int = 256, *,
+                  axis: int = 0) -> np.ndarray:
+    """``predict(batch)`` for every cached example, in example order: its outputs carry the batch
+    rows on ``axis`` (0; 1 for a sweep's ``[K, B, N]``), the result has ``num_examples`` there."""
+    n = cache.num_examples
+    batches = cache.batches(batch_size, shuffle=False, labels=np.zeros((n,), np.int32))
+    out, kept = predict_batches(predict, batches, keys=("index",), axis=axis)
+    shape = list(out.shape)
+    shape[axis] = n
+    full = np.zeros(shape, np.float32)
+    full[(slice(None),) * axis + (kept["index"],)] = out
+    return full
 
 
 def predict_cached(model, head_params, cache: FeatureCache, batch_size: int = 256) -> np.ndarray:
     """Logits ``[n, N]`` for every cached example, in example order (inference mode)."""
     if len(cache.reductions) > 1:
-        raise ValueError("this cache holds several reductions; predict with flaxheads.training.sweep on one of them")
+        raise TrainingError("this cache holds several reductions; predict with flaxheads.training.sweep on one of "
+                            "them (sweep.predict_all), or build a cache with the pooler's own reduction only")
     f = jax.jit(lambda hp, hdn, m: model.head_apply(hp, hdn, m, train=False))
-    n = int(max(int(b.index.max()) for b in cache.buckets) + 1)
-    out = None
-    for b in cache.batches(batch_size, shuffle=False, labels=np.zeros((n,), np.int32)):
-        logits = np.asarray(f(head_params, b["hidden"], b["pool_mask"]))
-        if out is None:
-            out = np.zeros((n, logits.shape[-1]), np.float32)
-        keep = b["index"] >= 0
-        out[b["index"][keep]] = logits[keep]
-    return out
+    return predict_cache(lambda b: f(head_params, b["hidden"], b["pool_mask"]), cache, batch_size)

@@ -15,8 +15,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ..nn.heads import SequenceHead
 from ..losses import check_problem_type, infer_problem_type, loss_fn
+from ..model import build_head
+from ..nn.heads import SequenceHead
+from .errors import TrainingError
+from .steps import extra_inputs
+
+_HEAD_KEYS = ("pooler", "head", "pooler_options", "head_options")
 
 
 @dataclasses.dataclass
@@ -34,7 +39,8 @@ class Task:
     def __post_init__(self):
         check_problem_type(self.problem_type, self.num_labels)
         if self.weight < 0:
-            raise ValueError(f"task {self.name!r}: loss weight must be >= 0, got {self.weight}")
+            raise TrainingError(f"task {self.name!r}: loss weight must be >= 0 (0 trains nothing for it), got "
+                                f"{self.weight}")
 
 
 @dataclasses.dataclass
@@ -103,24 +109,23 @@ def multitask(model, tasks: Sequence[dict], *, seed: int = 0) -> MultiTaskModel:
     ``num_labels`` and optionally ``pooler``, ``head``, ``pooler_options``, ``head_options``,
     ``problem_type``, ``weight``, ``loss_options``, ``id2label``. A task without ``pooler``
     and ``head`` reuses ``model``'s head configuration and params (e.g. the pretrained pooler)."""
-    from ..model import build_head
-
     out, heads, seen = [], {}, set()
     h = model.hidden_size
     for i, spec in enumerate(tasks):
         spec = dict(spec)
         name = spec.pop("name", None)
         if not name or name in seen:
-            raise ValueError(f"task {i}: every task needs a unique 'name' (got {name!r})")
+            raise TrainingError(f"task {i}: every task needs a unique 'name' (got {name!r}); name each task once")
         seen.add(name)
         n = int(spec.pop("num_labels"))
         ptype = spec.pop("problem_type", None) or infer_problem_type(n)
         weight = float(spec.pop("weight", 1.0))
         lopts = dict(spec.pop("loss_options", {}) or {})
         id2label = spec.pop("id2label", None)
-        unknown = set(spec) - {"pooler", "head", "pooler_options", "head_options"}
+        unknown = set(spec) - set(_HEAD_KEYS)
         if unknown:
-            raise ValueError(f"task {name!r}: unknown keys {sorted(unknown)}")
+            raise TrainingError(f"task {name!r}: unknown keys {sorted(unknown)}; a task takes name, num_labels, "
+                                f"problem_type, weight, loss_options, id2label and {', '.join(_HEAD_KEYS)}")
         if not any(spec.values()) and n == model.num_labels:
             head, hp = model.head, model.params["head"]
         else:
@@ -142,7 +147,7 @@ def make_multitask_train_step(mt: MultiTaskModel, tx: optax.GradientTransformati
 
     def step(state: dict, batch: dict):
         key = jax.random.fold_in(state["rng"], state["step"])
-        extra = {k: batch[k] for k in ("token_type_ids",) if k in batch}
+        extra = extra_inputs(batch)
 
         def objective(t):
             params = {**state["params"], **t}

@@ -14,6 +14,8 @@ import jax
 import optax
 from flax.traverse_util import flatten_dict, unflatten_dict
 
+from .errors import TrainingError
+
 SCHEDULES = ("linear", "cosine", "constant")
 
 # Parameter leaf names that are never weight-decayed: biases and normalisation scales/offsets.
@@ -40,11 +42,12 @@ class OptimConfig:
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+            raise TrainingError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.accumulation_steps < 1:
-            raise ValueError(f"accumulation_steps must be >= 1, got {self.accumulation_steps}")
+            raise TrainingError(f"accumulation_steps must be >= 1 (1: no accumulation), got {self.accumulation_steps}")
         if self.learning_rate < 0 or (self.head_learning_rate or 0) < 0:
-            raise ValueError("learning rates must be >= 0")
+            raise TrainingError(f"learning rates must be >= 0, got learning_rate={self.learning_rate}, "
+                                f"head_learning_rate={self.head_learning_rate}")
 
 
 def trainable(params: dict, freeze_backbone: bool) -> dict:
@@ -87,27 +90,29 @@ def schedule(peak: float, cfg: OptimConfig) -> optax.Schedule:
     return optax.join_schedules([optax.linear_schedule(0.0, peak, warm), after], [warm])
 
 
-def _adamw(lr: optax.Schedule, cfg: OptimConfig) -> optax.GradientTransformation:
-    return optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=decay_mask)
+def _head_lr(cfg: OptimConfig):
+    return cfg.learning_rate if cfg.head_learning_rate is None else cfg.head_learning_rate
 
 
-def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
+def make_optimizer(cfg: OptimConfig, *, head_learning_rate=None, weight_decay=None) -> optax.GradientTransformation:
     """The optax transformation for the trainable subtree (``{"backbone","head"}`` or ``{"head"}``).
 
     Clip by global norm (over everything trained) -> AdamW per group (head group may have
     its own learning rate) -> wrapped in ``optax.MultiSteps`` when ``accumulation_steps > 1``
-    (gradients of k micro-batches are averaged, one update every k calls)."""
-    head_lr = cfg.learning_rate if cfg.head_learning_rate is None else cfg.head_learning_rate
-    parts = []
-    if cfg.max_grad_norm:
-        parts.append(optax.clip_by_global_norm(cfg.max_grad_norm))
-    if cfg.freeze_backbone:
-        parts.append(optax.multi_transform({"head": _adamw(schedule(head_lr, cfg), cfg)},
-                                           lambda p: {k: k for k in p}))
-    else:
-        parts.append(optax.multi_transform(
-            {"backbone": _adamw(schedule(cfg.learning_rate, cfg), cfg), "head": _adamw(schedule(head_lr, cfg), cfg)},
-            lambda p: {k: k for k in p}))
+    (gradients of k micro-batches are averaged, one update every k calls).
+    ``head_learning_rate`` / ``weight_decay`` override the config's; they may be traced arrays
+    (a head sweep vmaps one optimizer over per-head values)."""
+    head_lr = _head_lr(cfg) if head_learning_rate is None else head_learning_rate
+    wd = cfg.weight_decay if weight_decay is None else weight_decay
+
+    def adamw(peak):
+        return optax.adamw(schedule(peak, cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=wd, mask=decay_mask)
+
+    groups = {"head": adamw(head_lr)}
+    if not cfg.freeze_backbone:
+        groups["backbone"] = adamw(cfg.learning_rate)
+    parts = [optax.clip_by_global_norm(cfg.max_grad_norm)] if cfg.max_grad_norm else []
+    parts.append(optax.multi_transform(groups, lambda p: {k: k for k in p}))
     tx = optax.chain(*parts)
     if cfg.accumulation_steps > 1:
         tx = optax.MultiSteps(tx, every_k_schedule=cfg.accumulation_steps)
@@ -116,8 +121,7 @@ def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
 
 def learning_rates(cfg: OptimConfig, step: int) -> dict[str, float]:
     """The learning rates at optimizer step ``step`` (for logging)."""
-    head_lr = cfg.learning_rate if cfg.head_learning_rate is None else cfg.head_learning_rate
-    out = {"lr_head": float(schedule(head_lr, cfg)(step))}
+    out = {"lr_head": float(schedule(_head_lr(cfg), cfg)(step))}
     if not cfg.freeze_backbone:
         out["lr_backbone"] = float(schedule(cfg.learning_rate, cfg)(step))
     return out

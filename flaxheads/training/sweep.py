@@ -7,9 +7,10 @@ and optimizer states are stacked on a leading axis of size K and one jitted, vma
 updates all of them on a shared batch: the batch is read once, the K small matmuls run as
 one batched matmul, and there is one compile for the whole sweep.
 
-Each head follows exactly the update of a separate run of
-``flaxheads.train.make_head_train_step`` with ``flaxheads.optim.make_optimizer``
-(``freeze_backbone=True``): clip by global norm, AdamW with the decay mask, the shared
+Each head takes exactly the update of a separate run: the step is
+:func:`flaxheads.training.steps.make_head_train_step` with
+:func:`flaxheads.training.optim.make_optimizer` (``freeze_backbone=True``) at the head's learning
+rate and weight decay, vmapped: clip by global norm, AdamW with the decay mask, the shared
 schedule scaled to the head's peak learning rate, dropout key ``fold_in(PRNGKey(seed), step)``.
 The best head on validation becomes a normal :class:`flaxheads.SequenceModel` head
 (:meth:`SweepResult.best_model`), which ``flaxheads.checkpoint.save_head`` saves like any other.
@@ -18,20 +19,22 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 import time
 from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax.traverse_util import flatten_dict, unflatten_dict
 
-from .features import FeatureCache
 from ..nn.heads import SequenceHead
-from .optim import OptimConfig, decay_mask, schedule
 from ..nn.poolers import DensePooler, Pool
+from .errors import TrainingError
+from .features import FeatureCache, predict_cache, reduction
+from .loop import steps_per_epoch as _batches_per_pass
+from .metrics import compute_metrics, headline
+from .optim import OptimConfig, make_optimizer
+from .steps import TrainState, make_head_train_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,22 +67,21 @@ def head_with_reduction(head: SequenceHead, reduction: str | None) -> SequenceHe
         return SequenceHead(Pool(reduction), head.head)
     if isinstance(p, DensePooler):
         return SequenceHead(p.clone(source=reduction, parent=None), head.head.clone(parent=None))
-    raise ValueError(f"{type(p).__name__} has no fixed reduction to vary; sweep poolers only for Pool or DensePooler")
+    raise TrainingError(f"{type(p).__name__} has no fixed reduction to vary; sweep poolers only for Pool or "
+                        "DensePooler")
 
 
 def _reductions(model, variants: Sequence[Variant], cache: FeatureCache) -> np.ndarray:
-    from .features import reduction
-
     own = reduction(model.head.pooler)
     want = [v.pooler or own for v in variants]
     if cache.level != "pooled":
         if any(v.pooler for v in variants):
-            raise ValueError("varying the pooler needs a pooled cache built with reductions=(...)")
+            raise TrainingError("varying the pooler needs a pooled cache built with reductions=(...)")
         return np.zeros(len(variants), np.int32)
     missing = sorted({w for w in want if w not in cache.reductions})
     if missing:
-        raise ValueError(f"the cache holds reductions {cache.reductions}, the sweep needs {missing}: build it with "
-                         f"cache_features(..., reductions={tuple(sorted(set(want)))})")
+        raise TrainingError(f"the cache holds reductions {cache.reductions}, the sweep needs {missing}: build it "
+                            f"with cache_features(..., reductions={tuple(sorted(set(want)))})")
     return np.asarray([cache.reductions.index(w) for w in want], np.int32)
 
 
@@ -96,13 +98,6 @@ def init_heads(model, variants: Sequence[Variant]) -> dict:
         heads.append({k: (start[k] if any(k.startswith(p + "/") for p in keep) else x) for k, x in fresh.items()})
     stacked = {k: np.stack([np.asarray(hd[k]) for hd in heads]) for k in heads[0]}
     return jax.tree.map(jnp.asarray, unflatten_dict(stacked, sep="/"))
-
-
-def _tx(lr, wd, cfg: OptimConfig) -> optax.GradientTransformation:
-    parts = [optax.clip_by_global_norm(cfg.max_grad_norm)] if cfg.max_grad_norm else []
-    parts.append(optax.adamw(schedule(lr, cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=wd,
-                             mask=decay_mask))
-    return optax.chain(*parts)
 
 
 @jax.tree_util.register_dataclass
@@ -124,29 +119,27 @@ def init_state(model, variants: Sequence[Variant], cfg: OptimConfig, reductions:
     params = init_heads(model, variants)
     lr = jnp.asarray([v.learning_rate for v in variants], jnp.float32)
     wd = jnp.asarray([v.weight_decay for v in variants], jnp.float32)
-    opt = jax.vmap(lambda p, a, b: _tx(a, b, cfg).init({"head": p}))(params, lr, wd)
+    opt = jax.vmap(lambda p, a, b: _head_tx(cfg, a, b).init({"head": p}))(params, lr, wd)
     rng = jnp.stack([jax.random.PRNGKey(v.seed) for v in variants])
     return SweepState(jnp.zeros((), jnp.int32), params, opt, lr, wd, rng, jnp.asarray(reductions))
+
+
+def _head_tx(cfg: OptimConfig, lr, wd):
+    """The optimizer of one head: the run's, at this head's learning rate and weight decay."""
+    return make_optimizer(cfg, head_learning_rate=lr, weight_decay=wd)
 
 
 def make_sweep_step(model, cfg: OptimConfig, *, level: str = "pooled", loss_options: dict | None = None):
     """``step(state, batch) -> (state, losses [K])``, jitted with the state donated.
     ``batch``: ``hidden [B, R, H]`` (pooled) or ``[B, T, H]`` (token), ``pool_mask``, ``labels``,
-    ``weights``. The loss is the weighted mean, as in ``make_head_train_step``."""
-    lf = model.loss_fn(**dict(loss_options or {}))
-
+    ``weights``. Each head takes ``make_head_train_step``'s step (the weighted-mean loss)."""
     def one(params, opt_state, lr, wd, rng, r, step, batch):
-        key = jax.random.fold_in(rng, step)
         hidden, mask = _select(batch, r, level)
-
-        def objective(t):
-            logits = model.head_apply(t["head"], hidden, mask, train=True, dropout_rng=key)
-            return lf(logits, batch["labels"], batch["weights"])
-
-        trained = {"head": params}
-        loss, grads = jax.value_and_grad(objective)(trained)
-        updates, opt_state = _tx(lr, wd, cfg).update(grads, opt_state, trained)
-        return optax.apply_updates(trained, updates)["head"], opt_state, loss
+        head_step = make_head_train_step(model, _head_tx(cfg, lr, wd), loss_options=loss_options)
+        new, metrics = head_step(TrainState(step, {"head": params}, opt_state, rng),
+                                 {"hidden": hidden, "pool_mask": mask, "labels": batch["labels"],
+                                  "weights": batch["weights"]})
+        return new.params["head"], new.opt_state, metrics["loss"]
 
     def step(state: SweepState, batch: dict):
         p, o, loss = jax.vmap(one, in_axes=(0, 0, 0, 0, 0, 0, None, None))(
@@ -176,20 +169,10 @@ def _device_batch(b: dict) -> dict:
     return {k: b[k] for k in ("hidden", "pool_mask", "labels", "weights")}
 
 
-def predict_all(model, state_params, reductions, cache: FeatureCache, batch_size: int = 256,
-                labels: np.ndarray | None = None) -> np.ndarray:
+def predict_all(model, state_params, reductions, cache: FeatureCache, batch_size: int = 256) -> np.ndarray:
     """Logits ``[K, n, N]`` of every head on every cached example (example order)."""
     pred = make_sweep_predict(model, cache.level)
-    n = int(max(int(b.index.max()) for b in cache.buckets) + 1)
-    dummy = np.zeros((n,), np.int32) if labels is None and cache.labels is None else labels
-    out = None
-    for b in cache.batches(batch_size, shuffle=False, labels=dummy):
-        lg = np.asarray(pred(state_params, reductions, _device_batch(b)))
-        if out is None:
-            out = np.zeros((lg.shape[0], n, lg.shape[-1]), np.float32)
-        keep = b["index"] >= 0
-        out[:, b["index"][keep]] = lg[:, keep]
-    return out
+    return predict_cache(lambda b: pred(state_params, reductions, _device_batch(b)), cache, batch_size, axis=1)
 
 
 @dataclasses.dataclass
@@ -227,7 +210,8 @@ class SweepResult:
 
 
 def steps_per_epoch(cache: FeatureCache, batch_size: int) -> int:
-    return int(sum(math.ceil(len(b.index) / batch_size) for b in cache.buckets))
+    """Batches per epoch of ``cache.batches``: each length bucket is cut into batches on its own."""
+    return sum(_batches_per_pass(len(b.index), batch_size) for b in cache.buckets)
 
 
 def sweep(model, train: FeatureCache, variants: Sequence[Variant], *, optim: OptimConfig | None = None,
@@ -237,14 +221,12 @@ def sweep(model, train: FeatureCache, variants: Sequence[Variant], *, optim: Opt
 
     ``optim`` supplies everything but the per-head learning rate and weight decay
     (schedule, warmup, clipping, Adam betas); its ``total_steps`` is set to the sweep's."""
-    from .metrics import compute_metrics, headline
-
     variants = list(variants)
     if not variants:
-        raise ValueError("sweep needs at least one variant")
+        raise TrainingError("sweep needs at least one variant")
     cfg = optim or OptimConfig(schedule="constant", max_grad_norm=None)
     if cfg.accumulation_steps != 1:
-        raise ValueError("sweeps do not accumulate gradients (accumulation_steps must be 1)")
+        raise TrainingError("sweeps do not accumulate gradients (accumulation_steps must be 1)")
     spe = steps_per_epoch(train, batch_size)
     cfg = dataclasses.replace(cfg, total_steps=spe * epochs, freeze_backbone=True)
     reds = _reductions(model, variants, train)
@@ -263,7 +245,7 @@ def sweep(model, train: FeatureCache, variants: Sequence[Variant], *, optim: Opt
     scores, best, name = None, 0, None
     if val is not None:
         if val.labels is None:
-            raise ValueError("the validation cache has no labels")
+            raise TrainingError("the validation cache has no labels")
         name = metric or headline(model.problem_type)
         logits = predict_all(model, state.params, state.reduction, val)
         rows = np.sort(np.concatenate([b.index for b in val.buckets]))  # the cached examples only
@@ -279,7 +261,7 @@ def sweep_variants(k: int, lr: float, weight_decay: float, seed: int) -> list[Va
     """``k`` heads around ``lr``: learning rates log-spaced over [lr/10, lr*10], weight decay
     alternating ``weight_decay`` / 0, seeds ``seed + i``; ``k == 1`` is exactly the given settings."""
     if k < 1:
-        raise ValueError(f"--sweep needs K >= 1, got {k}")
+        raise TrainingError(f"--sweep needs K >= 1, got {k}")
     if k == 1:
         return [Variant(lr, weight_decay, seed)]
     return [Variant(float(lr * 10 ** (-1 + 2 * i / (k - 1))), weight_decay if i % 2 == 0 else 0.0, seed + i)

@@ -14,7 +14,8 @@ import pytest
 
 import flaxheads as fh
 from flaxheads.training.optim import OptimConfig
-from flaxheads.training.steps import Parallel, TrainConfig, Trainer, fit, process_rows
+from flaxheads.training.loop import TrainConfig, Trainer, fit
+from flaxheads.training.parallel import Parallel, process_rows
 from train_helpers import random_split, tiny_bert_folder
 
 N_TRAIN, N_EVAL, BATCH, STEPS = 21, 13, 8, 3  # 21 = 8 + 8 + 5: last batch has 3 padding rows
@@ -87,7 +88,8 @@ WORKER = textwrap.dedent("""
     sys.path.insert(0, sys.argv[5])
     import flaxheads as fh
     from flaxheads.training.optim import OptimConfig
-    from flaxheads.training.steps import Parallel, TrainConfig, Trainer, fit
+    from flaxheads.training.loop import TrainConfig, Trainer, fit
+    from flaxheads.training.parallel import Parallel
     from train_helpers import random_split
     assert jax.device_count() == 2 and jax.local_device_count() == 1
     model = fh.from_pretrained(folder, pooler="mean", head="linear", num_labels=3, head_options={"dropout": 0.0})

@@ -1,5 +1,6 @@
-"""vmapped head sweeps: each of K heads equals its own separate training run (flaxheads.training.steps +
-flaxheads.training.optim, which this module does not use), and the best head saves as a normal head."""
+"""vmapped head sweeps: each of K heads equals its own separate training run (a jitted
+make_head_train_step per head, one at a time, on its own slice of the cached reductions), and the
+best head saves as a normal head."""
 from __future__ import annotations
 
 import numpy as np

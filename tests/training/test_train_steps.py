@@ -9,8 +9,8 @@ import pytest
 import flaxheads as fh
 from flaxheads.training.data import collate, make_buckets
 from flaxheads.training.optim import OptimConfig, decay_mask, make_optimizer, schedule
-from flaxheads.training.steps import (Parallel, TrainConfig, Trainer, create_state, fit, make_eval_step,
-                             make_head_train_step, make_train_step)
+from flaxheads.training.loop import TrainConfig, Trainer, fit
+from flaxheads.training.steps import create_state, make_eval_step, make_head_train_step, make_train_step
 from train_helpers import random_split, tiny_bert_folder
 
 

@@ -1,0 +1,314 @@
+"""The training loop: :func:`fit` runs compiled steps over bucketed batches, evaluates, and tells
+its callbacks what happened; when it evaluates is decided here and nowhere else.
+
+Per training step, in this order: the step, the evaluation when one is due (every
+``eval_every`` steps and at the last step; callbacks' ``on_evaluate``), then every callback's
+``on_step_end``. After the last step: ``on_end``. A callback that acts on evaluations (such as
+:class:`FitCheckpointing`, which saves with the metrics, for keep-best) therefore never
+re-derives the evaluation cadence: it is called when fit evaluates.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
+
+import jax
+import numpy as np
+import optax
+from tqdm.auto import tqdm
+
+from .data import Split, iterate_batches
+from .errors import TrainingError
+from .metrics import compute_metrics
+from .optim import OptimConfig, make_optimizer
+from .parallel import DATA_AXIS, Parallel
+from .steps import TrainState, TraceCounter, create_state, make_eval_step, make_train_step, predict_batches
+
+if TYPE_CHECKING:  # annotation only: the checkpoint package does not depend on training
+    from ..checkpoint import RunCheckpointer
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Loop settings (every field is a CLI flag of ``train``)."""
+
+    epochs: float = 3.0
+    batch_size: int = 16  # global, per micro-step
+    eval_batch_size: int = 64
+    max_steps: int | None = None  # micro-steps; overrides epochs
+    eval_every: int | None = None  # micro-steps between evaluations (None: once per epoch)
+    log_every: int = 10
+    seed: int = 0
+    parallel: str = "single"
+    loss_options: dict = dataclasses.field(default_factory=dict)
+    threshold: float = 0.5  # multi-label decision threshold for metrics
+
+
+def steps_per_epoch(n: int, batch_size: int) -> int:
+    """Batches in one pass over ``n`` examples (the last one padded; at least one)."""
+    return max(math.ceil(n / batch_size), 1)
+
+
+def total_steps(n: int, cfg: TrainConfig) -> int:
+    """Micro-steps of a run on ``n`` training examples: ``max_steps``, else ``epochs`` passes."""
+    spe = steps_per_epoch(n, cfg.batch_size)
+    return int(cfg.max_steps) if cfg.max_steps else max(int(math.ceil(cfg.epochs * spe)), 1)
+
+
+@dataclasses.dataclass
+class Trainer:
+    """Compiled steps for one model/optimizer/parallel mode (build once, reuse)."""
+
+    model: Any
+    optim: OptimConfig
+    cfg: TrainConfig
+    parallel: Parallel
+    tx: optax.GradientTransformation
+    train_step: Callable
+    eval_step: Callable
+    train_traces: TraceCounter
+    eval_traces: TraceCounter
+
+    @classmethod
+    def build(cls, model, optim: OptimConfig, cfg: TrainConfig, parallel: Parallel | None = None) -> "Trainer":
+        parallel = parallel or Parallel(cfg.parallel)
+        tx = make_optimizer(optim)
+        axis = DATA_AXIS if parallel.mode == "pmap" else None
+        tt, et = TraceCounter(), TraceCounter()
+        step = make_train_step(model, tx, freeze_backbone=optim.freeze_backbone, loss_options=cfg.loss_options,
+                               axis_name=axis)
+        return cls(model, optim, cfg, parallel, tx, parallel.compile(tt.wrap(step)),
+                   parallel.compile(et.wrap(make_eval_step(model)), donate=False), tt, et)
+
+    def init_state(self, params: dict | None = None) -> TrainState:
+        return create_state(self.model.params if params is None else params, self.tx,
+                            freeze_backbone=self.optim.freeze_backbone, seed=self.cfg.seed)
+
+    def step(self, state, batch: dict):
+        """One placed step; blocks on its result (queued jit+mesh steps on CPU devices can
+        deadlock in XLA's collectives, and the loop logs the loss anyway)."""
+        state, metrics = self.train_step(state, self.parallel.put_rows(batch))
+        return state, {k: float(v) for k, v in self.parallel.get(metrics).items()}
+
+    def predict(self, params, batches: Iterable[dict]) -> tuple[np.ndarray, np.ndarray]:
+        """Logits and labels of every real example (weight > 0), in order, each exactly once.
+        ``params`` must be placed for the parallel mode (``parallel.put_state``)."""
+        par = self.parallel
+        logits, kept = predict_batches(lambda b: par.get_rows(self.eval_step(params, par.put_rows(b))), batches,
+                                       keys=("labels",))
+        if logits is None:
+            return np.zeros((0, self.model.num_labels), np.float32), np.zeros((0,))
+        return logits, kept["labels"]
+
+    def evaluate(self, params, split: Split, *, buckets: Sequence[int], pad_id: int = 0) -> dict:
+        """The metrics of ``params`` (placed) on every example of ``split``."""
+        batches = iterate_batches(split, self.cfg.eval_batch_size, buckets, shuffle=False, pad_id=pad_id)
+        logits, labels = self.predict(params, batches)
+        return compute_metrics(self.model.problem_type, logits, labels, self.model.num_labels,
+                               threshold=self.cfg.threshold)
+
+
+class Callback:
+    """What :func:`fit` calls; override any of the three (the defaults do nothing). ``state`` is
+    placed for the parallel mode (``trainer.parallel.get_state`` gives host arrays); ``step`` is
+    the number of steps done."""
+
+    def on_evaluate(self, state, step: int, results: dict[str, dict]) -> None:
+        """After an evaluation: ``results`` is ``{split name: metrics}``."""
+
+    def on_step_end(self, state, step: int, metrics: dict) -> None:
+        """After every step, once that step's evaluation (if any) has been reported."""
+
+    def on_end(self, state, step: int) -> None:
+        """After the last step and its evaluation."""
+
+
+class _Hooks(Callback):
+    def __init__(self, on_step_end, on_evaluate, on_end):
+        self._fns = {"on_step_end": on_step_end, "on_evaluate": on_evaluate, "on_end": on_end}
+
+    def on_step_end(self, state, step, metrics):
+        self._call("on_step_end", state, step, metrics)
+
+    def on_evaluate(self, state, step, results):
+        self._call("on_evaluate", state, step, results)
+
+    def on_end(self, state, step):
+        self._call("on_end", state, step)
+
+    def _call(self, name, *args):
+        if self._fns[name] is not None:
+            self._fns[name](*args)
+
+
+def hooks(*, on_step_end: Callable | None = None, on_evaluate: Callable | None = None,
+          on_end: Callable | None = None) -> Callback:
+    """A :class:`Callback` from plain functions with the methods' signatures."""
+    return _Hooks(on_step_end, on_evaluate, on_end)
+
+
+@dataclasses.dataclass
+class FitResult:
+    state: Any  # placed for the parallel mode; ``trainer.parallel.get_state(state)`` for host arrays
+    step: int
+    history: list[dict]
+    train_compiles: int
+    eval_compiles: int
+    seconds: float
+
+
+class _Log:
+    """Throughput and mean loss over the steps since the last log line, and the progress bar."""
+
+    def __init__(self, every: int, total: int, start: int, progress: bool):
+        self.every, self.total = every, total
+        self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, smoothing=0.1) \
+            if progress and jax.process_index() == 0 else None
+        self.last, self.seen, self.window = time.perf_counter(), 0.0, []
+
+    def step(self, m: dict, step: int) -> dict | None:
+        """Adds ``examples_per_s`` and ``loss_avg`` to ``m`` on a log step; returns the history entry."""
+        self.seen += m["weight"]
+        self.window.append(m["loss"])
+        entry = None
+        if step % self.every == 0 or step == self.total:
+            now = time.perf_counter()
+            m["examples_per_s"] = self.seen / max(now - self.last, 1e-9)
+            m["loss_avg"] = float(np.mean(self.window))
+            self.last, self.seen, self.window = now, 0.0, []
+            entry = {"step": step, "epoch": m["epoch"], "loss": m["loss_avg"], "step_loss": m["loss"],
+                     "grad_norm": m["grad_norm"], "examples_per_s": m["examples_per_s"]}
+            if self.bar is not None:
+                self.bar.set_postfix(loss=f"{m['loss']:.4f}", ex_s=f"{m['examples_per_s']:.1f}", ep=f"{m['epoch']:.2f}")
+        if self.bar is not None:
+            self.bar.update(1)
+        return entry
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _check_batch_sizes(cfg: TrainConfig, par: Parallel) -> None:
+    if cfg.batch_size % par.width or cfg.eval_batch_size % par.width:
+        raise TrainingError(f"batch sizes ({cfg.batch_size}, eval {cfg.eval_batch_size}) must be multiples of the "
+                            f"{par.width} data-parallel devices; change --batch-size/--eval-batch-size")
+
+
+def fit(trainer: Trainer, train: Split, *, evals: Mapping[str, Split] | None = None,
+        buckets: Sequence[int] = (128,), pad_id: int = 0, state: TrainState | None = None,
+        start_step: int | None = None, callbacks: Sequence[Callback] = (), progress: bool = True,
+        group_by_length: bool = True) -> FitResult:
+    """Train ``trainer.model`` on ``train``; evaluate ``evals`` ({name: Split}) every
+    ``cfg.eval_every`` steps (default: each epoch) and at the end.
+
+    Resuming: pass the restored (host) ``state``; training continues at ``state.step`` (or
+    ``start_step``) with exactly the batches and dropout keys an uninterrupted run would use.
+    ``callbacks``: :class:`Callback` objects (see the module docstring for when each is called)."""
+    cfg, par = trainer.cfg, trainer.parallel
+    _check_batch_sizes(cfg, par)
+    spe = steps_per_epoch(len(train), cfg.batch_size)
+    total = total_steps(len(train), cfg)
+    eval_every = cfg.eval_every or spe
+    host_state = trainer.init_state() if state is None else state
+    step = int(np.asarray(jax.device_get(host_state.step))) if start_step is None else int(start_step)
+    placed = par.put_state(host_state)
+    history: list[dict] = []
+    log = _Log(cfg.log_every, total, step, progress)
+
+    def evaluate(s: int) -> None:
+        results = {name: trainer.evaluate(placed.params, split, buckets=buckets, pad_id=pad_id)
+                   for name, split in (evals or {}).items()}
+        if results:
+            history.append({"step": s, "eval": results})
+            for cb in callbacks:
+                cb.on_evaluate(placed, s, results)
+
+    t0 = time.perf_counter()
+    evaluated = None
+    while step < total:
+        epoch, offset = divmod(step, spe)
+        for batch in iterate_batches(train, cfg.batch_size, buckets, seed=cfg.seed, epoch=epoch, start=offset,
+                                     pad_id=pad_id, group_by_length=group_by_length):
+            placed, m = trainer.step(placed, batch)
+            step, offset = step + 1, offset + 1
+            m.update(step=step, epoch=epoch + offset / spe)
+            entry = log.step(m, step)
+            if entry is not None:
+                history.append(entry)
+            if step % eval_every == 0 or step == total:
+                evaluate(step)
+                evaluated = step
+            for cb in callbacks:
+                cb.on_step_end(placed, step, m)
+            if step >= total:
+                break
+    log.close()
+    if evaluated != step:  # resumed at the last step: nothing ran, evaluate what was restored
+        evaluate(step)
+    for cb in callbacks:
+        cb.on_end(placed, step)
+    return FitResult(placed, step, history, trainer.train_traces.count, trainer.eval_traces.count,
+                     time.perf_counter() - t0)
+
+
+# ---- checkpoints during fit ------------------------------------------------------------------
+
+def flat_metrics(results: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
+    """``{"validation": {"accuracy": 0.9, ...}}`` -> ``{"validation/accuracy": 0.9, ...}`` (scalars only)."""
+    return {f"{split}/{k}": float(v) for split, r in results.items() for k, v in r.items()
+            if isinstance(v, (int, float, np.number)) and not isinstance(v, bool)}
+
+
+class FitCheckpointing(Callback):
+    """Saves a :func:`fit` run through a :class:`~flaxheads.checkpoint.RunCheckpointer`: at every
+    evaluation fit makes (with its metrics, for keep-best), every ``every`` steps (None:
+    evaluations and the end only; 0: never) and at the end. Each step is saved once.
+
+    ``host_state`` turns the placed state into a saveable one (``parallel.get_state`` under
+    pmap, whose state has a leading device axis); None saves it as placed (single device or
+    mesh-replicated arrays, copied asynchronously)."""
+
+    def __init__(self, ckr: RunCheckpointer, *, every: int | None = None,
+                 host_state: Callable | None = None):
+        self.ckr, self.every, self.host_state = ckr, every, host_state
+        self.saved: list[int] = []
+
+    def on_evaluate(self, state, step: int, results) -> None:
+        if self.every != 0:
+            m = flat_metrics(results)
+            if self.ckr.best_metric is not None and self.ckr.best_metric not in m:
+                raise KeyError(f"best metric {self.ckr.best_metric!r} is not among the evaluation metrics "
+                               f"{sorted(m)}")
+            self._save(state, step, m)
+
+    def on_step_end(self, state, step: int, metrics=None) -> None:
+        if self.every and step % self.every == 0:
+            self._save(state, step)
+
+    def on_end(self, state, step: int) -> None:
+        if self.every != 0:
+            self._save(state, step)
+
+    def _save(self, state, step: int, metrics=None) -> None:
+        # saved already: at this step's evaluation, or before a run resumed at this very step
+        if step in self.saved or step in self.ckr.all_steps():
+            return
+        self.ckr.save(step, state if self.host_state is None else self.host_state(state), metrics=metrics)
+        self.saved.append(step)
+
+
+def changed_settings(saved: Mapping[str, Any] | None, current: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """Keys whose values differ between a checkpoint's recorded run settings and the current ones."""
+    out = []
+    saved = saved or {}
+    for k in sorted(set(saved) | set(current)):
+        a, b = saved.get(k), current.get(k)
+        if isinstance(a, Mapping) and isinstance(b, Mapping):
+            out += changed_settings(a, b, f"{prefix}{k}.")
+        elif json.dumps(a, default=str, sort_keys=True) != json.dumps(b, default=str, sort_keys=True):
+            out.append(f"{prefix}{k}: {a!r} -> {b!r}")
+    return out
