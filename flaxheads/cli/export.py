@@ -46,11 +46,7 @@ def _from_checkpoint(args: argparse.Namespace):
     if args.backbone is not None and not os.path.isdir(args.backbone):
         raise UsageError(f"--backbone {args.backbone!r} is not a folder (expected the Hugging Face folder of the "
                          "backbone the head was trained on)")
-    try:
-        return model_from_checkpoint(args.src, step=args.step, backbone=args.backbone,
-                                     head_only=args.format == "head")
-    except FileNotFoundError as e:  # the backbone folder recorded in the checkpoint is not here: a user's fix
-        raise UsageError(str(e)) from None
+    return model_from_checkpoint(args.src, step=args.step, backbone=args.backbone, head_only=args.format == "head")
 
 
 def run_export(args: argparse.Namespace) -> int:
