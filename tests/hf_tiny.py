@@ -17,6 +17,10 @@ def tiny_config(arch: str, num_labels: int = 3, **over):
         cls = tf.RobertaConfig if arch == "roberta" else tf.XLMRobertaConfig
         c = cls(vocab_size=V, hidden_size=H, num_hidden_layers=L, num_attention_heads=NH, intermediate_size=FF,
                 max_position_embeddings=P, pad_token_id=1, bos_token_id=0, eos_token_id=2, **common)
+    elif arch == "camembert":
+        c = tf.CamembertConfig(vocab_size=V, hidden_size=H, num_hidden_layers=L, num_attention_heads=NH,
+                               intermediate_size=FF, max_position_embeddings=P, pad_token_id=1, bos_token_id=0,
+                               eos_token_id=2, **common)
     elif arch == "distilbert":
         c = tf.DistilBertConfig(vocab_size=V, dim=H, n_layers=L, n_heads=NH, hidden_dim=FF,
                                 max_position_embeddings=P, **common)
@@ -77,3 +81,367 @@ def padded_batch(arch: str, cfg, side: str = "right", seed: int = 0):
         sl = slice(0, n) if side == "right" else slice(9 - n, 9)
         ids[i, sl], mask[i, sl] = row, 1
     return ids, mask
+
+
+# ---- parity helpers for native backbones (PyTorch is the reference) -------------------------------------
+def torch_hidden_grads(base, ids, mask, weights, **inputs):
+    """PyTorch ``base`` model's last hidden state and the gradient of ``sum(hidden * weights * mask)``
+    with respect to every parameter, by PyTorch name: ``(hidden, {name: grad})``."""
+    import torch
+
+    base.zero_grad()
+    hidden = base(torch.tensor(ids), attention_mask=torch.tensor(mask),
+                  **{k: torch.tensor(v) for k, v in inputs.items()}).last_hidden_state
+    (hidden * torch.tensor(np.asarray(weights)) * torch.tensor(mask)[..., None]).sum().backward()
+    grads = {k: p.grad.numpy().copy() for k, p in base.named_parameters() if p.grad is not None}
+    return hidden.detach().numpy(), grads
+
+
+def assert_grads_match(ours, ref, *, rtol: float = 1e-4, softmax_cancelled=lambda name: False):
+    """Same names; each gradient within ``rtol`` of the tensor's largest reference entry. Tensors
+    ``softmax_cancelled(name)`` names (attention key biases: softmax removes them) must be exactly 0
+    in ``ours`` and rounding noise in ``ref``."""
+    assert sorted(ours) == sorted(ref)
+    scale = max(float(np.abs(g).max()) for g in ref.values())
+    for k in ref:
+        got, want = np.asarray(ours[k]), ref[k]
+        assert got.shape == want.shape, k
+        if softmax_cancelled(k):
+            assert not got.any(), k
+            assert np.abs(want).max() < 1e-5 * scale, k
+            continue
+        tol = rtol * float(np.abs(want).max())
+        np.testing.assert_allclose(got, want, atol=tol, rtol=0, err_msg=k)
+
+
+def dropout_spread_torch(base, ids, mask, copies: int = 32, seed: int = 0) -> float:
+    """Mean squared change of the valid hidden states in train mode against eval mode, over
+    ``copies`` stacked copies of the batch (each copy draws its own dropout masks)."""
+    import torch
+
+    rep_ids, rep_mask = np.tile(ids, (copies, 1)), np.tile(mask, (copies, 1))
+    with torch.no_grad():
+        base.eval()
+        ref = base(torch.tensor(ids), attention_mask=torch.tensor(mask)).last_hidden_state.numpy()
+        base.train()
+        torch.manual_seed(seed)
+        out = base(torch.tensor(rep_ids), attention_mask=torch.tensor(rep_mask)).last_hidden_state.numpy()
+        base.eval()
+    return _spread(out, ref, mask, copies)
+
+
+def dropout_spread_flax(backbone, ids, mask, copies: int = 32, seed: int = 0) -> float:
+    """:func:`dropout_spread_torch` for a flaxheads backbone (``train=True`` with a dropout key)."""
+    import jax
+
+    rep_ids, rep_mask = np.tile(ids, (copies, 1)), np.tile(mask, (copies, 1))
+    ref = np.asarray(backbone(ids, mask)[0])
+    out = np.asarray(backbone(rep_ids, rep_mask, train=True, dropout_rng=jax.random.PRNGKey(seed))[0])
+    return _spread(out, ref, mask, copies)
+
+
+def _spread(out, ref, mask, copies):
+    valid = np.tile(mask, (copies, 1)).astype(bool)
+    return float(((out - np.tile(ref, (copies, 1, 1))) ** 2)[valid].mean())
+
+
+# ---- dropout placement and export helpers for native backbones -------------------------------------------
+def reweight(model, zero: str, scale: str = "", factor: float = 30.0):
+    """Zero every parameter whose PyTorch name matches the regex ``zero`` and multiply those matching
+    ``scale`` by ``factor``, in place (returns ``model``). Silencing one residual branch and making
+    the other dominate lets the dropout spread tell which dropout sites a backbone has."""
+    import re
+
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if re.search(zero, name):
+                p.zero_()
+            elif scale and re.search(scale, name):
+                p.mul_(factor)
+    return model
+
+
+def zero_fraction(out, ref, mask, rate: float) -> float:
+    """Fraction of the valid entries of train-mode ``out`` that dropout zeroed, after checking that
+    every other entry is the eval-mode ``ref`` scaled by ``1 / (1 - rate)`` (inverted dropout).
+    ``out`` stacks copies of the batch (as :func:`dropout_spread_torch` runs it)."""
+    copies = out.shape[0] // ref.shape[0]
+    valid = np.tile(mask, (copies, 1)).astype(bool)
+    got, want = out[valid], np.tile(ref, (copies, 1, 1))[valid] / (1.0 - rate)
+    dropped = got == 0
+    np.testing.assert_allclose(got[~dropped], want[~dropped], rtol=1e-5, atol=1e-6)
+    return float(dropped.mean())
+
+
+def torch_train_outputs(base, ids, mask, copies: int = 32, seed: int = 0):
+    """``(eval hidden, train hidden of copies stacked batches)`` of a PyTorch base model."""
+    import torch
+
+    with torch.no_grad():
+        base.eval()
+        ref = base(torch.tensor(ids), attention_mask=torch.tensor(mask)).last_hidden_state.numpy()
+        base.train()
+        torch.manual_seed(seed)
+        out = base(torch.tensor(np.tile(ids, (copies, 1))),
+                   attention_mask=torch.tensor(np.tile(mask, (copies, 1)))).last_hidden_state.numpy()
+        base.eval()
+    return ref, out
+
+
+def flax_train_outputs(backbone, ids, mask, copies: int = 32, seed: int = 0):
+    """:func:`torch_train_outputs` for a flaxheads backbone."""
+    import jax
+
+    ref = np.asarray(backbone(ids, mask)[0])
+    out = backbone(np.tile(ids, (copies, 1)), np.tile(mask, (copies, 1)), train=True,
+                   dropout_rng=jax.random.PRNGKey(seed))[0]
+    return ref, np.asarray(out)
+
+
+def train_and_export(src, out, ids, mask, steps: int = 3, lr: float = 3e-3):
+    """``fh.from_pretrained(src)`` (HF preset head) trained ``steps`` steps with flaxheads (backbone
+    included, dropout on), then ``fh.export_transformers`` to ``out`` and loaded back by PyTorch.
+
+    Returns ``(model, trained params, flaxheads logits, PyTorch logits of the export, loading info)``."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    import flaxheads as fh
+    from flaxheads.training.steps import create_state, make_train_step
+
+    model = fh.from_pretrained(src)
+    tx = optax.adam(lr)
+    state = create_state(model.params, tx)
+    step = jax.jit(make_train_step(model, tx))
+    batch = {"input_ids": jnp.asarray(ids), "attention_mask": jnp.asarray(mask),
+             "labels": jnp.arange(len(ids), dtype=jnp.int32) % model.num_labels,
+             "weights": jnp.ones(len(ids), jnp.float32)}
+    for _ in range(steps):
+        state, _ = step(state, batch)
+    fh.export_transformers(model, out, params=state.params)
+    pt, info = AutoModelForSequenceClassification.from_pretrained(out, output_loading_info=True)
+    with torch.no_grad():
+        pt_logits = pt.eval()(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()
+    return model, state.params, np.asarray(model.apply(state.params, ids, mask)), pt_logits, info
+
+
+def assert_remat_same_gradients(plain, remat, ids, mask):
+    """``remat`` (gradient checkpointing per layer) gives ``plain``'s parameter gradients. (Dropout
+    under remat is the shared layer stack's, tested with BERT; off here, it doubles the compile time.)"""
+    import jax
+    import jax.numpy as jnp
+
+    assert remat.remat and not plain.remat
+    w = jax.random.normal(jax.random.PRNGKey(0), np.shape(ids) + (plain.hidden_size,))
+
+    def grads(bb):
+        return jax.jit(jax.grad(lambda p: jnp.sum(bb.encode(p, ids, mask) * w)))
+
+    g_plain, g_remat = grads(plain)(plain.params), grads(remat)(remat.params)
+    program = str(jax.make_jaxpr(grads(remat))(remat.params))
+    assert "remat" in program or "checkpoint" in program  # the layers really are checkpointed
+    for a, b in zip(jax.tree.leaves(g_plain), jax.tree.leaves(g_remat)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
+
+
+# ---- whole checks, one per property, for the native backbone tests (tests/backbones/) ---------------------
+def save_tiny(folder, arch: str, edit=None, seed: int = 1, **over):
+    """A tiny PyTorch classifier (``edit(model)`` applied if given) saved as safetensors in ``folder``:
+    ``(str(folder), model)``."""
+    pt = tiny_torch_model(arch, seed=seed, **over)
+    if edit is not None:
+        edit(pt)
+    pt.save_pretrained(folder, safe_serialization=True)
+    return str(folder), pt
+
+
+def check_hidden_states(path, pt, arch: str, side: str = "right", atol: float = 1e-4, **inputs):
+    """The native backbone of ``path`` gives PyTorch's base-model last hidden state on the real
+    tokens of a padded batch (extra ``inputs`` given to both); returns the backbone."""
+    import torch
+
+    from flaxheads.backbones.registry import load_backbone
+
+    bb = load_backbone(path, implementation="native")
+    ids, mask = padded_batch(arch, pt.config, side)
+    with torch.no_grad():
+        ref = pt.base_model(torch.tensor(ids), attention_mask=torch.tensor(mask),
+                            **{k: torch.tensor(v) for k, v in inputs.items()}).last_hidden_state.numpy()
+    ours = np.asarray(bb(ids, mask, **inputs)[0])
+    valid = mask.astype(bool)
+    np.testing.assert_allclose(ours[valid], ref[valid], atol=atol, rtol=0)
+    return bb
+
+
+def check_logits(path, pt, arch: str, backbone_type) -> None:
+    """``fh.from_pretrained(path)``: the native backbone, the HF preset head with every weight from
+    the checkpoint, and PyTorch's logits."""
+    import torch
+
+    import flaxheads as fh
+
+    model = fh.from_pretrained(path)
+    assert isinstance(model.backbone, backbone_type) and model.arch == arch and model.report.new == []
+    ids, mask = padded_batch(arch, pt.config)
+    with torch.no_grad():
+        ref = pt(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(model.apply(model.params, ids, mask)), ref, atol=1e-4, rtol=0)
+    assert np.abs(ref).max() > 1e-2  # not two near-zero outputs
+
+
+def check_gradients(path, pt, arch: str, softmax_cancelled, skip=()) -> None:
+    """Parameter gradients of ``sum(hidden * fixed random weights * mask)`` equal torch autograd's,
+    compared by PyTorch name through the backbone's ``state_from_params`` (``skip``: names to leave out)."""
+    import jax
+    import jax.numpy as jnp
+
+    from flaxheads.backbones.registry import load_backbone
+
+    bb = load_backbone(path, implementation="native")
+    ids, mask = padded_batch(arch, pt.config)
+    w = np.random.default_rng(0).normal(size=ids.shape + (bb.hidden_size,)).astype(np.float32)
+    _, ref = torch_hidden_grads(pt.base_model, ids, mask, w)
+    g = jax.jit(jax.grad(lambda p: jnp.sum(bb.encode(p, ids, mask) * w * mask[..., None])))(bb.params)
+    ours = {k: v for k, v in bb.state_from_params(g).items() if k not in skip}
+    assert_grads_match(ours, {k: v for k, v in ref.items() if k not in skip}, softmax_cancelled=softmax_cancelled)
+
+
+def check_keep_rate(path, pt, arch: str, rate: float) -> None:
+    """For a model without layers (its output is the embedding dropout): PyTorch and the native
+    backbone both drop ``rate`` of the entries and scale the rest by ``1 / (1 - rate)``."""
+    from flaxheads.backbones.registry import load_backbone
+
+    ids, mask = padded_batch(arch, pt.config)
+    bb = load_backbone(path, implementation="native")
+    for ref, out in (torch_train_outputs(pt.base_model, ids, mask), flax_train_outputs(bb, ids, mask)):
+        assert abs(zero_fraction(out, ref, mask, rate) - rate) < 0.04
+
+
+def check_dropout_spread(path, pt, arch: str, low: float = 0.8, high: float = 1.25) -> float:
+    """The spread of train-mode hidden states around eval mode (:func:`dropout_spread_torch`) is
+    PyTorch's within ``[low, high]``; returns the ratio."""
+    from flaxheads.backbones.registry import load_backbone
+
+    ids, mask = padded_batch(arch, pt.config)
+    ratio = dropout_spread_flax(load_backbone(path, implementation="native"), ids, mask) / \
+        dropout_spread_torch(pt.base_model, ids, mask)
+    assert low < ratio < high, ratio
+    return ratio
+
+
+def check_train_needs_key(path, pt, arch: str) -> None:
+    import pytest
+
+    from flaxheads.backbones.registry import load_backbone
+
+    bb = load_backbone(path, implementation="native")
+    ids, mask = padded_batch(arch, pt.config)
+    with pytest.raises(ValueError, match="dropout_rng"):
+        bb(ids, mask, train=True)
+    with pytest.raises(ValueError, match="dropout_rng"):
+        bb.encode(bb.params, ids, mask, train=True)
+
+
+def check_export(path, pt, arch: str, out) -> None:
+    """A few flaxheads train steps, then the export loads into PyTorch with no missing, unexpected
+    or mismatched keys and gives flaxheads' logits of the trained params (not the original ones)."""
+    import jax
+    import torch
+
+    ids, mask = padded_batch(arch, pt.config)
+    model, params, ours, exported, info = train_and_export(path, out, ids, mask)
+    # transformers 4 reports lists, 5 sets
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    np.testing.assert_allclose(exported, ours, atol=1e-4, rtol=0)
+    with torch.no_grad():
+        before = pt(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()
+    assert np.abs(exported - before).max() > 1e-3  # training moved the logits and the export carries it
+    moved = [not np.allclose(a, b) for a, b in zip(jax.tree.leaves(params["backbone"]),
+                                                    jax.tree.leaves(model.params["backbone"]))]
+    assert sum(moved) > len(moved) // 2  # the backbone was trained too
+
+
+def check_bf16_and_remat(path, pt, arch: str, atol: float = 0.05) -> None:
+    """bfloat16 activations (float32 params) give logits within ``atol`` of float32; remat the same gradients."""
+    import jax
+    import jax.numpy as jnp
+
+    import flaxheads as fh
+
+    ids, mask = padded_batch(arch, pt.config)
+    f32, bf16 = fh.from_pretrained(path), fh.from_pretrained(path, dtype=jnp.bfloat16)
+    assert jax.jit(lambda p: bf16.backbone.encode(p, ids, mask))(bf16.params["backbone"]).dtype == jnp.bfloat16
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(bf16.params))
+
+    def logits(m):
+        return np.asarray(jax.jit(lambda p: m.apply(p, ids, mask))(m.params))
+
+    np.testing.assert_allclose(logits(bf16), logits(f32), atol=atol, rtol=0)
+    assert_remat_same_gradients(f32.backbone, fh.from_pretrained(path, remat=True).backbone, ids, mask)
+
+
+def edited_copy(path, dest, **changes) -> str:
+    """A copy of the model folder ``path`` at ``dest`` with ``changes`` written into its config.json."""
+    import json
+    import os
+    import shutil
+
+    shutil.copytree(path, dest)
+    with open(os.path.join(dest, "config.json")) as f:
+        cfg = json.load(f)
+    cfg.update(changes)
+    with open(os.path.join(dest, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return str(dest)
+
+
+def check_hf_flax_tree(backbone, flax_class: str, **kwargs) -> None:
+    """The backbone's params tree has exactly the names and shapes of transformers 4's Flax model
+    ``flax_class`` for the same config (checkpoints written through HF's Flax models load unchanged)."""
+    import warnings
+
+    import jax
+    import transformers
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = transformers.AutoConfig.for_model(**backbone.config.to_dict())
+        model = getattr(transformers, flax_class)(config, _do_init=False, **kwargs)
+        ref = jax.eval_shape(lambda: model.init_weights(jax.random.PRNGKey(0), (1, 4)))
+
+    def shapes(tree):
+        return {jax.tree_util.keystr(k): tuple(v.shape) for k, v in jax.tree_util.tree_leaves_with_path(tree)}
+
+    assert shapes(backbone.params) == shapes(ref)
+
+
+def restore_sinusoidal_positions(model):
+    """Put transformers' own sinusoidal table back into a DistilBERT model's position embeddings
+    (:func:`tiny_torch_model` perturbs every weight, that table included); returns ``model``."""
+    import torch
+    from transformers.models.distilbert.modeling_distilbert import create_sinusoidal_embeddings
+
+    weight = model.base_model.embeddings.position_embeddings.weight
+    table = torch.empty(weight.shape)
+    create_sinusoidal_embeddings(weight.shape[0], weight.shape[1], table)
+    with torch.no_grad():
+        weight.copy_(table)
+    return model
+
+
+def scale_matrices(model, factor: float, skip: str = "embeddings"):
+    """Multiply every 2-D weight (but those whose name contains ``skip``) by ``factor``, in place: with
+    the tiny models' small random weights some sublayers barely move the residual stream, and a
+    dropout test could not see whether dropout acts there."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 2 and skip not in name:
+                p.mul_(factor)
+    return model

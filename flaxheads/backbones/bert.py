@@ -101,7 +101,10 @@ class LayerLayout:
 
     def layer_list(self, params: Mapping) -> list:
         """The per-layer params subtrees, in order (``"0"``, ``"1"``, ...)."""
-        node = self(params, "layers")
+        try:
+            node = self(params, "layers")
+        except KeyError:  # a model with no layers has no weights there
+            return []
         return [node[str(i)] for i in range(len(node))]
 
     def init_layer(self, init: HFInit, hidden: int, intermediate: int) -> dict:
