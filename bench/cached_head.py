@@ -3,7 +3,7 @@ the whole linear probe vs PyTorch encoding alone, and a K-head vmapped sweep vs 
 
     python bench/cached_head.py [--limit 500] [--max-length 256] [--epochs 20] [--sweep 16]
 
-``--limit 0`` uses all 2225 documents (the issue's full-corpus numbers; several minutes).
+``--limit 0`` uses all 2225 documents (the full corpus; several minutes).
 Systems, on the same documents and length buckets:
 
 * flaxheads encode: ``flaxheads.features.cache_features`` (mean pooling, all-MiniLM-L6-v2)

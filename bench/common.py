@@ -1,6 +1,6 @@
 """Shared benchmark machinery: interleaved timing, FLOP counts, the matmul roof, memory.
 
-Rules every bench follows (see DESIGN.md, "Timing"): the systems compared run in the same
+Rules every bench follows (docs/performance.md, "Timing"): the systems compared run in the same
 process, interleaved round-robin (the machine drifts between processes and over time);
 the first call (compile / warm-up) is timed separately; medians over the repeats with the
 spread (min..max) printed. Peak memory is the resident-set growth over the process's
@@ -42,6 +42,13 @@ def parser(doc: str, *, repeats: int | None = None, systems: str | None = None):
         ap.add_argument("--systems", default=systems)
     ap.add_argument("--xla-flags", default=None, help="extra XLA_FLAGS (set before jax starts)")
     return ap
+
+
+def default_systems() -> str:
+    """flaxheads and PyTorch eager; HF's Flax BERT (alone and inside flaxheads) where transformers < 5 has it."""
+    from flaxheads.backbones import hf_flax
+
+    return "flaxheads,flaxheads_hf_backbone,hf_flax,pytorch" if hf_flax.available() else "flaxheads,pytorch"
 
 
 def configure_xla(extra: str | None = None) -> list[str]:

@@ -7,7 +7,7 @@ in PyTorch layout), run the same full-length batch, interleaved, and their logit
 compared (max |diff| vs PyTorch is printed). Systems:
 
 * ``flaxheads``: ``from_pretrained`` default (flaxheads' own BERT encoder), jitted ``apply``
-* ``flaxheads_hf_backbone``: the same with ``fast_encoder=False`` (HF's Flax BERT inside)
+* ``flaxheads_hf_backbone``: the same with ``implementation="hf_flax"`` (HF's Flax BERT inside)
 * ``hf_flax``: ``FlaxBertForSequenceClassification``, jitted
 * ``pytorch``: ``BertForSequenceClassification`` in eval mode under ``torch.inference_mode``
 """
@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def parse(argv=None):
     from bench import common
 
-    ap = common.parser(__doc__, repeats=10, systems="flaxheads,flaxheads_hf_backbone,hf_flax,pytorch")
+    ap = common.parser(__doc__, repeats=10, systems=common.default_systems())
     return ap.parse_args(argv)
 
 
@@ -58,9 +58,9 @@ def main(argv=None) -> dict:
         import flaxheads as fh
 
         jids, jmask = jax.numpy.asarray(ids), jax.numpy.asarray(mask)
-        for name, fast in (("flaxheads", "auto"), ("flaxheads_hf_backbone", False)):
+        for name, impl in (("flaxheads", "native"), ("flaxheads_hf_backbone", "hf_flax")):
             if name in want:
-                m = fh.from_pretrained(path, fast_encoder=fast)
+                m = fh.from_pretrained(path, implementation=impl)
                 f = jax.jit(m.apply)
                 systems[name] = (lambda f=f, p=m.params: f(p, jids, jmask).block_until_ready())
                 outputs[name] = lambda f=f, p=m.params: np.asarray(f(p, jids, jmask))

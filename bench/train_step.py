@@ -8,7 +8,7 @@ interleaved. Systems:
 
 * ``flaxheads``: ``flaxheads.train.make_train_step`` + ``flaxheads.optim.make_optimizer``
   (clip 1.0, AdamW), jitted with the state donated, default encoder (flaxheads' own BERT)
-* ``flaxheads_hf_backbone``: the same step with ``fast_encoder=False``
+* ``flaxheads_hf_backbone``: the same step with ``implementation="hf_flax"``
 * ``hf_flax``: ``FlaxBertForSequenceClassification``, ``optax.adamw``, ``jax.value_and_grad``
   of softmax cross-entropy, jitted with the state donated (transformers' run_flax_glue.py step)
 * ``pytorch``: ``BertForSequenceClassification.train()``, ``torch.optim.AdamW``,
@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def parse(argv=None):
     from bench import common
 
-    ap = common.parser(__doc__, repeats=8, systems="flaxheads,flaxheads_hf_backbone,hf_flax,pytorch")
+    ap = common.parser(__doc__, repeats=8, systems=common.default_systems())
     return ap.parse_args(argv)
 
 
@@ -57,10 +57,10 @@ def main(argv=None):
         from flaxheads.training.optim import OptimConfig, make_optimizer
         from flaxheads.training.steps import create_state, make_train_step
 
-        for name, fast in (("flaxheads", "auto"), ("flaxheads_hf_backbone", False)):
+        for name, impl in (("flaxheads", "native"), ("flaxheads_hf_backbone", "hf_flax")):
             if name not in want:
                 continue
-            m = fh.from_pretrained(path, fast_encoder=fast)
+            m = fh.from_pretrained(path, implementation=impl)
             tx = make_optimizer(OptimConfig(learning_rate=2e-5, total_steps=1000))
             box = {"s": create_state(m.params, tx, seed=0)}
             step = jax.jit(make_train_step(m, tx), donate_argnums=0)

@@ -1,4 +1,4 @@
-"""flaxheads: poolers and heads for any FlaxAutoModel encoder, as Flax modules."""
+"""flaxheads: any pooler and any head on native JAX backbones loaded from Hugging Face folders, as Flax modules."""
 from .checkpoint import (CheckpointError, CorruptCheckpointError, HeadCheckpoint, HeadMismatchError,
                     IncompatibleCheckpointError, RunCheckpointer, attach_head, load_head, save_head)
 from .config import from_dict, from_json, to_dict, to_json
