@@ -122,8 +122,8 @@ def test_multi_host_mesh_matches_single_process(folder, single, tmp_path):
     script.write_text(WORKER)
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
     port, out = str(_free_port()), str(tmp_path / "res")
-    here = os.path.dirname(os.path.abspath(__file__))
-    procs = [subprocess.Popen([sys.executable, str(script), str(i), port, folder, out, here], env=env,
+    helpers = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: train_helpers
+    procs = [subprocess.Popen([sys.executable, str(script), str(i), port, folder, out, helpers], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
     logs = []
     for p in procs:
