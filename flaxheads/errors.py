@@ -13,3 +13,7 @@ class FlaxheadsError(ValueError):
 
 class UsageError(FlaxheadsError):
     """A command-line flag or argument that is missing, malformed or out of range (or two that conflict)."""
+
+
+class ConfigError(FlaxheadsError):
+    """A pooler, head, loss or model setting that is unknown, malformed or inconsistent with another."""

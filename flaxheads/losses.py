@@ -15,6 +15,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from .errors import ConfigError
 
 SINGLE_LABEL = "single_label_classification"
 MULTI_LABEL = "multi_label_classification"
@@ -31,11 +32,11 @@ LOSS_NAMES = {
 def check_problem_type(problem_type: str, num_labels: int) -> None:
     """Reject impossible (problem_type, num_labels) pairs with a message that says what to do."""
     if not isinstance(num_labels, (int, np.integer)) or num_labels < 1:
-        raise ValueError(f"num_labels must be a positive integer, got {num_labels!r}")
+        raise ConfigError(f"num_labels must be a positive integer, got {num_labels!r}")
     if problem_type not in PROBLEM_TYPES:
-        raise ValueError(f"unknown problem_type {problem_type!r}; valid: {PROBLEM_TYPES}")
+        raise ConfigError(f"unknown problem_type {problem_type!r}; valid: {PROBLEM_TYPES}")
     if problem_type == SINGLE_LABEL and num_labels == 1:
-        raise ValueError(
+        raise ConfigError(
             "single_label_classification with num_labels=1: softmax over one class gives a constant zero "
             "loss (Hugging Face trains nothing here, silently). Use num_labels=2 for a binary task, or "
             "problem_type='regression' / 'multi_label_classification' for one output."
@@ -63,26 +64,26 @@ def validate_labels(labels, problem_type: str, num_labels: int) -> None:
     shape, dtype = jnp.shape(labels), jnp.result_type(labels)
     if problem_type == SINGLE_LABEL:
         if not jnp.issubdtype(dtype, jnp.integer):
-            raise ValueError(
+            raise ConfigError(
                 f"single_label_classification needs integer class ids of shape [batch], got dtype {dtype}. "
                 "Cast class ids to int, or use problem_type='multi_label_classification' for 0/1 float targets "
                 "of shape [batch, num_labels]."
             )
         if len(shape) != 1:
-            raise ValueError(f"single-label labels must have shape [batch], got {shape}")
+            raise ConfigError(f"single-label labels must have shape [batch], got {shape}")
         if _concrete(labels) and shape[0]:
             lab = np.asarray(labels)
             bad = (lab < 0) | (lab >= num_labels)
             if bad.any():
                 i = int(np.argmax(bad))
-                raise ValueError(f"label {int(lab[i])} at row {i} is outside [0, {num_labels}); "
+                raise ConfigError(f"label {int(lab[i])} at row {i} is outside [0, {num_labels}); "
                                  f"check num_labels ({num_labels}) and the label mapping")
         return
     want = (shape[0], num_labels) if shape else None
     if problem_type == REGRESSION and num_labels == 1 and len(shape) == 1:
         want = shape  # HF squeezes a single regression target
     if len(shape) not in (1, 2) or shape != want:
-        raise ValueError(
+        raise ConfigError(
             f"{problem_type} targets must have shape [batch, num_labels] = [batch, {num_labels}]"
             f"{' (or [batch] for one regression target)' if problem_type == REGRESSION and num_labels == 1 else ''}"
             f", got {shape}"
@@ -90,9 +91,9 @@ def validate_labels(labels, problem_type: str, num_labels: int) -> None:
     if _concrete(labels):
         lab = np.asarray(labels, dtype=np.float64)
         if np.isnan(lab).any():
-            raise ValueError(f"{problem_type} targets contain NaN at rows {np.unique(np.argwhere(np.isnan(lab))[:, 0])[:10].tolist()}")
+            raise ConfigError(f"{problem_type} targets contain NaN at rows {np.unique(np.argwhere(np.isnan(lab))[:, 0])[:10].tolist()}")
         if problem_type == MULTI_LABEL and ((lab < 0) | (lab > 1)).any():
-            raise ValueError("multi-label targets must lie in [0, 1] (one 0/1 column per label)")
+            raise ConfigError("multi-label targets must lie in [0, 1] (one 0/1 column per label)")
 
 
 def _weights(weights, n: int) -> jax.Array:
@@ -147,27 +148,27 @@ def loss_fn(problem_type: str, num_labels: int, *, label_smoothing: float = 0.0,
     The returned function validates shapes (and values, outside ``jit``)."""
     check_problem_type(problem_type, num_labels)
     if not 0.0 <= label_smoothing < 1.0:
-        raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
+        raise ConfigError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
     if label_smoothing and problem_type != SINGLE_LABEL:
-        raise ValueError("label_smoothing applies to single_label_classification only")
+        raise ConfigError("label_smoothing applies to single_label_classification only")
     if class_weights is not None:
         if problem_type == REGRESSION:
-            raise ValueError("class_weights do not apply to regression")
+            raise ConfigError("class_weights do not apply to regression")
         if np.shape(class_weights) != (num_labels,):
-            raise ValueError(f"class_weights must have shape [{num_labels}], got {np.shape(class_weights)}")
+            raise ConfigError(f"class_weights must have shape [{num_labels}], got {np.shape(class_weights)}")
         if (np.asarray(class_weights) < 0).any():
-            raise ValueError("class_weights must be non-negative")
+            raise ConfigError("class_weights must be non-negative")
     if pos_weight is not None and problem_type != MULTI_LABEL:
-        raise ValueError("pos_weight applies to multi_label_classification only")
+        raise ConfigError("pos_weight applies to multi_label_classification only")
 
     def f(logits, labels, weights=None):
         if logits.ndim != 2 or logits.shape[-1] != num_labels:
-            raise ValueError(f"logits must have shape [batch, {num_labels}], got {logits.shape}")
+            raise ConfigError(f"logits must have shape [batch, {num_labels}], got {logits.shape}")
         validate_labels(labels, problem_type, num_labels)
         if jnp.shape(labels)[0] != logits.shape[0]:
-            raise ValueError(f"labels have {jnp.shape(labels)[0]} rows but logits have {logits.shape[0]}")
+            raise ConfigError(f"labels have {jnp.shape(labels)[0]} rows but logits have {logits.shape[0]}")
         if weights is not None and jnp.shape(weights) != (logits.shape[0],):
-            raise ValueError(f"example weights must have shape [{logits.shape[0]}], got {jnp.shape(weights)}")
+            raise ConfigError(f"example weights must have shape [{logits.shape[0]}], got {jnp.shape(weights)}")
         if problem_type == SINGLE_LABEL:
             return softmax_cross_entropy(logits, labels, weights, class_weights=class_weights,
                                          label_smoothing=label_smoothing)

@@ -21,6 +21,7 @@ from .backbones.weights import head_from_hf, read_state_dict
 from .losses import REGRESSION, check_problem_type, infer_problem_type, loss_fn
 from .nn.poolers import Pool, Pooler, make_pooler
 from .presets import Preset, check_pool_mask, match_preset, preset_for
+from .errors import ConfigError
 
 @dataclasses.dataclass
 class LoadReport:
@@ -82,7 +83,7 @@ class SequenceModel:
                    dropout_rng: jax.Array | None = None) -> jax.Array:
         """Pooler + head on hidden states: logits (or embeddings) [B, N], float32."""
         if train and dropout_rng is None:
-            raise ValueError("train=True needs a dropout_rng")
+            raise ConfigError("train=True needs a dropout_rng")
         rngs = {"dropout": dropout_rng} if train else {}
         return self.head.apply({"params": head_params}, hidden, mask, deterministic=not train, rngs=rngs)
 
@@ -93,7 +94,7 @@ class SequenceModel:
             attention_mask = jnp.ones_like(input_ids)
         if train:
             if dropout_rng is None:
-                raise ValueError("train=True needs a dropout_rng")
+                raise ConfigError("train=True needs a dropout_rng")
             rb, rh = jax.random.split(dropout_rng)
         else:
             rb = rh = None
@@ -170,7 +171,7 @@ def from_pretrained(path: str | os.PathLike, *, pooler: str | Sequence[str] | Po
         ptype = problem_type or REGRESSION
         if labels is not None and len(labels) != n:
             if id2label is not None:
-                raise ValueError(f"id2label has {len(labels)} entries but the {type(seq_head.head).__name__} "
+                raise ConfigError(f"id2label has {len(labels)} entries but the {type(seq_head.head).__name__} "
                                  f"outputs {n} values")
             labels = None  # the backbone config's classification labels do not describe an embedding
     else:
@@ -205,9 +206,9 @@ def _labels(id2label, num_labels, cfg) -> dict[int, str] | None:
     if id2label is not None:
         labels = dict(enumerate(id2label)) if not isinstance(id2label, dict) else {int(k): str(v) for k, v in id2label.items()}
         if num_labels is not None and num_labels != len(labels):
-            raise ValueError(f"num_labels={num_labels} but id2label has {len(labels)} entries")
+            raise ConfigError(f"num_labels={num_labels} but id2label has {len(labels)} entries")
         if sorted(labels) != list(range(len(labels))):
-            raise ValueError(f"id2label keys must be 0..{len(labels) - 1}, got {sorted(labels)}")
+            raise ConfigError(f"id2label keys must be 0..{len(labels) - 1}, got {sorted(labels)}")
         return labels
     cfg_labels = getattr(cfg, "id2label", None)
     if cfg_labels and (num_labels is None or len(cfg_labels) == num_labels):

@@ -8,6 +8,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
+from ..errors import ConfigError
 
 
 def _identity(x):
@@ -54,6 +55,6 @@ def get_activation(name: str | None) -> Callable[[jax.Array], jax.Array]:
     try:
         return ACTIVATIONS[name]
     except KeyError:
-        raise ValueError(
+        raise ConfigError(
             f"unknown activation {name!r}; valid names: {sorted(ACTIVATIONS)} (or None for identity)"
         ) from None

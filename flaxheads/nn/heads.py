@@ -15,16 +15,17 @@ import jax.numpy as jnp
 from .activations import get_activation
 from ..config import register
 from .poolers import Pooler
+from ..errors import ConfigError
 
 
 def _check_positive(what: str, v: int) -> None:
     if not isinstance(v, int) or v < 1:
-        raise ValueError(f"{what} must be a positive integer, got {v!r}")
+        raise ConfigError(f"{what} must be a positive integer, got {v!r}")
 
 
 def _check_rate(what: str, p: float) -> None:
     if not 0.0 <= p < 1.0:
-        raise ValueError(f"{what} must be in [0, 1), got {p!r}")
+        raise ConfigError(f"{what} must be in [0, 1), got {p!r}")
 
 
 class Head(nn.Module):
@@ -147,7 +148,7 @@ class ProjectionHead(Head):
 
     def __post_init__(self):
         if not self.widths:
-            raise ValueError("ProjectionHead needs at least one output width in `features`")
+            raise ConfigError("ProjectionHead needs at least one output width in `features`")
         for d in self.widths:
             _check_positive("projection width", d)
         _check_rate("dropout", self.dropout)
@@ -223,12 +224,12 @@ def make_head(spec: str | Head, **options) -> Head:
     or an already-built head module."""
     if isinstance(spec, Head):
         if options:
-            raise ValueError(f"head options {sorted(options)} given with an already-built head {spec!r}")
+            raise ConfigError(f"head options {sorted(options)} given with an already-built head {spec!r}")
         return spec
     if spec not in HEAD_NAMES:
-        raise ValueError(f"unknown head {spec!r}; valid heads: {sorted(HEAD_NAMES)} "
+        raise ConfigError(f"unknown head {spec!r}; valid heads: {sorted(HEAD_NAMES)} "
                          "(the HF heads are presets: see flaxheads.presets.PRESETS)")
     try:
         return HEAD_NAMES[spec](**options)
     except TypeError as e:
-        raise ValueError(f"head {spec!r} does not take options {sorted(options)}: {e}") from None
+        raise ConfigError(f"head {spec!r} does not take options {sorted(options)}: {e}") from None

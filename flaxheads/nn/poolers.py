@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from .activations import get_activation
 from ..config import register
+from ..errors import ConfigError
 
 _EPS = 1e-9  # sentence-transformers clamps token counts to this
 
@@ -113,7 +114,7 @@ _POOL_TEXT = {
 
 def _check_choice(what: str, value, valid) -> None:
     if value not in valid:
-        raise ValueError(f"unknown {what} {value!r}; valid values: {sorted(valid)}")
+        raise ConfigError(f"unknown {what} {value!r}; valid values: {sorted(valid)}")
 
 
 class Pooler(nn.Module):
@@ -228,7 +229,7 @@ class SequenceSummary(Pooler):
 
     def __post_init__(self):
         if self.summary_type == "attn":
-            raise ValueError("summary_type='attn' is not implemented (nor in Hugging Face); "
+            raise ConfigError("summary_type='attn' is not implemented (nor in Hugging Face); "
                              f"use one of {SUMMARY_TYPES} or the 'attention' pooler")
         _check_choice("summary_type", self.summary_type, SUMMARY_TYPES)
         get_activation(self.activation)
@@ -283,7 +284,7 @@ class Concat(Pooler):
 
     def __post_init__(self):
         if not self.parts:
-            raise ValueError("Concat needs at least one pooler in `parts`")
+            raise ConfigError("Concat needs at least one pooler in `parts`")
         super().__post_init__()
 
     def __call__(self, hidden, mask, deterministic: bool = True):
@@ -320,18 +321,18 @@ def make_pooler(spec: str | Sequence[str] | Pooler, **options) -> Pooler:
     ``options`` go to the parametric pooler (``bert``, ``deberta``, ``xlnet``, ``dense``)."""
     if isinstance(spec, Pooler):
         if options:
-            raise ValueError(f"pooler options {sorted(options)} given with an already-built pooler {spec!r}")
+            raise ConfigError(f"pooler options {sorted(options)} given with an already-built pooler {spec!r}")
         return spec
     if isinstance(spec, str):
         if spec not in POOLER_NAMES:
-            raise ValueError(f"unknown pooler {spec!r}; valid poolers: {sorted(POOLER_NAMES)} "
+            raise ConfigError(f"unknown pooler {spec!r}; valid poolers: {sorted(POOLER_NAMES)} "
                              "(or a list of them to concatenate)")
         try:
             return POOLER_NAMES[spec](**options)
         except TypeError as e:
-            raise ValueError(f"pooler {spec!r} does not take options {sorted(options)}: {e}") from None
+            raise ConfigError(f"pooler {spec!r} does not take options {sorted(options)}: {e}") from None
     if isinstance(spec, Sequence) and len(spec) > 0:
         if len(spec) == 1:
             return make_pooler(spec[0], **options)
         return Concat(tuple(make_pooler(s) for s in spec))
-    raise ValueError(f"pooler must be a name, a non-empty list of names or a Pooler; got {spec!r}")
+    raise ConfigError(f"pooler must be a name, a non-empty list of names or a Pooler; got {spec!r}")
