@@ -31,8 +31,30 @@ def _bart(tf, s, **kw):
                          max_position_embeddings=s["positions"], **kw)
 
 
+def _bert_like(name: str, **fixed):
+    def make(tf, s, **kw):
+        return getattr(tf, name)(vocab_size=s["vocab"], hidden_size=s["hidden"], num_hidden_layers=s["layers"],
+                                 num_attention_heads=s["heads"], intermediate_size=s["ffn"],
+                                 max_position_embeddings=s["positions"], **fixed, **kw)
+    return make
+
+
+def _distilbert(tf, s, **kw):
+    return tf.DistilBertConfig(vocab_size=s["vocab"], dim=s["hidden"], n_layers=s["layers"], n_heads=s["heads"],
+                               hidden_dim=s["ffn"], max_position_embeddings=s["positions"], **kw)
+
+
+def _gpt2(tf, s, **kw):
+    # token ids inside the vocabulary (GPT2Config's default <eos> 50256 is not), pad for the last-token head
+    return tf.GPT2Config(vocab_size=s["vocab"], n_embd=s["hidden"], n_layer=s["layers"], n_head=s["heads"],
+                         n_inner=s["ffn"], n_positions=s["positions"], bos_token_id=0, eos_token_id=2,
+                         pad_token_id=0, **kw)
+
+
 #: family -> f(transformers module, SIZE, **config kwargs) -> config of the PyTorch model
-CONFIGS = {"bart": _bart}
+CONFIGS = {"bart": _bart, "roberta": _bert_like("RobertaConfig", pad_token_id=1, bos_token_id=0, eos_token_id=2),
+           "electra": _bert_like("ElectraConfig", embedding_size=128), "distilbert": _distilbert,
+           "albert": _bert_like("AlbertConfig", embedding_size=128), "gpt2": _gpt2}
 
 
 def parse(argv=None):
