@@ -21,7 +21,7 @@ warnings.filterwarnings("ignore", message=".*TensorFlow and JAX classes are depr
 SLOW_TIMEOUT_S = 1800
 #: Folders and files whose tests also run on the legacy stack (`make test-legacy`): parity against
 #: transformers 4.57, HF's Flax adapter, and loading what older flaxheads wrote.
-LEGACY = ("tests/backbones/", "tests/interop/", "tests/test_encoder_bert.py", "tests/checkpoint/test_pre_layout")
+LEGACY = ("tests/backbones/", "tests/interop/", "tests/checkpoint/test_pre_layout")
 
 
 def pytest_collection_modifyitems(config, items):

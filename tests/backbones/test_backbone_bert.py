@@ -228,8 +228,10 @@ def test_remat_same_gradients(tiny_bert):
         return jax.jit(jax.grad(f))
 
     plain, ckpt = grad_fn(False), grad_fn(True)
+    # Recomputed layers are fused differently from the stored ones (jax 0.12's XLA reassociates some
+    # float32 sums: up to ~7e-6 on gradients of size ~1); a wrong recomputation differs by far more.
     for a, b in zip(jax.tree_util.tree_leaves(plain(params)), jax.tree_util.tree_leaves(ckpt(params))):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=3e-5, rtol=1e-5)
     assert "remat" in str(jax.make_jaxpr(ckpt)(params)) or "checkpoint" in str(jax.make_jaxpr(ckpt)(params))
 
 
