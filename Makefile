@@ -50,7 +50,7 @@ demo: $(BASE)
 	$(BIN)/python examples/demo.py
 
 test: $(TESTS)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=25 tests
 
 test-fast: $(TESTS)
 	$(BIN)/python -m pytest -q -m "not slow" tests
