@@ -82,12 +82,14 @@ def mean_sqrt_len(hidden: jax.Array, mask: jax.Array) -> jax.Array:
 
 
 def weighted_mean(hidden: jax.Array, mask: jax.Array) -> jax.Array:
-    """Mean weighted by absolute position 1..T (ST ``weightedmean``; later tokens count more).
+    """Mean weighted by position 1, 2, ... counted from the first kept token (ST ``weightedmean``;
+    later tokens count more).
 
-    As in sentence-transformers, weights are absolute positions, so left and right
-    padding of the same text give different results."""
+    As in sentence-transformers 6: left and right padding of the same text give the same
+    result (sentence-transformers 5 counted absolute positions, so left padding differed)."""
     t = hidden.shape[1]
-    w = mask.astype(hidden.dtype) * jnp.arange(1, t + 1, dtype=hidden.dtype)[None, :]
+    first = jnp.argmax(mask > 0, axis=1).astype(hidden.dtype)
+    w = mask.astype(hidden.dtype) * (jnp.arange(1, t + 1, dtype=hidden.dtype)[None, :] - first[:, None])
     s, n = masked_sum_count(hidden, w)
     return s / jnp.maximum(n, _EPS)
 

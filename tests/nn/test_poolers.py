@@ -129,10 +129,14 @@ ST_MODES = {"first_non_pad": "cls", "mean": "mean", "max": "max", "mean_sqrt_len
 @pytest.mark.parametrize("name", list(ST_MODES))
 def test_matches_sentence_transformers_pooling(name, side):
     torch = pytest.importorskip("torch")
+    import sentence_transformers
     try:
         from sentence_transformers.sentence_transformer.modules import Pooling
     except ImportError:
         from sentence_transformers.models import Pooling
+
+    if name == "weighted_mean" and side == "left" and int(sentence_transformers.__version__.split(".")[0]) < 6:
+        pytest.skip("sentence-transformers < 6 weights absolute positions under left padding; flaxheads follows 6")
 
     rng = np.random.default_rng(3)
     h = rng.normal(size=(4, 7, 6)).astype(np.float32)
