@@ -72,7 +72,7 @@ def test_export_after_training_loads_in_pytorch(tiny, tmp_path):
 
 
 def test_bf16_logits_and_remat_gradients(tiny):
-    check_bf16_and_remat(*tiny, "albert", atol=0.05)  # measured: <= 0.01 on these ~0.1-sized logits
+    check_bf16_and_remat(*tiny, "albert", atol=0.05)  # measured: 0.003 off, on logits up to 0.18
 
 
 @pytest.mark.parametrize("change,match", [({"position_embedding_type": "relative_key"}, "position_embedding_type"),
