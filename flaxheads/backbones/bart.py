@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..nn.activations import get_activation
-from .base import Backbone, BackboneError, HFConfig
+from .base import Backbone, BackboneError, HFConfig, activation_problem
 from .bert import dropout_keys
 from .layers import (HFInit, cross_attention, dense, dropout, embedding_lookup, fused_qkv, layer_norm_p, mask_bias,
                      self_attention)
@@ -228,10 +228,7 @@ class BartBackbone(Backbone):
         elif config.get("pad_token_id") is None or config.get("decoder_start_token_id") is None:
             why = "pad_token_id or decoder_start_token_id is None; the decoder input (shifted input_ids) needs both"
         else:
-            try:
-                get_activation(config.activation_function)
-            except ValueError as e:
-                why = str(e)
+            why = activation_problem(config.activation_function)
         if why:
             raise BackboneError(f"flaxheads' BART backbone cannot run this config: {why}. Use a checkpoint "
                                 "without it, or fix config.json if the value is wrong.")

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..errors import FlaxheadsError
+from ..nn.activations import get_activation
 
 
 class BackboneError(FlaxheadsError):
@@ -204,6 +205,15 @@ class Backbone:
         c = self.config
         return (f"{type(self).__name__}(model_type={c.get('model_type')!r}, hidden={c.get('hidden_size')}, "
                 f"dtype={jnp.dtype(self.dtype).name})")
+
+
+def activation_problem(name: Any) -> str:
+    """Why flaxheads cannot compute the config's activation ``name`` ("" when it can)."""
+    try:
+        get_activation(name)
+    except ValueError as e:
+        return str(e)
+    return ""
 
 
 def _torch_style(path: tuple) -> str:

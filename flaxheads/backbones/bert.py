@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from ..nn.activations import get_activation
-from .base import Backbone, BackboneError
+from .base import Backbone, BackboneError, activation_problem
 from .layers import HFInit, dense, dropout, fused_qkv, layer_norm_p, mask_bias, self_attention
 from .weights import pick, torch_from_tree, tree_from_torch
 
@@ -48,10 +48,7 @@ def check_bert_like(config, *, family: str) -> None:
     elif int(config.hidden_size) % int(config.num_attention_heads):
         why = f"hidden_size {config.hidden_size} is not divisible by num_attention_heads {config.num_attention_heads}"
     else:
-        try:
-            get_activation(getattr(config, "hidden_act", "gelu"))
-        except ValueError as e:
-            why = str(e)
+        why = activation_problem(getattr(config, "hidden_act", "gelu"))
     if why:
         raise BackboneError(f"flaxheads' {family} backbone cannot run this config: {why}. Use a checkpoint "
                             f"without it, or implementation='hf_flax' (transformers < 5) if HF's Flax model has it.")

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..nn.activations import get_activation
-from .base import BackboneError
+from .base import BackboneError, activation_problem
 from .bert import BertBackbone, LayerLayout, Stack, bert_embeddings
 from .layers import HFInit
 
@@ -75,10 +75,7 @@ class DistilBertBackbone(BertBackbone):
         elif int(config.hidden_size) != int(config.dim):
             why = f"hidden_size {config.hidden_size} differs from dim {config.dim}"
         else:
-            try:
-                get_activation(config.activation)
-            except ValueError as e:
-                why = str(e)
+            why = activation_problem(config.activation)
         if why:
             raise BackboneError(f"flaxheads' DistilBERT backbone cannot run this config: {why}")
 

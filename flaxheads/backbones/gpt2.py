@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..nn.activations import get_activation
-from .base import Backbone, BackboneError, HFConfig
+from .base import Backbone, BackboneError, HFConfig, activation_problem
 from .bert import dropout_keys
 from .layers import HFInit, dropout, fused_qkv, layer_norm_p, mask_bias, self_attention
 from .weights import pick, torch_from_tree, tree_from_torch
@@ -145,10 +145,7 @@ class GPT2Backbone(Backbone):
         elif int(config.n_embd) % int(config.n_head):
             why = f"n_embd {config.n_embd} is not divisible by n_head {config.n_head}"
         else:
-            try:
-                get_activation(config.activation_function)
-            except ValueError as e:
-                why = str(e)
+            why = activation_problem(config.activation_function)
         if why:
             raise BackboneError(f"flaxheads' GPT-2 backbone cannot run this config: {why}. Use a checkpoint "
                                 "without it, or implementation='hf_flax' (transformers < 5) if HF's Flax model has it.")
