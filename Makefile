@@ -1,7 +1,7 @@
 # Entry points for a fresh machine:
 #   make train      - set up .venv and run the main job: fine-tune all-MiniLM-L6-v2 on BBC News (no torch)
 #   make test       - set up .venv (+ torch) and run the whole test suite
-#   make test-fast  - the tests not marked slow (the inner loop; ~10 minutes on 2 cores today)
+#   make test-fast  - the tests not marked slow (the inner loop; 8 min on 2 cores before the family tests were added, more now)
 #   make test-legacy - Python 3.11 + jax 0.10 + transformers 4.57: HF Flax adapter, parity, old checkpoints
 #   make demo / make bench
 # The newest Python >= 3.12 found is used (jax 0.11+ needs it); else python3.
