@@ -37,6 +37,10 @@ class BackboneError(FlaxheadsError):
     """A model folder or config that no backbone can load as asked."""
 
 
+class BackboneNotFoundError(BackboneError, FileNotFoundError):
+    """A model folder that does not exist (a :class:`BackboneError`, and still a ``FileNotFoundError``)."""
+
+
 class HFConfig(Mapping[str, Any]):
     """A Hugging Face ``config.json``, read-only, with attribute access.
 

@@ -11,7 +11,7 @@ from typing import Any, Mapping
 import jax.numpy as jnp
 import numpy as np
 
-from .base import Backbone, BackboneError, HFConfig
+from .base import Backbone, BackboneError, BackboneNotFoundError, HFConfig
 from .albert import AlbertBackbone
 from .bart import BartBackbone
 from .bert import BertBackbone
@@ -50,7 +50,8 @@ def load_backbone(path: str | os.PathLike, dtype: Any = jnp.float32, *, state: M
         raise BackboneError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     path = os.fspath(path)
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"backbone folder {path!r} does not exist (flaxheads loads local folders only)")
+        raise BackboneNotFoundError(f"model folder {path!r} does not exist: pass a local Hugging Face folder "
+                                    "(config.json + model.safetensors); flaxheads never downloads")
     config = HFConfig.from_folder(path)
     fam = family_for(config.get("model_type"))
     if implementation == "native" or (implementation == "auto" and fam is not None):

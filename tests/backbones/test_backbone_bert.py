@@ -345,3 +345,11 @@ def test_real_minilm_matches_sentence_transformers():
     out = np.asarray(model.apply(model.params, enc["input_ids"], enc["attention_mask"]))
     out = out / np.linalg.norm(out, axis=-1, keepdims=True)
     np.testing.assert_allclose(out, ref, atol=1e-5, rtol=0)
+
+
+def test_missing_folder_is_a_one_line_user_error(tmp_path):
+    from flaxheads.errors import FlaxheadsError
+
+    with pytest.raises(FileNotFoundError, match="does not exist.*never downloads") as e:
+        load_backbone(tmp_path / "absent")
+    assert isinstance(e.value, FlaxheadsError)
