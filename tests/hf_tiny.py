@@ -445,3 +445,20 @@ def scale_matrices(model, factor: float, skip: str = "embeddings"):
             if p.ndim == 2 and skip not in name:
                 p.mul_(factor)
     return model
+
+
+#: The dropout sites of a BERT-like layer that :func:`check_dropout_site` isolates one at a time.
+DROPOUT_SITES = ("attention output", "feed-forward output", "attention probabilities")
+
+
+def check_dropout_site(folder, arch: str, site: str, *, attn_out: str, ffn: str, ffn_out: str,
+                       hidden_rate: str = "hidden_dropout_prob", attn_rate: str = "attention_probs_dropout_prob"):
+    """One residual branch dominant, the other silenced (weights matched by the regexes
+    ``attn_out``/``ffn``/``ffn_out``): a missing or extra dropout site at ``site`` moves the
+    spread ratio against PyTorch 3x or more (measured), the right ones keep it near 1."""
+    hidden = {hidden_rate: 0.3, attn_rate: 0.0}
+    cases = {"attention output": (lambda m: reweight(m, ffn, attn_out), hidden),
+             "feed-forward output": (lambda m: reweight(m, attn_out, ffn_out), hidden),
+             "attention probabilities": (None, {hidden_rate: 0.0, attn_rate: 0.5})}
+    edit, over = cases[site]
+    return check_dropout_spread(*save_tiny(folder, arch, edit=edit, **over), arch)

@@ -14,9 +14,9 @@ from flaxheads.backbones import hf_flax  # noqa: E402
 from flaxheads.backbones.base import BackboneError  # noqa: E402
 from flaxheads.backbones.distilbert import DistilBertBackbone  # noqa: E402
 from flaxheads.backbones.registry import load_backbone  # noqa: E402
-from hf_tiny import (H, check_bf16_and_remat, check_dropout_spread, check_export, check_gradients,  # noqa: E402
-                     check_hf_flax_tree, check_hidden_states, check_keep_rate, check_logits, check_train_needs_key,
-                     edited_copy, padded_batch, restore_sinusoidal_positions, reweight, save_tiny)
+from hf_tiny import (DROPOUT_SITES, check_dropout_site, H, check_bf16_and_remat, check_export, check_gradients,  # noqa: E402
+                     check_hf_flax_tree, check_hidden_states, check_keep_rate, check_logits,
+                     check_train_needs_key, edited_copy, padded_batch, restore_sinusoidal_positions, save_tiny)
 
 ATTN_OUT = r"attention\.out_lin\."
 FFN = r"ffn\.lin[12]\."
@@ -59,16 +59,11 @@ def test_embedding_dropout_keep_rate(tmp_path):
     check_keep_rate(path, pt, "distilbert", 0.4)
 
 
-@pytest.mark.parametrize("site", ["attention output", "feed-forward output", "attention probabilities"])
+@pytest.mark.parametrize("site", DROPOUT_SITES)
 def test_dropout_acts_where_pytorch_does(site, tmp_path):
     """One residual branch dominant, the other silenced. DistilBERT has no dropout after the
     attention output projection: adding one there (as BERT has) moves the ratio ~3x (measured)."""
-    hidden = dict(dropout=0.3, attention_dropout=0.0)
-    cases = {"attention output": (lambda m: reweight(m, FFN, ATTN_OUT), hidden),
-             "feed-forward output": (lambda m: reweight(m, ATTN_OUT, FFN_OUT), hidden),
-             "attention probabilities": (None, dict(dropout=0.0, attention_dropout=0.5))}
-    edit, over = cases[site]
-    check_dropout_spread(*save_tiny(tmp_path, "distilbert", edit=edit, **over), "distilbert")
+    check_dropout_site(tmp_path, "distilbert", site, attn_out=ATTN_OUT, ffn=FFN, ffn_out=FFN_OUT, hidden_rate="dropout", attn_rate="attention_dropout")
 
 
 def test_train_needs_a_dropout_key(distilbert):

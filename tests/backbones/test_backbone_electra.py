@@ -13,9 +13,9 @@ from flaxheads.backbones import hf_flax  # noqa: E402
 from flaxheads.backbones.base import BackboneError  # noqa: E402
 from flaxheads.backbones.electra import ElectraBackbone  # noqa: E402
 from flaxheads.backbones.registry import load_backbone  # noqa: E402
-from hf_tiny import (H, check_bf16_and_remat, check_dropout_spread, check_export, check_gradients,  # noqa: E402
-                     check_hf_flax_tree, check_hidden_states, check_keep_rate, check_logits, check_train_needs_key, edited_copy,
-                     padded_batch, reweight, save_tiny)
+from hf_tiny import (DROPOUT_SITES, check_dropout_site, H, check_bf16_and_remat, check_dropout_spread,  # noqa: E402
+                     check_export, check_gradients, check_hf_flax_tree, check_hidden_states, check_keep_rate,
+                     check_logits, check_train_needs_key, edited_copy, padded_batch, save_tiny)
 
 ATTN_OUT = r"attention\.output\.dense\."
 FFN = r"layer\.\d+\.(intermediate|output)\.dense\."
@@ -67,16 +67,11 @@ def test_embedding_dropout_comes_before_the_projection(tmp_path):
     assert (out[mask.astype(bool)] != 0).all()
 
 
-@pytest.mark.parametrize("site", ["attention output", "feed-forward output", "attention probabilities"])
+@pytest.mark.parametrize("site", DROPOUT_SITES)
 def test_dropout_acts_where_pytorch_does(site, tmp_path):
     """One residual branch dominant, the other silenced: a missing or extra dropout site moves the
     spread ratio 3x or more (measured), the right ones keep it near 1."""
-    hidden = dict(hidden_dropout_prob=0.3, attention_probs_dropout_prob=0.0)
-    cases = {"attention output": (lambda m: reweight(m, FFN, ATTN_OUT), hidden),
-             "feed-forward output": (lambda m: reweight(m, ATTN_OUT, FFN_OUT), hidden),
-             "attention probabilities": (None, dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.5))}
-    edit, over = cases[site]
-    check_dropout_spread(*save_tiny(tmp_path, "electra", edit=edit, **over), "electra")
+    check_dropout_site(tmp_path, "electra", site, attn_out=ATTN_OUT, ffn=FFN, ffn_out=FFN_OUT)
 
 
 def test_train_needs_a_dropout_key(electra):
