@@ -257,6 +257,25 @@ def attend_chunked(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, *,
     return parts[0] if n == 1 else jnp.concatenate(parts, axis=0)
 
 
+def rotary_cos_sin(positions: jax.Array, dim: int, theta: float, dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
+    """``cos, sin [..., T, dim]`` of rotary position embeddings (HF's ``"default"`` RoPE) for
+    integer ``positions [..., T]``: frequencies ``theta ** (-2i / dim)``, each repeated for both
+    halves of the head dim. Computed in float32 whatever ``dtype`` (as HF does), then cast."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+    freqs = jnp.asarray(positions).astype(jnp.float32)[..., None] * inv_freq
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+
+
+def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """``x [B, T, nh, d]`` rotated by :func:`rotary_cos_sin`'s ``cos, sin [T, d]`` or ``[B, T, d]``:
+    ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = [-x2, x1]`` over the two halves of
+    the head dim (HF's / GPT-NeoX's layout, not the interleaved pairs of the original RoPE)."""
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return x * cos[..., None, :].astype(x.dtype) + rotated * sin[..., None, :].astype(x.dtype)
+
+
 def mask_bias(attention_mask: jax.Array, dtype) -> jax.Array:
     """Additive key mask ``[B, 1, 1, T]``: 0 where attended, the dtype's lowest value where masked.
 
