@@ -4,6 +4,8 @@ from __future__ import annotations
 import numpy as np
 
 V, H, L, NH, FF, P = 99, 32, 2, 4, 37, 64
+#: decoder-only LLM families served by one native backbone (``model_type`` values)
+DECODERS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
 
 
 def tiny_config(arch: str, num_labels: int = 3, **over):
@@ -46,6 +48,12 @@ def tiny_config(arch: str, num_labels: int = 3, **over):
         c = tf.ModernBertConfig(vocab_size=V, hidden_size=H, num_hidden_layers=L, num_attention_heads=NH,
                                 intermediate_size=FF, max_position_embeddings=P, pad_token_id=0,
                                 bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2, **common)
+    elif arch in DECODERS:
+        # grouped-query attention (2 key/value heads for 4 query heads) so every family runs it
+        c = tf.AutoConfig.for_model(arch, vocab_size=V, hidden_size=H, num_hidden_layers=L, num_attention_heads=NH,
+                                    num_key_value_heads=2, head_dim=H // NH, intermediate_size=FF,
+                                    max_position_embeddings=P, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                    tie_word_embeddings=False, **common)
     else:
         raise KeyError(arch)
     for k, v in over.items():
