@@ -7,6 +7,8 @@ os.environ.setdefault(
     "--xla_force_host_platform_device_count=4 --xla_cpu_collective_call_terminate_timeout_seconds=6",
 )
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# programs run by tests compile afresh unless a test gives them a cache folder of its own
+os.environ.setdefault("FLAXHEADS_COMPILE_CACHE", "0")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

@@ -16,7 +16,7 @@ import warnings
 from typing import Callable, Sequence
 
 from ..errors import FlaxheadsError
-from ..runtime import configure_xla
+from ..runtime import configure_xla, enable_compile_cache
 from .checkpoints import add_checkpoints_command
 from .export import add_export_command
 from .flags import Parser
@@ -59,6 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _prepare_process()
     try:
         args = build_parser().parse_args(sys.argv[1:] if argv is None else list(argv))
+        args.compile_cache = enable_compile_cache()  # a second identical run loads its programs
         return int(args.func(args) or 0)
     except FlaxheadsError as e:
         print(f"error: {one_line(e)}", file=sys.stderr, flush=True)

@@ -1,0 +1,36 @@
+"""The persistent compilation cache: a second identical ``flaxheads train`` loads every program the
+first one compiled (JAX's own cache counters, as reported in ``summary.json``)."""
+import json
+
+import pytest
+
+from cli_helpers import bert_folder, run_process, train_args, write_csv  # noqa: F401
+from flaxheads.runtime import cpu_fingerprint, default_cache_dir
+
+
+def _train(model, data, out, cache) -> dict:
+    proc = run_process(*train_args(model, data, out, "--max-steps", "2", "--batch-size", "4", "--checkpoint-every",
+                                   "0"), env={"FLAXHEADS_COMPILE_CACHE": str(cache)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads((out / "summary.json").read_text())
+
+
+@pytest.mark.slow
+def test_second_identical_run_compiles_nothing(bert_folder, tmp_path):
+    data = write_csv(tmp_path / "data.csv", 24)
+    cache = tmp_path / "cache"
+    first = _train(bert_folder, data, tmp_path / "run1", cache)["compile_cache"]
+    second = _train(bert_folder, data, tmp_path / "run2", cache)["compile_cache"]
+    assert first["compiled"] > 0, first
+    assert second["compiled"] == 0 and second["loaded"] >= first["compiled"], (first, second)
+    assert any(cache.iterdir())
+    off = _train(bert_folder, data, tmp_path / "run3", "0")
+    assert "compile_cache" not in off
+
+
+def test_cache_folder_is_per_jax_version_and_cpu():
+    import jax
+
+    fp = cpu_fingerprint()
+    assert len(fp) == 12 and int(fp, 16) >= 0 and fp == cpu_fingerprint()
+    assert default_cache_dir().name == f"jax-{jax.__version__}-{fp}"
