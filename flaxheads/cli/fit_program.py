@@ -226,9 +226,13 @@ def run_fine_tune(job: Job, args: argparse.Namespace) -> dict:
                "train_compiles": res.train_compiles, "eval_compiles": res.eval_compiles,
                "buckets": list(job.buckets), "metrics": {n: _scalars(r) for n, r in final.items()},
                "run_folder": str(job.out)}
+    cache = getattr(args, "compile_cache", None)
+    if cache is not None:
+        summary["compile_cache"] = {"folder": str(cache.folder), "loaded": cache.hits, "compiled": cache.misses}
     folder.finish(summary, final, predictions, job.model, history=res.history,
                   tail=f"{res.step} steps in {res.seconds:.0f} s; compiles: {res.train_compiles} train, "
-                       f"{res.eval_compiles} eval (buckets {list(job.buckets)})")
+                       f"{res.eval_compiles} eval (buckets {list(job.buckets)})"
+                       + (f"; {cache.summary()}" if cache is not None else ""))
     return summary
 
 
