@@ -22,6 +22,7 @@ from .losses import REGRESSION, check_problem_type, infer_problem_type, loss_fn
 from .nn.poolers import Pool, Pooler, make_pooler
 from .presets import Preset, check_pool_mask, match_preset, preset_for
 from .errors import ConfigError
+from .lora import LORA, LoraConfig, merge_lora, with_lora
 
 @dataclasses.dataclass
 class LoadReport:
@@ -35,8 +36,9 @@ class LoadReport:
 class SequenceModel:
     """A backbone (HF Flax wrapper) + :class:`SequenceHead`, with the initial ``params``.
 
-    ``params = {"backbone": ..., "head": {"pooler": ..., "head": ...}}``. All methods are
-    pure functions of the params passed in; ``self.params`` is only the starting point."""
+    ``params = {"backbone": ..., "head": {"pooler": ..., "head": ...}}``, plus ``"lora"`` (the
+    adapters, see :mod:`flaxheads.lora`) when ``lora`` is set. All methods are pure functions of
+    the params passed in; ``self.params`` is only the starting point."""
 
     backbone: Any
     head: SequenceHead
@@ -51,6 +53,7 @@ class SequenceModel:
     hf_names: tuple[tuple[str, str], ...] = ()
     name_or_path: str = ""
     report: LoadReport = dataclasses.field(default_factory=LoadReport)
+    lora: LoraConfig | None = None  # LoRA adapters in params["lora"] (targets resolved)
 
     @property
     def hidden_size(self) -> int:
@@ -79,6 +82,20 @@ class SequenceModel:
                             dropout_rng=dropout_rng, train=train, **extra)
         return out[0], self.pooling_mask(input_ids, attention_mask)
 
+    def backbone_params(self, params) -> dict:
+        """The backbone params the forward runs on: ``params["backbone"]``, with the LoRA adapters
+        merged into their kernels when the model has them."""
+        if self.lora is None:
+            return params["backbone"]
+        if LORA not in params:
+            raise ConfigError("this model has LoRA adapters but the params have no 'lora' subtree; pass the "
+                              "params of the model with adapters (model.params), or merge them (flaxheads.lora)")
+        return merge_lora(params["backbone"], params[LORA], self.lora, self.model_type)
+
+    def with_lora(self, config: LoraConfig | None = None, *, seed: int = 0, **options) -> "SequenceModel":
+        """This model with fresh LoRA adapters (see :func:`flaxheads.lora.with_lora`)."""
+        return with_lora(self, config, seed=seed, **options)
+
     def head_apply(self, head_params, hidden, mask, *, train: bool = False,
                    dropout_rng: jax.Array | None = None) -> jax.Array:
         """Pooler + head on hidden states: logits (or embeddings) [B, N], float32."""
@@ -98,8 +115,8 @@ class SequenceModel:
             rb, rh = jax.random.split(dropout_rng)
         else:
             rb = rh = None
-        hidden, mask = self.features(params["backbone"], input_ids, attention_mask, train=train, dropout_rng=rb,
-                                     **extra)
+        hidden, mask = self.features(self.backbone_params(params), input_ids, attention_mask, train=train,
+                                     dropout_rng=rb, **extra)
         return self.head_apply(params["head"], hidden, mask, train=train, dropout_rng=rh)
 
     def __call__(self, input_ids, attention_mask=None, params=None, **kw) -> jax.Array:

@@ -17,6 +17,7 @@ from ..backbones.base import Backbone, BackboneError, HFConfig
 from ..backbones.registry import family_for
 from ..backbones.weights import BIN, BIN_INDEX, SAFE, SAFE_INDEX, head_to_hf
 from ..model import SequenceModel, from_pretrained
+from ..backbones.decoder_config import MODEL_TYPES as DECODER_TYPES
 from ..presets import PRESETS, PresetMatch, match_preset, preset_for
 from .files import (ExportError, ModelImportError, atomic_dir, backbone_config_dict, copy_tokenizer, flatten,
                     flax_to_pytorch_names, np_tree, read_json, save_safetensors, write_json)
@@ -24,10 +25,12 @@ from .files import (ExportError, ModelImportError, atomic_dir, backbone_config_d
 # PyTorch ``base_model_prefix`` of each preset's XForSequenceClassification (no torch import needed).
 PT_BASE_PREFIX = {"bert": "bert", "albert": "albert", "roberta": "roberta", "xlm-roberta": "roberta",
                   "electra": "electra", "distilbert": "distilbert", "gpt2": "transformer", "bart": "model"}
+PT_BASE_PREFIX.update(dict.fromkeys(DECODER_TYPES, "model"))  # Llama, Mistral, Qwen2/3, Gemma 1/2/3
 # The config key each PyTorch class reads its classifier dropout from.
 DROPOUT_KEY = {"bert": "classifier_dropout", "albert": "classifier_dropout_prob",
                "roberta": "classifier_dropout", "xlm-roberta": "classifier_dropout",
                "electra": "classifier_dropout", "distilbert": "seq_classif_dropout", "bart": "classifier_dropout"}
+PT_BASE_PREFIX["deberta-v2"], DROPOUT_KEY["deberta-v2"] = "deberta", "cls_dropout"  # DeBERTa-v2 and v3
 WEIGHT_FILES = (SAFE, SAFE_INDEX, BIN, BIN_INDEX)
 _OTHER_FORMATS = ("Export it with format='sentence-transformers' (pooling + dense layers + normalize) or "
                   "format='head' (head.safetensors + head_config.json, any head).")
@@ -56,8 +59,10 @@ def backbone_state_dict(model, params: Mapping | None = None, prefix: str = "") 
     """The backbone's weights under PyTorch names, checked to convert back to exactly the params.
 
     A native backbone names its own weights (:meth:`~flaxheads.backbones.base.Backbone.state_from_params`);
-    HF's Flax models (the optional legacy adapter) go through transformers' renaming rule."""
-    bp = np_tree((params or model.params)["backbone"])
+    HF's Flax models (the optional legacy adapter) go through transformers' renaming rule.
+    LoRA adapters, when the model has them, are merged into their kernels first."""
+    params = params or model.params
+    bp = np_tree(model.backbone_params(params) if hasattr(model, "backbone_params") else params["backbone"])
     if isinstance(model.backbone, Backbone):
         state = model.backbone.state_from_params(bp)
         back = flatten(np_tree(type(model.backbone).params_from_state(model.backbone.config, state)))
