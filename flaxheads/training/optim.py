@@ -3,7 +3,8 @@ gradient clipping, gradient accumulation, a separate head learning rate, frozen 
 
 The optimizer always acts on the *trainable* subtree of the params (see :func:`trainable`):
 ``{"backbone": ..., "head": ...}`` for a full fine-tune, ``{"head": ...}`` with a frozen
-backbone, so a frozen backbone has no gradients and no optimizer moments at all.
+backbone, ``{"lora": ..., "head": ...}`` with LoRA adapters, so a frozen backbone has no
+gradients and no optimizer moments at all.
 """
 from __future__ import annotations
 
@@ -51,8 +52,13 @@ class OptimConfig:
 
 
 def trainable(params: dict, freeze_backbone: bool) -> dict:
-    """The subtree the optimizer updates: the whole tree, or only ``{"head": ...}``."""
-    return {"head": params["head"]} if freeze_backbone else {"backbone": params["backbone"], "head": params["head"]}
+    """The subtree the optimizer updates: ``{"head"}`` with a frozen backbone, ``{"lora", "head"}``
+    when the params carry LoRA adapters (the base stays frozen), else ``{"backbone", "head"}``."""
+    if freeze_backbone:
+        return {"head": params["head"]}
+    if "lora" in params:
+        return {"lora": params["lora"], "head": params["head"]}
+    return {"backbone": params["backbone"], "head": params["head"]}
 
 
 def merge(params: dict, trained: dict) -> dict:
@@ -110,7 +116,8 @@ def make_optimizer(cfg: OptimConfig, *, head_learning_rate=None, weight_decay=No
 
     groups = {"head": adamw(head_lr)}
     if not cfg.freeze_backbone:
-        groups["backbone"] = adamw(cfg.learning_rate)
+        # LoRA adapters train at the backbone's rate; a group no param is labelled with holds no state
+        groups["backbone"] = groups["lora"] = adamw(cfg.learning_rate)
     parts = [optax.clip_by_global_norm(cfg.max_grad_norm)] if cfg.max_grad_norm else []
     parts.append(optax.multi_transform(groups, lambda p: {k: k for k in p}))
     tx = optax.chain(*parts)

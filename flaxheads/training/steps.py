@@ -23,6 +23,7 @@ import optax
 from flax import struct
 
 from ..losses import SINGLE_LABEL
+from .errors import TrainingError
 from .optim import merge, trainable
 
 #: Batch keys passed through to the backbone besides ids and mask.
@@ -116,6 +117,10 @@ def make_train_step(model, tx: optax.GradientTransformation, *, freeze_backbone:
 
     ``axis_name`` is the pmap axis to reduce over (None for one device or for jit over a mesh,
     where the computation is written globally and XLA inserts the collectives)."""
+    if freeze_backbone and getattr(model, "lora", None) is not None:
+        raise TrainingError("freeze_backbone=True trains the head alone on the base backbone's features, but this "
+                            "model has LoRA adapters: train without freeze_backbone (the base stays frozen and "
+                            "only the adapters and the head train), or merge the adapters first")
     if freeze_backbone:
         # the backbone only runs forward, outside the differentiated function: the head step on its features
         head_step = make_head_train_step(model, tx, loss_options=loss_options, axis_name=axis_name)
