@@ -114,6 +114,17 @@ def resolve_root(directory: str | os.PathLike) -> tuple[str, int | None]:
     return d, None
 
 
+def is_checkpoint_folder(path: str | os.PathLike) -> bool:
+    """A run folder (``checkpoints/`` inside), a checkpoint root (step folders with ``meta``) or one step's folder."""
+    d = os.fspath(path)
+
+    def is_step(p):
+        return os.path.basename(p).isdigit() and os.path.isdir(os.path.join(p, META))
+
+    return os.path.isdir(d) and (os.path.isdir(os.path.join(d, CHECKPOINTS_SUBDIR)) or is_step(d)
+                                 or any(is_step(os.path.join(d, x)) for x in os.listdir(d)))
+
+
 def pick_step(mgr, root: str, step: int | str | None) -> int:
     """The step an int, ``None``/``"latest"`` or ``"best"`` names among the finished ones."""
     steps = sorted(mgr.all_steps())

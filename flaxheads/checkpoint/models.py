@@ -12,12 +12,13 @@ from ..model import SequenceModel, from_pretrained
 
 def model_from_checkpoint(directory: str | os.PathLike, step: int | str | None = None, *,
                           backbone: str | os.PathLike | None = None,
-                          head_only: bool = False) -> SequenceModel | HeadCheckpoint:
+                          head_only: bool = False, dtype=None) -> SequenceModel | HeadCheckpoint:
     """The model saved in a run / checkpoint folder, ready to export.
 
     ``head_only=True`` returns the ``HeadCheckpoint`` (enough for ``export_head``). Otherwise
     the backbone comes from the checkpoint's ``backbone`` item when it was trained and saved,
-    on top of the backbone folder ``backbone`` (default: ``meta["backbone_name_or_path"]``)."""
+    on top of the backbone folder ``backbone`` (default: ``meta["backbone_name_or_path"]``).
+    ``dtype``: the backbone's compute dtype (default float32; params stay float32)."""
     step = int(step) if isinstance(step, str) and step.isdigit() else step
     ckpt = load_head(directory, step)
     if head_only:
@@ -29,7 +30,8 @@ def model_from_checkpoint(directory: str | os.PathLike, step: int | str | None =
             f"{ckpt.path}: the backbone folder {path!r} (recorded in the checkpoint's meta) does not exist here; "
             "pass backbone=<folder> (--backbone) with the same backbone, or export the head alone with "
             "format='head'")
-    base = from_pretrained(path, num_labels=int(meta["num_labels"]), ignore_mismatched_sizes=True)
+    base = from_pretrained(path, num_labels=int(meta["num_labels"]), ignore_mismatched_sizes=True,
+                           **({} if dtype is None else {"dtype": dtype}))
     if base.model_type != meta.get("backbone_model_type", base.model_type):
         raise CheckpointError(f"{ckpt.path}: the head was trained on a {meta['backbone_model_type']} backbone, "
                               f"but {path!r} is a {base.model_type}; pass backbone=<folder> (--backbone) with a "

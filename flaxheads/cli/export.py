@@ -7,6 +7,7 @@ import os
 
 from .. import (export_head, export_sentence_transformers, export_transformers, import_model, load_head_export,
                 model_from_checkpoint)
+from ..checkpoint import is_checkpoint_folder
 from ..errors import UsageError
 from . import flags
 
@@ -16,18 +17,8 @@ HEAD_CONFIG = "head_config.json"
 _FILE_KEYS = ("format", "flaxheads_version", "sequence_head", "hf_names", "params")
 
 
-def _is_checkpoint_folder(path: str) -> bool:
-    """A run folder (``checkpoints/`` inside; its ``config.json`` is the training config), a
-    checkpoint root (step folders with ``meta``) or one step's folder."""
-    def is_step(p):
-        return os.path.basename(p).isdigit() and os.path.isdir(os.path.join(p, "meta"))
-
-    return (os.path.isdir(os.path.join(path, "checkpoints")) or is_step(path)
-            or any(is_step(os.path.join(path, d)) for d in os.listdir(path)))
-
-
 def _is_model_folder(path: str) -> bool:
-    return not _is_checkpoint_folder(path) and any(os.path.isfile(os.path.join(path, f))
+    return not is_checkpoint_folder(path) and any(os.path.isfile(os.path.join(path, f))
                                                    for f in ("config.json", "modules.json"))
 
 

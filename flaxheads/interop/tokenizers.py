@@ -22,6 +22,8 @@ TOKENIZER_JSON = "tokenizer.json"
 #: transformers' "no maximum length" (``model_max_length`` of a tokenizer config that sets none).
 VERY_LARGE = int(1e30)
 _LARGE = int(1e20)
+#: A ``model_max_length`` at or above this says "no limit set" when asking how many tokens a model takes.
+UNSET_MAX_LENGTH = 1_000_000
 #: Tokenizer classes (and, without a ``tokenizer_class``, model types) whose model takes no
 #: token types: their ``model_input_names`` are input_ids and attention_mask only.
 _NO_TOKEN_TYPES = frozenset({
@@ -198,6 +200,16 @@ def _apply_normalizer_settings(backend, settings: Mapping) -> None:
                       ("tokenize_chinese_chars", "handle_chinese_chars")):
         if key in settings and getattr(norm, attr) != settings[key]:
             setattr(norm, attr, settings[key])
+
+
+def model_max_positions(tokenizer, config) -> int | None:
+    """The most tokens a model takes: the tokenizer's ``model_max_length`` when it sets one, else
+    ``max_position_embeddings`` / ``n_positions`` of the model's config (None: no limit known)."""
+    limit = getattr(tokenizer, "model_max_length", None)
+    if isinstance(limit, int) and 0 < limit < UNSET_MAX_LENGTH:
+        return limit
+    n = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    return int(n) if n else None
 
 
 def load_tokenizer(folder: str | os.PathLike) -> Tokenizer:

@@ -1,0 +1,150 @@
+"""Texts in, predictions out: :class:`Classifier` holds a model with its tokenizer, params,
+labels, problem type and decision threshold, and turns lists of texts (and text pairs) into
+labels and scores, regression values or embeddings."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Sequence
+
+import numpy as np
+
+from ..errors import UsageError
+from ..interop.tokenizers import Tokenizer, load_tokenizer, model_max_positions
+from ..losses import MULTI_LABEL
+from ..model import SequenceModel
+from ..nn.heads import IdentityHead, ProjectionHead
+from ..training.data import make_buckets
+from .batches import Runner, check_texts, encode, jit_count
+from .results import Predictions
+from .sources import load_source
+
+#: Tokens per text when neither the source nor the tokenizer / config states a maximum.
+FALLBACK_MAX_LENGTH = 512
+
+
+@dataclasses.dataclass
+class Classifier:
+    """A model ready to predict: ``predict(texts)``, ``embed(texts)``, ``logits(texts)``.
+
+    Load one with :meth:`from_pretrained` (a run folder, a checkpoint, a transformers or
+    sentence-transformers folder, a head export with its backbone, or a hub id) or wrap a
+    model you hold with :meth:`from_model`. Texts longer than ``max_length`` tokens are cut
+    (a :class:`~flaxheads.predict.batches.TruncationWarning` says how many) and batches are
+    padded to ``buckets``, so each bucket compiles once per batch size."""
+
+    model: SequenceModel
+    tokenizer: Tokenizer
+    params: dict
+    id2label: dict[int, str]
+    problem_type: str
+    max_length: int
+    buckets: tuple[int, ...]
+    threshold: float = 0.5
+    source: str = ""
+    _runner: Runner | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
+
+    # ---- construction -----------------------------------------------------------------------
+    @classmethod
+    def from_model(cls, model: SequenceModel, tokenizer: Tokenizer | str | os.PathLike, *, params: dict | None = None,
+                   threshold: float = 0.5, max_length: int | None = None, buckets: Sequence[int] | None = None,
+                   bucket_step: int = 32, source: str = "") -> "Classifier":
+        """Wrap ``model`` (and ``params``, default ``model.params``) with a tokenizer or its folder.
+        ``max_length`` defaults to what the tokenizer / model config allows."""
+        tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
+        limit = model_max_positions(tok, model.backbone.config)
+        n = int(max_length or limit or FALLBACK_MAX_LENGTH)
+        if limit is not None and n > limit:
+            raise UsageError(f"max_length {n} is more than the {limit} positions the model takes; use at most {limit}")
+        if not 0.0 < float(threshold) < 1.0:
+            raise UsageError(f"threshold must be between 0 and 1 (exclusive), got {threshold}")
+        b = tuple(int(x) for x in buckets) if buckets else make_buckets(n, min(bucket_step, n))
+        if b[-1] < n:
+            b = (*b, n)
+        labels = model.id2label or {i: f"LABEL_{i}" for i in range(model.num_labels)}
+        return cls(model, tok, model.params if params is None else params, dict(labels), model.problem_type, n, b,
+                   float(threshold), source or model.name_or_path)
+
+    @classmethod
+    def from_pretrained(cls, source: str | os.PathLike, *, step: int | str | None = None,
+                        backbone: str | os.PathLike | None = None, threshold: float | None = None,
+                        max_length: int | None = None, bucket_step: int = 32, dtype=None,
+                        revision: str | None = None) -> "Classifier":
+        """Load from a run folder (``step``: latest by default, ``"best"`` or a number), a
+        checkpoint folder, a transformers classifier folder, a sentence-transformers folder, a
+        head export (with ``backbone``, default: the folder it names), or a hub id (``org/name``;
+        the local hub cache when offline). A run's own maximum length, buckets and threshold are
+        used unless given here."""
+        got = load_source(source, step=step, backbone=backbone, dtype=dtype, revision=revision)
+        tok = load_tokenizer(got.tokenizer_folder)
+        return cls.from_model(got.model, tok, threshold=threshold if threshold is not None else got.threshold or 0.5,
+                              max_length=max_length or got.max_length,
+                              buckets=None if max_length else got.buckets, bucket_step=bucket_step,
+                              source=os.fspath(source))
+
+    # ---- what it is -------------------------------------------------------------------------
+    @property
+    def is_embedding(self) -> bool:
+        """The head outputs an embedding (projection / identity head), not logits."""
+        return isinstance(self.model.head.head, (ProjectionHead, IdentityHead))
+
+    @property
+    def pad_id(self) -> int:
+        return int(self.tokenizer.pad_token_id or 0)
+
+    @property
+    def compiles(self) -> int:
+        """Programs compiled so far (one per bucket and batch size seen)."""
+        return 0 if self._runner is None else jit_count(self._runner.forward)
+
+    def runner(self) -> Runner:
+        if self._runner is None:
+            self._runner = Runner(self.model, self.params)
+        return self._runner
+
+    # ---- outputs ----------------------------------------------------------------------------
+    def outputs(self, texts: Sequence[str], text_pairs: Sequence[str] | None = None, *, batch_size: int = 32,
+                truncate: bool = True, progress: bool | None = None,
+                rows: Sequence[str] | None = None) -> tuple[np.ndarray, int]:
+        """The model's raw outputs ``[N, K]`` (logits, or embeddings) in input order, and how many
+        texts were truncated. ``rows``: how to name each input in errors (default ``texts[i]``)."""
+        if int(batch_size) < 1:
+            raise UsageError(f"batch_size must be a positive integer, got {batch_size}")
+        texts = check_texts(texts, "texts", rows)
+        pairs = None
+        if text_pairs is not None:
+            pairs = check_texts(text_pairs, "text_pairs", None if rows is None else [f"{r} (pair)" for r in rows])
+            if len(pairs) != len(texts):
+                raise UsageError(f"{len(texts)} texts but {len(pairs)} text pairs; give one pair per text")
+        enc = encode(self.tokenizer, texts, pairs, self.max_length, truncate=truncate, rows=rows)
+        out = self.runner()(enc, batch_size=int(batch_size), buckets=self.buckets, pad_id=self.pad_id,
+                            progress=progress)
+        return out, len(enc.truncated)
+
+    def predict(self, texts: Sequence[str], text_pairs: Sequence[str] | None = None, *, batch_size: int = 32,
+                top_k: int | None = None, truncate: bool = True, progress: bool | None = None,
+                rows: Sequence[str] | None = None) -> Predictions:
+        """Labels and scores (single-label: softmax, the best label, ``top_k`` best; multi-label:
+        sigmoid, the labels over :attr:`threshold`; regression: the values), and the raw logits."""
+        if self.is_embedding:
+            raise UsageError(f"{self.source}: this model has an embedding head ({type(self.model.head.head).__name__}),"
+                             " not a classifier or regressor; use embed() (flaxheads embed)")
+        if top_k is not None and not 1 <= int(top_k) <= len(self.id2label):
+            raise UsageError(f"top_k must be from 1 to the {len(self.id2label)} labels, got {top_k}")
+        if top_k is not None and self.problem_type != "single_label_classification":
+            raise UsageError(f"top_k applies to single-label classifiers; this model is {self.problem_type} "
+                             "(multi-label gives every label's score)")
+        logits, cut = self.outputs(texts, text_pairs, batch_size=batch_size, truncate=truncate, progress=progress,
+                                   rows=rows)
+        return Predictions(logits, self.problem_type, self.id2label, self.threshold if self.problem_type == MULTI_LABEL
+                           else 0.5, None if top_k is None else int(top_k), cut)
+
+    def embed(self, texts: Sequence[str], text_pairs: Sequence[str] | None = None, *, batch_size: int = 32,
+              truncate: bool = True, progress: bool | None = None, rows: Sequence[str] | None = None) -> np.ndarray:
+        """Embeddings ``[N, D]`` float32 of a projection / identity head (normalised when the head normalises)."""
+        if not self.is_embedding:
+            raise UsageError(f"{self.source}: this model's head ({type(self.model.head.head).__name__}) gives "
+                             f"{self.problem_type} logits, not embeddings; use predict() (flaxheads predict), or "
+                             "load a sentence-transformers folder / a model with a projection or identity head")
+        return self.outputs(texts, text_pairs, batch_size=batch_size, truncate=truncate, progress=progress,
+                            rows=rows)[0]
