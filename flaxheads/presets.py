@@ -11,6 +11,7 @@ import dataclasses
 from typing import Any, Callable
 
 from . import config as _config
+from .backbones.decoder_config import HF_CLASSES as DECODER_HF_CLASSES
 from .errors import FlaxheadsError
 from .nn.heads import Head, LinearHead, MLPHead
 from .nn.poolers import DensePooler, Pool, Pooler, SequenceSummary
@@ -95,6 +96,17 @@ def _gpt2(cfg, n):
                   hf_class="GPT2ForSequenceClassification")
 
 
+def _decoder(arch: str):
+    # Llama, Mistral, Qwen2/3, Gemma 1/2/3: transformers' GenericForSequenceClassification, GPT-2's head
+    # (last token != pad_token_id; with no pad_token_id PyTorch takes the last position for a batch of
+    # one and raises for larger batches: flaxheads asks for pad_token_id when the model is loaded)
+    def make(cfg, n):
+        return Preset(arch, Pool("last"), LinearHead(n, dropout=0.0, use_bias=False, init_std=_std(cfg)),
+                      pool_mask="non_pad_token", hf_names=(("head/classifier", "score"),),
+                      hf_class=DECODER_HF_CLASSES[arch])
+    return make
+
+
 def _xlnet(cfg, n):
     summary = SequenceSummary(
         summary_type=_get(cfg, "summary_type", default="last"),
@@ -144,6 +156,7 @@ PRESETS: dict[str, Callable[[Any, int], Preset]] = {
     "xlnet": _xlnet,
     "deberta-v2": _deberta_v2,
     "modernbert": _modernbert,
+    **{arch: _decoder(arch) for arch in DECODER_HF_CLASSES},
 }
 
 

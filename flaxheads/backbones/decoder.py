@@ -1,0 +1,225 @@
+"""Decoder-only LLMs (Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3 text) as one pure function.
+
+What transformers 5's ``<Family>Model`` computes when given no cache (switches per family in
+:mod:`~flaxheads.backbones.decoder_config`):
+
+* token embeddings (``embed_tokens``; Gemma: times ``sqrt(hidden)`` in the activation dtype);
+* per layer: RMSNorm -> self-attention -> (Gemma 2/3: RMSNorm) -> residual; RMSNorm -> gated MLP
+  ``down(act(gate(x)) * up(x))`` -> (Gemma 2/3: RMSNorm) -> residual; a final RMSNorm ``norm``;
+* attention: grouped-query (``num_key_value_heads``), explicit ``head_dim``, rotary position
+  embeddings on q and k (after the per-head q/k RMSNorm of Qwen3 / Gemma 3), scores times
+  ``head_dim ** -0.5`` (Gemma 2/3: ``query_pre_attn_scalar ** -0.5``), Gemma 2's tanh
+  soft-capping, the causal mask, the key padding mask and, on sliding layers, a window of the
+  last ``sliding_window`` positions (``kv > q - sliding_window``); softmax in float32;
+* position ids are ``0..T-1`` whatever the padding when none are given (``cache_position``), so
+  a left-padded text gets other hidden states than the same text right-padded, as in PyTorch.
+
+Dropout: only ``attention_dropout`` on the attention probabilities (the models have no other).
+The params tree is the PyTorch module tree with Flax leaf names
+(``layers/<i>/self_attn/q_proj/kernel [in, out]``, ``mlp/gate_proj``, ``input_layernorm/scale``,
+``embed_tokens/embedding``), so weights map by name both ways.
+"""
+from __future__ import annotations
+
+from functools import partial
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ..nn.activations import get_activation
+from .base import Backbone, BackboneError, HFConfig
+from .bert import dropout_keys
+from .decoder_config import DEFAULTS, MODEL_TYPES, DecoderSpec, Rope, check_decoder_config, decoder_spec
+from .layers import HFInit, apply_rotary, attend_chunked, dropout, embedding_lookup, mask_bias
+from .weights import pick, torch_from_tree, tree_from_torch
+
+TOP_LEVEL = ("embed_tokens", "layers", "norm")
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float, gemma: bool) -> jax.Array:
+    """RMSNorm over the last axis, statistics in float32. Llama's: ``w * normed.to(dtype)``;
+    Gemma's: ``(normed * (1 + w)).to(dtype)`` with the product in float32."""
+    xf = x.astype(jnp.float32)
+    normed = xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if gemma:
+        return (normed * (1.0 + scale.astype(jnp.float32))).astype(x.dtype)
+    return scale.astype(x.dtype) * normed.astype(x.dtype)
+
+
+def linear(x: jax.Array, p: dict) -> jax.Array:
+    """``nn.Linear`` with or without a bias (Flax kernel ``[in, out]``)."""
+    y = x @ p["kernel"].astype(x.dtype)
+    return y + p["bias"].astype(x.dtype) if "bias" in p else y
+
+
+def rope_cos_sin(rope: Rope, positions: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """``cos, sin [B, T, head_dim]`` of ``rope`` at ``positions [B, T]``: float32, then ``dtype`` (as HF)."""
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(rope.inv_freq, jnp.float32)
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return (jnp.cos(emb) * rope.scaling).astype(dtype), (jnp.sin(emb) * rope.scaling).astype(dtype)
+
+
+def attention_mask_for(attention_mask: jax.Array, window: int | None) -> jax.Array:
+    """Which keys each query sees, ``[B, 1, T, T]`` bool: causal, not padding, and with a window
+    only the last ``window`` positions (key index > query index - window, as transformers 5)."""
+    t = attention_mask.shape[1]
+    q, k = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
+    keep = k <= q
+    if window is not None:
+        keep = keep & (k > q - window)
+    return keep[None, None] & (attention_mask[:, None, None, :] > 0)
+
+
+def attend_textbook(q, k, v, keep, *, scaling: float, softcap: float | None, rate: float, rng) -> jax.Array:
+    """Grouped-query attention for ``q [B, T, nh, d]``, ``k, v [B, T, nkv, d]`` and the key mask
+    ``keep [B, 1, T, T]``, HF's eager order: scores times ``scaling``, soft-capping
+    ``c * tanh(s / c)``, mask, float32 softmax, dropout, values. Returns ``[B, T, nh, d]``."""
+    b, t, nh, d = q.shape
+    nkv = k.shape[2]
+    qg = q.reshape(b, t, nkv, nh // nkv, d)  # query head h reads key/value head h // (nh // nkv)
+    s = jnp.einsum("bqgrd,bkgd->bgrqk", qg, k) * jnp.asarray(scaling, q.dtype)
+    if softcap is not None:
+        s = jnp.tanh(s / softcap) * softcap
+    s = jnp.where(keep[:, :, None], s, jnp.finfo(s.dtype).min)
+    p = jax.nn.softmax(s.astype(jnp.float32), axis=-1).astype(q.dtype)
+    p = dropout(p, rate, rng)
+    return jnp.einsum("bgrqk,bkgd->bqgrd", p, v).reshape(b, t, nh, d)
+
+
+def self_attention(p: dict, x: jax.Array, cos, sin, keep, bias, *, spec: DecoderSpec, window: int | None,
+                   rate: float, rng) -> jax.Array:
+    """One layer's attention output ``[B, T, H]`` (after ``o_proj``) of the normed input ``x [B, T, H]``."""
+    b, t, _ = x.shape
+    q = linear(x, p["q_proj"]).reshape(b, t, spec.num_heads, spec.head_dim)
+    k = linear(x, p["k_proj"]).reshape(b, t, spec.num_kv_heads, spec.head_dim)
+    v = linear(x, p["v_proj"]).reshape(b, t, spec.num_kv_heads, spec.head_dim)
+    if spec.qk_norm:
+        q = rms_norm(q, p["q_norm"]["scale"], spec.eps, spec.gemma_norm)
+        k = rms_norm(k, p["k_norm"]["scale"], spec.eps, spec.gemma_norm)
+    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    if window is None and spec.softcap is None:
+        # the plain causal case: the shared CPU-tuned attention, key/value heads repeated
+        rep = spec.num_heads // spec.num_kv_heads
+        k, v = (jnp.repeat(a, rep, axis=2) if rep > 1 else a for a in (k, v))
+        ctx = attend_chunked(q * jnp.asarray(spec.scaling, q.dtype), k, v, bias, rate=rate, rng=rng, causal=True)
+    else:
+        ctx = attend_textbook(q, k, v, keep, scaling=spec.scaling, softcap=spec.softcap, rate=rate, rng=rng)
+    return linear(ctx.reshape(b, t, -1), p["o_proj"])
+
+
+def layer(p: dict, x: jax.Array, cos, sin, keep, bias, rng, *, spec: DecoderSpec, window: int | None,
+          rate: float) -> jax.Array:
+    """One decoder layer on ``x [B, T, H]``."""
+    norm = partial(rms_norm, eps=spec.eps, gemma=spec.gemma_norm)
+    a = self_attention(p["self_attn"], norm(x, p["input_layernorm"]["scale"]), cos, sin, keep, bias, spec=spec,
+                       window=window, rate=rate, rng=rng)
+    if spec.sandwich:
+        a = norm(a, p["post_attention_layernorm"]["scale"])
+    x = x + a
+    pre = p["pre_feedforward_layernorm" if spec.sandwich else "post_attention_layernorm"]["scale"]
+    m = p["mlp"]
+    h = norm(x, pre)
+    h = linear(get_activation(spec.activation)(linear(h, m["gate_proj"])) * linear(h, m["up_proj"]), m["down_proj"])
+    if spec.sandwich:
+        h = norm(h, p["post_feedforward_layernorm"]["scale"])
+    return x + h
+
+
+def encode(params: dict, input_ids, attention_mask=None, position_ids=None, *, spec: DecoderSpec,
+           dtype=jnp.float32, dropout_rng: jax.Array | None = None, train: bool = False,
+           remat: bool = False) -> jax.Array:
+    """Last hidden state ``[B, T, H]`` (after the final norm) in ``dtype``; pure in ``params``.
+
+    ``remat=True`` recomputes each layer in the backward pass (gradient checkpointing)."""
+    input_ids = jnp.asarray(input_ids)
+    b, t = input_ids.shape
+    attention_mask = jnp.ones_like(input_ids) if attention_mask is None else jnp.asarray(attention_mask)
+    for rope in set(spec.ropes):
+        if rope.max_len is not None and t > rope.max_len:
+            raise BackboneError(f"dynamic RoPE scaling rescales past max_position_embeddings={rope.max_len} tokens "
+                                f"depending on earlier calls; flaxheads computes it only up to there (got {t})")
+    positions = jnp.broadcast_to(jnp.arange(t), (b, t)) if position_ids is None else jnp.asarray(position_ids)
+    x = embedding_lookup(params["embed_tokens"]["embedding"], input_ids, spec.pad_token_id).astype(dtype)
+    if spec.embed_scale is not None:
+        x = x * jnp.asarray(spec.embed_scale, dtype)
+    tables = {rope: rope_cos_sin(rope, positions, dtype) for rope in set(spec.ropes)}
+    keeps = {w: attention_mask_for(attention_mask, w) for w in set(spec.windows)}
+    bias = mask_bias(attention_mask, dtype)
+    _, rngs = dropout_keys(dropout_rng, spec.num_layers, train)
+    rate = spec.attention_dropout if train else 0.0
+    for i in range(spec.num_layers):
+        f = partial(layer, spec=spec, window=spec.windows[i], rate=rate)
+        # remat: keep only each layer's input for the backward pass and recompute the rest
+        x = (jax.checkpoint(f) if remat else f)(params["layers"][str(i)], x, *tables[spec.ropes[i]],
+                                                keeps[spec.windows[i]], bias, rngs[i])
+    return rms_norm(x, params["norm"]["scale"], spec.eps, spec.gemma_norm)
+
+
+class DecoderBackbone(Backbone):
+    """Llama / Mistral / Qwen2 / Qwen3 / Gemma / Gemma 2 / Gemma 3 text; see the module docstring."""
+
+    model_types = MODEL_TYPES
+    base_model_prefix = "model"
+    features = frozenset({"position_ids", "remat", "bf16", "causal"})
+    extra_inputs = ("position_ids",)
+
+    def __init__(self, config, params: dict, dtype=jnp.float32, remat: bool = False):
+        super().__init__(config, params, dtype=dtype, remat=remat)
+        self.spec = decoder_spec(self.config)
+
+    @classmethod
+    def complete_config(cls, config: HFConfig) -> HFConfig:
+        """transformers 5's class defaults of the config's ``model_type`` for the keys it omits."""
+        defaults = DEFAULTS.get(config.get("model_type"), {})
+        missing = {k: v for k, v in defaults.items() if k not in config}
+        return config.replace(**missing) if missing else config
+
+    @classmethod
+    def check_config(cls, config: HFConfig) -> None:
+        check_decoder_config(config)
+
+    @classmethod
+    def init_params(cls, config, rng) -> dict:
+        """HF's init: normal(initializer_range) kernels and embeddings (the ``pad_token_id`` row
+        zero), zero biases; RMSNorm weights one (Gemma: zero, its norm multiplies by ``1 + w``)."""
+        s = decoder_spec(config)
+        init = HFInit(rng, float(config.initializer_range))
+        h, q_out, kv_out = s.hidden, s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        qkv_bias = bool(config.get("attention_bias")) or s.model_type == "qwen2"
+        o_bias = bool(config.get("attention_bias")) and s.model_type != "qwen2"
+        mlp_bias = bool(config.get("mlp_bias")) if s.model_type == "llama" else False
+
+        def norm(dim):
+            return {"scale": jnp.zeros(dim) if s.gemma_norm else jnp.ones(dim)}
+
+        def one_layer():
+            attn = {"q_proj": init.dense(h, q_out, qkv_bias), "k_proj": init.dense(h, kv_out, qkv_bias),
+                    "v_proj": init.dense(h, kv_out, qkv_bias), "o_proj": init.dense(q_out, h, o_bias)}
+            if s.qk_norm:
+                attn.update(q_norm=norm(s.head_dim), k_norm=norm(s.head_dim))
+            out = {"self_attn": attn, "input_layernorm": norm(h), "post_attention_layernorm": norm(h),
+                   "mlp": {"gate_proj": init.dense(h, s.intermediate, mlp_bias),
+                           "up_proj": init.dense(h, s.intermediate, mlp_bias),
+                           "down_proj": init.dense(s.intermediate, h, mlp_bias)}}
+            if s.sandwich:
+                out.update(pre_feedforward_layernorm=norm(h), post_feedforward_layernorm=norm(h))
+            return out
+
+        table = init.embedding(int(config.vocab_size), h)["embedding"]
+        if s.pad_token_id is not None:
+            table = table.at[s.pad_token_id].set(0.0)
+        return {"embed_tokens": {"embedding": table}, "layers": {str(i): one_layer() for i in range(s.num_layers)},
+                "norm": norm(h)}
+
+    @classmethod
+    def params_from_state(cls, config, state) -> dict:
+        return tree_from_torch(pick(state, lambda k: k.partition(".")[0] in TOP_LEVEL))
+
+    def state_from_params(self, params) -> dict:
+        return torch_from_tree({k: params[k] for k in TOP_LEVEL})
+
+    def encode(self, params, input_ids, attention_mask, *, train: bool = False, rng=None,
+               position_ids=None) -> jax.Array:
+        return encode(params, input_ids, attention_mask, position_ids, spec=self.spec, dtype=self.dtype,
+                      dropout_rng=rng, train=train, remat=self.remat)
+
