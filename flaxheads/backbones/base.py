@@ -31,6 +31,7 @@ import numpy as np
 
 from ..errors import FlaxheadsError
 from ..nn.activations import get_activation
+from .axes import Axes, generic_param_axes
 
 
 class BackboneError(FlaxheadsError):
@@ -170,6 +171,14 @@ class Backbone:
     def param_shapes(cls, config: HFConfig) -> dict:
         """The params tree's shapes (``jax.ShapeDtypeStruct`` leaves), computed without allocating it."""
         return jax.eval_shape(lambda: cls.init_params(config, jax.random.PRNGKey(0)))
+
+    @classmethod
+    def param_axes(cls, path: tuple[str, ...], shape: tuple[int, ...]) -> Axes:
+        """Logical axis names (``embed``, ``heads``, ``kv``, ``mlp``, ``vocab`` or None) of each
+        dimension of the param at ``path`` in this family's tree; used to shard it over a device
+        mesh. The default is the generic rule of :mod:`flaxheads.backbones.axes`; a family whose
+        tree departs from the Flax conventions overrides this, and only this."""
+        return generic_param_axes(path, shape)
 
     # ---- compute ------------------------------------------------------------------------------
     def encode(self, params: Mapping, input_ids: jax.Array, attention_mask: jax.Array, *, train: bool = False,

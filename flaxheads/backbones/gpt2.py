@@ -169,6 +169,12 @@ class GPT2Backbone(Backbone):
                 "h": blocks, "ln_f": init.norm(h)}
 
     @classmethod
+    def param_axes(cls, path, shape):
+        """The generic names, reversed for the ``[out, in]`` Conv1D kernels."""
+        axes = super().param_axes(path, shape)
+        return axes[::-1] if path and path[-1] == "kernel" else axes
+
+    @classmethod
     def params_from_state(cls, config, state) -> dict:
         return tree_from_torch(pick(state, lambda k: k.partition(".")[0] in cls.top_level and not _is_buffer(k)))
 

@@ -43,8 +43,15 @@ class TrainConfig:
     log_every: int = 10
     seed: int = 0
     parallel: str = "single"
+    mesh: str | None = None  # mesh shape, e.g. "data=2,fsdp=4" (implies parallel="mesh")
     loss_options: dict = dataclasses.field(default_factory=dict)
     threshold: float = 0.5  # multi-label decision threshold for metrics
+
+
+def abstract_state(model, tx: optax.GradientTransformation, optim: OptimConfig, cfg: TrainConfig) -> TrainState:
+    """The shapes of a fresh train state (``jax.eval_shape``; works on abstract ``model.params``)."""
+    return jax.eval_shape(lambda p: create_state(p, tx, freeze_backbone=optim.freeze_backbone, seed=cfg.seed),
+                          model.params)
 
 
 def steps_per_epoch(n: int, batch_size: int) -> int:
@@ -74,18 +81,23 @@ class Trainer:
 
     @classmethod
     def build(cls, model, optim: OptimConfig, cfg: TrainConfig, parallel: Parallel | None = None) -> "Trainer":
-        parallel = parallel or Parallel(cfg.parallel)
+        parallel = (parallel or Parallel.from_config(cfg.parallel, cfg.mesh)).bind(model)
         tx = make_optimizer(optim)
         axis = DATA_AXIS if parallel.mode == "pmap" else None
         tt, et = TraceCounter(), TraceCounter()
         step = make_train_step(model, tx, freeze_backbone=optim.freeze_backbone, loss_options=cfg.loss_options,
                                axis_name=axis)
-        return cls(model, optim, cfg, parallel, tx, parallel.compile(tt.wrap(step)),
-                   parallel.compile(et.wrap(make_eval_step(model)), donate=False), tt, et)
+        like = abstract_state(model, tx, optim, cfg)
+        return cls(model, optim, cfg, parallel, tx, parallel.compile(tt.wrap(step), like=like),
+                   parallel.compile(et.wrap(make_eval_step(model)), donate=False, like=like.params), tt, et)
 
     def init_state(self, params: dict | None = None) -> TrainState:
         return create_state(self.model.params if params is None else params, self.tx,
                             freeze_backbone=self.optim.freeze_backbone, seed=self.cfg.seed)
+
+    def abstract_state(self) -> TrainState:
+        """The shapes of :meth:`init_state` (``jax.eval_shape``; nothing allocated)."""
+        return abstract_state(self.model, self.tx, self.optim, self.cfg)
 
     def step(self, state, batch: dict):
         """One placed step; blocks on its result (queued jit+mesh steps on CPU devices can

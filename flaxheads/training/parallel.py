@@ -1,85 +1,139 @@
-"""Data parallelism for the steps of :mod:`flaxheads.training.steps`: one device, ``pmap`` over
-the local devices (replicated state, ``lax.pmean``-style reductions inside the step), or ``jit``
-over a device ``Mesh`` with ``NamedSharding`` (batch sharded on the ``data`` axis, state
-replicated), the path that scales to multi-host pods through ``jax.distributed``."""
+"""How steps run on devices: one device, ``pmap`` over the local devices (replicated state,
+``lax.pmean``-style reductions inside the step), or ``jit`` over a named device ``Mesh``
+(``data`` x ``fsdp`` x ``tensor``, see :mod:`flaxheads.training.sharding`): the batch split over
+``data`` x ``fsdp``, params and optimizer state sharded by their logical axis names (all
+replicated on a data-only mesh). The mesh path spans hosts through ``jax.distributed``."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+import math
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax.jax_utils import replicate
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .errors import TrainingError
+from .sharding import DATA as DATA_AXIS
+from .sharding import Layout, make_mesh, replicated_layout
 
-DATA_AXIS = "data"
 PARALLEL_MODES = ("single", "pmap", "mesh")
-
-
-def make_mesh(devices=None) -> Mesh:
-    """A 1-D mesh over all (global) devices with axis ``data``."""
-    devs = np.asarray(jax.devices() if devices is None else devices)
-    return Mesh(devs.reshape(-1), (DATA_AXIS,))
+__all__ = ["DATA_AXIS", "PARALLEL_MODES", "Parallel", "host_leaf", "make_mesh", "process_rows", "pmap_eval_gather"]
 
 
 def host_leaf(x) -> np.ndarray:
-    """A host copy of one array; a multi-host replicated array is read from its local shard."""
+    """A host copy of one array. Multi-host: a replicated array is read from its local shard, a
+    sharded one is gathered from every process (a collective: every process must call it)."""
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        return np.asarray(x.addressable_data(0))  # replicated: every shard is the whole value
+        if x.is_fully_replicated:
+            return np.asarray(x.addressable_data(0))
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return np.asarray(x)
+
+
+def _process_block(sharding: NamedSharding, parts: int) -> tuple[int, int]:
+    """(index, count): this process holds block ``index`` of ``count`` equal, contiguous blocks of
+    the rows of an array with ``parts`` row shards (processes that share rows hold the same block)."""
+    starts = sorted({int(idx[0].start or 0) for idx in sharding.addressable_devices_indices_map((parts,)).values()})
+    k = len(starts)
+    if starts != list(range(starts[0], starts[0] + k)) or starts[0] % k:
+        raise TrainingError(f"this process's devices hold batch shards {starts} of {parts}, not one contiguous "
+                            "block; order the mesh so each host's devices are neighbours on the batch axes")
+    return starts[0] // k, parts // k
 
 
 @dataclasses.dataclass
 class Parallel:
     """How steps run: ``single`` (one device), ``pmap`` (local devices, replicated state) or
-    ``mesh`` (jit + NamedSharding over all global devices; works multi-host)."""
+    ``mesh`` (jit over all global devices; works multi-host).
+
+    ``mesh``: a :class:`~jax.sharding.Mesh` (default: every device on ``data``; see
+    :func:`~flaxheads.training.sharding.make_mesh`, e.g. ``make_mesh("data=2,fsdp=4")``);
+    ``rules``: logical axis name -> mesh axes (default
+    :data:`~flaxheads.training.sharding.DEFAULT_RULES`); ``layout``: where each param lives,
+    set by :meth:`bind` (unbound: everything replicated, data parallel)."""
 
     mode: str = "single"
     mesh: Mesh | None = None
+    rules: Mapping[str, Any] | None = None
+    layout: Layout | None = None
 
     def __post_init__(self):
         if self.mode not in PARALLEL_MODES:
             raise TrainingError(f"parallel mode must be one of {PARALLEL_MODES}, got {self.mode!r}")
+        if self.mode != "mesh" and self.mesh is not None:
+            raise TrainingError(f"a device mesh needs parallel mode 'mesh', not {self.mode!r}")
         if self.mode == "mesh" and self.mesh is None:
             self.mesh = make_mesh()
+        if self.mode == "mesh" and self.layout is None:
+            self.layout = replicated_layout(self.mesh, self.rules)
+
+    @classmethod
+    def from_config(cls, mode: str = "single", mesh: str | Mapping[str, int] | None = None) -> "Parallel":
+        """``mode``, or a mesh of the given shape (``"data=2,fsdp=4"``; implies mode ``mesh``)."""
+        if mesh:
+            if mode not in ("single", "mesh"):
+                raise TrainingError(f"a mesh shape ({mesh}) runs in parallel mode 'mesh', not {mode!r}")
+            return cls("mesh", make_mesh(mesh))
+        return cls(mode)
+
+    def bind(self, model) -> "Parallel":
+        """This mode with the params of ``model`` placed by their logical axes (mesh mode; the
+        other modes are returned unchanged)."""
+        if self.mode != "mesh":
+            return self
+        return dataclasses.replace(self, layout=Layout.for_model(self.mesh, model, self.rules))
 
     @property
     def width(self) -> int:
-        """How many devices share a batch (its size must be a multiple of this)."""
+        """How many ways a batch is split (its size must be a multiple of this)."""
         if self.mode == "pmap":
             return jax.local_device_count()
         if self.mode == "mesh":
-            return self.mesh.devices.size
+            return math.prod(self.mesh.shape[a] for a in self.layout.batch_axes())
         return 1
 
     @property
     def local_rows_fraction(self) -> tuple[int, int]:
-        """(index, count) of this process's slice of every global batch."""
+        """(index, count): this process feeds block ``index`` of ``count`` equal blocks of every global batch."""
         if self.mode == "mesh":
-            return jax.process_index(), jax.process_count()
+            return _process_block(self.layout.batch(), self.width)
         return 0, 1
 
-    def compile(self, step_fn: Callable, *, donate: bool = True) -> Callable:
-        """Jit (single/mesh) or pmap a ``(state_or_params, batch) -> out`` function."""
+    def shardings(self, tree) -> Any:
+        """Mesh mode: the NamedSharding of every leaf of ``tree`` (params, a state) by the layout."""
+        return self.layout.shardings(tree)
+
+    def compile(self, step_fn: Callable, *, donate: bool = True, like: Any = None,
+                returns_state: bool | None = None) -> Callable:
+        """Jit (single/mesh) or pmap a ``(state_or_params, batch) -> out`` function.
+
+        Mesh mode: ``like`` is the first argument's tree (arrays or ``jax.eval_shape`` leaves);
+        it is placed by the layout (None: replicated). ``returns_state`` (default ``donate``):
+        the output is ``(new first argument, replicated metrics)`` with the same placement;
+        otherwise the whole output is replicated (logits)."""
         donate_argnums = (0,) if donate else ()
         if self.mode == "single":
             return jax.jit(step_fn, donate_argnums=donate_argnums)
         if self.mode == "pmap":
             return jax.pmap(step_fn, axis_name=DATA_AXIS, donate_argnums=donate_argnums)
-        rep, data = NamedSharding(self.mesh, P()), NamedSharding(self.mesh, P(DATA_AXIS))
-        return jax.jit(step_fn, in_shardings=(rep, data), out_shardings=rep, donate_argnums=donate_argnums)
+        rep = self.layout.replicated()
+        first = rep if like is None else self.shardings(like)
+        out = (first, rep) if (donate if returns_state is None else returns_state) else rep
+        return jax.jit(step_fn, in_shardings=(first, self.layout.batch()), out_shardings=out,
+                       donate_argnums=donate_argnums)
 
     def put_state(self, tree):
-        """Place a host/single-device pytree (state or params) for this mode (a copy)."""
+        """Place a pytree (state or params; host arrays, or arrays placed elsewhere, such as
+        restored on another mesh) for this mode: a copy."""
         if self.mode == "single":
             return jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
         if self.mode == "pmap":
             return replicate(jax.tree.map(np.asarray, tree))
-        rep = NamedSharding(self.mesh, P())
-        return jax.tree.map(lambda x: _global_replicated(np.asarray(x), rep), tree)
+        return jax.tree.map(_place, tree, self.shardings(tree))
 
     def get_state(self, tree):
         """One copy of a placed state as host numpy arrays (inverse of :meth:`put_state`)."""
@@ -93,15 +147,16 @@ class Parallel:
         if self.mode == "pmap":
             n = jax.local_device_count()
             return {k: np.asarray(v).reshape(n, -1, *np.shape(v)[1:]) for k, v in batch.items()}
-        data = NamedSharding(self.mesh, P(DATA_AXIS))
-        return {k: jax.make_array_from_process_local_data(data, np.asarray(v)) for k, v in batch.items()}
+        data, count = self.layout.batch(), self.local_rows_fraction[1]
+        return {k: jax.make_array_from_process_local_data(data, np.asarray(v), (len(v) * count, *np.shape(v)[1:]))
+                for k, v in batch.items()}
 
     def put_rows(self, batch: dict) -> dict:
         """Place a *global* batch: this process's rows of it (multi-host mesh), then :meth:`put_batch`."""
         return self.put_batch(process_rows(batch, *self.local_rows_fraction))
 
     def get(self, x):
-        """Host value of a replicated step output (state, metrics): read once."""
+        """Host value of a step output (state, metrics): read once."""
         if self.mode == "pmap":
             x = jax.tree.map(lambda a: a[0], x)
         return jax.tree.map(host_leaf, x)
@@ -113,9 +168,13 @@ class Parallel:
         return host_leaf(x)
 
 
-def _global_replicated(x: np.ndarray, sharding: NamedSharding):
-    # Works multi-host: every process holds the same value and fills its addressable shards.
-    return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+def _place(x, sharding: NamedSharding):
+    """A copy of ``x`` on ``sharding``. Host values must be the same on every process (each fills
+    its own shards); device arrays are copied or resharded by XLA."""
+    if isinstance(x, jax.Array) and len(x.sharding.device_set) > 1:
+        return jax.jit(jnp.copy, out_shardings=sharding)(x)
+    v = np.asarray(x)
+    return jax.make_array_from_callback(v.shape, sharding, lambda idx: v[idx])
 
 
 def process_rows(batch: dict, process_index: int, process_count: int) -> dict:
