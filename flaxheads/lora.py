@@ -238,3 +238,27 @@ def merge_model(model, params: Mapping | None = None):
 
 def count_adapter_params(lora_params) -> int:
     return int(sum(x.size for x in jax.tree.leaves(lora_params)))
+
+
+def adapters_meta(model) -> dict | None:
+    """What a checkpoint's meta records of ``model``'s adapters: the config and, per adapted
+    module, its kernel's ``[in, out]`` (None for a model without adapters)."""
+    if getattr(model, "lora", None) is None:
+        return None
+    kernels = kernel_modules(model.params["backbone"])
+    return {**model.lora.to_dict(),
+            "modules": {"/".join(m): list(in_out(kernels[m], model.model_type))
+                        for m in adapter_modules(model.params[LORA])}}
+
+
+def adapters_diff(saved: Mapping | None, have: Mapping | None) -> list[str]:
+    """How two :func:`adapters_meta` records differ (empty when the adapters are interchangeable)."""
+    if saved is None or have is None:
+        return [] if saved is have else [f"adapters: checkpoint {'none' if saved is None else 'LoRA'} vs target "
+                                         f"{'none' if have is None else 'LoRA'}"]
+    out = [f"{k}: checkpoint {saved.get(k)!r} vs target {have.get(k)!r}" for k in ("rank", "alpha", "targets")
+           if saved.get(k) != have.get(k)]
+    sm, hm = saved.get("modules", {}), have.get("modules", {})
+    out += [f"{m}: checkpoint {sm.get(m)} vs target {hm.get(m)}" for m in sorted(set(sm) | set(hm))
+            if sm.get(m) != hm.get(m)]
+    return out

@@ -10,9 +10,9 @@ import jax
 import jax.numpy as jnp
 
 from . import io
-from .meta import (BACKBONE, HEAD, META, STEP, CheckpointExistsError, CheckpointNotFoundError, HeadMismatchError,
-                   build_head, check_format, check_params_fit, check_saved_shapes, expected_head_shapes, int_keys,
-                   make_meta, path_str)
+from .meta import (BACKBONE, HEAD, LORA, META, STEP, CheckpointExistsError, CheckpointNotFoundError, HeadMismatchError,
+                   backbone_checksum, build_head, check_format, check_params_fit, check_saved_shapes,
+                   expected_head_shapes, int_keys, make_meta, path_str)
 from ..model import LoadReport, SequenceModel, _module_paths
 from ..nn.heads import SequenceHead
 from ..presets import check_pool_mask, match_preset
@@ -36,7 +36,7 @@ class HeadCheckpoint:
 def _head_params_of(model: SequenceModel, params) -> dict:
     if params is None:
         return model.params["head"]
-    if isinstance(params, Mapping) and set(params) == {"backbone", "head"}:
+    if isinstance(params, Mapping) and {"backbone", "head"} <= set(params):
         return params["head"]
     return params
 
@@ -46,18 +46,23 @@ def save_head(directory: str | os.PathLike, model: SequenceModel, params=None, *
     """Save the head of ``model`` (``params``: full params, the head subtree, or None for
     ``model.params``) as step ``step`` under ``directory``; returns the step's folder.
 
-    Writes the ``head`` and ``meta`` items only: the backbone is referenced by
-    ``meta.backbone_name_or_path``. Blocks until the files are complete."""
+    Writes the ``head`` and ``meta`` items only (plus ``lora`` for a model with adapters): the
+    backbone is referenced by ``meta.backbone_name_or_path``. Blocks until the files are complete."""
     head_params = _head_params_of(model, params)
     check_params_fit(model.head, model.hidden_size, head_params, "save_head")
-    meta = make_meta(model, head_params, backbone_saved=False, extra=extra_meta)
+    arrays, extra = {HEAD: head_params}, dict(extra_meta or {})
+    if getattr(model, "lora", None) is not None:  # adapters go with the head; the base is named and checksummed
+        full = model.params if params is None or params is head_params else params
+        arrays[LORA] = full[LORA]
+        extra["backbone_checksum"] = backbone_checksum(full["backbone"])
+    meta = make_meta(model, head_params, backbone_saved=False, extra=extra)
     root = os.path.abspath(os.fspath(directory))
     mgr = io.manager(root, async_save=False)
     try:
         if step in mgr.all_steps():
             raise CheckpointExistsError(f"{root} already has a checkpoint for step {step}; pass another step= "
                                   "or a new directory")
-        args = io.save_args({HEAD: head_params}, {META: meta, STEP: {"step": int(step), "metrics": None}})
+        args = io.save_args(arrays, {META: meta, STEP: {"step": int(step), "metrics": None}})
         mgr.save(int(step), args=args, force=True)
         mgr.wait_until_finished()
     finally:
@@ -118,7 +123,7 @@ def attach_head(model: SequenceModel, ckpt: HeadCheckpoint, *, pool_mask: str | 
     report = LoadReport(pretrained=[(p, f"{ckpt.path}/{HEAD}") for p in _module_paths(ckpt.params)], new=[])
     return dataclasses.replace(
         model, head=ckpt.head, num_labels=int(meta["num_labels"]), problem_type=meta["problem_type"],
-        params={"backbone": model.params["backbone"], "head": ckpt.params}, id2label=ckpt.id2label,
+        params={**model.params, "head": ckpt.params}, id2label=ckpt.id2label,
         pool_mask=match.pool_mask, arch=match.arch, hf_names=match.hf_names, report=report)
 
 

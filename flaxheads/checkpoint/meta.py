@@ -18,12 +18,14 @@ import numpy as np
 from .. import config as _config
 from .._version import __version__
 from ..errors import FlaxheadsError
+from ..lora import adapters_diff, adapters_meta
 from ..model import SequenceModel
 from ..nn.heads import SequenceHead
 
 FORMAT = "flaxheads-checkpoint/1"
 HEAD, BACKBONE, OPT_STATE, EXTRA, STEP, META = "head", "backbone", "opt_state", "extra", "step", "meta"
-ARRAY_ITEMS = (HEAD, BACKBONE, OPT_STATE, EXTRA)
+LORA = "lora"  # LoRA adapters (flaxheads.lora), only for models that have them
+ARRAY_ITEMS = (HEAD, BACKBONE, OPT_STATE, EXTRA, LORA)
 JSON_ITEMS = (STEP, META)
 CHECKPOINTS_SUBDIR = "checkpoints"
 # the keys make_meta writes; anything else in a meta came from extra_meta
@@ -31,7 +33,7 @@ OWN_KEYS = frozenset({
     "format", "library", "library_version", "created", "head_config", "problem_type", "num_labels", "id2label",
     "hidden_size", "backbone_model_type", "backbone_name_or_path", "backbone_saved", "dtype", "param_dtype",
     "pool_mask", "pad_token_id", "eos_token_id", "arch", "hf_names", "head_shapes", "head_shapes_hash",
-    "jax_version"})
+    "jax_version", "lora"})
 
 
 class CheckpointError(FlaxheadsError):
@@ -138,6 +140,7 @@ def make_meta(model: SequenceModel, head_params, *, backbone_saved: bool = False
         "head_shapes": head_shapes(head_params),
         "head_shapes_hash": head_shapes_hash(head_params),
         "jax_version": jax.__version__,
+        "lora": adapters_meta(model),
     }
     if extra:
         clash = set(extra) & OWN_KEYS
@@ -234,6 +237,8 @@ def check_resumable(meta: dict, where: str, params: Mapping, model: SequenceMode
                 raise IncompatibleCheckpointError(
                     f"{where}: checkpoint {key}={meta.get(key)!r} but this run's backbone has {have!r}; "
                     "resume with the backbone the run was started with, or start a new run folder.")
+    if model is not None or meta.get("lora") is not None:
+        check_adapters(meta, adapters_meta(model) if model is not None else None, where)
     saved_sum = meta.get("backbone_checksum")
     if not meta.get("backbone_saved") and saved_sum is not None:
         have = backbone_checksum(params["backbone"])
@@ -242,3 +247,14 @@ def check_resumable(meta: dict, where: str, params: Mapping, model: SequenceMode
                 f"{where}: the run's frozen backbone was not saved, and the backbone given now differs from the "
                 f"one it was trained with (weight checksum {have!r} vs {saved_sum!r}; saved from "
                 f"{meta.get('backbone_name_or_path')!r}). Load that backbone folder, or start a new run.")
+
+
+def check_adapters(meta: dict, have: dict | None, where: str) -> None:
+    """The LoRA adapters ``meta`` records are those of the target (``have``: its
+    :func:`~flaxheads.lora.adapters_meta`): same config, same modules and kernel shapes."""
+    diff = adapters_diff(meta.get("lora"), have)
+    if diff:
+        raise IncompatibleCheckpointError(
+            f"{where}: the checkpoint's LoRA adapters do not fit the target model: {'; '.join(diff[:6])}"
+            f"{' ...' if len(diff) > 6 else ''}. Use the adapter settings (--lora-*) and backbone the run was "
+            "started with, or start a new run folder.")

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from . import io
-from .meta import (BACKBONE, CHECKPOINTS_SUBDIR, EXTRA, HEAD, META, OPT_STATE, STEP, CheckpointError,
+from .meta import (BACKBONE, CHECKPOINTS_SUBDIR, EXTRA, HEAD, LORA, META, OPT_STATE, STEP, CheckpointError,
                    CheckpointNotFoundError, backbone_checksum, check_format, check_resumable, make_meta)
 from ..model import SequenceModel
 
@@ -67,7 +67,8 @@ def _restored_step(old, saved: int, sharding: jax.sharding.Sharding | None):
 class RunCheckpointer:
     """Checkpoints of one training run under ``<run_dir>/checkpoints``.
 
-    ``state`` is any train state with ``step``, ``params`` (``{"backbone", "head"}``) and
+    ``state`` is any train state with ``step``, ``params`` (``{"backbone", "head"}``, plus ``"lora"``
+    for a model with adapters, saved as the ``lora`` item) and
     ``opt_state`` (a mapping, dataclass or namedtuple); other array fields (rng keys, ...)
     go to the ``extra`` item. ``save_backbone=False`` (a frozen backbone) stores only the
     head; the backbone is then taken from the target state on restore.
@@ -145,7 +146,7 @@ class RunCheckpointer:
             raise KeyError(f"best_metric {self.best_metric!r} is not among the metrics {sorted(metrics)}")
         info = {"step": int(step), "metrics": metrics, "best_metric": self.best_metric, "mode": self.mode}
         arrays = {HEAD: params["head"], OPT_STATE: opt_state, EXTRA: io.keys_to_data(fields),
-                  BACKBONE: params["backbone"] if self.save_backbone else {}}
+                  BACKBONE: params["backbone"] if self.save_backbone else {}, LORA: params.get(LORA, {})}
         args = io.save_args(arrays, {META: self._meta(params), STEP: info})
         with io.quiet():
             return self._mgr.save(int(step), args=args, metrics=metrics, force=force)
@@ -171,12 +172,15 @@ class RunCheckpointer:
                  EXTRA: io.abstract_state(fields, sharding)}
         if meta.get("backbone_saved"):
             items[BACKBONE] = io.abstract(params["backbone"], sharding)
+        if LORA in params:  # check_resumable made sure the checkpoint has the same adapters
+            items[LORA] = io.abstract(params[LORA], sharding)
         got = io.restore_arrays(self._mgr, self.root, step, items)
         step_info = io.read_json(self._mgr, self.root, step, STEP)
         backbone = got.get(BACKBONE)
         if backbone is None:
             backbone = params["backbone"] if sharding is None else jax.device_put(params["backbone"], sharding)
-        values = {"params": {"backbone": backbone, "head": got[HEAD]}, "opt_state": got[OPT_STATE],
+        restored = {"backbone": backbone, "head": got[HEAD], **({LORA: got[LORA]} if LORA in got else {})}
+        values = {"params": restored, "opt_state": got[OPT_STATE],
                   **io.data_to_keys(got[EXTRA], fields)}
         old = _state_fields(target_state)
         if "step" in old:
