@@ -31,6 +31,7 @@ DROPOUT_KEY = {"bert": "classifier_dropout", "albert": "classifier_dropout_prob"
                "roberta": "classifier_dropout", "xlm-roberta": "classifier_dropout",
                "electra": "classifier_dropout", "distilbert": "seq_classif_dropout", "bart": "classifier_dropout"}
 PT_BASE_PREFIX["deberta-v2"], DROPOUT_KEY["deberta-v2"] = "deberta", "cls_dropout"  # DeBERTa-v2 and v3
+PT_BASE_PREFIX["modernbert"], DROPOUT_KEY["modernbert"] = "model", "classifier_dropout"
 WEIGHT_FILES = (SAFE, SAFE_INDEX, BIN, BIN_INDEX)
 _OTHER_FORMATS = ("Export it with format='sentence-transformers' (pooling + dense layers + normalize) or "
                   "format='head' (head.safetensors + head_config.json, any head).")
