@@ -1,4 +1,5 @@
-"""The ``flaxheads`` command: ``flaxheads train | export | checkpoints`` (also ``python -m flaxheads``).
+"""The ``flaxheads`` command: ``flaxheads train | export | checkpoints | predict | embed | evaluate``
+(also ``python -m flaxheads``).
 
 Each subcommand module has an ``add_<name>_command(subparsers)`` that registers its parser and
 sets ``func`` (``func(args) -> exit code``); :data:`SUBCOMMANDS` lists them.
@@ -20,10 +21,11 @@ from ..runtime import configure_xla, enable_compile_cache
 from .checkpoints import add_checkpoints_command
 from .export import add_export_command
 from .flags import Parser
+from .predict import add_predict_commands
 from .train import add_train_command
 
 SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
-    add_train_command, add_export_command, add_checkpoints_command)
+    add_train_command, add_export_command, add_checkpoints_command, add_predict_commands)
 
 
 def build_parser() -> Parser:
@@ -47,7 +49,8 @@ def one_line(error: BaseException) -> str:
 
 def _prepare_process() -> None:
     """Process settings every subcommand wants, before JAX or transformers start."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # flaxheads loads local folders only
+    # table files are read locally; model hub ids are fetched only by flaxheads.hub (HF_HUB_OFFLINE=1: cache only)
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     warnings.filterwarnings("ignore", message=".*TensorFlow and JAX classes are deprecated.*")

@@ -53,16 +53,16 @@ class TextTable:
 
 # ---- loading -------------------------------------------------------------------------------
 
-def load_table(path: str | os.PathLike, *, text_column: str = "text", label_column: str = "label",
-               text_pair_column: str | None = None) -> TextTable:
-    """A CSV / TSV / JSON Lines / Parquet file with a text column (+ optional pair column) and a
-    label column (class name, integer id, list of names for multi-label, or float)."""
+def read_table(path: str | os.PathLike, *, ext: str | None = None):
+    """A CSV / TSV / JSON Lines / Parquet file as a ``datasets.Dataset`` with every column, checked
+    to be UTF-8, well quoted and not empty (a :class:`DataError` naming the file and line).
+    ``ext``: the format's extension when the file name has another (e.g. ``".csv"``)."""
     import datasets
 
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise DataError(f"{path}: file not found")
-    ext = Path(path).suffix.lower()
+    ext = (ext or Path(path).suffix).lower()
     if ext not in TABLE_FORMATS:
         raise DataError(f"{path}: unsupported file type {ext!r}; use one of {sorted(TABLE_FORMATS)} "
                         "or a folder with one sub-folder of .txt files per class")
@@ -80,13 +80,22 @@ def load_table(path: str | os.PathLike, *, text_column: str = "text", label_colu
             check_csv_quoting(path, kw.get("delimiter", ","))
         cause = f"{e} ({e.__cause__})" if e.__cause__ is not None else str(e)
         raise DataError(f"{path}: could not read it as {TABLE_FORMATS[ext]}: {cause}") from None
+    if len(ds) == 0:
+        raise DataError(f"{path}: no rows (empty dataset)")
+    return ds
+
+
+def load_table(path: str | os.PathLike, *, text_column: str = "text", label_column: str = "label",
+               text_pair_column: str | None = None) -> TextTable:
+    """A CSV / TSV / JSON Lines / Parquet file with a text column (+ optional pair column) and a
+    label column (class name, integer id, list of names for multi-label, or float)."""
+    path = os.fspath(path)
+    ds = read_table(path)
     cols = list(ds.column_names)
     for col, flag in ((text_column, "--text-column"), (label_column, "--label-column"),
                       (text_pair_column, "--text-pair-column")):
         if col is not None and col not in cols:
             raise DataError(f"{path}: no column {col!r} (columns: {cols}); choose one with {flag}")
-    if len(ds) == 0:
-        raise DataError(f"{path}: no rows (empty dataset)")
     texts = list(ds[text_column])
     labels = list(ds[label_column])
     pairs = list(ds[text_pair_column]) if text_pair_column else None
