@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from .adapters import load_adapters
 from .heads import HeadCheckpoint, attach_head, load_backbone_params, load_head
 from .meta import CheckpointError, CheckpointNotFoundError
 from ..model import SequenceModel, from_pretrained
@@ -17,7 +18,8 @@ def model_from_checkpoint(directory: str | os.PathLike, step: int | str | None =
 
     ``head_only=True`` returns the ``HeadCheckpoint`` (enough for ``export_head``). Otherwise
     the backbone comes from the checkpoint's ``backbone`` item when it was trained and saved,
-    on top of the backbone folder ``backbone`` (default: ``meta["backbone_name_or_path"]``).
+    on top of the backbone folder ``backbone`` (default: ``meta["backbone_name_or_path"]``), with
+    the LoRA adapters the checkpoint holds (if any).
     ``dtype``: the backbone's compute dtype (default float32; params stay float32)."""
     step = int(step) if isinstance(step, str) and step.isdigit() else step
     ckpt = load_head(directory, step)
@@ -40,4 +42,6 @@ def model_from_checkpoint(directory: str | os.PathLike, step: int | str | None =
     if meta.get("backbone_saved"):
         bb = load_backbone_params(directory, ckpt.step, target=model.params["backbone"])
         model = dataclasses.replace(model, params={"backbone": bb, "head": model.params["head"]})
+    if meta.get("lora") is not None:
+        model = load_adapters(directory, model, ckpt.step)
     return dataclasses.replace(model, name_or_path=path)
