@@ -1,5 +1,6 @@
 """``flaxheads export``: a model, run, checkpoint or head export to the PyTorch transformers
-layout, the sentence-transformers layout, or a head-only safetensors + JSON config."""
+layout, the sentence-transformers layout, or a head-only safetensors + JSON config; a run
+trained with LoRA exports merged weights, or its adapters as a PEFT folder (``--peft``)."""
 from __future__ import annotations
 
 import argparse
@@ -9,6 +10,7 @@ from .. import (export_head, export_sentence_transformers, export_transformers, 
                 model_from_checkpoint)
 from ..checkpoint import is_checkpoint_folder
 from ..errors import UsageError
+from ..interop.peft import export_peft
 from . import flags
 
 #: The file that marks a head-only export folder.
@@ -40,9 +42,20 @@ def _from_checkpoint(args: argparse.Namespace):
     return model_from_checkpoint(args.src, step=args.step, backbone=args.backbone, head_only=args.format == "head")
 
 
+def _with_adapters(source, args: argparse.Namespace):
+    """The source of ``--peft``: a model with LoRA adapters, exported as a transformers adapter."""
+    if getattr(source, "lora", None) is None:
+        raise UsageError(f"--peft: {args.src} has no LoRA adapters (it was not trained with --lora-rank); export "
+                         "the whole model without --peft")
+    return source
+
+
 def run_export(args: argparse.Namespace) -> int:
     """Load the source (model folder, head export or checkpoint) and write it in ``--format``."""
     _check_paths(args)
+    if args.peft and args.format != "transformers":
+        raise UsageError(f"--peft writes adapters for a transformers classifier; use it with --format transformers "
+                         f"(got --format {args.format})")
     src, common = os.fspath(args.src), {"overwrite": args.overwrite}
     if os.path.isfile(os.path.join(src, HEAD_CONFIG)):
         if args.format != "head":
@@ -54,7 +67,9 @@ def run_export(args: argparse.Namespace) -> int:
                           **common)
     else:
         source = import_model(src) if _is_model_folder(src) else _from_checkpoint(args)
-        if args.format == "head":
+        if args.peft:
+            out = export_peft(_with_adapters(source, args), args.out, **common)
+        elif args.format == "head":
             out = export_head(source, args.out, **common)
         elif args.format == "transformers":
             out = export_transformers(source, args.out, tokenizer_from=args.tokenizer, **common)
@@ -62,7 +77,7 @@ def run_export(args: argparse.Namespace) -> int:
             out = export_sentence_transformers(source, args.out, tokenizer_from=args.tokenizer,
                                                pooling_format=args.pooling_format,
                                                max_seq_length=args.max_seq_length, **common)
-    print(f"wrote {args.format} export to {out}")
+    print(f"wrote {'PEFT adapter' if args.peft else args.format} export to {out}")
     return 0
 
 
@@ -89,5 +104,9 @@ def add_export_command(sub: argparse._SubParsersAction) -> None:
                         "the pooling_mode key")
     p.add_argument("--max-seq-length", type=flags.positive_int, default=None,
                    help="sentence-transformers max_seq_length")
+    p.add_argument("--peft", action="store_true",
+                   help="with --format transformers, for a run trained with LoRA: write the adapters and head as a "
+                        "PEFT adapter folder (adapter_config.json + adapter_model.safetensors) instead of the merged "
+                        "model")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     p.set_defaults(func=run_export)
