@@ -96,6 +96,31 @@ class SequenceModel:
         """This model with fresh LoRA adapters (see :func:`flaxheads.lora.with_lora`)."""
         return with_lora(self, config, seed=seed, **options)
 
+    def packed_features(self, backbone_params, input_ids, segment_ids, position_ids, segment_index, segment_mask, *,
+                        train: bool = False, dropout_rng: jax.Array | None = None,
+                        **extra) -> tuple[jax.Array, jax.Array]:
+        """Rows packing several texts (see :mod:`flaxheads.training.packing`) through the backbone, then
+        each text gathered into its own row: hidden ``[R*S, L, H]`` and pooling mask ``[R*S, L]``, as
+        the unpacked texts would give them, so every pooler and head applies unchanged."""
+        if "packing" not in getattr(self.backbone, "features", ()) or self.pool_mask != "attention_mask":
+            raise ConfigError(f"packed batches need a backbone that restarts positions and keeps attention "
+                              f"within each text (BERT-like encoders) and a pooler on the attention mask; "
+                              f"this {self.model_type} model has neither: train without packing")
+        hidden, _ = self.features(backbone_params, input_ids, (segment_ids > 0).astype(jnp.int32), train=train,
+                                  dropout_rng=dropout_rng, position_ids=position_ids, segment_ids=segment_ids,
+                                  **extra)
+        rows, segs, length = segment_index.shape
+        texts = hidden[jnp.arange(rows)[:, None, None], segment_index]  # [R, S, L, H]
+        return texts.reshape(rows * segs, length, -1), segment_mask.reshape(rows * segs, length)
+
+    def apply_packed(self, params, input_ids, segment_ids, position_ids, segment_index, segment_mask, *,
+                     train: bool = False, dropout_rng: jax.Array | None = None, **extra) -> jax.Array:
+        """Logits ``[R*S, num_labels]`` of a packed batch, one row per text slot (empty slots included)."""
+        rb, rh = jax.random.split(dropout_rng) if train and dropout_rng is not None else (dropout_rng, None)
+        hidden, mask = self.packed_features(self.backbone_params(params), input_ids, segment_ids, position_ids,
+                                            segment_index, segment_mask, train=train, dropout_rng=rb, **extra)
+        return self.head_apply(params["head"], hidden, mask, train=train, dropout_rng=rh)
+
     def head_apply(self, head_params, hidden, mask, *, train: bool = False,
                    dropout_rng: jax.Array | None = None) -> jax.Array:
         """Pooler + head on hidden states: logits (or embeddings) [B, N], float32."""

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from ..nn.activations import get_activation
 from .base import Backbone, BackboneError, activation_problem
-from .layers import HFInit, dense, dropout, fused_qkv, layer_norm_p, mask_bias, self_attention
+from .layers import HFInit, dense, dropout, fused_qkv, layer_norm_p, mask_bias, segment_bias, self_attention
 from .weights import pick, torch_from_tree, tree_from_torch
 
 #: ``model_type`` values whose encoder is BERT's (same tree, same math).
@@ -208,13 +208,14 @@ def dropout_keys(rng: jax.Array | None, num_layers: int, train: bool) -> tuple[j
 
 def run_layers(layers: Sequence[dict], x: jax.Array, attention_mask: jax.Array, stack: Stack, *,
                rngs: Sequence[jax.Array | None], attn_chunks: int | str = "auto", ffn_chunks: int = 1,
-               remat: bool = False) -> jax.Array:
+               remat: bool = False, segment_ids: jax.Array | None = None) -> jax.Array:
     """``stack``'s layers on the embeddings ``x [B, T, H]``: the last hidden state ``[B, T, H]``.
 
     ``layers[i]`` is layer ``i``'s params (the same dict repeated shares weights across depth);
-    ``rngs[i]`` its dropout key or None."""
+    ``rngs[i]`` its dropout key or None. ``segment_ids`` (packed rows): attention stays within
+    each text (:func:`~flaxheads.backbones.layers.segment_bias`) instead of following ``attention_mask``."""
     bsz, t, _ = x.shape
-    bias = mask_bias(attention_mask, x.dtype)
+    bias = mask_bias(attention_mask, x.dtype) if segment_ids is None else segment_bias(segment_ids, x.dtype)
     step = partial(layer, num_heads=stack.num_heads, eps=stack.eps, act=stack.act, batch=bsz,
                    hidden_dropout=stack.hidden_dropout, attn_dropout=stack.attn_dropout, attn_chunks=attn_chunks,
                    ffn_chunks=ffn_chunks, layout=stack.layout)
@@ -231,7 +232,7 @@ def run_layers(layers: Sequence[dict], x: jax.Array, attention_mask: jax.Array, 
 def encode(params: dict, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, *, config,
            dtype=jnp.float32, dropout_rng: jax.Array | None = None, train: bool = False,
            attn_chunks: int | str = "auto", ffn_chunks: int = 1, remat: bool = False, stack: Stack | None = None,
-           embeddings: Callable[..., jax.Array] = bert_embeddings) -> jax.Array:
+           embeddings: Callable[..., jax.Array] = bert_embeddings, segment_ids=None) -> jax.Array:
     """A BERT-like encoder forward: last hidden state ``[B, T, H]`` in ``dtype``. Pure in ``params``.
 
     What differs between BERT-like families comes in as arguments: ``stack`` (layer count,
@@ -243,7 +244,9 @@ def encode(params: dict, input_ids, attention_mask=None, token_type_ids=None, po
     ``attn_chunks`` splits attention into independent batch chunks (see
     :func:`attention_chunks`); it changes speed only, never the result. ``remat=True``
     recomputes each layer in the backward pass (gradient checkpointing): same values and
-    gradients, less activation memory."""
+    gradients, less activation memory. ``segment_ids`` ``[B, T]`` (rows packing several texts,
+    numbered ``1, 2, ...``, padding ``0``) keeps attention inside each text; the caller restarts
+    ``position_ids`` at each text."""
     stack = Stack.from_config(config) if stack is None else stack
     input_ids = jnp.asarray(input_ids)
     bsz, t = input_ids.shape
@@ -260,7 +263,7 @@ def encode(params: dict, input_ids, attention_mask=None, token_type_ids=None, po
     if len(layers) != stack.num_layers:
         raise BackboneError(f"the params have {len(layers)} layers but the config has {stack.num_layers}")
     return run_layers(layers, x, attention_mask, stack, rngs=rngs, attn_chunks=attn_chunks,
-                      ffn_chunks=ffn_chunks, remat=remat)
+                      ffn_chunks=ffn_chunks, remat=remat, segment_ids=segment_ids)
 
 
 class BertBackbone(Backbone):
@@ -279,8 +282,8 @@ class BertBackbone(Backbone):
     defaults = {"hidden_act": "gelu", "hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1,
                 "layer_norm_eps": 1e-12, "type_vocab_size": 2, "position_embedding_type": "absolute",
                 "pad_token_id": 0, "initializer_range": 0.02, "max_position_embeddings": 512}
-    features = frozenset({"token_type_ids", "position_ids", "remat", "bf16"})
-    extra_inputs = ("token_type_ids", "position_ids")
+    features = frozenset({"token_type_ids", "position_ids", "remat", "bf16", "packing"})
+    extra_inputs = ("token_type_ids", "position_ids", "segment_ids")
     #: the family's name in error messages
     family: ClassVar[str] = "BERT"
     layout: ClassVar[LayerLayout] = BERT_LAYOUT
@@ -339,8 +342,12 @@ class BertBackbone(Backbone):
         """The embedding module for :func:`encode` (see its ``embeddings`` argument)."""
         return bert_embeddings
 
+    def first_position(self) -> int:
+        """The position id of a text's first token (packed rows restart positions here at each text)."""
+        return 0
+
     def encode(self, params, input_ids, attention_mask, *, train: bool = False, rng=None, token_type_ids=None,
-               position_ids=None) -> jax.Array:
+               position_ids=None, segment_ids=None) -> jax.Array:
         return encode(params, input_ids, attention_mask, token_type_ids, position_ids, config=self.config,
                       dtype=self.dtype, dropout_rng=rng, train=train, attn_chunks=self.attn_chunks, remat=self.remat,
-                      stack=self.stack(self.config), embeddings=self.embeddings())
+                      stack=self.stack(self.config), embeddings=self.embeddings(), segment_ids=segment_ids)

@@ -158,7 +158,8 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, rate: floa
       ``v`` first and XLA:CPU then computes the transposed product, 3x slower per call.
 
     On other backends it is :func:`attend_plain` (see there)."""
-    if jax.default_backend() != "cpu":
+    if jax.default_backend() != "cpu" or bias.shape[-2] != 1:
+        # a per-query mask (packed rows, :func:`segment_bias`) cannot ride in the score matmul
         return attend_plain(q, k, v, bias, rate, rng, causal)
     b, t, nh, _ = k.shape
     key_bias = jnp.broadcast_to(lax.stop_gradient(bias).reshape(b, t, 1, 1), (b, t, nh, 1)).astype(k.dtype)
@@ -274,6 +275,14 @@ def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     x1, x2 = jnp.split(x, 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)
     return x * cos[..., None, :].astype(x.dtype) + rotated * sin[..., None, :].astype(x.dtype)
+
+
+def segment_bias(segment_ids: jax.Array, dtype) -> jax.Array:
+    """Additive block-diagonal mask ``[B, 1, T, T]`` for rows that pack several texts:
+    ``segment_ids [B, T]`` numbers each text's tokens ``1, 2, ...`` and padding ``0``; a token
+    attends to the tokens of its own text only (a padding query sees nothing: finite, unused)."""
+    same = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (segment_ids[:, None, :] > 0)
+    return jnp.where(same[:, None], 0.0, jnp.finfo(dtype).min).astype(dtype)
 
 
 def mask_bias(attention_mask: jax.Array, dtype) -> jax.Array:

@@ -40,8 +40,11 @@ class RobertaBackbone(BertBackbone):
             raise BackboneError("a RoBERTa config needs pad_token_id (its position ids count from "
                                 "pad_token_id + 1); set it in config.json (1 in released checkpoints)")
 
+    def first_position(self) -> int:
+        return int(self.config.pad_token_id) + 1  # positions count from pad_token_id + 1
+
     def encode(self, params, input_ids, attention_mask, *, train: bool = False, rng=None, token_type_ids=None,
-               position_ids=None) -> jax.Array:
+               position_ids=None, segment_ids=None) -> jax.Array:
         input_ids = jnp.asarray(input_ids)
         if position_ids is None:
             pad, t, n_pos = int(self.config.pad_token_id), input_ids.shape[1], int(self.config.max_position_embeddings)
@@ -51,4 +54,4 @@ class RobertaBackbone(BertBackbone):
                                     f"to at most {n_pos - pad - 1} tokens")
             position_ids = roberta_position_ids(input_ids, pad)
         return super().encode(params, input_ids, attention_mask, train=train, rng=rng,
-                              token_type_ids=token_type_ids, position_ids=position_ids)
+                              token_type_ids=token_type_ids, position_ids=position_ids, segment_ids=segment_ids)

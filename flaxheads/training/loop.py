@@ -13,6 +13,7 @@ import dataclasses
 import json
 import math
 import time
+from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 import jax
@@ -24,6 +25,7 @@ from .data import Split, iterate_batches
 from .errors import TrainingError
 from .metrics import compute_metrics
 from .optim import OptimConfig, make_optimizer
+from .packing import iterate_packed_batches
 from .parallel import DATA_AXIS, Parallel
 from .steps import TrainState, TraceCounter, create_state, make_eval_step, make_train_step, predict_batches
 
@@ -46,6 +48,7 @@ class TrainConfig:
     mesh: str | None = None  # mesh shape, e.g. "data=2,fsdp=4" (implies parallel="mesh")
     loss_options: dict = dataclasses.field(default_factory=dict)
     threshold: float = 0.5  # multi-label decision threshold for metrics
+    pack: bool = False  # pack short training texts into shared rows (see training/packing.py)
 
 
 def abstract_state(model, tx: optax.GradientTransformation, optim: OptimConfig, cfg: TrainConfig) -> TrainState:
@@ -210,6 +213,18 @@ def _check_batch_sizes(cfg: TrainConfig, par: Parallel) -> None:
                             f"{par.width} data-parallel devices; change --batch-size/--eval-batch-size")
 
 
+def train_batches(trainer: Trainer) -> Callable[..., Iterable[dict]]:
+    """The training batch iterator: ordinary bucketed batches, or the same batches packed (``cfg.pack``)."""
+    if not trainer.cfg.pack:
+        return iterate_batches
+    backbone = trainer.model.backbone
+    if "packing" not in getattr(backbone, "features", ()):
+        raise TrainingError(f"packing needs a backbone that keeps packed texts apart; the "
+                            f"{trainer.model.model_type} backbone does not: train without packing")
+    return partial(iterate_packed_batches, first_position=backbone.first_position(),
+                   row_multiple=trainer.parallel.width)
+
+
 def fit(trainer: Trainer, train: Split, *, evals: Mapping[str, Split] | None = None,
         buckets: Sequence[int] = (128,), pad_id: int = 0, state: TrainState | None = None,
         start_step: int | None = None, callbacks: Sequence[Callback] = (), progress: bool = True,
@@ -222,6 +237,7 @@ def fit(trainer: Trainer, train: Split, *, evals: Mapping[str, Split] | None = N
     ``callbacks``: :class:`Callback` objects (see the module docstring for when each is called)."""
     cfg, par = trainer.cfg, trainer.parallel
     _check_batch_sizes(cfg, par)
+    batches = train_batches(trainer)
     spe = steps_per_epoch(len(train), cfg.batch_size)
     total = total_steps(len(train), cfg)
     eval_every = cfg.eval_every or spe
@@ -243,8 +259,8 @@ def fit(trainer: Trainer, train: Split, *, evals: Mapping[str, Split] | None = N
     evaluated = None
     while step < total:
         epoch, offset = divmod(step, spe)
-        for batch in iterate_batches(train, cfg.batch_size, buckets, seed=cfg.seed, epoch=epoch, start=offset,
-                                     pad_id=pad_id, group_by_length=group_by_length):
+        for batch in batches(train, cfg.batch_size, buckets, seed=cfg.seed, epoch=epoch, start=offset,
+                             pad_id=pad_id, group_by_length=group_by_length):
             placed, m = trainer.step(placed, batch)
             step, offset = step + 1, offset + 1
             m.update(step=step, epoch=epoch + offset / spe)

@@ -25,6 +25,7 @@ from flax import struct
 from ..losses import SINGLE_LABEL
 from .errors import TrainingError
 from .optim import merge, trainable
+from .packing import PACKED_KEYS, example_targets, is_packed
 
 #: Batch keys passed through to the backbone besides ids and mask.
 EXTRA_INPUTS = ("token_type_ids",)
@@ -98,7 +99,7 @@ def _make_step(model, tx, logits_of: Callable, *, freeze_backbone: bool, loss_op
 
     def step(state: TrainState, batch: dict):
         key = step_key(state, axis_name)
-        labels, weights = batch["labels"], batch["weights"]
+        labels, weights = example_targets(batch)
         denom = loss_denominator(model.problem_type, labels, weights, cw)
 
         def objective(t):
@@ -126,14 +127,22 @@ def make_train_step(model, tx: optax.GradientTransformation, *, freeze_backbone:
         head_step = make_head_train_step(model, tx, loss_options=loss_options, axis_name=axis_name)
 
         def frozen_step(state: TrainState, batch: dict):
-            hidden, pmask = model.features(state.params["backbone"], batch["input_ids"], batch["attention_mask"],
-                                           train=False, **extra_inputs(batch))
+            if is_packed(batch):
+                hidden, pmask = model.packed_features(state.params["backbone"], batch["input_ids"],
+                                                      *(batch[k] for k in PACKED_KEYS), **extra_inputs(batch))
+            else:
+                hidden, pmask = model.features(state.params["backbone"], batch["input_ids"], batch["attention_mask"],
+                                               train=False, **extra_inputs(batch))
+            labels, weights = example_targets(batch)
             return head_step(state, {"hidden": jax.lax.stop_gradient(hidden), "pool_mask": pmask,
-                                     "labels": batch["labels"], "weights": batch["weights"]})
+                                     "labels": labels, "weights": weights})
 
         return frozen_step
 
     def logits_of(state, t, batch, key):
+        if is_packed(batch):
+            return model.apply_packed(merge(state.params, t), batch["input_ids"], *(batch[k] for k in PACKED_KEYS),
+                                      train=True, dropout_rng=key, **extra_inputs(batch))
         return model.apply(merge(state.params, t), batch["input_ids"], batch["attention_mask"], train=True,
                            dropout_rng=key, **extra_inputs(batch))
 
