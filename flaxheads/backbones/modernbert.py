@@ -83,6 +83,9 @@ def _config_problem(config) -> str:
     rp = config.get("rope_parameters")
     scaled = {k: v.get("rope_type", "default") for k, v in (rp or {}).items()
               if isinstance(v, Mapping) and v.get("rope_type", "default") != "default"}
+    legacy = config.get("rope_scaling") or {}  # transformers 4.x's one scaling for both kinds
+    if legacy.get("rope_type", legacy.get("type", "default")) != "default":
+        scaled["rope_scaling"] = legacy.get("rope_type", legacy.get("type"))
     if config.get("model_type") != "modernbert":
         return f"model_type {config.get('model_type')!r} is not 'modernbert'"
     if h % nh:

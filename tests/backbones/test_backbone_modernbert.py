@@ -111,8 +111,8 @@ def test_transformers_4_config_format(tiny, tmp_path):
 
     with open(f"{path}/config.json") as f:
         cfg = json.load(f)
-    cfg.pop("layer_types")
-    cfg.pop("rope_parameters")
+    cfg.pop("layer_types", None)
+    cfg.pop("rope_parameters", None)
     cfg.update(global_attn_every_n_layers=2, global_rope_theta=160000.0, local_rope_theta=10000.0)
     folder = edited_copy(path, tmp_path / "v4")
     with open(f"{folder}/config.json", "w") as f:
@@ -288,6 +288,7 @@ def test_init_params_are_hf_init(tiny):
     ({"hidden_activation": "swoosh"}, "swoosh"),
     ({"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
                           "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}, "linear"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "dynamic"),
     ({"layer_types": ["full_attention", "chunked_attention", "full_attention"]}, "layer_types"),
     ({"layer_types": ["full_attention", "full_attention", "sliding_attention"]}, "global_attn_every_n_layers")])
 def test_refused_config_is_a_clear_error(tiny, tmp_path, change, match):
