@@ -19,6 +19,7 @@ from transformers import AutoModelForSequenceClassification  # noqa: E402
 import flaxheads as fh  # noqa: E402
 from flaxheads.checkpoint import IncompatibleCheckpointError, RunCheckpointer  # noqa: E402
 from flaxheads.checkpoint.adapters import load_adapters  # noqa: E402
+from flaxheads.checkpoint.inspect import format_meta  # noqa: E402
 from flaxheads.errors import ConfigError  # noqa: E402
 from flaxheads.interop.peft import ADAPTER_CONFIG, export_peft  # noqa: E402
 from flaxheads.lora import LoraConfig, adapter_modules, merge_model  # noqa: E402
@@ -200,6 +201,7 @@ def test_checkpoints_store_adapters_apart(folders, tmp_path):
     step_dir = tmp_path / "run" / "checkpoints" / "3"
     assert (step_dir / "lora").is_dir() and not (step_dir / "backbone").exists()
     assert ckr.read_meta(3)["lora"]["rank"] == 4
+    assert "LoRA:         rank 4, alpha 8.0, targets query,value (4 kernels)" in format_meta(ckr.read_meta(3))
 
     fresh = create_state(model.params, make_optimizer(OptimConfig()))
     restored = RunCheckpointer(tmp_path / "run", model, read_only=True).restore(target_state=fresh)

@@ -144,6 +144,10 @@ def format_meta(meta: dict) -> str:
         f"HF preset:    {meta.get('arch') or '-'}",
         f"problem:      {meta.get('problem_type')}, num_labels={meta.get('num_labels')}",
     ]
+    lora = meta.get("lora")
+    if lora:
+        lines.append(f"LoRA:         rank {lora.get('rank')}, alpha {lora.get('alpha')}, targets "
+                     f"{','.join(lora.get('targets') or [])} ({len(lora.get('modules') or {})} kernels)")
     labels = sorted((meta.get("id2label") or {}).items(), key=lambda kv: int(kv[0]))
     if labels:
         lines.append("labels:       " + ", ".join(f"{k}={v}" for k, v in labels))
