@@ -29,7 +29,7 @@ from flaxheads.backbones.decoder import DecoderBackbone, attend_textbook  # noqa
 from flaxheads.backbones.layers import attend_chunked, mask_bias  # noqa: E402
 from flaxheads.backbones.registry import load_backbone  # noqa: E402
 from flaxheads.presets import PoolMaskError  # noqa: E402
-from hf_tiny import (DECODERS, check_bf16_and_remat, check_dropout_spread, check_export,  # noqa: E402
+from hf_tiny import (DECODERS, check_dropout_spread, check_export,  # noqa: E402
                      check_gradients, check_hidden_states, check_train_needs_key, edited_copy, padded_batch,
                      save_tiny)
 
@@ -126,14 +126,36 @@ def test_gradients_match_torch_autograd(tiny, arch):
     check_gradients(*tiny(arch), arch, softmax_cancelled=lambda k: False)
 
 
-@pytest.mark.parametrize("arch", DECODERS)
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma2", "gemma3_text"])
 def test_export_after_training_loads_in_pytorch(tiny, tmp_path, arch):
+    """Every weight layout (Mistral and Gemma have Llama's module tree): trained, exported, loaded by
+    PyTorch with no missing or unexpected keys, same logits."""
     check_export(*tiny(arch), arch, tmp_path / "out")
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
 def test_bf16_logits_and_remat_gradients(tiny, arch):
-    check_bf16_and_remat(*tiny(arch), arch, atol=0.05)  # measured: llama 0.008, gemma3_text 0.01 off
+    """bfloat16 activations (float32 params) within 0.03 of the float32 logits (measured: llama 0.005,
+    gemma3_text 0.009, on logits up to 0.55); remat (a checkpoint per layer) gives the same gradients
+    to float32 reassociation: within 1e-5 of each tensor's largest entry (measured < 1e-6; the
+    gradients of ``sum(hidden * w)`` reach ~180, so an absolute 1e-5 would be tighter than float32)."""
+    path, pt = tiny(arch)
+    ids, mask = padded_batch(arch, pt.config)
+    f32, bf16 = fh.from_pretrained(path), fh.from_pretrained(path, dtype=jnp.bfloat16)
+    assert jax.jit(lambda p: bf16.backbone.encode(p, ids, mask))(bf16.params["backbone"]).dtype == jnp.bfloat16
+    logits = [np.asarray(jax.jit(lambda p, m=m: m.apply(p, ids, mask))(m.params)) for m in (f32, bf16)]
+    np.testing.assert_allclose(logits[1], logits[0], atol=0.03, rtol=0)
+    remat = fh.from_pretrained(path, remat=True).backbone
+    w = jax.random.normal(jax.random.PRNGKey(0), ids.shape + (f32.hidden_size,))
+
+    def grads(bb):
+        return jax.jit(jax.grad(lambda p: jnp.sum(bb.encode(p, ids, mask) * w)))
+
+    assert "checkpoint" in str(jax.make_jaxpr(grads(remat))(remat.params)) or "remat" in str(
+        jax.make_jaxpr(grads(remat))(remat.params))
+    plain = jax.tree.leaves(grads(f32.backbone)(f32.backbone.params))
+    for a, b in zip(plain, jax.tree.leaves(grads(remat)(remat.params))):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5 * float(np.abs(a).max()), rtol=0)
 
 
 def test_attention_dropout_matches_pytorch_statistically(tmp_path):
