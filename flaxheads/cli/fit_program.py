@@ -23,6 +23,7 @@ from ..training.data import (SPLITS, DataConfig, LabelSpace, Split, iterate_batc
                              tokenize)
 from ..training.metrics import compute_metrics
 from ..training.optim import OptimConfig, count_params
+from ..training.memory import memory_report
 from ..training.parallel import Parallel
 from .resume import best_metric, open_checkpoints
 from .run_folder import RunFolder
@@ -78,10 +79,11 @@ def data_config(args: argparse.Namespace) -> DataConfig:
 
 
 def train_config(args: argparse.Namespace) -> loop.TrainConfig:
-    parallel = "mesh" if args.coordinator_address is not None else args.parallel
+    mesh = getattr(args, "mesh", None)
+    parallel = "mesh" if args.coordinator_address is not None or mesh else args.parallel
     return loop.TrainConfig(epochs=args.epochs, batch_size=args.batch_size, eval_batch_size=args.eval_batch_size,
                             max_steps=args.max_steps, eval_every=args.eval_every, log_every=args.log_every,
-                            seed=args.seed, parallel=parallel, threshold=args.threshold,
+                            seed=args.seed, parallel=parallel, mesh=mesh, threshold=args.threshold,
                             loss_options={"label_smoothing": args.label_smoothing} if args.label_smoothing else {})
 
 
@@ -166,7 +168,8 @@ def run_config(job: Job, args: argparse.Namespace, trainer: loop.Trainer) -> dic
             "train": dataclasses.asdict(job.train), "optimizer": dataclasses.asdict(job.optim),
             "checkpoints": {"keep": args.keep, "best_metric": job.best_metric, "every": args.checkpoint_every},
             "devices": {"parallel": job.train.parallel, "count": jax.device_count(), "width": trainer.parallel.width,
-                        "processes": jax.process_count(), "platform": jax.devices()[0].platform},
+                        "processes": jax.process_count(), "platform": jax.devices()[0].platform,
+                        **({"mesh": dict(trainer.parallel.mesh.shape)} if trainer.parallel.mesh is not None else {})},
             "params": {"backbone": count_params(model.params["backbone"]), "head": count_params(model.params["head"])},
             "argv": sys.argv[1:], "flaxheads_version": __version__}
 
@@ -187,7 +190,7 @@ def _final_results(trainer: loop.Trainer, res: loop.FitResult, job: Job) -> tupl
 
 def run_fine_tune(job: Job, args: argparse.Namespace) -> dict:
     """Train with the library's ``fit``; write the run folder; return the summary."""
-    trainer = loop.Trainer.build(job.model, job.optim, job.train, Parallel(job.train.parallel))
+    trainer = loop.Trainer.build(job.model, job.optim, job.train, Parallel.from_config(job.train.parallel, job.train.mesh))
     config = run_config(job, args, trainer)
     lead = jax.process_index() == 0
     ckpt, state0 = open_checkpoints(args, job, trainer, config, lead)
@@ -196,6 +199,10 @@ def run_fine_tune(job: Job, args: argparse.Namespace) -> dict:
     folder.start(config, f"{split_counts(job.splits)} examples, {job.model.num_labels} labels, {total} steps of "
                          f"{job.train.batch_size}, {'backbone frozen' if job.optim.freeze_backbone else 'full fine-tune'}"
                          f", {trainer.parallel.width} device(s) ({job.train.parallel})")
+    if job.train.mesh:  # every process compiles the same program; the first one reports
+        report = memory_report(trainer, _largest_batch(job))
+        if lead:
+            print("\n".join(report.lines()), flush=True)
     callbacks = [folder.logger(job.optim, total, job.train.log_every, job.model.problem_type)]
     evals = {"validation": job.splits["validation"]} if "validation" in job.splits else {}
     res = loop.fit(trainer, job.splits["train"], evals=evals, buckets=job.buckets, pad_id=job.pad_id,
@@ -217,6 +224,12 @@ def run_fine_tune(job: Job, args: argparse.Namespace) -> dict:
                        f"{res.eval_compiles} eval (buckets {list(job.buckets)})"
                        + (f"; {cache.summary()}" if cache is not None else ""))
     return summary
+
+
+def _largest_batch(job: Job) -> dict:
+    """A training batch padded to the longest bucket (the most activation memory a step takes)."""
+    return next(iter(iterate_batches(job.splits["train"], job.train.batch_size, job.buckets[-1:], shuffle=False,
+                                     pad_id=job.pad_id)))
 
 
 def _scalars(r: dict) -> dict:

@@ -16,6 +16,7 @@ from ..losses import MULTI_LABEL, SINGLE_LABEL
 from ..training import loop
 from ..training.data import LabelSpace
 from ..training.metrics import compute_metrics, headline
+from ..training.sharding import abstract
 
 if TYPE_CHECKING:  # annotation only: fit_program imports this module
     from .fit_program import Job
@@ -66,6 +67,18 @@ def _trim_log(path: Path, step: int) -> None:
     path.write_text("".join(x + "\n" for x in keep))
 
 
+def restore_target(trainer: loop.Trainer, ckr: RunCheckpointer):
+    """What a checkpoint is restored into: on a mesh, the shapes with this run's shardings, so each
+    process reads only its shards, whatever mesh wrote them; else (and when the backbone is not
+    saved, so it comes from the target) a fresh state."""
+    par = trainer.parallel
+    if par.mode != "mesh" or not ckr.save_backbone:
+        return trainer.init_state()
+    state = trainer.abstract_state()
+    # the step as a plain int: fit reads it on every process, and a global array is not readable there
+    return abstract(state, par.shardings(state)).replace(step=0)
+
+
 def _restore(args: argparse.Namespace, ckr: RunCheckpointer, trainer: loop.Trainer, settings: dict, lead: bool):
     """The state to resume from (None: start at step 0)."""
     latest = ckr.latest_step()
@@ -81,7 +94,7 @@ def _restore(args: argparse.Namespace, ckr: RunCheckpointer, trainer: loop.Train
     if changed and lead:
         print("warning: resuming with other settings than the checkpoint's (the run will not repeat an "
               "uninterrupted one): " + "; ".join(changed[:8]), file=sys.stderr)
-    state = ckr.restore(step, target_state=trainer.init_state())
+    state = ckr.restore(step, target_state=restore_target(trainer, ckr))
     if lead:
         print(f"resuming from step {step} ({ckr.root})", flush=True)
         _trim_log(Path(ckr.run_dir) / "metrics.jsonl", step)

@@ -26,6 +26,8 @@ from typing import Sequence
 
 from ..errors import UsageError
 from ..nn.poolers import POOLER_NAMES
+from ..training.errors import TrainingError
+from ..training.sharding import parse_mesh
 from . import flags
 from .fit_program import DEFAULT_MODEL, DEFAULTS, prepare, run_fine_tune
 from .sweep import run_cached
@@ -113,6 +115,11 @@ def _device_flags(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group("devices")
     g.add_argument("--parallel", default="single", choices=["single", "pmap", "mesh"],
                    help="single device; pmap over local devices; jit over a device mesh (multi-host capable)")
+    g.add_argument("--mesh", type=mesh_flag, default=None, metavar="AXIS=N,...",
+                   help="device mesh over axes data, fsdp, tensor, e.g. data=2,fsdp=4 (implies --parallel mesh): "
+                        "the batch is split over data x fsdp, params and optimizer state over fsdp (and tensor) by "
+                        "their logical axes; unnamed axes are 1, data takes the remaining devices. Prints each "
+                        "device's memory at the start")
     g.add_argument("--coordinator-address", default=None,
                    help="multi-host: host:port of process 0 (calls jax.distributed.initialize; implies --parallel "
                         "mesh). On TPU pods / SLURM, `auto` lets JAX find the cluster.")
@@ -173,10 +180,21 @@ def check_flags(args: argparse.Namespace) -> None:
     if args.validation_file or args.test_file:
         if not args.train_file:
             raise UsageError("--validation-file/--test-file need --train-file (or give one --data file and --split)")
-    if (args.sweep or args.cache_features) and (args.parallel != "single" or args.accumulation_steps != 1):
+    if (args.sweep or args.cache_features) and (args.parallel != "single" or args.mesh or args.accumulation_steps != 1):
         raise UsageError("--cache-features/--sweep run on one device without gradient accumulation "
-                         "(drop --parallel/--accumulation-steps)")
+                         "(drop --parallel/--mesh/--accumulation-steps)")
+    if args.mesh and args.parallel == "pmap":
+        raise UsageError(f"--mesh {args.mesh} runs jit over a device mesh; it cannot be combined with --parallel pmap")
     _check_distributed_flags(args)
+
+
+def mesh_flag(text: str) -> str:
+    """``--mesh``: ``axis=size`` pairs over data, fsdp, tensor, returned as written."""
+    try:
+        parse_mesh(text)
+    except TrainingError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def _check_distributed_flags(args: argparse.Namespace) -> None:

@@ -88,6 +88,48 @@ def resume(folder, out):
               open(out + ".json", "w"))
 
 
+#: A ~1B-parameter Llama (Llama-2-7B's widths, 5 layers): sized, never allocated.
+LLAMA_1B = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
+            "num_hidden_layers": 5, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+            "max_position_embeddings": 4096, "pad_token_id": 0, "initializer_range": 0.02, "rms_norm_eps": 1e-5}
+
+
+def abstract_model(config: dict):
+    """A SequenceModel whose params are ``jax.eval_shape`` shapes (mean pooler, linear head)."""
+    import jax.numpy as jnp
+
+    from flaxheads.backbones.base import HFConfig
+    from flaxheads.backbones.registry import family_for
+    from flaxheads.model import SequenceModel, build_head
+
+    fam = family_for(config["model_type"])
+    cfg = fam.complete_config(HFConfig(config))
+    shapes = fam.param_shapes(cfg)
+    head, _ = build_head(cfg, 2, pooler="mean", head="linear")
+    hidden = int(cfg.hidden_size)
+    hp = jax.eval_shape(lambda: head.init(jax.random.PRNGKey(0), jnp.zeros((1, 1, hidden)), jnp.ones((1, 1), jnp.int32)))
+    return SequenceModel(fam(cfg, shapes), head, 2, "single_label_classification",
+                         {"backbone": shapes, "head": hp["params"]})
+
+
+def memory(folder, out):
+    """Per-device bytes of the ~1B Llama's train step, replicated (data=8) and under fsdp=8."""
+    from flaxheads.training.memory import memory_report
+
+    model = abstract_model(LLAMA_1B)
+    batch = {"input_ids": np.zeros((8, 128), np.int32), "attention_mask": np.ones((8, 128), np.int32),
+             "labels": np.zeros(8, np.int32), "weights": np.ones(8, np.float32)}
+    rep = {"params": int(sum(x.size for x in jax.tree.leaves(model.params)))}
+    for mesh in ("data=8", "fsdp=8"):
+        cfg = TrainConfig(batch_size=8, max_steps=1, parallel="mesh", mesh=mesh)
+        tr = Trainer.build(model, OptimConfig(total_steps=1), cfg)
+        r = memory_report(tr, batch)
+        print("\n".join(r.lines()), flush=True)
+        rep[mesh] = {k: getattr(r, k) for k in ("params", "opt_state", "params_replicated", "xla_arguments",
+                                                "xla_temp", "xla_outputs", "xla_aliased")}
+    json.dump(rep, open(out + ".json", "w"))
+
+
 if __name__ == "__main__":
     assert jax.device_count() == 8, jax.devices()
-    {"meshes": meshes, "resume": resume}[sys.argv[3]](sys.argv[1], sys.argv[2])
+    {"meshes": meshes, "resume": resume, "memory": memory}[sys.argv[3]](sys.argv[1], sys.argv[2])

@@ -84,18 +84,23 @@ WORKER = textwrap.dedent("""
     import json, sys, numpy as np, jax
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     pid, port, folder, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+    mesh, local = sys.argv[6] or None, int(sys.argv[7])
     jax.distributed.initialize(coordinator_address="127.0.0.1:" + port, num_processes=2, process_id=pid)
     sys.path.insert(0, sys.argv[5])
     import flaxheads as fh
     from flaxheads.training.optim import OptimConfig
     from flaxheads.training.loop import TrainConfig, Trainer, fit
-    from flaxheads.training.parallel import Parallel
     from train_helpers import random_split
-    assert jax.device_count() == 2 and jax.local_device_count() == 1
+    assert jax.device_count() == 2 * local and jax.local_device_count() == local
     model = fh.from_pretrained(folder, pooler="mean", head="linear", num_labels=3, head_options={"dropout": 0.0})
-    cfg = TrainConfig(batch_size=8, eval_batch_size=8, max_steps=3, seed=1, log_every=1, parallel="mesh")
+    cfg = TrainConfig(batch_size=8, eval_batch_size=8, max_steps=3, seed=1, log_every=1, parallel="mesh", mesh=mesh)
     ocfg = OptimConfig(learning_rate=1e-3, head_learning_rate=1e-2, total_steps=3, warmup_steps=1)
-    trainer = Trainer.build(model, ocfg, cfg, Parallel("mesh"))
+    trainer = Trainer.build(model, ocfg, cfg)
+    if mesh:  # the fsdp axis spans the two processes: each holds half of every sharded param
+        sh = trainer.parallel.shardings(model.params)
+        split = [p for p, s in jax.tree_util.tree_leaves_with_path(sh) if "fsdp" in str(s.spec)]
+        assert len(split) > 10, split
+        assert trainer.parallel.local_rows_fraction == (pid, 2)
     res = fit(trainer, random_split(21, seed=4), evals={"validation": random_split(13, seed=6)},
               buckets=(16, 24), progress=False, group_by_length=False)
     params = trainer.parallel.get_state(res.state).params
@@ -115,15 +120,17 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-def test_multi_host_mesh_matches_single_process(folder, single, tmp_path):
-    """Two processes x 1 CPU device, jax.distributed on a loopback port: each feeds its half of
-    every global batch; both end with the single-process params."""
+@pytest.mark.parametrize("mesh, local", [("", 1), ("data=1,fsdp=2,tensor=2", 2)])
+def test_multi_host_mesh_matches_single_process(folder, single, tmp_path, mesh, local):
+    """Two processes, jax.distributed on a loopback port: each feeds its half of every global
+    batch; both end with the single-process params. 1 CPU device each (data parallel), or 2 each
+    on a mesh whose fsdp axis spans the processes (tensor inside each)."""
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={local}", "JAX_PLATFORMS": "cpu"}
     port, out = str(_free_port()), str(tmp_path / "res")
     helpers = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: train_helpers
-    procs = [subprocess.Popen([sys.executable, str(script), str(i), port, folder, out, helpers], env=env,
+    procs = [subprocess.Popen([sys.executable, str(script), str(i), port, folder, out, helpers, mesh, str(local)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
     logs = []
     for p in procs:

@@ -172,8 +172,14 @@ def gpt2(tmp_path_factory):
     return save_tiny(tmp_path_factory.mktemp("shard_gpt2"), "gpt2", pad_token_id=0)[0]
 
 
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    from hf_tiny import save_tiny
+    return save_tiny(tmp_path_factory.mktemp("shard_llama"), "llama")[0]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["bert", "gpt2"])
+@pytest.mark.parametrize("family", ["bert", "gpt2", "llama"])
 def test_meshes_train_the_single_device_run(family, request, tmp_path):
     out = str(tmp_path / "res")
     rep = _worker(request.getfixturevalue(family), out, "meshes")
