@@ -119,8 +119,8 @@ def main() -> None:
         e1, e2 = emb.embed(texts, progress=False), st.encode(texts)
         cos = float(((e1 * e2).sum(1) / np.linalg.norm(e1, axis=1) / np.linalg.norm(e2, axis=1)).min())
         cut = clf.predict(texts, progress=False).truncated
-        print(f"<!-- {label}: {cut} of {len(texts)} texts cut at {L} tokens; max |score diff| vs pipeline {np.abs(ours - ref).max():.1e}; "
-              f"min cosine vs ST {cos:.6f} -->")
+        print(f"<!-- {label}: {cut} of {len(texts)} texts cut at {L} tokens; max |score diff| vs pipeline "
+              f"{np.abs(ours - ref).max():.1e}; min cosine vs ST {cos:.6f} -->")
         for pair, ref_name in ((cls_sys, "pipeline"), (emb_sys, "SentenceTransformer.encode")):
             chosen = {name: fastest(fn, sizes)[0] for name, fn in pair.items()}
             # compile: a fresh flaxheads object's first pass minus its steady pass, at the chosen batch size

@@ -11,7 +11,7 @@ import numpy as np
 
 from ..errors import UsageError
 from ..interop.tokenizers import Tokenizer, load_tokenizer, model_max_positions
-from ..losses import MULTI_LABEL
+from ..losses import MULTI_LABEL, SINGLE_LABEL
 from ..model import SequenceModel
 from ..nn.heads import IdentityHead, ProjectionHead
 from ..training.data import make_buckets
@@ -131,7 +131,7 @@ class Classifier:
                              " not a classifier or regressor; use embed() (flaxheads embed)")
         if top_k is not None and not 1 <= int(top_k) <= len(self.id2label):
             raise UsageError(f"top_k must be from 1 to the {len(self.id2label)} labels, got {top_k}")
-        if top_k is not None and self.problem_type != "single_label_classification":
+        if top_k is not None and self.problem_type != SINGLE_LABEL:
             raise UsageError(f"top_k applies to single-label classifiers; this model is {self.problem_type} "
                              "(multi-label gives every label's score)")
         logits, cut = self.outputs(texts, text_pairs, batch_size=batch_size, truncate=truncate, progress=progress,

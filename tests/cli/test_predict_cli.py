@@ -205,3 +205,33 @@ def test_hub_id_without_network_is_a_clear_error(tmp_path):
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and not ln.startswith("warning:")]
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert "could not be downloaded" in lines[0] and "local folder" in lines[0]
+
+
+def _apply_one(model, folder, text):
+    """Logits of one unpadded text straight through ``model.apply`` (no batching, no buckets)."""
+    import flaxheads as fh
+
+    b = fh.load_tokenizer(folder)([text], max_length=16)
+    return np.asarray(model.apply(model.params, b["input_ids"], b["attention_mask"]))[0]
+
+
+def test_sources_run_steps_checkpoint_and_head_export(run, bert_folder, tmp_path):
+    import flaxheads as fh
+
+    text = "stock market bank profit"
+    for step in (None, "best"):
+        clf = Classifier.from_pretrained(run["dir"], step=step)
+        assert clf.max_length == 16 and clf.buckets == (16,)  # the run's own settings
+        ref = _apply_one(fh.model_from_checkpoint(run["dir"], step), bert_folder, text)
+        np.testing.assert_allclose(clf.predict([text]).logits[0], ref, atol=1e-5)
+    steps = sorted(int(s) for s in os.listdir(os.path.join(run["dir"], "checkpoints")) if s.isdigit())
+    one = os.path.join(run["dir"], "checkpoints", str(steps[0]))
+    ref = _apply_one(fh.model_from_checkpoint(one), bert_folder, text)
+    np.testing.assert_allclose(Classifier.from_pretrained(one).predict([text]).logits[0], ref, atol=1e-5)
+    # a head export sits on the backbone folder given (here the untrained one, as attach_head does)
+    head = fh.export_head(fh.model_from_checkpoint(run["dir"], head_only=True), tmp_path / "head")
+    clf = Classifier.from_pretrained(head, backbone=bert_folder, max_length=16)
+    ref = _apply_one(fh.attach_head(fh.from_pretrained(bert_folder, num_labels=3, ignore_mismatched_sizes=True),
+                                    fh.load_head(run["dir"])), bert_folder, text)
+    np.testing.assert_allclose(clf.predict([text]).logits[0], ref, atol=1e-5)
+    assert clf.id2label == {0: "business", 1: "politics", 2: "sport"}
