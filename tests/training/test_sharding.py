@@ -204,3 +204,21 @@ def test_restore_onto_another_mesh_continues_the_run(gpt2, tmp_path):
     assert any("tensor" in s for s in rep["restored_specs"])  # restored straight onto the new mesh's shards
     np.testing.assert_allclose(rep["resumed"], rep["whole"][2:], rtol=1e-5, atol=1e-6)
     _assert_params_close(out + ".resumed.npz", out + ".whole.npz")
+
+
+@pytest.mark.slow
+def test_fsdp8_holds_an_eighth_of_a_1b_llama_per_device(tmp_path):
+    """A ~1B-parameter Llama sized with jax.eval_shape and XLA's memory analysis of the compiled
+    train step (nothing allocated): under fsdp=8 each device holds ~1/8 of the params and
+    optimizer moments that data=8 replicates, by the shardings and by XLA's own count."""
+    out = str(tmp_path / "res")
+    rep = _worker("-", out, "memory")
+    assert 0.95e9 < rep["params"] < 1.1e9
+    rep8, fsdp = rep["data=8"], rep["fsdp=8"]
+    assert rep8["params"] == rep8["params_replicated"] == 4 * rep["params"]
+    assert 0.125 <= fsdp["params"] / rep8["params"] < 0.126  # only norm scales stay whole
+    assert 0.125 <= fsdp["opt_state"] / rep8["opt_state"] < 0.126
+    # XLA's arguments are params + optimizer state + batch; its temporaries hold the gradients
+    assert rep8["xla_arguments"] >= rep8["params"] + rep8["opt_state"]
+    assert 0.125 <= fsdp["xla_arguments"] / rep8["xla_arguments"] < 0.13
+    assert fsdp["xla_temp"] < rep8["xla_temp"] / 2
