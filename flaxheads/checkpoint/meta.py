@@ -13,6 +13,7 @@ from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import multihost_utils
 import numpy as np
 
 from .. import config as _config
@@ -100,8 +101,15 @@ def expected_head_shapes(head: SequenceHead, hidden_size: int) -> dict:
 def backbone_checksum(backbone_params) -> float:
     """Sum of |w| over every backbone weight (float64 on the host): tells a frozen backbone
     loaded again from its folder apart from another one with the same shapes."""
-    return float(sum(np.abs(np.asarray(jax.device_get(x), np.float64)).sum()
+    return float(sum(np.abs(np.asarray(_host(x), np.float64)).sum()
                      for x in jax.tree.leaves(backbone_params) if hasattr(x, "dtype")))
+
+
+def _host(x):
+    # params sharded over several hosts are gathered (every process saves, so every process is here)
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return multihost_utils.process_allgather(x, tiled=True)
+    return jax.device_get(x)
 
 
 # ---- the meta item -------------------------------------------------------------------------
