@@ -73,6 +73,37 @@ def test_generic_axes(path, shape, want):
     assert _axes(path, shape) == want
 
 
+#: Dense layers outside attention and feed-forward blocks: the generic (embed, None) is right for them.
+OTHER_DENSE = ("embeddings_project", "embedding_hidden_mapping_in")
+
+
+@pytest.mark.parametrize("arch", ["bert", "roberta", "distilbert", "albert", "electra", "gpt2", "bart", "deberta-v2",
+                                  "modernbert", "llama", "qwen2", "gemma3_text"])
+def test_every_family_weight_has_its_names(arch):
+    """Every registered family's attention / feed-forward kernels get their logical names from its
+    hook, and every embedding table its embed axis (the names a config.json makes, via eval_shape)."""
+    from flaxheads.backbones.base import HFConfig
+    from flaxheads.backbones.registry import family_for
+    from hf_tiny import tiny_config
+
+    cfg = HFConfig(tiny_config(arch).to_dict())
+    fam = family_for(cfg["model_type"])
+    if fam is None:
+        pytest.skip(f"no native {arch} backbone in this tree")
+    shapes = fam.param_shapes(fam.complete_config(cfg))
+    kinds = set()
+    for path, x in jax.tree_util.tree_leaves_with_path(shapes):
+        names = tuple(str(getattr(k, "key", k)) for k in path)
+        axes = fam.param_axes(names, x.shape)
+        assert len(axes) == len(x.shape), names
+        if names[-1] in ("kernel", "embedding") and len(x.shape) == 2:
+            assert EMBED in axes, names
+            if names[-1] == "kernel" and names[-2] not in OTHER_DENSE:
+                assert set(axes) & {HEADS, KV, MLP}, (names, axes)
+                kinds.add(axes)
+    assert (HEADS, EMBED) in kinds and (EMBED, MLP) in kinds and (MLP, EMBED) in kinds
+
+
 def test_gpt2_hook_reverses_conv1d_kernels():
     assert GPT2Backbone.param_axes(("h", "0", "attn", "c_attn", "kernel"), (96, 32)) == (HEADS, EMBED)
     assert GPT2Backbone.param_axes(("h", "0", "mlp", "c_proj", "kernel"), (32, 128)) == (EMBED, MLP)
