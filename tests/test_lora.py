@@ -80,7 +80,8 @@ def _torch_logits(m, ids, mask):
         return m(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()
 
 
-@pytest.mark.parametrize("arch,targets", CASES)
+@pytest.mark.parametrize("arch,targets", CASES + [("deberta-v2", ("query_proj", "value_proj")),
+                                                   ("modernbert", ("Wqkv", "Wi"))])
 def test_same_logits_as_peft(folders, arch, targets):
     path, pt = folders(arch)
     model = fh.from_pretrained(path).with_lora(rank=4, alpha=8, targets=targets)
@@ -169,6 +170,24 @@ def test_peft_folder_layout(folders, tmp_path):
     assert w["base_model.model.transformer.h.0.attn.c_attn.lora_A.weight"].shape == (2, 32)  # [r, in]
     assert w["base_model.model.transformer.h.0.attn.c_attn.lora_B.weight"].shape == (96, 2)  # [out, r]
     assert "base_model.model.score.weight" in w
+
+
+def test_every_family_has_default_targets():
+    """The default targets of every model type a native family serves select kernels of its tree."""
+    from flaxheads.backbones.base import HFConfig
+    from flaxheads.backbones.registry import FAMILIES
+    from flaxheads.lora import DEFAULT_TARGETS, resolve_targets
+    from hf_tiny import tiny_config
+
+    for fam in FAMILIES:
+        for model_type in fam.model_types:
+            try:
+                cfg = fam.complete_config(HFConfig(tiny_config(model_type).to_dict()))
+            except KeyError:  # no tiny config for this alias (e.g. a decoder variant)
+                continue
+            assert model_type in DEFAULT_TARGETS, model_type
+            picked = resolve_targets(LoraConfig(), fam.param_shapes(cfg), model_type)
+            assert len(picked) >= cfg.get("num_hidden_layers", 2), (model_type, picked)
 
 
 def test_targets_and_settings_are_checked(folders):
