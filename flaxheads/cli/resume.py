@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # annotation only: fit_program imports this module
 LOWER_IS_BETTER = ("mse",)
 #: The run settings a resumed run compares with the checkpoint's (a change is warned about).
 RESUME_SETTINGS = ("model", "head_config", "problem_type", "num_labels", "labels", "bf16", "max_length", "data",
-                   "train", "optimizer")
+                   "train", "optimizer", "lora")
 
 
 def validation_metrics(problem_type: str, num_labels: int) -> list[str]:
@@ -108,7 +108,8 @@ def open_checkpoints(args: argparse.Namespace, job: Job, trainer: loop.Trainer, 
     name = job.best_metric
     mode = "min" if name is not None and name.rpartition("/")[2] in LOWER_IS_BETTER else "max"
     ckr = RunCheckpointer(job.out, job.model, keep=args.keep, best_metric=name, mode=mode,
-                          save_backbone=not job.optim.freeze_backbone, extra_meta={"run": settings})
+                          save_backbone=not (job.optim.freeze_backbone or job.model.lora is not None),
+                          extra_meta={"run": settings})
     state0 = _restore(args, ckr, trainer, settings, lead)
     if args.checkpoint_every == 0:
         ckr.close()
