@@ -103,7 +103,7 @@ def _restore(args: argparse.Namespace, ckr: RunCheckpointer, trainer: loop.Train
 
 def open_checkpoints(args: argparse.Namespace, job: Job, trainer: loop.Trainer, config: dict, lead: bool):
     """The checkpoint callback (None with ``--checkpoint-every 0``) and the state to resume from."""
-    settings = json.loads(json.dumps({k: config[k] for k in RESUME_SETTINGS}, default=str))
+    settings = json.loads(json.dumps({k: config.get(k) for k in RESUME_SETTINGS}, default=str))
     had_folder = (job.out / "checkpoints").exists()
     name = job.best_metric
     mode = "min" if name is not None and name.rpartition("/")[2] in LOWER_IS_BETTER else "max"
