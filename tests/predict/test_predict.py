@@ -93,6 +93,20 @@ def test_input_order_kept_with_mixed_lengths_and_uneven_batches(single):
     np.testing.assert_allclose(rev[::-1], alone, atol=2e-6)
 
 
+def test_batches_are_split_over_all_local_devices(single):
+    """conftest forces 4 CPU devices: the batch is sharded over a mesh of them, same results as one device."""
+    import jax
+
+    from flaxheads.predict.batches import Runner
+
+    clf = Classifier.from_pretrained(single)
+    assert clf.runner().width == len(jax.local_devices()) == 4
+    mesh = clf.predict(TEXTS, batch_size=6).logits
+    clf._runner = Runner(clf.model, clf.params, devices=jax.local_devices()[:1])
+    assert clf.runner().width == 1
+    np.testing.assert_allclose(clf.predict(TEXTS, batch_size=6).logits, mesh, atol=2e-6)
+
+
 def test_truncation_counts_and_refusal(single):
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
