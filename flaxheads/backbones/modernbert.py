@@ -96,9 +96,9 @@ def _config_problem(config) -> str:
         return f"layer_types {list(kinds)} is not {n} entries of {GLOBAL!r} / {LOCAL!r}"
     every = config.get("global_attn_every_n_layers")
     if config.get("layer_types") is not None and every and kinds != layer_types(config.replace(layer_types=None)):
-        # transformers picks the window by global_attn_every_n_layers but the RoPE base by layer_types
-        return (f"layer_types {list(kinds)} disagree with global_attn_every_n_layers={every}; transformers mixes "
-                "the two (window from one, RoPE base from the other)")
+        # transformers 5 reads layer_types, 4.x global_attn_every_n_layers: two different models
+        return (f"layer_types {list(kinds)} disagree with global_attn_every_n_layers={every} (transformers 5 "
+                "reads the first, 4.x the second, so the checkpoint means two different models)")
     if scaled:
         return f"rope_type {scaled}; only the 'default' rotary embedding is implemented"
     if LOCAL in kinds and int(config.local_attention) < 0:

@@ -263,7 +263,7 @@ def test_export_after_training_loads_in_pytorch(tiny, tmp_path):
 
 
 def test_bf16_logits_and_remat_gradients(tiny):
-    check_bf16_and_remat(*tiny, "modernbert", atol=0.05)  # measured: ~0.01 off, on logits up to ~1
+    check_bf16_and_remat(*tiny, "modernbert", atol=0.05)  # measured: 0.008 off, on logits up to 1.7
 
 
 def test_init_params_are_hf_init(tiny):
