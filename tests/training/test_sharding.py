@@ -253,3 +253,28 @@ def test_fsdp8_holds_an_eighth_of_a_1b_llama_per_device(tmp_path):
     assert rep8["xla_arguments"] >= rep8["params"] + rep8["opt_state"]
     assert 0.125 <= fsdp["xla_arguments"] / rep8["xla_arguments"] < 0.13
     assert fsdp["xla_temp"] < rep8["xla_temp"] / 2
+
+
+def test_frozen_backbone_on_a_mesh_is_the_single_device_run(bert):
+    """Linear probe on fsdp=2,tensor=2 (4 devices): the frozen backbone is sharded but never
+    differentiated, the optimizer state covers the head only, and the head ends as on one device."""
+    import flaxheads as fh
+    from flaxheads.training.loop import TrainConfig, Trainer, fit
+    from flaxheads.training.optim import OptimConfig
+    from train_helpers import random_split
+
+    heads = []
+    for mesh in (None, "fsdp=2,tensor=2"):
+        model = fh.from_pretrained(bert, pooler="mean", head="linear", num_labels=3, head_options={"dropout": 0.0})
+        cfg = TrainConfig(batch_size=4, max_steps=2, seed=1, parallel="mesh" if mesh else "single", mesh=mesh)
+        tr = Trainer.build(model, OptimConfig(learning_rate=1e-2, total_steps=2, freeze_backbone=True), cfg)
+        res = fit(tr, random_split(6, seed=2), buckets=(16,), progress=False)
+        state = tr.parallel.get_state(res.state)
+        assert set(state.opt_state[1].inner_states) == {"head"}
+        heads.append(state.params)
+    _close = np.testing.assert_allclose
+    for a, b in zip(jax.tree.leaves(heads[0]), jax.tree.leaves(heads[1])):
+        _close(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-6)
+    assert not np.allclose(heads[0]["head"]["head"]["classifier"]["kernel"],
+                           fh.from_pretrained(bert, pooler="mean", head="linear", num_labels=3)
+                           .params["head"]["head"]["classifier"]["kernel"])
