@@ -72,8 +72,8 @@ def measure(a) -> dict:
     state = create_state(model.params, tx)
     rng = np.random.default_rng(0)
     batch = {"input_ids": jnp.asarray(rng.integers(3, a.vocab, (a.batch, a.seq)), jnp.int32),
-             "attention_mask": jnp.ones((a.batch, a.seq), jnp.int32), "labels": jnp.asarray(rng.integers(0, 2, a.batch)),
-             "weights": jnp.ones(a.batch, jnp.float32)}
+             "attention_mask": jnp.ones((a.batch, a.seq), jnp.int32),
+             "labels": jnp.asarray(rng.integers(0, 2, a.batch)), "weights": jnp.ones(a.batch, jnp.float32)}
     step = jax.jit(make_train_step(model, tx), donate_argnums=0)
     xla = common.xla_bytes(step, state, batch)
     t0 = time.perf_counter()
