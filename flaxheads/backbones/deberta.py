@@ -75,6 +75,8 @@ class Settings:
     act: Callable[[jax.Array], jax.Array]
     hidden_dropout: float
     attn_dropout: float
+    pos_dropout: float  # on the relative table in each layer (HF: hidden_dropout_prob)
+    conv_dropout: float  # on the convolution's output (HF: hidden_dropout_prob)
     scale: float  # 1 / sqrt(head_dim * scale_factor)
     relative: bool
     c2p: bool
@@ -108,6 +110,7 @@ class Settings:
             num_layers=int(c.num_hidden_layers), num_heads=heads, eps=float(c.layer_norm_eps),
             act=get_activation(c.hidden_act), hidden_dropout=float(c.hidden_dropout_prob or 0.0),
             attn_dropout=float(c.attention_probs_dropout_prob or 0.0),
+            pos_dropout=float(c.hidden_dropout_prob or 0.0), conv_dropout=float(c.hidden_dropout_prob or 0.0),
             scale=1.0 / math.sqrt(int(c.hidden_size) // heads * factor),
             relative=bool(c.get("relative_attention", False)), c2p="c2p" in types, p2c="p2c" in types,
             share_att_key=bool(c.get("share_att_key", False)), buckets=int(c.get("position_buckets", -1)),
@@ -187,7 +190,7 @@ def disentangled_attention(p: dict, x: jax.Array, keep: jax.Array, rel: jax.Arra
     r_pos, r_attn = jax.random.split(rng) if rng is not None else (None, None)
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k)
     if rel is not None:
-        rel = dropout(rel, s.hidden_dropout, r_pos)
+        rel = dropout(rel, s.pos_dropout, r_pos)
         c2p_rows, p2c_rows = rows
         if s.c2p:
             pk = _project_rows(rel, c2p_rows, k_p if s.share_att_key else sa["pos_key_proj"], nh,
@@ -221,7 +224,7 @@ def conv_layer(p: dict, embedded: jax.Array, hidden: jax.Array, mask: jax.Array,
     c = p["conv"]
     y = lax.conv_general_dilated(embedded, c["kernel"].astype(embedded.dtype), (1,), [(pad, pad)],
                                  dimension_numbers=("NWC", "WIO", "NWC"), feature_group_count=s.conv_groups)
-    y = s.conv_act(dropout((y + c["bias"].astype(y.dtype)) * mask, s.hidden_dropout, rng))
+    y = s.conv_act(dropout((y + c["bias"].astype(y.dtype)) * mask, s.conv_dropout, rng))
     return layer_norm_p(hidden + y, p["LayerNorm"], s.eps) * mask
 
 
