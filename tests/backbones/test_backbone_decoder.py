@@ -34,6 +34,7 @@ from hf_tiny import (DECODERS, check_dropout_spread, check_export,  # noqa: E402
                      save_tiny)
 
 SLIDING, FULL = "sliding_attention", "full_attention"
+TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
 #: config overrides per family: windows shorter than the 9-token test batch, sliding and full layers mixed
 OVERRIDES = {
     "mistral": dict(sliding_window=3),
@@ -202,9 +203,14 @@ def test_textbook_attention_equals_shared_attention(softcap):
 def test_rope_scaling_types_match_pytorch(tmp_path, rope):
     """RoPE scaling (small base, so the scaled frequencies matter within 9 positions); ``dynamic``
     equals ``default`` up to ``max_position_embeddings`` and is refused past it."""
-    path, pt = save_tiny(tmp_path, "llama", rope_parameters=dict(rope))
+    if TRANSFORMERS_5:
+        over = dict(rope_parameters=dict(rope))
+    else:  # transformers 4.x reads rope_theta and rope_scaling
+        over = dict(rope_theta=rope["rope_theta"], rope_scaling={k: v for k, v in rope.items() if k != "rope_theta"})
+    path, pt = save_tiny(tmp_path, "llama", **over)
     with open(os.path.join(path, "config.json")) as f:
-        assert json.load(f)["rope_parameters"]["rope_type"] == rope["rope_type"]
+        saved = json.load(f)
+    assert (saved["rope_parameters"] if TRANSFORMERS_5 else saved["rope_scaling"])["rope_type"] == rope["rope_type"]
     for side in ("right", "left"):
         bb = check_hidden_states(path, pt, "llama", side=side)
     if rope["rope_type"] == "dynamic":
@@ -219,7 +225,7 @@ def test_gemma3_older_rope_keys_match_pytorch(tiny, tmp_path):
     path, _ = tiny("gemma3_text")
     with open(os.path.join(path, "config.json")) as f:
         cfg = json.load(f)
-    cfg.pop("rope_parameters")
+    cfg.pop("rope_parameters", None)
     cfg.update(rope_theta=900.0, rope_local_base_freq=300.0, rope_scaling={"rope_type": "linear", "factor": 3.0})
     old = tmp_path / "old"
     os.makedirs(old)
@@ -227,7 +233,8 @@ def test_gemma3_older_rope_keys_match_pytorch(tiny, tmp_path):
         json.dump(cfg, f)
     os.link(os.path.join(path, "model.safetensors"), old / "model.safetensors")
     pt = transformers.AutoModelForSequenceClassification.from_pretrained(old, attn_implementation="eager").eval()
-    assert pt.config.rope_parameters[FULL]["rope_theta"] == 900.0
+    if TRANSFORMERS_5:
+        assert pt.config.rope_parameters[FULL]["rope_theta"] == 900.0
     check_hidden_states(str(old), pt, "gemma3_text", side="left")
 
 
