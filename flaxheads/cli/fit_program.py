@@ -83,7 +83,7 @@ def train_config(args: argparse.Namespace) -> loop.TrainConfig:
     parallel = "mesh" if args.coordinator_address is not None or mesh else args.parallel
     return loop.TrainConfig(epochs=args.epochs, batch_size=args.batch_size, eval_batch_size=args.eval_batch_size,
                             max_steps=args.max_steps, eval_every=args.eval_every, log_every=args.log_every,
-                            seed=args.seed, parallel=parallel, mesh=mesh, threshold=args.threshold,
+                            seed=args.seed, parallel=parallel, mesh=mesh, threshold=args.threshold, pack=args.pack,
                             loss_options={"label_smoothing": args.label_smoothing} if args.label_smoothing else {})
 
 

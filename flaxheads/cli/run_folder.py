@@ -15,7 +15,7 @@ from ..training.optim import OptimConfig, learning_rates
 from .plots import plot_confusion_matrix, plot_curve
 
 #: Keys of fit's step metrics that go to metrics.jsonl.
-LOGGED = ("epoch", "loss", "loss_avg", "grad_norm", "examples_per_s")
+LOGGED = ("epoch", "loss", "loss_avg", "grad_norm", "examples_per_s", "padding")
 
 
 def scalars(results: dict) -> dict:

@@ -69,6 +69,9 @@ def _data_flags(ap: argparse.ArgumentParser) -> None:
                    help="pad each batch to a multiple of this (<= max length): bounds compiles (default 32)")
 
 
+    g.add_argument("--pack", action="store_true",
+                   help="pack several short training texts into one row (BERT-like encoders): the same batches and "
+                        "loss, fewer padded tokens")
 def _training_flags(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group("training")
     g.add_argument("--epochs", type=flags.positive_float, default=DEFAULTS["epochs"], help="default 2")

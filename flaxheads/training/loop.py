@@ -25,7 +25,7 @@ from .data import Split, iterate_batches
 from .errors import TrainingError
 from .metrics import compute_metrics
 from .optim import OptimConfig, make_optimizer
-from .packing import iterate_packed_batches
+from .packing import iterate_packed_batches, padding_fraction
 from .parallel import DATA_AXIS, Parallel
 from .steps import TrainState, TraceCounter, create_state, make_eval_step, make_train_step, predict_batches
 
@@ -263,7 +263,7 @@ def fit(trainer: Trainer, train: Split, *, evals: Mapping[str, Split] | None = N
                              pad_id=pad_id, group_by_length=group_by_length):
             placed, m = trainer.step(placed, batch)
             step, offset = step + 1, offset + 1
-            m.update(step=step, epoch=epoch + offset / spe)
+            m.update(step=step, epoch=epoch + offset / spe, padding=padding_fraction(batch))
             entry = log.step(m, step)
             if entry is not None:
                 history.append(entry)

@@ -134,5 +134,5 @@ def example_targets(batch) -> tuple:
 
 
 def padding_fraction(batch) -> float:
-    """The share of token slots that hold padding (for reports and benchmarks)."""
+    """The share of the batch's token slots that hold padding (logged by ``fit`` as ``padding``)."""
     return 1.0 - float(np.asarray(batch["attention_mask"]).mean())

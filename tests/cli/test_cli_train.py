@@ -114,6 +114,18 @@ def test_mesh_equals_one_device(bert_folder, files, baseline, tmp_path):
     np.testing.assert_allclose(_predictions(out)[0], _predictions(baseline)[0], atol=1e-5)
 
 
+def test_pack_trains_the_same_batches_with_less_padding(bert_folder, files, baseline, tmp_path):
+    """--pack: the same examples per step in fewer padded slots. The head's dropout draws follow the
+    slot layout, so losses agree to dropout noise here (tests/training/test_packing.py checks
+    equality without dropout)."""
+    out = tmp_path / "packed"
+    _run(*_file_args(files, out, "--model", bert_folder, "--pack"))
+    assert _config(out)["train"]["pack"] is True
+    np.testing.assert_allclose(_losses(out), _losses(baseline), atol=0.02)
+    padding = [[e["padding"] for e in _log(run) if "padding" in e] for run in (out, baseline)]
+    assert len(padding[0]) == len(padding[1]) > 0 and max(padding[0]) < min(padding[1]), padding
+
+
 def test_bf16_runs_the_backbone_in_bfloat16(bert_folder, files, baseline, tmp_path):
     out = tmp_path / "bf16"
     _run(*_file_args(files, out, "--model", bert_folder, "--bf16"))
