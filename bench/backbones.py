@@ -51,10 +51,35 @@ def _gpt2(tf, s, **kw):
                          pad_token_id=0, **kw)
 
 
+def _modernbert(tf, s, **kw):
+    # GeGLU (Wi is 2 x intermediate wide), local window 128 (dense at --seq 128), a global layer every 3rd;
+    # special ids inside the vocabulary (ModernBertConfig's defaults are not)
+    return tf.ModernBertConfig(vocab_size=s["vocab"], hidden_size=s["hidden"], num_hidden_layers=s["layers"],
+                               num_attention_heads=s["heads"], intermediate_size=s["ffn"],
+                               max_position_embeddings=s["positions"], pad_token_id=0, bos_token_id=1,
+                               eos_token_id=2, cls_token_id=1, sep_token_id=2, **kw)
+
+
+def _decoder(name: str, **fixed):
+    # grouped-query attention (4 key/value heads for 12 query heads); pad id for the last-token head
+    def make(tf, s, **kw):
+        return getattr(tf, name)(vocab_size=s["vocab"], hidden_size=s["hidden"], num_hidden_layers=s["layers"],
+                                 num_attention_heads=s["heads"], num_key_value_heads=4, intermediate_size=s["ffn"],
+                                 max_position_embeddings=s["positions"], pad_token_id=0, bos_token_id=1,
+                                 eos_token_id=2, **fixed, **kw)
+    return make
+
+
 #: family -> f(transformers module, SIZE, **config kwargs) -> config of the PyTorch model
 CONFIGS = {"bart": _bart, "roberta": _bert_like("RobertaConfig", pad_token_id=1, bos_token_id=0, eos_token_id=2),
            "electra": _bert_like("ElectraConfig", embedding_size=128), "distilbert": _distilbert,
-           "albert": _bert_like("AlbertConfig", embedding_size=128), "gpt2": _gpt2}
+           "albert": _bert_like("AlbertConfig", embedding_size=128), "gpt2": _gpt2,
+           "modernbert": _modernbert,
+           # DeBERTa-v3 layout (the settings of deberta-v3-xsmall/small/base/large)
+           "deberta-v2": _bert_like("DebertaV2Config", relative_attention=True, position_buckets=256,
+                                    pos_att_type=["p2c", "c2p"], share_att_key=True, norm_rel_ebd="layer_norm",
+                                    position_biased_input=False, max_relative_positions=-1, type_vocab_size=0),
+           "llama": _decoder("LlamaConfig"), "qwen3": _decoder("Qwen3Config", head_dim=32)}
 
 
 def parse(argv=None):

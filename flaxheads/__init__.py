@@ -8,13 +8,19 @@ from .checkpoint.models import model_from_checkpoint
 from .interop import (ExportError, ModelImportError, export_head, export_sentence_transformers, export_transformers,
                       import_model, load_head_export, load_sentence_transformers, load_transformers)
 from .interop.tokenizers import Tokenizer, TokenizerError, load_tokenizer
+from . import lora
+from .checkpoint.adapters import load_adapters
+from .interop.peft import export_peft
+from .lora import LoraConfig, merge_model
 from .losses import (MULTI_LABEL, REGRESSION, SINGLE_LABEL, infer_problem_type, loss_fn, mean_squared_error,
                      sigmoid_binary_cross_entropy, softmax_cross_entropy, validate_labels)
 from .model import LoadReport, SequenceModel, build_head, from_pretrained, load_backbone
 from .nn.poolers import (AttentionPool, Concat, DensePooler, Pool, Pooler, SequenceSummary, make_pooler)
+from .predict import Classifier, Predictions
 from .presets import PRESETS, PoolMaskError, Preset, PresetMatch, match_preset, preset_for
 
 from ._version import __version__
+from .errors import FlaxheadsError
 
 __all__ = [
     "ExportError", "ModelImportError", "export_head", "export_sentence_transformers",
@@ -28,5 +34,6 @@ __all__ = [
     "SequenceHead", "SequenceModel", "SequenceSummary", "build_head", "describe", "from_dict", "from_json",
     "from_pretrained", "infer_problem_type", "load_backbone", "loss_fn", "make_head", "make_pooler",
     "mean_squared_error", "preset_for", "sigmoid_binary_cross_entropy", "softmax_cross_entropy", "to_dict",
-    "to_json", "validate_labels",
+    "to_json", "validate_labels", "lora", "LoraConfig", "merge_model", "export_peft", "load_adapters",
+    "Classifier", "Predictions", "FlaxheadsError",
 ]

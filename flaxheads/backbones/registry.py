@@ -15,15 +15,19 @@ from .base import Backbone, BackboneError, BackboneNotFoundError, HFConfig
 from .albert import AlbertBackbone
 from .bart import BartBackbone
 from .bert import BertBackbone
+from .decoder import DecoderBackbone
+from .deberta import DebertaV2Backbone
 from .distilbert import DistilBertBackbone
 from .electra import ElectraBackbone
 from .gpt2 import GPT2Backbone
+from .modernbert import ModernBertBackbone
 from .roberta import RobertaBackbone
 from .weights import read_state_dict
 
 #: Every native family, in the order their ``model_types`` are looked up.
 FAMILIES: tuple[type[Backbone], ...] = (BertBackbone, RobertaBackbone, ElectraBackbone, DistilBertBackbone,
-                                        AlbertBackbone, GPT2Backbone, BartBackbone)
+                                        AlbertBackbone, GPT2Backbone, BartBackbone, ModernBertBackbone,
+                                        DebertaV2Backbone, DecoderBackbone)
 IMPLEMENTATIONS = ("auto", "native", "hf_flax")
 
 
