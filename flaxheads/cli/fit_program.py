@@ -25,6 +25,7 @@ from ..training.metrics import compute_metrics
 from ..training.optim import OptimConfig, count_params
 from ..training.memory import memory_report
 from ..training.parallel import Parallel
+from .lora_flags import LORA_LR, with_lora_flags
 from .resume import best_metric, open_checkpoints
 from .run_folder import RunFolder
 
@@ -89,7 +90,7 @@ def train_config(args: argparse.Namespace) -> loop.TrainConfig:
 
 def optim_config(args: argparse.Namespace, n_train: int, tcfg: loop.TrainConfig, frozen: bool) -> OptimConfig:
     """AdamW settings; the schedule counts optimizer steps (micro-steps / accumulation steps)."""
-    lr = args.lr if args.lr is not None else DEFAULTS["probe_lr" if frozen else "lr"]
+    lr = args.lr if args.lr is not None else LORA_LR if args.lora_rank else DEFAULTS["probe_lr" if frozen else "lr"]
     head_lr = args.head_lr if args.head_lr is not None else (lr if frozen else DEFAULTS["head_lr"])
     opt_steps = max(loop.total_steps(n_train, tcfg) // args.accumulation_steps, 1)
     return OptimConfig(learning_rate=lr, head_learning_rate=head_lr, weight_decay=args.weight_decay,
@@ -100,11 +101,12 @@ def optim_config(args: argparse.Namespace, n_train: int, tcfg: loop.TrainConfig,
 
 def build_model(args: argparse.Namespace, path: str, space: LabelSpace) -> SequenceModel:
     pooler = None if args.pooler == "preset" else args.pooler.split(",") if "," in args.pooler else args.pooler
-    return from_pretrained(path, pooler=pooler, head=None if args.head == "preset" else args.head,
-                           id2label=space.id2label if space.names else None, num_labels=space.num_labels,
-                           problem_type=space.problem_type, dtype=jnp.bfloat16 if args.bf16 else jnp.float32,
-                           seed=args.seed, ignore_mismatched_sizes=True,
-                           head_options={"hidden_dims": tuple(args.head_hidden)} if args.head_hidden else None)
+    model = from_pretrained(path, pooler=pooler, head=None if args.head == "preset" else args.head,
+                            id2label=space.id2label if space.names else None, num_labels=space.num_labels,
+                            problem_type=space.problem_type, dtype=jnp.bfloat16 if args.bf16 else jnp.float32,
+                            seed=args.seed, ignore_mismatched_sizes=True,
+                            head_options={"hidden_dims": tuple(args.head_hidden)} if args.head_hidden else None)
+    return with_lora_flags(args, model)
 
 
 def model_positions(tok, model: SequenceModel) -> int | None:
@@ -170,7 +172,8 @@ def run_config(job: Job, args: argparse.Namespace, trainer: loop.Trainer) -> dic
             "devices": {"parallel": job.train.parallel, "count": jax.device_count(), "width": trainer.parallel.width,
                         "processes": jax.process_count(), "platform": jax.devices()[0].platform,
                         **({"mesh": dict(trainer.parallel.mesh.shape)} if trainer.parallel.mesh is not None else {})},
-            "params": {"backbone": count_params(model.params["backbone"]), "head": count_params(model.params["head"])},
+            "lora": None if model.lora is None else model.lora.to_dict(),
+            "params": {k: count_params(v) for k, v in model.params.items()},
             "argv": sys.argv[1:], "flaxheads_version": __version__}
 
 
@@ -197,7 +200,7 @@ def run_fine_tune(job: Job, args: argparse.Namespace) -> dict:
     folder = RunFolder(job.out, lead)
     total = loop.total_steps(len(job.splits["train"]), job.train)
     folder.start(config, f"{split_counts(job.splits)} examples, {job.model.num_labels} labels, {total} steps of "
-                         f"{job.train.batch_size}, {'backbone frozen' if job.optim.freeze_backbone else 'full fine-tune'}"
+                         f"{job.train.batch_size}, {_training_kind(job)}"
                          f", {trainer.parallel.width} device(s) ({job.train.parallel})")
     if job.train.mesh:  # every process compiles the same program; the first one reports
         report = memory_report(trainer, _largest_batch(job))
@@ -234,3 +237,9 @@ def _largest_batch(job: Job) -> dict:
 
 def _scalars(r: dict) -> dict:
     return {k: v for k, v in r.items() if isinstance(v, (int, float))}
+
+
+def _training_kind(job: Job) -> str:
+    if job.model.lora is not None:
+        return f"LoRA rank {job.model.lora.rank} on {', '.join(job.model.lora.targets)} (base frozen)"
+    return "backbone frozen" if job.optim.freeze_backbone else "full fine-tune"

@@ -4,6 +4,7 @@ pooler/head on a text-classification dataset, on CPU, GPU or TPU, one or many ho
 Examples:
   flaxheads train                                   # all-MiniLM-L6-v2 on BBC News (the defaults)
   flaxheads train --freeze-backbone --epochs 5      # linear probe: backbone frozen, head only
+  flaxheads train --lora-rank 8 --lora-targets query,value   # LoRA adapters + head, base frozen
   flaxheads train --model path/to/hf-folder --data my.csv --text-column review --label-column stars
   flaxheads train --train-file train.jsonl --validation-file dev.jsonl --test-file test.jsonl
 
@@ -30,6 +31,7 @@ from ..training.errors import TrainingError
 from ..training.sharding import parse_mesh
 from . import flags
 from .fit_program import DEFAULT_MODEL, DEFAULTS, prepare, run_fine_tune
+from .lora_flags import add_lora_flags, check_lora_flags
 from .sweep import run_cached
 
 PROBLEM_TYPES = ("single_label_classification", "multi_label_classification", "regression")
@@ -67,11 +69,11 @@ def _data_flags(ap: argparse.ArgumentParser) -> None:
                    help="tokens per text (default 128; at most the model's positions)")
     g.add_argument("--bucket-step", type=flags.positive_int, default=32,
                    help="pad each batch to a multiple of this (<= max length): bounds compiles (default 32)")
-
-
     g.add_argument("--pack", action="store_true",
                    help="pack several short training texts into one row (BERT-like encoders): the same batches and "
                         "loss, fewer padded tokens")
+
+
 def _training_flags(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group("training")
     g.add_argument("--epochs", type=flags.positive_float, default=DEFAULTS["epochs"], help="default 2")
@@ -150,7 +152,8 @@ def _output_flags(ap: argparse.ArgumentParser) -> None:
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     """Register every ``train`` flag on ``ap``."""
-    for add in (_model_flags, _data_flags, _training_flags, _optimizer_flags, _device_flags, _output_flags):
+    for add in (_model_flags, _data_flags, _training_flags, add_lora_flags, _optimizer_flags, _device_flags,
+                _output_flags):
         add(ap)
 
 
@@ -188,6 +191,7 @@ def check_flags(args: argparse.Namespace) -> None:
                          "(drop --parallel/--mesh/--accumulation-steps)")
     if args.mesh and args.parallel == "pmap":
         raise UsageError(f"--mesh {args.mesh} runs jit over a device mesh; it cannot be combined with --parallel pmap")
+    check_lora_flags(args)
     _check_distributed_flags(args)
 
 
