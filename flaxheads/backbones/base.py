@@ -32,6 +32,7 @@ import numpy as np
 from ..errors import FlaxheadsError
 from ..nn.activations import get_activation
 from .axes import Axes, generic_param_axes
+from .weights import pick, torch_from_tree, tree_from_torch
 
 
 class BackboneError(FlaxheadsError):
@@ -111,6 +112,9 @@ class Backbone:
     features: ClassVar[frozenset[str]] = frozenset()
     #: keyword inputs :meth:`encode` accepts besides input_ids and attention_mask
     extra_inputs: ClassVar[tuple[str, ...]] = ()
+    #: the params tree's top-level modules, which are also the first part of the PyTorch names
+    #: (with them the default :meth:`params_from_state` / :meth:`state_from_params` apply)
+    top_level: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, config: Mapping[str, Any], params: dict, dtype: Any = jnp.float32, remat: bool = False):
         cfg = config if isinstance(config, HFConfig) else HFConfig(config)
@@ -136,8 +140,18 @@ class Backbone:
     # ---- weights ------------------------------------------------------------------------------
     @classmethod
     def params_from_state(cls, config: HFConfig, state: Mapping[str, np.ndarray]) -> dict:
-        """The params tree from a base-model PyTorch state dict (no ``base_model_prefix``)."""
-        raise NotImplementedError
+        """The params tree from a base-model PyTorch state dict (no ``base_model_prefix``).
+
+        Default: every weight under a :attr:`top_level` module that is not a buffer
+        (:meth:`is_buffer`), through the generic PyTorch -> Flax name map."""
+        if not cls.top_level:
+            raise NotImplementedError(f"{cls.__name__} names no top_level modules")
+        return tree_from_torch(pick(state, lambda k: k.partition(".")[0] in cls.top_level and not cls.is_buffer(k)))
+
+    @classmethod
+    def is_buffer(cls, name: str) -> bool:
+        """Whether the PyTorch state-dict entry ``name`` is a buffer (not a weight) the params leave out."""
+        return False
 
     @classmethod
     def init_params(cls, config: HFConfig, rng: jax.Array) -> dict:
@@ -147,7 +161,9 @@ class Backbone:
 
     def state_from_params(self, params: Mapping) -> dict[str, np.ndarray]:
         """PyTorch base-model names (no prefix) and arrays for ``params``; inverse of :meth:`params_from_state`."""
-        raise NotImplementedError
+        if not self.top_level:
+            raise NotImplementedError(f"{type(self).__name__} names no top_level modules")
+        return torch_from_tree({k: params[k] for k in self.top_level if k in params})
 
     @classmethod
     def from_state(cls, config: Mapping[str, Any], state: Mapping[str, np.ndarray], *, dtype: Any = jnp.float32,

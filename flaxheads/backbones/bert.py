@@ -30,7 +30,6 @@ import jax.numpy as jnp
 from ..nn.activations import get_activation
 from .base import Backbone, BackboneError, activation_problem
 from .layers import HFInit, dense, dropout, fused_qkv, layer_norm_p, mask_bias, segment_bias, self_attention
-from .weights import pick, torch_from_tree, tree_from_torch
 
 #: ``model_type`` values whose encoder is BERT's (same tree, same math).
 SUPPORTED_MODEL_TYPES = ("bert",)
@@ -326,12 +325,8 @@ class BertBackbone(Backbone):
         return int(config.intermediate_size)
 
     @classmethod
-    def params_from_state(cls, config, state) -> dict:
-        return tree_from_torch(pick(state, lambda k: k.partition(".")[0] in cls.top_level
-                                    and k.rpartition(".")[2] not in cls.buffers))
-
-    def state_from_params(self, params) -> dict:
-        return torch_from_tree({k: params[k] for k in self.top_level if k in params})
+    def is_buffer(cls, name: str) -> bool:
+        return name.rpartition(".")[2] in cls.buffers
 
     @classmethod
     def stack(cls, config) -> Stack:

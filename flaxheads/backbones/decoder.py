@@ -31,7 +31,6 @@ from .base import Backbone, BackboneError, HFConfig
 from .bert import dropout_keys
 from .decoder_config import DEFAULTS, MODEL_TYPES, DecoderSpec, Rope, check_decoder_config, decoder_spec
 from .layers import HFInit, apply_rotary, attend_chunked, dropout, embedding_lookup, mask_bias
-from .weights import pick, torch_from_tree, tree_from_torch
 
 TOP_LEVEL = ("embed_tokens", "layers", "norm")
 
@@ -160,6 +159,7 @@ class DecoderBackbone(Backbone):
 
     model_types = MODEL_TYPES
     base_model_prefix = "model"
+    top_level = TOP_LEVEL
     features = frozenset({"position_ids", "remat", "bf16", "causal"})
     extra_inputs = ("position_ids",)
 
@@ -210,13 +210,6 @@ class DecoderBackbone(Backbone):
             table = table.at[s.pad_token_id].set(0.0)
         return {"embed_tokens": {"embedding": table}, "layers": {str(i): one_layer() for i in range(s.num_layers)},
                 "norm": norm(h)}
-
-    @classmethod
-    def params_from_state(cls, config, state) -> dict:
-        return tree_from_torch(pick(state, lambda k: k.partition(".")[0] in TOP_LEVEL))
-
-    def state_from_params(self, params) -> dict:
-        return torch_from_tree({k: params[k] for k in TOP_LEVEL})
 
     def encode(self, params, input_ids, attention_mask, *, train: bool = False, rng=None,
                position_ids=None) -> jax.Array:

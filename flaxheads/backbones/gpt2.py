@@ -32,7 +32,6 @@ from ..nn.activations import get_activation
 from .base import Backbone, BackboneError, HFConfig, activation_problem
 from .bert import dropout_keys
 from .layers import HFInit, dropout, fused_qkv, layer_norm_p, mask_bias, self_attention
-from .weights import pick, torch_from_tree, tree_from_torch
 
 #: The standard config names other code reads (``config.hidden_size``), as GPT2Config's attribute_map.
 ALIASES = {"hidden_size": "n_embd", "num_attention_heads": "n_head", "num_hidden_layers": "n_layer",
@@ -175,11 +174,8 @@ class GPT2Backbone(Backbone):
         return axes[::-1] if path and path[-1] == "kernel" else axes
 
     @classmethod
-    def params_from_state(cls, config, state) -> dict:
-        return tree_from_torch(pick(state, lambda k: k.partition(".")[0] in cls.top_level and not _is_buffer(k)))
-
-    def state_from_params(self, params) -> dict:
-        return torch_from_tree({k: params[k] for k in self.top_level})
+    def is_buffer(cls, name: str) -> bool:
+        return _is_buffer(name)
 
     def encode(self, params, input_ids, attention_mask, *, train: bool = False, rng=None, position_ids=None,
                token_type_ids=None) -> jax.Array:

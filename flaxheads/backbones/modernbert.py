@@ -42,7 +42,6 @@ from .base import Backbone, BackboneError, HFConfig, activation_problem
 from .bert import dropout_keys
 from .layers import (HFInit, apply_rotary, attend, attend_chunked, dropout, embedding_lookup, layer_norm, mask_bias,
                      rotary_cos_sin)
-from .weights import pick, torch_from_tree, tree_from_torch
 
 GLOBAL, LOCAL = "full_attention", "sliding_attention"
 #: ModernBertConfig's RoPE bases when a config names none.
@@ -305,6 +304,7 @@ class ModernBertBackbone(Backbone):
 
     model_types = ("modernbert",)
     base_model_prefix = "model"
+    top_level = TOP_LEVEL
     # transformers' ModernBertConfig defaults (the attention pattern and RoPE bases: layer_types / rope_theta)
     defaults = {"vocab_size": 50368, "hidden_size": 768, "intermediate_size": 1152, "num_hidden_layers": 22,
                 "num_attention_heads": 12, "hidden_activation": "gelu", "max_position_embeddings": 8192,
@@ -347,13 +347,6 @@ class ModernBertBackbone(Backbone):
         return {"embeddings": {"tok_embeddings": {"embedding": init.normal((int(config.vocab_size), h))},
                                "norm": init.norm(h, nb)},
                 "layers": layers, "final_norm": init.norm(h, nb)}
-
-    @classmethod
-    def params_from_state(cls, config, state) -> dict:
-        return tree_from_torch(pick(state, lambda k: k.partition(".")[0] in TOP_LEVEL))
-
-    def state_from_params(self, params) -> dict:
-        return torch_from_tree({k: params[k] for k in TOP_LEVEL})
 
     def encode(self, params, input_ids, attention_mask, *, train: bool = False, rng=None,
                position_ids=None) -> jax.Array:
