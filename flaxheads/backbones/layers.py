@@ -7,11 +7,14 @@ was never measured.
 from __future__ import annotations
 
 import math
+import os
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from ..errors import ConfigError
 
 
 @partial(jax.custom_jvp, nondiff_argnums=(3,))
@@ -141,8 +144,71 @@ def _biased_scores_jvp(primals, tangents):
             jnp.einsum("bqhd,bkhd->bhqk", dq, k) + jnp.einsum("bqhd,bkhd->bhqk", q, dk))
 
 
+#: ``FLAXHEADS_ATTENTION``: ``auto`` (default), ``fused``, ``cpu`` or ``plain`` (:func:`attention_impl`).
+ATTENTION_ENV = "FLAXHEADS_ATTENTION"
+ATTENTION_IMPLS = ("auto", "fused", "cpu", "plain")
+
+
+def attention_impl(rate: float = 0.0, rng: jax.Array | None = None, want: str | None = None) -> str:
+    """Which arrangement :func:`attend` uses: ``"fused"`` (:func:`attend_fused`), ``"cpu"``
+    (the CPU-tuned :func:`attend`) or ``"plain"`` (:func:`attend_plain`). The one place this is decided.
+
+    ``want`` (else ``$FLAXHEADS_ATTENTION``, else ``"auto"``): ``"auto"`` is ``"fused"`` on GPU,
+    ``"cpu"`` on CPU and ``"plain"`` elsewhere. Attention dropout (``rate > 0`` with an ``rng``)
+    always gets the unfused arrangement of its backend, whatever was asked: the fused kernels
+    have no dropout, and dropping the probabilities needs them materialised anyway. Read at
+    trace time, so a program already compiled keeps the arrangement it was traced with."""
+    want = (want or os.environ.get(ATTENTION_ENV) or "auto").strip().lower()
+    if want not in ATTENTION_IMPLS:
+        raise ConfigError(f"attention implementation {want!r} (argument or ${ATTENTION_ENV}) is not known: "
+                          f"expected one of {', '.join(ATTENTION_IMPLS)}; unset ${ATTENTION_ENV} for the default")
+    backend = jax.default_backend()
+    unfused = "cpu" if backend == "cpu" else "plain"
+    if want == "auto":
+        want = "fused" if backend == "gpu" else unfused
+    if want == "fused" and rate > 0.0 and rng is not None:
+        return unfused
+    return want
+
+
+def _fused_kernel(q: jax.Array) -> str:
+    """``jax.nn.dot_product_attention``'s ``implementation``: cuDNN's flash attention on GPU for
+    16-bit activations and head dims it takes (multiple of 8, at most 128), else XLA's
+    (``implementation=None`` means XLA in JAX 0.12 too, so cuDNN is asked for by name)."""
+    d = q.shape[-1]
+    if jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16) and d % 8 == 0 and d <= 128:
+        return "cudnn"
+    return "xla"
+
+
+def attend_fused(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, causal: bool = False,
+                 implementation: str | None = None) -> jax.Array:
+    """:func:`attend` (no dropout) through ``jax.nn.dot_product_attention``: cuDNN's fused
+    kernel on GPU (:func:`_fused_kernel`), XLA's arrangement with ``implementation="xla"``.
+
+    ``q`` is already scaled (:func:`fused_qkv`), so ``scale=1``. ``bias`` holds 0 (attend) or a
+    large negative (hidden), as :func:`mask_bias` ``[B, 1, 1, Tk]`` and :func:`segment_bias`
+    ``[B, 1, Tq, Tk]`` give; it becomes the boolean mask the kernels take. A query that sees
+    no key gets the mean of ``v`` over all keys, which is what the additive bias gives
+    (uniform softmax): finite whatever the kernel does with an empty row. Such a query is
+    padding, whose output no loss reads; were one read, q and k would get no gradient from
+    it here, where the additive form passes them a uniform softmax's derivative."""
+    tq, tk = q.shape[1], k.shape[1]
+    mask = lax.stop_gradient(bias) > jnp.asarray(jnp.finfo(bias.dtype).min / 2, bias.dtype)
+    keep = mask
+    if causal:  # queries are the last Tq of the Tk positions, as in causal_mask
+        keep = mask & (lax.broadcasted_iota(jnp.int32, (tq, tk), 1)
+                       <= lax.broadcasted_iota(jnp.int32, (tq, tk), 0) + (tk - tq))
+    is_causal = causal and tq == tk  # the kernels' own causal mask is aligned at the first query
+    out = jax.nn.dot_product_attention(q, k, v, mask=mask if is_causal else keep, scale=1.0, is_causal=is_causal,
+                                       implementation=implementation or _fused_kernel(q))
+    # [B, Tq or 1, nh or 1, 1]: does the query see any key
+    seen = jnp.any(keep, axis=-1).transpose(0, 2, 1)[..., None]
+    return jnp.where(seen, out, jnp.mean(v, axis=1, keepdims=True).astype(out.dtype))
+
+
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, rate: float,
-            rng: jax.Array | None, causal: bool = False) -> jax.Array:
+            rng: jax.Array | None, causal: bool = False, impl: str | None = None) -> jax.Array:
     """softmax(q k^T + bias) v for ``q, k, v [B, T, nh, d]``, ``bias [B, 1, 1, T]``: ``[B, T, nh, d]``.
 
     ``causal=True`` also hides every key after the query's position (decoder attention).
@@ -157,8 +223,12 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, rate: floa
     * ``probs @ v`` is a ``dot_general`` with a ``[B, nh, Tq, d]`` output: ``jnp.einsum`` puts
       ``v`` first and XLA:CPU then computes the transposed product, 3x slower per call.
 
-    On other backends it is :func:`attend_plain` (see there)."""
-    if jax.default_backend() != "cpu" or bias.shape[-2] != 1:
+    :func:`attention_impl` (``impl`` or ``$FLAXHEADS_ATTENTION``) picks the arrangement: on GPU
+    without attention dropout :func:`attend_fused`, on other accelerators :func:`attend_plain`."""
+    how = attention_impl(rate, rng, impl)
+    if how == "fused":
+        return attend_fused(q, k, v, bias, causal)
+    if how == "plain" or bias.shape[-2] != 1:
         # a per-query mask (packed rows, :func:`segment_bias`) cannot ride in the score matmul
         return attend_plain(q, k, v, bias, rate, rng, causal)
     b, t, nh, _ = k.shape
@@ -243,17 +313,21 @@ def cross_attention(x: jax.Array, memory: jax.Array, w: jax.Array, b: jax.Array,
 
 
 def attend_chunked(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, *, rate: float = 0.0,
-                   rng: jax.Array | None = None, chunks: int | str = "auto", causal: bool = False) -> jax.Array:
+                   rng: jax.Array | None = None, chunks: int | str = "auto", causal: bool = False,
+                   impl: str | None = None) -> jax.Array:
     """:func:`attend` (``q [B, Tq, nh, d]``, ``k, v [B, Tk, nh, d]``, ``bias [B, 1, 1, Tk]``) in
     independent batch chunks (:func:`attention_chunks`): XLA's CPU runtime runs them
     concurrently, so the (single-threaded) softmax/mask fusions of one chunk overlap the
     other's. They are split (not sliced) so the backward pass concatenates the chunks'
     gradients instead of adding zero-padded full-size copies of them. Chunk ``c``'s dropout
-    key is ``fold_in(rng, c)``."""
+    key is ``fold_in(rng, c)``. The fused kernel is one call (``"auto"`` is 1 chunk there: it
+    never holds the score tensor the chunks are sized by)."""
     batch, _, num_heads, _ = q.shape
+    if chunks == "auto" and attention_impl(rate, rng, impl) == "fused":
+        chunks = 1
     n = attention_chunks(batch, num_heads, k.shape[1], jnp.dtype(q.dtype).itemsize, chunks)
     split = (lambda a: jnp.split(a, n, axis=0)) if n > 1 else (lambda a: [a])
-    parts = [attend(qc, kc, vc, bc, rate, None if rng is None else jax.random.fold_in(rng, c), causal)
+    parts = [attend(qc, kc, vc, bc, rate, None if rng is None else jax.random.fold_in(rng, c), causal, impl)
              for c, (qc, kc, vc, bc) in enumerate(zip(split(q), split(k), split(v), split(bias)))]
     return parts[0] if n == 1 else jnp.concatenate(parts, axis=0)
 
