@@ -200,8 +200,19 @@ def attend_fused(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, caus
         keep = mask & (lax.broadcasted_iota(jnp.int32, (tq, tk), 1)
                        <= lax.broadcasted_iota(jnp.int32, (tq, tk), 0) + (tk - tq))
     is_causal = causal and tq == tk  # the kernels' own causal mask is aligned at the first query
-    out = jax.nn.dot_product_attention(q, k, v, mask=mask if is_causal else keep, scale=1.0, is_causal=is_causal,
-                                       implementation=implementation or _fused_kernel(q))
+    kernel_mask = mask if is_causal else keep
+    implementation = implementation or _fused_kernel(q)
+    out = None
+    if implementation == "cudnn":
+        try:  # cuDNN takes a mask with the full [Tq, Tk] extent only; shapes it refuses fall back to XLA's
+            out = jax.nn.dot_product_attention(
+                q, k, v, mask=jnp.broadcast_to(kernel_mask, (*kernel_mask.shape[:2], tq, tk)), scale=1.0,
+                is_causal=is_causal, implementation="cudnn")
+        except (ValueError, NotImplementedError, RuntimeError):
+            implementation = "xla"
+    if out is None:
+        out = jax.nn.dot_product_attention(q, k, v, mask=kernel_mask, scale=1.0, is_causal=is_causal,
+                                           implementation=implementation)
     # [B, Tq or 1, nh or 1, 1]: does the query see any key
     seen = jnp.any(keep, axis=-1).transpose(0, 2, 1)[..., None]
     return jnp.where(seen, out, jnp.mean(v, axis=1, keepdims=True).astype(out.dtype))

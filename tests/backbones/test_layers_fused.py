@@ -175,3 +175,11 @@ def test_backbone_with_fused_attention_matches_pytorch(tmp_path, monkeypatch, ar
     path, pt = save_tiny(tmp_path, arch)
     check_hidden_states(path, pt, arch, side=side)
     assert calls, "the fused path did not run"
+
+
+def test_cudnn_request_off_gpu_falls_back_to_xla():
+    """What a GPU whose cuDNN refuses the shapes gets: XLA's kernel, same values."""
+    q, k, v = _qkv(seed=6)
+    bias = segment_bias(_segments(), jnp.float32)
+    np.testing.assert_allclose(attend_fused(q, k, v, bias, True, implementation="cudnn"),
+                               attend_fused(q, k, v, bias, True, implementation="xla"), atol=1e-6)
