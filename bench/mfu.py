@@ -161,7 +161,7 @@ def main(argv=None) -> list[dict]:
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     peak, how = peak_flops(args)
     print(f"# train-step MFU, {device_name()}; activations {args.dtype}; batch {args.batch}")
-    print(f"# peak {peak / 1e12:.2f} TFLOP/s ({how}); unfused = the backend's default attention "
+    print(f"# peak {peak / 1e12:.2f} TFLOP/s: {how}; unfused = the backend's default attention "
           f"({'CPU-tuned' if jax.default_backend() == 'cpu' else 'textbook'})")
     print("#", common.environment())
     rows = []
