@@ -123,7 +123,9 @@ def test_pack_trains_the_same_batches_with_less_padding(bert_folder, files, base
     assert _config(out)["train"]["pack"] is True
     np.testing.assert_allclose(_losses(out), _losses(baseline), atol=0.02)
     padding = [[e["padding"] for e in _log(run) if "padding" in e] for run in (out, baseline)]
-    assert len(padding[0]) == len(padding[1]) > 0 and max(padding[0]) < min(padding[1]), padding
+    # a batch whose texts do not fit two to a row packs as it was; the others lose padding
+    assert len(padding[0]) == len(padding[1]) > 0 and all(p <= b for p, b in zip(*padding)), padding
+    assert sum(padding[0]) < sum(padding[1]), padding
 
 
 def test_bf16_runs_the_backbone_in_bfloat16(bert_folder, files, baseline, tmp_path):
