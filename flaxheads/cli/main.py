@@ -31,7 +31,7 @@ SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
 def build_parser() -> Parser:
     """The ``flaxheads`` parser with every subcommand."""
     parser = Parser(prog="flaxheads", description="flaxheads command-line tools: train heads on transformer "
-                                                  "encoders, export them, inspect checkpoints")
+                                                  "encoders, predict and embed with them, export them, inspect checkpoints")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)
     for add in SUBCOMMANDS:
         add(sub)
