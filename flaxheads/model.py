@@ -116,7 +116,7 @@ class SequenceModel:
     def apply_packed(self, params, input_ids, segment_ids, position_ids, segment_index, segment_mask, *,
                      train: bool = False, dropout_rng: jax.Array | None = None, **extra) -> jax.Array:
         """Logits ``[R*S, num_labels]`` of a packed batch, one row per text slot (empty slots included)."""
-        rb, rh = jax.random.split(dropout_rng) if train and dropout_rng is not None else (dropout_rng, None)
+        rb, rh = _dropout_keys(train, dropout_rng)
         hidden, mask = self.packed_features(self.backbone_params(params), input_ids, segment_ids, position_ids,
                                             segment_index, segment_mask, train=train, dropout_rng=rb, **extra)
         return self.head_apply(params["head"], hidden, mask, train=train, dropout_rng=rh)
@@ -134,12 +134,7 @@ class SequenceModel:
         """Logits [B, num_labels] in float32 (embeddings for projection heads)."""
         if attention_mask is None:
             attention_mask = jnp.ones_like(input_ids)
-        if train:
-            if dropout_rng is None:
-                raise ConfigError("train=True needs a dropout_rng")
-            rb, rh = jax.random.split(dropout_rng)
-        else:
-            rb = rh = None
+        rb, rh = _dropout_keys(train, dropout_rng)
         hidden, mask = self.features(self.backbone_params(params), input_ids, attention_mask, train=train,
                                      dropout_rng=rb, **extra)
         return self.head_apply(params["head"], hidden, mask, train=train, dropout_rng=rh)
@@ -153,6 +148,16 @@ class SequenceModel:
 
     def head_config(self) -> dict:
         return _config.to_dict(self.head)
+
+
+def _dropout_keys(train: bool, dropout_rng: jax.Array | None) -> tuple[jax.Array | None, jax.Array | None]:
+    """The backbone's and the head's dropout keys (None when not training)."""
+    if not train:
+        return None, None
+    if dropout_rng is None:
+        raise ConfigError("train=True needs a dropout_rng")
+    rb, rh = jax.random.split(dropout_rng)
+    return rb, rh
 
 
 def _takes(fn, name: str) -> bool:
