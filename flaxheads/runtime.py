@@ -1,15 +1,22 @@
-"""Process-level XLA settings that flaxheads' programs apply before JAX starts a backend.
+"""Process-level settings that flaxheads' programs choose for the host they run on.
 
 Importing flaxheads never changes XLA's configuration: the ``train`` program and the
 benchmarks call :func:`configure_xla` first thing, and a script that wants the same
 settings calls it before its first JAX computation.
 
-Why these flags (measured on a 2-core x86 CPU, MiniLM, batch 32 x 128 tokens, bench/):
+What is chosen from the CPU's features (:class:`CpuInfo`), and the measurements behind it
+(docs/performance.md has the A/B numbers and the CPU of each):
 
-* ``--xla_cpu_experimental_ynn_fusion_type=`` turns off XLA:CPU's YNNPACK fusions (jaxlib
-  0.10 routes dots *and* reductions through them). With them off, dots go to Eigen and
-  reductions stay inside XLA's own loop fusions: the train step is ~12% faster and the
-  forward ~7% faster (alternating separate-process runs). Results agree to float32 rounding.
+* XLA flags (:func:`cpu_xla_flags`). ``--xla_cpu_experimental_ynn_fusion_type=`` turns off
+  XLA:CPU's YNNPACK fusions (jaxlib routes dots *and* reductions through them). On CPUs without
+  AMX, dots then go to Eigen and reductions stay inside XLA's own loop fusions: on a 2-core AMD
+  EPYC (AVX2) the train step ran ~12% and the forward ~7% faster (jax 0.10.2), the fp32 GEMM ~6%
+  faster (jax 0.12). On CPUs with AMX, XLA's defaults are kept: that is the configuration whose
+  bfloat16 dots were measured to reach the AMX tiles.
+* Precision (:func:`choose_precision`): ``bfloat16`` where the hardware multiplies it natively
+  and JAX reaches it (TPU; NVIDIA GPUs from sm_80; CPUs with AMX under jax >= 0.11), ``float32``
+  elsewhere. Without bf16 matrix instructions a bf16 dot is converted and runs slower than fp32
+  (AMD EPYC, jax 0.12: ~0.8x the fp32 GEMM), so bfloat16 there would cost speed and precision.
 
 :func:`enable_compile_cache` turns on JAX's persistent compilation cache for a program, so a
 second identical run loads its executables instead of compiling them again. The folder is
@@ -25,11 +32,108 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-#: Flags applied by :func:`configure_xla` on CPU hosts, with the reason in the module docstring.
+from .errors import ConfigError
+
+#: XLA:CPU's YNNPACK fusions off (the module docstring says where and why).
 CPU_FLAGS: tuple[str, ...] = ("--xla_cpu_experimental_ynn_fusion_type=",)
 
 #: Set to ``0`` to make :func:`configure_xla` a no-op (e.g. to compare against XLA's defaults).
 OPT_OUT_ENV = "FLAXHEADS_XLA_DEFAULTS"
+
+#: ``--precision`` values: ``auto`` asks :func:`choose_precision`.
+PRECISIONS: tuple[str, ...] = ("auto", "float32", "bfloat16")
+#: The default of ``flaxheads train --precision`` (``auto`` when unset).
+PRECISION_ENV = "FLAXHEADS_PRECISION"
+
+
+@dataclass(frozen=True)
+class CpuInfo:
+    """The host CPU's model name and instruction-set flags (``/proc/cpuinfo``; empty elsewhere)."""
+
+    model: str = ""
+    flags: frozenset[str] = frozenset()
+
+    @classmethod
+    def read(cls, path: str = "/proc/cpuinfo") -> "CpuInfo":
+        """The first processor's entry (the other cores repeat it); an empty ``CpuInfo`` when unreadable."""
+        try:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                first = f.read().split("\n\n")[0]
+        except OSError:
+            return cls(platform.processor())
+        fields = {}
+        for line in first.splitlines():
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+        # x86 names them "model name" / "flags"; ARM "CPU part" / "Features"
+        model = fields.get("model name") or fields.get("CPU part") or platform.processor()
+        return cls(model, frozenset((fields.get("flags") or fields.get("Features") or "").split()))
+
+    @property
+    def amx(self) -> bool:
+        """AMX bfloat16 tiles (Intel Xeon from Sapphire Rapids)."""
+        return "amx_bf16" in self.flags
+
+    @property
+    def kind(self) -> str:
+        """The widest matrix/vector extension, as the tables in docs/performance.md name CPUs."""
+        for flag, name in (("amx_bf16", "AMX"), ("avx512f", "AVX-512"), ("avx2", "AVX2"), ("asimd", "NEON")):
+            if flag in self.flags:
+                return name
+        return "unknown"
+
+
+def cpu_xla_flags(cpu: CpuInfo) -> tuple[str, ...]:
+    """The XLA flags :func:`configure_xla` adds on this CPU (reasons in the module docstring)."""
+    return () if cpu.amx else CPU_FLAGS
+
+
+@dataclass(frozen=True)
+class Precision:
+    """A resolved ``--precision``: ``float32`` or ``bfloat16``, and why it was chosen."""
+
+    name: str
+    reason: str
+
+    @property
+    def dtype(self):
+        import jax.numpy as jnp
+
+        return jnp.bfloat16 if self.name == "bfloat16" else jnp.float32
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in text.split(".")[:2] if p.isdigit())
+
+
+def choose_precision(want: str = "auto", *, backend: str | None = None, cpu: CpuInfo | None = None,
+                     jax_version: str | None = None, gpu_capability: str | None = None) -> Precision:
+    """Resolve ``want`` (one of :data:`PRECISIONS`) for this host. ``float32``/``bfloat16`` are kept
+    as asked; ``auto`` picks bfloat16 only where the hardware multiplies it natively and JAX reaches
+    that (module docstring). The keywords default to this process's backend, CPU and jax."""
+    if want not in PRECISIONS:
+        raise ConfigError(f"precision {want!r} is not known: expected one of {', '.join(PRECISIONS)}")
+    if want != "auto":
+        return Precision(want, "asked for")
+    import jax
+
+    backend = backend or jax.default_backend()
+    if backend == "tpu":
+        return Precision("bfloat16", "auto: TPU matrix units multiply bfloat16")
+    if backend == "gpu":
+        cap = gpu_capability if gpu_capability is not None else str(getattr(jax.devices()[0], "compute_capability", ""))
+        if _version(cap) >= (8, 0):
+            return Precision("bfloat16", f"auto: GPU compute capability {cap} has bfloat16 tensor cores")
+        return Precision("float32", f"auto: GPU compute capability {cap or 'unknown'} has no bfloat16 tensor cores")
+    if backend != "cpu":
+        return Precision("float32", f"auto: float32 on the {backend} backend")
+    cpu = cpu or CpuInfo.read()
+    jax_version = jax_version or jax.__version__
+    if cpu.amx and _version(jax_version) >= (0, 11):
+        return Precision("bfloat16", f"auto: {cpu.model or 'this CPU'} has AMX bfloat16 tiles")
+    if cpu.amx:
+        return Precision("float32", f"auto: jax {jax_version} does not use this CPU's AMX tiles (jax >= 0.11 does)")
+    return Precision("float32", f"auto: {cpu.model or 'this CPU'} has no AMX (bfloat16 matmuls would run converted)")
 
 
 def _backend_started() -> bool:
@@ -41,14 +145,17 @@ def _backend_started() -> bool:
     return bool(started()) if callable(started) else False
 
 
-def configure_xla(flags: tuple[str, ...] = CPU_FLAGS) -> list[str]:
-    """Append ``flags`` to ``XLA_FLAGS`` for this process; returns the flags it added.
+def configure_xla(flags: tuple[str, ...] | None = None, *, cpu: CpuInfo | None = None) -> list[str]:
+    """Append ``flags`` (default: :func:`cpu_xla_flags` for ``cpu``, this host's CPU) to
+    ``XLA_FLAGS`` for this process; returns the flags it added.
 
     A flag whose name the user already set in ``XLA_FLAGS`` is left as the user set it.
     Does nothing (returns ``[]``) when ``FLAXHEADS_XLA_DEFAULTS=0`` or when JAX has already
     started a backend in this process (flags are read once, at backend start)."""
     if os.environ.get(OPT_OUT_ENV, "1") == "0" or _backend_started():
         return []
+    if flags is None:
+        flags = cpu_xla_flags(cpu or CpuInfo.read())
     current = shlex.split(os.environ.get("XLA_FLAGS", ""))
     names = {f.split("=", 1)[0] for f in current}
     added = [f for f in flags if f.split("=", 1)[0] not in names]
@@ -62,16 +169,10 @@ CACHE_ENV = "FLAXHEADS_COMPILE_CACHE"
 _HIT, _MISS = "/jax/compilation_cache/cache_hits", "/jax/compilation_cache/cache_misses"
 
 
-def cpu_fingerprint() -> str:
-    """A short hash of this host's CPU model and instruction-set flags (``/proc/cpuinfo`` where there is one)."""
-    text = platform.machine() + platform.processor()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            # the first processor's model and flags; the other cores repeat them
-            text += "".join(ln for ln in f.read().split("\n\n")[0].splitlines()
-                            if ln.startswith(("model name", "flags", "Features", "CPU part")))
-    except OSError:
-        pass
+def cpu_fingerprint(cpu: CpuInfo | None = None) -> str:
+    """A short hash of this host's CPU model and instruction-set flags."""
+    cpu = cpu or CpuInfo.read()
+    text = " ".join([platform.machine(), cpu.model, *sorted(cpu.flags)])
     return hashlib.sha1(text.encode()).hexdigest()[:12]
 
 

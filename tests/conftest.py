@@ -9,6 +9,8 @@ os.environ.setdefault(
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # programs run by tests compile afresh unless a test gives them a cache folder of its own
 os.environ.setdefault("FLAXHEADS_COMPILE_CACHE", "0")
+# programs compare against float32 references on every CPU kind (auto would pick bfloat16 on AMX hosts)
+os.environ.setdefault("FLAXHEADS_PRECISION", "float32")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

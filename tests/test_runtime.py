@@ -1,4 +1,5 @@
-"""flaxheads.runtime.configure_xla: what the programs set before JAX starts, and what they leave alone."""
+"""flaxheads.runtime: the XLA flags and precision chosen from the host's CPU, what the programs
+set before JAX starts, and what they leave alone."""
 from __future__ import annotations
 
 import os
@@ -7,9 +8,15 @@ import sys
 
 import pytest
 
+import jax.numpy as jnp
+
 from flaxheads import runtime
+from flaxheads.errors import ConfigError
 
 YNN = "--xla_cpu_experimental_ynn_fusion_type"
+EPYC = runtime.CpuInfo("AMD EPYC 7B13", frozenset({"sse2", "avx", "avx2", "fma"}))
+XEON = runtime.CpuInfo("Intel(R) Xeon(R) Platinum 8481C", frozenset({"avx2", "avx512f", "avx512_bf16", "amx_tile",
+                                                                     "amx_bf16"}))
 
 
 @pytest.fixture
@@ -22,24 +29,84 @@ def fresh(monkeypatch):
 
 def test_appends_to_existing_flags(fresh):
     fresh.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-    assert runtime.configure_xla() == [f"{YNN}="]
+    assert runtime.configure_xla(cpu=EPYC) == [f"{YNN}="]
     assert os.environ["XLA_FLAGS"].split() == ["--xla_force_host_platform_device_count=8", f"{YNN}="]
-    assert runtime.configure_xla() == []  # idempotent
+    assert runtime.configure_xla(cpu=EPYC) == []  # idempotent
+
+
+def test_amx_hosts_keep_xlas_defaults(fresh):
+    """YNNPACK-off was measured to win without AMX; with AMX, XLA's defaults reach the bf16 tiles."""
+    fresh.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    assert runtime.configure_xla(cpu=XEON) == []
+    assert os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=8"
 
 
 def test_keeps_the_users_own_setting(fresh):
     fresh.setenv("XLA_FLAGS", f"{YNN}=individual_dot")
-    assert runtime.configure_xla() == []
+    assert runtime.configure_xla(cpu=EPYC) == []
     assert os.environ["XLA_FLAGS"] == f"{YNN}=individual_dot"
 
 
 def test_opt_out_and_started_backend(fresh):
     fresh.delenv("XLA_FLAGS", raising=False)
     fresh.setenv(runtime.OPT_OUT_ENV, "0")
-    assert runtime.configure_xla() == [] and "XLA_FLAGS" not in os.environ
+    assert runtime.configure_xla(cpu=EPYC) == [] and "XLA_FLAGS" not in os.environ
     fresh.delenv(runtime.OPT_OUT_ENV)
     fresh.setattr(runtime, "_backend_started", lambda: True)
-    assert runtime.configure_xla() == [] and "XLA_FLAGS" not in os.environ
+    assert runtime.configure_xla(cpu=EPYC) == [] and "XLA_FLAGS" not in os.environ
+
+
+X86_CPUINFO = """processor\t: 0
+vendor_id\t: GenuineIntel
+model name\t: Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz
+flags\t\t: fpu sse2 avx2 avx512f avx512_bf16 amx_bf16 amx_tile
+
+processor\t: 1
+model name\t: something else entirely
+flags\t\t: fpu
+"""
+ARM_CPUINFO = """processor\t: 0
+BogoMIPS\t: 243.75
+Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics bf16
+CPU part\t: 0xd4f
+"""
+
+
+@pytest.mark.parametrize("text, model, kind, flags", [
+    (X86_CPUINFO, "Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz", "AMX", ()),
+    (ARM_CPUINFO, "0xd4f", "NEON", (f"{YNN}=",)),
+])
+def test_cpu_info_reads_the_first_processor(tmp_path, text, model, kind, flags):
+    path = tmp_path / "cpuinfo"
+    path.write_text(text)
+    cpu = runtime.CpuInfo.read(str(path))
+    assert (cpu.model, cpu.kind, runtime.cpu_xla_flags(cpu)) == (model, kind, flags)
+    assert runtime.cpu_fingerprint(cpu) != runtime.cpu_fingerprint(EPYC)
+
+
+def test_unreadable_cpuinfo_is_an_unknown_cpu(tmp_path):
+    cpu = runtime.CpuInfo.read(str(tmp_path / "missing"))
+    assert cpu.flags == frozenset() and cpu.kind == "unknown" and not cpu.amx
+
+
+@pytest.mark.parametrize("kw, name", [
+    (dict(backend="cpu", cpu=EPYC, jax_version="0.12.0.1"), "float32"),       # no bf16 matrix instructions
+    (dict(backend="cpu", cpu=XEON, jax_version="0.12.0.1"), "bfloat16"),      # AMX, reached by jax >= 0.11
+    (dict(backend="cpu", cpu=XEON, jax_version="0.10.2"), "float32"),         # AMX, but jax 0.10 does not use it
+    (dict(backend="gpu", gpu_capability="9.0"), "bfloat16"),
+    (dict(backend="gpu", gpu_capability="7.0"), "float32"),                    # V100: no bf16 tensor cores
+    (dict(backend="tpu"), "bfloat16"),
+])
+def test_auto_precision_follows_the_hardware(kw, name):
+    got = runtime.choose_precision("auto", **kw)
+    assert got.name == name and got.reason.startswith("auto: ")
+
+
+def test_asked_precision_is_kept_and_unknown_refused():
+    assert runtime.choose_precision("float32", cpu=XEON, backend="cpu").name == "float32"
+    assert runtime.choose_precision("bfloat16", cpu=EPYC, backend="cpu").dtype == jnp.bfloat16
+    with pytest.raises(ConfigError, match="expected one of auto, float32, bfloat16"):
+        runtime.choose_precision("fp16")
 
 
 def test_importing_flaxheads_changes_nothing_and_the_flag_reaches_xla():

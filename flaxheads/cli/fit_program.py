@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from .. import __version__
@@ -18,6 +17,7 @@ from ..errors import UsageError
 from ..hub import PACKAGED_MODEL, resolve_model_source
 from ..interop.tokenizers import load_tokenizer, model_max_positions
 from ..model import SequenceModel, from_pretrained
+from ..runtime import Precision, choose_precision
 from ..training import loop
 from ..training.data import (SPLITS, DataConfig, LabelSpace, Split, iterate_batches, load_splits, make_buckets,
                              tokenize)
@@ -51,6 +51,7 @@ class Job:
     optim: OptimConfig
     best_metric: str | None
     cached: bool  # --cache-features / --sweep: heads on features encoded once
+    precision: Precision
 
 
 def resolve_model(name: str) -> str:
@@ -99,11 +100,11 @@ def optim_config(args: argparse.Namespace, n_train: int, tcfg: loop.TrainConfig,
                        freeze_backbone=frozen)
 
 
-def build_model(args: argparse.Namespace, path: str, space: LabelSpace) -> SequenceModel:
+def build_model(args: argparse.Namespace, path: str, space: LabelSpace, precision: Precision) -> SequenceModel:
     pooler = None if args.pooler == "preset" else args.pooler.split(",") if "," in args.pooler else args.pooler
     model = from_pretrained(path, pooler=pooler, head=None if args.head == "preset" else args.head,
                             id2label=space.id2label if space.names else None, num_labels=space.num_labels,
-                            problem_type=space.problem_type, dtype=jnp.bfloat16 if args.bf16 else jnp.float32,
+                            problem_type=space.problem_type, dtype=precision.dtype,
                             seed=args.seed, ignore_mismatched_sizes=True,
                             head_options={"hidden_dims": tuple(args.head_hidden)} if args.head_hidden else None)
     return with_lora_flags(args, model)
@@ -142,7 +143,8 @@ def prepare(args: argparse.Namespace) -> Job:
     tables, space, labels = load_splits(data)
     _require_validation(args, "validation" in tables)
     best = best_metric(args.keep_best_by, space, has_validation="validation" in tables)
-    model = build_model(args, path, space)
+    precision = choose_precision(args.precision)  # settled by check_flags
+    model = build_model(args, path, space, precision)
     tok = load_tokenizer(path)
     max_length = usable_max_length(args.max_length, tok, model, path)
     splits = {n: tokenize(t, labels[n], tok, max_length, n) for n, t in tables.items()}
@@ -152,7 +154,8 @@ def prepare(args: argparse.Namespace) -> Job:
     out = Path(args.output_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{stem}")
     return Job(path, model, space, data, splits, make_buckets(max_length, min(args.bucket_step, max_length)),
                max_length, tok.pad_token_id if tok.pad_token_id is not None else 0, out, tcfg,
-               optim_config(args, len(splits["train"]), tcfg, frozen=args.freeze_backbone or cached), best, cached)
+               optim_config(args, len(splits["train"]), tcfg, frozen=args.freeze_backbone or cached), best, cached,
+               precision)
 
 
 def split_counts(splits: dict) -> str:
@@ -165,7 +168,8 @@ def run_config(job: Job, args: argparse.Namespace, trainer: loop.Trainer) -> dic
     model = job.model
     return {"model": job.model_path, "pooler": args.pooler, "head": args.head, "head_config": model.head_config(),
             "problem_type": model.problem_type, "labels": job.space.names, "num_labels": model.num_labels,
-            "bf16": args.bf16, "max_length": job.max_length, "buckets": list(job.buckets),
+            "bf16": job.precision.name == "bfloat16", "precision": dataclasses.asdict(job.precision),
+            "max_length": job.max_length, "buckets": list(job.buckets),
             "data": dataclasses.asdict(job.data), "sizes": {n: len(s) for n, s in job.splits.items()},
             "train": dataclasses.asdict(job.train), "optimizer": dataclasses.asdict(job.optim),
             "checkpoints": {"keep": args.keep, "best_metric": job.best_metric, "every": args.checkpoint_every},
@@ -201,7 +205,8 @@ def run_fine_tune(job: Job, args: argparse.Namespace) -> dict:
     total = loop.total_steps(len(job.splits["train"]), job.train)
     folder.start(config, f"{split_counts(job.splits)} examples, {job.model.num_labels} labels, {total} steps of "
                          f"{job.train.batch_size}, {_training_kind(job)}"
-                         f", {trainer.parallel.width} device(s) ({job.train.parallel})")
+                         f", {trainer.parallel.width} device(s) ({job.train.parallel}), "
+                         f"{job.precision.name} ({job.precision.reason})")
     if job.train.mesh:  # every process compiles the same program; the first one reports
         report = memory_report(trainer, _largest_batch(job))
         if lead:

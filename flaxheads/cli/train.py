@@ -22,10 +22,12 @@ and labels) and summary.json.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Sequence
 
 from ..errors import UsageError
+from ..runtime import PRECISION_ENV, PRECISIONS
 from ..nn.poolers import POOLER_NAMES
 from ..training.errors import TrainingError
 from ..training.sharding import parse_mesh
@@ -48,7 +50,11 @@ def _model_flags(ap: argparse.ArgumentParser) -> None:
                    help="linear | mlp | preset (default: linear)")
     g.add_argument("--head-hidden", type=flags.positive_ints, default=None,
                    help="--head mlp hidden widths, e.g. 256 or 512,256")
-    g.add_argument("--bf16", action="store_true", help="run the backbone in bfloat16 (params and loss stay float32)")
+    g.add_argument("--precision", choices=PRECISIONS, default=None,
+                   help="the backbone's compute precision; params, head, loss and softmax/LayerNorm statistics "
+                        "stay float32. auto (default, or $FLAXHEADS_PRECISION): bfloat16 where the hardware "
+                        "multiplies it natively (TPU, GPUs from sm_80, CPUs with AMX), else float32")
+    g.add_argument("--bf16", action="store_true", help="same as --precision bfloat16")
 
 
 def _data_flags(ap: argparse.ArgumentParser) -> None:
@@ -181,6 +187,7 @@ def check_flags(args: argparse.Namespace) -> None:
                              f"{', '.join(sorted(POOLER_NAMES))}, `preset`, or several names joined by commas")
     if args.head_hidden and args.head != "mlp":
         raise UsageError(f"--head-hidden sets the widths of an MLP head; it needs --head mlp (got --head {args.head})")
+    _settle_precision(args)
     if args.no_resume and args.resume_step is not None:
         raise UsageError("--no-resume and --resume-step contradict each other; give one")
     if args.validation_file or args.test_file:
@@ -193,6 +200,19 @@ def check_flags(args: argparse.Namespace) -> None:
         raise UsageError(f"--mesh {args.mesh} runs jit over a device mesh; it cannot be combined with --parallel pmap")
     check_lora_flags(args)
     _check_distributed_flags(args)
+
+
+def _settle_precision(args: argparse.Namespace) -> None:
+    """``args.precision`` from ``--precision``, ``--bf16`` or ``$FLAXHEADS_PRECISION`` (a flag wins)."""
+    if args.bf16:
+        if args.precision not in (None, "bfloat16"):
+            raise UsageError(f"--bf16 means --precision bfloat16; it contradicts --precision {args.precision}: give one")
+        args.precision = "bfloat16"
+    elif args.precision is None:
+        args.precision = os.environ.get(PRECISION_ENV, "").strip() or "auto"
+        if args.precision not in PRECISIONS:
+            raise UsageError(f"${PRECISION_ENV}={args.precision!r} is not a precision: expected one of "
+                             f"{', '.join(PRECISIONS)} (or unset it)")
 
 
 def mesh_flag(text: str) -> str:

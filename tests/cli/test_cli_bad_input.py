@@ -46,6 +46,7 @@ from cli_helpers import (assert_one_line_error, bert_folder, error_lines, run_cl
     ("--pooler", "mean,nope", "unknown pooler 'nope'"),
     ("--parallel", "gpu", "--parallel: invalid choice"),
     ("--problem-type", "ranking", "--problem-type: invalid choice"),
+    ("--precision", "float16", "--precision: invalid choice: 'float16'"),
 ])
 def test_bad_flag_value(flag, value, needle, capsys, tmp_path):
     given = [flag] if value is None else [flag, value]
@@ -66,10 +67,18 @@ def test_bad_flag_value(flag, value, needle, capsys, tmp_path):
     (["--coordinator-address", "127.0.0.1:1234", "--num-processes", "2", "--process-id", "0", "--parallel",
       "pmap"], "use --parallel mesh"),
     (["--bogus-flag"], "unrecognized arguments: --bogus-flag"),
+    (["--bf16", "--precision", "float32"], "--bf16 means --precision bfloat16; it contradicts --precision float32"),
 ])
 def test_conflicting_flags(argv, needle, capsys, tmp_path):
     code, _, err = run_cli(capsys, "train", "--data", "nowhere.csv", "--output-dir", tmp_path / "r", *argv)
     assert_one_line_error(code, err, needle)
+
+
+def test_bad_precision_from_the_environment(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("FLAXHEADS_PRECISION", "fp8")
+    code, _, err = run_cli(capsys, "train", "--data", "nowhere.csv", "--output-dir", tmp_path / "r")
+    assert_one_line_error(code, err, "$FLAXHEADS_PRECISION='fp8' is not a precision: expected one of auto, float32, "
+                                     "bfloat16")
 
 
 def test_negative_batch_size_fails_fast_in_a_process(tmp_path):

@@ -8,6 +8,7 @@ import pytest
 from cli_helpers import (CLASSES, SMALL, assert_one_line_error, bert_folder, run_cli, run_process,  # noqa: F401
                          train_args, write_csv, write_jsonl)
 from flaxheads.cli.main import main
+from flaxheads.runtime import choose_precision
 from train_helpers import WORDS
 
 
@@ -132,9 +133,18 @@ def test_bf16_runs_the_backbone_in_bfloat16(bert_folder, files, baseline, tmp_pa
     out = tmp_path / "bf16"
     _run(*_file_args(files, out, "--model", bert_folder, "--bf16"))
     got, want = np.asarray(_losses(out)), np.asarray(_losses(baseline))
-    assert _config(out)["bf16"] is True
+    assert _config(out)["bf16"] is True and _config(out)["precision"] == {"name": "bfloat16", "reason": "asked for"}
     assert not np.array_equal(got, want)  # bfloat16 activations round differently
     np.testing.assert_allclose(got, want, atol=0.05)  # ... but compute the same function
+
+
+def test_auto_precision_is_resolved_for_this_host_and_recorded(bert_folder, files, tmp_path):
+    """--precision auto (the default outside the tests) records what it chose and why."""
+    out = tmp_path / "auto"
+    _run(*_file_args(files, out, "--model", bert_folder, "--precision", "auto", "--max-steps", "1"))
+    want = choose_precision("auto")
+    assert _config(out)["precision"] == {"name": want.name, "reason": want.reason}
+    assert _config(out)["bf16"] is (want.name == "bfloat16")
 
 
 def test_label_smoothing_changes_the_loss(bert_folder, files, baseline, tmp_path):
