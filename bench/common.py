@@ -40,6 +40,9 @@ def parser(doc: str, *, repeats: int | None = None, systems: str | None = None):
         ap.add_argument("--labels", type=int, default=5)
         ap.add_argument("--model", default=None, help="HF BERT folder (default: all-MiniLM-L6-v2)")
         ap.add_argument("--systems", default=systems)
+        ap.add_argument("--precision", choices=("float32", "bfloat16"), default="float32",
+                        help="bfloat16: flaxheads' bf16 backbone (float32 params, head and loss) against "
+                             "PyTorch autocast(bfloat16); HF Flax runs float32 only")
     ap.add_argument("--xla-flags", default=None, help="extra XLA_FLAGS (set before jax starts)")
     return ap
 
@@ -60,6 +63,29 @@ def configure_xla(extra: str | None = None) -> list[str]:
     from flaxheads.runtime import configure_xla as apply
 
     return apply()
+
+
+def bf16_hardware() -> bool:
+    """The CPU multiplies bfloat16 natively (AVX512-BF16 or AMX). Without it PyTorch's bf16 matmul
+    falls to a reference kernel: 1.3 vs 154 GFLOP/s fp32 (512^3, AMD EPYC, torch 2.14.1)."""
+    from flaxheads.runtime import CpuInfo
+
+    cpu = CpuInfo.read()
+    return cpu.amx or "avx512_bf16" in cpu.flags
+
+
+def precision_systems(systems: str, precision: str) -> list[str]:
+    """The systems a bench runs at ``precision``, saying which it leaves out and why."""
+    want = systems.split(",")
+    if precision == "float32":
+        return want
+    drop = {"hf_flax": "HF Flax runs float32 only here", "flaxheads_hf_backbone": "HF Flax runs float32 only here"}
+    if not bf16_hardware():
+        drop["pytorch"] = "this CPU has no bf16 matmul instructions (PyTorch's bf16 matmul runs ~100x slower)"
+    for name in want:
+        if name in drop:
+            print(f"# {name} left out in bfloat16: {drop[name]}")
+    return [n for n in want if n not in drop]
 
 
 def minilm_path() -> str:
@@ -190,16 +216,20 @@ def run_interleaved(systems: dict[str, Callable[[], object]], *, repeats: int, w
     return res
 
 
-def matmul_roof(n: int = 2048, repeats: int = 7) -> dict[str, float]:
-    """Measured fp32 GEMM GFLOP/s (n x n x n) for JAX and PyTorch; 'roof' is the faster."""
+def matmul_roof(n: int = 2048, repeats: int = 7, precision: str = "float32") -> dict[str, float]:
+    """Measured GEMM GFLOP/s (n x n x n) for JAX and PyTorch at ``precision``; 'roof' is the faster
+    (PyTorch's bf16 GEMM only where the CPU has bf16 instructions: :func:`bf16_hardware`)."""
     import jax
     import jax.numpy as jnp
     import torch
 
-    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32)
+    bf16 = precision == "bfloat16"
+    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.bfloat16 if bf16 else jnp.float32)
     mm = jax.jit(lambda x, y: x @ y)
-    ta = torch.randn(n, n)
+    ta = torch.randn(n, n, dtype=torch.bfloat16 if bf16 else torch.float32)
     systems = {"jax": lambda: mm(a, a).block_until_ready(), "torch": lambda: torch.mm(ta, ta)}
+    if bf16 and not bf16_hardware():
+        del systems["torch"]
     res = run_interleaved(systems, repeats=repeats, warmup=2, examples=1, flops=2.0 * n ** 3)
     out = {k: max(res[k].flops / t for t in res[k].times) / 1e9 for k in res}  # best: the roof
     out["roof"] = max(out.values())
@@ -211,8 +241,11 @@ def environment() -> str:
     import jax
     import torch
 
+    from flaxheads.runtime import CpuInfo
+
+    cpu = CpuInfo.read()
     load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
-    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, load avg "
+    return (f"{cpu.model or platform.machine()} ({cpu.kind}), {os.cpu_count()} cores, load avg "
             f"{load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f}; python {sys.version.split()[0]}, jax {jax.__version__}, "
             f"torch {torch.__version__} ({torch.get_num_threads()} threads); "
             f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; "

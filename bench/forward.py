@@ -4,7 +4,8 @@
 
 All systems load the same checkpoint (all-MiniLM-L6-v2 + a seeded 5-label classifier saved
 in PyTorch layout), run the same full-length batch, interleaved, and their logits are
-compared (max |diff| vs PyTorch is printed). Systems:
+compared (max |diff| vs PyTorch is printed); ``--precision bfloat16`` runs flaxheads' bf16
+backbone against PyTorch's bf16 autocast. Systems:
 
 * ``flaxheads``: ``from_pretrained`` default (flaxheads' own BERT encoder), jitted ``apply``
 * ``flaxheads_hf_backbone``: the same with ``implementation="hf_flax"`` (HF's Flax BERT inside)
@@ -51,7 +52,9 @@ def main(argv=None) -> dict:
     src = args.model or common.minilm_path()
     b, t = args.batch, args.seq
     ids, mask, _ = common.token_batch(b, t)
-    want = args.systems.split(",")
+    want = common.precision_systems(args.systems, args.precision)
+    bf16 = args.precision == "bfloat16"
+    dtype = jax.numpy.bfloat16 if bf16 else jax.numpy.float32
     systems, outputs, xla = {}, {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         path = classifier_checkpoint(src, args.labels, tmp)
@@ -60,7 +63,7 @@ def main(argv=None) -> dict:
         jids, jmask = jax.numpy.asarray(ids), jax.numpy.asarray(mask)
         for name, impl in (("flaxheads", "native"), ("flaxheads_hf_backbone", "hf_flax")):
             if name in want:
-                m = fh.from_pretrained(path, implementation=impl)
+                m = fh.from_pretrained(path, implementation=impl, dtype=dtype)
                 f = jax.jit(m.apply)
                 systems[name] = (lambda f=f, p=m.params: f(p, jids, jmask).block_until_ready())
                 outputs[name] = lambda f=f, p=m.params: np.asarray(f(p, jids, jmask))
@@ -82,8 +85,8 @@ def main(argv=None) -> dict:
             tids, tmask = torch.tensor(ids).long(), torch.tensor(mask).long()
 
             def run_torch():
-                with torch.inference_mode():
-                    return tm(tids, attention_mask=tmask).logits
+                with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                    return tm(tids, attention_mask=tmask).logits.float()
 
             systems["pytorch"] = run_torch
             outputs["pytorch"] = lambda: run_torch().numpy()
@@ -91,8 +94,9 @@ def main(argv=None) -> dict:
     flops = common.bert_forward_flops(cfg, b, t, args.labels)
     print(f"# forward, {os.path.basename(src.rstrip('/'))}, batch {b} x seq {t}, {flops / 1e9:.1f} GFLOP/call")
     print("#", common.environment())
-    roof = common.matmul_roof()
-    print(f"# fp32 matmul roof (2048^3): jax {roof['jax']:.0f}, torch {roof['torch']:.0f} GFLOP/s")
+    roof = common.matmul_roof(precision=args.precision)
+    print(f"# {args.precision} matmul roof (2048^3): "
+          + ", ".join(f"{k} {v:.0f}" for k, v in roof.items() if k != "roof") + " GFLOP/s")
     res = common.run_interleaved(systems, repeats=args.repeats, warmup=2, examples=b, flops=flops)
     for k, r in res.items():
         r.xla_bytes = xla.get(k)

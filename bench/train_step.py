@@ -4,7 +4,8 @@
     python bench/train_step.py [--batch 32] [--seq 128] [--repeats 8]
 
 Same checkpoint (all-MiniLM-L6-v2 + a seeded 5-label classifier), same batch, dropout on,
-interleaved. Systems:
+interleaved; ``--precision bfloat16``: flaxheads' bf16 backbone (float32 master weights, head and
+loss) against PyTorch's bf16 autocast around forward and loss. Systems:
 
 * ``flaxheads``: ``flaxheads.train.make_train_step`` + ``flaxheads.optim.make_optimizer``
   (clip 1.0, AdamW), jitted with the state donated, default encoder (flaxheads' own BERT)
@@ -47,7 +48,9 @@ def main(argv=None):
     b, t = args.batch, args.seq
     ids, mask, rng = common.token_batch(b, t)
     labels = rng.integers(0, args.labels, (b,)).astype(np.int32)
-    want = args.systems.split(",")
+    want = common.precision_systems(args.systems, args.precision)
+    bf16 = args.precision == "bfloat16"
+    dtype = jax.numpy.bfloat16 if bf16 else jax.numpy.float32
     systems, xla = {}, {}
     batch = {"input_ids": jnp.asarray(ids), "attention_mask": jnp.asarray(mask), "labels": jnp.asarray(labels),
              "weights": jnp.ones((b,), jnp.float32)}
@@ -60,7 +63,7 @@ def main(argv=None):
         for name, impl in (("flaxheads", "native"), ("flaxheads_hf_backbone", "hf_flax")):
             if name not in want:
                 continue
-            m = fh.from_pretrained(path, implementation=impl)
+            m = fh.from_pretrained(path, implementation=impl, dtype=dtype)
             tx = make_optimizer(OptimConfig(learning_rate=2e-5, total_steps=1000))
             box = {"s": create_state(m.params, tx, seed=0)}
             step = jax.jit(make_train_step(m, tx), donate_argnums=0)
@@ -110,7 +113,8 @@ def main(argv=None):
             tlab = torch.tensor(labels).long()
 
             def run_torch():
-                loss = tm(tids, attention_mask=tmask, labels=tlab).loss
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):  # HF Trainer(bf16=True)'s form
+                    loss = tm(tids, attention_mask=tmask, labels=tlab).loss
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(tm.parameters(), 1.0)
                 opt.step()
@@ -121,8 +125,9 @@ def main(argv=None):
     flops = common.train_flops(common.bert_forward_flops(cfg, b, t, args.labels))
     print(f"# train step, {os.path.basename(src.rstrip('/'))}, batch {b} x seq {t}, {flops / 1e9:.1f} GFLOP/step")
     print("#", common.environment())
-    roof = common.matmul_roof()
-    print(f"# fp32 matmul roof (2048^3): jax {roof['jax']:.0f}, torch {roof['torch']:.0f} GFLOP/s")
+    roof = common.matmul_roof(precision=args.precision)
+    print(f"# {args.precision} matmul roof (2048^3): "
+          + ", ".join(f"{k} {v:.0f}" for k, v in roof.items() if k != "roof") + " GFLOP/s")
     res = common.run_interleaved(systems, repeats=args.repeats, warmup=2, examples=b, flops=flops)
     for k, r in res.items():
         r.xla_bytes = xla.get(k)
