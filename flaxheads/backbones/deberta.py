@@ -201,8 +201,8 @@ def disentangled_attention(p: dict, x: jax.Array, keep: jax.Array, rel: jax.Arra
             bk = k_p["bias"]
             k = k + (bk - lax.stop_gradient(bk)).astype(k.dtype).reshape(nh, d)  # adds 0; the bias gradient
             scores = scores + jnp.swapaxes(diagonals_to_keys(jnp.einsum("bkhd,nhd->bhkn", k, pq)), -1, -2)
-    scores = jnp.where(keep, scores, jnp.finfo(scores.dtype).min)
-    probs = dropout(jax.nn.softmax(scores, axis=-1), s.attn_dropout, r_attn)
+    scores = jnp.where(keep, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)  # float32 softmax, any dtype
+    probs = dropout(jax.nn.softmax(scores, axis=-1), s.attn_dropout, r_attn).astype(v.dtype)
     return jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(bt, h)
 
 

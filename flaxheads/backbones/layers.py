@@ -19,15 +19,19 @@ from ..errors import ConfigError
 
 @partial(jax.custom_jvp, nondiff_argnums=(3,))
 def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
-    """LayerNorm over the last axis (two-pass variance, as accurate as PyTorch's).
+    """LayerNorm over the last axis (two-pass variance, as accurate as PyTorch's), in ``x``'s dtype.
 
-    The explicit derivative keeps only the normalised ``x`` and ``1/std`` for the backward
-    pass, where autodiff of the formula keeps more and runs more passes over the
-    activation (~3% of a BERT train step on CPU). Forward and reverse mode both work."""
-    return _layer_norm_parts(x, eps)[0] * scale + bias
+    bfloat16/float16 activations are normalised in float32 (mean, variance, scale and shift) and
+    rounded once at the end, as PyTorch's autocast runs ``layer_norm``. The explicit derivative
+    keeps only the normalised ``x`` and ``1/std`` for the backward pass, where autodiff of the
+    formula keeps more and runs more passes over the activation (~3% of a BERT train step on
+    CPU). Forward and reverse mode both work."""
+    xh, _ = _layer_norm_parts(x, eps)
+    return (xh * scale + bias).astype(x.dtype)
 
 
 def _layer_norm_parts(x, eps):
+    x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
     mean = jnp.mean(x, axis=-1, keepdims=True)
     xc = x - mean
     rstd = lax.rsqrt(jnp.mean(xc * xc, axis=-1, keepdims=True) + eps)
@@ -39,13 +43,14 @@ def _layer_norm_jvp(eps, primals, tangents):
     x, scale, bias = primals
     dx, dscale, dbias = tangents
     xh, rstd = _layer_norm_parts(x, eps)
+    dx = dx.astype(xh.dtype)
     dxc = dx - jnp.mean(dx, axis=-1, keepdims=True)
     dxh = rstd * (dxc - xh * jnp.mean(xh * dxc, axis=-1, keepdims=True))
-    return xh * scale + bias, dxh * scale + xh * dscale + dbias
+    return (xh * scale + bias).astype(x.dtype), (dxh * scale + xh * dscale + dbias).astype(x.dtype)
 
 
 def layer_norm_p(x: jax.Array, p: dict, eps: float) -> jax.Array:
-    return layer_norm(x, p["scale"].astype(x.dtype), p["bias"].astype(x.dtype), eps)
+    return layer_norm(x, p["scale"], p["bias"], eps)
 
 
 def dense(x: jax.Array, p: dict) -> jax.Array:
@@ -133,7 +138,7 @@ def _biased_scores(q: jax.Array, k: jax.Array, key_bias: jax.Array) -> jax.Array
     on the ``d``-wide operands so the backward pass has no ``d + 1``-wide products."""
     q1 = jnp.concatenate([q, jnp.ones((*q.shape[:-1], 1), q.dtype)], axis=-1)
     k1 = jnp.concatenate([k, key_bias], axis=-1)
-    return jnp.einsum("bqhd,bkhd->bhqk", q1, k1)
+    return jnp.einsum("bqhd,bkhd->bhqk", q1, k1, preferred_element_type=jnp.float32)
 
 
 @_biased_scores.defjvp
@@ -141,7 +146,8 @@ def _biased_scores_jvp(primals, tangents):
     q, k, key_bias = primals
     dq, dk, _ = tangents  # the mask bias has no derivative
     return (_biased_scores(q, k, key_bias),
-            jnp.einsum("bqhd,bkhd->bhqk", dq, k) + jnp.einsum("bqhd,bkhd->bhqk", q, dk))
+            jnp.einsum("bqhd,bkhd->bhqk", dq, k, preferred_element_type=jnp.float32)
+            + jnp.einsum("bqhd,bkhd->bhqk", q, dk, preferred_element_type=jnp.float32))
 
 
 #: ``FLAXHEADS_ATTENTION``: ``auto`` (default), ``fused``, ``cpu`` or ``plain`` (:func:`attention_impl`).
@@ -247,11 +253,12 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, rate: floa
     scores = _biased_scores(q, k, key_bias)
     if causal:
         scores = causal_mask(scores)
+    # scores, exp and sums in float32 for any activation dtype; only the P.V operand is rounded
     e = jnp.exp(scores - lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True)))
-    denom = jnp.sum(e, axis=-1, dtype=jnp.float32)  # f32 even for bf16 activations
-    e = dropout(e, rate, rng)
-    ctx = lax.dot_general(e, v, (((3,), (1,)), ((0, 1), (0, 2))))  # [B, nh, Tq, d]
-    return (ctx / denom[..., None].astype(ctx.dtype)).transpose(0, 2, 1, 3)
+    denom = jnp.sum(e, axis=-1)
+    e = dropout(e, rate, rng).astype(v.dtype)
+    ctx = lax.dot_general(e, v, (((3,), (1,)), ((0, 1), (0, 2))), preferred_element_type=jnp.float32)  # [B, nh, Tq, d]
+    return (ctx / denom[..., None]).astype(v.dtype).transpose(0, 2, 1, 3)
 
 
 def attend_plain(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, rate: float,
@@ -261,10 +268,10 @@ def attend_plain(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, rate
     The ``d + 1``-wide score matmul is a CPU measurement; on GPUs XLA fuses bias + softmax
     itself and matmuls want aligned head dims, and nothing here was measured on one, so
     accelerators get the textbook form."""
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) + bias
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) + bias
     if causal:
         scores = causal_mask(scores)
-    probs = dropout(jax.nn.softmax(scores, axis=-1), rate, rng)
+    probs = dropout(jax.nn.softmax(scores, axis=-1), rate, rng).astype(v.dtype)  # float32 softmax, any dtype
     return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
 
 

@@ -133,8 +133,8 @@ class Settings:
 # ---- pieces -----------------------------------------------------------------------------------------------
 def norm(x: jax.Array, p: Mapping, eps: float) -> jax.Array:
     """LayerNorm with or without a bias (``norm_bias``)."""
-    bias = p["bias"].astype(x.dtype) if "bias" in p else jnp.zeros((x.shape[-1],), x.dtype)
-    return layer_norm(x, p["scale"].astype(x.dtype), bias, eps)
+    bias = p["bias"] if "bias" in p else jnp.zeros((x.shape[-1],), jnp.float32)
+    return layer_norm(x, p["scale"], bias, eps)
 
 
 def linear(x: jax.Array, p: Mapping) -> jax.Array:
