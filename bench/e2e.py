@@ -358,6 +358,10 @@ def main(argv: list[str] | None = None) -> int:
                 + ("--precision P" if spec["has_precision_flag"] else "[--bf16]") + "; fresh compile cache per run"]
         print("\n".join(head), flush=True)
         rows = []
+        cpu = cpu_info()
+        if "hf_trainer" in a.systems and "bfloat16" in a.precisions and not (cpu["avx512_bf16"] or cpu["amx_bf16"]):
+            print("# note: this CPU has neither AVX512-BF16 nor AMX: PyTorch's bfloat16 autocast runs its matmuls "
+                  "converted, and the hf_trainer bfloat16 run takes many times its float32 run", flush=True)
         for i, precision in enumerate(a.precisions):
             order = a.systems[i % len(a.systems):] + a.systems[:i % len(a.systems)]  # no system always first
             for system in order:
@@ -370,7 +374,6 @@ def main(argv: list[str] | None = None) -> int:
                          f", {r['error']}"), flush=True)
                 time.sleep(2)  # let the last process's threads and page cache settle
         best = best_runs(rows, a.min_accuracy)
-        cpu = cpu_info()
         env = common.environment() if "torch" in sys.modules or _has("torch") else ""
         tail = [f"# CPU: {cpu['model']}, {cpu['cores']} cores, avx512_bf16: {cpu['avx512_bf16']}, amx_bf16: "
                 f"{cpu['amx_bf16']}; versions: " + ", ".join(f"{k} {v}" for k, v in versions().items() if v),
