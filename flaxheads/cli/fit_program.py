@@ -213,6 +213,7 @@ def run_fine_tune(job: Job, args: argparse.Namespace) -> dict:
             print("\n".join(report.lines()), flush=True)
     callbacks = [folder.logger(job.optim, total, job.train.log_every, job.model.problem_type)]
     evals = {"validation": job.splits["validation"]} if "validation" in job.splits else {}
+    fit_called = time.perf_counter()
     res = loop.fit(trainer, job.splits["train"], evals=evals, buckets=job.buckets, pad_id=job.pad_id,
                    callbacks=callbacks + ([ckpt] if ckpt is not None else []),
                    progress=lead and not args.no_progress, state=state0)
@@ -221,6 +222,7 @@ def run_fine_tune(job: Job, args: argparse.Namespace) -> dict:
     final, predictions = _final_results(trainer, res, job)
     summary = {"steps": res.step, "resumed_from": None if state0 is None else int(state0.step),
                "checkpoints": None if ckpt is None else ckpt.ckr.root, "seconds": round(res.seconds, 1),
+               "eval_seconds": round(res.eval_seconds, 1), **_startup(args, res, fit_called),
                "train_compiles": res.train_compiles, "eval_compiles": res.eval_compiles,
                "buckets": list(job.buckets), "metrics": {n: _scalars(r) for n, r in final.items()},
                "run_folder": str(job.out)}
@@ -228,10 +230,25 @@ def run_fine_tune(job: Job, args: argparse.Namespace) -> dict:
     if cache is not None:
         summary["compile_cache"] = {"folder": str(cache.folder), "loaded": cache.hits, "compiled": cache.misses}
     folder.finish(summary, final, predictions, job.model, history=res.history,
-                  tail=f"{res.step} steps in {res.seconds:.0f} s; compiles: {res.train_compiles} train, "
+                  tail=f"{res.step} steps in {res.seconds:.0f} s"
+                       + (f" (first step done {summary['seconds_to_first_step']:.0f} s after the start)"
+                          if "seconds_to_first_step" in summary else "")
+                       + f"; compiles: {res.train_compiles} train, "
                        f"{res.eval_compiles} eval (buckets {list(job.buckets)})"
                        + (f"; {cache.summary()}" if cache is not None else ""))
     return summary
+
+
+def _startup(args: argparse.Namespace, res: loop.FitResult, fit_called: float) -> dict:
+    """How long the first step took (its compile included) and, for the command, how long from its
+    start (data, tokenizer, model, compile) to that step's end: what the compile cache shortens."""
+    if res.first_step_seconds is None:
+        return {}
+    out = {"first_step_seconds": round(res.first_step_seconds, 1)}
+    started = getattr(args, "started", None)
+    if started is not None:
+        out["seconds_to_first_step"] = round(fit_called - started + res.first_step_seconds, 1)
+    return out
 
 
 def _largest_batch(job: Job) -> dict:

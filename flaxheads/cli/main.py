@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 import warnings
 from typing import Callable, Sequence
 
@@ -59,9 +60,11 @@ def _prepare_process() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``flaxheads <subcommand> ...``; returns the exit code (2 for a user's mistake)."""
+    started = time.perf_counter()
     _prepare_process()
     try:
         args = build_parser().parse_args(sys.argv[1:] if argv is None else list(argv))
+        args.started = started
         args.compile_cache = enable_compile_cache()  # a second identical run loads its programs
         return int(args.func(args) or 0)
     except FlaxheadsError as e:

@@ -172,7 +172,9 @@ class FitResult:
     history: list[dict]
     train_compiles: int
     eval_compiles: int
-    seconds: float
+    seconds: float  # the whole loop: steps, evaluations, callbacks (checkpoint saves)
+    first_step_seconds: float | None = None  # from the call to the end of its first step (compile included)
+    eval_seconds: float = 0.0  # of ``seconds``, spent evaluating
 
 
 class _Log:
@@ -235,6 +237,7 @@ def fit(trainer: Trainer, train: Split, *, evals: Mapping[str, Split] | None = N
     Resuming: pass the restored (host) ``state``; training continues at ``state.step`` (or
     ``start_step``) with exactly the batches and dropout keys an uninterrupted run would use.
     ``callbacks``: :class:`Callback` objects (see the module docstring for when each is called)."""
+    entered = time.perf_counter()
     cfg, par = trainer.cfg, trainer.parallel
     _check_batch_sizes(cfg, par)
     batches = train_batches(trainer)
@@ -247,9 +250,13 @@ def fit(trainer: Trainer, train: Split, *, evals: Mapping[str, Split] | None = N
     history: list[dict] = []
     log = _Log(cfg.log_every, total, step, progress)
 
+    timing = {"eval": 0.0, "first": None}
+
     def evaluate(s: int) -> None:
+        t = time.perf_counter()
         results = {name: trainer.evaluate(placed.params, split, buckets=buckets, pad_id=pad_id)
                    for name, split in (evals or {}).items()}
+        timing["eval"] += time.perf_counter() - t
         if results:
             history.append({"step": s, "eval": results})
             for cb in callbacks:
@@ -261,7 +268,9 @@ def fit(trainer: Trainer, train: Split, *, evals: Mapping[str, Split] | None = N
         epoch, offset = divmod(step, spe)
         for batch in batches(train, cfg.batch_size, buckets, seed=cfg.seed, epoch=epoch, start=offset,
                              pad_id=pad_id, group_by_length=group_by_length):
-            placed, m = trainer.step(placed, batch)
+            placed, m = trainer.step(placed, batch)  # m holds host values: the step has finished
+            if timing["first"] is None:
+                timing["first"] = time.perf_counter() - entered
             step, offset = step + 1, offset + 1
             m.update(step=step, epoch=epoch + offset / spe, padding=padding_fraction(batch))
             entry = log.step(m, step)
@@ -280,7 +289,7 @@ def fit(trainer: Trainer, train: Split, *, evals: Mapping[str, Split] | None = N
     for cb in callbacks:
         cb.on_end(placed, step)
     return FitResult(placed, step, history, trainer.train_traces.count, trainer.eval_traces.count,
-                     time.perf_counter() - t0)
+                     time.perf_counter() - t0, timing["first"], timing["eval"])
 
 
 # ---- checkpoints during fit ------------------------------------------------------------------
