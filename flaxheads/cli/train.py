@@ -27,8 +27,8 @@ import sys
 from typing import Sequence
 
 from ..errors import UsageError
-from ..runtime import PRECISION_ENV, PRECISIONS
 from ..nn.poolers import POOLER_NAMES
+from ..runtime import PRECISION_ENV, PRECISIONS
 from ..training.errors import TrainingError
 from ..training.sharding import parse_mesh
 from . import flags
