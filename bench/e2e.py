@@ -143,15 +143,7 @@ def resolve(argv: list[str], workdir: Path) -> dict:
             "dropout": head.dropout, "init_std": head.init_std,
             # fit's default (the CLI does not change it): batches of similar lengths within windows
             "group_by_length": inspect.signature(loop.fit).parameters["group_by_length"].default,
-            "checkpoints": {"save": args.checkpoint_every != 0, "keep": args.keep, "best": args.keep_best_by},
-            "has_precision_flag": "--precision" in build_parser()._option_string_actions}
-
-
-def precision_flags(precision: str, has_flag: bool) -> list[str]:
-    """``--precision P`` where the CLI has it (its `auto` may pick bfloat16), else ``--bf16`` / nothing."""
-    if has_flag:
-        return ["--precision", precision]
-    return ["--bf16"] if precision == "bfloat16" else []
+            "checkpoints": {"save": args.checkpoint_every != 0, "keep": args.keep, "best": args.keep_best_by}}
 
 
 # ---- runs ----------------------------------------------------------------------------------
@@ -221,7 +213,7 @@ def throughput(intervals: list[dict], skip: int = 0) -> float | None:
 
 
 def run_flaxheads(spec: dict, argv: list[str], precision: str, pack: bool, folder: Path) -> dict:
-    cmd = [sys.executable, "-m", "flaxheads", "train", *argv, *precision_flags(precision, spec["has_precision_flag"]),
+    cmd = [sys.executable, "-m", "flaxheads", "train", *argv, "--precision", precision,
            *(["--pack"] if pack else []), "--output-dir", str(folder / "run")]
     folder.mkdir(parents=True)
     wall, rc = timed(cmd, {**os.environ, "FLAXHEADS_COMPILE_CACHE": str(folder / "compile-cache")}, folder / "log.txt")
@@ -357,11 +349,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"warmup steps, clip {o['max_grad_norm']}, length-grouped batches: {spec['group_by_length']}; "
                 f"validation each epoch, eval batch {spec['eval_batch_size']}",
                 f"# checkpoints: {ck}", f"# flaxheads: python -m flaxheads train {' '.join(argv_fh)} "
-                + ("--precision P" if spec["has_precision_flag"] else "[--bf16]") + "; fresh compile cache per run"]
+                + "--precision P; fresh compile cache per run"]
         print("\n".join(head), flush=True)
         rows = []
         cpu = cpu_info()
-        if "hf_trainer" in a.systems and "bfloat16" in a.precisions and not (cpu["avx512_bf16"] or cpu["amx_bf16"]):
+        if "hf_trainer" in a.systems and "bfloat16" in a.precisions and not common.bf16_hardware():
             print("# note: this CPU has neither AVX512-BF16 nor AMX: PyTorch's bfloat16 autocast runs its matmuls "
                   "converted, and the hf_trainer bfloat16 run takes many times its float32 run", flush=True)
         for i, precision in enumerate(a.precisions):

@@ -99,11 +99,6 @@ def test_best_runs_and_ratios():
     assert any("wall 1.50x" in x and "1.50x (> 1" in x for x in lines)
 
 
-def test_precision_flags():
-    assert e2e.precision_flags("float32", True) == ["--precision", "float32"]
-    assert e2e.precision_flags("bfloat16", False) == ["--bf16"] and e2e.precision_flags("float32", False) == []
-
-
 def test_resolve_gives_flaxheads_split_and_steps(tmp_path):
     """The Trainer side's examples are flaxheads' split of the same command line, and the step
     count its schedule is built for is the one flaxheads trains."""
