@@ -176,8 +176,7 @@ def main(argv=None) -> dict:
                 res = common.run_interleaved(pair, repeats=args.repeats, examples=args.batch, flops=0.0)
                 fx, pt = res["flaxheads"], res["pytorch"]
                 out[(family, bench)] = res
-                print(f"| {family} | {bench} | {fx.median * 1e3:.0f} ({min(fx.times) * 1e3:.0f}..{max(fx.times) * 1e3:.0f})"
-                      f" | {pt.median * 1e3:.0f} ({min(pt.times) * 1e3:.0f}..{max(pt.times) * 1e3:.0f}) | "
+                print(f"| {family} | {bench} | {fx.spread()} | {pt.spread()} | "
                       f"{pt.median / fx.median:.2f}x | {fx.first:.1f} |", flush=True)
     return out
 

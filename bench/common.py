@@ -40,9 +40,6 @@ def parser(doc: str, *, repeats: int | None = None, systems: str | None = None):
         ap.add_argument("--labels", type=int, default=5)
         ap.add_argument("--model", default=None, help="HF BERT folder (default: all-MiniLM-L6-v2)")
         ap.add_argument("--systems", default=systems)
-        ap.add_argument("--precision", choices=("float32", "bfloat16"), default="float32",
-                        help="bfloat16: flaxheads' bf16 backbone (float32 params, head and loss) against "
-                             "PyTorch autocast(bfloat16); HF Flax runs float32 only")
     ap.add_argument("--xla-flags", default=None, help="extra XLA_FLAGS (set before jax starts)")
     return ap
 
@@ -63,6 +60,13 @@ def configure_xla(extra: str | None = None) -> list[str]:
     from flaxheads.runtime import configure_xla as apply
 
     return apply()
+
+
+def add_precision(ap) -> None:
+    """``--precision`` for the benches that run both systems in either precision."""
+    ap.add_argument("--precision", choices=("float32", "bfloat16"), default="float32",
+                    help="bfloat16: flaxheads' bf16 backbone (float32 params, head and loss) against "
+                         "PyTorch autocast(bfloat16); HF Flax runs float32 only")
 
 
 def bf16_hardware() -> bool:
@@ -184,6 +188,11 @@ class Result:
     def gflops(self) -> float:
         return self.flops / self.median / 1e9
 
+    def spread(self, scale: float = 1e3, digits: int = 0) -> str:
+        """``"median (min..max)"`` of the timed calls, in seconds times ``scale`` (ms by default)."""
+        lo, mid, hi = (f"{t * scale:.{digits}f}" for t in (min(self.times), self.median, max(self.times)))
+        return f"{mid} ({lo}..{hi})"
+
 
 def run_interleaved(systems: dict[str, Callable[[], object]], *, repeats: int, warmup: int = 2,
                     examples: int, flops: float | dict[str, float], settle: float = 0.2) -> dict[str, Result]:
@@ -265,9 +274,8 @@ def table(bench: str, results: dict[str, Result], roof: float, *, torch_key: str
         vs_t = f"{r.eps / results[torch_key].eps:.2f}x" if torch_key in results else "-"
         vs_h = f"{r.eps / results[hf_key].eps:.2f}x" if hf_key in results else "-"
         xb = f" / {r.xla_bytes / 2**20:.0f}" if r.xla_bytes else ""
-        rows.append(f"| {bench} | {name} | {r.eps:.1f} | {r.median * 1e3:.0f} ({min(r.times) * 1e3:.0f}.."
-                    f"{max(r.times) * 1e3:.0f}) | {r.gflops:.0f} | {100 * r.gflops / roof:.0f}% | {r.first:.1f} | "
-                    f"{r.peak_bytes / 2**20:.0f}{xb} | {vs_t} | {vs_h} |")
+        rows.append(f"| {bench} | {name} | {r.eps:.1f} | {r.spread()} | {r.gflops:.0f} | {100 * r.gflops / roof:.0f}% | "
+                    f"{r.first:.1f} | {r.peak_bytes / 2**20:.0f}{xb} | {vs_t} | {vs_h} |")
     return "\n".join(rows)
 
 

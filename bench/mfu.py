@@ -186,9 +186,8 @@ def main(argv=None) -> list[dict]:
             tps = flops / r.median
             rows.append(dict(model=f"{size} x{n}", tokens=seq, variant=v, ms=r.median * 1e3, tflops=tps / 1e12,
                              mfu=tps / peak))
-            print(f"| {size} ({n} layers) | {seq} | {v} | {r.median * 1e3:.1f} ({min(r.times) * 1e3:.1f}.."
-                  f"{max(r.times) * 1e3:.1f}) | {flops / 1e12:.4f} | {tps / 1e12:.3f} | {100 * tps / peak:.1f}% | "
-                  f"{built[v][1]:.1f} |", flush=True)
+            print(f"| {size} ({n} layers) | {seq} | {v} | {r.spread(digits=1)} | {flops / 1e12:.4f} | "
+                  f"{tps / 1e12:.3f} | {100 * tps / peak:.1f}% | {built[v][1]:.1f} |", flush=True)
     return rows
 
 

@@ -136,7 +136,7 @@ def main() -> None:
             for name, r in res.items():
                 comp = f"{max(first - r.median, 0.0):.1f}" if name == ours_name else "-"
                 fp = f"{first:.1f}" if name == ours_name else f"{r.first:.1f}"
-                print(f"| {label} | {name} | {r.eps:.1f} | {r.median:.2f} ({min(r.times):.2f}..{max(r.times):.2f}) | "
+                print(f"| {label} | {name} | {r.eps:.1f} | {r.spread(scale=1.0, digits=2)} | "
                       f"{chosen[name]} | {fp} | {comp} | {r.eps / res[ref_name].eps:.2f}x |", flush=True)
 
 

@@ -28,6 +28,7 @@ def parse(argv=None):
     from bench import common
 
     ap = common.parser(__doc__, repeats=8, systems=common.default_systems())
+    common.add_precision(ap)
     return ap.parse_args(argv)
 
 
