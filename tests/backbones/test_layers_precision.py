@@ -71,3 +71,19 @@ def test_bf16_attention_softmax_runs_in_float32(impl):
     assert out.dtype == jnp.bfloat16
     # only the P.V operand and the output are rounded to bf16: within a few bf16 ulps of float32
     np.testing.assert_allclose(np.asarray(out, np.float32), want, atol=2e-2)
+
+
+def test_bf16_layer_norm_matches_pytorch_autocast():
+    """PyTorch's CPU layer_norm on a bf16 activation with float32 weights under autocast (its
+    statistics in float32, the output rounded to bf16) equals flaxheads' bf16 LayerNorm to within
+    one bf16 rounding step."""
+    torch = pytest.importorskip("torch")
+    scale, bias = _params()
+    x = _x(jnp.bfloat16)
+    tx = torch.from_numpy(np.asarray(x, np.float32)).to(torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = torch.nn.functional.layer_norm(tx, (H,), torch.from_numpy(np.asarray(scale)),
+                                              torch.from_numpy(np.asarray(bias)), 1e-12)
+    got = np.asarray(layer_norm(x, scale, bias, 1e-12), np.float32)
+    want = want.to(torch.bfloat16).float().numpy()
+    np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=1e-6)
