@@ -13,7 +13,8 @@ BASE   := $(VENV)/.base
 TESTS  := $(VENV)/.tests
 LVENV  := .venv-legacy
 # Keep big buffers mapped between steps: glibc returning them to the OS each step costs
-# JAX ~10-40% on CPU. Must be set before the process starts, so the launcher sets it.
+# JAX ~10-40% on CPU. Must be set before the process starts, so the launcher sets it; the
+# flaxheads command also puts its own heap in one arena without mmap (flaxheads/runtime.py).
 export MALLOC_MMAP_THRESHOLD_ ?= 33554432
 export MALLOC_TRIM_THRESHOLD_ ?= 4294967296
 export HF_HUB_OFFLINE := 1

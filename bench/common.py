@@ -53,12 +53,15 @@ def default_systems() -> str:
 
 def configure_xla(extra: str | None = None) -> list[str]:
     """``--xla-flags`` from the command line, then flaxheads' program defaults
-    (:func:`flaxheads.runtime.configure_xla`), before JAX starts. Every system in a bench
-    runs in this one process, so the peers get the same XLA settings as flaxheads."""
+    (:func:`flaxheads.runtime.configure_malloc` and :func:`~flaxheads.runtime.configure_xla`),
+    before JAX starts. Every system in a bench runs in this one process, so the peers get the
+    same heap and XLA settings as flaxheads."""
     if extra:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + extra).strip()
+    from flaxheads.runtime import configure_malloc
     from flaxheads.runtime import configure_xla as apply
 
+    configure_malloc()
     return apply()
 
 
@@ -258,7 +261,7 @@ def environment() -> str:
             f"{load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f}; python {sys.version.split()[0]}, jax {jax.__version__}, "
             f"torch {torch.__version__} ({torch.get_num_threads()} threads); "
             f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; "
-            f"MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_', 'unset')}")
+            f"malloc: {' '.join(f'{k}={v}' for k, v in sorted(os.environ.items()) if k.startswith('MALLOC_')) or 'glibc defaults'}")
 
 
 HEADER = ("| bench | system | examples/s | median ms (min..max) | GFLOP/s | % roof | first call s | "

@@ -21,7 +21,9 @@ decay, clipping), the head's dropout and init, the length grouping of training b
 evaluation cadence and the checkpoint policy as flaxheads' own code resolves them for that
 command line, and the exact train / validation / test examples and label ids.
 
-Each run is a fresh process (environment as ``make`` sets it), one at a time; flaxheads gets an
+Each run is a fresh process (environment as ``make`` sets it, plus the heap settings that
+``flaxheads`` applies to itself, ``flaxheads.runtime.malloc_env``, so the Trainer gets the same
+heap), one at a time; flaxheads gets an
 empty compile cache per run, so each run compiles as a first run does. Per run: wall time of the
 whole process (timed from outside: imports, data, tokenisation, compile, training, evaluation,
 test, files); train time (flaxheads' summary ``seconds`` / the Trainer's ``train_runtime``: the
@@ -149,8 +151,11 @@ def resolve(argv: list[str], workdir: Path) -> dict:
 # ---- runs ----------------------------------------------------------------------------------
 def apply_make_env(xla_flags: str | None) -> None:
     """Make's settings in this process's environment, which every run inherits (the malloc ones as
-    make's ``?=``: a value already set is kept), plus ``--xla-flags``."""
-    for k, v in MAKE_ENV.items():
+    make's ``?=``: a value already set is kept), flaxheads' heap settings for every system alike,
+    plus ``--xla-flags``."""
+    from flaxheads.runtime import malloc_env
+
+    for k, v in {**malloc_env(), **MAKE_ENV}.items():
         if k.startswith("MALLOC_"):
             os.environ.setdefault(k, v)
         else:
