@@ -251,6 +251,9 @@ def test_attention_chunk_count():
     assert attention_chunks(3, 4, 9) == 1
     assert attention_chunks(4, 12, 512, want=100) == 4
     assert attention_chunks(32, 12, 256) == 8  # 96 MiB of scores: capped at 8 chunks (compile time)
+    assert attention_chunks(32, 12, 256, train=True) == 2  # the backward's copies: 2 at most
+    assert attention_chunks(16, 12, 64, train=True) == 1  # 3 MiB: one chunk either way
+    assert attention_chunks(32, 12, 256, want=4, train=True) == 4  # asked for: kept
 
 
 @needs_hf_flax
