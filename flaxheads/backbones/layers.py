@@ -109,24 +109,23 @@ def dropout(x: jax.Array, rate: float, rng: jax.Array | None) -> jax.Array:
 #: Target size of one attention chunk's score tensor. Chunks that fit in cache cost less
 #: CPU time in softmax/mask than one big ``[B, nh, T, T]`` tensor (measured on MiniLM).
 _CHUNK_BYTES = 4 << 20
-#: Most chunks "auto" picks: each chunk is its own copy of the attention ops in the
-#: compiled program, and past 8 the compile time grows faster than the step time falls
-#: (MiniLM forward at 32 x 128: 32 chunks ~7% faster but ~6 s to compile vs ~1.7 s; at
-#: 32 x 256: 32 chunks ~5.7 s to compile, no faster). Training programs copy each chunk's
-#: backward too, and gain nothing past 2 (MiniLM train step, 2-core AMD EPYC: 32 x 128 with 8
-#: chunks 11.6 s to compile, with 2 6.4 s, step time within 1%; 16 x 128: 7.5 s vs 6.2 s, equal).
-_MAX_AUTO_CHUNKS = 8
-_MAX_AUTO_CHUNKS_TRAIN = 2
+#: Most chunks "auto" picks: each chunk is its own copy of the attention ops in the compiled
+#: program (and of their backward in a training program), so compile time grows with the count
+#: while the step time barely moves past 2. MiniLM, 2-core AMD EPYC, jax 0.12: train step 32 x 128
+#: with 8 chunks 11.6 s to compile, with 2 6.4 s, step time within 1%; forward 32 x 128 3.9 s vs
+#: 1.8 s to compile, 8 chunks 3.5% faster per call; forward 32 x 256 1.4% faster with 8. Most
+#: inference is one pass (evaluation, a feature cache, a predict run): encoding 500 BBC articles at
+#: 256 tokens (4 lengths) took 26.8 s with 2 against 31.0 s with 8. A long-running server that
+#: reuses one shape for minutes can ask for more (the backbone's ``attn_chunks``).
+_MAX_AUTO_CHUNKS = 2
 
 
 def attention_chunks(batch: int, num_heads: int, seq: int, itemsize: int = 4,
-                     want: int | str = "auto", train: bool = False) -> int:
+                     want: int | str = "auto") -> int:
     """How many batch chunks attention is split into: ``want``, or for ``"auto"`` the
-    smallest count whose score chunk is <= 4 MiB, at most 8 (2 when ``train``: a program that
-    also runs the backward); always a divisor of ``batch``."""
+    smallest count whose score chunk is <= 4 MiB, at most 2; always a divisor of ``batch``."""
     if want == "auto":
-        want = min(-(-batch * num_heads * seq * seq * itemsize // _CHUNK_BYTES),
-                   _MAX_AUTO_CHUNKS_TRAIN if train else _MAX_AUTO_CHUNKS)
+        want = min(-(-batch * num_heads * seq * seq * itemsize // _CHUNK_BYTES), _MAX_AUTO_CHUNKS)
     n = max(1, min(int(want), batch))
     while batch % n:
         n += 1
@@ -348,8 +347,7 @@ def attend_chunked(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, *,
     batch, _, num_heads, _ = q.shape
     if chunks == "auto" and attention_impl(rate, rng, impl) == "fused":
         chunks = 1
-    # a dropout key means training, where the backward is compiled too (attention_chunks)
-    n = attention_chunks(batch, num_heads, k.shape[1], jnp.dtype(q.dtype).itemsize, chunks, train=rng is not None)
+    n = attention_chunks(batch, num_heads, k.shape[1], jnp.dtype(q.dtype).itemsize, chunks)
     split = (lambda a: jnp.split(a, n, axis=0)) if n > 1 else (lambda a: [a])
     parts = [attend(qc, kc, vc, bc, rate, None if rng is None else jax.random.fold_in(rng, c), causal, impl)
              for c, (qc, kc, vc, bc) in enumerate(zip(split(q), split(k), split(v), split(bias)))]
