@@ -192,9 +192,11 @@ def configure_malloc() -> list[str]:
     the settings applied, as ``NAME=value``.
 
     Call it first thing, before JAX starts its threads: a thread that already has its own arena
-    keeps it. A setting whose environment variable is set is left to glibc, which read it at
-    start; each applied setting is written to the environment, for child processes. Does nothing (returns ``[]``) without glibc, when ``FLAXHEADS_MALLOC=0``, or when
-    JAX has already started a backend in this process."""
+    keeps it (and a block over 64 MiB allocated there is still mapped afresh; the environment
+    variables of :func:`malloc_env`, set before the process starts, leave no such thread). A
+    setting whose environment variable is set is left to glibc, which read it at start; each
+    applied setting is written to the environment, for child processes. Does nothing (returns
+    ``[]``) without glibc, when ``FLAXHEADS_MALLOC=0``, or when JAX has already started a backend."""
     if os.environ.get(MALLOC_OPT_OUT_ENV, "1") == "0" or _backend_started() or platform.libc_ver()[0] != "glibc":
         return []
     try:
