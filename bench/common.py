@@ -257,11 +257,12 @@ def environment() -> str:
 
     cpu = CpuInfo.read()
     load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
+    heap = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_")) or "glibc defaults"
     return (f"{cpu.model or platform.machine()} ({cpu.kind}), {os.cpu_count()} cores, load avg "
             f"{load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f}; python {sys.version.split()[0]}, jax {jax.__version__}, "
             f"torch {torch.__version__} ({torch.get_num_threads()} threads); "
             f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; "
-            f"malloc: {' '.join(f'{k}={v}' for k, v in sorted(os.environ.items()) if k.startswith('MALLOC_')) or 'glibc defaults'}")
+            f"malloc: {heap}")
 
 
 HEADER = ("| bench | system | examples/s | median ms (min..max) | GFLOP/s | % roof | first call s | "
