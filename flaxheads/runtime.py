@@ -18,7 +18,8 @@ What is chosen from the CPU's features (:class:`CpuInfo`), and the measurements 
   threads; glibc serves blocks over 32 MiB (and, in a thread's arena, over 64 MiB whatever the
   settings) with a fresh ``mmap`` and unmaps them on free, so every step faulted its big buffers in
   again (MiniLM train step at 16 x 128: 153k page faults, ~600 MB, per step). Kept in one heap they
-  are reused: 0 faults, the step ~13% faster and the AdamW pass 78 -> 46 ms (2-core AMD EPYC).
+  are reused: 0 faults in most runs, the step ~13% faster and the AdamW pass 78 -> 46 ms (2-core AMD
+  EPYC); in some runs part of them still fault, as threads that allocated before the call keep arenas.
 * Precision (:func:`choose_precision`): ``bfloat16`` where the hardware multiplies it natively
   and JAX reaches it (TPU; NVIDIA GPUs from sm_80; CPUs with AMX under jax >= 0.11), ``float32``
   elsewhere. Without bf16 matrix instructions a bf16 dot is converted and runs slower than fp32
