@@ -113,7 +113,7 @@ _CHUNK_BYTES = 4 << 20
 #: program (and of their backward in a training program), so compile time grows with the count
 #: while the step time barely moves past 2. MiniLM, 2-core AMD EPYC, jax 0.12: train step 32 x 128
 #: with 8 chunks 11.6 s to compile, with 2 6.4 s, step time within 1%; forward 32 x 128 3.9 s vs
-#: 1.8 s to compile, 8 chunks 3.5% faster per call; forward 32 x 256 1.4% faster with 8. Most
+#: 1.8 s to compile, 8 chunks 1.8-3.5% faster per call; 32 x 256 1.4% faster with 8. Most
 #: inference is one pass (evaluation, a feature cache, a predict run): encoding 500 BBC articles at
 #: 256 tokens (4 lengths) took 26.8 s with 2 against 31.0 s with 8. A long-running server that
 #: reuses one shape for minutes can ask for more (the backbone's ``attn_chunks``).
