@@ -155,7 +155,10 @@ def fake_libc(monkeypatch):
     libc = _Mallopt()
     monkeypatch.setattr(runtime.ctypes, "CDLL", libc)
     for name, _, _ in runtime.MALLOC_SETTINGS:
-        monkeypatch.delenv(name, raising=False)
+        # set, then delete: monkeypatch records the variable either way, so what configure_malloc
+        # writes to the environment is undone after the test (a bare delenv of an absent one is not)
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     monkeypatch.delenv(runtime.MALLOC_OPT_OUT_ENV, raising=False)
     return monkeypatch, libc
 
