@@ -29,7 +29,8 @@ import jax.numpy as jnp
 
 from ..nn.activations import get_activation
 from .base import Backbone, BackboneError, activation_problem
-from .layers import HFInit, dense, dropout, fused_qkv, layer_norm_p, mask_bias, segment_bias, self_attention
+from .layers import (HFInit, cross_attention, dense, dropout, fused_qkv, layer_norm_p, mask_bias, segment_bias,
+                     self_attention)
 
 #: ``model_type`` values whose encoder is BERT's (same tree, same math).
 SUPPORTED_MODEL_TYPES = ("bert",)
@@ -160,8 +161,12 @@ def bert_embeddings(params: dict, input_ids, token_type_ids, position_ids, *, ep
 
 def layer(p: dict, x: jax.Array, mask_bias: jax.Array, *, num_heads: int, eps: float, act, batch: int,
           hidden_dropout: float = 0.0, attn_dropout: float = 0.0, rng: jax.Array | None = None,
-          attn_chunks: int | str = "auto", ffn_chunks: int = 1, layout: LayerLayout = BERT_LAYOUT) -> jax.Array:
-    """One BERT-like layer on the flattened activation ``x [B*T, H]``; ``mask_bias [B, 1, 1, T]``."""
+          attn_chunks: int | str = "auto", ffn_chunks: int = 1, layout: LayerLayout = BERT_LAYOUT,
+          queries: jax.Array | None = None) -> jax.Array:
+    """One BERT-like layer on the flattened activation ``x [B*T, H]``; ``mask_bias [B, 1, 1, T]``.
+
+    ``queries [B*Q, H]`` (rows of ``x``, ``Q`` per sequence): the layer's output at those rows
+    only, ``[B*Q, H]``; keys and values still come from every row of ``x``."""
     d = x.shape[1] // num_heads
     qkv = [layout(p, part) for part in ("query", "key", "value")]
     w, b = fused_qkv(tuple(m["kernel"] for m in qkv), tuple(m["bias"] for m in qkv), 1.0 / math.sqrt(d))
@@ -169,8 +174,13 @@ def layer(p: dict, x: jax.Array, mask_bias: jax.Array, *, num_heads: int, eps: f
         r_attn, r_out, r_ffn = jax.random.split(rng, 3)
     else:
         r_attn = r_out = r_ffn = None
-    ctx = self_attention(x, w, b, mask_bias, num_heads=num_heads, batch=batch, rate=attn_dropout, rng=r_attn,
-                         chunks=attn_chunks)
+    if queries is None:
+        ctx = self_attention(x, w, b, mask_bias, num_heads=num_heads, batch=batch, rate=attn_dropout, rng=r_attn,
+                             chunks=attn_chunks)
+    else:
+        ctx = cross_attention(queries, x, w, b, mask_bias, num_heads=num_heads, batch=batch, rate=attn_dropout,
+                              rng=r_attn, chunks=attn_chunks)
+        x = queries
     out = dense(ctx, layout(p, "attn_out"))
     if layout.attn_output_dropout:
         out = dropout(out, hidden_dropout, r_out)
@@ -207,12 +217,15 @@ def dropout_keys(rng: jax.Array | None, num_layers: int, train: bool) -> tuple[j
 
 def run_layers(layers: Sequence[dict], x: jax.Array, attention_mask: jax.Array, stack: Stack, *,
                rngs: Sequence[jax.Array | None], attn_chunks: int | str = "auto", ffn_chunks: int = 1,
-               remat: bool = False, segment_ids: jax.Array | None = None) -> jax.Array:
+               remat: bool = False, segment_ids: jax.Array | None = None,
+               only_at: jax.Array | None = None) -> jax.Array:
     """``stack``'s layers on the embeddings ``x [B, T, H]``: the last hidden state ``[B, T, H]``.
 
     ``layers[i]`` is layer ``i``'s params (the same dict repeated shares weights across depth);
     ``rngs[i]`` its dropout key or None. ``segment_ids`` (packed rows): attention stays within
-    each text (:func:`~flaxheads.backbones.layers.segment_bias`) instead of following ``attention_mask``."""
+    each text (:func:`~flaxheads.backbones.layers.segment_bias`) instead of following ``attention_mask``.
+    ``only_at [B]`` (a position per sequence): the last layer runs at that position alone
+    (:func:`layer`'s ``queries``) and the result is ``[B, 1, H]``, what a one-token pooler reads."""
     bsz, t, _ = x.shape
     bias = mask_bias(attention_mask, x.dtype) if segment_ids is None else segment_bias(segment_ids, x.dtype)
     step = partial(layer, num_heads=stack.num_heads, eps=stack.eps, act=stack.act, batch=bsz,
@@ -223,15 +236,23 @@ def run_layers(layers: Sequence[dict], x: jax.Array, attention_mask: jax.Array, 
         # memory stops growing with the layer count (long sequences), ~1 extra forward of compute.
         step = jax.checkpoint(step)
     x = x.reshape(bsz * t, -1)
-    for p, r in zip(layers, rngs, strict=True):
+    last = len(layers) - 1 if only_at is not None else len(layers)
+    for p, r in zip(layers[:last], rngs[:last], strict=True):
         x = step(p, x, bias, rng=r)
-    return x.reshape(bsz, t, -1)
+    if only_at is None:
+        return x.reshape(bsz, t, -1)
+    if segment_ids is not None:
+        raise BackboneError("only_at and segment_ids (packed rows) cannot be combined: pool packed texts from "
+                            "the full hidden states")
+    rows = jnp.asarray(only_at, jnp.int32).reshape(bsz) + jnp.arange(bsz, dtype=jnp.int32) * t
+    return step(layers[last], x, bias, rng=rngs[last], queries=x[rows]).reshape(bsz, 1, -1)
 
 
 def encode(params: dict, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, *, config,
            dtype=jnp.float32, dropout_rng: jax.Array | None = None, train: bool = False,
            attn_chunks: int | str = "auto", ffn_chunks: int = 1, remat: bool = False, stack: Stack | None = None,
-           embeddings: Callable[..., jax.Array] = bert_embeddings, segment_ids=None) -> jax.Array:
+           embeddings: Callable[..., jax.Array] = bert_embeddings, segment_ids=None,
+           only_at: jax.Array | None = None) -> jax.Array:
     """A BERT-like encoder forward: last hidden state ``[B, T, H]`` in ``dtype``. Pure in ``params``.
 
     What differs between BERT-like families comes in as arguments: ``stack`` (layer count,
@@ -245,7 +266,8 @@ def encode(params: dict, input_ids, attention_mask=None, token_type_ids=None, po
     recomputes each layer in the backward pass (gradient checkpointing): same values and
     gradients, less activation memory. ``segment_ids`` ``[B, T]`` (rows packing several texts,
     numbered ``1, 2, ...``, padding ``0``) keeps attention inside each text; the caller restarts
-    ``position_ids`` at each text."""
+    ``position_ids`` at each text. ``only_at [B]``: the last hidden state at that one position of
+    each sequence, ``[B, 1, H]``, with the last layer computed there alone (see :func:`run_layers`)."""
     stack = Stack.from_config(config) if stack is None else stack
     input_ids = jnp.asarray(input_ids)
     bsz, t = input_ids.shape
@@ -262,7 +284,7 @@ def encode(params: dict, input_ids, attention_mask=None, token_type_ids=None, po
     if len(layers) != stack.num_layers:
         raise BackboneError(f"the params have {len(layers)} layers but the config has {stack.num_layers}")
     return run_layers(layers, x, attention_mask, stack, rngs=rngs, attn_chunks=attn_chunks,
-                      ffn_chunks=ffn_chunks, remat=remat, segment_ids=segment_ids)
+                      ffn_chunks=ffn_chunks, remat=remat, segment_ids=segment_ids, only_at=only_at)
 
 
 class BertBackbone(Backbone):
@@ -281,8 +303,8 @@ class BertBackbone(Backbone):
     defaults = {"hidden_act": "gelu", "hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1,
                 "layer_norm_eps": 1e-12, "type_vocab_size": 2, "position_embedding_type": "absolute",
                 "pad_token_id": 0, "initializer_range": 0.02, "max_position_embeddings": 512}
-    features = frozenset({"token_type_ids", "position_ids", "remat", "bf16", "packing"})
-    extra_inputs = ("token_type_ids", "position_ids", "segment_ids")
+    features = frozenset({"token_type_ids", "position_ids", "remat", "bf16", "packing", "only_at"})
+    extra_inputs = ("token_type_ids", "position_ids", "segment_ids", "only_at")
     #: the family's name in error messages
     family: ClassVar[str] = "BERT"
     layout: ClassVar[LayerLayout] = BERT_LAYOUT
@@ -342,7 +364,8 @@ class BertBackbone(Backbone):
         return 0
 
     def encode(self, params, input_ids, attention_mask, *, train: bool = False, rng=None, token_type_ids=None,
-               position_ids=None, segment_ids=None) -> jax.Array:
+               position_ids=None, segment_ids=None, only_at=None) -> jax.Array:
         return encode(params, input_ids, attention_mask, token_type_ids, position_ids, config=self.config,
                       dtype=self.dtype, dropout_rng=rng, train=train, attn_chunks=self.attn_chunks, remat=self.remat,
-                      stack=self.stack(self.config), embeddings=self.embeddings(), segment_ids=segment_ids)
+                      stack=self.stack(self.config), embeddings=self.embeddings(), segment_ids=segment_ids,
+                      only_at=only_at)

@@ -53,8 +53,8 @@ class DistilBertBackbone(BertBackbone):
                 "n_heads": 12, "dim": 768, "hidden_dim": 3072, "dropout": 0.1, "attention_dropout": 0.1,
                 "activation": "gelu", "initializer_range": 0.02, "qa_dropout": 0.1, "seq_classif_dropout": 0.2,
                 "pad_token_id": 0}
-    features = frozenset({"position_ids", "remat", "bf16"})
-    extra_inputs = ("position_ids",)
+    features = frozenset({"position_ids", "remat", "bf16", "only_at"})
+    extra_inputs = ("position_ids", "only_at")
     layout = DISTILBERT_LAYOUT
     top_level = ("embeddings", "transformer")
 
@@ -128,5 +128,6 @@ class DistilBertBackbone(BertBackbone):
         return fixed_positions
 
     def encode(self, params, input_ids, attention_mask, *, train: bool = False, rng=None,
-               position_ids=None) -> jax.Array:
-        return super().encode(params, input_ids, attention_mask, train=train, rng=rng, position_ids=position_ids)
+               position_ids=None, only_at=None) -> jax.Array:
+        return super().encode(params, input_ids, attention_mask, train=train, rng=rng, position_ids=position_ids,
+                              only_at=only_at)

@@ -44,7 +44,7 @@ class RobertaBackbone(BertBackbone):
         return int(self.config.pad_token_id) + 1  # positions count from pad_token_id + 1
 
     def encode(self, params, input_ids, attention_mask, *, train: bool = False, rng=None, token_type_ids=None,
-               position_ids=None, segment_ids=None) -> jax.Array:
+               position_ids=None, segment_ids=None, only_at=None) -> jax.Array:
         input_ids = jnp.asarray(input_ids)
         if position_ids is None:
             pad, t, n_pos = int(self.config.pad_token_id), input_ids.shape[1], int(self.config.max_position_embeddings)
@@ -54,4 +54,5 @@ class RobertaBackbone(BertBackbone):
                                     f"to at most {n_pos - pad - 1} tokens")
             position_ids = roberta_position_ids(input_ids, pad)
         return super().encode(params, input_ids, attention_mask, train=train, rng=rng,
-                              token_type_ids=token_type_ids, position_ids=position_ids, segment_ids=segment_ids)
+                              token_type_ids=token_type_ids, position_ids=position_ids, segment_ids=segment_ids,
+                              only_at=only_at)

@@ -36,10 +36,19 @@ def first_token(hidden: jax.Array, mask: jax.Array) -> jax.Array:
     return hidden[:, 0]
 
 
+def first_index(mask: jax.Array) -> jax.Array:
+    """Position 0 of every row, as ``[B]`` indices (what :func:`first_token` reads)."""
+    return jnp.zeros(mask.shape[:1], jnp.int32)
+
+
+def first_non_pad_index(mask: jax.Array) -> jax.Array:
+    """Index of the leftmost set position; 0 for an all-padding row."""
+    return jnp.argmax(mask.astype(bool), axis=1)
+
+
 def first_non_pad(hidden: jax.Array, mask: jax.Array) -> jax.Array:
     """First position whose mask is set (the [CLS] of a left-padded batch)."""
-    idx = jnp.argmax(mask.astype(bool), axis=1)  # all-padding row -> 0
-    return _gather(hidden, idx)
+    return _gather(hidden, first_non_pad_index(mask))
 
 
 def last_non_pad_index(mask: jax.Array) -> jax.Array:
@@ -103,6 +112,14 @@ POOL_FUNCTIONS: dict[str, Callable[[jax.Array, jax.Array], jax.Array]] = {
     "mean_sqrt_len": mean_sqrt_len,
     "weighted_mean": weighted_mean,
 }
+#: The one-token modes of ``POOL_FUNCTIONS``: the index ``[B]`` of the token each reads. Such a
+#: pooler, given that token's hidden state as a one-token sequence (mask of ones), returns the
+#: same vector, so a backbone can compute its last layer at that token alone (``only_at``).
+POOL_POSITIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "cls": first_index,
+    "first_non_pad": first_non_pad_index,
+    "last": last_non_pad_index,
+}
 _POOL_TEXT = {
     "cls": "first token ([CLS])",
     "first_non_pad": "first non-pad token",
@@ -128,6 +145,14 @@ class Pooler(nn.Module):
     def steps(self, hidden_size: int) -> list[str]:
         raise NotImplementedError
 
+    def position(self, mask: jax.Array) -> jax.Array | None:
+        """The one token ``[B]`` this pooler reads per sequence, or None when it reads more.
+
+        Called on the pooling mask ``[B, T]``. A pooler that returns indices gives the same output
+        on those tokens' hidden states alone, as a ``[B, 1, H]`` sequence with a mask of ones."""
+        del mask
+        return None
+
 
 @register("pool")
 class Pool(Pooler):
@@ -141,6 +166,10 @@ class Pool(Pooler):
 
     def __call__(self, hidden, mask, deterministic: bool = True):
         return POOL_FUNCTIONS[self.mode](hidden, mask)
+
+    def position(self, mask):
+        at = POOL_POSITIONS.get(self.mode)
+        return None if at is None else at(mask)
 
     def steps(self, hidden_size):
         return [f"{_POOL_TEXT[self.mode]} [B,T,{hidden_size}] -> [B,{hidden_size}]"]
@@ -196,6 +225,10 @@ class DensePooler(Pooler):
 
     def out_features(self, hidden_size):
         return self.features or hidden_size
+
+    def position(self, mask):
+        at = POOL_POSITIONS.get(self.source)
+        return None if at is None else at(mask)
 
     def steps(self, hidden_size):
         o = self.out_features(hidden_size)
@@ -257,6 +290,13 @@ class SequenceSummary(Pooler):
         if self.last_dropout > 0:
             x = nn.Dropout(self.last_dropout)(x, deterministic=deterministic)
         return x
+
+    def position(self, mask):
+        if self.summary_type == "first":
+            return first_index(mask)
+        if self.summary_type == "last":  # position -1 whatever the mask says, as HF
+            return jnp.full(mask.shape[:1], mask.shape[1] - 1, jnp.int32)
+        return None  # mean reads every token; cls_index comes with the call
 
     def out_features(self, hidden_size):
         if self.use_proj and self.proj_to_labels and self.num_labels > 0:

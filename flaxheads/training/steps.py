@@ -131,8 +131,8 @@ def make_train_step(model, tx: optax.GradientTransformation, *, freeze_backbone:
                 hidden, pmask = model.packed_features(state.params["backbone"], batch["input_ids"],
                                                       *(batch[k] for k in PACKED_KEYS), **extra_inputs(batch))
             else:
-                hidden, pmask = model.features(state.params["backbone"], batch["input_ids"], batch["attention_mask"],
-                                               train=False, **extra_inputs(batch))
+                hidden, pmask = model.pooler_inputs(state.params["backbone"], batch["input_ids"],
+                                                    batch["attention_mask"], train=False, **extra_inputs(batch))
             labels, weights = example_targets(batch)
             return head_step(state, {"hidden": jax.lax.stop_gradient(hidden), "pool_mask": pmask,
                                      "labels": labels, "weights": weights})
