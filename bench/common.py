@@ -45,10 +45,18 @@ def parser(doc: str, *, repeats: int | None = None, systems: str | None = None):
 
 
 def default_systems() -> str:
-    """flaxheads and PyTorch eager; HF's Flax BERT (alone and inside flaxheads) where transformers < 5 has it."""
+    """flaxheads (as it runs, and computing every position), PyTorch eager; HF's Flax BERT (alone
+    and inside flaxheads) where transformers < 5 has it."""
     from flaxheads.backbones import hf_flax
 
-    return "flaxheads,flaxheads_hf_backbone,hf_flax,pytorch" if hf_flax.available() else "flaxheads,pytorch"
+    ours = "flaxheads,flaxheads_all_tokens"
+    return f"{ours},flaxheads_hf_backbone,hf_flax,pytorch" if hf_flax.available() else f"{ours},pytorch"
+
+
+#: printed by the benches whose classifier pools [CLS]: what their FLOP columns count
+POOLED_TOKEN_NOTE = ("flaxheads runs the last layer at the pooled [CLS] token alone (pooled_token_only; same "
+                     "logits): GFLOP/s and % roof count every position's FLOPs, the work PyTorch does, so "
+                     "they are the model's rate, not the CPU's; flaxheads_all_tokens does that work")
 
 
 def configure_xla(extra: str | None = None) -> list[str]:

@@ -7,13 +7,17 @@ in PyTorch layout), run the same full-length batch, interleaved, and their logit
 compared (max |diff| vs PyTorch is printed); ``--precision bfloat16`` runs flaxheads' bf16
 backbone against PyTorch's bf16 autocast. Systems:
 
-* ``flaxheads``: ``from_pretrained`` default (flaxheads' own BERT encoder), jitted ``apply``
+* ``flaxheads``: ``from_pretrained`` default (flaxheads' own BERT encoder), jitted ``apply``; BERT's
+  pooler reads [CLS] only, so the last layer runs at that token alone (``pooled_token_only``)
+* ``flaxheads_all_tokens``: the same computing every position's last hidden state, as PyTorch does
+  (``pooled_token_only=False``: what a mean-pooled or token-level model costs)
 * ``flaxheads_hf_backbone``: the same with ``implementation="hf_flax"`` (HF's Flax BERT inside)
 * ``hf_flax``: ``FlaxBertForSequenceClassification``, jitted
 * ``pytorch``: ``BertForSequenceClassification`` in eval mode under ``torch.inference_mode``
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import tempfile
@@ -62,9 +66,11 @@ def main(argv=None) -> dict:
         import flaxheads as fh
 
         jids, jmask = jax.numpy.asarray(ids), jax.numpy.asarray(mask)
-        for name, impl in (("flaxheads", "native"), ("flaxheads_hf_backbone", "hf_flax")):
+        for name, impl, only in (("flaxheads", "native", True), ("flaxheads_all_tokens", "native", False),
+                                 ("flaxheads_hf_backbone", "hf_flax", True)):
             if name in want:
-                m = fh.from_pretrained(path, implementation=impl, dtype=dtype)
+                m = dataclasses.replace(fh.from_pretrained(path, implementation=impl, dtype=dtype),
+                                        pooled_token_only=only)
                 f = jax.jit(m.apply)
                 systems[name] = (lambda f=f, p=m.params: f(p, jids, jmask).block_until_ready())
                 outputs[name] = lambda f=f, p=m.params: np.asarray(f(p, jids, jmask))
@@ -106,6 +112,8 @@ def main(argv=None) -> dict:
         r0 = ref()
         diffs = {k: float(np.abs(o() - r0).max()) for k, o in outputs.items() if k != "pytorch"}
         print("# max |logits - PyTorch|:", ", ".join(f"{k} {v:.1e}" for k, v in diffs.items()))
+    if "flaxheads" in res:
+        print("#", common.POOLED_TOKEN_NOTE)
     print(common.table(f"forward {t}x{b}", res, roof["roof"]))
     ours = "flaxheads" if "flaxheads" in res else next(iter(res))
     print("#", common.summary_line(f"forward {t}x{b}", res, ours, roof["roof"]))

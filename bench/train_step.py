@@ -8,7 +8,10 @@ interleaved; ``--precision bfloat16``: flaxheads' bf16 backbone (float32 master 
 loss) against PyTorch's bf16 autocast around forward and loss. Systems:
 
 * ``flaxheads``: ``flaxheads.train.make_train_step`` + ``flaxheads.optim.make_optimizer``
-  (clip 1.0, AdamW), jitted with the state donated, default encoder (flaxheads' own BERT)
+  (clip 1.0, AdamW), jitted with the state donated, default encoder (flaxheads' own BERT); BERT's
+  pooler reads [CLS] only, so the last layer runs at that token alone (``pooled_token_only``)
+* ``flaxheads_all_tokens``: the same step computing every position's last hidden state, as
+  PyTorch does (``pooled_token_only=False``: what a mean-pooled model's step costs)
 * ``flaxheads_hf_backbone``: the same step with ``implementation="hf_flax"``
 * ``hf_flax``: ``FlaxBertForSequenceClassification``, ``optax.adamw``, ``jax.value_and_grad``
   of softmax cross-entropy, jitted with the state donated (transformers' run_flax_glue.py step)
@@ -17,6 +20,7 @@ loss) against PyTorch's bf16 autocast around forward and loss. Systems:
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import tempfile
@@ -61,10 +65,12 @@ def main(argv=None):
         from flaxheads.training.optim import OptimConfig, make_optimizer
         from flaxheads.training.steps import create_state, make_train_step
 
-        for name, impl in (("flaxheads", "native"), ("flaxheads_hf_backbone", "hf_flax")):
+        for name, impl, only in (("flaxheads", "native", True), ("flaxheads_all_tokens", "native", False),
+                                 ("flaxheads_hf_backbone", "hf_flax", True)):
             if name not in want:
                 continue
-            m = fh.from_pretrained(path, implementation=impl, dtype=dtype)
+            m = dataclasses.replace(fh.from_pretrained(path, implementation=impl, dtype=dtype),
+                                    pooled_token_only=only)
             tx = make_optimizer(OptimConfig(learning_rate=2e-5, total_steps=1000))
             box = {"s": create_state(m.params, tx, seed=0)}
             step = jax.jit(make_train_step(m, tx), donate_argnums=0)
@@ -132,6 +138,8 @@ def main(argv=None):
     res = common.run_interleaved(systems, repeats=args.repeats, warmup=2, examples=b, flops=flops)
     for k, r in res.items():
         r.xla_bytes = xla.get(k)
+    if "flaxheads" in res:
+        print("#", common.POOLED_TOKEN_NOTE)
     print(common.table(f"train {t}x{b}", res, roof["roof"]))
     ours = "flaxheads" if "flaxheads" in res else next(iter(res))
     print("#", common.summary_line(f"train {t}x{b}", res, ours, roof["roof"]))
