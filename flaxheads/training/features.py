@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..nn.poolers import POOL_FUNCTIONS, DensePooler, Pool
+from ..nn.poolers import POOL_FUNCTIONS, POOL_POSITIONS, DensePooler, Pool
 from .data import bucket_length, labelled_rows, pad_mask, pad_rows, token_batch
 from .errors import TrainingError
 from .steps import extra_inputs, predict_batches
@@ -132,7 +132,15 @@ def make_encoder(model, level: str, reductions: Sequence[str] = ()) -> Callable:
 
     Pooled: features ``[B, R, H]``, one position per reduction (a head reads one of them as
     a one-token sequence); token: the hidden states and the pooling mask."""
+    one_token = (level == "pooled" and len(reductions) == 1 and reductions[0] in POOL_POSITIONS
+                 and getattr(model, "pooled_token_only", False) and "only_at" in getattr(model.backbone, "features", ()))
+
     def encode(bparams, batch):
+        if one_token:  # the last layer at the cached token alone (see SequenceModel.pooler_inputs)
+            pmask = model.pooling_mask(batch["input_ids"], batch["attention_mask"])
+            hidden, _ = model.features(bparams, batch["input_ids"], batch["attention_mask"], train=False,
+                                       only_at=POOL_POSITIONS[reductions[0]](pmask), **extra_inputs(batch))
+            return hidden.astype(jnp.float32), jnp.ones(hidden.shape[:2], jnp.int32)
         hidden, pmask = model.features(bparams, batch["input_ids"], batch["attention_mask"], train=False,
                                        **extra_inputs(batch))
         hidden = hidden.astype(jnp.float32)  # SequenceHead casts to float32 first: cache what it sees

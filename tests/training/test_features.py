@@ -1,6 +1,7 @@
 """Cached features: a head on the cache computes what it computes on a recomputed backbone."""
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
@@ -23,14 +24,17 @@ def bert_dir(tmp_path_factory):
 
 
 def _recomputed_logits(model, split):
+    """Every position of the last layer computed (``pooled_token_only=False``), the cache's reference."""
     t = max(len(x) for x in split.input_ids)
     ids, mask = padded(split, range(len(split.input_ids)), t)
-    return np.asarray(model.apply(model.params, ids, mask))
+    full = dataclasses.replace(model, pooled_token_only=False)
+    return np.asarray(full.apply(full.params, ids, mask))
 
 
 @pytest.mark.parametrize("pooler,head,level", [
     (None, None, "pooled"),            # BERT preset: cls -> dense+tanh pooler (pretrained) -> classifier
     ("mean", "linear", "pooled"),
+    ("last", "linear", "pooled"),      # one token: the encoder's last layer runs at that token alone
     ("max", "mlp", "pooled"),
     ("attention", "linear", "token"),  # learned token weights: full hidden states
     ("mean", "linear", "token"),       # token level forced for a pool that could be pooled
