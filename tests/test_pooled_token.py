@@ -1,4 +1,4 @@
-"""One-token poolers on BERT-like backbones: the last layer runs at the pooled token alone
+"""One-token poolers on BERT-like and DeBERTa backbones: the last layer runs at the pooled token alone
 (``only_at``). The logits must be what PyTorch's full encoder gives, the gradients what torch
 autograd gives through it, and the compiled program must do less work."""
 from __future__ import annotations
@@ -24,9 +24,24 @@ EVERY_TOKEN = [("mean", {}), ("max", {}), ("attention", {}), (["cls", "mean"], {
                ("xlnet", {"summary_type": "mean"})]
 
 
+V3 = dict(relative_attention=True, position_buckets=8, pos_att_type=["p2c", "c2p"], share_att_key=True,
+          norm_rel_ebd="layer_norm", position_biased_input=False)
+DEBERTA = {  # the relative-attention arrangements whose scores are read at the query's diagonal offset
+    "v3": V3,
+    "v2": dict(relative_attention=True, pos_att_type=["p2c", "c2p"], share_att_key=False, max_relative_positions=6),
+    "c2p": dict(relative_attention=True, pos_att_type=["c2p"], max_relative_positions=5),
+    "p2c": dict(V3, pos_att_type=["p2c"]),
+    "conv": dict(V3, conv_kernel_size=3, conv_groups=2, conv_act="gelu"),
+    "conv_one_layer": dict(V3, conv_kernel_size=3, conv_groups=2, conv_act="gelu", num_hidden_layers=1),
+}
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    return {arch: save_tiny(tmp_path_factory.mktemp(arch), arch) for arch in ("bert", "roberta", "distilbert")}
+    made = {arch: save_tiny(tmp_path_factory.mktemp(arch), arch) for arch in ("bert", "roberta", "distilbert")}
+    for name, over in DEBERTA.items():
+        made["deberta_" + name] = save_tiny(tmp_path_factory.mktemp(name), "deberta-v2", **over)
+    return made
 
 
 def _model(path, pooler, options, **kw):
@@ -55,6 +70,19 @@ def test_one_token_poolers_give_the_full_encoders_logits(tiny, arch, side, poole
     assert np.abs(ref).max() > 1e-2
 
 
+@pytest.mark.parametrize("variant", sorted(DEBERTA))
+@pytest.mark.parametrize("side", ["right", "left"])
+@pytest.mark.parametrize("pooler", ["deberta", "last", "first_non_pad"])
+def test_deberta_relative_attention_at_one_token(tiny, variant, side, pooler):
+    path, pt = tiny["deberta_" + variant]
+    m = _model(path, pooler, {})
+    ids, mask = padded_batch("deberta-v2", pt.config, side)
+    hidden, _ = m.pooler_inputs(m.params["backbone"], jnp.asarray(ids), jnp.asarray(mask))
+    assert hidden.shape == (3, 1, m.hidden_size)
+    ref = np.asarray(m.head_apply(m.params["head"], jnp.asarray(_torch_hidden(pt, ids, mask)), jnp.asarray(mask)))
+    np.testing.assert_allclose(np.asarray(jax.jit(m.apply)(m.params, ids, mask)), ref, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("pooler,options", EVERY_TOKEN, ids=lambda v: str(v))
 def test_poolers_reading_more_tokens_get_every_position(tiny, pooler, options):
     path, pt = tiny["bert"]
@@ -77,13 +105,15 @@ def test_the_compiled_forward_does_less_work(tiny):
     assert flops(m) < 0.85 * full  # 2 layers: the last one at 1 of 9 positions
 
 
-def test_gradients_match_torch_autograd_through_the_full_encoder(tiny):
+@pytest.mark.parametrize("name,cancelled", [("bert", "attention.self.key.bias"),
+                                             ("deberta_v3", "pos_key_proj.bias"), ("deberta_c2p", "key_proj.bias")])
+def test_gradients_match_torch_autograd_through_the_full_encoder(tiny, name, cancelled):
     """A train step's gradients (no dropout): d sum(logits * w) for every backbone weight, against
-    PyTorch's BertForSequenceClassification, which computes every position of the last layer."""
-    path, pt = tiny["bert"]
-    m = fh.from_pretrained(path)  # BERT's preset: dense+tanh pooler on [CLS], linear classifier
+    PyTorch's XForSequenceClassification, which computes every position of the last layer."""
+    path, pt = tiny[name]
+    m = fh.from_pretrained(path)  # the HF preset: a dense pooler on [CLS], a linear classifier
     assert m.head.pooler.position(jnp.ones((1, 2))) is not None
-    ids, mask = padded_batch("bert", pt.config)
+    ids, mask = padded_batch(name.split("_")[0].replace("deberta", "deberta-v2"), pt.config)
     w = np.random.default_rng(0).normal(size=(3, 3)).astype(np.float32)
     pt.zero_grad()
     (pt(torch.tensor(ids), attention_mask=torch.tensor(mask)).logits * torch.tensor(w)).sum().backward()
@@ -94,7 +124,7 @@ def test_gradients_match_torch_autograd_through_the_full_encoder(tiny):
     g = jax.jit(jax.grad(lambda bp: jnp.sum(m.apply({**m.params, "backbone": bp}, ids, mask) * w)))(
         m.params["backbone"])
     ours = m.backbone.state_from_params(g)
-    assert_grads_match(ours, ref, softmax_cancelled=lambda k: k.endswith("attention.self.key.bias"))
+    assert_grads_match(ours, ref, softmax_cancelled=lambda k: k.endswith(cancelled))
 
 
 def test_remat_and_training_mode(tiny):
@@ -120,9 +150,9 @@ def test_only_at_refuses_packed_rows(tiny):
 
 
 def test_backbones_without_it_compute_every_position(tmp_path):
-    path, pt = save_tiny(tmp_path, "deberta-v2")
+    path, pt = save_tiny(tmp_path, "modernbert")
     m = _model(path, "cls", {})
     assert "only_at" not in m.backbone.features
-    ids, mask = padded_batch("deberta-v2", pt.config)
+    ids, mask = padded_batch("modernbert", pt.config)
     hidden, _ = m.pooler_inputs(m.params["backbone"], jnp.asarray(ids), jnp.asarray(mask))
     assert hidden.shape == (3, 9, m.hidden_size)

@@ -170,9 +170,11 @@ def _project_rows(rel: jax.Array, rows: np.ndarray, p: dict, num_heads: int, sca
 
 
 def disentangled_attention(p: dict, x: jax.Array, keep: jax.Array, rel: jax.Array | None, rows, s: Settings, *,
-                           batch: int, rng: jax.Array | None) -> jax.Array:
+                           batch: int, rng: jax.Array | None, at: jax.Array | None = None) -> jax.Array:
     """Attention context ``[B*T, H]`` of ``x [B*T, H]`` before the output projection; ``keep [B, 1, T, T]``
     the pairs that may attend, ``rel [2*span, H]`` the (normalised) relative table, ``rows`` :func:`diagonal_rows`.
+    ``at [B]``: the context of that one query position per sequence alone, ``[B, H]`` (keys and
+    values from every position; each relative score read at its query's own diagonal offset).
 
     The score scale is folded into q (and into the p2c position queries). The key bias adds
     ``q_i . b_k`` to a whole row of content and c2p scores, which softmax cancels: its gradient there is
@@ -185,8 +187,17 @@ def disentangled_attention(p: dict, x: jax.Array, keep: jax.Array, rel: jax.Arra
     d = h // nh
     w = jnp.concatenate([q_p["kernel"] * s.scale, k_p["kernel"], v_p["kernel"]], axis=1)
     b = jnp.concatenate([q_p["bias"] * s.scale, lax.stop_gradient(k_p["bias"]), v_p["bias"]])
-    qkv = (x @ w.astype(x.dtype) + b.astype(x.dtype)).reshape(batch, t, 3, nh, d)
-    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    if at is None:
+        qkv = (x @ w.astype(x.dtype) + b.astype(x.dtype)).reshape(batch, t, 3, nh, d)
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    else:
+        kv = (x @ w[:, h:].astype(x.dtype) + b[h:].astype(x.dtype)).reshape(batch, t, 2, nh, d)
+        k, v = kv[:, :, 0], kv[:, :, 1]
+        q = (_rows_at(x, at, t) @ w[:, :h].astype(x.dtype) + b[:h].astype(x.dtype)).reshape(batch, 1, nh, d)
+        keep = jnp.take_along_axis(keep, at.reshape(batch, 1, 1, 1), axis=2)
+        # relative-table index of (query at, key j) on c2p's and p2c's diagonals, as in diagonals_to_keys
+        c2p_at = jnp.arange(t)[None, :] - at[:, None] + (t - 1)
+        p2c_at = at[:, None] - jnp.arange(t)[None, :] + (t - 1)
     r_pos, r_attn = jax.random.split(rng) if rng is not None else (None, None)
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k)
     if rel is not None:
@@ -195,22 +206,36 @@ def disentangled_attention(p: dict, x: jax.Array, keep: jax.Array, rel: jax.Arra
         if s.c2p:
             pk = _project_rows(rel, c2p_rows, k_p if s.share_att_key else sa["pos_key_proj"], nh,
                                keep_bias_gradient=False)
-            scores = scores + diagonals_to_keys(jnp.einsum("bqhd,nhd->bhqn", q, pk))
+            c2p = jnp.einsum("bqhd,nhd->bhqn", q, pk)
+            c2p = diagonals_to_keys(c2p) if at is None else jnp.take_along_axis(c2p, c2p_at[:, None, None, :], -1)
+            scores = scores + c2p
         if s.p2c:
             pq = _project_rows(rel, p2c_rows, q_p if s.share_att_key else sa["pos_query_proj"], nh, s.scale)
             bk = k_p["bias"]
             k = k + (bk - lax.stop_gradient(bk)).astype(k.dtype).reshape(nh, d)  # adds 0; the bias gradient
-            scores = scores + jnp.swapaxes(diagonals_to_keys(jnp.einsum("bkhd,nhd->bhkn", k, pq)), -1, -2)
+            if at is None:
+                p2c = jnp.swapaxes(diagonals_to_keys(jnp.einsum("bkhd,nhd->bhkn", k, pq)), -1, -2)
+            else:
+                p2c = jnp.einsum("bkhd,bkhd->bhk", k, jnp.take(pq, p2c_at, axis=0))[:, :, None, :]
+            scores = scores + p2c
     scores = jnp.where(keep, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)  # float32 softmax, any dtype
     probs = dropout(jax.nn.softmax(scores, axis=-1), s.attn_dropout, r_attn).astype(v.dtype)
-    return jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(bt, h)
+    return jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(-1, h)
+
+
+def _rows_at(x: jax.Array, at: jax.Array, t: int) -> jax.Array:
+    """Row ``at[b]`` of each sequence of the flattened ``x [B*T, H]``: ``[B, H]``."""
+    return x[at + jnp.arange(at.shape[0], dtype=at.dtype) * t]
 
 
 def layer(p: dict, x: jax.Array, keep: jax.Array, rel: jax.Array | None, *, rows, s: Settings, batch: int,
-          rng: jax.Array | None = None) -> jax.Array:
-    """One DeBERTa layer on the flattened activation ``x [B*T, H]`` (post-LayerNorm, as BERT's)."""
+          rng: jax.Array | None = None, at: jax.Array | None = None) -> jax.Array:
+    """One DeBERTa layer on the flattened activation ``x [B*T, H]`` (post-LayerNorm, as BERT's);
+    ``at [B]``: its output at that one position per sequence alone, ``[B, H]``."""
     r_attn, r_out, r_ffn = jax.random.split(rng, 3) if rng is not None else (None, None, None)
-    ctx = disentangled_attention(p, x, keep, rel, rows, s, batch=batch, rng=r_attn)
+    ctx = disentangled_attention(p, x, keep, rel, rows, s, batch=batch, rng=r_attn, at=at)
+    if at is not None:
+        x = _rows_at(x, at, x.shape[0] // batch)
     out = dropout(dense(ctx, LAYOUT(p, "attn_out")), s.hidden_dropout, r_out)
     x = layer_norm_p(out + x, LAYOUT(p, "attn_norm"), s.eps)
     return _ffn(p, x, eps=s.eps, act=s.act, hidden_dropout=s.hidden_dropout, rng=r_ffn, chunks=1, layout=LAYOUT)
@@ -242,11 +267,13 @@ def embed(e: dict, input_ids, token_type_ids, position_ids, s: Settings, dtype) 
 
 
 def encode(params: dict, input_ids, attention_mask, token_type_ids=None, position_ids=None, *, settings: Settings,
-           dtype=jnp.float32, rng: jax.Array | None = None, train: bool = False, remat: bool = False) -> jax.Array:
+           dtype=jnp.float32, rng: jax.Array | None = None, train: bool = False, remat: bool = False,
+           only_at: jax.Array | None = None) -> jax.Array:
     """The DeBERTa-v2 forward: last hidden state ``[B, T, H]`` in ``dtype``. Pure in ``params``.
 
     Token types default to zeros, positions to ``0..T-1``; ``remat=True`` recomputes each layer in
-    the backward pass (gradient checkpointing)."""
+    the backward pass (gradient checkpointing). ``only_at [B]``: the last hidden state at that one
+    position per sequence, ``[B, 1, H]``, with the last layer computed there alone."""
     s = settings
     input_ids = jnp.asarray(input_ids)
     bsz, t = input_ids.shape
@@ -277,11 +304,16 @@ def encode(params: dict, input_ids, attention_mask, token_type_ids=None, positio
     if len(layers) != s.num_layers:
         raise BackboneError(f"the params have {len(layers)} layers but the config has {s.num_layers}")
     h = x.reshape(bsz * t, -1)
+    at = None if only_at is None else jnp.asarray(only_at, jnp.int32).reshape(bsz)
+    # the convolution after layer 0 reads every position: a one-layer model with it runs in full
+    last_at = at if at is not None and not (len(layers) == 1 and s.conv_kernel > 0) else None
     for i, (p, r) in enumerate(zip(layers, rngs)):
-        h = step(p, h, keep, rel, rng=r)
+        h = step(p, h, keep, rel, rng=r, at=last_at if i == len(layers) - 1 else None)
         if i == 0 and s.conv_kernel > 0:
             h = conv_layer(enc["conv"], x, h.reshape(bsz, t, -1), mask, s, conv_rng).reshape(bsz * t, -1)
-    return h.reshape(bsz, t, -1)
+    if at is None:
+        return h.reshape(bsz, t, -1)
+    return (h if last_at is not None else _rows_at(h, at, t)).reshape(bsz, 1, -1)
 
 
 def _prune(tree: Mapping, shapes: Mapping) -> dict:
@@ -303,8 +335,8 @@ class DebertaV2Backbone(Backbone):
                 "initializer_range": 0.02, "layer_norm_eps": 1e-7, "relative_attention": False,
                 "max_relative_positions": -1, "pad_token_id": 0, "position_biased_input": True, "pos_att_type": None,
                 "pooler_dropout": 0.0, "pooler_hidden_act": "gelu"}
-    features = frozenset({"token_type_ids", "position_ids", "remat", "bf16"})
-    extra_inputs = ("token_type_ids", "position_ids")
+    features = frozenset({"token_type_ids", "position_ids", "remat", "bf16", "only_at"})
+    extra_inputs = ("token_type_ids", "position_ids", "only_at")
 
     def __init__(self, config, params: dict, dtype=jnp.float32, remat: bool = False):
         super().__init__(config, params, dtype=dtype, remat=remat)
@@ -388,6 +420,6 @@ class DebertaV2Backbone(Backbone):
         return torch_from_tree({k: params[k] for k in TOP_LEVEL if k in params})
 
     def encode(self, params, input_ids, attention_mask, *, train: bool = False, rng=None, token_type_ids=None,
-               position_ids=None) -> jax.Array:
+               position_ids=None, only_at=None) -> jax.Array:
         return encode(params, input_ids, attention_mask, token_type_ids, position_ids, settings=self.settings,
-                      dtype=self.dtype, rng=rng, train=train, remat=self.remat)
+                      dtype=self.dtype, rng=rng, train=train, remat=self.remat, only_at=only_at)
