@@ -1,4 +1,4 @@
-"""One-token poolers on BERT-like and DeBERTa backbones: the last layer runs at the pooled token alone
+"""One-token poolers on BERT-like, DeBERTa and decoder backbones: the last layer runs at the pooled token alone
 (``only_at``). The logits must be what PyTorch's full encoder gives, the gradients what torch
 autograd gives through it, and the compiled program must do less work."""
 from __future__ import annotations
@@ -16,7 +16,7 @@ import jax.numpy as jnp  # noqa: E402
 import flaxheads as fh  # noqa: E402
 from flaxheads.backbones.base import BackboneError  # noqa: E402
 from flaxheads.backbones.registry import load_backbone  # noqa: E402
-from hf_tiny import assert_grads_match, padded_batch, save_tiny  # noqa: E402
+from hf_tiny import DECODERS, assert_grads_match, padded_batch, save_tiny  # noqa: E402
 
 ONE_TOKEN = [("cls", {}), ("first_non_pad", {}), ("last", {}), ("bert", {}), ("dense", {"source": "last"}),
              ("xlnet", {"summary_type": "first"}), ("xlnet", {"summary_type": "last"})]
@@ -81,6 +81,22 @@ def test_deberta_relative_attention_at_one_token(tiny, variant, side, pooler):
     assert hidden.shape == (3, 1, m.hidden_size)
     ref = np.asarray(m.head_apply(m.params["head"], jnp.asarray(_torch_hidden(pt, ids, mask)), jnp.asarray(mask)))
     np.testing.assert_allclose(np.asarray(jax.jit(m.apply)(m.params, ids, mask)), ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("arch", DECODERS)
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_decoder_classifiers_at_the_last_token(arch, side, tmp_path):
+    """The HF preset (last non-pad token, ``input_ids != pad``): grouped-query attention, sliding
+    windows, soft-capping and sandwich norms at one query, against PyTorch's whole last hidden state."""
+    path, pt = save_tiny(tmp_path, arch)
+    m = fh.from_pretrained(path)
+    ids, mask = padded_batch(arch, pt.config, side)
+    pmask = m.pooling_mask(jnp.asarray(ids), jnp.asarray(mask))
+    hidden, _ = m.pooler_inputs(m.params["backbone"], jnp.asarray(ids), jnp.asarray(mask))
+    assert hidden.shape == (3, 1, m.hidden_size)
+    ref = np.asarray(m.head_apply(m.params["head"], jnp.asarray(_torch_hidden(pt, ids, mask)), pmask))
+    np.testing.assert_allclose(np.asarray(jax.jit(m.apply)(m.params, ids, mask)), ref, atol=2e-5, rtol=0)
+    assert np.abs(ref).max() > 1e-2
 
 
 @pytest.mark.parametrize("pooler,options", EVERY_TOKEN, ids=lambda v: str(v))

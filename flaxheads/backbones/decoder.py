@@ -85,33 +85,45 @@ def attend_textbook(q, k, v, keep, *, scaling: float, softcap: float | None, rat
     return jnp.einsum("bgrqk,bkgd->bqgrd", p, v).reshape(b, t, nh, d)
 
 
+def _at(a: jax.Array, at: jax.Array) -> jax.Array:
+    """Position ``at[b]`` of each sequence of ``a [B, T, ...]``: ``[B, 1, ...]``."""
+    return jnp.take_along_axis(a, at.reshape((-1, 1) + (1,) * (a.ndim - 2)), axis=1)
+
+
 def self_attention(p: dict, x: jax.Array, cos, sin, keep, bias, *, spec: DecoderSpec, window: int | None,
-                   rate: float, rng) -> jax.Array:
-    """One layer's attention output ``[B, T, H]`` (after ``o_proj``) of the normed input ``x [B, T, H]``."""
+                   rate: float, rng, at: jax.Array | None = None) -> jax.Array:
+    """One layer's attention output ``[B, T, H]`` (after ``o_proj``) of the normed input ``x [B, T, H]``;
+    ``at [B]``: the output at that one query position per sequence alone, ``[B, 1, H]``."""
     b, t, _ = x.shape
-    q = linear(x, p["q_proj"]).reshape(b, t, spec.num_heads, spec.head_dim)
+    xq, cq, sq = (x, cos, sin) if at is None else (_at(x, at), _at(cos, at), _at(sin, at))
+    q = linear(xq, p["q_proj"]).reshape(b, xq.shape[1], spec.num_heads, spec.head_dim)
     k = linear(x, p["k_proj"]).reshape(b, t, spec.num_kv_heads, spec.head_dim)
     v = linear(x, p["v_proj"]).reshape(b, t, spec.num_kv_heads, spec.head_dim)
     if spec.qk_norm:
         q = rms_norm(q, p["q_norm"]["scale"], spec.eps, spec.gemma_norm)
         k = rms_norm(k, p["k_norm"]["scale"], spec.eps, spec.gemma_norm)
-    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-    if window is None and spec.softcap is None:
+    q, k = apply_rotary(q, cq, sq), apply_rotary(k, cos, sin)
+    if at is not None:  # one query: its row of the causal / window / padding mask, the textbook order
+        ctx = attend_textbook(q, k, v, jnp.take_along_axis(keep, at.reshape(b, 1, 1, 1), axis=2),
+                              scaling=spec.scaling, softcap=spec.softcap, rate=rate, rng=rng)
+    elif window is None and spec.softcap is None:
         # the plain causal case: the shared CPU-tuned attention, key/value heads repeated
         rep = spec.num_heads // spec.num_kv_heads
         k, v = (jnp.repeat(a, rep, axis=2) if rep > 1 else a for a in (k, v))
         ctx = attend_chunked(q * jnp.asarray(spec.scaling, q.dtype), k, v, bias, rate=rate, rng=rng, causal=True)
     else:
         ctx = attend_textbook(q, k, v, keep, scaling=spec.scaling, softcap=spec.softcap, rate=rate, rng=rng)
-    return linear(ctx.reshape(b, t, -1), p["o_proj"])
+    return linear(ctx.reshape(b, q.shape[1], -1), p["o_proj"])
 
 
 def layer(p: dict, x: jax.Array, cos, sin, keep, bias, rng, *, spec: DecoderSpec, window: int | None,
-          rate: float) -> jax.Array:
-    """One decoder layer on ``x [B, T, H]``."""
+          rate: float, at: jax.Array | None = None) -> jax.Array:
+    """One decoder layer on ``x [B, T, H]``; ``at [B]``: its output at that one position alone, ``[B, 1, H]``."""
     norm = partial(rms_norm, eps=spec.eps, gemma=spec.gemma_norm)
     a = self_attention(p["self_attn"], norm(x, p["input_layernorm"]["scale"]), cos, sin, keep, bias, spec=spec,
-                       window=window, rate=rate, rng=rng)
+                       window=window, rate=rate, rng=rng, at=at)
+    if at is not None:
+        x = _at(x, at)
     if spec.sandwich:
         a = norm(a, p["post_attention_layernorm"]["scale"])
     x = x + a
@@ -126,10 +138,12 @@ def layer(p: dict, x: jax.Array, cos, sin, keep, bias, rng, *, spec: DecoderSpec
 
 def encode(params: dict, input_ids, attention_mask=None, position_ids=None, *, spec: DecoderSpec,
            dtype=jnp.float32, dropout_rng: jax.Array | None = None, train: bool = False,
-           remat: bool = False) -> jax.Array:
+           remat: bool = False, only_at: jax.Array | None = None) -> jax.Array:
     """Last hidden state ``[B, T, H]`` (after the final norm) in ``dtype``; pure in ``params``.
 
-    ``remat=True`` recomputes each layer in the backward pass (gradient checkpointing)."""
+    ``remat=True`` recomputes each layer in the backward pass (gradient checkpointing).
+    ``only_at [B]``: the last hidden state at that one position per sequence, ``[B, 1, H]``, with
+    the last layer computed there alone."""
     input_ids = jnp.asarray(input_ids)
     b, t = input_ids.shape
     attention_mask = jnp.ones_like(input_ids) if attention_mask is None else jnp.asarray(attention_mask)
@@ -146,11 +160,13 @@ def encode(params: dict, input_ids, attention_mask=None, position_ids=None, *, s
     bias = mask_bias(attention_mask, dtype)
     _, rngs = dropout_keys(dropout_rng, spec.num_layers, train)
     rate = spec.attention_dropout if train else 0.0
+    at = None if only_at is None else jnp.asarray(only_at, jnp.int32).reshape(b)
     for i in range(spec.num_layers):
         f = partial(layer, spec=spec, window=spec.windows[i], rate=rate)
         # remat: keep only each layer's input for the backward pass and recompute the rest
         x = (jax.checkpoint(f) if remat else f)(params["layers"][str(i)], x, *tables[spec.ropes[i]],
-                                                keeps[spec.windows[i]], bias, rngs[i])
+                                                keeps[spec.windows[i]], bias, rngs[i],
+                                                at=at if i == spec.num_layers - 1 else None)
     return rms_norm(x, params["norm"]["scale"], spec.eps, spec.gemma_norm)
 
 
@@ -160,8 +176,8 @@ class DecoderBackbone(Backbone):
     model_types = MODEL_TYPES
     base_model_prefix = "model"
     top_level = TOP_LEVEL
-    features = frozenset({"position_ids", "remat", "bf16", "causal"})
-    extra_inputs = ("position_ids",)
+    features = frozenset({"position_ids", "remat", "bf16", "causal", "only_at"})
+    extra_inputs = ("position_ids", "only_at")
 
     def __init__(self, config, params: dict, dtype=jnp.float32, remat: bool = False):
         super().__init__(config, params, dtype=dtype, remat=remat)
@@ -212,7 +228,7 @@ class DecoderBackbone(Backbone):
                 "norm": norm(h)}
 
     def encode(self, params, input_ids, attention_mask, *, train: bool = False, rng=None,
-               position_ids=None) -> jax.Array:
+               position_ids=None, only_at=None) -> jax.Array:
         return encode(params, input_ids, attention_mask, position_ids, spec=self.spec, dtype=self.dtype,
-                      dropout_rng=rng, train=train, remat=self.remat)
+                      dropout_rng=rng, train=train, remat=self.remat, only_at=only_at)
 
