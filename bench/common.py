@@ -85,8 +85,7 @@ def bf16_hardware() -> bool:
     falls to a reference kernel: 1.3 vs 154 GFLOP/s fp32 (512^3, AMD EPYC, torch 2.14.1)."""
     from flaxheads.runtime import CpuInfo
 
-    cpu = CpuInfo.read()
-    return cpu.amx or "avx512_bf16" in cpu.flags
+    return CpuInfo.read().bf16
 
 
 def precision_systems(systems: str, precision: str) -> list[str]:

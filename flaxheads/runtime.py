@@ -8,11 +8,13 @@ What is chosen from the CPU's features (:class:`CpuInfo`), and the measurements 
 (docs/performance.md has the A/B numbers and the CPU of each):
 
 * XLA flags (:func:`cpu_xla_flags`). ``--xla_cpu_experimental_ynn_fusion_type=`` turns off
-  XLA:CPU's YNNPACK fusions (jaxlib routes dots *and* reductions through them). On CPUs without
-  AMX, dots then go to Eigen and reductions stay inside XLA's own loop fusions: on a 2-core AMD
-  EPYC (AVX2) the train step ran ~12% and the forward ~7% faster (jax 0.10.2), the fp32 GEMM ~6%
-  faster (jax 0.12). On CPUs with AMX, XLA's defaults are kept: that is the configuration whose
-  bfloat16 dots were measured to reach the AMX tiles.
+  XLA:CPU's YNNPACK fusions (jaxlib routes dots *and* reductions through them), on x86 CPUs with
+  AVX2 but no AVX-512 only: dots then go to Eigen and reductions stay inside XLA's own loop
+  fusions, and on a 2-core AMD EPYC (AVX2) the train step ran ~10-13% and the forward ~7% faster.
+  With AVX-512, XLA's defaults are kept: on a 2-core AMD EPYC with AVX-512 and AVX512-BF16 they
+  gave the fp32 train step 1.14x and forward 1.11x, and the bfloat16 GEMM 2.2x (YNNPACK's bf16
+  dots; Eigen converts), and with AMX they are what reaches the bf16 tiles. Where nothing was
+  measured (ARM, other ISAs) the defaults are kept too.
 * malloc (:func:`configure_malloc`, glibc only): one arena, no ``mmap`` for big blocks, no
   trimming. XLA:CPU allocates each execution's outputs and temporaries afresh on its worker
   threads; glibc serves blocks over 32 MiB (and, in a thread's arena, over 64 MiB whatever the
@@ -42,7 +44,7 @@ from pathlib import Path
 
 from .errors import ConfigError
 
-#: XLA:CPU's YNNPACK fusions off (the module docstring says where and why).
+#: XLA:CPU's YNNPACK fusions off (the module docstring says where and why: :func:`cpu_xla_flags`).
 CPU_FLAGS: tuple[str, ...] = ("--xla_cpu_experimental_ynn_fusion_type=",)
 
 #: Set to ``0`` to make :func:`configure_xla` a no-op (e.g. to compare against XLA's defaults).
@@ -94,6 +96,11 @@ class CpuInfo:
         return "amx_bf16" in self.flags
 
     @property
+    def bf16(self) -> bool:
+        """bfloat16 dot instructions: AVX512-BF16 or AMX (without them a bf16 dot is converted)."""
+        return self.amx or "avx512_bf16" in self.flags
+
+    @property
     def kind(self) -> str:
         """The widest matrix/vector extension, as the tables in docs/performance.md name CPUs."""
         for flag, name in (("amx_bf16", "AMX"), ("avx512f", "AVX-512"), ("avx2", "AVX2"), ("asimd", "NEON")):
@@ -103,8 +110,9 @@ class CpuInfo:
 
 
 def cpu_xla_flags(cpu: CpuInfo) -> tuple[str, ...]:
-    """The XLA flags :func:`configure_xla` adds on this CPU (reasons in the module docstring)."""
-    return () if cpu.amx else CPU_FLAGS
+    """The XLA flags :func:`configure_xla` adds on this CPU: YNNPACK off on x86 with AVX2 and no
+    AVX-512, where it was measured to win; XLA's defaults elsewhere (module docstring)."""
+    return CPU_FLAGS if "avx2" in cpu.flags and "avx512f" not in cpu.flags else ()
 
 
 @dataclass(frozen=True)
