@@ -45,7 +45,7 @@ from jax import lax
 from ..nn.activations import get_activation
 from .base import Backbone, BackboneError, activation_problem
 from .bert import LayerLayout, _ffn, dropout_keys
-from .layers import HFInit, dense, dropout, embedding_lookup, layer_norm_p
+from .layers import HFInit, dense, dropout, embedding_lookup, layer_norm_p, matmul
 from .weights import pick, torch_from_tree, tree_from_torch
 
 #: A DeBERTa layer is a BERT layer whose attention projections are named ``*_proj``.
@@ -188,12 +188,12 @@ def disentangled_attention(p: dict, x: jax.Array, keep: jax.Array, rel: jax.Arra
     w = jnp.concatenate([q_p["kernel"] * s.scale, k_p["kernel"], v_p["kernel"]], axis=1)
     b = jnp.concatenate([q_p["bias"] * s.scale, lax.stop_gradient(k_p["bias"]), v_p["bias"]])
     if at is None:
-        qkv = (x @ w.astype(x.dtype) + b.astype(x.dtype)).reshape(batch, t, 3, nh, d)
+        qkv = (matmul(x, w) + b.astype(x.dtype)).reshape(batch, t, 3, nh, d)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     else:
-        kv = (x @ w[:, h:].astype(x.dtype) + b[h:].astype(x.dtype)).reshape(batch, t, 2, nh, d)
+        kv = (matmul(x, w[:, h:]) + b[h:].astype(x.dtype)).reshape(batch, t, 2, nh, d)
         k, v = kv[:, :, 0], kv[:, :, 1]
-        q = (_rows_at(x, at, t) @ w[:, :h].astype(x.dtype) + b[:h].astype(x.dtype)).reshape(batch, 1, nh, d)
+        q = (matmul(_rows_at(x, at, t), w[:, :h]) + b[:h].astype(x.dtype)).reshape(batch, 1, nh, d)
         keep = jnp.take_along_axis(keep, at.reshape(batch, 1, 1, 1), axis=2)
         # relative-table index of (query at, key j) on c2p's and p2c's diagonals, as in diagonals_to_keys
         c2p_at = jnp.arange(t)[None, :] - at[:, None] + (t - 1)

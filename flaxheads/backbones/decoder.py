@@ -30,7 +30,7 @@ from ..nn.activations import get_activation
 from .base import Backbone, BackboneError, HFConfig
 from .bert import dropout_keys
 from .decoder_config import DEFAULTS, MODEL_TYPES, DecoderSpec, Rope, check_decoder_config, decoder_spec
-from .layers import HFInit, apply_rotary, attend_chunked, dropout, embedding_lookup, mask_bias
+from .layers import HFInit, apply_rotary, attend_chunked, dropout, embedding_lookup, mask_bias, matmul
 
 TOP_LEVEL = ("embed_tokens", "layers", "norm")
 
@@ -47,7 +47,7 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float, gemma: bool) -> jax.Arr
 
 def linear(x: jax.Array, p: dict) -> jax.Array:
     """``nn.Linear`` with or without a bias (Flax kernel ``[in, out]``)."""
-    y = x @ p["kernel"].astype(x.dtype)
+    y = matmul(x, p["kernel"])
     return y + p["bias"].astype(x.dtype) if "bias" in p else y
 
 

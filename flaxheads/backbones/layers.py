@@ -53,8 +53,59 @@ def layer_norm_p(x: jax.Array, p: dict, eps: float) -> jax.Array:
     return layer_norm(x, p["scale"], p["bias"], eps)
 
 
+def _matmul(x: jax.Array, kernel: jax.Array) -> jax.Array:
+    return x @ kernel.astype(x.dtype)
+
+
+def _transposed(x2d: jax.Array) -> jax.Array:
+    """``x2d.T`` as a row-major copy: written through a rank-3 transpose, which XLA does not fold
+    into the consuming dot as a transposed operand (see :func:`_matmul_cpu16`)."""
+    m, k = x2d.shape
+    return x2d.reshape(m, k, 1).transpose(1, 2, 0).reshape(k, m)
+
+
+@jax.custom_vjp
+def _matmul_cpu16(x: jax.Array, kernel: jax.Array) -> jax.Array:
+    """:func:`_matmul` with a backward pass laid out for XLA:CPU's 16-bit dots.
+
+    XLA:CPU runs a bf16 dot natively (YNNPACK) when its left operand is not transposed; the
+    autodiff backward of ``x @ w`` has ``g @ w.T`` with a bf16 output and ``x.T @ g``, and
+    XLA converted both to float32 and ran them at half the speed (AMD EPYC with AVX512-BF16,
+    jax 0.12, 4096 x 384 x 1536: forward 5.7 ms, ``dx`` 11.4 ms, ``dW`` 12.2 ms). Asking for
+    float32 outputs (as the accumulators are anyway) and giving ``dW`` a physically transposed
+    ``x`` keeps them in bf16: ``dx`` 6.0 ms, ``dW`` 5.6 ms. ``dW`` is returned in the kernel's
+    own dtype (float32 master weights), one rounding fewer than autodiff's bf16 cotangent."""
+    return _matmul(x, kernel)
+
+
+def _matmul_cpu16_fwd(x, kernel):
+    return _matmul(x, kernel), (x, kernel)
+
+
+def _matmul_cpu16_bwd(res, g):
+    x, kernel = res
+    k, n = kernel.shape
+    x2, g2 = x.reshape(-1, k), g.reshape(-1, n)
+    dx = lax.dot_general(g2, kernel.astype(x.dtype), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    dk = lax.dot_general(_transposed(x2), g2, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return dx.astype(x.dtype).reshape(x.shape), dk.astype(kernel.dtype)
+
+
+_matmul_cpu16.defvjp(_matmul_cpu16_fwd, _matmul_cpu16_bwd)
+
+
+def matmul(x: jax.Array, kernel: jax.Array) -> jax.Array:
+    """``x [..., in] @ kernel [in, out]`` in ``x``'s dtype (the kernel is cast: float32 master
+    weights, bf16 compute). The one place a backbone's dense layers multiply: on the CPU backend
+    with bfloat16 activations the backward pass is arranged by :func:`_matmul_cpu16` (forward-mode
+    differentiation, ``jax.jvp``, is not defined there); elsewhere it is the plain product."""
+    if x.dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
+        return _matmul_cpu16(x, kernel)
+    return _matmul(x, kernel)
+
+
 def dense(x: jax.Array, p: dict) -> jax.Array:
-    return x @ p["kernel"].astype(x.dtype) + p["bias"].astype(x.dtype)
+    return matmul(x, p["kernel"]) + p["bias"].astype(x.dtype)
 
 
 def embedding_lookup(table: jax.Array, ids: jax.Array, padding_idx: int | None = None) -> jax.Array:
@@ -313,7 +364,7 @@ def self_attention(x: jax.Array, w: jax.Array, b: jax.Array, bias: jax.Array, *,
     then :func:`attend_chunked` with the key mask ``bias [B, 1, 1, T]``, before the output projection."""
     bt, h = x.shape
     t, d = bt // batch, h // num_heads
-    qkv = (x @ w.astype(x.dtype) + b.astype(x.dtype)).reshape(batch, t, 3, num_heads, d)
+    qkv = (matmul(x, w) + b.astype(x.dtype)).reshape(batch, t, 3, num_heads, d)
     q, k, v = (a.squeeze(2) for a in jnp.split(qkv, 3, axis=2))
     return attend_chunked(q, k, v, bias, rate=rate, rng=rng, chunks=chunks, causal=causal).reshape(bt, h)
 
@@ -328,8 +379,8 @@ def cross_attention(x: jax.Array, memory: jax.Array, w: jax.Array, b: jax.Array,
     ``bias [B, 1, 1, Tk]`` masks ``memory``'s padding."""
     h = x.shape[1]
     d = h // num_heads
-    q = (x @ w[:, :h].astype(x.dtype) + b[:h].astype(x.dtype)).reshape(batch, -1, num_heads, d)
-    kv = (memory @ w[:, h:].astype(x.dtype) + b[h:].astype(x.dtype)).reshape(batch, -1, 2, num_heads, d)
+    q = (matmul(x, w[:, :h]) + b[:h].astype(x.dtype)).reshape(batch, -1, num_heads, d)
+    kv = (matmul(memory, w[:, h:]) + b[h:].astype(x.dtype)).reshape(batch, -1, 2, num_heads, d)
     k, v = (a.squeeze(2) for a in jnp.split(kv, 2, axis=2))
     return attend_chunked(q, k, v, bias, rate=rate, rng=rng, chunks=chunks).reshape(x.shape[0], h)
 

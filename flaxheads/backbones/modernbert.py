@@ -41,7 +41,7 @@ from ..nn.activations import get_activation
 from .base import Backbone, BackboneError, HFConfig, activation_problem
 from .bert import dropout_keys
 from .layers import (HFInit, apply_rotary, attend, attend_chunked, dropout, embedding_lookup, layer_norm, mask_bias,
-                     rotary_cos_sin)
+                     matmul, rotary_cos_sin)
 
 GLOBAL, LOCAL = "full_attention", "sliding_attention"
 #: ModernBertConfig's RoPE bases when a config names none.
@@ -139,7 +139,7 @@ def norm(x: jax.Array, p: Mapping, eps: float) -> jax.Array:
 
 def linear(x: jax.Array, p: Mapping) -> jax.Array:
     """A linear layer with or without a bias (``attention_bias`` / ``mlp_bias``)."""
-    y = x @ p["kernel"].astype(x.dtype)
+    y = matmul(x, p["kernel"])
     return y + p["bias"].astype(x.dtype) if "bias" in p else y
 
 

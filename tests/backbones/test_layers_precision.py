@@ -8,7 +8,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from flaxheads.backbones.layers import attend, layer_norm, mask_bias
+from flaxheads.backbones.layers import attend, layer_norm, mask_bias, matmul
 
 H = 16
 
@@ -87,3 +87,53 @@ def test_bf16_layer_norm_matches_pytorch_autocast():
     got = np.asarray(layer_norm(x, scale, bias, 1e-12), np.float32)
     want = want.to(torch.bfloat16).float().numpy()
     np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=1e-6)
+
+
+def _matmul_operands():
+    r = np.random.default_rng(2)
+    x = jnp.asarray(r.normal(size=(3, 40, 24)), jnp.bfloat16)
+    kernel = jnp.asarray(r.normal(size=(24, 56)) * 0.1, jnp.float32)
+    ct = jnp.asarray(r.normal(size=(3, 40, 56)), jnp.bfloat16)
+    return x, kernel, ct
+
+
+def test_bf16_matmul_gradients_against_float32():
+    """The CPU arrangement of a bf16 dense layer's backward: the input gradient is autodiff's bit for
+    bit; the kernel gradient is the float32 product of the bf16 operands, rounded once to the
+    float32 kernel's dtype (autodiff's rounds it to bf16 first)."""
+    x, kernel, ct = _matmul_operands()
+    y, vjp = jax.vjp(matmul, x, kernel)
+    y_ref, vjp_ref = jax.vjp(lambda a, k: a @ k.astype(a.dtype), x, kernel)
+    (dx, dk), (dx_ref, dk_ref) = vjp(ct), vjp_ref(ct)
+    assert y.dtype == dx.dtype == jnp.bfloat16 and dk.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(y_ref, np.float32))
+    np.testing.assert_array_equal(np.asarray(dx, np.float32), np.asarray(dx_ref, np.float32))
+    exact = np.einsum("btk,btn->kn", np.asarray(x, np.float64), np.asarray(ct, np.float64))
+    np.testing.assert_allclose(np.asarray(dk), exact, rtol=1e-5, atol=1e-5)
+    assert np.abs(np.asarray(dk_ref, np.float64) - exact).max() > 10 * np.abs(np.asarray(dk, np.float64) - exact).max()
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the arrangement is XLA:CPU's")
+def test_bf16_matmul_backward_dots_stay_bf16_with_untransposed_lhs():
+    """XLA:CPU converts a bf16 dot to float32 when its left operand is transposed or it rounds its
+    output to bf16: every dot of the backward pass takes bf16 operands, accumulates to float32
+    and contracts the left operand's last axis (autodiff's kernel gradient contracts its first)."""
+    x, kernel, ct = _matmul_operands()
+    jaxpr = jax.make_jaxpr(lambda x, k, c: jax.vjp(matmul, x, k)[1](c))(x, kernel, ct)
+
+    def eqns(j):  # every equation, inside custom-derivative and pjit sub-jaxprs too
+        for e in j.eqns:
+            yield e
+            for v in e.params.values():
+                sub = getattr(v, "jaxpr", v)
+                if hasattr(sub, "eqns"):
+                    yield from eqns(sub)
+
+    # the backward's products: the input and the kernel gradients (the forward one is traced too)
+    dots = [e for e in eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general" and e.outvars[0].aval.shape != ct.shape]
+    assert sorted(e.outvars[0].aval.shape for e in dots) == [(24, 56), (120, 24)]
+    for e in dots:
+        (lhs_contract, _), _ = e.params["dimension_numbers"]
+        assert [v.aval.dtype for v in e.invars] == [jnp.bfloat16, jnp.bfloat16]
+        assert e.params["preferred_element_type"] == jnp.float32
+        assert tuple(lhs_contract) == (e.invars[0].aval.ndim - 1,)
