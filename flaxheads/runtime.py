@@ -23,9 +23,11 @@ What is chosen from the CPU's features (:class:`CpuInfo`), and the measurements 
   are reused: 0 faults in most runs, the step ~13% faster and the AdamW pass 78 -> 46 ms (2-core AMD
   EPYC); in some runs part of them still fault, as threads that allocated before the call keep arenas.
 * Precision (:func:`choose_precision`): ``bfloat16`` where the hardware multiplies it natively
-  and JAX reaches it (TPU; NVIDIA GPUs from sm_80; CPUs with AMX under jax >= 0.11), ``float32``
-  elsewhere. Without bf16 matrix instructions a bf16 dot is converted and runs slower than fp32
-  (AMD EPYC, jax 0.12: ~0.8x the fp32 GEMM), so bfloat16 there would cost speed and precision.
+  and JAX reaches it (TPU; NVIDIA GPUs from sm_80; CPUs with AMX or AVX512-BF16 under
+  jax >= 0.11), ``float32`` elsewhere. Without bf16 matrix instructions a bf16 dot is converted
+  and runs slower than fp32 (AMD EPYC with AVX2, jax 0.12: ~0.8x the fp32 GEMM), so bfloat16
+  there would cost speed and precision. With AVX512-BF16 (AMD EPYC, jax 0.12) the bf16 GEMM ran
+  1.9x the fp32 one, the MiniLM train step 1.23x and the forward 1.5x, at equal test accuracy.
 
 :func:`enable_compile_cache` turns on JAX's persistent compilation cache for a program, so a
 second identical run loads its executables instead of compiling them again. The folder is
@@ -156,11 +158,13 @@ def choose_precision(want: str = "auto", *, backend: str | None = None, cpu: Cpu
         return Precision("float32", f"auto: float32 on the {backend} backend")
     cpu = cpu or CpuInfo.read()
     jax_version = jax_version or jax.__version__
-    if cpu.amx and _version(jax_version) >= (0, 11):
-        return Precision("bfloat16", f"auto: {cpu.model or 'this CPU'} has AMX bfloat16 tiles")
-    if cpu.amx:
-        return Precision("float32", f"auto: jax {jax_version} does not use this CPU's AMX tiles (jax >= 0.11 does)")
-    return Precision("float32", f"auto: {cpu.model or 'this CPU'} has no AMX (bfloat16 matmuls would run converted)")
+    units = "AMX bfloat16 tiles" if cpu.amx else "AVX512-BF16 instructions"
+    if cpu.bf16 and _version(jax_version) >= (0, 11):
+        return Precision("bfloat16", f"auto: {cpu.model or 'this CPU'} has {units}")
+    if cpu.bf16:
+        return Precision("float32", f"auto: jax {jax_version} does not use this CPU's {units} (jax >= 0.11 does)")
+    return Precision("float32", f"auto: {cpu.model or 'this CPU'} has no bfloat16 matrix instructions "
+                                "(bfloat16 matmuls would run converted)")
 
 
 def _backend_started() -> bool:

@@ -97,6 +97,8 @@ def test_unreadable_cpuinfo_is_an_unknown_cpu(tmp_path):
     (dict(backend="cpu", cpu=EPYC, jax_version="0.12.0.1"), "float32"),       # no bf16 matrix instructions
     (dict(backend="cpu", cpu=XEON, jax_version="0.12.0.1"), "bfloat16"),      # AMX, reached by jax >= 0.11
     (dict(backend="cpu", cpu=XEON, jax_version="0.10.2"), "float32"),         # AMX, but jax 0.10 does not use it
+    (dict(backend="cpu", cpu=ZEN5, jax_version="0.12.0.1"), "bfloat16"),      # AVX512-BF16
+    (dict(backend="cpu", cpu=ZEN5, jax_version="0.10.2"), "float32"),
     (dict(backend="gpu", gpu_capability="9.0"), "bfloat16"),
     (dict(backend="gpu", gpu_capability="7.0"), "float32"),                    # V100: no bf16 tensor cores
     (dict(backend="tpu"), "bfloat16"),

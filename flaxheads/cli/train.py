@@ -53,7 +53,7 @@ def _model_flags(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--precision", choices=PRECISIONS, default=None,
                    help="the backbone's compute precision; params, head, loss and softmax/LayerNorm statistics "
                         "stay float32. auto (default, or $FLAXHEADS_PRECISION): bfloat16 where the hardware "
-                        "multiplies it natively (TPU, GPUs from sm_80, CPUs with AMX), else float32")
+                        "multiplies it natively (TPU, GPUs from sm_80, CPUs with AMX or AVX512-BF16), else float32")
     g.add_argument("--bf16", action="store_true", help="same as --precision bfloat16")
 
 
