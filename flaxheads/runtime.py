@@ -48,6 +48,9 @@ from .errors import ConfigError
 
 #: XLA:CPU's YNNPACK fusions off (the module docstring says where and why: :func:`cpu_xla_flags`).
 CPU_FLAGS: tuple[str, ...] = ("--xla_cpu_experimental_ynn_fusion_type=",)
+#: XLA:CPU's dots through oneDNN: YNNPACK's fusions off (they take the dots first) and oneDNN's
+#: matmul custom call on. Chosen on CPUs with AMX under jax >= 0.11 (:func:`cpu_xla_flags`).
+ONEDNN_FLAGS: tuple[str, ...] = CPU_FLAGS + ("--xla_cpu_use_onednn=true", "--xla_cpu_experimental_onednn_custom_call=true")
 
 #: Set to ``0`` to make :func:`configure_xla` a no-op (e.g. to compare against XLA's defaults).
 OPT_OUT_ENV = "FLAXHEADS_XLA_DEFAULTS"
@@ -111,10 +114,43 @@ class CpuInfo:
         return "unknown"
 
 
-def cpu_xla_flags(cpu: CpuInfo) -> tuple[str, ...]:
-    """The XLA flags :func:`configure_xla` adds on this CPU: YNNPACK off on x86 with AVX2 and no
-    AVX-512, where it was measured to win; XLA's defaults elsewhere (module docstring)."""
+def _installed_jax() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("jax")
+    except PackageNotFoundError:  # pragma: no cover - flaxheads requires jax
+        return "0"
+
+
+def cpu_xla_flags(cpu: CpuInfo, jax_version: str | None = None) -> tuple[str, ...]:
+    """The XLA flags :func:`configure_xla` adds on this CPU (module docstring): oneDNN's dots with
+    AMX under jax >= 0.11 (``jax_version``, default the installed one), YNNPACK off on x86 with AVX2
+    and no AVX-512, XLA's defaults elsewhere."""
+    if cpu.amx and _version(jax_version or _installed_jax()) >= (0, 11):
+        return ONEDNN_FLAGS
     return CPU_FLAGS if "avx2" in cpu.flags and "avx512f" not in cpu.flags else ()
+
+
+def _flag_values(xla_flags: str) -> dict[str, str]:
+    values = {}
+    for flag in shlex.split(xla_flags):
+        name, _, value = flag.partition("=")
+        values[name] = value.strip().lower()
+    return values
+
+
+def onednn_dots(xla_flags: str | None = None) -> bool:
+    """Whether XLA:CPU hands this process's dots to oneDNN, from ``xla_flags`` (default
+    ``$XLA_FLAGS``): oneDNN and its matmul custom call on, YNNPACK's fusions off.
+
+    Read where a computation is arranged for the dot library (``backbones.layers``): oneDNN runs
+    bf16 x bf16 -> bf16 products on AMX but bf16 x bf16 -> float32 ones ~10x slower, and YNNPACK
+    the other way round on the AVX512-BF16 CPU measured."""
+    flags = _flag_values(os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags)
+    on = ("true", "1")
+    return (flags.get("--xla_cpu_use_onednn") in on and flags.get("--xla_cpu_experimental_onednn_custom_call") in on
+            and flags.get("--xla_cpu_experimental_ynn_fusion_type", "default") == "")
 
 
 @dataclass(frozen=True)

@@ -36,13 +36,34 @@ def test_appends_to_existing_flags(fresh):
     assert runtime.configure_xla(cpu=EPYC) == []  # idempotent
 
 
-@pytest.mark.parametrize("cpu", [XEON, ZEN5], ids=["amx", "avx512"])
-def test_avx512_hosts_keep_xlas_defaults(fresh, cpu):
-    """YNNPACK-off was measured to win with AVX2 alone; with AVX-512 XLA's defaults won (and with
-    AMX they reach the bf16 tiles)."""
+@pytest.mark.parametrize("cpu, jax_version", [(ZEN5, "0.12.0.1"), (XEON, "0.10.2")], ids=["avx512", "amx-jax0.10"])
+def test_avx512_hosts_keep_xlas_defaults(fresh, cpu, jax_version):
+    """YNNPACK-off was measured to win with AVX2 alone; with AVX-512 XLA's defaults won. oneDNN's
+    dots were measured with AMX under jax 0.12 only."""
+    fresh.setattr(runtime, "_installed_jax", lambda: jax_version)
     fresh.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     assert runtime.configure_xla(cpu=cpu) == []
     assert os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=8"
+    assert not runtime.onednn_dots()
+
+
+def test_amx_hosts_get_onednn_dots(fresh):
+    """With AMX (jax >= 0.11) oneDNN's dots won: YNNPACK off, oneDNN and its matmul call on."""
+    fresh.setattr(runtime, "_installed_jax", lambda: "0.12.0.1")
+    fresh.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    assert runtime.configure_xla(cpu=XEON) == list(runtime.ONEDNN_FLAGS)
+    assert runtime.onednn_dots()
+
+
+@pytest.mark.parametrize("flags, on", [
+    (" ".join(runtime.ONEDNN_FLAGS), True),
+    ("--xla_cpu_use_onednn=true --xla_cpu_experimental_onednn_custom_call=true", False),  # YNNPACK takes the dots
+    (f"{YNN}= --xla_cpu_use_onednn=True --xla_cpu_experimental_onednn_custom_call=1", True),
+    (" ".join(runtime.ONEDNN_FLAGS) + " --xla_cpu_use_onednn=false", False),  # the last setting counts
+    ("", False),
+])
+def test_onednn_dots_reads_the_flags(flags, on):
+    assert runtime.onednn_dots(flags) is on
 
 
 def test_keeps_the_users_own_setting(fresh):
@@ -77,14 +98,14 @@ CPU part\t: 0xd4f
 
 
 @pytest.mark.parametrize("text, model, kind, flags", [
-    (X86_CPUINFO, "Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz", "AMX", ()),
+    (X86_CPUINFO, "Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz", "AMX", runtime.ONEDNN_FLAGS),
     (ARM_CPUINFO, "0xd4f", "NEON", ()),  # nothing measured on ARM: XLA's defaults
 ])
 def test_cpu_info_reads_the_first_processor(tmp_path, text, model, kind, flags):
     path = tmp_path / "cpuinfo"
     path.write_text(text)
     cpu = runtime.CpuInfo.read(str(path))
-    assert (cpu.model, cpu.kind, runtime.cpu_xla_flags(cpu)) == (model, kind, flags)
+    assert (cpu.model, cpu.kind, runtime.cpu_xla_flags(cpu, "0.12.0.1")) == (model, kind, flags)
     assert runtime.cpu_fingerprint(cpu) != runtime.cpu_fingerprint(EPYC)
 
 

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..errors import ConfigError
+from ..runtime import onednn_dots
 
 
 @partial(jax.custom_jvp, nondiff_argnums=(3,))
@@ -64,30 +65,40 @@ def _transposed(x2d: jax.Array) -> jax.Array:
     return x2d.reshape(m, k, 1).transpose(1, 2, 0).reshape(k, m)
 
 
-@jax.custom_vjp
-def _matmul_cpu16(x: jax.Array, kernel: jax.Array) -> jax.Array:
+def float32_products() -> bool:
+    """Whether bf16 products here should ask for float32 outputs (``preferred_element_type``):
+    yes, except on the CPU backend with oneDNN's dots (:func:`flaxheads.runtime.onednn_dots`), which
+    run bf16 x bf16 -> float32 products converted, ~10x slower than bf16 -> bf16 (Intel Xeon with
+    AMX, jax 0.12, 4096 x 384 x 1536: 18.4 vs 1.6 ms). Read at trace time."""
+    return not (jax.default_backend() == "cpu" and onednn_dots())
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _matmul_cpu16(x: jax.Array, kernel: jax.Array, f32_out: bool) -> jax.Array:
     """:func:`_matmul` with a backward pass laid out for XLA:CPU's 16-bit dots.
 
-    XLA:CPU runs a bf16 dot natively (YNNPACK) when its left operand is not transposed; the
-    autodiff backward of ``x @ w`` has ``g @ w.T`` with a bf16 output and ``x.T @ g``, and
-    XLA converted both to float32 and ran them at half the speed (AMD EPYC with AVX512-BF16,
-    jax 0.12, 4096 x 384 x 1536: forward 5.7 ms, ``dx`` 11.4 ms, ``dW`` 12.2 ms). Asking for
-    float32 outputs (as the accumulators are anyway) and giving ``dW`` a physically transposed
-    ``x`` keeps them in bf16: ``dx`` 6.0 ms, ``dW`` 5.6 ms. ``dW`` is returned in the kernel's
-    own dtype (float32 master weights), one rounding fewer than autodiff's bf16 cotangent."""
+    The autodiff backward of ``x @ w`` has ``g @ w.T`` and ``x.T @ g``. XLA:CPU's YNNPACK runs a
+    bf16 dot natively when its left operand is not transposed, and converted both to float32 at
+    half the speed (AMD EPYC with AVX512-BF16, jax 0.12, 4096 x 384 x 1536: forward 5.7 ms,
+    ``dx`` 11.4 ms, ``dW`` 12.2 ms). Asking for float32 outputs (as the accumulators are anyway)
+    and giving ``dW`` a physically transposed ``x`` keeps them in bf16: ``dx`` 6.0 ms, ``dW``
+    5.6 ms. With oneDNN's dots (``f32_out=False``, :func:`float32_products`) the products keep
+    bf16 outputs and ``dW`` still gets the transposed copy (Intel Xeon with AMX: ``dW`` 4.6 ->
+    3.0 ms). ``dW`` is returned in the kernel's own dtype (float32 master weights)."""
     return _matmul(x, kernel)
 
 
-def _matmul_cpu16_fwd(x, kernel):
+def _matmul_cpu16_fwd(x, kernel, f32_out):
     return _matmul(x, kernel), (x, kernel)
 
 
-def _matmul_cpu16_bwd(res, g):
+def _matmul_cpu16_bwd(f32_out, res, g):
     x, kernel = res
     k, n = kernel.shape
     x2, g2 = x.reshape(-1, k), g.reshape(-1, n)
-    dx = lax.dot_general(g2, kernel.astype(x.dtype), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    dk = lax.dot_general(_transposed(x2), g2, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    out = jnp.float32 if f32_out else None
+    dx = lax.dot_general(g2, kernel.astype(x.dtype), (((1,), (1,)), ((), ())), preferred_element_type=out)
+    dk = lax.dot_general(_transposed(x2), g2, (((1,), (0,)), ((), ())), preferred_element_type=out)
     return dx.astype(x.dtype).reshape(x.shape), dk.astype(kernel.dtype)
 
 
@@ -100,7 +111,7 @@ def matmul(x: jax.Array, kernel: jax.Array) -> jax.Array:
     with bfloat16 activations the backward pass is arranged by :func:`_matmul_cpu16` (forward-mode
     differentiation, ``jax.jvp``, is not defined there); elsewhere it is the plain product."""
     if x.dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
-        return _matmul_cpu16(x, kernel)
+        return _matmul_cpu16(x, kernel, float32_products())
     return _matmul(x, kernel)
 
 
@@ -215,7 +226,8 @@ def attention_impl(rate: float = 0.0, rng: jax.Array | None = None, want: str | 
     (the CPU-tuned :func:`attend`) or ``"plain"`` (:func:`attend_plain`). The one place this is decided.
 
     ``want`` (else ``$FLAXHEADS_ATTENTION``, else ``"auto"``): ``"auto"`` is ``"fused"`` on GPU,
-    ``"cpu"`` on CPU and ``"plain"`` elsewhere. Attention dropout (``rate > 0`` with an ``rng``)
+    ``"cpu"`` on CPU (``"plain"`` with oneDNN's dots, where the CPU arrangement's products are
+    the slow kind: :func:`float32_products`) and ``"plain"`` elsewhere. Attention dropout (``rate > 0`` with an ``rng``)
     always gets the unfused arrangement of its backend, whatever was asked: the fused kernels
     have no dropout, and dropping the probabilities needs them materialised anyway. Read at
     trace time, so a program already compiled keeps the arrangement it was traced with."""
@@ -224,7 +236,7 @@ def attention_impl(rate: float = 0.0, rng: jax.Array | None = None, want: str | 
         raise ConfigError(f"attention implementation {want!r} (argument or ${ATTENTION_ENV}) is not known: "
                           f"expected one of {', '.join(ATTENTION_IMPLS)}; unset ${ATTENTION_ENV} for the default")
     backend = jax.default_backend()
-    unfused = "cpu" if backend == "cpu" else "plain"
+    unfused = "cpu" if backend == "cpu" and float32_products() else "plain"
     if want == "auto":
         want = "fused" if backend == "gpu" else unfused
     if want == "fused" and rate > 0.0 and rng is not None:
@@ -318,12 +330,15 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, rate: floa
 
 def attend_plain(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, rate: float,
                   rng: jax.Array | None, causal: bool = False) -> jax.Array:
-    """HF's arrangement of :func:`attend` (same function, same dropout bits), used off CPU.
+    """HF's arrangement of :func:`attend` (same function, same dropout bits), used off CPU and with oneDNN's dots.
 
     The ``d + 1``-wide score matmul is a CPU measurement; on GPUs XLA fuses bias + softmax
     itself and matmuls want aligned head dims, and nothing here was measured on one, so
     accelerators get the textbook form."""
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) + bias
+    if float32_products():
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) + bias
+    else:  # bf16 scores, as PyTorch's autocast computes them
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) + bias
     if causal:
         scores = causal_mask(scores)
     probs = dropout(jax.nn.softmax(scores, axis=-1), rate, rng).astype(v.dtype)  # float32 softmax, any dtype

@@ -137,3 +137,59 @@ def test_bf16_matmul_backward_dots_stay_bf16_with_untransposed_lhs():
         assert [v.aval.dtype for v in e.invars] == [jnp.bfloat16, jnp.bfloat16]
         assert e.params["preferred_element_type"] == jnp.float32
         assert tuple(lhs_contract) == (e.invars[0].aval.ndim - 1,)
+
+
+_ONEDNN_CHECK = """
+import json, sys
+import numpy as np, jax, jax.numpy as jnp
+from flaxheads.backbones.layers import attend, attention_impl, mask_bias, matmul
+r = np.random.default_rng(0)
+x = jnp.asarray(r.normal(size=(256, 256)), jnp.bfloat16)  # above oneDNN's size threshold (2^24 flops)
+kernel = jnp.asarray(r.normal(size=(256, 512)) * 0.05, jnp.float32)
+q, k, v = (jnp.asarray(r.normal(size=(8, 64, 4, 32)) * s, jnp.bfloat16) for s in (32 ** -0.5, 1.0, 1.0))  # scaled q
+bias = mask_bias(jnp.ones((8, 64), jnp.int32), jnp.float32)
+
+def loss(x, kernel, q, k, v):
+    y, a = matmul(x, kernel), attend(q, k, v, bias, 0.0, None)
+    return (y * y).astype(jnp.float32).sum() + (a * a).astype(jnp.float32).sum()  # (a convert right after a dot becomes its output type)
+
+def loss32(x, kernel, q, k, v):
+    return ((x @ kernel) ** 2).sum() + (attend(q, k, v, bias.astype(jnp.float32), 0.0, None, impl="plain") ** 2).sum()
+
+args = (x, kernel, q, k, v)
+grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+hlo = grad.lower(*args).compile().as_text()
+calls = [l.split("=", 1)[1].strip()[:60] for l in hlo.splitlines() if "__onednn$matmul" in l and "custom-call(" in l]
+dots = [l.split("=", 1)[1].strip()[:60] for l in hlo.splitlines() if " dot(" in l]
+got = grad(*args)
+want = jax.grad(loss32, argnums=(0, 1, 2))(*(a.astype(jnp.float32) for a in args))
+err = [float(jnp.abs(g.astype(jnp.float32) - w).max() / jnp.abs(w).max()) for g, w in zip(got, want)]
+print(json.dumps({"impl": attention_impl(), "calls": calls, "dots": dots, "err": err}))
+"""
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="oneDNN's dots are XLA:CPU's")
+def test_onednn_dots_keep_bf16_outputs_and_the_gradients():
+    """With oneDNN's dots (the flags chosen on CPUs with AMX) every product of a bf16 dense layer's and
+    attention's forward and backward reaches oneDNN with a bf16 output (bf16 x bf16 -> float32
+    ones run converted, ~10x slower), and the gradients stay those of the float32 model."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from flaxheads import runtime
+
+    env = {k: v for k, v in os.environ.items() if k != runtime.OPT_OUT_ENV}
+    env["XLA_FLAGS"] = " ".join(runtime.ONEDNN_FLAGS)
+    env["JAX_PLATFORMS"] = "cpu"
+    r = subprocess.run([sys.executable, "-c", _ONEDNN_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    if not out["calls"]:
+        pytest.skip("this jaxlib's XLA:CPU has no oneDNN (not an x86 build)")
+    assert out["impl"] == "plain"
+    # forward, dx, dW of the dense layer; scores, P.V and their four gradients in attention
+    assert len(out["calls"]) >= 7 and not out["dots"], out
+    assert all(c.lstrip("(").startswith("bf16[") for c in out["calls"]), out["calls"]
+    assert max(out["err"]) < 3e-2, out["err"]
