@@ -9,12 +9,17 @@ What is chosen from the CPU's features (:class:`CpuInfo`), and the measurements 
 
 * XLA flags (:func:`cpu_xla_flags`). ``--xla_cpu_experimental_ynn_fusion_type=`` turns off
   XLA:CPU's YNNPACK fusions (jaxlib routes dots *and* reductions through them), on x86 CPUs with
-  AVX2 but no AVX-512 only: dots then go to Eigen and reductions stay inside XLA's own loop
+  AVX2 but no AVX-512: dots then go to Eigen and reductions stay inside XLA's own loop
   fusions, and on a 2-core AMD EPYC (AVX2) the train step ran ~10-13% and the forward ~7% faster.
-  With AVX-512, XLA's defaults are kept: on a 2-core AMD EPYC with AVX-512 and AVX512-BF16 they
-  gave the fp32 train step 1.14x and forward 1.11x, and the bfloat16 GEMM 2.2x (YNNPACK's bf16
-  dots; Eigen converts), and with AMX they are what reaches the bf16 tiles. Where nothing was
-  measured (ARM, other ISAs) the defaults are kept too.
+  With AMX (jax >= 0.11) YNNPACK is turned off too and oneDNN's matmul custom call on
+  (:data:`ONEDNN_FLAGS`): on a 2-core Intel Xeon with AMX oneDNN ran MiniLM's bf16 dense products
+  ~2x faster than YNNPACK (4096 x 384 x 1536: 1.6 vs 3.2 ms), and the MiniLM bf16 train step went
+  1.23x -> 1.93x PyTorch autocast, the fp32 one 1.34x -> 1.41x. oneDNN wants bf16 products with
+  bf16 outputs, which ``backbones.layers`` asks for when :func:`onednn_dots` says so.
+  With AVX-512 and no AMX XLA's defaults are kept: on a 2-core AMD EPYC with AVX-512 and
+  AVX512-BF16 they gave the fp32 train step 1.14x and forward 1.11x, and the bfloat16 GEMM 2.2x
+  (YNNPACK's bf16 dots; Eigen converts). Where nothing was measured (ARM, other ISAs) the
+  defaults are kept too.
 * malloc (:func:`configure_malloc`, glibc only): one arena, no ``mmap`` for big blocks, no
   trimming. XLA:CPU allocates each execution's outputs and temporaries afresh on its worker
   threads; glibc serves blocks over 32 MiB (and, in a thread's arena, over 64 MiB whatever the
