@@ -120,12 +120,9 @@ class CpuInfo:
 
 
 def _installed_jax() -> str:
-    from importlib.metadata import PackageNotFoundError, version
+    import jax  # importing jax starts no backend: XLA_FLAGS can still be set after this
 
-    try:
-        return version("jax")
-    except PackageNotFoundError:  # pragma: no cover - flaxheads requires jax
-        return "0"
+    return jax.__version__
 
 
 def cpu_xla_flags(cpu: CpuInfo, jax_version: str | None = None) -> tuple[str, ...]:
@@ -137,9 +134,18 @@ def cpu_xla_flags(cpu: CpuInfo, jax_version: str | None = None) -> tuple[str, ..
     return CPU_FLAGS if "avx2" in cpu.flags and "avx512f" not in cpu.flags else ()
 
 
+def _split_flags(xla_flags: str) -> list[str]:
+    try:
+        return shlex.split(xla_flags)
+    except ValueError as e:
+        raise ConfigError(f"XLA_FLAGS={xla_flags!r} cannot be split into flags ({e}): expected space-separated "
+                          "--name=value flags; fix its quoting") from None
+
+
 def _flag_values(xla_flags: str) -> dict[str, str]:
+    """``{"--name": "value"}`` of an ``XLA_FLAGS`` string (the last setting of a name wins)."""
     values = {}
-    for flag in shlex.split(xla_flags):
+    for flag in _split_flags(xla_flags):
         name, _, value = flag.partition("=")
         values[name] = value.strip().lower()
     return values
@@ -198,7 +204,7 @@ def choose_precision(want: str = "auto", *, backend: str | None = None, cpu: Cpu
     if backend != "cpu":
         return Precision("float32", f"auto: float32 on the {backend} backend")
     cpu = cpu or CpuInfo.read()
-    jax_version = jax_version or jax.__version__
+    jax_version = jax_version or _installed_jax()
     units = "AMX bfloat16 tiles" if cpu.amx else "AVX512-BF16 instructions"
     if cpu.bf16 and _version(jax_version) >= (0, 11):
         return Precision("bfloat16", f"auto: {cpu.model or 'this CPU'} has {units}")
@@ -228,7 +234,7 @@ def configure_xla(flags: tuple[str, ...] | None = None, *, cpu: CpuInfo | None =
         return []
     if flags is None:
         flags = cpu_xla_flags(cpu or CpuInfo.read())
-    current = shlex.split(os.environ.get("XLA_FLAGS", ""))
+    current = _split_flags(os.environ.get("XLA_FLAGS", ""))
     names = {f.split("=", 1)[0] for f in current}
     added = [f for f in flags if f.split("=", 1)[0] not in names]
     if added:

@@ -66,6 +66,14 @@ def test_onednn_dots_reads_the_flags(flags, on):
     assert runtime.onednn_dots(flags) is on
 
 
+def test_unsplittable_xla_flags_are_refused(fresh):
+    with pytest.raises(ConfigError, match="fix its quoting"):
+        runtime.onednn_dots("--xla_cpu_use_onednn='true")
+    fresh.setenv("XLA_FLAGS", "--xla_dump_to='/tmp/x")
+    with pytest.raises(ConfigError, match="cannot be split into flags"):
+        runtime.configure_xla(cpu=EPYC)
+
+
 def test_keeps_the_users_own_setting(fresh):
     fresh.setenv("XLA_FLAGS", f"{YNN}=individual_dot")
     assert runtime.configure_xla(cpu=EPYC) == []

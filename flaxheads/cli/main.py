@@ -62,8 +62,8 @@ def _prepare_process() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``flaxheads <subcommand> ...``; returns the exit code (2 for a user's mistake)."""
     started = time.perf_counter()
-    _prepare_process()
     try:
+        _prepare_process()
         args = build_parser().parse_args(sys.argv[1:] if argv is None else list(argv))
         args.started = started
         args.compile_cache = enable_compile_cache()  # a second identical run loads its programs

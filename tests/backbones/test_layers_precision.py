@@ -140,7 +140,7 @@ def test_bf16_matmul_backward_dots_stay_bf16_with_untransposed_lhs():
 
 
 _ONEDNN_CHECK = """
-import json, sys
+import json
 import numpy as np, jax, jax.numpy as jnp
 from flaxheads.backbones.layers import attend, attention_impl, mask_bias, matmul
 r = np.random.default_rng(0)

@@ -89,6 +89,13 @@ def test_negative_batch_size_fails_fast_in_a_process(tmp_path):
                                        "(see `flaxheads train --help`)"]
 
 
+def test_unsplittable_xla_flags_fail_in_one_line(tmp_path):
+    out = run_process("train", "--output-dir", tmp_path / "r", env={"XLA_FLAGS": "--xla_dump_to='/tmp/x"}, timeout=300)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.splitlines() == ["error: XLA_FLAGS=\"--xla_dump_to='/tmp/x\" cannot be split into flags (No closing "
+                                       "quotation): expected space-separated --name=value flags; fix its quoting"]
+
+
 def test_no_subcommand_and_unknown_subcommand(capsys):
     code, _, err = run_cli(capsys)
     assert_one_line_error(code, err, "COMMAND")
