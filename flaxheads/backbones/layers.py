@@ -194,6 +194,30 @@ def attention_chunks(batch: int, num_heads: int, seq: int, itemsize: int = 4,
     return n
 
 
+#: With oneDNN's dots, a layer's batched attention products slow down sharply once its float32
+#: scores pass a few tens of MiB (Intel Xeon with AMX, jax 0.12, MiniLM's 12 heads, forward):
+#: 32 x 256 (100 MB) 56 ms in one go, 28.5 ms in 16 sequential groups of 2 rows; 128 x 128 (100 MB)
+#: 71 vs 44 ms; 8 x 256 (25 MB) 7.8 ms in one go, 7.4 ms in groups; 32 x 128 (25 MB) 8.9 ms in one
+#: go, slower in groups. So past ``_GROUPS_FROM_BYTES`` the batch goes through in groups of about
+#: ``_GROUP_BYTES`` of scores each.
+_GROUPS_FROM_BYTES = 32 << 20
+_GROUP_BYTES = 8 << 20
+
+
+def attention_groups(batch: int, num_heads: int, seq_q: int, seq_k: int) -> int:
+    """How many sequential batch groups :func:`attend_chunked` runs (``lax.map``): 1, except with
+    oneDNN's dots (:func:`flaxheads.runtime.onednn_dots`) on the CPU backend when the layer's
+    float32 scores pass 32 MiB; then the smallest divisor of ``batch`` that brings a group's
+    scores to about 8 MiB. Read at trace time."""
+    scores = batch * num_heads * seq_q * seq_k * 4
+    if scores <= _GROUPS_FROM_BYTES or jax.default_backend() != "cpu" or not onednn_dots():
+        return 1
+    n = min(-(-scores // _GROUP_BYTES), batch)
+    while batch % n:
+        n += 1
+    return n
+
+
 @jax.custom_jvp
 def _biased_scores(q: jax.Array, k: jax.Array, key_bias: jax.Array) -> jax.Array:
     """``q k^T + bias`` as one product: ``[q, 1] . [k, key_bias]`` (head dim ``d + 1``).
@@ -335,14 +359,17 @@ def attend_plain(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, rate
     The ``d + 1``-wide score matmul is a CPU measurement; on GPUs XLA fuses bias + softmax
     itself and matmuls want aligned head dims, and nothing here was measured on one, so
     accelerators get the textbook form."""
-    if float32_products():
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) + bias
-    else:  # bf16 scores, as PyTorch's autocast computes them
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) + bias
+    # head-major operands [B, nh, T, d]: with oneDNN's dots, attention at 32 x 256 in groups
+    # (:func:`attention_groups`) took 28.5 ms against 37 ms for einsums over [B, T, nh, d]
+    q, k, v = (a.transpose(0, 2, 1, 3) for a in (q, k, v))
+    batch_dims = ((0, 1), (0, 1))
+    # bf16 scores with oneDNN's dots, as PyTorch's autocast computes them
+    out = jnp.float32 if float32_products() else None
+    scores = lax.dot_general(q, k, (((3,), (3,)), batch_dims), preferred_element_type=out).astype(jnp.float32) + bias
     if causal:
         scores = causal_mask(scores)
     probs = dropout(jax.nn.softmax(scores, axis=-1), rate, rng).astype(v.dtype)  # float32 softmax, any dtype
-    return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+    return lax.dot_general(probs, v, (((3,), (2,)), batch_dims)).transpose(0, 2, 1, 3)
 
 
 def causal_mask(scores: jax.Array) -> jax.Array:
@@ -380,8 +407,17 @@ def self_attention(x: jax.Array, w: jax.Array, b: jax.Array, bias: jax.Array, *,
     bt, h = x.shape
     t, d = bt // batch, h // num_heads
     qkv = (matmul(x, w) + b.astype(x.dtype)).reshape(batch, t, 3, num_heads, d)
-    q, k, v = (a.squeeze(2) for a in jnp.split(qkv, 3, axis=2))
-    return attend_chunked(q, k, v, bias, rate=rate, rng=rng, chunks=chunks, causal=causal).reshape(bt, h)
+
+    def attend_qkv(qkv, bias, rng):
+        q, k, v = (a.squeeze(2) for a in jnp.split(qkv, 3, axis=2))
+        return attend_chunked(q, k, v, bias, rate=rate, rng=rng, chunks=chunks, causal=causal)
+
+    groups = 1 if attention_impl(rate, rng) == "fused" else attention_groups(batch, num_heads, t, t)
+    if groups == 1:
+        return attend_qkv(qkv, bias, rng).reshape(bt, h)
+    # grouped here, not in attend_chunked: the groups slice the one q/k/v tensor (q, k and v
+    # split before the loop are three copies of it)
+    return in_groups(attend_qkv, groups, rng, qkv, bias).reshape(bt, h)
 
 
 def cross_attention(x: jax.Array, memory: jax.Array, w: jax.Array, b: jax.Array, bias: jax.Array, *,
@@ -406,18 +442,46 @@ def attend_chunked(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, *,
     """:func:`attend` (``q [B, Tq, nh, d]``, ``k, v [B, Tk, nh, d]``, ``bias [B, 1, 1, Tk]``) in
     independent batch chunks (:func:`attention_chunks`): XLA's CPU runtime runs them
     concurrently, so the (single-threaded) softmax/mask fusions of one chunk overlap the
-    other's. They are split (not sliced) so the backward pass concatenates the chunks'
-    gradients instead of adding zero-padded full-size copies of them. Chunk ``c``'s dropout
-    key is ``fold_in(rng, c)``. The fused kernel is one call (``"auto"`` is 1 chunk there: it
+    other's. Where :func:`attention_groups` says so, the batch first goes through in sequential
+    groups (``lax.map``), each split into chunks and recomputed in the backward pass
+    (``jax.checkpoint``: the gradient of a 32 x 256 layer took 162 ms instead of 229 with the
+    groups' scores saved); group ``g``'s dropout key is ``fold_in(rng, g)``. Chunks are split
+    (not sliced) so the backward pass concatenates the chunks' gradients instead of adding
+    zero-padded full-size copies of them. Chunk ``c``'s dropout key is ``fold_in(rng, c)``. The fused kernel is one call (``"auto"`` is 1 chunk there: it
     never holds the score tensor the chunks are sized by)."""
-    batch, _, num_heads, _ = q.shape
-    if chunks == "auto" and attention_impl(rate, rng, impl) == "fused":
+    batch, tq, num_heads, _ = q.shape
+    fused = attention_impl(rate, rng, impl) == "fused"
+    if chunks == "auto" and fused:
         chunks = 1
-    n = attention_chunks(batch, num_heads, k.shape[1], jnp.dtype(q.dtype).itemsize, chunks)
-    split = (lambda a: jnp.split(a, n, axis=0)) if n > 1 else (lambda a: [a])
-    parts = [attend(qc, kc, vc, bc, rate, None if rng is None else jax.random.fold_in(rng, c), causal, impl)
-             for c, (qc, kc, vc, bc) in enumerate(zip(split(q), split(k), split(v), split(bias)))]
-    return parts[0] if n == 1 else jnp.concatenate(parts, axis=0)
+    groups = 1 if fused else attention_groups(batch, num_heads, tq, k.shape[1])
+
+    def chunked(q, k, v, bias, rng):
+        n = attention_chunks(q.shape[0], num_heads, k.shape[1], jnp.dtype(q.dtype).itemsize, chunks)
+        split = (lambda a: jnp.split(a, n, axis=0)) if n > 1 else (lambda a: [a])
+        parts = [attend(qc, kc, vc, bc, rate, None if rng is None else jax.random.fold_in(rng, c), causal, impl)
+                 for c, (qc, kc, vc, bc) in enumerate(zip(split(q), split(k), split(v), split(bias)))]
+        return parts[0] if n == 1 else jnp.concatenate(parts, axis=0)
+
+    if groups == 1:
+        return chunked(q, k, v, bias, rng)
+    return in_groups(chunked, groups, rng, q, k, v, bias)
+
+
+def in_groups(fn, groups: int, rng: jax.Array | None, *arrays: jax.Array) -> jax.Array:
+    """``fn(*arrays, rng)`` over ``groups`` sequential slices of the arrays' leading (batch) axis
+    (``lax.map``), each recomputed in the backward pass (``jax.checkpoint``), with group ``g``'s
+    key ``fold_in(rng, g)``; the outputs concatenated along the batch axis. Arrays with batch 1
+    are broadcast. See :func:`attention_groups`."""
+    batch = max(a.shape[0] for a in arrays)
+
+    def group(args):
+        i, *xs = args
+        return fn(*xs, None if rng is None else jax.random.fold_in(rng, i))
+
+    grouped = (jnp.broadcast_to(a, (batch, *a.shape[1:])).reshape(groups, batch // groups, *a.shape[1:])
+               for a in arrays)
+    out = lax.map(jax.checkpoint(group), (jnp.arange(groups), *grouped))
+    return out.reshape(batch, *out.shape[2:])
 
 
 def rotary_cos_sin(positions: jax.Array, dim: int, theta: float, dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
