@@ -199,18 +199,20 @@ def attention_chunks(batch: int, num_heads: int, seq: int, itemsize: int = 4,
 #: 32 x 256 (100 MB) 56 ms in one go, 28.5 ms in 16 sequential groups of 2 rows; 128 x 128 (100 MB)
 #: 71 vs 44 ms; 8 x 256 (25 MB) 7.8 ms in one go, 7.4 ms in groups; 32 x 128 (25 MB) 8.9 ms in one
 #: go, slower in groups. So past ``_GROUPS_FROM_BYTES`` the batch goes through in groups of about
-#: ``_GROUP_BYTES`` of scores each.
+#: ``_GROUP_BYTES`` of scores each. Not in bfloat16: the MiniLM forward at 32 x 256 every position
+#: took 276 ms in groups against 256 ms without (bf16 scores, float32 softmax).
 _GROUPS_FROM_BYTES = 32 << 20
 _GROUP_BYTES = 8 << 20
 
 
-def attention_groups(batch: int, num_heads: int, seq_q: int, seq_k: int) -> int:
-    """How many sequential batch groups :func:`attend_chunked` runs (``lax.map``): 1, except with
-    oneDNN's dots (:func:`flaxheads.runtime.onednn_dots`) on the CPU backend when the layer's
-    float32 scores pass 32 MiB; then the smallest divisor of ``batch`` that brings a group's
-    scores to about 8 MiB. Read at trace time."""
+def attention_groups(batch: int, num_heads: int, seq_q: int, seq_k: int, dtype=jnp.float32) -> int:
+    """How many sequential batch groups :func:`attend_chunked` runs (``lax.map``): 1, except for
+    float32 activations with oneDNN's dots (:func:`flaxheads.runtime.onednn_dots`) on the CPU
+    backend when the layer's scores pass 32 MiB; then the smallest divisor of ``batch`` that
+    brings a group's scores to about 8 MiB. Read at trace time."""
     scores = batch * num_heads * seq_q * seq_k * 4
-    if scores <= _GROUPS_FROM_BYTES or jax.default_backend() != "cpu" or not onednn_dots():
+    if (jnp.dtype(dtype) != jnp.float32 or scores <= _GROUPS_FROM_BYTES or jax.default_backend() != "cpu"
+            or not onednn_dots()):
         return 1
     n = min(-(-scores // _GROUP_BYTES), batch)
     while batch % n:
@@ -412,7 +414,7 @@ def self_attention(x: jax.Array, w: jax.Array, b: jax.Array, bias: jax.Array, *,
         q, k, v = (a.squeeze(2) for a in jnp.split(qkv, 3, axis=2))
         return attend_chunked(q, k, v, bias, rate=rate, rng=rng, chunks=chunks, causal=causal)
 
-    groups = 1 if attention_impl(rate, rng) == "fused" else attention_groups(batch, num_heads, t, t)
+    groups = 1 if attention_impl(rate, rng) == "fused" else attention_groups(batch, num_heads, t, t, x.dtype)
     if groups == 1:
         return attend_qkv(qkv, bias, rng).reshape(bt, h)
     # grouped here, not in attend_chunked: the groups slice the one q/k/v tensor (q, k and v
@@ -453,7 +455,7 @@ def attend_chunked(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, *,
     fused = attention_impl(rate, rng, impl) == "fused"
     if chunks == "auto" and fused:
         chunks = 1
-    groups = 1 if fused else attention_groups(batch, num_heads, tq, k.shape[1])
+    groups = 1 if fused else attention_groups(batch, num_heads, tq, k.shape[1], q.dtype)
 
     def chunked(q, k, v, bias, rng):
         n = attention_chunks(q.shape[0], num_heads, k.shape[1], jnp.dtype(q.dtype).itemsize, chunks)

@@ -35,6 +35,7 @@ def test_groups_only_with_onednn_dots_and_large_scores(monkeypatch):
     assert attention_groups(30, 12, 256, 256) == 15   # 94 MB: 12 wanted, the next divisor of 30
     assert attention_groups(31, 12, 256, 256) == 31   # a prime batch: one row per group
     assert attention_groups(B, NH, T, T) == B
+    assert attention_groups(32, 12, 256, 256, jnp.bfloat16) == 1  # measured slower in bf16
 
 
 def _inputs(seed=0, segments=False):
