@@ -194,13 +194,14 @@ def attention_chunks(batch: int, num_heads: int, seq: int, itemsize: int = 4,
     return n
 
 
-#: With oneDNN's dots, a layer's batched attention products slow down sharply once its float32
-#: scores pass a few tens of MiB (Intel Xeon with AMX, jax 0.12, MiniLM's 12 heads, forward):
-#: 32 x 256 (100 MB) 56 ms in one go, 28.5 ms in 16 sequential groups of 2 rows; 128 x 128 (100 MB)
-#: 71 vs 44 ms; 8 x 256 (25 MB) 7.8 ms in one go, 7.4 ms in groups; 32 x 128 (25 MB) 8.9 ms in one
-#: go, slower in groups. So past ``_GROUPS_FROM_BYTES`` the batch goes through in groups of about
-#: ``_GROUP_BYTES`` of scores each. Not in bfloat16: the MiniLM forward at 32 x 256 every position
-#: took 276 ms in groups against 256 ms without (bf16 scores, float32 softmax).
+#: With oneDNN's dots, float32 attention of a large batch runs faster in sequential groups of
+#: the batch (Intel Xeon with AMX, jax 0.12, MiniLM's 12 heads of 32, padded batch, one process
+#: with flaxheads' heap settings): 32 x 256 (100 MB of scores) forward 39.3 -> 31.9 ms, gradient
+#: 167 -> 148 ms; 16 x 256 (50 MB) 17.1 -> 14.6 and 78 -> 77 ms; 128 x 128 (100 MB) 50.8 -> 44.0
+#: and 195 -> 186 ms. At 25 MB (8 x 256, 32 x 128) the forward still gains a little and the
+#: gradient loses (33 -> 39 ms, 39 -> 48 ms), so groups start past ``_GROUPS_FROM_BYTES`` and
+#: hold about ``_GROUP_BYTES`` of scores each. Not in bfloat16: the MiniLM forward at 32 x 256
+#: every position took 276 ms in groups against 248 ms without (bf16 scores, float32 softmax).
 _GROUPS_FROM_BYTES = 32 << 20
 _GROUP_BYTES = 8 << 20
 
@@ -361,8 +362,8 @@ def attend_plain(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, rate
     The ``d + 1``-wide score matmul is a CPU measurement; on GPUs XLA fuses bias + softmax
     itself and matmuls want aligned head dims, and nothing here was measured on one, so
     accelerators get the textbook form."""
-    # head-major operands [B, nh, T, d]: with oneDNN's dots, attention at 32 x 256 in groups
-    # (:func:`attention_groups`) took 28.5 ms against 37 ms for einsums over [B, T, nh, d]
+    # head-major operands [B, nh, T, d]: with oneDNN's dots the forward at 32 x 128 took 8.2 ms
+    # (bf16 5.3) against 10.2-10.9 (7.5-9.0) for einsums over [B, T, nh, d]; gradients equal
     q, k, v = (a.transpose(0, 2, 1, 3) for a in (q, k, v))
     batch_dims = ((0, 1), (0, 1))
     # bf16 scores with oneDNN's dots, as PyTorch's autocast computes them
@@ -444,13 +445,13 @@ def attend_chunked(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, *,
     """:func:`attend` (``q [B, Tq, nh, d]``, ``k, v [B, Tk, nh, d]``, ``bias [B, 1, 1, Tk]``) in
     independent batch chunks (:func:`attention_chunks`): XLA's CPU runtime runs them
     concurrently, so the (single-threaded) softmax/mask fusions of one chunk overlap the
-    other's. Where :func:`attention_groups` says so, the batch first goes through in sequential
-    groups (``lax.map``), each split into chunks and recomputed in the backward pass
-    (``jax.checkpoint``: the gradient of a 32 x 256 layer took 162 ms instead of 229 with the
-    groups' scores saved); group ``g``'s dropout key is ``fold_in(rng, g)``. Chunks are split
-    (not sliced) so the backward pass concatenates the chunks' gradients instead of adding
-    zero-padded full-size copies of them. Chunk ``c``'s dropout key is ``fold_in(rng, c)``. The fused kernel is one call (``"auto"`` is 1 chunk there: it
-    never holds the score tensor the chunks are sized by)."""
+    other's. They are split (not sliced) so the backward pass concatenates the chunks'
+    gradients instead of adding zero-padded full-size copies of them. Chunk ``c``'s dropout
+    key is ``fold_in(rng, c)``. The fused kernel is one call (``"auto"`` is 1 chunk there: it
+    never holds the score tensor the chunks are sized by).
+
+    Where :func:`attention_groups` says so, the batch first goes through in sequential groups
+    (:func:`in_groups`), each split into chunks."""
     batch, tq, num_heads, _ = q.shape
     fused = attention_impl(rate, rng, impl) == "fused"
     if chunks == "auto" and fused:
@@ -471,9 +472,10 @@ def attend_chunked(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, *,
 
 def in_groups(fn, groups: int, rng: jax.Array | None, *arrays: jax.Array) -> jax.Array:
     """``fn(*arrays, rng)`` over ``groups`` sequential slices of the arrays' leading (batch) axis
-    (``lax.map``), each recomputed in the backward pass (``jax.checkpoint``), with group ``g``'s
-    key ``fold_in(rng, g)``; the outputs concatenated along the batch axis. Arrays with batch 1
-    are broadcast. See :func:`attention_groups`."""
+    (``lax.map``), each recomputed in the backward pass (``jax.checkpoint``: the gradient of a
+    32 x 256 MiniLM attention took 150 ms against 185-191 ms with each group's scores saved), with
+    group ``g``'s key ``fold_in(rng, g)``; the outputs concatenated along the batch axis. Arrays
+    with batch 1 are broadcast. See :func:`attention_groups`."""
     batch = max(a.shape[0] for a in arrays)
 
     def group(args):
