@@ -73,6 +73,8 @@ def parse_args(argv: list[str] | None = None):
                          "run converted)")
     ap.add_argument("--limit", type=int, default=None, help="a stratified subset of N examples (quick runs)")
     ap.add_argument("--epochs", type=float, default=2.0)
+    ap.add_argument("--seed", type=int, default=0,
+                    help="the recipe's seed (data split, initialisation, batch order), both systems alike")
     ap.add_argument("--checkpoints", choices=("default", "off"), default="default",
                     help="default: flaxheads' policy (a save at each evaluation, the 3 most recent and the best by "
                          "validation accuracy kept), the Trainer the same; off: no saves on either side")
@@ -116,7 +118,8 @@ def lexicon_csv(folder: Path) -> Path:
 def recipe_argv(a, source: str) -> list[str]:
     """The ``flaxheads train`` flags every run of this bench shares (the `make train` job)."""
     argv = ["--model", "all-MiniLM-L6-v2", "--data", source, "--text-column", "text", "--label-column", "label",
-            "--max-length", "128", "--batch-size", "16", "--epochs", f"{a.epochs:g}", "--no-progress"]
+            "--max-length", "128", "--batch-size", "16", "--epochs", f"{a.epochs:g}", "--seed", str(a.seed),
+            "--no-progress"]
     argv += ["--limit", str(a.limit)] if a.limit else []
     return argv + (["--checkpoint-every", "0"] if a.checkpoints == "off" else [])
 
