@@ -1,0 +1,87 @@
+"""Gradients with oneDNN's dots (the XLA flags chosen on CPUs with AMX) equal those of XLA's own
+dots, for every family's shape of layer, in float32 and bfloat16.
+
+XLA:CPU rewrites dots and what follows them (bias, GELU, residual add) into oneDNN calls; a
+rewrite that goes wrong shows only in the gradients (jaxlib 0.12 once fused a GELU whose
+pre-activation the derivative still read, and the forward stayed exact). Each side runs in its own
+process, since XLA reads its flags once; the models are PyTorch's (random, small but above
+oneDNN's size threshold of 2^24 flops per product)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import jax
+
+from flaxheads import runtime
+from tests.hf_tiny import save_tiny
+
+#: hidden 128, feed-forward 512, 4 heads: at 8 x 64 tokens every dense product is >= 2^24 flops
+SIZES = {
+    "bert": dict(hidden_size=128, intermediate_size=512, max_position_embeddings=128),
+    "electra": dict(hidden_size=128, intermediate_size=512, max_position_embeddings=128),
+    "distilbert": dict(dim=128, hidden_dim=512, max_position_embeddings=128),
+    "gpt2": dict(n_embd=128, n_inner=512, n_positions=128),
+    "bart": dict(d_model=128, encoder_ffn_dim=512, decoder_ffn_dim=512, max_position_embeddings=128),
+    "deberta-v2": dict(hidden_size=128, intermediate_size=512, max_position_embeddings=128),
+    "modernbert": dict(hidden_size=128, intermediate_size=512, max_position_embeddings=128),
+    "qwen3": dict(hidden_size=128, intermediate_size=512, head_dim=32, max_position_embeddings=128),
+}
+
+_GRADS = r"""
+import json, sys
+import jax, jax.numpy as jnp, numpy as np
+from flaxheads.backbones.registry import load_backbone
+
+jobs, out = json.loads(sys.argv[1]), sys.argv[2]
+grads, calls = {}, 0
+for (arch, path), dtype in [(j, d) for j in jobs for d in ("float32", "bfloat16")]:
+    bb = load_backbone(path, dtype=jnp.dtype(dtype), implementation="native")
+    r = np.random.default_rng(0)
+    lengths = r.integers(20, 65, 8)
+    lengths[0] = 64
+    mask = (np.arange(64)[None] < lengths[:, None]).astype(np.int32)
+    ids = np.where(mask > 0, r.integers(3, 99, (8, 64)), bb.config.get("pad_token_id") or 0).astype(np.int32)
+    if arch == "bart":
+        ids[np.arange(8), lengths - 1] = bb.config["eos_token_id"]
+    w = r.normal(size=(8, 64, bb.hidden_size)).astype(np.float32)
+    f = jax.jit(jax.grad(lambda p: jnp.sum(bb.encode(p, ids, mask) * w * mask[..., None])))
+    hlo = f.lower(bb.params).compile().as_text()
+    calls += sum("__onednn$matmul" in l and "custom-call(" in l for l in hlo.splitlines())
+    for path_, leaf in jax.tree_util.tree_leaves_with_path(f(bb.params)):
+        grads[f"{arch}/{dtype}" + jax.tree_util.keystr(path_)] = np.asarray(leaf, np.float32)
+np.savez(out, **grads)
+print(json.dumps({"onednn_calls": calls}))
+"""
+
+
+def _grads(jobs, out, xla_flags):
+    env = {**os.environ, "XLA_FLAGS": xla_flags, "FLAXHEADS_XLA_DEFAULTS": "0", "JAX_PLATFORMS": "cpu"}
+    r = subprocess.run([sys.executable, "-c", _GRADS, json.dumps(jobs), str(out)], env=env, capture_output=True,
+                       text=True, timeout=900, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1]), np.load(out)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="oneDNN's dots are XLA:CPU's")
+def test_gradients_with_onednn_dots_equal_xla_dots(tmp_path):
+    jobs = [(arch, save_tiny(tmp_path / arch, arch, **over)[0]) for arch, over in SIZES.items()]
+    info, onednn = _grads(jobs, tmp_path / "onednn.npz", " ".join(runtime.ONEDNN_FLAGS))
+    if info["onednn_calls"] == 0:
+        pytest.skip("this jaxlib's XLA:CPU made no oneDNN matmul calls with these flags (jax 0.10, or a build "
+                    "without oneDNN)")
+    _, xla = _grads(jobs, tmp_path / "xla.npz", "--xla_cpu_experimental_ynn_fusion_type=")
+    assert sorted(onednn.files) == sorted(xla.files)
+    bad = []
+    for name in xla.files:
+        a, b = onednn[name], xla[name]
+        err = float(np.abs(a - b).max())
+        # bfloat16: the two dot libraries round products differently (bf16 or float32 outputs)
+        if err > (0.1 if "/bfloat16" in name else 1e-3) * float(np.abs(b).max()) + 1e-6:
+            bad.append(f"{name}: max |diff| {err:.2e}, max |grad| {float(np.abs(b).max()):.2e}")
+    assert not bad, f"{len(bad)} of {len(xla.files)} gradients differ under oneDNN's dots:\n" + "\n".join(bad[:20])
