@@ -62,7 +62,7 @@ def test_grouped_attention_equals_one_pass(onednn, segments):
     g1 = jax.jit(jax.grad(loss(grouped), argnums=(0, 1, 2)))(q, k, v)
     g2 = jax.jit(jax.grad(loss(whole), argnums=(0, 1, 2)))(q, k, v)
     for a, b in zip(g1, g2):
-        np.testing.assert_allclose(a, b, atol=2e-6, rtol=1e-4)
+        np.testing.assert_allclose(a, b, atol=1e-5 * float(np.abs(b).max()), rtol=1e-4)
 
 
 def test_grouped_self_attention_equals_one_pass(onednn):
@@ -83,8 +83,8 @@ def test_grouped_self_attention_equals_one_pass(onednn):
     np.testing.assert_allclose(jax.jit(grouped)(x, w), jax.jit(one_pass)(x, w), atol=2e-6, rtol=1e-5)
     gg = jax.jit(jax.grad(lambda x, w: jnp.sum(grouped(x, w) ** 2), argnums=(0, 1)))(x, w)
     gw = jax.jit(jax.grad(lambda x, w: jnp.sum(one_pass(x, w) ** 2), argnums=(0, 1)))(x, w)
-    for a, c in zip(gg, gw):
-        np.testing.assert_allclose(a, c, atol=1e-4, rtol=1e-4)
+    for a, c in zip(gg, gw):  # float32 rounding relative to each gradient's scale (jax 0.10: 4e-7 of it)
+        np.testing.assert_allclose(a, c, atol=1e-5 * float(np.abs(c).max()), rtol=1e-4)
 
 
 def test_grouped_dropout_is_deterministic_and_differs_per_group(onednn):
