@@ -56,20 +56,23 @@ def _gelu_exact_jvp(primals, tangents):
 _TANH_K = math.sqrt(2.0 / math.pi)
 
 
+def _gelu_tanh_t(x: jax.Array) -> jax.Array:
+    return jnp.tanh(_TANH_K * (x + 0.044715 * x * x * x))
+
+
 @jax.custom_jvp
 def gelu_tanh(x: jax.Array) -> jax.Array:
-    """GELU's tanh approximation (HF's ``gelu_new`` / ``gelu_pytorch_tanh``), the values of
-    ``jax.nn.gelu(x, approximate=True)``."""
-    return jax.nn.gelu(x, approximate=True)
+    """GELU's tanh approximation (HF's ``gelu_new`` / ``gelu_pytorch_tanh``)."""
+    return 0.5 * x * (1.0 + _gelu_tanh_t(x))
 
 
 @gelu_tanh.defjvp
 def _gelu_tanh_jvp(primals, tangents):
     (x,), (dx,) = primals, tangents
     x = _pre_activation(x)
-    t = jnp.tanh(_TANH_K * (x + 0.044715 * x * x * x))
+    t = _gelu_tanh_t(x)
     d = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _TANH_K * (1.0 + 3.0 * 0.044715 * x * x)
-    return jax.nn.gelu(x, approximate=True), d * dx
+    return 0.5 * x * (1.0 + t), d * dx
 
 
 @jax.custom_jvp

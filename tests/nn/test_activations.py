@@ -1,0 +1,42 @@
+"""flaxheads' activations (explicit derivatives) against transformers' ``ACT2FN`` in PyTorch: values,
+reverse-mode and forward-mode derivatives, and the same values with oneDNN's dots, where the
+derivatives read their pre-activation behind a barrier."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from flaxheads import runtime
+from flaxheads.nn.activations import get_activation
+
+NAMES = ("gelu", "gelu_new", "gelu_pytorch_tanh", "silu", "swish", "quick_gelu")
+
+
+def _torch_reference(name, x, w):
+    torch = pytest.importorskip("torch")
+    from transformers.activations import ACT2FN
+
+    tx = torch.tensor(np.asarray(x), requires_grad=True)
+    y = ACT2FN[name](tx)
+    y.backward(torch.tensor(np.asarray(w)))
+    return y.detach().numpy(), tx.grad.numpy()
+
+
+@pytest.mark.parametrize("onednn", [False, True])
+@pytest.mark.parametrize("name", NAMES)
+def test_activation_values_and_derivatives_equal_transformers(name, onednn, monkeypatch):
+    # the flags are read when the function is traced: with them, the derivative's barrier is in the program
+    monkeypatch.setenv("XLA_FLAGS", " ".join(runtime.ONEDNN_FLAGS) if onednn else "")
+    k = jax.random.split(jax.random.PRNGKey(0), 2)
+    x = 3.0 * jax.random.normal(k[0], (5, 64))
+    w = jax.random.normal(k[1], x.shape)
+    ref_y, ref_grad = _torch_reference(name, x, w)
+    act = get_activation(name)
+    np.testing.assert_allclose(jax.jit(act)(x), ref_y, atol=2e-6, rtol=1e-6)
+    grad = jax.jit(jax.grad(lambda x: jnp.sum(act(x) * w)))(x)
+    np.testing.assert_allclose(grad, ref_grad, atol=2e-5, rtol=1e-5)
+    _, tangent = jax.jit(lambda x, t: jax.jvp(act, (x,), (t,)))(x, w)
+    np.testing.assert_allclose(tangent, ref_grad, atol=2e-5, rtol=1e-5)  # elementwise: J w = w * f'(x)
