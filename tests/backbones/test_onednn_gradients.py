@@ -51,9 +51,9 @@ for (arch, path), dtype in [(j, d) for j in jobs for d in ("float32", "bfloat16"
         ids[np.arange(8), lengths - 1] = bb.config["eos_token_id"]
     w = r.normal(size=(8, 64, bb.hidden_size)).astype(np.float32)
     f = jax.jit(jax.grad(lambda p: jnp.sum(bb.encode(p, ids, mask) * w * mask[..., None])))
-    hlo = f.lower(bb.params).compile().as_text()
-    calls += sum("__onednn$matmul" in l and "custom-call(" in l for l in hlo.splitlines())
-    for path_, leaf in jax.tree_util.tree_leaves_with_path(f(bb.params)):
+    compiled = f.lower(bb.params).compile()
+    calls += sum("__onednn$matmul" in l and "custom-call(" in l for l in compiled.as_text().splitlines())
+    for path_, leaf in jax.tree_util.tree_leaves_with_path(compiled(bb.params)):
         grads[f"{arch}/{dtype}" + jax.tree_util.keystr(path_)] = np.asarray(leaf, np.float32)
 np.savez(out, **grads)
 print(json.dumps({"onednn_calls": calls}))
