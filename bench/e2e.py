@@ -89,6 +89,8 @@ def parse_args(argv: list[str] | None = None):
     bad = [s for s in a.systems if s not in SYSTEMS] + [p for p in a.precisions if p not in ("float32", "bfloat16")]
     if bad:
         ap.error(f"unknown system or precision {bad[0]!r}")
+    if a.seed < 0:
+        ap.error(f"--seed must be >= 0 (flaxheads train takes non-negative seeds), got {a.seed}")
     if a.min_accuracy is None:
         a.min_accuracy = MIN_ACCURACY[a.data]
     return a

@@ -129,3 +129,12 @@ def test_lexicon_csv_reads_back_verbatim(tmp_path):
     t = load_table(path)
     assert len(rows) > 7000 and t.texts == [r["text"] for r in rows] and t.labels == [r["label"] for r in rows]
     assert {"true", ":-)"} <= set(t.texts) and set(t.labels) == {"positive", "negative"}
+
+
+def test_seed_reaches_the_recipe_and_a_negative_one_is_refused(capsys):
+    a = e2e.parse_args(["--seed", "3"])
+    argv = e2e.recipe_argv(a, "bbc_news")
+    assert argv[argv.index("--seed") + 1] == "3"
+    with pytest.raises(SystemExit) as e:
+        e2e.parse_args(["--seed", "-1"])
+    assert e.value.code == 2 and "--seed must be >= 0" in capsys.readouterr().err
