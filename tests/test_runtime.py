@@ -66,6 +66,18 @@ def test_onednn_dots_reads_the_flags(flags, on):
     assert runtime.onednn_dots(flags) is on
 
 
+
+@pytest.mark.parametrize("flags, on", [
+    ("", True),  # XLA's default: YNNPACK's fusions, reductions among them
+    (" ".join(runtime.CPU_FLAGS), False),
+    (" ".join(runtime.ONEDNN_FLAGS), False),
+    (f"{YNN}=reduce,eltwise", True),
+    (f"{YNN}=dot --xla_force_host_platform_device_count=8", False),
+    (f"{YNN}=reduce {YNN}=", False),  # the last setting counts
+])
+def test_ynn_reductions_reads_the_flags(flags, on):
+    assert runtime.ynn_reductions(flags) is on
+
 def test_unsplittable_xla_flags_are_refused(fresh):
     with pytest.raises(ConfigError, match="fix its quoting"):
         runtime.onednn_dots("--xla_cpu_use_onednn='true")

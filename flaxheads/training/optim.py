@@ -12,9 +12,11 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax.traverse_util import flatten_dict, unflatten_dict
 
+from ..runtime import ynn_reductions
 from .errors import TrainingError
 
 SCHEDULES = ("linear", "cosine", "constant")
@@ -100,6 +102,57 @@ def _head_lr(cfg: OptimConfig):
     return cfg.learning_rate if cfg.head_learning_rate is None else cfg.head_learning_rate
 
 
+#: Slices a large array is folded into before its reduction (:func:`sum_of_squares`).
+FOLD = 32
+
+
+def _fold_reductions() -> bool:
+    return jax.default_backend() == "cpu" and not ynn_reductions()
+
+
+def sum_of_squares(x: jax.Array, fold: bool | None = None) -> jax.Array:
+    """``sum(x ** 2)`` in float32.
+
+    ``fold`` (default: on the CPU backend when YNNPACK does not take reductions,
+    :func:`flaxheads.runtime.ynn_reductions`) first adds :data:`FOLD` equal slices of the array
+    elementwise, one loop fusion that XLA:CPU runs on every core at memory speed, and reduces what
+    is left. XLA's own reduction of a large array is a tree of reduce-windows ~5x slower: MiniLM's
+    gradient norm took 21 ms instead of 4.5 ms (AMD EPYC with AVX2); YNNPACK's reductions, where on,
+    are faster than the fold (4.9 vs 12 ms there)."""
+    x = jnp.ravel(x).astype(jnp.float32)
+    fold = _fold_reductions() if fold is None else fold
+    n = x.size - x.size % FOLD
+    if not fold or n < 128 * FOLD:
+        return jnp.sum(x * x)
+    rows = x[:n].reshape(FOLD, -1)
+    acc = rows[0] * rows[0]
+    for i in range(1, FOLD):
+        acc = acc + rows[i] * rows[i]
+    return jnp.sum(acc) + jnp.sum(x[n:] * x[n:])
+
+
+def global_norm(tree, fold: bool | None = None) -> jax.Array:
+    """The L2 norm of every leaf of ``tree`` together (``optax.tree.norm`` of real arrays), through
+    :func:`sum_of_squares`."""
+    return jnp.sqrt(sum((sum_of_squares(x, fold) for x in jax.tree.leaves(tree)), jnp.zeros((), jnp.float32)))
+
+
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+    """``optax.clip_by_global_norm``'s function and (empty) state, so checkpoints keep their layout.
+
+    The norm is :func:`global_norm`, and a clipped tree is scaled by one scalar,
+    ``max_norm / norm``, instead of divided elementwise by the norm: XLA fuses a multiply into each
+    consumer (Adam's moments read the gradient directly), where optax's divide was written out as
+    a clipped copy of every gradient first. Values equal optax's to a rounding."""
+    def update(updates, state, params=None):
+        del params
+        norm = global_norm(updates)
+        factor = jnp.where(norm < max_norm, 1.0, max_norm / norm)
+        return jax.tree.map(lambda t: t * factor.astype(t.dtype), updates), state
+
+    return optax.GradientTransformation(optax.init_empty_state, update)
+
+
 def make_optimizer(cfg: OptimConfig, *, head_learning_rate=None, weight_decay=None) -> optax.GradientTransformation:
     """The optax transformation for the trainable subtree (``{"backbone","head"}`` or ``{"head"}``).
 
@@ -118,7 +171,7 @@ def make_optimizer(cfg: OptimConfig, *, head_learning_rate=None, weight_decay=No
     if not cfg.freeze_backbone:
         # LoRA adapters train at the backbone's rate; a group no param is labelled with holds no state
         groups["backbone"] = groups["lora"] = adamw(cfg.learning_rate)
-    parts = [optax.clip_by_global_norm(cfg.max_grad_norm)] if cfg.max_grad_norm else []
+    parts = [clip_by_global_norm(cfg.max_grad_norm)] if cfg.max_grad_norm else []
     parts.append(optax.multi_transform(groups, lambda p: {k: k for k in p}))
     tx = optax.chain(*parts)
     if cfg.accumulation_steps > 1:

@@ -24,7 +24,7 @@ from flax import struct
 
 from ..losses import SINGLE_LABEL
 from .errors import TrainingError
-from .optim import merge, trainable
+from .optim import global_norm, merge, trainable
 from .packing import PACKED_KEYS, example_targets, is_packed
 
 #: Batch keys passed through to the backbone besides ids and mask.
@@ -86,7 +86,7 @@ def _apply_grads(state, tx, trained, objective, denom_local, axis_name):
         loss, grads = jax.lax.psum((loss, grads), axis_name)
     updates, opt_state = tx.update(grads, state.opt_state, trained)
     trained = optax.apply_updates(trained, updates)
-    return trained, opt_state, {"loss": loss, "grad_norm": optax.tree.norm(grads), "weight": total}
+    return trained, opt_state, {"loss": loss, "grad_norm": global_norm(grads), "weight": total}
 
 
 def _make_step(model, tx, logits_of: Callable, *, freeze_backbone: bool, loss_options: dict | None,
