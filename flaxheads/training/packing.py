@@ -8,7 +8,8 @@ text gathered back into its own padded row. The loss is the same weighted mean o
 examples, so a packed run computes what the unpacked run computes, in fewer token slots.
 
 Shapes are bucketed (rows and texts per row to powers of two, lengths to the training
-buckets) so the number of compiled programs stays small.
+buckets), and a shape few batches of an epoch need is padded to a larger one in use, so the
+number of compiled programs stays small.
 
 Batch keys, besides ``input_ids`` / ``attention_mask`` / ``position_ids`` ``[R, T]``:
 ``segment_ids [R, T]`` (texts numbered 1, 2, ... per row, padding 0), ``segment_index [R, S, L]``
@@ -53,17 +54,11 @@ def first_fit(lengths: Sequence[int], row_length: int) -> list[list[int]]:
     return rows
 
 
-def packed_batch(split: Split, idx: Sequence[int], batch_size: int, buckets: Sequence[int], *, pad_id: int = 0,
-                 first_position: int = 0, row_multiple: int = 1) -> dict:
-    """The examples ``idx`` of ``split`` (one batch of at most ``batch_size``) packed into rows whose
-    length is at most the largest bucket; see the module docstring for the keys. The row count is a
-    multiple of ``row_multiple`` (the data-parallel width, which splits rows across devices)."""
-    idx = np.asarray(idx, np.int64)
-    if len(idx) > batch_size:
-        raise ValueError(f"{len(idx)} examples > batch_size {batch_size}")
+def _layout(split: Split, idx: np.ndarray, batch_size: int, buckets: Sequence[int], row_multiple: int):
+    """``(texts, lengths, rows, shape)``: the batch's texts (cut to the largest bucket), their
+    lengths, their rows, and ``shape = (rows, row length, texts per row, text length)``."""
     longest = int(buckets[-1])
     texts = [np.asarray(split.input_ids[i][:longest]) for i in idx]
-    types = None if split.token_type_ids is None else [np.asarray(split.token_type_ids[i][:longest]) for i in idx]
     lengths = [max(len(x), 1) for x in texts]
 
     def layout(row_length: int) -> tuple[int, int, list[list[int]]]:
@@ -77,6 +72,32 @@ def packed_batch(split: Split, idx: Sequence[int], batch_size: int, buckets: Seq
     n_rows, t, rows = min(reversed(candidates), key=lambda c: c[0] * c[1])
     n_seg = _pow2_at_least(max([len(r) for r in rows] + [1]), batch_size)
     seg_len = bucket_length(max(lengths + [1]), buckets)
+    return texts, lengths, rows, (n_rows, t, n_seg, seg_len)
+
+
+def packed_shape(split: Split, idx: Sequence[int], batch_size: int, buckets: Sequence[int], *,
+                 row_multiple: int = 1) -> tuple[int, int, int, int]:
+    """The shape :func:`packed_batch` gives these examples on its own: ``(rows, row length,
+    texts per row, text length)``."""
+    return _layout(split, np.asarray(idx, np.int64), batch_size, buckets, row_multiple)[3]
+
+
+def packed_batch(split: Split, idx: Sequence[int], batch_size: int, buckets: Sequence[int], *, pad_id: int = 0,
+                 first_position: int = 0, row_multiple: int = 1,
+                 shape: tuple[int, int, int, int] | None = None) -> dict:
+    """The examples ``idx`` of ``split`` (one batch of at most ``batch_size``) packed into rows whose
+    length is at most the largest bucket; see the module docstring for the keys. The row count is a
+    multiple of ``row_multiple`` (the data-parallel width, which splits rows across devices).
+    ``shape`` (a :func:`packed_shape` at least as large in every dimension) pads the batch to it."""
+    idx = np.asarray(idx, np.int64)
+    if len(idx) > batch_size:
+        raise ValueError(f"{len(idx)} examples > batch_size {batch_size}")
+    texts, lengths, rows, own = _layout(split, idx, batch_size, buckets, row_multiple)
+    if shape is not None and any(a < b for a, b in zip(shape, own)):
+        raise ValueError(f"packed shape {tuple(shape)} is smaller than the batch's own {own}")
+    n_rows, t, n_seg, seg_len = own if shape is None else shape
+    types = None if split.token_type_ids is None else [np.asarray(split.token_type_ids[i][:int(buckets[-1])])
+                                                         for i in idx]
     out = {"input_ids": np.full((n_rows, t), pad_id, np.int32), "attention_mask": np.zeros((n_rows, t), np.int32),
            "segment_ids": np.zeros((n_rows, t), np.int32),
            "position_ids": np.full((n_rows, t), first_position, np.int32),
@@ -109,15 +130,49 @@ def packed_batch(split: Split, idx: Sequence[int], batch_size: int, buckets: Seq
     return out
 
 
+#: A packed shape held by fewer than this share of an epoch's batches is padded to a larger one
+#: in use (:func:`merge_rare_shapes`).
+RARE_SHAPE_SHARE = 0.05
+#: ... if that one has at most this many times its token slots.
+RARE_SHAPE_MAX_GROWTH = 4
+
+
+def merge_rare_shapes(shapes: Sequence[tuple[int, ...]], share: float = RARE_SHAPE_SHARE,
+                      max_growth: float = RARE_SHAPE_MAX_GROWTH) -> list[tuple[int, ...]]:
+    """The shape each batch is padded to: its own, or, for a shape fewer than ``share`` of the
+    batches hold, the smallest (in token slots) shape held by more that is at least as large in
+    every dimension and has at most ``max_growth`` times its slots. Each shape is another
+    compiled train step (~6 s for MiniLM on 2 CPU cores, the time of 50 short-text steps), so a
+    shape a few batches need is not worth its compile."""
+    counts: dict[tuple[int, ...], int] = {}
+    for s in shapes:
+        counts[tuple(s)] = counts.get(tuple(s), 0) + 1
+    floor = share * len(shapes)
+    kept = [s for s, c in counts.items() if c >= floor]
+
+    def slots(s):
+        return s[0] * s[1]
+
+    target = {}
+    for s, c in counts.items():
+        larger = [k for k in kept if k != s and all(a >= b for a, b in zip(k, s)) and slots(k) <= max_growth * slots(s)]
+        target[s] = min(larger, key=lambda k: (slots(k), k)) if c < floor and larger else s
+    return [target[tuple(s)] for s in shapes]
+
+
 def iterate_packed_batches(split: Split, batch_size: int, buckets: Sequence[int], *, seed: int = 0, epoch: int = 0,
                            shuffle: bool = True, start: int = 0, pad_id: int = 0, group_by_length: bool = False,
                            first_position: int = 0, row_multiple: int = 1) -> Iterator[dict]:
-    """:func:`~flaxheads.training.data.iterate_batches`' batches (same plan), packed."""
+    """:func:`~flaxheads.training.data.iterate_batches`' batches (same plan), packed; shapes few
+    batches of the epoch need are padded to larger ones in use (:func:`merge_rare_shapes`), a pure
+    function of the epoch's plan, so a resumed run gets the same batches."""
     plan = batch_plan(split.lengths, batch_size, seed=seed, epoch=epoch, shuffle=shuffle,
                       group_by_length=group_by_length)
-    for idx in plan[start:]:
+    shapes = merge_rare_shapes([packed_shape(split, idx, batch_size, buckets, row_multiple=row_multiple)
+                                for idx in plan])
+    for idx, shape in zip(plan[start:], shapes[start:]):
         yield packed_batch(split, idx, batch_size, buckets, pad_id=pad_id, first_position=first_position,
-                           row_multiple=row_multiple)
+                           row_multiple=row_multiple, shape=shape)
 
 
 def is_packed(batch) -> bool:

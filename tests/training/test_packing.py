@@ -9,10 +9,11 @@ import pytest
 import flaxheads as fh
 from flaxheads.errors import FlaxheadsError
 from flaxheads.training import loop
-from flaxheads.training.data import Split, collate
+from flaxheads.training.data import Split, batch_plan, collate
 from flaxheads.training.errors import TrainingError
 from flaxheads.training.optim import OptimConfig
-from flaxheads.training.packing import first_fit, packed_batch
+from flaxheads.training.packing import (first_fit, iterate_packed_batches, merge_rare_shapes, packed_batch,
+                                        packed_shape)
 from hf_tiny import save_tiny
 from train_helpers import random_split, tiny_bert_folder
 
@@ -54,6 +55,56 @@ def test_first_fit_and_layout():
     with pytest.raises(TrainingError, match="does not fit"):
         first_fit([9], 8)
 
+
+
+def test_rare_shapes_merge_into_larger_ones_in_use():
+    common, larger, rare, odd = (1, 64, 16, 32), (1, 128, 16, 32), (1, 32, 8, 32), (2, 32, 8, 32)
+    shapes = [common] * 60 + [larger] * 20 + [rare] * 2 + [odd] * 3 + [(1, 96, 4, 32)]
+    got = merge_rare_shapes(shapes, share=0.05)
+    assert got[:80] == shapes[:80]  # held by >= 5% of the batches: kept
+    assert got[80:82] == [common, common]  # the smallest larger shape in use
+    assert got[82:85] == [odd] * 3  # no shape in use has 2 rows: kept
+    assert got[85] == larger  # (1, 64) has fewer slots but a shorter row
+    # a larger shape with more than max_growth times the slots is not worth it: keep the compile
+    assert merge_rare_shapes([(1, 256, 16, 256)] * 40 + [(1, 32, 2, 32)], max_growth=4)[-1] == (1, 32, 2, 32)
+    # nothing dominates it: kept
+    assert merge_rare_shapes([(1, 64, 8, 32)] * 40 + [(1, 32, 16, 32)])[-1] == (1, 32, 16, 32)
+
+
+def test_iterate_packed_batches_pads_rare_shapes():
+    """One batch of very short texts among 24 of longer ones: its own shape (one 32-token row) is
+    rare, and it is padded to the others' (one 64-token row); every batch keeps its examples."""
+    split = _split(200, seed=5, lengths=(5, 8))
+    for i in range(8):  # the first batch (no shuffling): 2-token texts
+        split.input_ids[i] = split.input_ids[i][:2]
+    own = [packed_shape(split, idx, 8, BUCKETS) for idx in batch_plan(split.lengths, 8, seed=0, epoch=0, shuffle=False)]
+    assert own[0] == (1, 32, 8, 32) and set(own[1:]) == {(1, 64, 8, 32)}
+    batches = list(iterate_packed_batches(split, 8, BUCKETS, seed=0, epoch=0, shuffle=False))
+    assert {(b["input_ids"].shape[0], b["input_ids"].shape[1], *b["segment_index"].shape[1:]) for b in batches} \
+        == {(1, 64, 8, 32)}  # a compile fewer
+    assert sum(int(b["weights"].sum()) for b in batches) == len(split)
+    np.testing.assert_array_equal(batches[0]["input_ids"][0, :16], np.concatenate(split.input_ids[:8]))
+    resumed = list(iterate_packed_batches(split, 8, BUCKETS, seed=0, epoch=0, shuffle=False, start=1))
+    for a, b in zip(batches[1:], resumed):
+        assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    with pytest.raises(ValueError, match="smaller than the batch's own"):
+        packed_batch(split, np.arange(8, 16), 8, BUCKETS, shape=(1, 32, 8, 32))
+
+
+def test_padded_packed_batch_gives_the_same_logits(bert):
+    model = fh.from_pretrained(bert, pooler="mean", head="mlp", num_labels=3)
+    split = _split()
+    idx = np.arange(len(split))
+    own = packed_shape(split, idx, len(idx), BUCKETS)
+    big = (own[0] * 2, 64, own[2] * 2, 64)
+
+    def logits(b):
+        return np.asarray(model.apply_packed(model.params, b["input_ids"], b["segment_ids"], b["position_ids"],
+                                             b["segment_index"], b["segment_mask"]))
+
+    small, padded = packed_batch(split, idx, len(idx), BUCKETS), packed_batch(split, idx, len(idx), BUCKETS, shape=big)
+    s_slots, p_slots = small["weights"].reshape(-1) > 0, padded["weights"].reshape(-1) > 0
+    np.testing.assert_allclose(logits(padded)[p_slots], logits(small)[s_slots], atol=1e-5, rtol=0)
 
 def _packed_vs_plain(model, split, first_position, atol=1e-5):
     idx = np.arange(len(split))
