@@ -12,7 +12,7 @@ Data (``--data``):
 * ``lexicon``: the VADER sentiment lexicon (``pip install vaderSentiment``): each token with a mean
   rating > 0 is ``positive``, < 0 ``negative`` (a token listed twice keeps its last rating, as
   VADER's own dictionary does). Written to a CSV that ``flaxheads train --data`` reads and splits.
-  flaxheads runs without and with ``--pack`` (system ``flaxheads_pack``).
+  flaxheads runs with ``--no-pack`` (system ``flaxheads``) and ``--pack`` (system ``flaxheads_pack``).
 
 Recipe: all-MiniLM-L6-v2, mean pooler + linear head, max length 128, batch 16, ``--epochs`` (2),
 every other setting at ``flaxheads train``'s defaults. The Trainer side (bench/hf_trainer.py)
@@ -224,7 +224,7 @@ def throughput(intervals: list[dict], skip: int = 0) -> float | None:
 
 def run_flaxheads(spec: dict, argv: list[str], precision: str, pack: bool, folder: Path) -> dict:
     cmd = [sys.executable, "-m", "flaxheads", "train", *argv, "--precision", precision,
-           *(["--pack"] if pack else []), "--output-dir", str(folder / "run")]
+           "--pack" if pack else "--no-pack", "--output-dir", str(folder / "run")]
     folder.mkdir(parents=True)
     wall, rc = timed(cmd, {**os.environ, "FLAXHEADS_COMPILE_CACHE": str(folder / "compile-cache")}, folder / "log.txt")
     row = {"wall_s": wall, "command": "python -m flaxheads train " + " ".join(cmd[4:])}

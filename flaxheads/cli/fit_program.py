@@ -23,6 +23,7 @@ from ..training.data import (SPLITS, DataConfig, LabelSpace, Split, iterate_batc
                              tokenize)
 from ..training.metrics import compute_metrics
 from ..training.optim import OptimConfig, count_params
+from ..training.packing import AUTO_PACK_SHARE, packed_slot_share
 from ..training.memory import memory_report
 from ..training.parallel import Parallel
 from .lora_flags import LORA_LR, with_lora_flags
@@ -85,7 +86,7 @@ def train_config(args: argparse.Namespace) -> loop.TrainConfig:
     parallel = "mesh" if args.coordinator_address is not None or mesh else args.parallel
     return loop.TrainConfig(epochs=args.epochs, batch_size=args.batch_size, eval_batch_size=args.eval_batch_size,
                             max_steps=args.max_steps, eval_every=args.eval_every, log_every=args.log_every,
-                            seed=args.seed, parallel=parallel, mesh=mesh, threshold=args.threshold, pack=args.pack,
+                            seed=args.seed, parallel=parallel, mesh=mesh, threshold=args.threshold, pack=bool(args.pack),
                             loss_options={"label_smoothing": args.label_smoothing} if args.label_smoothing else {})
 
 
@@ -149,14 +150,28 @@ def prepare(args: argparse.Namespace) -> Job:
     max_length = usable_max_length(args.max_length, tok, model, path)
     splits = {n: tokenize(t, labels[n], tok, max_length, n) for n, t in tables.items()}
     cached = bool(args.cache_features or args.sweep)
+    buckets = make_buckets(max_length, min(args.bucket_step, max_length))
     tcfg = train_config(args)
+    tcfg = dataclasses.replace(tcfg, pack=resolve_pack(args.pack, model, splits["train"], tcfg, buckets, cached))
     stem = Path(str(args.train_file or args.data)).stem
     out = Path(args.output_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{stem}")
-    return Job(path, model, space, data, splits, make_buckets(max_length, min(args.bucket_step, max_length)),
+    return Job(path, model, space, data, splits, buckets,
                max_length, tok.pad_token_id if tok.pad_token_id is not None else 0, out, tcfg,
                optim_config(args, len(splits["train"]), tcfg, frozen=args.freeze_backbone or cached), best, cached,
                precision)
 
+
+def resolve_pack(want: bool | None, model: SequenceModel, train: Split, tcfg: loop.TrainConfig,
+                 buckets: tuple[int, ...], cached: bool) -> bool:
+    """``--pack`` / ``--no-pack`` as given; neither: packed when the backbone keeps packed texts
+    apart, the backbone is not cached, and an epoch packed needs at most ``AUTO_PACK_SHARE`` of
+    the padded token slots (``training.packing.packed_slot_share``). Packing changes no batch and
+    no loss, only the token slots a step computes."""
+    if want is not None:
+        return want
+    if cached or "packing" not in getattr(model.backbone, "features", ()):
+        return False
+    return packed_slot_share(train, tcfg.batch_size, buckets, seed=tcfg.seed) <= AUTO_PACK_SHARE
 
 def split_counts(splits: dict) -> str:
     """``"36 train / 6 validation / 0 test"``: every split, 0 for one the run does not have."""
@@ -195,6 +210,12 @@ def _final_results(trainer: loop.Trainer, res: loop.FitResult, job: Job) -> tupl
     return {**last, **final}, predictions
 
 
+def _packing_note(job: Job) -> str:
+    if not job.train.pack:
+        return ""
+    share = packed_slot_share(job.splits["train"], job.train.batch_size, job.buckets, seed=job.train.seed)
+    return f", short texts packed ({share:.0%} of the padded token slots; --no-pack to turn off)"
+
 def run_fine_tune(job: Job, args: argparse.Namespace) -> dict:
     """Train with the library's ``fit``; write the run folder; return the summary."""
     trainer = loop.Trainer.build(job.model, job.optim, job.train, Parallel.from_config(job.train.parallel, job.train.mesh))
@@ -206,7 +227,7 @@ def run_fine_tune(job: Job, args: argparse.Namespace) -> dict:
     folder.start(config, f"{split_counts(job.splits)} examples, {job.model.num_labels} labels, {total} steps of "
                          f"{job.train.batch_size}, {_training_kind(job)}"
                          f", {trainer.parallel.width} device(s) ({job.train.parallel}), "
-                         f"{job.precision.name} ({job.precision.reason})")
+                         f"{job.precision.name} ({job.precision.reason})" + _packing_note(job))
     if job.train.mesh:  # every process compiles the same program; the first one reports
         report = memory_report(trainer, _largest_batch(job))
         if lead:

@@ -75,9 +75,10 @@ def _data_flags(ap: argparse.ArgumentParser) -> None:
                    help="tokens per text (default 128; at most the model's positions)")
     g.add_argument("--bucket-step", type=flags.positive_int, default=32,
                    help="pad each batch to a multiple of this (<= max length): bounds compiles (default 32)")
-    g.add_argument("--pack", action="store_true",
+    g.add_argument("--pack", action=argparse.BooleanOptionalAction, default=None,
                    help="pack several short training texts into one row (BERT-like encoders): the same batches and "
-                        "loss, fewer padded tokens")
+                        "loss, fewer padded tokens (default: packed when that needs at most a third of the padded "
+                        "token slots and the backbone can keep texts apart)")
 
 
 def _training_flags(ap: argparse.ArgumentParser) -> None:

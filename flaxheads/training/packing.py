@@ -175,6 +175,23 @@ def iterate_packed_batches(split: Split, batch_size: int, buckets: Sequence[int]
                            row_multiple=row_multiple, shape=shape)
 
 
+#: ``flaxheads train`` packs on its own (no ``--pack``/``--no-pack``) when an epoch packed needs at
+#: most this share of the token slots of the same batches padded.
+AUTO_PACK_SHARE = 1 / 3
+
+
+def packed_slot_share(split: Split, batch_size: int, buckets: Sequence[int], *, seed: int = 0,
+                      group_by_length: bool = True, row_multiple: int = 1) -> float:
+    """Token slots of the first epoch packed (the shapes :func:`iterate_packed_batches` gives)
+    over those of the same batches padded to their buckets with ``batch_size`` rows each
+    (``data.iterate_batches``): what packing saves, before any compile or step."""
+    plan = batch_plan(split.lengths, batch_size, seed=seed, epoch=0, group_by_length=group_by_length)
+    lengths = split.lengths
+    padded = sum(batch_size * bucket_length(int(lengths[idx].max(initial=1)), buckets) for idx in plan)
+    shapes = merge_rare_shapes([packed_shape(split, idx, batch_size, buckets, row_multiple=row_multiple)
+                                for idx in plan])
+    return sum(r * t for r, t, _, _ in shapes) / max(padded, 1)
+
 def is_packed(batch) -> bool:
     return "segment_ids" in batch
 

@@ -129,6 +129,23 @@ def test_pack_trains_the_same_batches_with_less_padding(bert_folder, files, base
     assert sum(padding[0]) < sum(padding[1]), padding
 
 
+
+def test_short_texts_pack_unless_told_not_to(bert_folder, tmp_path, capsys):
+    """Neither --pack nor --no-pack: texts of 2-5 tokens in 64-token buckets pack on their own
+    (said on the first line, recorded in config.json); --no-pack keeps them padded."""
+    words = ["good", "bad", "fine", "awful", "nice great", "poor sad"]
+    data = tmp_path / "short.csv"
+    data.write_text("text,label\n" + "".join(f"{words[i % 6]},{'pos' if i % 6 in (0, 2, 4) else 'neg'}\n"
+                                                for i in range(60)))
+    common = ("train", "--data", str(data), "--model", bert_folder, "--max-length", "64", "--bucket-step", "64",
+              "--max-steps", "2", "--batch-size", "8", "--checkpoint-every", "0", "--no-progress")
+    code, printed, _ = run_cli(capsys, *common, "--output-dir", str(tmp_path / "auto"))
+    assert code == 0 and "short texts packed" in printed
+    assert _config(tmp_path / "auto")["train"]["pack"] is True
+    code, printed, _ = run_cli(capsys, *common, "--no-pack", "--output-dir", str(tmp_path / "off"))
+    assert code == 0 and "packed" not in printed
+    assert _config(tmp_path / "off")["train"]["pack"] is False
+
 def test_bf16_runs_the_backbone_in_bfloat16(bert_folder, files, baseline, tmp_path):
     out = tmp_path / "bf16"
     _run(*_file_args(files, out, "--model", bert_folder, "--bf16"))

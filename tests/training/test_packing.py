@@ -12,8 +12,8 @@ from flaxheads.training import loop
 from flaxheads.training.data import Split, batch_plan, collate
 from flaxheads.training.errors import TrainingError
 from flaxheads.training.optim import OptimConfig
-from flaxheads.training.packing import (first_fit, iterate_packed_batches, merge_rare_shapes, packed_batch,
-                                        packed_shape)
+from flaxheads.training.packing import (AUTO_PACK_SHARE, first_fit, iterate_packed_batches, merge_rare_shapes,
+                                        packed_batch, packed_shape, packed_slot_share)
 from hf_tiny import save_tiny
 from train_helpers import random_split, tiny_bert_folder
 
@@ -90,6 +90,20 @@ def test_iterate_packed_batches_pads_rare_shapes():
     with pytest.raises(ValueError, match="smaller than the batch's own"):
         packed_batch(split, np.arange(8, 16), 8, BUCKETS, shape=(1, 32, 8, 32))
 
+
+
+def test_packed_slot_share_counts_both_layouts():
+    """The share is the packed batches' token slots over the padded batches' (rows x bucket)."""
+    split = _split(200, seed=5, lengths=(5, 8))
+    plan = batch_plan(split.lengths, 8, seed=0, epoch=0, group_by_length=True)
+    padded = sum(b["input_ids"].size for b in (collate(split, idx, 8, BUCKETS) for idx in plan))
+    packed = sum(b["input_ids"].size for b in iterate_packed_batches(split, 8, BUCKETS, seed=0, epoch=0,
+                                                                        group_by_length=True))
+    share = packed_slot_share(split, 8, BUCKETS, seed=0)
+    assert share == pytest.approx(packed / padded)
+    assert share <= AUTO_PACK_SHARE  # 8 texts of 5-7 tokens: one 64-token row against 8 rows of 32
+    long = _split(40, seed=5, lengths=(40, 60))
+    assert packed_slot_share(long, 8, BUCKETS) > AUTO_PACK_SHARE  # one text per row: nothing to gain
 
 def test_padded_packed_batch_gives_the_same_logits(bert):
     model = fh.from_pretrained(bert, pooler="mean", head="mlp", num_labels=3)
