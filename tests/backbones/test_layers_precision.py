@@ -191,5 +191,6 @@ def test_onednn_dots_keep_bf16_outputs_and_the_gradients():
     assert out["impl"] == "plain"
     # forward, dx, dW of the dense layer; scores, P.V and their four gradients in attention
     assert len(out["calls"]) >= 7 and not out["dots"], out
-    assert all(c.lstrip("(").startswith("bf16[") for c in out["calls"]), out["calls"]
+    if runtime.CpuInfo.read().bf16:  # without bf16 instructions oneDNN turns bf16 products into float32 ones itself
+        assert all(c.lstrip("(").startswith("bf16[") for c in out["calls"]), out["calls"]
     assert max(out["err"]) < 3e-2, out["err"]
