@@ -164,7 +164,6 @@ def onednn_dots(xla_flags: str | None = None) -> bool:
             and flags.get("--xla_cpu_experimental_ynn_fusion_type", "default") == "")
 
 
-
 def ynn_reductions(xla_flags: str | None = None) -> bool:
     """Whether XLA:CPU's YNNPACK fusions take this process's reductions, from ``xla_flags`` (default
     ``$XLA_FLAGS``): yes at XLA's default, no when ``--xla_cpu_experimental_ynn_fusion_type`` lists
@@ -176,6 +175,7 @@ def ynn_reductions(xla_flags: str | None = None) -> bool:
     flags = _flag_values(os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags)
     value = flags.get("--xla_cpu_experimental_ynn_fusion_type")
     return value is None or "reduce" in value.split(",")
+
 
 @dataclass(frozen=True)
 class Precision:

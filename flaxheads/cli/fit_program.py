@@ -53,6 +53,7 @@ class Job:
     best_metric: str | None
     cached: bool  # --cache-features / --sweep: heads on features encoded once
     precision: Precision
+    pack_share: float | None = None  # packed token slots over padded ones, where the run packs
 
 
 def resolve_model(name: str) -> str:
@@ -152,26 +153,30 @@ def prepare(args: argparse.Namespace) -> Job:
     cached = bool(args.cache_features or args.sweep)
     buckets = make_buckets(max_length, min(args.bucket_step, max_length))
     tcfg = train_config(args)
-    tcfg = dataclasses.replace(tcfg, pack=resolve_pack(args.pack, model, splits["train"], tcfg, buckets, cached))
+    pack, share = resolve_pack(args.pack, model, splits["train"], tcfg, buckets, cached)
+    tcfg = dataclasses.replace(tcfg, pack=pack)
     stem = Path(str(args.train_file or args.data)).stem
     out = Path(args.output_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{stem}")
     return Job(path, model, space, data, splits, buckets,
                max_length, tok.pad_token_id if tok.pad_token_id is not None else 0, out, tcfg,
                optim_config(args, len(splits["train"]), tcfg, frozen=args.freeze_backbone or cached), best, cached,
-               precision)
+               precision, share if pack else None)
 
 
 def resolve_pack(want: bool | None, model: SequenceModel, train: Split, tcfg: loop.TrainConfig,
-                 buckets: tuple[int, ...], cached: bool) -> bool:
-    """``--pack`` / ``--no-pack`` as given; neither: packed when the backbone keeps packed texts
-    apart, the backbone is not cached, and an epoch packed needs at most ``AUTO_PACK_SHARE`` of
-    the padded token slots (``training.packing.packed_slot_share``). Packing changes no batch and
-    no loss, only the token slots a step computes."""
-    if want is not None:
-        return want
-    if cached or "packing" not in getattr(model.backbone, "features", ()):
-        return False
-    return packed_slot_share(train, tcfg.batch_size, buckets, seed=tcfg.seed) <= AUTO_PACK_SHARE
+                 buckets: tuple[int, ...], cached: bool) -> tuple[bool, float | None]:
+    """Whether the run packs, and the packed share of the padded token slots
+    (``training.packing.packed_slot_share``; None where nothing would pack).
+
+    ``--pack`` / ``--no-pack`` as given; neither: packed when the backbone keeps packed texts
+    apart, the backbone is not cached, and the share is at most ``AUTO_PACK_SHARE``. Packing
+    changes no batch and no loss, only the token slots a step computes."""
+    packable = not cached and "packing" in getattr(model.backbone, "features", ())
+    if want is False or (want is None and not packable):
+        return False, None
+    share = packed_slot_share(train, tcfg.batch_size, buckets, seed=tcfg.seed)
+    return (share <= AUTO_PACK_SHARE if want is None else want), share
+
 
 def split_counts(splits: dict) -> str:
     """``"36 train / 6 validation / 0 test"``: every split, 0 for one the run does not have."""
@@ -211,10 +216,10 @@ def _final_results(trainer: loop.Trainer, res: loop.FitResult, job: Job) -> tupl
 
 
 def _packing_note(job: Job) -> str:
-    if not job.train.pack:
+    if not job.train.pack or job.pack_share is None:
         return ""
-    share = packed_slot_share(job.splits["train"], job.train.batch_size, job.buckets, seed=job.train.seed)
-    return f", short texts packed ({share:.0%} of the padded token slots; --no-pack to turn off)"
+    return f", short texts packed ({job.pack_share:.0%} of the padded token slots; --no-pack to turn off)"
+
 
 def run_fine_tune(job: Job, args: argparse.Namespace) -> dict:
     """Train with the library's ``fit``; write the run folder; return the summary."""

@@ -117,8 +117,8 @@ def sum_of_squares(x: jax.Array, fold: bool | None = None) -> jax.Array:
 
     ``fold`` (default: on the CPU backend when YNNPACK does not take reductions,
     :func:`flaxheads.runtime.ynn_reductions`) first adds :data:`FOLD` equal slices of the array
-    elementwise (8, 16 and 32 slices ran alike; fewer slices trace and compile faster), one loop fusion that XLA:CPU runs on every core at memory speed, and reduces what
-    is left. XLA's own reduction of a large array is a tree of reduce-windows ~5x slower: MiniLM's
+    elementwise, one loop fusion that XLA:CPU runs on every core at memory speed, and reduces what
+    is left (8, 16 and 32 slices ran alike; fewer trace and compile faster). XLA's own reduction of a large array is a tree of reduce-windows ~5x slower: MiniLM's
     gradient norm took 21 ms instead of 4.5 ms (AMD EPYC with AVX2); YNNPACK's reductions, where on,
     are faster than the fold (4.9 vs 12 ms there)."""
     x = jnp.ravel(x).astype(jnp.float32)

@@ -160,6 +160,13 @@ def merge_rare_shapes(shapes: Sequence[tuple[int, ...]], share: float = RARE_SHA
     return [target[tuple(s)] for s in shapes]
 
 
+def _epoch_shapes(split: Split, plan: Sequence[np.ndarray], batch_size: int, buckets: Sequence[int],
+                  row_multiple: int) -> list[tuple[int, ...]]:
+    """The shape each batch of an epoch's plan is packed to (:func:`merge_rare_shapes`)."""
+    return merge_rare_shapes([packed_shape(split, idx, batch_size, buckets, row_multiple=row_multiple)
+                              for idx in plan])
+
+
 def iterate_packed_batches(split: Split, batch_size: int, buckets: Sequence[int], *, seed: int = 0, epoch: int = 0,
                            shuffle: bool = True, start: int = 0, pad_id: int = 0, group_by_length: bool = False,
                            first_position: int = 0, row_multiple: int = 1) -> Iterator[dict]:
@@ -168,8 +175,7 @@ def iterate_packed_batches(split: Split, batch_size: int, buckets: Sequence[int]
     function of the epoch's plan, so a resumed run gets the same batches."""
     plan = batch_plan(split.lengths, batch_size, seed=seed, epoch=epoch, shuffle=shuffle,
                       group_by_length=group_by_length)
-    shapes = merge_rare_shapes([packed_shape(split, idx, batch_size, buckets, row_multiple=row_multiple)
-                                for idx in plan])
+    shapes = _epoch_shapes(split, plan, batch_size, buckets, row_multiple)
     for idx, shape in zip(plan[start:], shapes[start:]):
         yield packed_batch(split, idx, batch_size, buckets, pad_id=pad_id, first_position=first_position,
                            row_multiple=row_multiple, shape=shape)
@@ -188,9 +194,9 @@ def packed_slot_share(split: Split, batch_size: int, buckets: Sequence[int], *, 
     plan = batch_plan(split.lengths, batch_size, seed=seed, epoch=0, group_by_length=group_by_length)
     lengths = split.lengths
     padded = sum(batch_size * bucket_length(int(lengths[idx].max(initial=1)), buckets) for idx in plan)
-    shapes = merge_rare_shapes([packed_shape(split, idx, batch_size, buckets, row_multiple=row_multiple)
-                                for idx in plan])
-    return sum(r * t for r, t, _, _ in shapes) / max(padded, 1)
+    packed = sum(r * t for r, t, _, _ in _epoch_shapes(split, plan, batch_size, buckets, row_multiple))
+    return packed / max(padded, 1)
+
 
 def is_packed(batch) -> bool:
     return "segment_ids" in batch
