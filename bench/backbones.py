@@ -120,13 +120,14 @@ def _systems(path: str, ids, mask, labels):
     from transformers import AutoModelForSequenceClassification
 
     import flaxheads as fh
+    from bench import common
     from flaxheads.training.steps import create_state, make_train_step
 
     m = fh.from_pretrained(path)
     fwd = jax.jit(m.apply)
     tx = optax.adamw(2e-5, weight_decay=0.01)
     box = {"s": create_state(m.params, tx)}
-    step = jax.jit(make_train_step(m, tx), donate_argnums=0)
+    step = common.jit_train_step(make_train_step(m, tx))
     batch = {"input_ids": jnp.asarray(ids), "attention_mask": jnp.asarray(mask), "labels": jnp.asarray(labels),
              "weights": jnp.ones(len(ids), jnp.float32)}
 

@@ -121,7 +121,7 @@ def main(argv=None):
     cfg = OptimConfig(learning_rate=1e-2, freeze_backbone=True, total_steps=spe * args.epochs, weight_decay=0.0)
     tx = make_optimizer(cfg)
     state = create_state(jax.tree.map(jnp.copy, model.params), tx, freeze_backbone=True)  # donated below
-    hstep = jax.jit(make_head_train_step(model, tx), donate_argnums=0)
+    hstep = common.jit_train_step(make_head_train_step(model, tx))
     epoch_times = []
     for e in range(args.epochs):
         t0 = time.perf_counter()
@@ -139,7 +139,7 @@ def main(argv=None):
     from flaxheads.training.data import iterate_batches
 
     fstate = create_state(jax.tree.map(jnp.copy, model.params), tx, freeze_backbone=True)  # donated below
-    fstep = jax.jit(make_train_step(model, tx, freeze_backbone=True), donate_argnums=0)
+    fstep = common.jit_train_step(make_train_step(model, tx, freeze_backbone=True))
     batches = list(iterate_batches(split, args.batch, buckets, seed=0, epoch=0, group_by_length=True))
     sample = batches[:args.recompute_batches]
     for b in sample:  # compile every bucket in the sample first

@@ -165,6 +165,15 @@ class PeakRSS:
         self.peak = self._peak_abs - self.base
 
 
+def jit_train_step(step):
+    """``step(state, batch)`` jitted as flaxheads jits its train steps: state donated, with
+    :func:`flaxheads.runtime.gradient_compiler_options` (a JAX peer in the same bench gets them too)."""
+    import jax
+    from flaxheads.runtime import gradient_compiler_options
+
+    return jax.jit(step, donate_argnums=0, compiler_options=gradient_compiler_options() or None)
+
+
 def xla_bytes(jitted, *args) -> int | None:
     """XLA's argument + output + temp buffer bytes for ``jitted(*args)`` (None if unknown)."""
     try:

@@ -74,7 +74,7 @@ def measure(a) -> dict:
     batch = {"input_ids": jnp.asarray(rng.integers(3, a.vocab, (a.batch, a.seq)), jnp.int32),
              "attention_mask": jnp.ones((a.batch, a.seq), jnp.int32),
              "labels": jnp.asarray(rng.integers(0, 2, a.batch)), "weights": jnp.ones(a.batch, jnp.float32)}
-    step = jax.jit(make_train_step(model, tx), donate_argnums=0)
+    step = common.jit_train_step(make_train_step(model, tx))
     xla = common.xla_bytes(step, state, batch)
     t0 = time.perf_counter()
     state, m = step(state, batch)

@@ -125,6 +125,7 @@ def _compiled_step(path: str, dtype, remat: bool, fused: bool, batch: dict):
     import optax
 
     import flaxheads as fh
+    from bench import common
     from flaxheads.backbones.layers import ATTENTION_ENV
     from flaxheads.training.steps import create_state, make_train_step
 
@@ -135,7 +136,7 @@ def _compiled_step(path: str, dtype, remat: bool, fused: bool, batch: dict):
     os.environ[ATTENTION_ENV] = "fused" if fused else "auto"
     t0 = time.perf_counter()
     try:  # the choice is read while tracing: compile now, under it
-        step = jax.jit(make_train_step(m, tx), donate_argnums=0).lower(box["s"], batch).compile()
+        step = common.jit_train_step(make_train_step(m, tx)).lower(box["s"], batch).compile()
     finally:
         if before is None:
             os.environ.pop(ATTENTION_ENV)

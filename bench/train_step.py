@@ -73,7 +73,7 @@ def main(argv=None):
                                     pooled_token_only=only)
             tx = make_optimizer(OptimConfig(learning_rate=2e-5, total_steps=1000))
             box = {"s": create_state(m.params, tx, seed=0)}
-            step = jax.jit(make_train_step(m, tx), donate_argnums=0)
+            step = common.jit_train_step(make_train_step(m, tx))
             xla[name] = common.xla_bytes(step, box["s"], batch)
 
             def run(step=step, box=box):
@@ -102,7 +102,7 @@ def main(argv=None):
                 upd, opt = htx.update(g, opt, params)
                 return (optax.apply_updates(params, upd), opt, key), loss
 
-            hstep = jax.jit(hf_step, donate_argnums=0)
+            hstep = common.jit_train_step(hf_step)
             xla["hf_flax"] = common.xla_bytes(hstep, hbox["s"], batch)
 
             def run_hf():

@@ -66,7 +66,6 @@ def test_onednn_dots_reads_the_flags(flags, on):
     assert runtime.onednn_dots(flags) is on
 
 
-
 @pytest.mark.parametrize("flags, on", [
     ("", True),  # XLA's default: YNNPACK's fusions, reductions among them
     (" ".join(runtime.CPU_FLAGS), False),
@@ -77,6 +76,32 @@ def test_onednn_dots_reads_the_flags(flags, on):
 ])
 def test_ynn_reductions_reads_the_flags(flags, on):
     assert runtime.ynn_reductions(flags) is on
+
+
+@pytest.mark.parametrize("flags, backend, jax_version, on", [
+    (" ".join(runtime.CPU_FLAGS), "cpu", "0.12.0.1", True),  # the AVX2 setting: train steps get YNNPACK back
+    (f"--xla_force_host_platform_device_count=4 {YNN}=", "cpu", "0.11.0", True),
+    ("", "cpu", "0.12.0.1", False),  # XLA's defaults already have it
+    (" ".join(runtime.ONEDNN_FLAGS), "cpu", "0.12.0.1", False),  # oneDNN keeps the dots (AMX)
+    (f"{YNN}=reduce", "cpu", "0.12.0.1", False),  # a user's own list
+    (" ".join(runtime.CPU_FLAGS), "gpu", "0.12.0.1", False),
+    (" ".join(runtime.CPU_FLAGS), "cpu", "0.10.2", False),  # measured on jax 0.12 only
+])
+def test_gradient_compiler_options_follow_the_process_setting(fresh, flags, backend, jax_version, on):
+    got = runtime.gradient_compiler_options(flags, backend=backend, jax_version=jax_version)
+    assert got == (runtime.YNN_PROGRAM_OPTIONS if on else {})
+
+
+def test_gradient_programs_opt_out_and_their_reductions(fresh):
+    fresh.setattr(runtime, "_installed_jax", lambda: "0.12.0.1")
+    off = " ".join(runtime.CPU_FLAGS)
+    assert not runtime.ynn_reductions(off)
+    assert runtime.gradient_ynn_reductions(off)  # train steps' reductions are YNNPACK's again: no fold
+    assert not runtime.gradient_ynn_reductions(" ".join(runtime.ONEDNN_FLAGS))
+    fresh.setenv(runtime.OPT_OUT_ENV, "0")
+    assert runtime.gradient_compiler_options(off, backend="cpu") == {}
+    assert not runtime.gradient_ynn_reductions(off)
+
 
 def test_unsplittable_xla_flags_are_refused(fresh):
     with pytest.raises(ConfigError, match="fix its quoting"):

@@ -91,7 +91,7 @@ class Trainer:
         step = make_train_step(model, tx, freeze_backbone=optim.freeze_backbone, loss_options=cfg.loss_options,
                                axis_name=axis)
         like = abstract_state(model, tx, optim, cfg)
-        return cls(model, optim, cfg, parallel, tx, parallel.compile(tt.wrap(step), like=like),
+        return cls(model, optim, cfg, parallel, tx, parallel.compile(tt.wrap(step), like=like, gradients=True),
                    parallel.compile(et.wrap(make_eval_step(model)), donate=False, like=like.params), tt, et)
 
     def init_state(self, params: dict | None = None) -> TrainState:

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import optax
 from flax.traverse_util import flatten_dict, unflatten_dict
 
-from ..runtime import ynn_reductions
+from ..runtime import gradient_ynn_reductions
 from .errors import TrainingError
 
 SCHEDULES = ("linear", "cosine", "constant")
@@ -109,14 +109,14 @@ FOLD_MIN_SIZE = 16384
 
 
 def _fold_reductions() -> bool:
-    return jax.default_backend() == "cpu" and not ynn_reductions()
+    return jax.default_backend() == "cpu" and not gradient_ynn_reductions()
 
 
 def sum_of_squares(x: jax.Array, fold: bool | None = None) -> jax.Array:
     """``sum(x ** 2)`` in float32.
 
-    ``fold`` (default: on the CPU backend when YNNPACK does not take reductions,
-    :func:`flaxheads.runtime.ynn_reductions`) first adds :data:`FOLD` equal slices of the array
+    ``fold`` (default: on the CPU backend when YNNPACK does not take a train step's reductions,
+    :func:`flaxheads.runtime.gradient_ynn_reductions`) first adds :data:`FOLD` equal slices of the array
     elementwise, one loop fusion that XLA:CPU runs on every core at memory speed, and reduces what
     is left (8, 16 and 32 slices ran alike; fewer trace and compile faster). XLA's own reduction of a large array is a tree of reduce-windows ~5x slower: MiniLM's
     gradient norm took 21 ms instead of 4.5 ms (AMD EPYC with AVX2); YNNPACK's reductions, where on,

@@ -16,6 +16,7 @@ from flax.jax_utils import replicate
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from ..runtime import gradient_compiler_options
 from .errors import TrainingError
 from .sharding import DATA as DATA_AXIS
 from .sharding import Layout, make_mesh, replicated_layout
@@ -108,23 +109,26 @@ class Parallel:
         return self.layout.shardings(tree)
 
     def compile(self, step_fn: Callable, *, donate: bool = True, like: Any = None,
-                returns_state: bool | None = None) -> Callable:
+                returns_state: bool | None = None, gradients: bool = False) -> Callable:
         """Jit (single/mesh) or pmap a ``(state_or_params, batch) -> out`` function.
 
         Mesh mode: ``like`` is the first argument's tree (arrays or ``jax.eval_shape`` leaves);
         it is placed by the layout (None: replicated). ``returns_state`` (default ``donate``):
         the output is ``(new first argument, replicated metrics)`` with the same placement;
-        otherwise the whole output is replicated (logits)."""
+        otherwise the whole output is replicated (logits). ``gradients=True`` (a train step):
+        jitted with :func:`flaxheads.runtime.gradient_compiler_options` (``jax.pmap`` takes no
+        compiler options, so a pmapped step compiles with the process's settings)."""
         donate_argnums = (0,) if donate else ()
+        options = gradient_compiler_options() if gradients else {}
         if self.mode == "single":
-            return jax.jit(step_fn, donate_argnums=donate_argnums)
+            return jax.jit(step_fn, donate_argnums=donate_argnums, compiler_options=options or None)
         if self.mode == "pmap":
             return jax.pmap(step_fn, axis_name=DATA_AXIS, donate_argnums=donate_argnums)
         rep = self.layout.replicated()
         first = rep if like is None else self.shardings(like)
         out = (first, rep) if (donate if returns_state is None else returns_state) else rep
         return jax.jit(step_fn, in_shardings=(first, self.layout.batch()), out_shardings=out,
-                       donate_argnums=donate_argnums)
+                       donate_argnums=donate_argnums, compiler_options=options or None)
 
     def put_state(self, tree):
         """Place a pytree (state or params; host arrays, or arrays placed elsewhere, such as

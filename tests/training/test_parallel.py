@@ -71,6 +71,27 @@ def test_single_pmap_mesh_agree(folder, single):
                            .params["head"]["head"]["classifier"]["kernel"])
 
 
+@pytest.mark.parametrize("mode", ["single", "mesh"])
+def test_train_steps_compile_with_the_gradient_options(folder, monkeypatch, mode):
+    """``Parallel.compile(gradients=True)`` hands ``runtime.gradient_compiler_options`` to XLA and
+    other programs keep the process's settings. The options here turn YNNPACK off, which this
+    process has on (XLA's defaults): its fusions leave the train step only."""
+    from flaxheads.training import parallel as parallel_module
+    from flaxheads.training.data import iterate_batches
+
+    monkeypatch.setattr(parallel_module, "gradient_compiler_options",
+                        lambda: {"xla_cpu_experimental_ynn_fusion_type": ""})
+    model = fh.from_pretrained(folder, pooler="mean", head="linear", num_labels=3)
+    cfg = TrainConfig(batch_size=BATCH, max_steps=STEPS, parallel=mode)
+    trainer = Trainer.build(model, OptimConfig(learning_rate=1e-3, total_steps=STEPS), cfg, Parallel(mode))
+    state = trainer.parallel.put_state(trainer.init_state())
+    batch = trainer.parallel.put_rows(next(iterate_batches(random_split(BATCH, seed=4), BATCH, (16,), shuffle=False)))
+    forward = trainer.eval_step.lower(state.params, batch).compile().as_text()
+    if "__ynn_fusion" not in forward:
+        pytest.skip("this jaxlib's XLA:CPU has no YNNPACK fusions by default")
+    assert "__ynn_fusion" not in trainer.train_step.lower(state, batch).compile().as_text()
+
+
 def test_process_rows_slices_global_batch():
     b = {"x": np.arange(8), "y": np.arange(8) * 10}
     parts = [process_rows(b, i, 4) for i in range(4)]
