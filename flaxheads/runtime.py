@@ -206,7 +206,7 @@ def gradient_compiler_options(xla_flags: str | None = None, *, backend: str | No
     if flags.get("--xla_cpu_experimental_ynn_fusion_type") != "" or onednn_dots(xla_flags):
         return {}
     if _version(jax_version or _installed_jax()) < (0, 11):
-        return {}  # measured on jax 0.12; jax 0.10's YNNPACK option names differ
+        return {}  # measured on jax 0.12 only
     if backend is None:
         import jax
 
