@@ -166,12 +166,12 @@ class PeakRSS:
 
 
 def jit_train_step(step):
-    """``step(state, batch)`` jitted as flaxheads jits its train steps: state donated, with
-    :func:`flaxheads.runtime.gradient_compiler_options` (a JAX peer in the same bench gets them too)."""
-    import jax
-    from flaxheads.runtime import gradient_compiler_options
+    """``step(state, batch)`` jitted as flaxheads jits its train steps on one device
+    (``Parallel.compile(..., gradients=True)``: state donated, the train steps' compiler options);
+    a JAX peer in the same bench gets the same."""
+    from flaxheads.training.parallel import Parallel
 
-    return jax.jit(step, donate_argnums=0, compiler_options=gradient_compiler_options() or None)
+    return Parallel().compile(step, gradients=True)
 
 
 def xla_bytes(jitted, *args) -> int | None:

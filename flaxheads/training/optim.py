@@ -136,6 +136,7 @@ def sum_of_squares(x: jax.Array, fold: bool | None = None) -> jax.Array:
 def global_norm(tree, fold: bool | None = None) -> jax.Array:
     """The L2 norm of every leaf of ``tree`` together (``optax.tree.norm`` of real arrays), through
     :func:`sum_of_squares`."""
+    fold = _fold_reductions() if fold is None else fold  # once per tree, not per leaf
     return jnp.sqrt(sum((sum_of_squares(x, fold) for x in jax.tree.leaves(tree)), jnp.zeros((), jnp.float32)))
 
 

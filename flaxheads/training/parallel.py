@@ -121,14 +121,14 @@ class Parallel:
         donate_argnums = (0,) if donate else ()
         options = gradient_compiler_options() if gradients else {}
         if self.mode == "single":
-            return jax.jit(step_fn, donate_argnums=donate_argnums, compiler_options=options or None)
+            return jax.jit(step_fn, donate_argnums=donate_argnums, compiler_options=options)
         if self.mode == "pmap":
             return jax.pmap(step_fn, axis_name=DATA_AXIS, donate_argnums=donate_argnums)
         rep = self.layout.replicated()
         first = rep if like is None else self.shardings(like)
         out = (first, rep) if (donate if returns_state is None else returns_state) else rep
         return jax.jit(step_fn, in_shardings=(first, self.layout.batch()), out_shardings=out,
-                       donate_argnums=donate_argnums, compiler_options=options or None)
+                       donate_argnums=donate_argnums, compiler_options=options)
 
     def put_state(self, tree):
         """Place a pytree (state or params; host arrays, or arrays placed elsewhere, such as

@@ -29,12 +29,12 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 
 from ..nn.heads import SequenceHead
 from ..nn.poolers import DensePooler, Pool
-from ..runtime import gradient_compiler_options
 from .errors import TrainingError
 from .features import FeatureCache, predict_cache, reduction
 from .loop import steps_per_epoch as _batches_per_pass
 from .metrics import compute_metrics, headline
 from .optim import OptimConfig, make_optimizer
+from .parallel import Parallel
 from .steps import TrainState, make_head_train_step
 
 
@@ -147,7 +147,7 @@ def make_sweep_step(model, cfg: OptimConfig, *, level: str = "pooled", loss_opti
             state.params, state.opt_state, state.lr, state.wd, state.rng, state.reduction, state.step, batch)
         return dataclasses.replace(state, step=state.step + 1, params=p, opt_state=o), loss
 
-    return jax.jit(step, donate_argnums=0, compiler_options=gradient_compiler_options() or None)
+    return Parallel().compile(step, gradients=True)
 
 
 def _select(batch: dict, r, level: str):
