@@ -12,8 +12,8 @@ What is chosen from the CPU's features (:class:`CpuInfo`), and the measurements 
   AVX2 but no AVX-512: dots then go to Eigen and reductions stay inside XLA's own loop
   fusions, and on a 2-core AMD EPYC (AVX2) the forward ran ~7% faster. Train steps there compile
   with YNNPACK's dots and reductions back on (:func:`gradient_compiler_options`, one program's
-  option): measured again per program, they won every train step, by 5% at 16 x 128 tokens and
-  17% on packed short texts, and compile in 0.7-0.8x the time.
+  option): measured again per program, every train step took less time with them (0.95x at
+  16 x 128 tokens, 0.83x on packed short texts) and compiled in 0.7-0.8x the time.
   With AMX (jax >= 0.11) YNNPACK is turned off too and oneDNN's matmul custom call on
   (:data:`ONEDNN_FLAGS`): on a 2-core Intel Xeon with AMX oneDNN ran MiniLM's bf16 dense products
   ~2x faster than YNNPACK (4096 x 384 x 1536: 1.6 vs 3.2 ms), and the MiniLM bf16 train step went

@@ -90,6 +90,12 @@ def test_train_steps_compile_with_the_gradient_options(folder, monkeypatch, mode
         pytest.skip("this jaxlib's XLA:CPU has no YNNPACK fusions by default")
     assert "__ynn_fusion" in trainer.eval_step.lower(state.params, batch).compile().as_text()
     assert "__ynn_fusion" not in trainer.train_step.lower(state, batch).compile().as_text()
+    # the two libraries' steps train alike
+    monkeypatch.undo()
+    plain = Trainer.build(model, OptimConfig(learning_rate=1e-3, total_steps=STEPS), cfg, Parallel(mode))
+    params = [p.parallel.get_state(p.train_step(p.parallel.put_state(p.init_state()), batch)[0]).params
+              for p in (trainer, plain)]
+    _close(*params)
 
 
 def test_process_rows_slices_global_batch():
