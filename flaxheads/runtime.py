@@ -7,14 +7,17 @@ settings calls it before its first JAX computation.
 What is chosen from the CPU's features (:class:`CpuInfo`), and the measurements behind it
 (docs/performance.md has the A/B numbers and the CPU of each):
 
-* XLA flags (:func:`cpu_xla_flags`). ``--xla_cpu_experimental_ynn_fusion_type=`` turns off
-  XLA:CPU's YNNPACK fusions (jaxlib routes dots *and* reductions through them), on x86 CPUs with
-  AVX2 but no AVX-512: dots then go to Eigen and reductions stay inside XLA's own loop
-  fusions, and on a 2-core AMD EPYC (AVX2) the forward ran ~7% faster. Train steps there compile
-  with YNNPACK's dots and reductions back on (:func:`gradient_compiler_options`, one program's
-  option): measured again per program, every train step took less time with them (0.95x at
-  16 x 128 tokens, 0.83x on packed short texts) and compiled in 0.7-0.8x the time.
-  With AMX (jax >= 0.11) YNNPACK is turned off too and oneDNN's matmul custom call on
+* XLA flags (:func:`cpu_xla_flags`). On x86 CPUs with AVX2 but no AVX-512,
+  ``--xla_cpu_experimental_ynn_fusion_type=reduce`` keeps XLA:CPU's YNNPACK fusions (jaxlib routes
+  dots *and* reductions through them) for reductions only: dots go to Eigen, which won the dense
+  products of the forward on a 2-core AMD EPYC (AVX2), and the softmax's reductions to YNNPACK;
+  LayerNorm's statistics are then products too (:func:`layer_norm_dots`). The MiniLM forward at
+  32 x 256 took 0.84x the time of YNNPACK off (1311 against 1569 ms), and no shape measured lost.
+  Under jax < 0.11 YNNPACK is turned off (:data:`EIGEN_FLAGS`, ~12% there). Train steps compile
+  with YNNPACK's dots back on (:func:`gradient_compiler_options`, one program's option): measured
+  per program, every train step took less time with them (0.95x at 16 x 128 tokens, 0.83x on
+  packed short texts) and compiled in 0.7-0.8x the time.
+  With AMX (jax >= 0.11) YNNPACK is turned off and oneDNN's matmul custom call on
   (:data:`ONEDNN_FLAGS`): on a 2-core Intel Xeon with AMX oneDNN ran MiniLM's bf16 dense products
   ~2x faster than YNNPACK (4096 x 384 x 1536: 1.6 vs 3.2 ms), and the MiniLM bf16 train step went
   1.23x -> 1.93x PyTorch autocast, the fp32 one 1.34x -> 1.41x. oneDNN wants bf16 products with
@@ -54,15 +57,20 @@ from pathlib import Path
 
 from .errors import ConfigError
 
-#: XLA:CPU's YNNPACK fusions off (the module docstring says where and why: :func:`cpu_xla_flags`).
-CPU_FLAGS: tuple[str, ...] = ("--xla_cpu_experimental_ynn_fusion_type=",)
+#: XLA:CPU's YNNPACK fusions for reductions only: dots go to Eigen, reductions (softmax, LayerNorm's
+#: statistics as :func:`layer_norm_dots` leaves them) to YNNPACK. x86 with AVX2 and no AVX-512 under
+#: jax >= 0.11 (the module docstring says why: :func:`cpu_xla_flags`).
+CPU_FLAGS: tuple[str, ...] = ("--xla_cpu_experimental_ynn_fusion_type=reduce",)
+#: XLA:CPU's YNNPACK fusions off: dots to Eigen, reductions in XLA's own loops. The same CPUs under
+#: jax < 0.11, where this was measured.
+EIGEN_FLAGS: tuple[str, ...] = ("--xla_cpu_experimental_ynn_fusion_type=",)
 #: XLA:CPU's dots through oneDNN: YNNPACK's fusions off (they take the dots first) and oneDNN's
 #: matmul custom call on. Chosen on CPUs with AMX under jax >= 0.11 (:func:`cpu_xla_flags`).
-ONEDNN_FLAGS: tuple[str, ...] = CPU_FLAGS + ("--xla_cpu_use_onednn=true", "--xla_cpu_experimental_onednn_custom_call=true")
+ONEDNN_FLAGS: tuple[str, ...] = EIGEN_FLAGS + ("--xla_cpu_use_onednn=true", "--xla_cpu_experimental_onednn_custom_call=true")
 
 #: XLA:CPU's YNNPACK fusions as jax 0.12 has them by default (dots and reductions), as one program's
 #: compiler option: what :func:`gradient_compiler_options` gives train steps back where
-#: :data:`CPU_FLAGS` turned them off for the process.
+#: :data:`CPU_FLAGS` kept the dots from them for the process.
 YNN_PROGRAM_OPTIONS: dict[str, str] = {
     "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT,LIBRARY_FUSION_TYPE_REDUCE"}
 
@@ -137,11 +145,15 @@ def _installed_jax() -> str:
 
 def cpu_xla_flags(cpu: CpuInfo, jax_version: str | None = None) -> tuple[str, ...]:
     """The XLA flags :func:`configure_xla` adds on this CPU (module docstring): oneDNN's dots with
-    AMX under jax >= 0.11 (``jax_version``, default the installed one), YNNPACK off on x86 with AVX2
-    and no AVX-512, XLA's defaults elsewhere."""
-    if cpu.amx and _version(jax_version or _installed_jax()) >= (0, 11):
+    AMX under jax >= 0.11 (``jax_version``, default the installed one); on x86 with AVX2 and no
+    AVX-512 Eigen's dots, with YNNPACK's reductions under jax >= 0.11 (:data:`CPU_FLAGS`) and without
+    YNNPACK under older jax (:data:`EIGEN_FLAGS`); XLA's defaults elsewhere."""
+    new_jax = _version(jax_version or _installed_jax()) >= (0, 11)
+    if cpu.amx and new_jax:
         return ONEDNN_FLAGS
-    return CPU_FLAGS if "avx2" in cpu.flags and "avx512f" not in cpu.flags else ()
+    if "avx2" in cpu.flags and "avx512f" not in cpu.flags:
+        return CPU_FLAGS if new_jax else EIGEN_FLAGS
+    return ()
 
 
 def _split_flags(xla_flags: str) -> list[str]:
@@ -163,7 +175,8 @@ def _flag_values(xla_flags: str) -> dict[str, str]:
 
 def onednn_dots(xla_flags: str | None = None) -> bool:
     """Whether XLA:CPU hands this process's dots to oneDNN, from ``xla_flags`` (default
-    ``$XLA_FLAGS``): oneDNN and its matmul custom call on, YNNPACK's fusions off.
+    ``$XLA_FLAGS``): oneDNN and its matmul custom call on, and YNNPACK's fusions (which take the
+    dots first) set to no dot type.
 
     Read where a computation is arranged for the dot library (``backbones.layers``): oneDNN runs
     bf16 x bf16 -> bf16 products on AMX but bf16 x bf16 -> float32 ones ~10x slower, and YNNPACK
@@ -171,28 +184,60 @@ def onednn_dots(xla_flags: str | None = None) -> bool:
     flags = _flag_values(os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags)
     on = ("true", "1")
     return (flags.get("--xla_cpu_use_onednn") in on and flags.get("--xla_cpu_experimental_onednn_custom_call") in on
-            and flags.get("--xla_cpu_experimental_ynn_fusion_type", "default") == "")
+            and _no_ynn_dots(_ynn_types(xla_flags)))
+
+
+def _no_ynn_dots(types: set[str] | None) -> bool:
+    """Whether YNNPACK's fusion types (:func:`_ynn_types`) leave the dots alone: set, without a dot type."""
+    return types is not None and not any("dot" in t for t in types)
 
 
 def ynn_reductions(xla_flags: str | None = None) -> bool:
     """Whether XLA:CPU's YNNPACK fusions take this process's reductions, from ``xla_flags`` (default
-    ``$XLA_FLAGS``): yes at XLA's default, no when ``--xla_cpu_experimental_ynn_fusion_type`` lists
-    no ``reduce`` (:data:`CPU_FLAGS` and :data:`ONEDNN_FLAGS` set it empty).
+    ``$XLA_FLAGS``): yes at XLA's default and with :data:`CPU_FLAGS`, no when
+    ``--xla_cpu_experimental_ynn_fusion_type`` lists no ``reduce`` (:data:`EIGEN_FLAGS` and
+    :data:`ONEDNN_FLAGS` set it empty).
 
     Without them a large reduction runs as XLA's own tree of reduce-windows, ~5x slower than
     memory allows (MiniLM's gradient norm: 21 ms against 4-5 ms, AMD EPYC with AVX2); code that
     reduces big arrays reads this to fold them first (``training.optim.sum_of_squares``)."""
+    types = _ynn_types(xla_flags)
+    return types is None or "reduce" in types
+
+
+def _ynn_types(xla_flags: str | None) -> set[str] | None:
+    """The fusion types ``--xla_cpu_experimental_ynn_fusion_type`` lists in ``xla_flags`` (default
+    ``$XLA_FLAGS``); ``None`` where it is not set (XLA's default: dots and reductions)."""
     flags = _flag_values(os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags)
     value = flags.get("--xla_cpu_experimental_ynn_fusion_type")
-    return value is None or "reduce" in value.split(",")
+    return None if value is None else {t for t in value.split(",") if t}
+
+
+def _eigen_dots(xla_flags: str | None) -> bool:
+    """Whether this process's dots are Eigen's: YNNPACK's fusion types set without a dot type and
+    oneDNN's dots off (:data:`CPU_FLAGS`, :data:`EIGEN_FLAGS`)."""
+    return _no_ynn_dots(_ynn_types(xla_flags)) and not onednn_dots(xla_flags)
+
+
+def layer_norm_dots(xla_flags: str | None = None) -> bool:
+    """Whether LayerNorm computes its mean and variance as products with a ``1/n`` column
+    (``backbones.layers.layer_norm``) instead of reductions: where this process gives dots to Eigen
+    and reductions to YNNPACK (:data:`CPU_FLAGS`), from ``xla_flags`` (default ``$XLA_FLAGS``).
+
+    There the reductions' YNNPACK fusions take the whole LayerNorm out of XLA's loop fusions, and
+    Eigen's matrix-vector products were faster: the MiniLM forward at 32 x 256 took 1311 ms against
+    1551 ms with reductions and 1569 ms with YNNPACK off (AMD EPYC with AVX2, jax 0.12; every shape
+    from 1 x 16 to 32 x 256 measured as fast or faster). Read at trace time."""
+    types = _ynn_types(xla_flags)
+    return _eigen_dots(xla_flags) and "reduce" in types
 
 
 def gradient_compiler_options(xla_flags: str | None = None, *, backend: str | None = None,
                               jax_version: str | None = None) -> dict[str, str]:
     """``compiler_options`` for programs that take gradients (train steps): :data:`YNN_PROGRAM_OPTIONS`
-    where this process turned YNNPACK off for Eigen's dots (``xla_flags``, default ``$XLA_FLAGS``,
-    sets ``--xla_cpu_experimental_ynn_fusion_type`` empty without oneDNN's dots: :data:`CPU_FLAGS`)
-    on the CPU ``backend`` (default JAX's) under jax >= 0.11 (``jax_version``, default the installed
+    where this process kept the dots from YNNPACK for Eigen (``xla_flags``, default ``$XLA_FLAGS``,
+    lists no dot type in ``--xla_cpu_experimental_ynn_fusion_type`` and has no oneDNN dots:
+    :data:`CPU_FLAGS`, :data:`EIGEN_FLAGS`) on the CPU ``backend`` (default JAX's) under jax >= 0.11 (``jax_version``, default the installed
     one); ``{}`` elsewhere, and when ``FLAXHEADS_XLA_DEFAULTS=0``.
 
     Eigen's dots win the forward at 32 x 256 tokens, but YNNPACK's win every train step measured on
@@ -202,8 +247,7 @@ def gradient_compiler_options(xla_flags: str | None = None, *, backend: str | No
     reads :func:`gradient_ynn_reductions` to arrange its reductions for the same programs."""
     if os.environ.get(OPT_OUT_ENV, "1") == "0":
         return {}
-    flags = _flag_values(os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags)
-    if flags.get("--xla_cpu_experimental_ynn_fusion_type") != "" or onednn_dots(xla_flags):
+    if not _eigen_dots(xla_flags):
         return {}
     if _version(jax_version or _installed_jax()) < (0, 11):
         return {}  # measured on jax 0.12 only

@@ -30,10 +30,21 @@ def fresh(monkeypatch):
 
 
 def test_appends_to_existing_flags(fresh):
+    """AVX2 without AVX-512 under jax >= 0.11: Eigen's dots, YNNPACK's reductions."""
+    fresh.setattr(runtime, "_installed_jax", lambda: "0.12.0.1")
     fresh.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-    assert runtime.configure_xla(cpu=EPYC) == [f"{YNN}="]
-    assert os.environ["XLA_FLAGS"].split() == ["--xla_force_host_platform_device_count=8", f"{YNN}="]
+    assert runtime.configure_xla(cpu=EPYC) == [f"{YNN}=reduce"]
+    assert os.environ["XLA_FLAGS"].split() == ["--xla_force_host_platform_device_count=8", f"{YNN}=reduce"]
     assert runtime.configure_xla(cpu=EPYC) == []  # idempotent
+    assert runtime.layer_norm_dots() and runtime.ynn_reductions() and not runtime.onednn_dots()
+
+
+def test_avx2_hosts_under_older_jax_turn_ynnpack_off(fresh):
+    """jax 0.10 was measured with YNNPACK's fusions off altogether, and keeps LayerNorm's reductions."""
+    fresh.setattr(runtime, "_installed_jax", lambda: "0.10.2")
+    fresh.setenv("XLA_FLAGS", "")
+    assert runtime.configure_xla(cpu=EPYC) == [f"{YNN}="]
+    assert not runtime.layer_norm_dots() and not runtime.ynn_reductions()
 
 
 @pytest.mark.parametrize("cpu, jax_version", [(ZEN5, "0.12.0.1"), (XEON, "0.10.2")], ids=["avx512", "amx-jax0.10"])
@@ -59,6 +70,8 @@ def test_amx_hosts_get_onednn_dots(fresh):
     (" ".join(runtime.ONEDNN_FLAGS), True),
     ("--xla_cpu_use_onednn=true --xla_cpu_experimental_onednn_custom_call=true", False),  # YNNPACK takes the dots
     (f"{YNN}= --xla_cpu_use_onednn=True --xla_cpu_experimental_onednn_custom_call=1", True),
+    (f"{YNN}=reduce --xla_cpu_use_onednn=true --xla_cpu_experimental_onednn_custom_call=true", True),
+    (f"{YNN}=reduce,dot --xla_cpu_use_onednn=true --xla_cpu_experimental_onednn_custom_call=true", False),
     (" ".join(runtime.ONEDNN_FLAGS) + " --xla_cpu_use_onednn=false", False),  # the last setting counts
     ("", False),
 ])
@@ -68,7 +81,8 @@ def test_onednn_dots_reads_the_flags(flags, on):
 
 @pytest.mark.parametrize("flags, on", [
     ("", True),  # XLA's default: YNNPACK's fusions, reductions among them
-    (" ".join(runtime.CPU_FLAGS), False),
+    (" ".join(runtime.CPU_FLAGS), True),
+    (" ".join(runtime.EIGEN_FLAGS), False),
     (" ".join(runtime.ONEDNN_FLAGS), False),
     (f"{YNN}=reduce,eltwise", True),
     (f"{YNN}=dot --xla_force_host_platform_device_count=8", False),
@@ -83,7 +97,9 @@ def test_ynn_reductions_reads_the_flags(flags, on):
     (f"--xla_force_host_platform_device_count=4 {YNN}=", "cpu", "0.11.0", True),
     ("", "cpu", "0.12.0.1", False),  # XLA's defaults already have it
     (" ".join(runtime.ONEDNN_FLAGS), "cpu", "0.12.0.1", False),  # oneDNN keeps the dots (AMX)
-    (f"{YNN}=reduce", "cpu", "0.12.0.1", False),  # a user's own list
+    (" ".join(runtime.EIGEN_FLAGS), "cpu", "0.12.0.1", True),
+    (f"{YNN}=reduce,eltwise", "cpu", "0.12.0.1", True),  # Eigen's dots still
+    (f"{YNN}=individual_dot", "cpu", "0.12.0.1", False),  # a user's own list with YNNPACK's dots
     (" ".join(runtime.CPU_FLAGS), "gpu", "0.12.0.1", False),
     (" ".join(runtime.CPU_FLAGS), "cpu", "0.10.2", False),  # measured on jax 0.12 only
 ])
@@ -94,13 +110,26 @@ def test_gradient_compiler_options_follow_the_process_setting(fresh, flags, back
 
 def test_gradient_programs_opt_out_and_their_reductions(fresh):
     fresh.setattr(runtime, "_installed_jax", lambda: "0.12.0.1")
-    off = " ".join(runtime.CPU_FLAGS)
+    off = " ".join(runtime.EIGEN_FLAGS)
     assert not runtime.ynn_reductions(off)
     assert runtime.gradient_ynn_reductions(off)  # train steps' reductions are YNNPACK's again: no fold
     assert not runtime.gradient_ynn_reductions(" ".join(runtime.ONEDNN_FLAGS))
     fresh.setenv(runtime.OPT_OUT_ENV, "0")
     assert runtime.gradient_compiler_options(off, backend="cpu") == {}
     assert not runtime.gradient_ynn_reductions(off)
+
+
+@pytest.mark.parametrize("flags, on", [
+    (" ".join(runtime.CPU_FLAGS), True),  # Eigen's dots, YNNPACK's reductions (AVX2)
+    (f"--xla_force_host_platform_device_count=8 {YNN}=reduce,eltwise", True),
+    ("", False),  # XLA's default: YNNPACK would take the products too
+    (" ".join(runtime.EIGEN_FLAGS), False),  # measured with reductions there
+    (" ".join(runtime.ONEDNN_FLAGS), False),
+    (f"{YNN}=reduce --xla_cpu_use_onednn=true --xla_cpu_experimental_onednn_custom_call=true", False),
+    (f"{YNN}=reduce,individual_dot", False),
+])
+def test_layer_norm_dots_read_the_flags(flags, on):
+    assert runtime.layer_norm_dots(flags) is on
 
 
 def test_unsplittable_xla_flags_are_refused(fresh):

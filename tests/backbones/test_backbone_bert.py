@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 import flaxheads as fh
+from flaxheads import runtime
 from flaxheads.backbones import hf_flax
 from flaxheads.backbones.bert import BertBackbone, encode
 from flaxheads.backbones.layers import attention_chunks
@@ -163,10 +164,19 @@ def test_forward_mode_matches_reverse_mode(tiny_bert):
     np.testing.assert_allclose(float(fwd), float(rev), rtol=1e-4)
 
 
-def test_layer_norm_and_gelu_equal_references():
+#: XLA's defaults, and the AVX2 setting (Eigen's dots, YNNPACK's reductions) under which LayerNorm's
+#: statistics are products (``runtime.layer_norm_dots``; read at trace time, so setting the flags
+#: here changes the program traced, not the XLA running it).
+XLA_SETTINGS = pytest.mark.parametrize("xla_flags", ["", " ".join(runtime.CPU_FLAGS)], ids=["defaults", "avx2"])
+
+
+@XLA_SETTINGS
+def test_layer_norm_and_gelu_equal_references(monkeypatch, xla_flags):
     """flaxheads' LayerNorm / exact GELU (explicit derivatives) vs flax's LayerNorm and PyTorch."""
     import flax.linen as nn
     import torch
+
+    monkeypatch.setenv("XLA_FLAGS", xla_flags)
 
     from flaxheads.nn.activations import gelu_exact
     from flaxheads.backbones.layers import layer_norm
@@ -178,6 +188,17 @@ def test_layer_norm_and_gelu_equal_references():
     ref = lambda x, s, b: nn.LayerNorm(epsilon=1e-12).apply({"params": {"scale": s, "bias": b}}, x)
     ours = lambda x, s, b: layer_norm(x, s, b, 1e-12)
     np.testing.assert_allclose(ours(x, scale, bias), ref(x, scale, bias), atol=2e-6)
+    tl = torch.nn.functional.layer_norm(torch.tensor(np.asarray(x)), (32,), torch.tensor(np.asarray(scale)),
+                                        torch.tensor(np.asarray(bias)), eps=1e-12)
+    np.testing.assert_allclose(ours(x, scale, bias), tl.numpy(), atol=2e-6)
+    lx = ours(x.astype(jnp.bfloat16), scale, bias)  # normalised in float32, rounded once
+    assert lx.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(lx, np.float32), np.asarray(ref(x.astype(jnp.bfloat16).astype(jnp.float32),
+                                                                          scale, bias).astype(jnp.bfloat16), np.float32),
+                               atol=0.02)
+    products = "dot_general" in jax.jit(ours).lower(x, scale, bias).as_text()
+    assert products is bool(xla_flags)  # the statistics as products only where the flags say so
+    assert "dot_general" not in jax.jit(jax.grad(lambda *a: jnp.sum(ours(*a) * w))).lower(x, scale, bias).as_text()
     for i in range(3):
         ga = jax.grad(lambda *a: jnp.sum(ours(*a) * w), argnums=i)(x, scale, bias)
         gb = jax.grad(lambda *a: jnp.sum(ref(*a) * w), argnums=i)(x, scale, bias)
@@ -301,10 +322,12 @@ def test_bfloat16_close_to_float32(tiny_bert):
     np.testing.assert_allclose(np.asarray(bf, np.float32), np.asarray(f32), atol=0.1)
 
 
-def test_native_forward_matches_pytorch(tiny_bert):
+@XLA_SETTINGS
+def test_native_forward_matches_pytorch(tiny_bert, monkeypatch, xla_flags):
     """Loaded straight from the safetensors, no transformers model class involved."""
     import torch
 
+    monkeypatch.setenv("XLA_FLAGS", xla_flags)
     path, tm = tiny_bert
     ids, mask = padded_batch("bert", tm.config)
     tt = np.zeros_like(ids)
