@@ -193,6 +193,30 @@ def _storage(groups: dict, lvl: str, width: int, h: int, dtype, max_bytes: int,
     return alloc, to_disk
 
 
+def _bucket_groups(lengths: Sequence[int], batch_size: int, buckets: Sequence[int]) -> dict[int, np.ndarray]:
+    """``{padded length: example indices}``: each example in its own bucket, in example order."""
+    padded = np.asarray([bucket_length(max(int(n), 1), buckets) for n in lengths])
+    return {t: np.flatnonzero(padded == t) for t in buckets if np.any(padded == t)}
+
+
+def encode_groups(lengths: Sequence[int], batch_size: int, buckets: Sequence[int]) -> dict[int, np.ndarray]:
+    """``{padded length: example indices}`` for encoding pooled features: the examples longest
+    first, cut into batches of ``batch_size``, each padded to the bucket of its longest text.
+    Sliced into ``batch_size`` rows, each group gives back those batches.
+
+    Only the last batch is partial, so a bucket's leftover texts fill the batch that a longer
+    bucket pads anyway: the padding rows are the fewest possible, and no length gets a batch that
+    one bucket per text would not have given it (same compiles). 500 BBC News articles at 256
+    tokens in batches of 32: 16 batches of 256 tokens instead of those and one of 192 for 11 texts."""
+    lengths = np.asarray([max(int(n), 1) for n in lengths])
+    order = np.argsort(-lengths, kind="stable")
+    padded = np.empty(len(order), np.int64)
+    for s in range(0, len(order), batch_size):
+        batch = order[s:s + batch_size]
+        padded[s:s + len(batch)] = bucket_length(int(lengths[batch[0]]), buckets)
+    return {int(t): order[padded == t] for t in sorted(set(padded.tolist()))}
+
+
 def _encode_rows(enc, backbone_params, batches: Iterator[tuple[int, int, dict]], hid: np.ndarray,
                  msk: np.ndarray, on_rows: Callable[[int], None]) -> None:
     """Encode ``(first row, row count, batch)`` items into ``hid``/``msk``; each result is copied
@@ -228,8 +252,9 @@ def cache_features(model, backbone_params, split, *, batch_size: int = 32,
     ids, tt, lab = _split_parts(split)
     labels = lab if labels is None else labels
     buckets = tuple(sorted(buckets))
-    lengths = np.asarray([bucket_length(max(len(x), 1), buckets) for x in ids])
-    groups = {t: np.flatnonzero(lengths == t) for t in buckets if np.any(lengths == t)}
+    # pooled features keep no length, so leftover texts can share a longer bucket's batch; token-level
+    # ones are stored, and trained on every head epoch, at their group's length
+    groups = (encode_groups if lvl == "pooled" else _bucket_groups)([len(x) for x in ids], batch_size, buckets)
     alloc, to_disk = _storage(groups, lvl, len(reds), model.hidden_size, dtype, max_bytes, directory)
     enc = encoder or make_encoder(model, lvl, reds)
     pad = model.pad_token_id if model.pad_token_id is not None else 0

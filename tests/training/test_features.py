@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import optax
 
 import flaxheads as fh
-from flaxheads.training.features import cache_features, choose_level, predict_cached
+from flaxheads.training.features import cache_features, choose_level, encode_groups, predict_cached
 from tests.feature_helpers import padded, tiny_bert_dir, toy_split
 
 BUCKETS = (4, 8, 16)
@@ -49,6 +49,25 @@ def test_cache_equals_recompute(bert_dir, pooler, head, level):
         assert sorted(b.length for b in cache.buckets) == [4, 8, 16]  # bucketed, not padded to the longest
     got = predict_cached(model, model.params["head"], cache, batch_size=8)
     np.testing.assert_allclose(got, _recomputed_logits(model, split), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_encode_groups_pad_the_fewest_rows_and_no_new_lengths(seed):
+    """Pooled features are encoded longest first: one partial batch in all, each batch at its
+    longest text's bucket, never more padded tokens nor other lengths than a batch per bucket."""
+    rng = np.random.default_rng(seed)
+    buckets, bs = (16, 32, 64, 128), int(rng.choice([4, 8, 32]))
+    lengths = rng.choice([3, 20, 31, 40, 64, 100, 150], size=int(rng.integers(1, 120)),
+                         p=rng.dirichlet(np.ones(7)))
+    groups = encode_groups(lengths, bs, buckets)
+    assert sorted(np.concatenate(list(groups.values())).tolist()) == list(range(len(lengths)))
+    own = lambda n: min(b for b in buckets if b >= n) if n <= buckets[-1] else buckets[-1]
+    batches = [(t, idx[s:s + bs]) for t, idx in groups.items() for s in range(0, len(idx), bs)]
+    assert sum(len(b) < bs for _, b in batches) <= 1 and len(batches) == -(-len(lengths) // bs)
+    assert all(t == own(max(lengths[b])) for t, b in batches)
+    per_bucket = {t: sum(own(n) == t for n in lengths) for t in buckets}
+    assert set(groups) <= {t for t, n in per_bucket.items() if n}
+    assert sum(t * bs for t, _ in batches) <= sum(t * bs * -(-n // bs) for t, n in per_bucket.items())
 
 
 def test_memory_bound_spills_to_disk_or_refuses(bert_dir, tmp_path):
