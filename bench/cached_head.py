@@ -1,13 +1,16 @@
 """Frozen-backbone head training on BBC News: cached features vs recomputing the backbone,
 the whole linear probe vs PyTorch encoding alone, and a K-head vmapped sweep vs one head.
 
-    python bench/cached_head.py [--limit 500] [--max-length 256] [--epochs 20] [--sweep 16]
+    python bench/cached_head.py [--limit 500] [--max-length 256] [--epochs 20] [--sweep 16] [--precision bfloat16]
 
 ``--limit 0`` uses all 2225 documents (the full corpus; several minutes).
 Systems, on the same documents and length buckets:
 
 * flaxheads encode: ``flaxheads.features.cache_features`` (mean pooling, all-MiniLM-L6-v2)
-* PyTorch encode: ``AutoModel`` under ``torch.inference_mode``, same bucketed batches, mean pool
+* PyTorch encode: ``AutoModel`` under ``torch.inference_mode``, the same batches at the same
+  padded lengths (``flaxheads.features.encode_groups``), mean pool
+* ``--precision bfloat16``: flaxheads' bf16 backbone (float32 parameters and pooled features)
+  against PyTorch under ``autocast(bfloat16)``
 * head epoch on the cache: ``flaxheads.train.make_head_train_step`` (linear head, AdamW)
 * head epoch recomputing the backbone: ``make_train_step(freeze_backbone=True)``; a few
   batches are timed and scaled to the epoch's batch count
@@ -33,6 +36,7 @@ def parse(argv=None):
     ap.add_argument("--epochs", type=int, default=20)
     ap.add_argument("--sweep", type=int, default=16)
     ap.add_argument("--recompute-batches", type=int, default=4)
+    common.add_precision(ap)
     return ap.parse_args(argv)
 
 
@@ -50,7 +54,7 @@ def main(argv=None):
 
     import flaxheads as fh
     from flaxheads.training.data import bbc_news_path, load_class_folder, make_buckets, split_indices, tokenize
-    from flaxheads.training.features import cache_features
+    from flaxheads.training.features import cache_features, encode_groups
     from flaxheads.training.optim import OptimConfig, make_optimizer
     from flaxheads.training.sweep import grid, sweep
     from flaxheads.training.steps import create_state, make_head_train_step, make_train_step
@@ -67,10 +71,14 @@ def main(argv=None):
     buckets = make_buckets(args.max_length, 64)
     n = len(split)
     print(f"# cached-feature head training, BBC News {n} docs, max_length {args.max_length}, buckets {buckets}, "
-          f"batch {args.batch}")
+          f"batch {args.batch}, {args.precision}")
+    if "pytorch" not in common.precision_systems("pytorch", args.precision):
+        raise SystemExit("bench/cached_head.py: no PyTorch reference in bfloat16 on this CPU; run it in float32")
     print("#", common.environment())
 
-    model = fh.from_pretrained(path, pooler="mean", head="linear", num_labels=len(names))
+    bf16 = args.precision == "bfloat16"
+    model = fh.from_pretrained(path, pooler="mean", head="linear", num_labels=len(names),
+                               dtype=jnp.bfloat16 if bf16 else jnp.float32)
     # flaxheads encode (compile included: it is part of what a user waits for); run twice, report both
     from flaxheads.training.features import make_encoder
 
@@ -82,18 +90,13 @@ def main(argv=None):
                                encoder=enc)
         enc_times.append(time.perf_counter() - t0)
 
-    # PyTorch encode, same bucketed batches
+    # PyTorch encode: the batches flaxheads encoded, at the same padded lengths
     tm = AutoModel.from_pretrained(path).eval()
-    lengths = split.lengths
-    from flaxheads.training.data import bucket_length
-
-    groups = {}
-    for i, L in enumerate(lengths):
-        groups.setdefault(bucket_length(int(L), buckets), []).append(i)
+    groups = encode_groups(split.lengths, args.batch, buckets)
 
     def torch_encode():
         out = np.zeros((n, model.hidden_size), np.float32)
-        with torch.inference_mode():
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             for t, rows in groups.items():
                 for s in range(0, len(rows), args.batch):
                     r = rows[s:s + args.batch]
@@ -104,7 +107,7 @@ def main(argv=None):
                         ids[k, :len(x)], m[k, :len(x)] = x, 1
                     h = tm(torch.from_numpy(ids), attention_mask=torch.from_numpy(m)).last_hidden_state
                     mm = torch.from_numpy(m).unsqueeze(-1).float()
-                    out[r] = ((h * mm).sum(1) / mm.sum(1).clamp(min=1e-9)).numpy()
+                    out[r] = ((h.float() * mm).sum(1) / mm.sum(1).clamp(min=1e-9)).numpy()
         return out
 
     torch_times = []
