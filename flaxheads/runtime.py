@@ -17,11 +17,15 @@ What is chosen from the CPU's features (:class:`CpuInfo`), and the measurements 
   with YNNPACK's dots back on (:func:`gradient_compiler_options`, one program's option): measured
   per program, every train step took less time with them (0.95x at 16 x 128 tokens, 0.83x on
   packed short texts) and compiled in 0.7-0.8x the time.
-  With AMX (jax >= 0.11) YNNPACK is turned off and oneDNN's matmul custom call on
-  (:data:`ONEDNN_FLAGS`): on a 2-core Intel Xeon with AMX oneDNN ran MiniLM's bf16 dense products
-  ~2x faster than YNNPACK (4096 x 384 x 1536: 1.6 vs 3.2 ms), and the MiniLM bf16 train step went
-  1.23x -> 1.93x PyTorch autocast, the fp32 one 1.34x -> 1.41x. oneDNN wants bf16 products with
-  bf16 outputs, which ``backbones.layers`` asks for when :func:`onednn_dots` says so.
+  With AMX (jax >= 0.11) the dots go to oneDNN's matmul custom call and YNNPACK keeps the
+  reductions (:data:`ONEDNN_FLAGS`): on a 2-core Intel Xeon with AMX oneDNN ran MiniLM's bf16 dense
+  products ~2x faster than YNNPACK (4096 x 384 x 1536: 1.6 vs 3.2 ms), and the MiniLM bf16 train
+  step went 1.23x -> 1.93x PyTorch autocast, the fp32 one 1.34x -> 1.41x. oneDNN wants bf16 products
+  with bf16 outputs, which ``backbones.layers`` asks for when :func:`onednn_dots` says so. YNNPACK's
+  reductions let forward programs hand it each attention whole (:func:`ynn_attention`, with
+  LayerNorm's statistics as products): the bf16 forward at 32 x 128 went 1.18x -> 1.47x PyTorch
+  autocast, the fp32 one 1.09x -> 1.17x; train steps ran as before (fp32 1.45x, bf16 2.02x) and
+  frozen-backbone ones faster.
   With AVX-512 and no AMX XLA's defaults are kept: on a 2-core AMD EPYC with AVX-512 and
   AVX512-BF16 they gave the fp32 train step 1.14x and forward 1.11x, and the bfloat16 GEMM 2.2x
   (YNNPACK's bf16 dots; Eigen converts). Where nothing was measured (ARM, other ISAs) the
@@ -64,9 +68,14 @@ CPU_FLAGS: tuple[str, ...] = ("--xla_cpu_experimental_ynn_fusion_type=reduce",)
 #: XLA:CPU's YNNPACK fusions off: dots to Eigen, reductions in XLA's own loops. The same CPUs under
 #: jax < 0.11, where this was measured.
 EIGEN_FLAGS: tuple[str, ...] = ("--xla_cpu_experimental_ynn_fusion_type=",)
-#: XLA:CPU's dots through oneDNN: YNNPACK's fusions off (they take the dots first) and oneDNN's
-#: matmul custom call on. Chosen on CPUs with AMX under jax >= 0.11 (:func:`cpu_xla_flags`).
-ONEDNN_FLAGS: tuple[str, ...] = EIGEN_FLAGS + ("--xla_cpu_use_onednn=true", "--xla_cpu_experimental_onednn_custom_call=true")
+_ONEDNN: tuple[str, ...] = ("--xla_cpu_use_onednn=true", "--xla_cpu_experimental_onednn_custom_call=true")
+#: XLA:CPU's dots through oneDNN's matmul custom call, with YNNPACK's fusions for reductions only (with
+#: dots among their types they take the dots first): forward programs then get attention fused whole
+#: by YNNPACK (:func:`ynn_attention`). Chosen on CPUs with AMX under jax >= 0.11 (:func:`cpu_xla_flags`).
+ONEDNN_FLAGS: tuple[str, ...] = CPU_FLAGS + _ONEDNN
+#: oneDNN's dots with YNNPACK off (oneDNN's softmax, XLA's reductions): the AMX choice before
+#: YNNPACK's fused attention.
+ONEDNN_ALONE_FLAGS: tuple[str, ...] = EIGEN_FLAGS + _ONEDNN
 
 #: XLA:CPU's YNNPACK fusions as jax 0.12 has them by default (dots and reductions), as one program's
 #: compiler option: what :func:`gradient_compiler_options` gives train steps back where
@@ -196,7 +205,7 @@ def ynn_reductions(xla_flags: str | None = None) -> bool:
     """Whether XLA:CPU's YNNPACK fusions take this process's reductions, from ``xla_flags`` (default
     ``$XLA_FLAGS``): yes at XLA's default and with :data:`CPU_FLAGS`, no when
     ``--xla_cpu_experimental_ynn_fusion_type`` lists no ``reduce`` (:data:`EIGEN_FLAGS` and
-    :data:`ONEDNN_FLAGS` set it empty).
+    :data:`ONEDNN_ALONE_FLAGS` set it empty).
 
     Without them a large reduction runs as XLA's own tree of reduce-windows, ~5x slower than
     memory allows (MiniLM's gradient norm: 21 ms against 4-5 ms, AMD EPYC with AVX2); code that
@@ -222,14 +231,28 @@ def _eigen_dots(xla_flags: str | None) -> bool:
 def layer_norm_dots(xla_flags: str | None = None) -> bool:
     """Whether LayerNorm computes its mean and variance as products with a ``1/n`` column
     (``backbones.layers.layer_norm``) instead of reductions: where this process gives dots to Eigen
-    and reductions to YNNPACK (:data:`CPU_FLAGS`), from ``xla_flags`` (default ``$XLA_FLAGS``).
+    or oneDNN and reductions to YNNPACK (:data:`CPU_FLAGS`, :data:`ONEDNN_FLAGS`), from ``xla_flags``
+    (default ``$XLA_FLAGS``).
 
     There the reductions' YNNPACK fusions take the whole LayerNorm out of XLA's loop fusions, and
     Eigen's matrix-vector products were faster: the MiniLM forward at 32 x 256 took 1311 ms against
     1551 ms with reductions and 1569 ms with YNNPACK off (AMD EPYC with AVX2, jax 0.12; every shape
-    from 1 x 16 to 32 x 256 measured as fast or faster). Read at trace time."""
+    from 1 x 16 to 32 x 256 measured as fast or faster). Beside oneDNN's dots YNNPACK's reduction
+    fusions otherwise take in the neighbouring dense products (Intel Xeon with AMX, bf16 forward at
+    32 x 256: 436 ms against 258 ms with the products). Read at trace time."""
     types = _ynn_types(xla_flags)
-    return _eigen_dots(xla_flags) and "reduce" in types
+    return _no_ynn_dots(types) and "reduce" in types
+
+
+def ynn_attention(xla_flags: str | None = None) -> bool:
+    """Whether attention without dropout is arranged for YNNPACK to fuse whole, both products
+    included (``backbones.layers.attend_ynn``): oneDNN's dots with YNNPACK's reductions
+    (:data:`ONEDNN_FLAGS`), from ``xla_flags`` (default ``$XLA_FLAGS``). Read at trace time.
+
+    Intel Xeon with AMX, jax 0.12, MiniLM forward at every position: bf16 32 x 256 1.00x PyTorch
+    autocast against 0.89-0.95x with oneDNN's products and softmax, 32 x 128 1.22-1.27x against
+    1.13x; float32 32 x 256 0.95x against 0.90x."""
+    return onednn_dots(xla_flags) and "reduce" in (_ynn_types(xla_flags) or ())
 
 
 def gradient_compiler_options(xla_flags: str | None = None, *, backend: str | None = None,
@@ -237,8 +260,10 @@ def gradient_compiler_options(xla_flags: str | None = None, *, backend: str | No
     """``compiler_options`` for programs that take gradients (train steps): :data:`YNN_PROGRAM_OPTIONS`
     where this process kept the dots from YNNPACK for Eigen (``xla_flags``, default ``$XLA_FLAGS``,
     lists no dot type in ``--xla_cpu_experimental_ynn_fusion_type`` and has no oneDNN dots:
-    :data:`CPU_FLAGS`, :data:`EIGEN_FLAGS`) on the CPU ``backend`` (default JAX's) under jax >= 0.11 (``jax_version``, default the installed
-    one); ``{}`` elsewhere, and when ``FLAXHEADS_XLA_DEFAULTS=0``.
+    :data:`CPU_FLAGS`, :data:`EIGEN_FLAGS`) on the CPU ``backend`` (default JAX's) under jax >= 0.11
+    (``jax_version``, default the installed one); ``{}`` elsewhere (:data:`ONEDNN_FLAGS` included: its
+    train steps ran as fast as with YNNPACK off, and frozen-backbone ones faster), and when
+    ``FLAXHEADS_XLA_DEFAULTS=0``.
 
     Eigen's dots win the forward at 32 x 256 tokens, but YNNPACK's win every train step measured on
     a 2-core AMD EPYC with AVX2 (jax 0.12): MiniLM packed short texts, 1 row of 64-128 tokens,
@@ -260,9 +285,12 @@ def gradient_compiler_options(xla_flags: str | None = None, *, backend: str | No
 
 def gradient_ynn_reductions(xla_flags: str | None = None) -> bool:
     """Whether YNNPACK takes the reductions of train steps compiled with
-    :func:`gradient_compiler_options`: the process's setting (:func:`ynn_reductions`), or the
-    train steps' own."""
-    return ynn_reductions(xla_flags) or bool(gradient_compiler_options(xla_flags))
+    :func:`gradient_compiler_options`: the train steps' own YNNPACK setting where they have one,
+    else the process's (:func:`ynn_reductions`)."""
+    options = gradient_compiler_options(xla_flags)
+    if "xla_cpu_experimental_ynn_fusion_type" in options:
+        return "REDUCE" in options["xla_cpu_experimental_ynn_fusion_type"].upper()
+    return ynn_reductions(xla_flags)
 
 
 @dataclass(frozen=True)

@@ -59,11 +59,26 @@ def test_avx512_hosts_keep_xlas_defaults(fresh, cpu, jax_version):
 
 
 def test_amx_hosts_get_onednn_dots(fresh):
-    """With AMX (jax >= 0.11) oneDNN's dots won: YNNPACK off, oneDNN and its matmul call on."""
+    """With AMX (jax >= 0.11) oneDNN's dots won: oneDNN and its matmul call on, YNNPACK for the
+    reductions alone, so forward programs hand it attention whole and LayerNorm's statistics are
+    products; train steps keep the process's setting, large reductions unfolded."""
     fresh.setattr(runtime, "_installed_jax", lambda: "0.12.0.1")
     fresh.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     assert runtime.configure_xla(cpu=XEON) == list(runtime.ONEDNN_FLAGS)
-    assert runtime.onednn_dots()
+    assert runtime.onednn_dots() and runtime.ynn_attention() and runtime.layer_norm_dots()
+    assert runtime.gradient_compiler_options(backend="cpu") == {}
+    assert runtime.gradient_ynn_reductions()
+
+
+@pytest.mark.parametrize("flags, on", [
+    (" ".join(runtime.ONEDNN_FLAGS), True),
+    (" ".join(runtime.ONEDNN_ALONE_FLAGS), False),  # YNNPACK off: XLA's own softmax
+    (" ".join(runtime.CPU_FLAGS), False),  # Eigen's dots (AVX2): the CPU arrangement
+    (f"{YNN}=reduce,dot --xla_cpu_use_onednn=true --xla_cpu_experimental_onednn_custom_call=true", False),
+    ("", False),
+])
+def test_ynn_attention_reads_the_flags(flags, on):
+    assert runtime.ynn_attention(flags) is on
 
 
 @pytest.mark.parametrize("flags, on", [
@@ -83,7 +98,8 @@ def test_onednn_dots_reads_the_flags(flags, on):
     ("", True),  # XLA's default: YNNPACK's fusions, reductions among them
     (" ".join(runtime.CPU_FLAGS), True),
     (" ".join(runtime.EIGEN_FLAGS), False),
-    (" ".join(runtime.ONEDNN_FLAGS), False),
+    (" ".join(runtime.ONEDNN_FLAGS), True),
+    (" ".join(runtime.ONEDNN_ALONE_FLAGS), False),
     (f"{YNN}=reduce,eltwise", True),
     (f"{YNN}=dot --xla_force_host_platform_device_count=8", False),
     (f"{YNN}=reduce {YNN}=", False),  # the last setting counts
@@ -97,6 +113,7 @@ def test_ynn_reductions_reads_the_flags(flags, on):
     (f"--xla_force_host_platform_device_count=4 {YNN}=", "cpu", "0.11.0", True),
     ("", "cpu", "0.12.0.1", False),  # XLA's defaults already have it
     (" ".join(runtime.ONEDNN_FLAGS), "cpu", "0.12.0.1", False),  # oneDNN keeps the dots (AMX)
+    (" ".join(runtime.ONEDNN_ALONE_FLAGS), "cpu", "0.12.0.1", False),
     (" ".join(runtime.EIGEN_FLAGS), "cpu", "0.12.0.1", True),
     (f"{YNN}=reduce,eltwise", "cpu", "0.12.0.1", True),  # Eigen's dots still
     (f"{YNN}=individual_dot", "cpu", "0.12.0.1", False),  # a user's own list with YNNPACK's dots
@@ -113,7 +130,8 @@ def test_gradient_programs_opt_out_and_their_reductions(fresh):
     off = " ".join(runtime.EIGEN_FLAGS)
     assert not runtime.ynn_reductions(off)
     assert runtime.gradient_ynn_reductions(off)  # train steps' reductions are YNNPACK's again: no fold
-    assert not runtime.gradient_ynn_reductions(" ".join(runtime.ONEDNN_FLAGS))
+    assert not runtime.gradient_ynn_reductions(" ".join(runtime.ONEDNN_ALONE_FLAGS))
+    assert runtime.gradient_ynn_reductions(" ".join(runtime.ONEDNN_FLAGS))
     fresh.setenv(runtime.OPT_OUT_ENV, "0")
     assert runtime.gradient_compiler_options(off, backend="cpu") == {}
     assert not runtime.gradient_ynn_reductions(off)
@@ -124,8 +142,8 @@ def test_gradient_programs_opt_out_and_their_reductions(fresh):
     (f"--xla_force_host_platform_device_count=8 {YNN}=reduce,eltwise", True),
     ("", False),  # XLA's default: YNNPACK would take the products too
     (" ".join(runtime.EIGEN_FLAGS), False),  # measured with reductions there
-    (" ".join(runtime.ONEDNN_FLAGS), False),
-    (f"{YNN}=reduce --xla_cpu_use_onednn=true --xla_cpu_experimental_onednn_custom_call=true", False),
+    (" ".join(runtime.ONEDNN_FLAGS), True),  # oneDNN's dots, YNNPACK's reductions (AMX)
+    (" ".join(runtime.ONEDNN_ALONE_FLAGS), False),
     (f"{YNN}=reduce,individual_dot", False),
 ])
 def test_layer_norm_dots_read_the_flags(flags, on):

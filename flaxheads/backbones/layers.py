@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..errors import ConfigError
-from ..runtime import layer_norm_dots, onednn_dots
+from ..runtime import layer_norm_dots, onednn_dots, ynn_attention
 
 
 @partial(jax.custom_jvp, nondiff_argnums=(3,))
@@ -254,20 +254,23 @@ def _biased_scores_jvp(primals, tangents):
             + jnp.einsum("bqhd,bkhd->bhqk", q, dk, preferred_element_type=jnp.float32))
 
 
-#: ``FLAXHEADS_ATTENTION``: ``auto`` (default), ``fused``, ``cpu`` or ``plain`` (:func:`attention_impl`).
+#: ``FLAXHEADS_ATTENTION``: ``auto`` (default), ``fused``, ``cpu``, ``plain`` or ``ynn`` (:func:`attention_impl`).
 ATTENTION_ENV = "FLAXHEADS_ATTENTION"
-ATTENTION_IMPLS = ("auto", "fused", "cpu", "plain")
+ATTENTION_IMPLS = ("auto", "fused", "cpu", "plain", "ynn")
 
 
 def attention_impl(rate: float = 0.0, rng: jax.Array | None = None, want: str | None = None) -> str:
     """Which arrangement :func:`attend` uses: ``"fused"`` (:func:`attend_fused`), ``"cpu"``
-    (the CPU-tuned :func:`attend`) or ``"plain"`` (:func:`attend_plain`). The one place this is decided.
+    (the CPU-tuned :func:`attend`), ``"plain"`` (:func:`attend_plain`) or ``"ynn"``
+    (:func:`attend_ynn`). The one place this is decided.
 
     ``want`` (else ``$FLAXHEADS_ATTENTION``, else ``"auto"``): ``"auto"`` is ``"fused"`` on GPU,
-    ``"cpu"`` on CPU (``"plain"`` with oneDNN's dots, where the CPU arrangement's products are
-    the slow kind: :func:`float32_products`) and ``"plain"`` elsewhere. Attention dropout (``rate > 0`` with an ``rng``)
-    always gets the unfused arrangement of its backend, whatever was asked: the fused kernels
-    have no dropout, and dropping the probabilities needs them materialised anyway. Read at
+    ``"cpu"`` on CPU (with oneDNN's dots, where the CPU arrangement's products are the slow kind
+    (:func:`float32_products`), ``"ynn"`` where YNNPACK takes the reductions
+    (:func:`flaxheads.runtime.ynn_attention`), else ``"plain"``) and ``"plain"`` elsewhere.
+    Attention dropout (``rate > 0`` with an ``rng``) always gets the unfused arrangement of its
+    backend, whatever was asked: the fused kernels have no dropout, and dropping the
+    probabilities needs them materialised anyway. Read at
     trace time, so a program already compiled keeps the arrangement it was traced with."""
     want = (want or os.environ.get(ATTENTION_ENV) or "auto").strip().lower()
     if want not in ATTENTION_IMPLS:
@@ -276,8 +279,8 @@ def attention_impl(rate: float = 0.0, rng: jax.Array | None = None, want: str | 
     backend = jax.default_backend()
     unfused = "cpu" if backend == "cpu" and float32_products() else "plain"
     if want == "auto":
-        want = "fused" if backend == "gpu" else unfused
-    if want == "fused" and rate > 0.0 and rng is not None:
+        want = "fused" if backend == "gpu" else "ynn" if backend == "cpu" and ynn_attention() else unfused
+    if want in ("fused", "ynn") and rate > 0.0 and rng is not None:
         return unfused
     return want
 
@@ -350,6 +353,8 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, rate: floa
     how = attention_impl(rate, rng, impl)
     if how == "fused":
         return attend_fused(q, k, v, bias, causal)
+    if how == "ynn":
+        return attend_ynn(q, k, v, bias, causal)
     if how == "plain" or bias.shape[-2] != 1:
         # a per-query mask (packed rows, :func:`segment_bias`) cannot ride in the score matmul
         return attend_plain(q, k, v, bias, rate, rng, causal)
@@ -384,6 +389,32 @@ def attend_plain(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, rate
         scores = causal_mask(scores)
     probs = dropout(jax.nn.softmax(scores, axis=-1), rate, rng).astype(v.dtype)  # float32 softmax, any dtype
     return lax.dot_general(probs, v, (((3,), (2,)), batch_dims)).transpose(0, 2, 1, 3)
+
+
+@partial(jax.custom_jvp, nondiff_argnums=(4,))
+def attend_ynn(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, causal: bool = False) -> jax.Array:
+    """:func:`attend_plain` without dropout, arranged for XLA:CPU's YNNPACK reduction fusions to take
+    each attention whole, both products included, when the dots are oneDNN's
+    (:func:`flaxheads.runtime.ynn_attention`): the row max and the ``exp`` sums in float32, P.V on
+    the unnormalised ``exp`` in the activation dtype, the division on the ``[B, nh, Tq, d]`` context.
+    Products as :func:`attend_plain` computes them (bf16 scores for bf16 activations).
+
+    Derivatives are :func:`attend_plain`'s (a differentiated program runs the plain arrangement
+    whole): the train steps measured with them ran as fast as with YNNPACK off altogether."""
+    q, k, v = (a.transpose(0, 2, 1, 3) for a in (q, k, v))
+    batch_dims = ((0, 1), (0, 1))
+    scores = lax.dot_general(q, k, (((3,), (3,)), batch_dims)).astype(jnp.float32) + bias
+    if causal:
+        scores = causal_mask(scores)
+    e = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
+    denom = jnp.sum(e, axis=-1, keepdims=True)
+    ctx = lax.dot_general(e.astype(v.dtype), v, (((3,), (2,)), batch_dims))
+    return (ctx.astype(jnp.float32) / denom).astype(v.dtype).transpose(0, 2, 1, 3)
+
+
+@attend_ynn.defjvp
+def _attend_ynn_jvp(causal, primals, tangents):
+    return jax.jvp(lambda q, k, v, bias: attend_plain(q, k, v, bias, 0.0, None, causal), primals, tangents)
 
 
 def causal_mask(scores: jax.Array) -> jax.Array:
@@ -426,7 +457,8 @@ def self_attention(x: jax.Array, w: jax.Array, b: jax.Array, bias: jax.Array, *,
         q, k, v = (a.squeeze(2) for a in jnp.split(qkv, 3, axis=2))
         return attend_chunked(q, k, v, bias, rate=rate, rng=rng, chunks=chunks, causal=causal)
 
-    groups = 1 if attention_impl(rate, rng) == "fused" else attention_groups(batch, num_heads, t, t, x.dtype)
+    one = attention_impl(rate, rng) in ("fused", "ynn")
+    groups = 1 if one else attention_groups(batch, num_heads, t, t, x.dtype)
     if groups == 1:
         return attend_qkv(qkv, bias, rng).reshape(bt, h)
     # grouped here, not in attend_chunked: the groups slice the one q/k/v tensor (q, k and v
@@ -464,10 +496,10 @@ def attend_chunked(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, *,
     Where :func:`attention_groups` says so, the batch first goes through in sequential groups
     (:func:`in_groups`), each split into chunks."""
     batch, tq, num_heads, _ = q.shape
-    fused = attention_impl(rate, rng, impl) == "fused"
-    if chunks == "auto" and fused:
+    how = attention_impl(rate, rng, impl)
+    if chunks == "auto" and how == "fused":
         chunks = 1
-    groups = 1 if fused else attention_groups(batch, num_heads, tq, k.shape[1], q.dtype)
+    groups = 1 if how in ("fused", "ynn") else attention_groups(batch, num_heads, tq, k.shape[1], q.dtype)
 
     def chunked(q, k, v, bias, rng):
         n = attention_chunks(q.shape[0], num_heads, k.shape[1], jnp.dtype(q.dtype).itemsize, chunks)

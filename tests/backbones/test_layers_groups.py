@@ -20,14 +20,14 @@ B, T, NH, D = 4, 768, 4, 8  # 37.7 MB of float32 scores: past the 32 MiB where g
 
 @pytest.fixture
 def onednn(monkeypatch):
-    monkeypatch.setenv("XLA_FLAGS", " ".join(runtime.ONEDNN_FLAGS))
+    monkeypatch.setenv("XLA_FLAGS", " ".join(runtime.ONEDNN_ALONE_FLAGS))
     monkeypatch.delenv(layers.ATTENTION_ENV, raising=False)
 
 
 def test_groups_only_with_onednn_dots_and_large_scores(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "")
     assert attention_groups(32, 12, 256, 256) == 1
-    monkeypatch.setenv("XLA_FLAGS", " ".join(runtime.ONEDNN_FLAGS))
+    monkeypatch.setenv("XLA_FLAGS", " ".join(runtime.ONEDNN_ALONE_FLAGS))
     assert attention_groups(32, 12, 256, 256) == 16   # 100 MB: groups of 2 rows, ~6 MB each
     assert attention_groups(128, 12, 128, 128) == 16  # 100 MB: 13 groups wanted, 16 divides the batch
     assert attention_groups(32, 12, 128, 128) == 1    # 25 MB: one pass

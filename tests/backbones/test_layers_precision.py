@@ -169,10 +169,13 @@ print(json.dumps({"impl": attention_impl(), "calls": calls, "dots": dots, "err":
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="oneDNN's dots are XLA:CPU's")
-def test_onednn_dots_keep_bf16_outputs_and_the_gradients():
-    """With oneDNN's dots (the flags chosen on CPUs with AMX) every product of a bf16 dense layer's and
-    attention's forward and backward reaches oneDNN with a bf16 output (bf16 x bf16 -> float32
-    ones run converted, ~10x slower), and the gradients stay those of the float32 model."""
+@pytest.mark.parametrize("flags", ["ONEDNN_ALONE_FLAGS", "ONEDNN_FLAGS"])
+def test_onednn_dots_keep_bf16_outputs_and_the_gradients(flags):
+    """With oneDNN's dots every product of a bf16 dense layer's and attention's forward and backward
+    that XLA does not fuse elsewhere reaches oneDNN with a bf16 output (bf16 x bf16 -> float32 ones
+    run converted, ~10x slower), and the gradients stay those of the float32 model. With YNNPACK
+    off (``ONEDNN_ALONE_FLAGS``) that is every product; with its reductions (``ONEDNN_FLAGS``, the
+    choice on CPUs with AMX) a reduction fusion may take an attention product in too."""
     import json
     import os
     import subprocess
@@ -180,17 +183,20 @@ def test_onednn_dots_keep_bf16_outputs_and_the_gradients():
 
     from flaxheads import runtime
 
-    env = {k: v for k, v in os.environ.items() if k != runtime.OPT_OUT_ENV}
-    env["XLA_FLAGS"] = " ".join(runtime.ONEDNN_FLAGS)
+    env = {k: v for k, v in os.environ.items() if k not in (runtime.OPT_OUT_ENV, "FLAXHEADS_ATTENTION")}
+    env["XLA_FLAGS"] = " ".join(getattr(runtime, flags))
     env["JAX_PLATFORMS"] = "cpu"
     r = subprocess.run([sys.executable, "-c", _ONEDNN_CHECK], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     if not out["calls"]:
         pytest.skip("this jaxlib's XLA:CPU made no oneDNN matmul calls with these flags (jax 0.10, or a build without oneDNN)")
-    assert out["impl"] == "plain"
+    # the forward arrangement; a differentiated program runs the plain one's derivative either way
+    assert out["impl"] == ("plain" if flags == "ONEDNN_ALONE_FLAGS" else "ynn")
     # forward, dx, dW of the dense layer; scores, P.V and their four gradients in attention
-    assert len(out["calls"]) >= 7 and not out["dots"], out
+    assert len(out["calls"]) + len(out["dots"]) >= 7, out
+    if flags == "ONEDNN_ALONE_FLAGS":
+        assert not out["dots"], out
     if runtime.CpuInfo.read().bf16:  # without bf16 instructions oneDNN turns bf16 products into float32 ones itself
-        assert all(c.lstrip("(").startswith("bf16[") for c in out["calls"]), out["calls"]
+        assert all(c.lstrip("(").startswith("bf16[") for c in out["calls"] + out["dots"]), out
     assert max(out["err"]) < 3e-2, out["err"]

@@ -1,5 +1,6 @@
-"""Gradients with oneDNN's dots (the XLA flags chosen on CPUs with AMX) equal those of XLA's own
-dots, for every family's shape of layer, in float32 and bfloat16.
+"""Gradients and forward values with oneDNN's dots (the XLA flags chosen on CPUs with AMX: oneDNN's
+dots, YNNPACK's reductions, forward attention fused by YNNPACK, LayerNorm's statistics as products)
+equal those of XLA's own dots, for every family's shape of layer, in float32 and bfloat16.
 
 XLA:CPU rewrites dots and what follows them (bias, GELU, residual add) into oneDNN calls; a
 rewrite that goes wrong shows only in the gradients (jaxlib 0.12 once fused a GELU whose
@@ -38,7 +39,8 @@ import json, sys
 import jax, jax.numpy as jnp, numpy as np
 from flaxheads.backbones.registry import load_backbone
 
-jobs, out = json.loads(sys.argv[1]), sys.argv[2]
+from flaxheads.backbones.layers import attention_impl
+jobs, out, what = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
 grads, calls = {}, 0
 for (arch, path), dtype in [(j, d) for j in jobs for d in ("float32", "bfloat16")]:
     bb = load_backbone(path, dtype=jnp.dtype(dtype), implementation="native")
@@ -50,19 +52,23 @@ for (arch, path), dtype in [(j, d) for j in jobs for d in ("float32", "bfloat16"
     if arch == "bart":
         ids[np.arange(8), lengths - 1] = bb.config["eos_token_id"]
     w = r.normal(size=(8, 64, bb.hidden_size)).astype(np.float32)
-    f = jax.jit(jax.grad(lambda p: jnp.sum(bb.encode(p, ids, mask) * w * mask[..., None])))
+    if what == "grad":
+        f = jax.jit(jax.grad(lambda p: jnp.sum(bb.encode(p, ids, mask) * w * mask[..., None])))
+    else:
+        f = jax.jit(lambda p: (bb.encode(p, ids, mask) * mask[..., None]).astype(jnp.float32))
     compiled = f.lower(bb.params).compile()
     calls += sum("__onednn$matmul" in l and "custom-call(" in l for l in compiled.as_text().splitlines())
     for path_, leaf in jax.tree_util.tree_leaves_with_path(compiled(bb.params)):
         grads[f"{arch}/{dtype}" + jax.tree_util.keystr(path_)] = np.asarray(leaf, np.float32)
 np.savez(out, **grads)
-print(json.dumps({"onednn_calls": calls}))
+print(json.dumps({"onednn_calls": calls, "attention": attention_impl()}))
 """
 
 
-def _grads(jobs, out, xla_flags):
+def _grads(jobs, out, xla_flags, what="grad"):
     env = {**os.environ, "XLA_FLAGS": xla_flags, "FLAXHEADS_XLA_DEFAULTS": "0", "JAX_PLATFORMS": "cpu"}
-    r = subprocess.run([sys.executable, "-c", _GRADS, json.dumps(jobs), str(out)], env=env, capture_output=True,
+    env.pop("FLAXHEADS_ATTENTION", None)
+    r = subprocess.run([sys.executable, "-c", _GRADS, json.dumps(jobs), str(out), what], env=env, capture_output=True,
                        text=True, timeout=900, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1]), np.load(out)
@@ -85,3 +91,22 @@ def test_gradients_with_onednn_dots_equal_xla_dots(tmp_path):
         if err > (0.1 if "/bfloat16" in name else 1e-3) * float(np.abs(b).max()) + 1e-6:
             bad.append(f"{name}: max |diff| {err:.2e}, max |grad| {float(np.abs(b).max()):.2e}")
     assert not bad, f"{len(bad)} of {len(xla.files)} gradients differ under oneDNN's dots:\n" + "\n".join(bad[:20])
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="oneDNN's dots are XLA:CPU's")
+def test_forward_with_ynn_attention_equals_xla_dots(tmp_path):
+    jobs = [(arch, save_tiny(tmp_path / arch, arch, **over)[0]) for arch, over in SIZES.items()]
+    info, fused = _grads(jobs, tmp_path / "ynn.npz", " ".join(runtime.ONEDNN_FLAGS), "forward")
+    if info["onednn_calls"] == 0:
+        pytest.skip("this jaxlib's XLA:CPU made no oneDNN matmul calls with these flags (jax 0.10, or a build "
+                    "without oneDNN)")
+    assert info["attention"] == "ynn"
+    plain, xla = _grads(jobs, tmp_path / "xla.npz", "--xla_cpu_experimental_ynn_fusion_type=", "forward")
+    assert plain["attention"] != "ynn"
+    bad = []
+    for name in xla.files:
+        a, b = fused[name], xla[name]
+        err = float(np.abs(a - b).max())
+        if err > (0.05 if "/bfloat16" in name else 1e-4) * float(np.abs(b).max()) + 1e-6:
+            bad.append(f"{name}: max |diff| {err:.2e}, max |value| {float(np.abs(b).max()):.2e}")
+    assert not bad, f"{len(bad)} of {len(xla.files)} forward outputs differ:\n" + "\n".join(bad)

@@ -1,0 +1,85 @@
+"""Attention arranged for YNNPACK's fusions beside oneDNN's dots (``layers.attend_ynn``): chosen
+only where the process's flags give oneDNN the dots and YNNPACK the reductions, without dropout;
+the values of the plain arrangement, and its derivatives exactly.
+
+The flags are read when a program is traced, so setting ``XLA_FLAGS`` here changes the arrangement
+traced and not the XLA running it."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from flaxheads import runtime
+from flaxheads.backbones import layers
+from flaxheads.backbones.layers import attend_chunked, attend_plain, attend_ynn, attention_impl, mask_bias, segment_bias
+
+B, T, NH, D = 3, 24, 4, 8
+
+
+@pytest.fixture
+def qkv():
+    r = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(r.normal(size=(B, T, NH, D)), jnp.float32) for _ in range(3))
+    mask = np.ones((B, T), np.int32)
+    mask[1, 15:] = 0
+    mask[2, 5:] = 0
+    return q, k, v, mask_bias(jnp.asarray(mask), jnp.float32)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the arrangement is XLA:CPU's")
+def test_chosen_with_onednn_dots_and_ynnpack_reductions_only(monkeypatch):
+    monkeypatch.delenv(layers.ATTENTION_ENV, raising=False)
+    monkeypatch.setenv("XLA_FLAGS", " ".join(runtime.ONEDNN_FLAGS))
+    assert attention_impl() == "ynn"
+    assert attention_impl(0.1, jax.random.PRNGKey(0)) == "plain"  # dropout: the unfused arrangement
+    assert attention_impl(0.1, None) == "ynn"  # no key, no dropout
+    monkeypatch.setenv("XLA_FLAGS", " ".join(runtime.ONEDNN_ALONE_FLAGS))
+    assert attention_impl() == "plain"
+    monkeypatch.setenv("XLA_FLAGS", " ".join(runtime.CPU_FLAGS))
+    assert attention_impl() == "cpu"
+    monkeypatch.setenv(layers.ATTENTION_ENV, "ynn")
+    assert attention_impl() == "ynn"  # asked for by name
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_values_and_gradients_are_the_plain_arrangements(qkv, causal):
+    q, k, v, bias = qkv
+    got = jax.jit(lambda *a: attend_ynn(*a, causal))(q, k, v, bias)
+    want = attend_plain(q, k, v, bias, 0.0, None, causal)
+    np.testing.assert_allclose(got, want, atol=2e-6, rtol=1e-5)
+
+    def grads(fn):
+        return jax.jit(jax.grad(lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v))), argnums=(0, 1, 2)))(q, k, v)
+
+    for g, w in zip(grads(lambda q, k, v: attend_ynn(q, k, v, bias, causal)),
+                    grads(lambda q, k, v: attend_plain(q, k, v, bias, 0.0, None, causal))):
+        np.testing.assert_array_equal(g, w)  # the derivative is the plain arrangement's
+
+
+def test_packed_rows_and_bfloat16(qkv):
+    q, k, v, _ = qkv
+    seg = segment_bias(jnp.asarray([[1] * 10 + [2] * 10 + [0] * 4, [1] * 24, [3] * 12 + [4] * 12]), jnp.float32)
+    np.testing.assert_allclose(attend_ynn(q, k, v, seg), attend_plain(q, k, v, seg, 0.0, None), atol=2e-6, rtol=1e-5)
+    qb, kb, vb = (a.astype(jnp.bfloat16) for a in (q, k, v))
+    got = attend_ynn(qb, kb, vb, qkv[3])
+    assert got.dtype == jnp.bfloat16
+    # float32 statistics: as close to the float32 result as the plain arrangement's bf16 is
+    want = np.asarray(attend_plain(q, k, v, qkv[3], 0.0, None))
+    plain_err = np.abs(np.asarray(attend_plain(qb, kb, vb, qkv[3], 0.0, None), np.float32) - want).max()
+    assert np.abs(np.asarray(got, np.float32) - want).max() <= 1.5 * plain_err + 1e-3
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the arrangement is XLA:CPU's")
+def test_chunked_attention_takes_no_groups_with_it(monkeypatch):
+    """Groups were measured for oneDNN's softmax; YNNPACK's fused attention ran faster without them."""
+    monkeypatch.delenv(layers.ATTENTION_ENV, raising=False)
+    big = jax.ShapeDtypeStruct((4, 768, 4, 8), jnp.float32)  # 37.7 MB of scores: past where groups start
+    bias = jax.ShapeDtypeStruct((4, 1, 1, 768), jnp.float32)
+    loops = {}
+    for name in ("ONEDNN_FLAGS", "ONEDNN_ALONE_FLAGS"):
+        monkeypatch.setenv("XLA_FLAGS", " ".join(getattr(runtime, name)))
+        loops[name] = "while" in jax.jit(lambda *a: attend_chunked(*a)).lower(big, big, big, bias).as_text()
+    assert loops == {"ONEDNN_FLAGS": False, "ONEDNN_ALONE_FLAGS": True}
