@@ -74,39 +74,40 @@ def _grads(jobs, out, xla_flags, what="grad"):
     return json.loads(r.stdout.strip().splitlines()[-1]), np.load(out)
 
 
-@pytest.mark.skipif(jax.default_backend() != "cpu", reason="oneDNN's dots are XLA:CPU's")
-def test_gradients_with_onednn_dots_equal_xla_dots(tmp_path):
+def _onednn_and_xla(tmp_path, what):
+    """Each family's ``what`` ("grad" or "forward") under the AMX flags and under XLA's own dots."""
     jobs = [(arch, save_tiny(tmp_path / arch, arch, **over)[0]) for arch, over in SIZES.items()]
-    info, onednn = _grads(jobs, tmp_path / "onednn.npz", " ".join(runtime.ONEDNN_FLAGS))
+    info, onednn = _grads(jobs, tmp_path / "onednn.npz", " ".join(runtime.ONEDNN_FLAGS), what)
     if info["onednn_calls"] == 0:
         pytest.skip("this jaxlib's XLA:CPU made no oneDNN matmul calls with these flags (jax 0.10, or a build "
                     "without oneDNN)")
-    _, xla = _grads(jobs, tmp_path / "xla.npz", "--xla_cpu_experimental_ynn_fusion_type=")
+    plain, xla = _grads(jobs, tmp_path / "xla.npz", "--xla_cpu_experimental_ynn_fusion_type=", what)
     assert sorted(onednn.files) == sorted(xla.files)
+    return info, plain, onednn, xla
+
+
+def _differ(got, want, rel_f32: float, rel_bf16: float) -> list[str]:
+    """The arrays of ``want`` that ``got`` misses by more than ``rel`` of their largest magnitude."""
     bad = []
-    for name in xla.files:
-        a, b = onednn[name], xla[name]
-        err = float(np.abs(a - b).max())
-        # bfloat16: the two dot libraries round products differently (bf16 or float32 outputs)
-        if err > (0.1 if "/bfloat16" in name else 1e-3) * float(np.abs(b).max()) + 1e-6:
-            bad.append(f"{name}: max |diff| {err:.2e}, max |grad| {float(np.abs(b).max()):.2e}")
+    for name in want.files:
+        a, b = got[name], want[name]
+        err, scale = float(np.abs(a - b).max()), float(np.abs(b).max())
+        if err > (rel_bf16 if "/bfloat16" in name else rel_f32) * scale + 1e-6:
+            bad.append(f"{name}: max |diff| {err:.2e}, max |value| {scale:.2e}")
+    return bad
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="oneDNN's dots are XLA:CPU's")
+def test_gradients_with_onednn_dots_equal_xla_dots(tmp_path):
+    _, _, onednn, xla = _onednn_and_xla(tmp_path, "grad")
+    # bfloat16: the two dot libraries round products differently (bf16 or float32 outputs)
+    bad = _differ(onednn, xla, 1e-3, 0.1)
     assert not bad, f"{len(bad)} of {len(xla.files)} gradients differ under oneDNN's dots:\n" + "\n".join(bad[:20])
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="oneDNN's dots are XLA:CPU's")
 def test_forward_with_ynn_attention_equals_xla_dots(tmp_path):
-    jobs = [(arch, save_tiny(tmp_path / arch, arch, **over)[0]) for arch, over in SIZES.items()]
-    info, fused = _grads(jobs, tmp_path / "ynn.npz", " ".join(runtime.ONEDNN_FLAGS), "forward")
-    if info["onednn_calls"] == 0:
-        pytest.skip("this jaxlib's XLA:CPU made no oneDNN matmul calls with these flags (jax 0.10, or a build "
-                    "without oneDNN)")
-    assert info["attention"] == "ynn"
-    plain, xla = _grads(jobs, tmp_path / "xla.npz", "--xla_cpu_experimental_ynn_fusion_type=", "forward")
-    assert plain["attention"] != "ynn"
-    bad = []
-    for name in xla.files:
-        a, b = fused[name], xla[name]
-        err = float(np.abs(a - b).max())
-        if err > (0.05 if "/bfloat16" in name else 1e-4) * float(np.abs(b).max()) + 1e-6:
-            bad.append(f"{name}: max |diff| {err:.2e}, max |value| {float(np.abs(b).max()):.2e}")
+    info, plain, fused, xla = _onednn_and_xla(tmp_path, "forward")
+    assert info["attention"] == "ynn" and plain["attention"] != "ynn"
+    bad = _differ(fused, xla, 1e-4, 0.05)
     assert not bad, f"{len(bad)} of {len(xla.files)} forward outputs differ:\n" + "\n".join(bad)
