@@ -252,7 +252,7 @@ def ynn_attention(xla_flags: str | None = None) -> bool:
     Intel Xeon with AMX, jax 0.12, MiniLM forward at every position: bf16 32 x 256 1.00x PyTorch
     autocast against 0.89-0.95x with oneDNN's products and softmax, 32 x 128 1.22-1.27x against
     1.13x; float32 32 x 256 0.95x against 0.90x."""
-    return onednn_dots(xla_flags) and "reduce" in (_ynn_types(xla_flags) or ())
+    return onednn_dots(xla_flags) and ynn_reductions(xla_flags)
 
 
 def gradient_compiler_options(xla_flags: str | None = None, *, backend: str | None = None,
@@ -285,12 +285,9 @@ def gradient_compiler_options(xla_flags: str | None = None, *, backend: str | No
 
 def gradient_ynn_reductions(xla_flags: str | None = None) -> bool:
     """Whether YNNPACK takes the reductions of train steps compiled with
-    :func:`gradient_compiler_options`: the train steps' own YNNPACK setting where they have one,
-    else the process's (:func:`ynn_reductions`)."""
-    options = gradient_compiler_options(xla_flags)
-    if "xla_cpu_experimental_ynn_fusion_type" in options:
-        return "REDUCE" in options["xla_cpu_experimental_ynn_fusion_type"].upper()
-    return ynn_reductions(xla_flags)
+    :func:`gradient_compiler_options`: the process's setting (:func:`ynn_reductions`), or the
+    train steps' own."""
+    return ynn_reductions(xla_flags) or bool(gradient_compiler_options(xla_flags))
 
 
 @dataclass(frozen=True)

@@ -457,8 +457,8 @@ def self_attention(x: jax.Array, w: jax.Array, b: jax.Array, bias: jax.Array, *,
         q, k, v = (a.squeeze(2) for a in jnp.split(qkv, 3, axis=2))
         return attend_chunked(q, k, v, bias, rate=rate, rng=rng, chunks=chunks, causal=causal)
 
-    one = attention_impl(rate, rng) in ("fused", "ynn")
-    groups = 1 if one else attention_groups(batch, num_heads, t, t, x.dtype)
+    ungrouped = attention_impl(rate, rng) in ("fused", "ynn")
+    groups = 1 if ungrouped else attention_groups(batch, num_heads, t, t, x.dtype)
     if groups == 1:
         return attend_qkv(qkv, bias, rng).reshape(bt, h)
     # grouped here, not in attend_chunked: the groups slice the one q/k/v tensor (q, k and v

@@ -83,3 +83,18 @@ def test_chunked_attention_takes_no_groups_with_it(monkeypatch):
         monkeypatch.setenv("XLA_FLAGS", " ".join(getattr(runtime, name)))
         loops[name] = "while" in jax.jit(lambda *a: attend_chunked(*a)).lower(big, big, big, bias).as_text()
     assert loops == {"ONEDNN_FLAGS": False, "ONEDNN_ALONE_FLAGS": True}
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_values_equal_pytorch_sdpa(qkv, causal):
+    """Against ``torch.nn.functional.scaled_dot_product_attention`` with the same additive mask
+    (q is already scaled, as :func:`layers.fused_qkv` leaves it, so ``scale=1``)."""
+    torch = pytest.importorskip("torch")
+    q, k, v, bias = qkv
+    mask = np.broadcast_to(np.asarray(bias), (B, 1, T, T)).copy()
+    if causal:
+        mask[..., np.triu_indices(T, 1)[0], np.triu_indices(T, 1)[1]] = np.finfo(np.float32).min
+    t = [torch.from_numpy(np.asarray(a).transpose(0, 2, 1, 3).copy()) for a in (q, k, v)]
+    want = torch.nn.functional.scaled_dot_product_attention(*t, attn_mask=torch.from_numpy(mask), scale=1.0)
+    got = attend_ynn(q, k, v, bias, causal)
+    np.testing.assert_allclose(np.asarray(got), want.numpy().transpose(0, 2, 1, 3), atol=2e-6, rtol=1e-5)
