@@ -130,10 +130,8 @@ def _head_tx(cfg: OptimConfig, lr, wd):
     return make_optimizer(cfg, head_learning_rate=lr, weight_decay=wd)
 
 
-def make_sweep_step(model, cfg: OptimConfig, *, level: str = "pooled", loss_options: dict | None = None):
-    """``step(state, batch) -> (state, losses [K])``, jitted with the state donated.
-    ``batch``: ``hidden [B, R, H]`` (pooled) or ``[B, T, H]`` (token), ``pool_mask``, ``labels``,
-    ``weights``. Each head takes ``make_head_train_step``'s step (the weighted-mean loss)."""
+def _sweep_step(model, cfg: OptimConfig, level: str, loss_options: dict | None):
+    """The pure ``step(state, batch) -> (state, losses [K])`` of :func:`make_sweep_step`."""
     def one(params, opt_state, lr, wd, rng, r, step, batch):
         hidden, mask = _select(batch, r, level)
         head_step = make_head_train_step(model, _head_tx(cfg, lr, wd), loss_options=loss_options)
@@ -147,7 +145,33 @@ def make_sweep_step(model, cfg: OptimConfig, *, level: str = "pooled", loss_opti
             state.params, state.opt_state, state.lr, state.wd, state.rng, state.reduction, state.step, batch)
         return dataclasses.replace(state, step=state.step + 1, params=p, opt_state=o), loss
 
-    return Parallel().compile(step, gradients=True)
+    return step
+
+
+def make_sweep_step(model, cfg: OptimConfig, *, level: str = "pooled", loss_options: dict | None = None):
+    """``step(state, batch) -> (state, losses [K])``, jitted with the state donated.
+    ``batch``: ``hidden [B, R, H]`` (pooled) or ``[B, T, H]`` (token), ``pool_mask``, ``labels``,
+    ``weights``. Each head takes ``make_head_train_step``'s step (the weighted-mean loss)."""
+    return Parallel().compile(_sweep_step(model, cfg, level, loss_options), gradients=True)
+
+
+def make_sweep_scan(model, cfg: OptimConfig, *, level: str = "pooled", loss_options: dict | None = None):
+    """``run(state, batches) -> (state, losses [S, K])``: :func:`make_sweep_step`'s step over ``S``
+    stacked batches in one program (``jax.lax.scan``), jitted with the state donated.
+
+    ``batches`` holds each batch key stacked on a leading axis ``S`` and ``valid [S]``: a step
+    with ``valid`` False leaves the state as it was (it pads a run of batches to a length
+    already compiled). A head's step on a cached batch is microseconds of work, so one dispatch
+    per batch from Python cost more than the step; a whole epoch in one call does not."""
+    step = _sweep_step(model, cfg, level, loss_options)
+
+    def run(state: SweepState, batches: dict):
+        def body(s, b):
+            new, loss = step(s, {k: v for k, v in b.items() if k != "valid"})
+            return jax.tree.map(lambda x, y: jnp.where(b["valid"], x, y), new, s), loss
+        return jax.lax.scan(body, state, batches)
+
+    return Parallel().compile(run, gradients=True)
 
 
 def _select(batch: dict, r, level: str):
@@ -168,6 +192,38 @@ def make_sweep_predict(model, level: str = "pooled"):
 
 def _device_batch(b: dict) -> dict:
     return {k: b[k] for k in ("hidden", "pool_mask", "labels", "weights")}
+
+
+#: host memory for one call's stacked batches (:func:`scan_length`)
+MAX_SCAN_BYTES = 64 << 20
+
+
+def scan_length(steps: int, batch_bytes: int, max_bytes: int = MAX_SCAN_BYTES) -> int:
+    """Batches per scanned call: a whole epoch of ``steps`` when its stacked batches fit in
+    ``max_bytes``, else the epoch in equal runs that do (the last one padded). One length per
+    sweep, so one compile."""
+    cap = max(1, max_bytes // max(batch_bytes, 1))
+    runs = -(-steps // cap)
+    return -(-steps // runs)
+
+
+def _batch_bytes(cache: FeatureCache, batch_size: int) -> int:
+    b = cache.buckets[0]
+    return batch_size * (b.hidden.shape[1] * b.hidden.shape[2] * b.hidden.dtype.itemsize + 4 * b.mask.shape[1] + 16)
+
+
+def _stacked_runs(batches, length: int):
+    """Batches stacked ``length`` at a time (``valid [length]``; the last run repeats its final
+    batch as invalid steps up to ``length``)."""
+    run = []
+    for b in itertools.chain(batches, [None]):
+        if b is not None:
+            run.append(_device_batch(b))
+        if run and (len(run) == length or b is None):
+            valid = np.arange(length) < len(run)
+            run += [run[-1]] * (length - len(run))
+            yield {**{k: np.stack([x[k] for x in run]) for k in run[0]}, "valid": valid}
+            run = []
 
 
 def predict_all(model, state_params, reductions, cache: FeatureCache, batch_size: int = 256) -> np.ndarray:
@@ -217,11 +273,14 @@ def steps_per_epoch(cache: FeatureCache, batch_size: int) -> int:
 
 def sweep(model, train: FeatureCache, variants: Sequence[Variant], *, optim: OptimConfig | None = None,
           epochs: int = 20, batch_size: int = 32, val: FeatureCache | None = None, seed: int = 0,
-          loss_options: dict | None = None, metric: str | None = None) -> SweepResult:
+          loss_options: dict | None = None, metric: str | None = None,
+          max_scan_bytes: int = MAX_SCAN_BYTES) -> SweepResult:
     """Train ``len(variants)`` heads at once on cached features; pick the best on ``val``.
 
     ``optim`` supplies everything but the per-head learning rate and weight decay
-    (schedule, warmup, clipping, Adam betas); its ``total_steps`` is set to the sweep's."""
+    (schedule, warmup, clipping, Adam betas); its ``total_steps`` is set to the sweep's.
+    Pooled caches train a whole epoch per call (:func:`make_sweep_scan`; ``max_scan_bytes``
+    bounds its stacked batches), token-level ones a batch per call."""
     variants = list(variants)
     if not variants:
         raise TrainingError("sweep needs at least one variant")
@@ -232,15 +291,25 @@ def sweep(model, train: FeatureCache, variants: Sequence[Variant], *, optim: Opt
     cfg = dataclasses.replace(cfg, total_steps=spe * epochs, freeze_backbone=True)
     reds = _reductions(model, variants, train)
     state = init_state(model, variants, cfg, reds)
-    step = make_sweep_step(model, cfg, level=train.level, loss_options=loss_options)
     losses = []
     t0 = time.perf_counter()
-    for e in range(epochs):
-        tot, cnt = 0.0, 0
-        for b in train.batches(batch_size, seed=seed, epoch=e):
-            state, loss = step(state, _device_batch(b))
-            tot, cnt = tot + loss, cnt + 1
-        losses.append(np.asarray(tot) / max(cnt, 1))
+    if train.level == "pooled":  # one batch shape: whole runs of batches per call
+        run = make_sweep_scan(model, cfg, level=train.level, loss_options=loss_options)
+        length = scan_length(spe, _batch_bytes(train, batch_size), max_scan_bytes)
+        for e in range(epochs):
+            tot = 0.0
+            for part in _stacked_runs(train.batches(batch_size, seed=seed, epoch=e), length):
+                state, loss = run(state, part)
+                tot = tot + jnp.sum(loss * part["valid"][:, None], axis=0)
+            losses.append(np.asarray(tot) / spe)
+    else:  # token level: one shape per length bucket, mixed within an epoch
+        step = make_sweep_step(model, cfg, level=train.level, loss_options=loss_options)
+        for e in range(epochs):
+            tot, cnt = 0.0, 0
+            for b in train.batches(batch_size, seed=seed, epoch=e):
+                state, loss = step(state, _device_batch(b))
+                tot, cnt = tot + loss, cnt + 1
+            losses.append(np.asarray(tot) / max(cnt, 1))
     params = jax.device_get(state.params)
     seconds = time.perf_counter() - t0
     scores, best, name = None, 0, None

@@ -50,13 +50,21 @@ def _separate(model, cache, v: Variant, cfg: OptimConfig, epochs: int, bs: int):
     return state.params["head"]
 
 
-def test_sweep_heads_equal_separate_trainings(setup):
+@pytest.mark.parametrize("runs", [1, 2])
+def test_sweep_heads_equal_separate_trainings(setup, runs):
+    """``runs=2``: each epoch's 3 batches in two scanned calls of 2 steps, the last step of the
+    second an invalid one that must leave every head as it was."""
+    from flaxheads.training.sweep import _batch_bytes, scan_length
+
     _, model, _, tc, _ = setup
     variants = [Variant(1e-2, 0.0, 0), Variant(3e-3, 0.1, 1), Variant(1e-2, 0.01, 2, "mean"),
                 Variant(5e-3, 0.0, 3, "max")]
     cfg = OptimConfig(learning_rate=1.0, schedule="linear", warmup_steps=2, max_grad_norm=1.0,
                       freeze_backbone=True)
-    res = sweep(model, tc, variants, optim=cfg, epochs=3, batch_size=16)
+    limit = _batch_bytes(tc, 16) * (3 if runs == 1 else 2)
+    assert scan_length(3, _batch_bytes(tc, 16), limit) == (3 if runs == 1 else 2)
+    res = sweep(model, tc, variants, optim=cfg, epochs=3, batch_size=16, max_scan_bytes=limit)
+    assert res.steps == 9
     cfg = OptimConfig(learning_rate=1.0, schedule="linear", warmup_steps=2, max_grad_norm=1.0,
                       freeze_backbone=True, total_steps=res.steps)
     for k, v in enumerate(variants):
