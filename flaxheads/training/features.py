@@ -127,7 +127,39 @@ def choose_level(pooler, level: str = "auto") -> str:
     return level
 
 
-def make_encoder(model, level: str, reductions: Sequence[str] = ()) -> Callable:
+class Encoder:
+    """:func:`make_encoder`'s result: ``encoder(backbone_params, batch) -> (features, mask)``, jitted,
+    with what its calls through :func:`cache_features` measured: the seconds of a batch at each
+    ``(rows, length)`` it ran, and of its latest compile (the first call at a new shape)."""
+
+    def __init__(self, fn: Callable):
+        self.fn = jax.jit(fn)
+        self.batch_seconds: dict[tuple[int, int], float] = {}
+        self.compile_seconds = 0.0
+
+    def __call__(self, backbone_params, batch: dict):
+        return self.fn(backbone_params, batch)
+
+    def length_for(self, rows: int, length: int, batches: int) -> int:
+        """The padded length to run ``batches`` batches of ``rows`` x ``length`` tokens at: the
+        shortest longer length already run, where :func:`pad_to_longer` says padding costs less
+        than another compile; else ``length`` itself."""
+        if (rows, length) in self.batch_seconds:
+            return length
+        longer = sorted(t for r, t in self.batch_seconds if r == rows and t > length)
+        if longer and pad_to_longer(batches, length, longer[0], self.batch_seconds[rows, longer[0]],
+                                    self.compile_seconds):
+            return longer[0]
+        return length
+
+    def record(self, rows: int, length: int, batches: int, first: float, total: float) -> None:
+        """Note ``batches`` batches run in ``total`` seconds, the first call taking ``first``."""
+        if (rows, length) not in self.batch_seconds:
+            self.compile_seconds = first
+        self.batch_seconds[rows, length] = max(total - first, 0.0) / max(batches, 1)
+
+
+def make_encoder(model, level: str, reductions: Sequence[str] = ()) -> Encoder:
     """``encode(backbone_params, batch) -> (features, mask)``, jitted, inference mode.
 
     Pooled: features ``[B, R, H]``, one position per reduction (a head reads one of them as
@@ -148,7 +180,7 @@ def make_encoder(model, level: str, reductions: Sequence[str] = ()) -> Callable:
             v = jnp.stack([POOL_FUNCTIONS[r](hidden, pmask) for r in reductions], axis=1)
             return v, jnp.ones(v.shape[:2], jnp.int32)
         return hidden, pmask.astype(jnp.int32)
-    return jax.jit(encode)
+    return Encoder(encode)
 
 
 def _split_parts(split):
@@ -217,19 +249,34 @@ def encode_groups(lengths: Sequence[int], batch_size: int, buckets: Sequence[int
     return {int(t): order[padded == t] for t in sorted(set(padded.tolist()))}
 
 
+def pad_to_longer(batches: int, length: int, longer: int, batch_seconds: float, compile_seconds: float) -> bool:
+    """Whether ``batches`` batches of ``length`` tokens should run in the program already compiled
+    for ``longer`` tokens: when the padding would cost less than compiling another program.
+
+    ``batch_seconds`` is a batch's time at ``longer`` and ``compile_seconds`` the encoder's latest
+    compile, both measured (a program JAX's persistent cache held measures ~0, and then every
+    length gets its own). The padding is costed as time proportional to length; attention's
+    quadratic part makes it cost slightly more, which the shortest groups' few batches can afford."""
+    return batches * batch_seconds * (1 - length / longer) < compile_seconds
+
+
 def _encode_rows(enc, backbone_params, batches: Iterator[tuple[int, int, dict]], hid: np.ndarray,
-                 msk: np.ndarray, on_rows: Callable[[int], None]) -> None:
+                 msk: np.ndarray, on_rows: Callable[[int], None]) -> tuple[float, float]:
     """Encode ``(first row, row count, batch)`` items into ``hid``/``msk``; each result is copied
-    out after the next batch is dispatched, so the host copy overlaps the device's work."""
-    pending = None
+    out after the next batch is dispatched, so the host copy overlaps the device's work.
+    Returns the seconds of the first dispatch (it traces and compiles a new shape) and of all."""
+    pending, t0, first = None, time.perf_counter(), None
     for item in itertools.chain(batches, [None]):
         launched = None if item is None else (item[0], item[1], *enc(backbone_params, item[2]))
+        if first is None:
+            first = time.perf_counter() - t0
         if pending is not None:
             s, k, f, m = pending
             hid[s:s + k] = np.asarray(f[:k]).astype(hid.dtype)
             msk[s:s + k] = np.asarray(m[:k])
             on_rows(k)
         pending = launched
+    return first, time.perf_counter() - t0
 
 
 def cache_features(model, backbone_params, split, *, batch_size: int = 32,
@@ -266,15 +313,24 @@ def cache_features(model, backbone_params, split, *, batch_size: int = 32,
         if progress:
             progress(done, len(ids))
 
-    for t, index in groups.items():
+    measured = isinstance(enc, Encoder)  # a plain jitted function may be passed too
+    for t in sorted(groups, reverse=True):  # longest first: shorter groups may run in its program
+        index = groups[t]
         hid, msk = alloc(t, len(index))
+        n_batches = -(-len(index) // batch_size)
+        # pooled features keep no length, so a short group's few batches may run padded further
+        run_at = enc.length_for(batch_size, t, n_batches) if lvl == "pooled" and measured else t
         rows = (index[s:s + batch_size] for s in range(0, len(index), batch_size))
-        batches = ((s * batch_size, len(r), token_batch(ids, tt, r, batch_size, t, pad)) for s, r in enumerate(rows))
-        _encode_rows(enc, backbone_params, batches, hid, msk, on_rows)
+        batches = ((s * batch_size, len(r), token_batch(ids, tt, r, batch_size, run_at, pad))
+                   for s, r in enumerate(rows))
+        first, total = _encode_rows(enc, backbone_params, batches, hid, msk, on_rows)
+        if measured:
+            enc.record(batch_size, run_at, n_batches, first, total)
         if to_disk:
             hid.flush()
             msk.flush()
         out.append(Bucket(1 if lvl == "pooled" else t, index, hid, msk))
+    out.reverse()  # shortest first, as the groups are numbered
     if lvl == "pooled" and len(out) > 1:  # one bucket: batches need not respect the encode lengths
         out = [Bucket(1, np.concatenate([b.index for b in out]), np.concatenate([b.hidden for b in out]),
                       np.concatenate([b.mask for b in out]))]

@@ -156,8 +156,9 @@ def make_sweep_step(model, cfg: OptimConfig, *, level: str = "pooled", loss_opti
 
 
 def make_sweep_scan(model, cfg: OptimConfig, *, level: str = "pooled", loss_options: dict | None = None):
-    """``run(state, batches) -> (state, losses [S, K])``: :func:`make_sweep_step`'s step over ``S``
-    stacked batches in one program (``jax.lax.scan``), jitted with the state donated.
+    """``run(state, batches) -> (state, loss sum [K])``: :func:`make_sweep_step`'s step over ``S``
+    stacked batches in one program (``jax.lax.scan``), jitted with the state donated; the
+    losses of the valid steps come back summed.
 
     ``batches`` holds each batch key stacked on a leading axis ``S`` and ``valid [S]``: a step
     with ``valid`` False leaves the state as it was (it pads a run of batches to a length
@@ -169,7 +170,8 @@ def make_sweep_scan(model, cfg: OptimConfig, *, level: str = "pooled", loss_opti
         def body(s, b):
             new, loss = step(s, {k: v for k, v in b.items() if k != "valid"})
             return jax.tree.map(lambda x, y: jnp.where(b["valid"], x, y), new, s), loss
-        return jax.lax.scan(body, state, batches)
+        state, losses = jax.lax.scan(body, state, batches)
+        return state, jnp.sum(jnp.where(batches["valid"][:, None], losses, 0.0), axis=0)
 
     return Parallel().compile(run, gradients=True)
 
@@ -296,12 +298,13 @@ def sweep(model, train: FeatureCache, variants: Sequence[Variant], *, optim: Opt
     if train.level == "pooled":  # one batch shape: whole runs of batches per call
         run = make_sweep_scan(model, cfg, level=train.level, loss_options=loss_options)
         length = scan_length(spe, _batch_bytes(train, batch_size), max_scan_bytes)
+        sums = []  # device arrays, read once at the end: no eager op to compile, no wait per epoch
         for e in range(epochs):
-            tot = 0.0
             for part in _stacked_runs(train.batches(batch_size, seed=seed, epoch=e), length):
                 state, loss = run(state, part)
-                tot = tot + jnp.sum(loss * part["valid"][:, None], axis=0)
-            losses.append(np.asarray(tot) / spe)
+                sums.append(loss)
+        runs = -(-spe // length)
+        losses = list(np.asarray(jax.device_get(sums)).reshape(epochs, runs, -1).sum(1) / spe)
     else:  # token level: one shape per length bucket, mixed within an epoch
         step = make_sweep_step(model, cfg, level=train.level, loss_options=loss_options)
         for e in range(epochs):

@@ -70,6 +70,34 @@ def test_encode_groups_pad_the_fewest_rows_and_no_new_lengths(seed):
     assert sum(t * bs for t, _ in batches) <= sum(t * bs * -(-n // bs) for t, n in per_bucket.items())
 
 
+def test_pad_to_longer_weighs_padding_against_a_compile():
+    from flaxheads.training.features import pad_to_longer
+
+    # 2 batches of 192 in a 256 program: 0.5 s of padding at 1 s a batch, against a compile
+    assert pad_to_longer(2, 192, 256, 1.0, 0.6) and not pad_to_longer(2, 192, 256, 1.0, 0.4)
+    assert not pad_to_longer(1, 16, 256, 0.01, 0.0)  # a program that was cached costs nothing to get
+
+
+@pytest.mark.parametrize("merge", [True, False])
+def test_short_groups_run_in_the_longest_program_when_padding_is_cheaper(bert_dir, monkeypatch, merge):
+    """The decision forced either way: padded into the longest program (one compile) or each group in
+    its own (three), the cached features are the same; a second split reuses what was compiled."""
+    from flaxheads.training import features
+
+    monkeypatch.setattr(features, "pad_to_longer", lambda *a: merge)
+    model = fh.from_pretrained(bert_dir, pooler="mean", head="linear", num_labels=3)
+    split = toy_split(60)
+    assert len(encode_groups([len(x) for x in split.input_ids], 8, BUCKETS)) == 3
+    enc = features.make_encoder(model, "pooled", ("mean",))
+    cache = cache_features(model, model.params["backbone"], split, batch_size=8, buckets=BUCKETS, encoder=enc)
+    assert sorted(t for _, t in enc.batch_seconds) == ([16] if merge else [4, 8, 16])
+    assert enc.fn._cache_size() == (1 if merge else 3)
+    got = predict_cached(model, model.params["head"], cache, batch_size=8)
+    np.testing.assert_allclose(got, _recomputed_logits(model, split), atol=1e-5, rtol=0)
+    cache_features(model, model.params["backbone"], toy_split(60, seed=3), batch_size=8, buckets=BUCKETS, encoder=enc)
+    assert enc.fn._cache_size() == (1 if merge else 3)
+
+
 def test_memory_bound_spills_to_disk_or_refuses(bert_dir, tmp_path):
     model = fh.from_pretrained(bert_dir, pooler="attention", head="linear", num_labels=3)
     split = toy_split()
