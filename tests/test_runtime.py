@@ -94,6 +94,18 @@ def test_onednn_dots_reads_the_flags(flags, on):
     assert runtime.onednn_dots(flags) is on
 
 
+@pytest.mark.parametrize("flags, nbytes, backend, on", [
+    (" ".join(runtime.ONEDNN_FLAGS), 90 << 20, "cpu", True),
+    (" ".join(runtime.ONEDNN_ALONE_FLAGS), 90 << 20, "cpu", True),
+    (" ".join(runtime.ONEDNN_FLAGS), runtime.CONSTANT_WEIGHTS_MAX_BYTES + 1, "cpu", False),  # a copy per program
+    (" ".join(runtime.ONEDNN_FLAGS), 90 << 20, "gpu", False),
+    (" ".join(runtime.CPU_FLAGS), 90 << 20, "cpu", False),  # Eigen's dots reorder nothing at compile time
+    ("", 90 << 20, "cpu", False),
+])
+def test_constant_weights_only_where_onednn_prepacks_them(flags, nbytes, backend, on):
+    assert runtime.constant_weights(nbytes, flags, backend=backend) is on
+
+
 @pytest.mark.parametrize("flags, on", [
     ("", True),  # XLA's default: YNNPACK's fusions, reductions among them
     (" ".join(runtime.CPU_FLAGS), True),

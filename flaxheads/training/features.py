@@ -20,6 +20,7 @@ shape ``make_head_train_step`` takes: ``hidden``, ``pool_mask``, ``labels``, ``w
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import os
 import time
@@ -30,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..nn.poolers import POOL_FUNCTIONS, POOL_POSITIONS, DensePooler, Pool
+from ..runtime import constant_weights
 from .data import bucket_length, labelled_rows, pad_mask, pad_rows, token_batch
 from .errors import TrainingError
 from .steps import extra_inputs, predict_batches
@@ -130,15 +132,44 @@ def choose_level(pooler, level: str = "auto") -> str:
 class Encoder:
     """:func:`make_encoder`'s result: ``encoder(backbone_params, batch) -> (features, mask)``, jitted,
     with what its calls through :func:`cache_features` measured: the seconds of a batch at each
-    ``(rows, length)`` it ran, and of its latest compile (the first call at a new shape)."""
+    ``(rows, length)`` it ran, and of its latest compile (the first call at a new shape).
 
-    def __init__(self, fn: Callable):
+    ``constants``: compile the parameters into the program as constants (one program per
+    parameter tree and shape); None decides by :func:`flaxheads.runtime.constant_weights`, where
+    that lets oneDNN's products take weights reordered once at compile time."""
+
+    def __init__(self, fn: Callable, constants: bool | None = None):
+        self._encode = fn
         self.fn = jax.jit(fn)
+        self.constants = constants
+        self._bound: tuple[object, Callable] | None = None  # (params, program with them as constants)
         self.batch_seconds: dict[tuple[int, int], float] = {}
         self.compile_seconds = 0.0
 
     def __call__(self, backbone_params, batch: dict):
-        return self.fn(backbone_params, batch)
+        return self.jitted(backbone_params)(batch)
+
+    def jitted(self, backbone_params) -> Callable[[dict], tuple[jax.Array, jax.Array]]:
+        """The program ``batch -> (features, mask)`` for these parameters (with them as constants,
+        or as its first argument)."""
+        if self._bound is not None and self._bound[0] is backbone_params:
+            return self._bound[1]
+        constants = self.constants
+        if constants is None:
+            constants = constant_weights(sum(x.nbytes for x in jax.tree.leaves(backbone_params)))
+        if constants:
+            encode = self._encode
+            fn = jax.jit(lambda batch: encode(backbone_params, batch))
+            self.batch_seconds.clear()  # new programs: none of the lengths run so far is compiled
+        else:
+            fn = functools.partial(self.fn, backbone_params)
+        self._bound = (backbone_params, fn)
+        return fn
+
+    def programs(self) -> int:
+        """How many programs this encoder has compiled (for its current constants, if any)."""
+        bound = self._bound[1] if self._bound else None
+        return self.fn._cache_size() + (bound._cache_size() if hasattr(bound, "_cache_size") else 0)
 
     def length_for(self, rows: int, length: int, batches: int) -> int:
         """The padded length to run ``batches`` batches of ``rows`` x ``length`` tokens at: the
@@ -159,11 +190,12 @@ class Encoder:
         self.batch_seconds[rows, length] = max(total - first, 0.0) / max(batches, 1)
 
 
-def make_encoder(model, level: str, reductions: Sequence[str] = ()) -> Encoder:
+def make_encoder(model, level: str, reductions: Sequence[str] = (), *, constants: bool | None = None) -> Encoder:
     """``encode(backbone_params, batch) -> (features, mask)``, jitted, inference mode.
 
     Pooled: features ``[B, R, H]``, one position per reduction (a head reads one of them as
-    a one-token sequence); token: the hidden states and the pooling mask."""
+    a one-token sequence); token: the hidden states and the pooling mask. ``constants``: see
+    :class:`Encoder`."""
     one_token = (level == "pooled" and len(reductions) == 1 and reductions[0] in POOL_POSITIONS
                  and getattr(model, "pooled_token_only", False) and "only_at" in getattr(model.backbone, "features", ()))
 
@@ -180,7 +212,7 @@ def make_encoder(model, level: str, reductions: Sequence[str] = ()) -> Encoder:
             v = jnp.stack([POOL_FUNCTIONS[r](hidden, pmask) for r in reductions], axis=1)
             return v, jnp.ones(v.shape[:2], jnp.int32)
         return hidden, pmask.astype(jnp.int32)
-    return Encoder(encode)
+    return Encoder(encode, constants)
 
 
 def _split_parts(split):

@@ -91,11 +91,66 @@ def test_short_groups_run_in_the_longest_program_when_padding_is_cheaper(bert_di
     enc = features.make_encoder(model, "pooled", ("mean",))
     cache = cache_features(model, model.params["backbone"], split, batch_size=8, buckets=BUCKETS, encoder=enc)
     assert sorted(t for _, t in enc.batch_seconds) == ([16] if merge else [4, 8, 16])
-    assert enc.fn._cache_size() == (1 if merge else 3)
+    assert enc.programs() == (1 if merge else 3)
     got = predict_cached(model, model.params["head"], cache, batch_size=8)
     np.testing.assert_allclose(got, _recomputed_logits(model, split), atol=1e-5, rtol=0)
     cache_features(model, model.params["backbone"], toy_split(60, seed=3), batch_size=8, buckets=BUCKETS, encoder=enc)
-    assert enc.fn._cache_size() == (1 if merge else 3)
+    assert enc.programs() == (1 if merge else 3)
+
+
+_CONSTANTS = r"""
+import json, sys
+import jax
+import numpy as np
+import flaxheads as fh
+from flaxheads.training.features import cache_features, make_encoder
+from tests.feature_helpers import toy_split
+model = fh.from_pretrained(sys.argv[1], pooler="mean", head="linear", num_labels=3)
+split, p = toy_split(48), model.params["backbone"]
+out = {}
+for constants in (True, False):
+    enc = make_encoder(model, "pooled", ("mean",), constants=constants)
+    cache = cache_features(model, p, split, batch_size=16, buckets=(16,), encoder=enc)
+    out[str(constants)] = np.asarray(cache.buckets[0].hidden).tolist()
+batch = {"input_ids": np.ones((16, 16), np.int32), "attention_mask": np.ones((16, 16), np.int32)}
+text = make_encoder(model, "pooled", ("mean",), constants=True).jitted(p).lower(batch).compile().as_text()
+out["prepacked"] = text.count('"weights_prepacked":true')
+calls = [l for l in text.splitlines() if "__onednn$matmul" in l and "custom-call(" in l]
+out["calls"] = len(calls)
+out["dense"] = sum(l.split("custom-call(")[1].split(",")[1].strip().startswith("%constant") for l in calls)
+from flaxheads.runtime import constant_weights
+out["auto"] = constant_weights(sum(x.nbytes for x in jax.tree.leaves(p)))
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="oneDNN's dots are XLA:CPU's")
+def test_constant_weights_are_prepacked_for_onednn_and_change_no_feature(tmp_path):
+    """Under the AMX setting (oneDNN's dots, in its own process: XLA reads flags once) the encoder
+    compiles the parameters in, XLA reorders every dense kernel for oneDNN at compile time, and the
+    features equal those of the program that takes the parameters as arguments."""
+    import json
+    import subprocess
+    import sys
+
+    from flaxheads import runtime
+    from tests.hf_tiny import save_tiny
+
+    path = save_tiny(tmp_path / "bert", "bert", hidden_size=128, intermediate_size=512)[0]
+    env = {**os.environ, "XLA_FLAGS": " ".join(runtime.ONEDNN_FLAGS), "FLAXHEADS_XLA_DEFAULTS": "0",
+           "JAX_PLATFORMS": "cpu"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, "-c", _CONSTANTS, str(path)], env=env, capture_output=True, text=True,
+                       timeout=600, cwd=root)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    if out["calls"] == 0:
+        pytest.skip("this jaxlib's XLA:CPU made no oneDNN matmul calls (jax 0.10, or a build without oneDNN)")
+    # every oneDNN product with a parameter for weights has them reordered once (the attention's
+    # products multiply activations)
+    assert out["prepacked"] == out["dense"] >= 4
+    assert out["auto"]  # the AMX setting picks constants by itself
+    np.testing.assert_allclose(np.asarray(out["True"]), np.asarray(out["False"]), atol=1e-6, rtol=0)
 
 
 def test_memory_bound_spills_to_disk_or_refuses(bert_dir, tmp_path):
