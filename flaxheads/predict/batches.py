@@ -9,14 +9,17 @@ pieces training's evaluation uses, so a text is padded and computed here as it w
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from typing import Callable, Sequence
 
 import jax
 import numpy as np
 
-from ..training.data import bucket_length, pad_rows, token_batch
 from jax.sharding import Mesh
+
+from ..runtime import constant_weights
+from ..training.data import bucket_length, pad_rows, token_batch
 
 from ..training.parallel import DATA_AXIS, Parallel
 from ..training.steps import make_eval_step, predict_batches
@@ -109,7 +112,9 @@ def batch_rows(n: int, batch_size: int, width: int) -> int:
 
 class Runner:
     """A model's forward, compiled once per padded shape and placed on the local devices (a
-    1-D mesh, batch sharded, params replicated, when there are several)."""
+    1-D mesh, batch sharded, params replicated, when there are several). On one device where
+    :func:`flaxheads.runtime.constant_weights` says so, the parameters are compiled into the
+    program (oneDNN's products then take weights reordered once)."""
 
     def __init__(self, model, params, devices=None):
         devices = list(devices if devices is not None else jax.local_devices())
@@ -118,7 +123,15 @@ class Runner:
             else Parallel("single")
         self.model = model
         self.params = self.parallel.put_state(params)
-        self.forward = self.parallel.compile(make_eval_step(model), donate=False)
+        step = make_eval_step(model)
+        if self.parallel.mode == "single" and constant_weights(sum(x.nbytes for x in jax.tree.leaves(self.params))):
+            fixed = self.params
+            # program(batch) with the parameters compiled in; otherwise program(params, batch)
+            self.program = jax.jit(lambda batch: step(fixed, batch))
+            self._forward = self.program
+        else:
+            self.program = self.parallel.compile(step, donate=False)
+            self._forward = functools.partial(self.program, self.params)
 
     @property
     def width(self) -> int:
@@ -140,7 +153,7 @@ class Runner:
 
         def forward(b: dict) -> np.ndarray:
             inputs = {k: v for k, v in b.items() if k != "weights"}
-            return self.parallel.get_rows(self.forward(self.params, self.parallel.put_batch(inputs)))
+            return self.parallel.get_rows(self._forward(self.parallel.put_batch(inputs)))
 
         stream = (make(idx, length) for idx, length in batches)
         out, _ = predict_batches(forward, _progress(stream, len(batches), progress))

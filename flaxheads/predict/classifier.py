@@ -95,7 +95,7 @@ class Classifier:
     @property
     def compiles(self) -> int:
         """Programs compiled so far (one per bucket and batch size seen)."""
-        return 0 if self._runner is None else jit_count(self._runner.forward)
+        return 0 if self._runner is None else jit_count(self._runner.program)
 
     def runner(self) -> Runner:
         if self._runner is None:
