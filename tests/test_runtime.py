@@ -2,6 +2,7 @@
 set before JAX starts, and what they leave alone."""
 from __future__ import annotations
 
+import json
 import os
 import platform
 import subprocess
@@ -358,3 +359,32 @@ def test_malloc_settings_stop_the_train_step_faulting_its_buffers_in_each_step()
         faults[mode] = float(r.stdout.strip().splitlines()[-1])
     assert faults["off"] > 20_000, faults  # glibc's default: ~80 MB and more mapped afresh each step
     assert faults["on"] < 0.6 * faults["off"], faults
+
+
+_CACHE = r"""
+import json, sys, warnings
+warnings.simplefilter("error")  # any other warning fails the run
+from flaxheads import runtime
+cache = runtime.enable_compile_cache(sys.argv[1])
+import jax, jax.numpy as jnp
+x = jnp.ones((512, 512))
+f = jax.jit(lambda a: a @ a + 1.0)
+f(x).block_until_ready()
+out = {"compiled": cache.compiled, "stored": cache.stored, "summary": cache.summary()}
+print(json.dumps({**out, "onednn": "__onednn$matmul" in f.lower(x).compile().as_text()}))
+"""
+
+
+@pytest.mark.parametrize("flags", [" ".join(runtime.ONEDNN_FLAGS), "--xla_cpu_experimental_ynn_fusion_type="])
+def test_compile_cache_reports_what_it_could_not_store(tmp_path, flags):
+    """jaxlib 0.12 cannot serialize a program with oneDNN's matmul calls: the run goes on without
+    JAX's warning about it, and the summary counts it as compiled, not stored."""
+    env = {**os.environ, "XLA_FLAGS": flags, "FLAXHEADS_XLA_DEFAULTS": "0", "JAX_PLATFORMS": "cpu"}
+    r = subprocess.run([sys.executable, "-c", _CACHE, str(tmp_path / "cache")], env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["compiled"] >= 1 and 0 <= out["stored"] <= out["compiled"]
+    assert (out["stored"] < out["compiled"]) == ("could not be stored" in out["summary"]), out
+    if not out["onednn"]:
+        assert out["stored"] == out["compiled"], out

@@ -254,7 +254,8 @@ def run_fine_tune(job: Job, args: argparse.Namespace) -> dict:
                "run_folder": str(job.out)}
     cache = getattr(args, "compile_cache", None)
     if cache is not None:
-        summary["compile_cache"] = {"folder": str(cache.folder), "loaded": cache.hits, "compiled": cache.misses}
+        summary["compile_cache"] = {"folder": str(cache.folder), "loaded": cache.hits, "compiled": cache.compiled,
+                                    "stored": cache.stored}
     folder.finish(summary, final, predictions, job.model, history=res.history,
                   tail=f"{res.step} steps in {res.seconds:.0f} s"
                        + (f" (first step done {summary['seconds_to_first_step']:.0f} s after the start)"
