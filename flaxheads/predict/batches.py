@@ -95,6 +95,19 @@ def encode(tokenizer, texts: list[str], pairs: list[str] | None, max_length: int
     return Encoded(ids, tt, over)
 
 
+#: Padded lengths prediction adds below a model's smallest bucket.
+SHORT_BUCKETS = (8, 16)
+
+
+def short_buckets(buckets: Sequence[int]) -> tuple[int, ...]:
+    """``buckets`` with :data:`SHORT_BUCKETS` below the smallest of them added. A single word or
+    a short phrase is 3-6 tokens: in a training bucket of 32 every one of its batches did ~8x
+    the work (all-MiniLM-L6-v2 on 512 single words, Intel Xeon: 480 texts/s against the
+    transformers pipeline's 1172, which pads to the longest text). Two more programs at most."""
+    low = min(buckets)
+    return tuple(sorted({*buckets, *(b for b in SHORT_BUCKETS if b < low)}))
+
+
 def plan(lengths: np.ndarray, batch_size: int, buckets: Sequence[int]) -> list[tuple[np.ndarray, int]]:
     """``(indices, padded length)`` per batch: texts sorted by length, cut into batches of
     ``batch_size``, each padded to the bucket of its longest text."""

@@ -15,7 +15,7 @@ from ..losses import MULTI_LABEL, SINGLE_LABEL
 from ..model import SequenceModel
 from ..nn.heads import IdentityHead, ProjectionHead
 from ..training.data import make_buckets
-from .batches import Runner, check_texts, encode, jit_count
+from .batches import Runner, check_texts, encode, jit_count, short_buckets
 from .results import Predictions
 from .sources import load_source
 
@@ -31,7 +31,8 @@ class Classifier:
     sentence-transformers folder, a head export with its backbone, or a hub id) or wrap a
     model you hold with :meth:`from_model`. Texts longer than ``max_length`` tokens are cut
     (a :class:`~flaxheads.predict.batches.TruncationWarning` says how many) and batches are
-    padded to ``buckets``, so each bucket compiles once per batch size."""
+    padded to ``buckets``, so each bucket compiles once per batch size; lengths of 8 and 16
+    are added below the smallest (:func:`~flaxheads.predict.batches.short_buckets`)."""
 
     model: SequenceModel
     tokenizer: Tokenizer
@@ -61,6 +62,7 @@ class Classifier:
         b = tuple(int(x) for x in buckets) if buckets else make_buckets(n, min(bucket_step, n))
         if b[-1] < n:
             b = (*b, n)
+        b = short_buckets(b)
         labels = model.id2label or {i: f"LABEL_{i}" for i in range(model.num_labels)}
         return cls(model, tok, model.params if params is None else params, dict(labels), model.problem_type, n, b,
                    float(threshold), source or model.name_or_path)

@@ -201,3 +201,11 @@ def test_embed_real_minilm_equals_sentence_transformers():
         got = clf.embed(texts, batch_size=4)
     cos = (got * ref).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(ref, axis=1)
     assert cos.min() > 0.9999
+
+
+def test_short_buckets_go_below_the_smallest_only():
+    from flaxheads.predict.batches import short_buckets
+
+    assert short_buckets((32, 64, 128)) == (8, 16, 32, 64, 128)
+    assert short_buckets((16,)) == (8, 16) and short_buckets((12, 24)) == (8, 12, 24)
+    assert short_buckets((8, 16)) == (8, 16) and short_buckets((4, 8)) == (4, 8)
