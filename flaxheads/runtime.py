@@ -261,22 +261,25 @@ def ynn_attention(xla_flags: str | None = None) -> bool:
 CONSTANT_WEIGHTS_MAX_BYTES = 1 << 30
 
 
-def constant_weights(nbytes: int, xla_flags: str | None = None, *, backend: str | None = None) -> bool:
+def constant_weights(nbytes: int, dtype="float32", xla_flags: str | None = None, *,
+                     backend: str | None = None) -> bool:
     """Whether an inference program whose parameters stay the same over many calls (a feature
-    cache's encoder) takes them as compile-time constants: on the CPU ``backend`` (default JAX's)
-    with oneDNN's dots (:func:`onednn_dots`, from ``xla_flags``), for at most
-    :data:`CONSTANT_WEIGHTS_MAX_BYTES` of them (``nbytes``).
+    cache's encoder, prediction) takes them as compile-time constants: on the CPU ``backend``
+    (default JAX's) with oneDNN's dots (:func:`onednn_dots`, from ``xla_flags``), for a float32
+    compute ``dtype`` and at most :data:`CONSTANT_WEIGHTS_MAX_BYTES` of them (``nbytes``).
 
     XLA reorders constant weights into oneDNN's blocked layout once, at compile time
-    ("weights_prepacked"), instead of oneDNN repacking them on every product. Intel Xeon with AMX,
+    ("weights_prepacked"), instead of oneDNN repacking them in every product. Intel Xeon with AMX,
     jax 0.12, MiniLM forward at every position, same process: float32 32 x 256 755 ms against 817
-    (PyTorch 769), 32 x 128 342 against 372 ms, bfloat16 32 x 256 255 against 263 ms; the same
-    numbers to the bit; each program compiles ~0.3 s longer. Eigen's and YNNPACK's dots have no
-    such step, so elsewhere the parameters stay arguments."""
+    (PyTorch 769), 32 x 128 342 against 372 ms, the same numbers to the bit. In bfloat16 the
+    forward gained 3% (255 against 263 ms) but each program compiled ~0.4 s longer: a 500-article
+    encode lost more than it gained. Eigen's and YNNPACK's dots have no such step, so elsewhere
+    the parameters stay arguments."""
     import jax
+    import jax.numpy as jnp
 
-    return ((backend or jax.default_backend()) == "cpu" and onednn_dots(xla_flags)
-            and nbytes <= CONSTANT_WEIGHTS_MAX_BYTES)
+    return ((backend or jax.default_backend()) == "cpu" and jnp.dtype(dtype) == jnp.float32
+            and onednn_dots(xla_flags) and nbytes <= CONSTANT_WEIGHTS_MAX_BYTES)
 
 
 def gradient_compiler_options(xla_flags: str | None = None, *, backend: str | None = None,

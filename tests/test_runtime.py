@@ -95,16 +95,17 @@ def test_onednn_dots_reads_the_flags(flags, on):
     assert runtime.onednn_dots(flags) is on
 
 
-@pytest.mark.parametrize("flags, nbytes, backend, on", [
-    (" ".join(runtime.ONEDNN_FLAGS), 90 << 20, "cpu", True),
-    (" ".join(runtime.ONEDNN_ALONE_FLAGS), 90 << 20, "cpu", True),
-    (" ".join(runtime.ONEDNN_FLAGS), runtime.CONSTANT_WEIGHTS_MAX_BYTES + 1, "cpu", False),  # a copy per program
-    (" ".join(runtime.ONEDNN_FLAGS), 90 << 20, "gpu", False),
-    (" ".join(runtime.CPU_FLAGS), 90 << 20, "cpu", False),  # Eigen's dots reorder nothing at compile time
-    ("", 90 << 20, "cpu", False),
+@pytest.mark.parametrize("flags, nbytes, dtype, backend, on", [
+    (" ".join(runtime.ONEDNN_FLAGS), 90 << 20, "float32", "cpu", True),
+    (" ".join(runtime.ONEDNN_ALONE_FLAGS), 90 << 20, jnp.float32, "cpu", True),
+    (" ".join(runtime.ONEDNN_FLAGS), 90 << 20, jnp.bfloat16, "cpu", False),  # longer compiles than it gains
+    (" ".join(runtime.ONEDNN_FLAGS), runtime.CONSTANT_WEIGHTS_MAX_BYTES + 1, "float32", "cpu", False),
+    (" ".join(runtime.ONEDNN_FLAGS), 90 << 20, "float32", "gpu", False),
+    (" ".join(runtime.CPU_FLAGS), 90 << 20, "float32", "cpu", False),  # Eigen's dots reorder nothing
+    ("", 90 << 20, "float32", "cpu", False),
 ])
-def test_constant_weights_only_where_onednn_prepacks_them(flags, nbytes, backend, on):
-    assert runtime.constant_weights(nbytes, flags, backend=backend) is on
+def test_constant_weights_only_where_onednn_prepacks_them(flags, nbytes, dtype, backend, on):
+    assert runtime.constant_weights(nbytes, dtype, flags, backend=backend) is on
 
 
 @pytest.mark.parametrize("flags, on", [

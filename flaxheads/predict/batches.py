@@ -137,7 +137,8 @@ class Runner:
         self.model = model
         self.params = self.parallel.put_state(params)
         step = make_eval_step(model)
-        if self.parallel.mode == "single" and constant_weights(sum(x.nbytes for x in jax.tree.leaves(self.params))):
+        nbytes = sum(x.nbytes for x in jax.tree.leaves(self.params))
+        if self.parallel.mode == "single" and constant_weights(nbytes, getattr(model.backbone, "dtype", "float32")):
             fixed = self.params
             # program(batch) with the parameters compiled in; otherwise program(params, batch)
             self.program = jax.jit(lambda batch: step(fixed, batch))

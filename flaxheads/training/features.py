@@ -138,8 +138,9 @@ class Encoder:
     parameter tree and shape); None decides by :func:`flaxheads.runtime.constant_weights`, where
     that lets oneDNN's products take weights reordered once at compile time."""
 
-    def __init__(self, fn: Callable, constants: bool | None = None):
+    def __init__(self, fn: Callable, constants: bool | None = None, dtype=jnp.float32):
         self._encode = fn
+        self.dtype = dtype  # the backbone's compute dtype, which constant_weights weighs
         self.fn = jax.jit(fn)
         self.constants = constants
         self._bound: tuple[object, Callable] | None = None  # (params, program with them as constants)
@@ -156,7 +157,7 @@ class Encoder:
             return self._bound[1]
         constants = self.constants
         if constants is None:
-            constants = constant_weights(sum(x.nbytes for x in jax.tree.leaves(backbone_params)))
+            constants = constant_weights(sum(x.nbytes for x in jax.tree.leaves(backbone_params)), self.dtype)
         if constants:
             encode = self._encode
             fn = jax.jit(lambda batch: encode(backbone_params, batch))
@@ -212,7 +213,7 @@ def make_encoder(model, level: str, reductions: Sequence[str] = (), *, constants
             v = jnp.stack([POOL_FUNCTIONS[r](hidden, pmask) for r in reductions], axis=1)
             return v, jnp.ones(v.shape[:2], jnp.int32)
         return hidden, pmask.astype(jnp.int32)
-    return Encoder(encode, constants)
+    return Encoder(encode, constants, getattr(model.backbone, "dtype", jnp.float32))
 
 
 def _split_parts(split):
