@@ -20,7 +20,6 @@ from jax.sharding import Mesh
 
 from ..runtime import constant_weights
 from ..training.data import bucket_length, pad_rows, token_batch
-
 from ..training.parallel import DATA_AXIS, Parallel
 from ..training.steps import make_eval_step, predict_batches
 from ..training.tables import DataError

@@ -135,8 +135,8 @@ class Encoder:
     ``(rows, length)`` it ran, and of its latest compile (the first call at a new shape).
 
     ``constants``: compile the parameters into the program as constants (one program per
-    parameter tree and shape); None decides by :func:`flaxheads.runtime.constant_weights`, where
-    that lets oneDNN's products take weights reordered once at compile time."""
+    parameter tree and shape); None decides by :func:`flaxheads.runtime.constant_weights` (float32
+    with oneDNN's dots, whose products then take weights reordered once at compile time)."""
 
     def __init__(self, fn: Callable, constants: bool | None = None, dtype=jnp.float32):
         self._encode = fn
@@ -288,8 +288,8 @@ def pad_to_longer(batches: int, length: int, longer: int, batch_seconds: float, 
 
     ``batch_seconds`` is a batch's time at ``longer`` and ``compile_seconds`` the encoder's latest
     compile, both measured (a program JAX's persistent cache held measures ~0, and then every
-    length gets its own). The padding is costed as time proportional to length; attention's
-    quadratic part makes it cost slightly more, which the shortest groups' few batches can afford."""
+    length gets its own). Padding is costed in proportion to length (attention's quadratic part
+    makes it a little dearer)."""
     return batches * batch_seconds * (1 - length / longer) < compile_seconds
 
 
