@@ -11,17 +11,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
-from typing import Callable, Sequence
+from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jax.sharding import Mesh
 
-from ..runtime import constant_weights
 from ..training.data import bucket_length, pad_rows, token_batch
 from ..training.parallel import DATA_AXIS, Parallel
-from ..training.steps import make_eval_step, predict_batches
+from ..training.steps import constants_program, make_eval_step, predict_batches
 from ..training.tables import DataError
 
 #: Above this many batches a call shows a progress bar (when tqdm is installed).
@@ -136,15 +136,11 @@ class Runner:
         self.model = model
         self.params = self.parallel.put_state(params)
         step = make_eval_step(model)
-        nbytes = sum(x.nbytes for x in jax.tree.leaves(self.params))
-        if self.parallel.mode == "single" and constant_weights(nbytes, getattr(model.backbone, "dtype", "float32")):
-            fixed = self.params
-            # program(batch) with the parameters compiled in; otherwise program(params, batch)
-            self.program = jax.jit(lambda batch: step(fixed, batch))
-            self._forward = self.program
-        else:
-            self.program = self.parallel.compile(step, donate=False)
-            self._forward = functools.partial(self.program, self.params)
+        # program(batch) with the parameters compiled in; otherwise program(params, batch)
+        fixed = constants_program(step, self.params, getattr(model.backbone, "dtype", jnp.float32)) \
+            if self.parallel.mode == "single" else None
+        self.program = fixed or self.parallel.compile(step, donate=False)
+        self._forward = fixed or functools.partial(self.program, self.params)
 
     @property
     def width(self) -> int:
@@ -184,9 +180,3 @@ def _progress(batches, total: int, show: bool | None):
     except ImportError:
         return batches
     return tqdm(batches, total=total, unit="batch", dynamic_ncols=True, leave=False)
-
-
-def jit_count(fn: Callable) -> int:
-    """How many programs a jitted function holds (one per padded shape it has seen)."""
-    size = getattr(fn, "_cache_size", None)
-    return int(size()) if callable(size) else -1

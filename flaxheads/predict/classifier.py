@@ -15,7 +15,8 @@ from ..losses import MULTI_LABEL, SINGLE_LABEL
 from ..model import SequenceModel
 from ..nn.heads import IdentityHead, ProjectionHead
 from ..training.data import make_buckets
-from .batches import Runner, check_texts, encode, jit_count, short_buckets
+from ..training.steps import jit_count
+from .batches import Runner, check_texts, encode, short_buckets
 from .results import Predictions
 from .sources import load_source
 

@@ -31,10 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..nn.poolers import POOL_FUNCTIONS, POOL_POSITIONS, DensePooler, Pool
-from ..runtime import constant_weights
 from .data import bucket_length, labelled_rows, pad_mask, pad_rows, token_batch
 from .errors import TrainingError
-from .steps import extra_inputs, predict_batches
+from .steps import constants_program, extra_inputs, jit_count, predict_batches
 
 LEVELS = ("auto", "pooled", "token")
 
@@ -155,22 +154,15 @@ class Encoder:
         or as its first argument)."""
         if self._bound is not None and self._bound[0] is backbone_params:
             return self._bound[1]
-        constants = self.constants
-        if constants is None:
-            constants = constant_weights(sum(x.nbytes for x in jax.tree.leaves(backbone_params)), self.dtype)
-        if constants:
-            encode = self._encode
-            fn = jax.jit(lambda batch: encode(backbone_params, batch))
+        fn = constants_program(self._encode, backbone_params, self.dtype, force=self.constants)
+        if fn is not None:
             self.batch_seconds.clear()  # new programs: none of the lengths run so far is compiled
-        else:
-            fn = functools.partial(self.fn, backbone_params)
-        self._bound = (backbone_params, fn)
-        return fn
+        self._bound = (backbone_params, fn or functools.partial(self.fn, backbone_params))
+        return self._bound[1]
 
     def programs(self) -> int:
         """How many programs this encoder has compiled (for its current constants, if any)."""
-        bound = self._bound[1] if self._bound else None
-        return self.fn._cache_size() + (bound._cache_size() if hasattr(bound, "_cache_size") else 0)
+        return jit_count(self.fn) + (max(jit_count(self._bound[1]), 0) if self._bound else 0)
 
     def length_for(self, rows: int, length: int, batches: int) -> int:
         """The padded length to run ``batches`` batches of ``rows`` x ``length`` tokens at: the

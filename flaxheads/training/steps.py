@@ -23,6 +23,7 @@ import optax
 from flax import struct
 
 from ..losses import SINGLE_LABEL
+from ..runtime import constant_weights
 from .errors import TrainingError
 from .optim import global_norm, merge, trainable
 from .packing import PACKED_KEYS, example_targets, is_packed
@@ -167,6 +168,22 @@ def make_eval_step(model) -> Callable:
     def eval_step(params, batch):
         return model.apply(params, batch["input_ids"], batch["attention_mask"], train=False, **extra_inputs(batch))
     return eval_step
+
+
+def constants_program(fn: Callable, params, dtype=jnp.float32, *, force: bool | None = None) -> Callable | None:
+    """``jax.jit(batch -> fn(params, batch))`` with ``params`` compiled in as constants, for an
+    inference program whose parameters stay the same over many calls, where
+    :func:`flaxheads.runtime.constant_weights` says so for their size and the compute ``dtype``
+    (``force``: True or False instead of asking); None where they should stay an argument."""
+    use = force if force is not None else constant_weights(sum(x.nbytes for x in jax.tree.leaves(params)), dtype)
+    return jax.jit(lambda batch: fn(params, batch)) if use else None
+
+
+def jit_count(fn: Callable) -> int:
+    """How many programs a jitted function holds (one per padded shape it has seen); -1 for a
+    function that is not jitted."""
+    size = getattr(fn, "_cache_size", None)
+    return int(size()) if callable(size) else -1
 
 
 def predict_batches(predict: Callable[[dict], Any], batches: Iterable[dict], *, keys: Sequence[str] = (),
