@@ -209,3 +209,48 @@ def test_short_buckets_go_below_the_smallest_only():
     assert short_buckets((32, 64, 128)) == (8, 16, 32, 64, 128)
     assert short_buckets((16,)) == (8, 16) and short_buckets((12, 24)) == (8, 12, 24)
     assert short_buckets((8, 16)) == (8, 16) and short_buckets((4, 8)) == (4, 8)
+
+
+_CONSTANTS = r"""
+import json, sys
+import numpy as np
+from sentence_transformers import SentenceTransformer
+from flaxheads.predict import Classifier
+from predict_helpers import TEXTS, minilm_path
+clf = Classifier.from_pretrained(minilm_path())
+got = clf.embed(TEXTS, batch_size=4)
+ref = SentenceTransformer(minilm_path(), device="cpu").encode(TEXTS)
+cos = (got * ref).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(ref, axis=1)
+batch = {"input_ids": np.ones((4, 8), np.int32), "attention_mask": np.ones((4, 8), np.int32)}
+program = clf.runner().program
+text = program.lower(batch).compile().as_text() if clf.runner().width == 1 else ""
+calls = [l for l in text.splitlines() if "__onednn$matmul" in l and "custom-call(" in l]
+dense = sum(l.split("custom-call(")[1].split(",")[1].strip().startswith("%constant") for l in calls)
+print(json.dumps({"cos": float(cos.min()), "prepacked": text.count('"weights_prepacked":true'),
+                  "calls": len(calls), "dense": dense}))
+"""
+
+
+@pytest.mark.slow
+def test_prediction_with_constant_weights_equals_sentence_transformers():
+    """Under the AMX setting (oneDNN's dots, one device) the Runner compiles the float32 weights in,
+    XLA reorders them for oneDNN, and embeddings (short texts in the 8-token bucket among them)
+    still equal sentence-transformers'."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from flaxheads import runtime
+
+    env = {**os.environ, "XLA_FLAGS": " ".join(runtime.ONEDNN_FLAGS), "FLAXHEADS_XLA_DEFAULTS": "0",
+           "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.path.dirname(os.path.abspath(__file__))}
+    r = subprocess.run([sys.executable, "-c", _CONSTANTS], env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    if out["calls"] == 0:
+        pytest.skip("this jaxlib's XLA:CPU made no oneDNN matmul calls (jax 0.10, or a build without oneDNN)")
+    # every oneDNN product with a parameter for weights (at 4 x 8 tokens: q/k/v and both feed-forward
+    # products of 6 layers; the rest are under oneDNN's size threshold) has them reordered once
+    assert out["prepacked"] == out["dense"] >= 6 * 3, out
+    assert out["cos"] > 0.9999, out
