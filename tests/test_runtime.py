@@ -326,11 +326,11 @@ def test_malloc_opt_out_started_backend_and_other_libcs(fake_libc):
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's heap only")
 def test_malloc_settings_stop_the_train_step_faulting_its_buffers_in_each_step():
     """A MiniLM train step (AdamW over 22.7M parameters, a 47 MB embedding gradient) in a fresh
-    process faults ~180 MB in again every step under glibc's defaults; started with
+    process faults ~95 MB in again every step under glibc's defaults; started with
     :func:`~flaxheads.runtime.malloc_env` (what ``make train`` exports; ``configure_malloc`` sets the
-    same from inside, where threads that allocated before it can keep arenas of their own) its
-    buffers are reused: in most runs all of them; in some ~20-40% still fault (which of XLA's
-    threads land in which arena varies from run to run), never all."""
+    same from inside) its buffers are reused. The heap can still grow in a few of the first steps,
+    until fragmentation has found its high-water mark (one ``brk`` of ~90 MB faults in once), so
+    the typical step is compared: the median of the per-step faults."""
     code = (
         "import resource\n"
         "import flaxheads as fh\n"
@@ -345,10 +345,12 @@ def test_malloc_settings_stop_the_train_step_faulting_its_buffers_in_each_step()
         "step = jax.jit(make_train_step(m, tx), donate_argnums=0)\n"
         "for _ in range(3):\n"
         "    st, met = step(st, b); jax.block_until_ready(met)\n"
-        "before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
-        "for _ in range(5):\n"
+        "faults = []\n"
+        "for _ in range(9):\n"
+        "    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
         "    st, met = step(st, b); jax.block_until_ready(met)\n"
-        "print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 5)\n"
+        "    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)\n"
+        "print(sorted(faults)[4])\n"
     )
     names = {n for n, _, _ in runtime.MALLOC_SETTINGS} | {"MALLOC_MMAP_THRESHOLD_", "XLA_FLAGS"}
     base = {k: v for k, v in os.environ.items() if k not in names}
@@ -359,7 +361,7 @@ def test_malloc_settings_stop_the_train_step_faulting_its_buffers_in_each_step()
         assert r.returncode == 0, r.stderr[-2000:]
         faults[mode] = float(r.stdout.strip().splitlines()[-1])
     assert faults["off"] > 20_000, faults  # glibc's default: ~80 MB and more mapped afresh each step
-    assert faults["on"] < 0.6 * faults["off"], faults
+    assert faults["on"] < 0.1 * faults["off"], faults
 
 
 _CACHE = r"""
