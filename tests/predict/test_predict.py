@@ -217,6 +217,7 @@ import numpy as np
 from sentence_transformers import SentenceTransformer
 from flaxheads.predict import Classifier
 from predict_helpers import TEXTS, minilm_path
+from tests.onednn_helpers import weight_counts
 clf = Classifier.from_pretrained(minilm_path())
 got = clf.embed(TEXTS, batch_size=4)
 ref = SentenceTransformer(minilm_path(), device="cpu").encode(TEXTS)
@@ -224,10 +225,7 @@ cos = (got * ref).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(ref, axi
 batch = {"input_ids": np.ones((4, 8), np.int32), "attention_mask": np.ones((4, 8), np.int32)}
 program = clf.runner().program
 text = program.lower(batch).compile().as_text() if clf.runner().width == 1 else ""
-calls = [l for l in text.splitlines() if "__onednn$matmul" in l and "custom-call(" in l]
-dense = sum(l.split("custom-call(")[1].split(",")[1].strip().startswith("%constant") for l in calls)
-print(json.dumps({"cos": float(cos.min()), "prepacked": text.count('"weights_prepacked":true'),
-                  "calls": len(calls), "dense": dense}))
+print(json.dumps({"cos": float(cos.min()), **weight_counts(text)}))
 """
 
 
@@ -245,7 +243,9 @@ def test_prediction_with_constant_weights_equals_sentence_transformers():
 
     env = {**os.environ, "XLA_FLAGS": " ".join(runtime.ONEDNN_FLAGS), "FLAXHEADS_XLA_DEFAULTS": "0",
            "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.path.dirname(os.path.abspath(__file__))}
-    r = subprocess.run([sys.executable, "-c", _CONSTANTS], env=env, capture_output=True, text=True, timeout=900)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, "-c", _CONSTANTS], env=env, capture_output=True, text=True, timeout=900,
+                       cwd=root)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     if out["calls"] == 0:

@@ -105,6 +105,7 @@ import numpy as np
 import flaxheads as fh
 from flaxheads.training.features import cache_features, make_encoder
 from tests.feature_helpers import toy_split
+from tests.onednn_helpers import weight_counts
 model = fh.from_pretrained(sys.argv[1], pooler="mean", head="linear", num_labels=3)
 split, p = toy_split(48), model.params["backbone"]
 out = {}
@@ -114,10 +115,7 @@ for constants in (True, False):
     out[str(constants)] = np.asarray(cache.buckets[0].hidden).tolist()
 batch = {"input_ids": np.ones((16, 16), np.int32), "attention_mask": np.ones((16, 16), np.int32)}
 text = make_encoder(model, "pooled", ("mean",), constants=True).jitted(p).lower(batch).compile().as_text()
-out["prepacked"] = text.count('"weights_prepacked":true')
-calls = [l for l in text.splitlines() if "__onednn$matmul" in l and "custom-call(" in l]
-out["calls"] = len(calls)
-out["dense"] = sum(l.split("custom-call(")[1].split(",")[1].strip().startswith("%constant") for l in calls)
+out.update(weight_counts(text))
 from flaxheads.runtime import constant_weights
 out["auto"] = constant_weights(sum(x.nbytes for x in jax.tree.leaves(p)))
 print(json.dumps(out))
