@@ -76,7 +76,3 @@ def to_json(obj, **kw) -> str:
 
 def from_json(s: str):
     return from_dict(json.loads(s))
-
-
-def registered_kinds() -> list[str]:
-    return sorted(_KINDS)

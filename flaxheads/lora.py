@@ -236,10 +236,6 @@ def merge_model(model, params: Mapping | None = None):
     return dataclasses.replace(model, lora=None, params=merged_params(model, params))
 
 
-def count_adapter_params(lora_params) -> int:
-    return int(sum(x.size for x in jax.tree.leaves(lora_params)))
-
-
 def adapters_meta(model) -> dict | None:
     """What a checkpoint's meta records of ``model``'s adapters: the config and, per adapted
     module, its kernel's ``[in, out]`` (None for a model without adapters)."""
