@@ -126,7 +126,7 @@ def _compiled_step(path: str, dtype, remat: bool, fused: bool, batch: dict):
 
     import flaxheads as fh
     from bench import common
-    from flaxheads.backbones.layers import ATTENTION_ENV
+    from flaxheads.layers.attention import ATTENTION_ENV
     from flaxheads.training.steps import create_state, make_train_step
 
     m = fh.from_pretrained(path, dtype=dtype, remat=remat)

@@ -22,9 +22,10 @@ from typing import Callable, ClassVar, Mapping
 
 import jax
 
+from ..layers.dense import dense
+from ..layers.init import HFInit
 from .base import BackboneError
 from .bert import BertBackbone, LayerLayout, Stack, bert_embeddings
-from .layers import HFInit, dense
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,7 +17,7 @@ activation, ``attention_dropout`` on the attention weights. LayerDrop (``encoder
 
 The params tree is HF ``FlaxBartModel``'s (``shared``, ``encoder``, ``decoder``; PyTorch's
 tied ``encoder.embed_tokens`` / ``decoder.embed_tokens`` are ``shared``). Attention, dropout,
-dense and LayerNorm are :mod:`~flaxheads.backbones.layers`'.
+dense and LayerNorm are :mod:`~flaxheads.layers`' (attention, dropout, dense, norms).
 """
 from __future__ import annotations
 
@@ -30,11 +30,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..nn.activations import get_activation
+from ..layers.activations import get_activation
+from ..layers.attention import cross_attention, fused_qkv, self_attention
+from ..layers.dense import dense, embedding_lookup
+from ..layers.dropout import dropout
+from ..layers.init import HFInit
+from ..layers.masks import mask_bias
+from ..layers.norms import layer_norm_p
 from .base import Backbone, BackboneError, HFConfig, activation_problem
 from .bert import dropout_keys
-from .layers import (HFInit, cross_attention, dense, dropout, embedding_lookup, fused_qkv, layer_norm_p, mask_bias,
-                     self_attention)
 from .weights import pick, torch_from_tree, tree_from_torch
 
 #: nn.LayerNorm's default epsilon, which every BART LayerNorm uses.

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..errors import FlaxheadsError
-from ..nn.activations import get_activation
+from ..layers.activations import get_activation
 from .axes import Axes, generic_param_axes
 from .weights import pick, torch_from_tree, tree_from_torch
 

@@ -8,7 +8,7 @@ than PyTorch does. This encoder computes the same function with
   concatenated inside the jitted program, so the params keep HF's tree and names),
 * the attention scale folded into ``q`` (``B*T*H`` multiplies instead of ``B*nh*T*T``),
 * the additive mask built once per forward, reused by every layer and carried inside the
-  score matmul; softmax normalisation applied to the context (see :func:`~flaxheads.backbones.layers.attend`),
+  score matmul; softmax normalisation applied to the context (see :func:`~flaxheads.layers.attention.attend`),
 * a two-pass LayerNorm in the compute dtype,
 
 and nothing else: parameters, their names and shapes, dropout placement and the outputs
@@ -27,10 +27,14 @@ from typing import Any, Callable, ClassVar, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 
-from ..nn.activations import get_activation
+from ..layers.activations import get_activation
+from ..layers.attention import cross_attention, fused_qkv, self_attention
+from ..layers.dense import dense
+from ..layers.dropout import dropout
+from ..layers.init import HFInit
+from ..layers.masks import mask_bias, segment_bias
+from ..layers.norms import layer_norm_p
 from .base import Backbone, BackboneError, activation_problem
-from .layers import (HFInit, cross_attention, dense, dropout, fused_qkv, layer_norm_p, mask_bias, segment_bias,
-                     self_attention)
 
 #: ``model_type`` values whose encoder is BERT's (same tree, same math).
 SUPPORTED_MODEL_TYPES = ("bert",)
@@ -223,7 +227,7 @@ def run_layers(layers: Sequence[dict], x: jax.Array, attention_mask: jax.Array, 
 
     ``layers[i]`` is layer ``i``'s params (the same dict repeated shares weights across depth);
     ``rngs[i]`` its dropout key or None. ``segment_ids`` (packed rows): attention stays within
-    each text (:func:`~flaxheads.backbones.layers.segment_bias`) instead of following ``attention_mask``.
+    each text (:func:`~flaxheads.layers.masks.segment_bias`) instead of following ``attention_mask``.
     ``only_at [B]`` (a position per sequence): the last layer runs at that position alone
     (:func:`layer`'s ``queries``) and the result is ``[B, 1, H]``, what a one-token pooler reads."""
     bsz, t, _ = x.shape
@@ -292,7 +296,7 @@ class BertBackbone(Backbone):
 
     The params tree is HF ``FlaxBertModel``'s (``embeddings``, ``encoder/layer/<i>/...``), so
     checkpoints written with HF's Flax BERT load unchanged. ``attn_chunks`` splits attention
-    into independent batch chunks (speed only; see :func:`~flaxheads.backbones.layers.attention_chunks`).
+    into independent batch chunks (speed only; see :func:`~flaxheads.layers.attention.attention_chunks`).
 
     BERT-like families subclass it and change what differs: :attr:`layout` (the layer's
     weight names), :attr:`top_level` (the params tree's top-level modules, which are also

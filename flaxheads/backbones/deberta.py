@@ -23,9 +23,9 @@ What the PyTorch model computes (transformers 4.57 and 5.x alike), and so what t
 How: a relative distance depends only on ``i - j``, so for a sequence length ``T`` the table
 rows each diagonal of the ``[T, T]`` scores reads are numpy constants, built once per shape at
 trace time and shared by every layer (:func:`diagonal_rows`). A layer projects those ``2T - 1``
-rows, multiplies them with q (c2p) and k (p2c), and :func:`diagonals_to_keys` turns the
-``[.., T, 2T-1]`` per-diagonal scores into ``[.., T, T]`` with a reshape and a slice: no gather,
-and no scatter in the backward pass.
+rows, multiplies them with q (c2p) and k (p2c), and
+:func:`~flaxheads.layers.positions.diagonals_to_keys` turns the ``[.., T, 2T-1]`` per-diagonal
+scores into ``[.., T, T]`` with a reshape and a slice: no gather, and no scatter in the backward pass.
 
 transformers has no Flax DeBERTa; the params tree follows HF's PyTorch -> Flax naming rule
 (``kernel [in, out]``, ``embedding``, ``scale``; the convolution's ``kernel`` is Flax's ``[k, in/groups, out]``).
@@ -42,10 +42,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ..nn.activations import get_activation
+from ..layers.activations import get_activation
+from ..layers.dense import dense, embedding_lookup, matmul
+from ..layers.dropout import dropout
+from ..layers.init import HFInit
+from ..layers.norms import layer_norm_p
+from ..layers.positions import diagonals_to_keys, log_bucket
 from .base import Backbone, BackboneError, activation_problem
 from .bert import LayerLayout, _ffn, dropout_keys
-from .layers import HFInit, dense, dropout, embedding_lookup, layer_norm_p, matmul
 from .weights import pick, torch_from_tree, tree_from_torch
 
 #: A DeBERTa layer is a BERT layer whose attention projections are named ``*_proj``.
@@ -123,19 +127,6 @@ class Settings:
 
 
 # ---- relative positions ---------------------------------------------------------------------------------
-def log_bucket(rel: np.ndarray, buckets: int, max_position: int) -> np.ndarray:
-    """Relative distances ``rel`` in DeBERTa-v3's log buckets: exact within ``buckets // 2``, then
-    logarithmic up to ``max_position``. Evaluated in float32 as PyTorch evaluates transformers'
-    ``make_log_bucket_position`` (the ceil of a float32 log decides the bucket)."""
-    rel = np.asarray(rel, np.int64)
-    mid = buckets // 2
-    abs_pos = np.where((rel < mid) & (rel > -mid), mid - 1, np.abs(rel))
-    with np.errstate(divide="ignore", invalid="ignore"):
-        ratio = np.log(abs_pos.astype(np.float32) / np.float32(mid)) / np.log(np.float32((max_position - 1) / mid))
-        log_pos = np.ceil(ratio * np.float32(mid - 1)) + np.float32(mid)
-        return np.where(abs_pos <= mid, rel, log_pos * np.sign(rel)).astype(np.int64)
-
-
 def diagonal_rows(t: int, s: Settings) -> tuple[np.ndarray, np.ndarray]:
     """The relative-embedding rows c2p and p2c read on each diagonal ``n = j - i + t - 1`` of the
     ``[t, t]`` scores (query ``i``, key ``j``): ``(c2p_rows, p2c_rows)``, ``2t - 1`` indices each.
@@ -146,18 +137,6 @@ def diagonal_rows(t: int, s: Settings) -> tuple[np.ndarray, np.ndarray]:
     rel = log_bucket(m, s.buckets, s.max_relative) if s.buckets > 0 else m
     top = 2 * s.span - 1
     return np.clip(rel + s.span, 0, top), np.clip(s.span - rel, 0, top)
-
-
-def diagonals_to_keys(x: jax.Array) -> jax.Array:
-    """``y[..., i, j] = x[..., i, j - i + T - 1]`` for per-diagonal scores ``x [..., T, 2T-1]``: ``[..., T, T]``.
-
-    Row ``i`` of ``y`` is the length-``T`` window of row ``i`` of ``x`` starting at ``T - 1 - i``; in the
-    flattened array those windows sit at a stride of ``2T - 2``, so a slice and two reshapes cut them out."""
-    *lead, t, w = x.shape
-    if t == 1:
-        return x
-    flat = x.reshape(*lead, t * w)[..., t - 1:t - 1 + t * (w - 1)]
-    return flat.reshape(*lead, t, w - 1)[..., :t]
 
 
 # ---- layers ---------------------------------------------------------------------------------------------

@@ -26,11 +26,16 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ..nn.activations import get_activation
+from ..layers.activations import get_activation
+from ..layers.attention import attend_chunked
+from ..layers.dense import embedding_lookup, matmul
+from ..layers.dropout import dropout
+from ..layers.init import HFInit
+from ..layers.masks import mask_bias
+from ..layers.positions import apply_rotary
 from .base import Backbone, BackboneError, HFConfig
 from .bert import dropout_keys
 from .decoder_config import DEFAULTS, MODEL_TYPES, DecoderSpec, Rope, check_decoder_config, decoder_spec
-from .layers import HFInit, apply_rotary, attend_chunked, dropout, embedding_lookup, mask_bias, matmul
 
 TOP_LEVEL = ("embed_tokens", "layers", "norm")
 

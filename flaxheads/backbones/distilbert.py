@@ -21,10 +21,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..nn.activations import get_activation
+from ..layers.activations import get_activation
+from ..layers.init import HFInit
 from .base import BackboneError, activation_problem
 from .bert import BertBackbone, LayerLayout, Stack, bert_embeddings
-from .layers import HFInit
 
 DISTILBERT_LAYOUT = LayerLayout(
     query=("attention", "q_lin"), key=("attention", "k_lin"), value=("attention", "v_lin"),

@@ -12,8 +12,9 @@ from typing import Callable
 
 import jax
 
+from ..layers.dense import dense
+from ..layers.init import HFInit
 from .bert import BertBackbone, bert_embeddings
-from .layers import HFInit, dense
 
 
 def electra_embeddings(params: dict, *args, **kwargs) -> jax.Array:

@@ -28,10 +28,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ..nn.activations import get_activation
+from ..layers.activations import get_activation
+from ..layers.attention import fused_qkv, self_attention
+from ..layers.dropout import dropout
+from ..layers.init import HFInit
+from ..layers.masks import mask_bias
+from ..layers.norms import layer_norm_p
 from .base import Backbone, BackboneError, HFConfig, activation_problem
 from .bert import dropout_keys
-from .layers import HFInit, dropout, fused_qkv, layer_norm_p, mask_bias, self_attention
 
 #: The standard config names other code reads (``config.hidden_size``), as GPT2Config's attribute_map.
 ALIASES = {"hidden_size": "n_embd", "num_attention_heads": "n_head", "num_hidden_layers": "n_layer",

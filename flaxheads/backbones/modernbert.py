@@ -37,11 +37,16 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ..nn.activations import get_activation
+from ..layers.activations import get_activation
+from ..layers.attention import attend, attend_chunked
+from ..layers.dense import embedding_lookup, matmul
+from ..layers.dropout import dropout
+from ..layers.init import HFInit
+from ..layers.masks import mask_bias
+from ..layers.norms import layer_norm
+from ..layers.positions import apply_rotary, rotary_cos_sin
 from .base import Backbone, BackboneError, HFConfig, activation_problem
 from .bert import dropout_keys
-from .layers import (HFInit, apply_rotary, attend, attend_chunked, dropout, embedding_lookup, layer_norm, mask_bias,
-                     matmul, rotary_cos_sin)
 
 GLOBAL, LOCAL = "full_attention", "sliding_attention"
 #: ModernBertConfig's RoPE bases when a config names none.
@@ -194,8 +199,8 @@ def sliding_window_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_valid
 
 def global_attention(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, *, rate: float = 0.0,
                      rng: jax.Array | None = None, chunks: int | str = "auto") -> jax.Array:
-    """Attention to every unmasked key (``bias [B, 1, 1, T]``, :func:`~.layers.mask_bias`). Short
-    sequences: :func:`~.layers.attend_chunked`. When one ``[B, nh, T, T]`` score tensor would pass
+    """Attention to every unmasked key (``bias [B, 1, 1, T]``, :func:`~flaxheads.layers.masks.mask_bias`). Short
+    sequences: :func:`~flaxheads.layers.attention.attend_chunked`. When one ``[B, nh, T, T]`` score tensor would pass
     64 MiB, the queries go in chunks through ``lax.map``, each chunk recomputed in the backward pass
     (``jax.checkpoint``): memory O(chunk x T) in both passes, same values."""
     b, t, nh, d = q.shape

@@ -14,14 +14,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from ..layers.positions import roberta_position_ids
 from .base import BackboneError
 from .bert import BertBackbone
-
-
-def roberta_position_ids(input_ids: jax.Array, padding_idx: int) -> jax.Array:
-    """``padding_idx + 1 + (number of non-pad tokens before)`` at non-pad tokens, ``padding_idx`` at pads."""
-    keep = (input_ids != padding_idx).astype(jnp.int32)
-    return jnp.cumsum(keep, axis=1) * keep + padding_idx
 
 
 class RobertaBackbone(BertBackbone):

@@ -1,1 +1,1 @@
-"""Poolers, heads and activations: Flax linen modules of (hidden states, mask) and of a vector."""
+"""Poolers and heads: Flax linen modules of (hidden states, mask) and of a vector."""

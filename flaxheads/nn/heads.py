@@ -12,10 +12,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from .activations import get_activation
 from ..config import register
 from .poolers import Pooler
 from ..errors import ConfigError
+from ..layers.activations import get_activation
 
 
 def _check_positive(what: str, v: int) -> None:

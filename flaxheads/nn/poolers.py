@@ -15,9 +15,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from .activations import get_activation
 from ..config import register
 from ..errors import ConfigError
+from ..layers.activations import get_activation
 
 _EPS = 1e-9  # sentence-transformers clamps token counts to this
 

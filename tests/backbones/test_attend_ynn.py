@@ -1,4 +1,4 @@
-"""Attention arranged for YNNPACK's fusions beside oneDNN's dots (``layers.attend_ynn``): chosen
+"""Attention arranged for YNNPACK's fusions beside oneDNN's dots (``layers.attention.attend_ynn``): chosen
 only where the process's flags give oneDNN the dots and YNNPACK the reductions, without dropout;
 the values of the plain arrangement, and its derivatives exactly.
 
@@ -13,8 +13,9 @@ import jax
 import jax.numpy as jnp
 
 from flaxheads import runtime
-from flaxheads.backbones import layers
-from flaxheads.backbones.layers import attend_chunked, attend_plain, attend_ynn, attention_impl, mask_bias, segment_bias
+from flaxheads.layers import attention
+from flaxheads.layers.attention import attend_chunked, attend_plain, attend_ynn, attention_impl
+from flaxheads.layers.masks import mask_bias, segment_bias
 
 B, T, NH, D = 3, 24, 4, 8
 
@@ -31,7 +32,7 @@ def qkv():
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the arrangement is XLA:CPU's")
 def test_chosen_with_onednn_dots_and_ynnpack_reductions_only(monkeypatch):
-    monkeypatch.delenv(layers.ATTENTION_ENV, raising=False)
+    monkeypatch.delenv(attention.ATTENTION_ENV, raising=False)
     monkeypatch.setenv("XLA_FLAGS", " ".join(runtime.ONEDNN_FLAGS))
     assert attention_impl() == "ynn"
     assert attention_impl(0.1, jax.random.PRNGKey(0)) == "plain"  # dropout: the unfused arrangement
@@ -40,7 +41,7 @@ def test_chosen_with_onednn_dots_and_ynnpack_reductions_only(monkeypatch):
     assert attention_impl() == "plain"
     monkeypatch.setenv("XLA_FLAGS", " ".join(runtime.CPU_FLAGS))
     assert attention_impl() == "cpu"
-    monkeypatch.setenv(layers.ATTENTION_ENV, "ynn")
+    monkeypatch.setenv(attention.ATTENTION_ENV, "ynn")
     assert attention_impl() == "ynn"  # asked for by name
 
 
@@ -75,7 +76,7 @@ def test_packed_rows_and_bfloat16(qkv):
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the arrangement is XLA:CPU's")
 def test_chunked_attention_takes_no_groups_with_it(monkeypatch):
     """Groups were measured for oneDNN's softmax; YNNPACK's fused attention ran faster without them."""
-    monkeypatch.delenv(layers.ATTENTION_ENV, raising=False)
+    monkeypatch.delenv(attention.ATTENTION_ENV, raising=False)
     big = jax.ShapeDtypeStruct((4, 768, 4, 8), jnp.float32)  # 37.7 MB of scores: past where groups start
     bias = jax.ShapeDtypeStruct((4, 1, 1, 768), jnp.float32)
     loops = {}
@@ -88,7 +89,7 @@ def test_chunked_attention_takes_no_groups_with_it(monkeypatch):
 @pytest.mark.parametrize("causal", [False, True])
 def test_values_equal_pytorch_sdpa(qkv, causal):
     """Against ``torch.nn.functional.scaled_dot_product_attention`` with the same additive mask
-    (q is already scaled, as :func:`layers.fused_qkv` leaves it, so ``scale=1``)."""
+    (q is already scaled, as :func:`flaxheads.layers.attention.fused_qkv` leaves it, so ``scale=1``)."""
     torch = pytest.importorskip("torch")
     q, k, v, bias = qkv
     mask = np.broadcast_to(np.asarray(bias), (B, 1, T, T)).copy()

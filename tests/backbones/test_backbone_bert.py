@@ -11,7 +11,7 @@ import flaxheads as fh
 from flaxheads import runtime
 from flaxheads.backbones import hf_flax
 from flaxheads.backbones.bert import BertBackbone, encode
-from flaxheads.backbones.layers import attention_chunks
+from flaxheads.layers.attention import attention_chunks
 from flaxheads.backbones.registry import load_backbone
 from tests.hf_tiny import padded_batch, tiny_torch_model
 
@@ -104,7 +104,7 @@ def test_chunked_attention_gradients_equal_unchunked(tiny_bert):
 def test_cpu_attention_equals_textbook_attention(rate):
     """The CPU arrangement (bias inside the matmul, normalisation after ``P @ V``, dropout on the
     unnormalised weights) equals softmax(q k^T + bias) -> dropout -> @ v, values and gradients."""
-    from flaxheads.backbones.layers import attend as _attend, attend_plain as _attend_plain
+    from flaxheads.layers.attention import attend as _attend, attend_plain as _attend_plain
 
     ks = jax.random.split(jax.random.PRNGKey(0), 4)
     q, k, v = (jax.random.normal(ks[i], (2, 7, 3, 4)) for i in range(3))
@@ -178,8 +178,8 @@ def test_layer_norm_and_gelu_equal_references(monkeypatch, xla_flags):
 
     monkeypatch.setenv("XLA_FLAGS", xla_flags)
 
-    from flaxheads.nn.activations import gelu_exact
-    from flaxheads.backbones.layers import layer_norm
+    from flaxheads.layers.activations import gelu_exact
+    from flaxheads.layers.norms import layer_norm
 
     k = jax.random.split(jax.random.PRNGKey(0), 4)
     x = 3.0 * jax.random.normal(k[0], (5, 7, 32)) + 1.0
@@ -213,7 +213,7 @@ def test_layer_norm_and_gelu_equal_references(monkeypatch, xla_flags):
 def test_dropout_masks_are_unbiased_and_independent():
     """The counter-hash dropout bits: right keep rate, inverted scaling, no correlation between
     neighbours or keys, every bit fair, a pure function of the key."""
-    from flaxheads.backbones.layers import dropout as _dropout, random_bits as _random_bits
+    from flaxheads.layers.dropout import dropout as _dropout, random_bits as _random_bits
 
     bits = np.asarray(_random_bits(jax.random.PRNGKey(0), (512, 1024)), np.uint64)
     u = bits / 2.0 ** 32

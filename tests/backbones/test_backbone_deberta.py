@@ -25,6 +25,7 @@ from flaxheads.backbones.base import BackboneError, HFConfig  # noqa: E402
 from flaxheads.backbones.deberta import DebertaV2Backbone  # noqa: E402
 from flaxheads.backbones.registry import load_backbone  # noqa: E402
 from flaxheads.backbones.weights import read_state_dict  # noqa: E402
+from flaxheads.layers.positions import diagonals_to_keys  # noqa: E402
 from hf_tiny import (DROPOUT_SITES, P, check_bf16_and_remat, check_dropout_site,  # noqa: E402
                      check_export, check_gradients, check_hidden_states, check_logits, check_train_needs_key,
                      edited_copy, padded_batch, reweight, save_tiny)
@@ -130,7 +131,7 @@ def test_relative_tables_are_transformers(buckets, max_rel, t):
     rel = build_relative_position(x, x, bucket_size=buckets, max_position=max_rel)[0].numpy()
     span = s.span
     c2p_rows, p2c_rows = deberta.diagonal_rows(t, s)
-    lay = lambda rows: np.asarray(deberta.diagonals_to_keys(jnp.broadcast_to(jnp.asarray(rows), (t, 2 * t - 1))))
+    lay = lambda rows: np.asarray(diagonals_to_keys(jnp.broadcast_to(jnp.asarray(rows), (t, 2 * t - 1))))
     np.testing.assert_array_equal(lay(c2p_rows), np.clip(rel + span, 0, 2 * span - 1))
     np.testing.assert_array_equal(lay(p2c_rows), np.clip(-rel + span, 0, 2 * span - 1))  # [key, query]
 

@@ -67,7 +67,8 @@ def test_position_and_token_type_inputs_match_pytorch(tiny):
 def test_causal_attention_both_arrangements(rate):
     """``attend(causal=True)`` (CPU arrangement) and ``attend_plain(causal=True)`` (other backends)
     agree in values and gradients, and without dropout equal a NumPy masked softmax."""
-    from flaxheads.backbones.layers import attend, attend_plain, mask_bias
+    from flaxheads.layers.attention import attend, attend_plain
+    from flaxheads.layers.masks import mask_bias
 
     ks = jax.random.split(jax.random.PRNGKey(0), 4)
     q, k, v = (jax.random.normal(ks[i], (2, 6, 3, 4)) for i in range(3))

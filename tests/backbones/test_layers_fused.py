@@ -9,9 +9,9 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from flaxheads.backbones import layers
-from flaxheads.backbones.layers import (attend, attend_chunked, attend_fused, attend_plain, attention_impl, mask_bias,
-                                        segment_bias)
+from flaxheads.layers import attention
+from flaxheads.layers.attention import attend, attend_chunked, attend_fused, attend_plain, attention_impl
+from flaxheads.layers.masks import mask_bias, segment_bias
 from flaxheads.errors import ConfigError
 
 B, T, NH, D = 3, 8, 2, 8
@@ -133,25 +133,25 @@ def test_cross_length_causal_aligns_queries_with_the_last_keys():
 
 
 def test_attention_impl_policy(monkeypatch):
-    monkeypatch.delenv(layers.ATTENTION_ENV, raising=False)
+    monkeypatch.delenv(attention.ATTENTION_ENV, raising=False)
     assert jax.default_backend() == "cpu"
     assert attention_impl() == "cpu"
     assert attention_impl(want="fused") == "fused"
     # attention dropout has no fused kernel: the backend's unfused arrangement
     assert attention_impl(0.1, jax.random.key(0), want="fused") == "cpu"
     assert attention_impl(0.1, None, want="fused") == "fused"  # no rng: no dropout
-    monkeypatch.setenv(layers.ATTENTION_ENV, "plain")
+    monkeypatch.setenv(attention.ATTENTION_ENV, "plain")
     assert attention_impl() == "plain"
     assert attention_impl(want="fused") == "fused"  # the argument wins over the variable
-    monkeypatch.setenv(layers.ATTENTION_ENV, "flash")
+    monkeypatch.setenv(attention.ATTENTION_ENV, "flash")
     with pytest.raises(ConfigError, match="FLAXHEADS_ATTENTION"):
         attention_impl()
 
 
 def test_attend_dispatch_and_chunks(monkeypatch):
     calls = []
-    real = layers.attend_fused
-    monkeypatch.setattr(layers, "attend_fused", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = attention.attend_fused
+    monkeypatch.setattr(attention, "attend_fused", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     q, k, v = _qkv(seed=5)
     bias = mask_bias(_key_mask(), jnp.float32)
     want = attend_chunked(q, k, v, bias, chunks=3, impl="cpu")
@@ -169,9 +169,9 @@ def test_backbone_with_fused_attention_matches_pytorch(tmp_path, monkeypatch, ar
     from tests.hf_tiny import check_hidden_states, save_tiny
 
     calls = []
-    real = layers.attend_fused
-    monkeypatch.setattr(layers, "attend_fused", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    monkeypatch.setenv(layers.ATTENTION_ENV, "fused")
+    real = attention.attend_fused
+    monkeypatch.setattr(attention, "attend_fused", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setenv(attention.ATTENTION_ENV, "fused")
     path, pt = save_tiny(tmp_path, arch)
     check_hidden_states(path, pt, arch, side=side)
     assert calls, "the fused path did not run"

@@ -1,4 +1,4 @@
-"""Attention in sequential batch groups (``layers.attention_groups``, with oneDNN's dots on CPU):
+"""Attention in sequential batch groups (``layers.attention.attention_groups``, with oneDNN's dots on CPU):
 the same values and gradients as one pass over the batch.
 
 The flags are only read when a program is traced, so setting them in ``XLA_FLAGS`` here changes
@@ -12,8 +12,9 @@ import jax
 import jax.numpy as jnp
 
 from flaxheads import runtime
-from flaxheads.backbones import layers
-from flaxheads.backbones.layers import attend_chunked, attend_plain, attention_groups, mask_bias, segment_bias
+from flaxheads.layers import attention
+from flaxheads.layers.attention import attend_chunked, attend_plain, attention_groups
+from flaxheads.layers.masks import mask_bias, segment_bias
 
 B, T, NH, D = 4, 768, 4, 8  # 37.7 MB of float32 scores: past the 32 MiB where groups start
 
@@ -21,7 +22,7 @@ B, T, NH, D = 4, 768, 4, 8  # 37.7 MB of float32 scores: past the 32 MiB where g
 @pytest.fixture
 def onednn(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", " ".join(runtime.ONEDNN_ALONE_FLAGS))
-    monkeypatch.delenv(layers.ATTENTION_ENV, raising=False)
+    monkeypatch.delenv(attention.ATTENTION_ENV, raising=False)
 
 
 def test_groups_only_with_onednn_dots_and_large_scores(monkeypatch):
@@ -78,7 +79,7 @@ def test_grouped_self_attention_equals_one_pass(onednn):
         return attend_plain(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], bias, 0.0, None).reshape(B * T, h)
 
     def grouped(x, w):
-        return layers.self_attention(x, w, b, bias, num_heads=NH, batch=B)
+        return attention.self_attention(x, w, b, bias, num_heads=NH, batch=B)
     assert " scan[" in str(jax.make_jaxpr(grouped)(x, w))
     np.testing.assert_allclose(jax.jit(grouped)(x, w), jax.jit(one_pass)(x, w), atol=2e-6, rtol=1e-5)
     gg = jax.jit(jax.grad(lambda x, w: jnp.sum(grouped(x, w) ** 2), argnums=(0, 1)))(x, w)

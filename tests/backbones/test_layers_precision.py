@@ -8,7 +8,10 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from flaxheads.backbones.layers import attend, layer_norm, mask_bias, matmul
+from flaxheads.layers.attention import attend
+from flaxheads.layers.dense import matmul
+from flaxheads.layers.masks import mask_bias
+from flaxheads.layers.norms import layer_norm
 
 H = 16
 
@@ -142,7 +145,9 @@ def test_bf16_matmul_backward_dots_stay_bf16_with_untransposed_lhs():
 _ONEDNN_CHECK = """
 import json
 import numpy as np, jax, jax.numpy as jnp
-from flaxheads.backbones.layers import attend, attention_impl, mask_bias, matmul
+from flaxheads.layers.attention import attend, attention_impl
+from flaxheads.layers.dense import matmul
+from flaxheads.layers.masks import mask_bias
 r = np.random.default_rng(0)
 x = jnp.asarray(r.normal(size=(256, 256)), jnp.bfloat16)  # above oneDNN's size threshold (2^24 flops)
 kernel = jnp.asarray(r.normal(size=(256, 512)) * 0.05, jnp.float32)

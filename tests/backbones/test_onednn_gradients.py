@@ -39,7 +39,7 @@ import json, sys
 import jax, jax.numpy as jnp, numpy as np
 from flaxheads.backbones.registry import load_backbone
 
-from flaxheads.backbones.layers import attention_impl
+from flaxheads.layers.attention import attention_impl
 jobs, out, what = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
 grads, calls = {}, 0
 for (arch, path), dtype in [(j, d) for j in jobs for d in ("float32", "bfloat16")]:

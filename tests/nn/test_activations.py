@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from flaxheads import runtime
-from flaxheads.nn.activations import get_activation
+from flaxheads.layers.activations import get_activation
 
 NAMES = ("gelu", "gelu_new", "gelu_pytorch_tanh", "silu", "swish", "quick_gelu")
 

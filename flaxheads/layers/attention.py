@@ -1,12 +1,13 @@
-"""Pieces every backbone family shares: LayerNorm, dense, dropout and attention, as pure functions.
+"""Multi-head attention as pure functions: the arrangements (CPU-tuned, plain, fused, YNNPACK's),
+the one place that picks among them (:func:`attention_impl`), batch chunks and sequential groups,
+the causal mask and the fused q/k/v projection.
 
-Written for XLA:CPU first (each choice measured on MiniLM; see docs/performance.md) and
-equal in value to the textbook forms, which accelerators get where the CPU arrangement
-was never measured.
+Written for XLA:CPU first (each choice measured on MiniLM; see docs/performance.md) and equal in
+value to the textbook form, which accelerators get where the CPU arrangement was never measured.
+The key masks it takes come from :mod:`flaxheads.layers.masks`.
 """
 from __future__ import annotations
 
-import math
 import os
 from functools import partial
 
@@ -15,168 +16,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..errors import ConfigError
-from ..runtime import layer_norm_dots, onednn_dots, ynn_attention
-
-
-@partial(jax.custom_jvp, nondiff_argnums=(3,))
-def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
-    """LayerNorm over the last axis (two-pass variance, as accurate as PyTorch's), in ``x``'s dtype.
-
-    bfloat16/float16 activations are normalised in float32 (mean, variance, scale and shift) and
-    rounded once at the end, as PyTorch's autocast runs ``layer_norm``. The explicit derivative
-    keeps only the normalised ``x`` and ``1/std`` for the backward pass, where autodiff of the
-    formula keeps more and runs more passes over the activation (~3% of a BERT train step on
-    CPU). Forward and reverse mode both work.
-
-    Without derivatives, on the CPU where :func:`flaxheads.runtime.layer_norm_dots` says so, the
-    mean and variance are products with a ``1/n`` column instead of reductions (same values to
-    rounding). The derivative keeps the reductions: the products made no difference to train steps
-    (AMD EPYC with AVX2, 16 x 128: 0.99x the step time, packed 1 x 64: 1.03x)."""
-    xh, _ = _layer_norm_parts(x, eps, products=jax.default_backend() == "cpu" and layer_norm_dots())
-    return (xh * scale + bias).astype(x.dtype)
-
-
-def _layer_norm_parts(x, eps, products: bool = False):
-    x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
-    if products:
-        column = jnp.full((x.shape[-1], 1), 1.0 / x.shape[-1], x.dtype)
-        mean = jnp.matmul(x, column, precision=lax.Precision.HIGHEST)
-        xc = x - mean
-        rstd = lax.rsqrt(jnp.matmul(xc * xc, column, precision=lax.Precision.HIGHEST) + eps)
-        return xc * rstd, rstd
-    mean = jnp.mean(x, axis=-1, keepdims=True)
-    xc = x - mean
-    rstd = lax.rsqrt(jnp.mean(xc * xc, axis=-1, keepdims=True) + eps)
-    return xc * rstd, rstd
-
-
-@layer_norm.defjvp
-def _layer_norm_jvp(eps, primals, tangents):
-    x, scale, bias = primals
-    dx, dscale, dbias = tangents
-    xh, rstd = _layer_norm_parts(x, eps)
-    dx = dx.astype(xh.dtype)
-    dxc = dx - jnp.mean(dx, axis=-1, keepdims=True)
-    dxh = rstd * (dxc - xh * jnp.mean(xh * dxc, axis=-1, keepdims=True))
-    return (xh * scale + bias).astype(x.dtype), (dxh * scale + xh * dscale + dbias).astype(x.dtype)
-
-
-def layer_norm_p(x: jax.Array, p: dict, eps: float) -> jax.Array:
-    return layer_norm(x, p["scale"], p["bias"], eps)
-
-
-def _matmul(x: jax.Array, kernel: jax.Array) -> jax.Array:
-    return x @ kernel.astype(x.dtype)
-
-
-def _transposed(x2d: jax.Array) -> jax.Array:
-    """``x2d.T`` as a row-major copy: written through a rank-3 transpose, which XLA does not fold
-    into the consuming dot as a transposed operand (see :func:`_matmul_cpu16`)."""
-    m, k = x2d.shape
-    return x2d.reshape(m, k, 1).transpose(1, 2, 0).reshape(k, m)
-
-
-def float32_products() -> bool:
-    """Whether bf16 products here should ask for float32 outputs (``preferred_element_type``):
-    yes, except on the CPU backend with oneDNN's dots (:func:`flaxheads.runtime.onednn_dots`), which
-    run bf16 x bf16 -> float32 products converted, ~10x slower than bf16 -> bf16 (Intel Xeon with
-    AMX, jax 0.12, 4096 x 384 x 1536: 18.4 vs 1.6 ms). Read at trace time."""
-    return not (jax.default_backend() == "cpu" and onednn_dots())
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _matmul_cpu16(x: jax.Array, kernel: jax.Array, f32_out: bool) -> jax.Array:
-    """:func:`_matmul` with a backward pass laid out for XLA:CPU's 16-bit dots.
-
-    The autodiff backward of ``x @ w`` has ``g @ w.T`` and ``x.T @ g``. XLA:CPU's YNNPACK runs a
-    bf16 dot natively when its left operand is not transposed, and converted both to float32 at
-    half the speed (AMD EPYC with AVX512-BF16, jax 0.12, 4096 x 384 x 1536: forward 5.7 ms,
-    ``dx`` 11.4 ms, ``dW`` 12.2 ms). Asking for float32 outputs (as the accumulators are anyway)
-    and giving ``dW`` a physically transposed ``x`` keeps them in bf16: ``dx`` 6.0 ms, ``dW``
-    5.6 ms. With oneDNN's dots (``f32_out=False``, :func:`float32_products`) the products keep
-    bf16 outputs and ``dW`` still gets the transposed copy (Intel Xeon with AMX: ``dW`` 4.6 ->
-    3.0 ms). ``dW`` is returned in the kernel's own dtype (float32 master weights)."""
-    return _matmul(x, kernel)
-
-
-def _matmul_cpu16_fwd(x, kernel, f32_out):
-    return _matmul(x, kernel), (x, kernel)
-
-
-def _matmul_cpu16_bwd(f32_out, res, g):
-    x, kernel = res
-    k, n = kernel.shape
-    x2, g2 = x.reshape(-1, k), g.reshape(-1, n)
-    out = jnp.float32 if f32_out else None
-    dx = lax.dot_general(g2, kernel.astype(x.dtype), (((1,), (1,)), ((), ())), preferred_element_type=out)
-    dk = lax.dot_general(_transposed(x2), g2, (((1,), (0,)), ((), ())), preferred_element_type=out)
-    return dx.astype(x.dtype).reshape(x.shape), dk.astype(kernel.dtype)
-
-
-_matmul_cpu16.defvjp(_matmul_cpu16_fwd, _matmul_cpu16_bwd)
-
-
-def matmul(x: jax.Array, kernel: jax.Array) -> jax.Array:
-    """``x [..., in] @ kernel [in, out]`` in ``x``'s dtype (the kernel is cast: float32 master
-    weights, bf16 compute). The one place a backbone's dense layers multiply: on the CPU backend
-    with bfloat16 activations the backward pass is arranged by :func:`_matmul_cpu16` (forward-mode
-    differentiation, ``jax.jvp``, is not defined there); elsewhere it is the plain product."""
-    if x.dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
-        return _matmul_cpu16(x, kernel, float32_products())
-    return _matmul(x, kernel)
-
-
-def dense(x: jax.Array, p: dict) -> jax.Array:
-    return matmul(x, p["kernel"]) + p["bias"].astype(x.dtype)
-
-
-def embedding_lookup(table: jax.Array, ids: jax.Array, padding_idx: int | None = None) -> jax.Array:
-    """``table[ids]``; with ``padding_idx``, the rows looked up for that id get no gradient, as
-    PyTorch's ``nn.Embedding(padding_idx=...)`` (the padding vector stays as trained, however
-    many pad tokens a batch holds)."""
-    x = jnp.take(table, ids, axis=0)
-    if padding_idx is None:
-        return x
-    return jnp.where((ids == padding_idx)[..., None], lax.stop_gradient(x), x)
-
-
-def random_bits(rng: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """Uniform uint32 bits for a dropout mask: a SplitMix32-style counter hash keyed by ``rng``.
-
-    Why not ``jax.random.bernoulli``: threefry's 20 rounds per word cost ~10% of a MiniLM
-    train step on CPU, and XLA's own Philox (``lax.rng_bit_generator``) is slower still
-    there. This is a Weyl sequence over the element index, offset by the 64-bit key and
-    finished with two rounds of murmur3's fmix32 avalanche: a handful of integer ops that
-    XLA fuses into the dropout multiply, so the bits are never stored. Keys still come from
-    ``jax.random`` (one per layer), and the bits are a pure function of ``rng``, so a
-    resumed run reproduces an uninterrupted one. Statistical checks live in the tests."""
-    if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
-        rng = jax.random.key_data(rng)
-    key = rng.reshape(-1).astype(jnp.uint32)
-    k0, k1 = key[0], key[-1]
-    size = math.prod(shape)
-    if size >= 2 ** 32:
-        raise ValueError(f"dropout on {size} elements at once is not supported (at most 2**32 - 1)")
-    idx = lax.iota(jnp.uint32, size).reshape(shape) if shape else jnp.uint32(0)
-
-    def fmix(h):
-        h = h ^ (h >> 16)
-        h = h * jnp.uint32(0x85EBCA6B)
-        h = h ^ (h >> 13)
-        h = h * jnp.uint32(0xC2B2AE35)
-        return h ^ (h >> 16)
-
-    h = fmix(idx * jnp.uint32(0x9E3779B9) + k0)
-    return fmix(h ^ k1)
-
-
-def dropout(x: jax.Array, rate: float, rng: jax.Array | None) -> jax.Array:
-    if rng is None or rate == 0.0:
-        return x
-    # keep with probability 1 - rate (to 2**-32), inverted scaling as in HF / PyTorch.
-    threshold = jnp.uint32(min(int(round((1.0 - rate) * 2.0 ** 32)), 2 ** 32 - 1))
-    keep = random_bits(rng, x.shape) < threshold
-    return x * (keep.astype(x.dtype) * jnp.asarray(1.0 / (1.0 - rate), x.dtype))
+from ..runtime import onednn_dots, ynn_attention
+from .dense import float32_products, matmul
+from .dropout import dropout
 
 
 #: Target size of one attention chunk's score tensor. Chunks that fit in cache cost less
@@ -266,7 +108,7 @@ def attention_impl(rate: float = 0.0, rng: jax.Array | None = None, want: str | 
 
     ``want`` (else ``$FLAXHEADS_ATTENTION``, else ``"auto"``): ``"auto"`` is ``"fused"`` on GPU,
     ``"cpu"`` on CPU (with oneDNN's dots, where the CPU arrangement's products are the slow kind
-    (:func:`float32_products`), ``"ynn"`` where YNNPACK takes the reductions
+    (:func:`~.dense.float32_products`), ``"ynn"`` where YNNPACK takes the reductions
     (:func:`flaxheads.runtime.ynn_attention`), else ``"plain"``) and ``"plain"`` elsewhere.
     Attention dropout (``rate > 0`` with an ``rng``) always gets the unfused arrangement of its
     backend, whatever was asked: the fused kernels have no dropout, and dropping the
@@ -301,7 +143,7 @@ def attend_fused(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, caus
     kernel on GPU (:func:`_fused_kernel`), XLA's arrangement with ``implementation="xla"``.
 
     ``q`` is already scaled (:func:`fused_qkv`), so ``scale=1``. ``bias`` holds 0 (attend) or a
-    large negative (hidden), as :func:`mask_bias` ``[B, 1, 1, Tk]`` and :func:`segment_bias`
+    large negative (hidden), as :func:`~.masks.mask_bias` ``[B, 1, 1, Tk]`` and :func:`~.masks.segment_bias`
     ``[B, 1, Tq, Tk]`` give; it becomes the boolean mask the kernels take. A query that sees
     no key gets the mean of ``v`` over all keys, which is what the additive bias gives
     (uniform softmax): finite whatever the kernel does with an empty row. Such a query is
@@ -356,7 +198,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, rate: floa
     if how == "ynn":
         return attend_ynn(q, k, v, bias, causal)
     if how == "plain" or bias.shape[-2] != 1:
-        # a per-query mask (packed rows, :func:`segment_bias`) cannot ride in the score matmul
+        # a per-query mask (packed rows, :func:`~.masks.segment_bias`) cannot ride in the score matmul
         return attend_plain(q, k, v, bias, rate, rng, causal)
     b, t, nh, _ = k.shape
     key_bias = jnp.broadcast_to(lax.stop_gradient(bias).reshape(b, t, 1, 1), (b, t, nh, 1)).astype(k.dtype)
@@ -528,63 +370,3 @@ def in_groups(fn, groups: int, rng: jax.Array | None, *arrays: jax.Array) -> jax
     grouped = (a.reshape(groups, batch // groups, *a.shape[1:]) for a in arrays)
     out = lax.map(jax.checkpoint(group), (jnp.arange(groups), *grouped))
     return out.reshape(batch, *out.shape[2:])
-
-
-def rotary_cos_sin(positions: jax.Array, dim: int, theta: float, dtype=jnp.float32) -> tuple[jax.Array, jax.Array]:
-    """``cos, sin [..., T, dim]`` of rotary position embeddings (HF's ``"default"`` RoPE) for
-    integer ``positions [..., T]``: frequencies ``theta ** (-2i / dim)``, each repeated for both
-    halves of the head dim. Computed in float32 whatever ``dtype`` (as HF does), then cast."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
-    freqs = jnp.asarray(positions).astype(jnp.float32)[..., None] * inv_freq
-    emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
-
-
-def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """``x [B, T, nh, d]`` rotated by :func:`rotary_cos_sin`'s ``cos, sin [T, d]`` or ``[B, T, d]``:
-    ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = [-x2, x1]`` over the two halves of
-    the head dim (HF's / GPT-NeoX's layout, not the interleaved pairs of the original RoPE)."""
-    x1, x2 = jnp.split(x, 2, axis=-1)
-    rotated = jnp.concatenate([-x2, x1], axis=-1)
-    return x * cos[..., None, :].astype(x.dtype) + rotated * sin[..., None, :].astype(x.dtype)
-
-
-def segment_bias(segment_ids: jax.Array, dtype) -> jax.Array:
-    """Additive block-diagonal mask ``[B, 1, T, T]`` for rows that pack several texts:
-    ``segment_ids [B, T]`` numbers each text's tokens ``1, 2, ...`` and padding ``0``; a token
-    attends to the tokens of its own text only (a padding query sees nothing: finite, unused)."""
-    same = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (segment_ids[:, None, :] > 0)
-    return jnp.where(same[:, None], 0.0, jnp.finfo(dtype).min).astype(dtype)
-
-
-def mask_bias(attention_mask: jax.Array, dtype) -> jax.Array:
-    """Additive key mask ``[B, 1, 1, T]``: 0 where attended, the dtype's lowest value where masked.
-
-    HF uses ``finfo(dtype).min``; any large negative gives the same softmax, and a fully
-    masked row stays finite (uniform) instead of NaN."""
-    return jnp.where(attention_mask[:, None, None, :] > 0, 0.0, jnp.finfo(dtype).min).astype(dtype)
-
-
-class HFInit:
-    """Fresh params as Hugging Face initialises its models: ``normal(std)`` kernels and
-    embeddings, zero biases, unit norm scales. Each draw has its own key (``fold_in`` of a
-    counter), so the params are a pure function of ``rng``; under ``jax.eval_shape`` nothing
-    is allocated (how backbones learn their params' shapes)."""
-
-    def __init__(self, rng: jax.Array, std: float = 0.02):
-        self.rng, self.std, self._n = rng, float(std), 0
-
-    def normal(self, shape: tuple[int, ...]) -> jax.Array:
-        self._n += 1
-        return self.std * jax.random.normal(jax.random.fold_in(self.rng, self._n), shape)
-
-    def dense(self, n_in: int, n_out: int, bias: bool = True) -> dict:
-        """A Flax ``Dense``: ``kernel [in, out]`` (+ ``bias``)."""
-        return {"kernel": self.normal((n_in, n_out)), **({"bias": jnp.zeros(n_out)} if bias else {})}
-
-    def embedding(self, num: int, dim: int) -> dict:
-        return {"embedding": self.normal((num, dim))}
-
-    def norm(self, dim: int, bias: bool = True) -> dict:
-        """A LayerNorm: ``scale`` ones (+ ``bias`` zeros)."""
-        return {"scale": jnp.ones(dim), **({"bias": jnp.zeros(dim)} if bias else {})}
