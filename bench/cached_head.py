@@ -55,7 +55,9 @@ def main(argv=None):
     from transformers import AutoModel, AutoTokenizer
 
     import flaxheads as fh
-    from flaxheads.training.data import bbc_news_path, load_class_folder, make_buckets, split_indices, tokenize
+    from flaxheads.batching import make_buckets
+    from flaxheads.tables import bbc_news_path, load_class_folder
+    from flaxheads.training.data import split_indices, tokenize
     from flaxheads.training.features import cache_features, encode_groups
     from flaxheads.training.optim import OptimConfig, make_optimizer
     from flaxheads.training.sweep import Variant, grid, sweep

@@ -169,7 +169,7 @@ def jit_train_step(step):
     """``step(state, batch)`` jitted as flaxheads jits its train steps on one device
     (``Parallel.compile(..., gradients=True)``: state donated, the train steps' compiler options);
     a JAX peer in the same bench gets the same."""
-    from flaxheads.training.parallel import Parallel
+    from flaxheads.parallel import Parallel
 
     return Parallel().compile(step, gradients=True)
 

@@ -17,3 +17,9 @@ class UsageError(FlaxheadsError):
 
 class ConfigError(FlaxheadsError):
     """A pooler, head, loss or model setting that is unknown, malformed or inconsistent with another."""
+
+
+class TrainingError(FlaxheadsError):
+    """A training or device-placement setting or input that cannot work (parallel mode, mesh,
+    optimizer, packing, ...); the message says which and how to fix it. Bad data has its own,
+    :class:`flaxheads.tables.DataError`."""

@@ -121,7 +121,7 @@ def test_lexicon_csv_reads_back_verbatim(tmp_path):
     pytest.importorskip("vaderSentiment")
     import csv
 
-    from flaxheads.training.tables import load_table
+    from flaxheads.tables import load_table
 
     path = e2e.lexicon_csv(tmp_path)
     with open(path, newline="", encoding="utf-8") as f:

@@ -20,10 +20,9 @@ import flaxheads as fh  # noqa: E402
 from flaxheads.checkpoint import IncompatibleCheckpointError, RunCheckpointer  # noqa: E402
 from flaxheads.checkpoint.adapters import load_adapters  # noqa: E402
 from flaxheads.checkpoint.inspect import format_meta  # noqa: E402
-from flaxheads.errors import ConfigError  # noqa: E402
+from flaxheads.errors import ConfigError, TrainingError  # noqa: E402
 from flaxheads.interop.peft import ADAPTER_CONFIG, export_peft  # noqa: E402
 from flaxheads.lora import LoraConfig, adapter_modules, merge_model  # noqa: E402
-from flaxheads.training.errors import TrainingError  # noqa: E402
 from flaxheads.training.optim import OptimConfig, make_optimizer  # noqa: E402
 from flaxheads.training.steps import create_state, make_train_step  # noqa: E402
 from hf_tiny import padded_batch, save_tiny  # noqa: E402

@@ -16,16 +16,17 @@ from .. import __version__
 from ..errors import UsageError
 from ..hub import PACKAGED_MODEL, resolve_model_source
 from ..interop.tokenizers import load_tokenizer, model_max_positions
+from ..batching import make_buckets
 from ..model import SequenceModel, from_pretrained
+from ..parallel import Parallel
 from ..runtime import Precision, choose_precision
+from ..tables import LabelSpace
 from ..training import loop
-from ..training.data import (SPLITS, DataConfig, LabelSpace, Split, iterate_batches, load_splits, make_buckets,
-                             tokenize)
+from ..training.data import SPLITS, DataConfig, Split, iterate_batches, load_splits, tokenize
 from ..training.metrics import compute_metrics
 from ..training.optim import OptimConfig, count_params
 from ..training.packing import AUTO_PACK_SHARE, packed_slot_share
 from ..training.memory import memory_report
-from ..training.parallel import Parallel
 from .lora_flags import LORA_LR, with_lora_flags
 from .resume import best_metric, open_checkpoints
 from .run_folder import RunFolder

@@ -24,7 +24,8 @@ import numpy as np
 from ..errors import UsageError
 from ..losses import MULTI_LABEL, REGRESSION, SINGLE_LABEL
 from ..predict import Classifier
-from ..training.data import DataConfig, LabelSpace, encode_labels, load_splits, load_source
+from ..tables import LabelSpace, encode_labels, load_source
+from ..training.data import DataConfig, load_splits
 from ..training.metrics import compute_metrics, format_table, headline
 from . import flags
 from .plots import plot_confusion_matrix

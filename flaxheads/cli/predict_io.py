@@ -1,5 +1,5 @@
 """Files in and out of ``flaxheads predict`` / ``embed``: a table (CSV / TSV / JSON Lines /
-Parquet, read by :func:`flaxheads.training.tables.read_table`) or plain text, one text per line,
+Parquet, read by :func:`flaxheads.tables.read_table`) or plain text, one text per line,
 from a file or stdin; predictions out as CSV or JSON Lines with the input's columns kept;
 embeddings as ``.npy`` or Parquet."""
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import UsageError
-from ..training.tables import TABLE_FORMATS, DataError, check_utf8, read_table
+from ..tables import TABLE_FORMATS, DataError, check_utf8, read_table
 
 #: ``--input-format`` values and the extension each reads as.
 INPUT_FORMATS = {"csv": ".csv", "tsv": ".tsv", "jsonl": ".jsonl", "json": ".json", "parquet": ".parquet",

@@ -13,10 +13,10 @@ import numpy as np
 from ..checkpoint import CheckpointError, RunCheckpointer
 from ..errors import UsageError
 from ..losses import MULTI_LABEL, SINGLE_LABEL
+from ..sharding import abstract
+from ..tables import LabelSpace
 from ..training import loop
-from ..training.data import LabelSpace
 from ..training.metrics import compute_metrics, headline
-from ..training.sharding import abstract
 
 if TYPE_CHECKING:  # annotation only: fit_program imports this module
     from .fit_program import Job

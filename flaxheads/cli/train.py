@@ -26,11 +26,10 @@ import os
 import sys
 from typing import Sequence
 
-from ..errors import UsageError
+from ..errors import TrainingError, UsageError
 from ..nn.poolers import POOLER_NAMES
 from ..runtime import PRECISION_ENV, PRECISIONS
-from ..training.errors import TrainingError
-from ..training.sharding import parse_mesh
+from ..sharding import parse_mesh
 from . import flags
 from .fit_program import DEFAULT_MODEL, DEFAULTS, prepare, run_fine_tune
 from .lora_flags import add_lora_flags, check_lora_flags

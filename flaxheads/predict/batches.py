@@ -2,9 +2,9 @@
 count, batches grouped by length into the training buckets (one compile per bucket), and a
 forward over all local devices.
 
-Batches come from :mod:`flaxheads.training.data` (``bucket_length``, ``token_batch``,
-``pad_rows``) and outputs are gathered by :func:`flaxheads.training.steps.predict_batches`, the
-pieces training's evaluation uses, so a text is padded and computed here as it was there.
+Batches come from :mod:`flaxheads.batching` (``bucket_length``, ``token_batch``, ``pad_rows``)
+and outputs are gathered by :func:`flaxheads.batching.predict_batches`, the pieces training's
+evaluation uses, so a text is padded and computed here as it was there.
 """
 from __future__ import annotations
 
@@ -19,10 +19,10 @@ import numpy as np
 
 from jax.sharding import Mesh
 
-from ..training.data import bucket_length, pad_rows, token_batch
-from ..training.parallel import DATA_AXIS, Parallel
-from ..training.steps import constants_program, make_eval_step, predict_batches
-from ..training.tables import DataError
+from ..batching import bucket_length, pad_rows, predict_batches, token_batch
+from ..parallel import DATA_AXIS, Parallel
+from ..programs import constants_program, make_eval_step
+from ..tables import DataError
 
 #: Above this many batches a call shows a progress bar (when tqdm is installed).
 PROGRESS_BATCHES = 8

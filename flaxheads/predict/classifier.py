@@ -9,13 +9,13 @@ from typing import Sequence
 
 import numpy as np
 
+from ..batching import make_buckets
 from ..errors import UsageError
 from ..interop.tokenizers import Tokenizer, load_tokenizer, model_max_positions
 from ..losses import MULTI_LABEL, SINGLE_LABEL
 from ..model import SequenceModel
 from ..nn.heads import IdentityHead, ProjectionHead
-from ..training.data import make_buckets
-from ..training.steps import jit_count
+from ..programs import jit_count
 from .batches import Runner, check_texts, encode, short_buckets
 from .results import Predictions
 from .sources import load_source

@@ -1,6 +1,6 @@
-"""Data for training: seeded stratified splits of the raw examples of
-:mod:`flaxheads.training.tables` (whose names are re-exported here); tokenisation with the
-backbone's tokenizer; bucketed, weighted batches.
+"""Data for training: seeded stratified splits of the raw examples of :mod:`flaxheads.tables`;
+tokenisation with the backbone's tokenizer; bucketed, weighted batches (padded by
+:mod:`flaxheads.batching`, as prediction pads them).
 
 Batch order is a pure function of ``(seed, epoch)``: a run resumed at step k sees exactly the
 batches an uninterrupted run would. Every batch has ``batch_size`` rows; rows past the end of
@@ -13,10 +13,9 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from ..batching import bucket_length, pad_rows, token_batch
 from ..losses import SINGLE_LABEL
-from .tables import (PACKAGED, TABLE_FORMATS, DataError, LabelSpace, TextTable, bbc_news_path,  # noqa: F401
-                     check_csv_quoting, check_utf8, encode_labels, infer_label_space, load_class_folder,
-                     load_source, load_table)
+from ..tables import DataError, LabelSpace, TextTable, encode_labels, infer_label_space, load_source
 
 SPLITS = ("train", "validation", "test")
 
@@ -73,20 +72,6 @@ def tokenize(table: TextTable, labels: np.ndarray, tokenizer, max_length: int, n
     return Split(name, ids, labels, tt)
 
 
-def make_buckets(max_length: int, step: int = 32) -> tuple[int, ...]:
-    """Padded lengths: multiples of ``step`` up to ``max_length`` (which is always included)."""
-    if max_length < 1 or step < 1:
-        raise ValueError("max_length and bucket step must be positive")
-    return tuple(sorted({*range(step, max_length, step), max_length}))
-
-
-def bucket_length(n: int, buckets: Sequence[int]) -> int:
-    for b in buckets:
-        if n <= b:
-            return b
-    return buckets[-1]
-
-
 def batch_plan(lengths: np.ndarray, batch_size: int, *, seed: int, epoch: int, shuffle: bool = True,
                group_by_length: bool = False, group_batches: int = 32) -> list[np.ndarray]:
     """The epoch's batches as index arrays, a pure function of ``(seed, epoch)``.
@@ -104,47 +89,6 @@ def batch_plan(lengths: np.ndarray, batch_size: int, *, seed: int, epoch: int, s
         perm = np.random.default_rng([seed, epoch, 1]).permutation(len(batches))
         batches = [batches[i] for i in perm]
     return batches
-
-
-def pad_rows(rows, batch_size: int, fill=0) -> np.ndarray:
-    """``rows`` [k, ...] followed by rows of ``fill`` up to ``batch_size`` (the weight-0 padding rows)."""
-    rows = np.asarray(rows)
-    if len(rows) > batch_size:
-        raise ValueError(f"{len(rows)} rows > batch_size {batch_size}")
-    out = np.full((batch_size, *rows.shape[1:]), fill, rows.dtype)
-    out[:len(rows)] = rows
-    return out
-
-
-def pad_mask(mask_rows, batch_size: int) -> np.ndarray:
-    """A mask padded to ``batch_size`` rows that see their first position only: never a fully
-    masked row, whose pooled value would be NaN (and NaN * weight 0 is still NaN)."""
-    mask = pad_rows(mask_rows, batch_size)
-    mask[len(mask_rows):, 0] = 1
-    return mask
-
-
-def _token_rows(seqs: Sequence, idx, length: int, fill: int) -> np.ndarray:
-    out = np.full((len(idx), length), fill, np.int32)
-    for r, i in enumerate(idx):
-        x = np.asarray(seqs[i][:length])
-        out[r, :len(x)] = x
-    return out
-
-
-def token_batch(input_ids: Sequence, token_type_ids: Sequence | None, idx, batch_size: int, length: int,
-                pad_id: int = 0) -> dict:
-    """``input_ids``, ``attention_mask`` (and ``token_type_ids``) ``[batch_size, length]`` for the
-    sequences ``idx``, truncated to ``length``, then padding rows. Every row attends to its first token."""
-    idx = np.asarray(idx, np.int64)
-    ids = _token_rows(input_ids, idx, length, pad_id)
-    lengths = np.asarray([min(len(input_ids[i]), length) for i in idx], np.int64)
-    mask = (np.arange(length) < lengths[:, None]).astype(np.int32)
-    mask[:, :1] = 1
-    out = {"input_ids": pad_rows(ids, batch_size, pad_id), "attention_mask": pad_mask(mask, batch_size)}
-    if token_type_ids is not None:
-        out["token_type_ids"] = pad_rows(_token_rows(token_type_ids, idx, length, 0), batch_size)
-    return out
 
 
 def labelled_rows(labels: np.ndarray, batch_size: int) -> dict:

@@ -30,10 +30,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..batching import bucket_length, extra_inputs, pad_mask, pad_rows, predict_batches, token_batch
+from ..errors import TrainingError
 from ..nn.poolers import POOL_FUNCTIONS, POOL_POSITIONS, DensePooler, Pool
-from .data import bucket_length, labelled_rows, pad_mask, pad_rows, token_batch
-from .errors import TrainingError
-from .steps import constants_program, extra_inputs, jit_count, predict_batches
+from ..programs import constants_program, jit_count
+from .data import labelled_rows
 
 LEVELS = ("auto", "pooled", "token")
 

@@ -21,13 +21,15 @@ import numpy as np
 import optax
 from tqdm.auto import tqdm
 
+from ..batching import predict_batches
+from ..errors import TrainingError
+from ..parallel import DATA_AXIS, Parallel
+from ..programs import TraceCounter, make_eval_step
 from .data import Split, iterate_batches
-from .errors import TrainingError
 from .metrics import compute_metrics
 from .optim import OptimConfig, make_optimizer
 from .packing import iterate_packed_batches, padding_fraction
-from .parallel import DATA_AXIS, Parallel
-from .steps import TrainState, TraceCounter, create_state, make_eval_step, make_train_step, predict_batches
+from .steps import TrainState, create_state, make_train_step
 
 if TYPE_CHECKING:  # annotation only: the checkpoint package does not depend on training
     from ..checkpoint import RunCheckpointer

@@ -10,8 +10,8 @@ from typing import Mapping
 import jax
 import numpy as np
 
-from .errors import TrainingError
-from .sharding import abstract, mesh_shape, shard_bytes
+from ..errors import TrainingError
+from ..sharding import abstract, mesh_shape, shard_bytes
 from .steps import make_train_step
 
 

@@ -15,11 +15,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from ..batching import extra_inputs
+from ..errors import TrainingError
 from ..losses import check_problem_type, infer_problem_type, loss_fn
 from ..model import build_head
 from ..nn.heads import SequenceHead
-from .errors import TrainingError
-from .steps import extra_inputs
 
 _HEAD_KEYS = ("pooler", "head", "pooler_options", "head_options")
 

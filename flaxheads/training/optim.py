@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import optax
 from flax.traverse_util import flatten_dict, unflatten_dict
 
+from ..errors import TrainingError
 from ..runtime import gradient_ynn_reductions
-from .errors import TrainingError
 
 SCHEDULES = ("linear", "cosine", "constant")
 

@@ -22,8 +22,9 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from .data import Split, batch_plan, bucket_length
-from .errors import TrainingError
+from ..batching import bucket_length
+from ..errors import TrainingError
+from .data import Split, batch_plan
 
 #: The keys that make a batch packed (the train step dispatches on ``"segment_ids"``).
 PACKED_KEYS = ("segment_ids", "position_ids", "segment_index", "segment_mask")

@@ -1,4 +1,4 @@
-"""Pure-functional train and eval steps on one device or inside ``pmap``.
+"""Pure-functional train steps on one device or inside ``pmap``.
 
 * ``train_step(state, batch) -> (state, metrics)`` is pure; the dropout key of step ``s`` is
   ``jax.random.fold_in(state.rng, s)``, so a run resumed at step k repeats an uninterrupted one.
@@ -10,27 +10,23 @@
 * A frozen backbone is never differentiated: its features are computed in inference mode and
   only the head params are arguments of ``jax.grad``; the optimizer state covers the head only.
 
-Data parallelism is in :mod:`flaxheads.training.parallel`, the loop in :mod:`flaxheads.training.loop`.
+Data parallelism is in :mod:`flaxheads.parallel`, the loop in :mod:`flaxheads.training.loop`; the
+inference-mode eval step, which prediction shares, is in :mod:`flaxheads.programs`.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import struct
 
+from ..batching import extra_inputs
+from ..errors import TrainingError
 from ..losses import SINGLE_LABEL
-from ..runtime import constant_weights
-from .errors import TrainingError
 from .optim import global_norm, merge, trainable
 from .packing import PACKED_KEYS, example_targets, is_packed
-
-#: Batch keys passed through to the backbone besides ids and mask.
-EXTRA_INPUTS = ("token_type_ids",)
-
 
 class TrainState(struct.PyTreeNode):
     """Everything a training run carries between steps (a pytree; checkpoint it as is).
@@ -67,11 +63,6 @@ def loss_denominator(problem_type: str, labels, weights, class_weights=None) -> 
     if problem_type == SINGLE_LABEL and class_weights is not None:
         return jnp.sum(jnp.asarray(class_weights, jnp.float32)[labels] * w)
     return jnp.sum(w)
-
-
-def extra_inputs(batch: dict) -> dict:
-    """The optional backbone inputs a batch carries (token types)."""
-    return {k: batch[k] for k in EXTRA_INPUTS if k in batch}
 
 
 def _apply_grads(state, tx, trained, objective, denom_local, axis_name):
@@ -161,59 +152,3 @@ def make_head_train_step(model, tx: optax.GradientTransformation, *, loss_option
         return model.head_apply(t["head"], batch["hidden"], batch["pool_mask"], train=True, dropout_rng=key)
 
     return _make_step(model, tx, logits_of, freeze_backbone=True, loss_options=loss_options, axis_name=axis_name)
-
-
-def make_eval_step(model) -> Callable:
-    """``eval_step(params, batch) -> logits`` [B, N] float32, inference mode."""
-    def eval_step(params, batch):
-        return model.apply(params, batch["input_ids"], batch["attention_mask"], train=False, **extra_inputs(batch))
-    return eval_step
-
-
-def constants_program(fn: Callable, params, dtype=jnp.float32, *, force: bool | None = None) -> Callable | None:
-    """``jax.jit(batch -> fn(params, batch))`` with ``params`` compiled in as constants, for an
-    inference program whose parameters stay the same over many calls, where
-    :func:`flaxheads.runtime.constant_weights` says so for their size and the compute ``dtype``
-    (``force``: True or False instead of asking); None where they should stay an argument."""
-    use = force if force is not None else constant_weights(sum(x.nbytes for x in jax.tree.leaves(params)), dtype)
-    return jax.jit(lambda batch: fn(params, batch)) if use else None
-
-
-def jit_count(fn: Callable) -> int:
-    """How many programs a jitted function holds (one per padded shape it has seen); -1 for a
-    function that is not jitted."""
-    size = getattr(fn, "_cache_size", None)
-    return int(size()) if callable(size) else -1
-
-
-def predict_batches(predict: Callable[[dict], Any], batches: Iterable[dict], *, keys: Sequence[str] = (),
-                    axis: int = 0) -> tuple[np.ndarray | None, dict[str, np.ndarray]]:
-    """Run ``predict(batch)`` (outputs with the batch rows on ``axis``) over ``batches`` and keep the
-    rows of real examples (weight > 0), in order: ``(outputs, {key: kept rows of batch[key]})``.
-    ``(None, {})`` when there is no batch."""
-    outs, kept = [], {k: [] for k in keys}
-    for b in batches:
-        rows = np.flatnonzero(np.asarray(b["weights"]) > 0)
-        outs.append(np.take(np.asarray(predict(b), np.float32), rows, axis=axis))
-        for k in keys:
-            kept[k].append(np.asarray(b[k])[rows])
-    if not outs:
-        return None, {}
-    return np.concatenate(outs, axis=axis), {k: np.concatenate(v) for k, v in kept.items()}
-
-
-class TraceCounter:
-    """Counts how often a function is traced (= compiled, for a jitted function): one per new
-    input shape. ``wrap(fn)`` returns the counting function to hand to ``jax.jit``."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.shapes: list[tuple] = []
-
-    def wrap(self, fn: Callable) -> Callable:
-        def counted(*args):
-            self.count += 1
-            self.shapes.append(tuple(np.shape(x) for x in jax.tree.leaves(args[-1])[:1]))
-            return fn(*args)
-        counted.__name__ = getattr(fn, "__name__", "step")
-        return counted

@@ -27,14 +27,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 
+from ..errors import TrainingError
 from ..nn.heads import SequenceHead
 from ..nn.poolers import DensePooler, Pool
-from .errors import TrainingError
+from ..parallel import Parallel
 from .features import FeatureCache, predict_cache, reduction
 from .loop import steps_per_epoch as _batches_per_pass
 from .metrics import compute_metrics, headline
 from .optim import OptimConfig, make_optimizer
-from .parallel import Parallel
 from .steps import TrainState, make_head_train_step
 
 

@@ -20,6 +20,7 @@ import json, sys
 sys.modules["transformers"] = None  # as if not installed: `import transformers` raises ImportError
 import jax, jax.numpy as jnp, numpy as np
 import flaxheads as fh
+from flaxheads import tables
 from flaxheads.training import data as D
 from flaxheads.training.optim import OptimConfig, make_optimizer
 from flaxheads.training.steps import create_state, make_train_step
@@ -27,7 +28,7 @@ from flaxheads.training.steps import create_state, make_train_step
 src, out, texts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 tok = fh.load_tokenizer(src)
 assert type(tok) is fh.Tokenizer, tok
-table = D.TextTable(texts=texts, labels=["a", "b", "c", "a"], source="memory", rows=[""] * len(texts))
+table = tables.TextTable(texts=texts, labels=["a", "b", "c", "a"], source="memory", rows=[""] * len(texts))
 split = D.tokenize(table, np.array([0, 1, 2, 0], np.int32), tok, max_length=16)
 model = fh.from_pretrained(src, num_labels=3)
 # a frozen backbone: the head checkpoint then holds everything that changed

@@ -12,6 +12,7 @@ from transformers import AutoTokenizer  # noqa: E402
 
 import flaxheads as fh  # noqa: E402
 from flaxheads.interop.tokenizers import Tokenizer, TokenizerError, TransformersTokenizer  # noqa: E402
+from flaxheads.tables import TextTable  # noqa: E402
 from flaxheads.training import data as D  # noqa: E402
 from train_helpers import WORDS  # noqa: E402
 
@@ -160,7 +161,7 @@ def test_training_tokenize_equals_autotokenizer(tmp_path):
     folder = _bert_tokenizer_folder(tmp_path / "bert")
     ref = AutoTokenizer.from_pretrained(folder)
     for pairs in (None, PAIRS):
-        table = D.TextTable(texts=TEXTS, labels=[0] * len(TEXTS), source="test", rows=[""] * len(TEXTS),
+        table = TextTable(texts=TEXTS, labels=[0] * len(TEXTS), source="test", rows=[""] * len(TEXTS),
                             pairs=pairs)
         split = D.tokenize(table, np.zeros(len(TEXTS), np.int32), fh.load_tokenizer(folder), max_length=10)
         want = ref(TEXTS, pairs, truncation=True, max_length=10)

@@ -5,6 +5,8 @@ import json
 import numpy as np
 import pytest
 
+from flaxheads import tables as T
+from flaxheads.batching import make_buckets
 from flaxheads.training import data as D
 from train_helpers import tiny_bert_folder
 
@@ -27,36 +29,36 @@ def tok(tmp_path_factory):
 def test_csv_jsonl_parquet_give_the_same_table(tmp_path):
     import pandas as pd
 
-    c = D.load_table(_csv(tmp_path / "d.csv", ROWS))
+    c = T.load_table(_csv(tmp_path / "d.csv", ROWS))
     (tmp_path / "d.jsonl").write_text("\n".join(json.dumps({"text": t, "label": l}) for t, l in ROWS))
-    j = D.load_table(tmp_path / "d.jsonl")
+    j = T.load_table(tmp_path / "d.jsonl")
     pd.DataFrame(ROWS, columns=["text", "label"]).to_parquet(tmp_path / "d.parquet")
-    p = D.load_table(tmp_path / "d.parquet")
+    p = T.load_table(tmp_path / "d.parquet")
     for t in (c, j, p):
         assert t.texts == [r[0] for r in ROWS] and t.labels == [r[1] for r in ROWS]
-    space = D.infer_label_space(c)
+    space = T.infer_label_space(c)
     assert space.problem_type == "single_label_classification"
     assert space.names == ["business", "politics", "sport"]
-    np.testing.assert_array_equal(D.encode_labels(c, space), [0, 2, 1, 0, 2, 1])
+    np.testing.assert_array_equal(T.encode_labels(c, space), [0, 2, 1, 0, 2, 1])
 
 
 def test_label_kinds(tmp_path):
     (tmp_path / "m.jsonl").write_text("\n".join(json.dumps(r) for r in [
         {"text": "a b", "label": ["x", "y"]}, {"text": "c", "label": ["y"]}, {"text": "d", "label": []}]))
-    t = D.load_table(tmp_path / "m.jsonl")
-    s = D.infer_label_space(t)
+    t = T.load_table(tmp_path / "m.jsonl")
+    s = T.infer_label_space(t)
     assert s.problem_type == "multi_label_classification" and s.names == ["x", "y"]
-    np.testing.assert_array_equal(D.encode_labels(t, s), [[1, 1], [0, 1], [0, 0]])
+    np.testing.assert_array_equal(T.encode_labels(t, s), [[1, 1], [0, 1], [0, 0]])
     (tmp_path / "r.csv").write_text("text,label\na,0.5\nb,1.25\nc,3\n")
-    t = D.load_table(tmp_path / "r.csv")
-    s = D.infer_label_space(t)
+    t = T.load_table(tmp_path / "r.csv")
+    s = T.infer_label_space(t)
     assert s.problem_type == "regression" and s.num_labels == 1
-    np.testing.assert_allclose(D.encode_labels(t, s), [0.5, 1.25, 3.0])
+    np.testing.assert_allclose(T.encode_labels(t, s), [0.5, 1.25, 3.0])
     (tmp_path / "i.csv").write_text("text,label\na,0\nb,2\nc,1\n")
-    t = D.load_table(tmp_path / "i.csv")
-    s = D.infer_label_space(t)
+    t = T.load_table(tmp_path / "i.csv")
+    s = T.infer_label_space(t)
     assert s.names == ["0", "1", "2"]
-    np.testing.assert_array_equal(D.encode_labels(t, s), [0, 2, 1])
+    np.testing.assert_array_equal(T.encode_labels(t, s), [0, 2, 1])
 
 
 def test_class_folder_and_packaged_bbc_news(tmp_path):
@@ -64,9 +66,9 @@ def test_class_folder_and_packaged_bbc_news(tmp_path):
         (tmp_path / c).mkdir()
         for i, t in enumerate(texts):
             (tmp_path / c / f"{i:03d}.txt").write_text(t)
-    t = D.load_class_folder(tmp_path)
+    t = T.load_class_folder(tmp_path)
     assert t.labels == ["a", "b", "b"] and t.texts == ["w", "x y", "z"]
-    bbc = D.load_source("bbc_news")
+    bbc = T.load_source("bbc_news")
     assert len(bbc) == 2225
     assert sorted(set(bbc.labels)) == ["business", "entertainment", "politics", "sports", "tech"]
     assert all(len(x) > 100 for x in bbc.texts)
@@ -85,11 +87,11 @@ def test_stratified_split_is_seeded_and_proportional():
 
 
 def test_tokenize_matches_tokenizer_and_collate_pads(tmp_path, tok):
-    t = D.load_table(_csv(tmp_path / "d.csv", ROWS))
-    s = D.tokenize(t, D.encode_labels(t, D.infer_label_space(t)), tok, max_length=6)
+    t = T.load_table(_csv(tmp_path / "d.csv", ROWS))
+    s = D.tokenize(t, T.encode_labels(t, T.infer_label_space(t)), tok, max_length=6)
     ref = tok([r[0] for r in ROWS], truncation=True, max_length=6)["input_ids"]
     assert [x.tolist() for x in s.input_ids] == ref
-    b = D.collate(s, np.array([0, 1, 2]), 4, D.make_buckets(16, 4), pad_id=tok.pad_token_id)
+    b = D.collate(s, np.array([0, 1, 2]), 4, make_buckets(16, 4), pad_id=tok.pad_token_id)
     assert b["input_ids"].shape == (4, 8)  # longest is 6 -> bucket 8
     np.testing.assert_array_equal(b["weights"], [1, 1, 1, 0])
     np.testing.assert_array_equal(b["attention_mask"][0], [1] * len(ref[0]) + [0] * (8 - len(ref[0])))
@@ -98,7 +100,7 @@ def test_tokenize_matches_tokenizer_and_collate_pads(tmp_path, tok):
 
 def test_text_pairs_get_token_types(tmp_path, tok):
     (tmp_path / "p.csv").write_text("a,b,label\nthe stock,market fell,x\nthe goal,match,y\n")
-    t = D.load_table(tmp_path / "p.csv", text_column="a", text_pair_column="b")
+    t = T.load_table(tmp_path / "p.csv", text_column="a", text_pair_column="b")
     s = D.tokenize(t, np.array([0, 1], np.int32), tok, 16)
     assert s.token_type_ids is not None and s.token_type_ids[0].max() == 1
     b = D.collate(s, np.array([0, 1]), 2, (16,))
@@ -126,28 +128,28 @@ def test_batch_plan_is_a_function_of_seed_and_epoch():
 ])
 def test_bad_tables_name_file_row_column(tmp_path, content, kw, match):
     (tmp_path / "d.csv").write_text(content)
-    with pytest.raises(D.DataError, match=match):
-        D.load_table(tmp_path / "d.csv", **kw)
+    with pytest.raises(T.DataError, match=match):
+        T.load_table(tmp_path / "d.csv", **kw)
 
 
 def test_label_only_in_test_is_an_error(tmp_path):
     train = _csv(tmp_path / "train.csv", ROWS)
     test = _csv(tmp_path / "test.csv", [("a film and an actor", "entertainment"), ("goal", "sport")])
     cfg = D.DataConfig(data=None, train_file=train, test_file=test)
-    with pytest.raises(D.DataError, match=r"test\.csv: row 1, column 'label': label 'entertainment' appears only "
+    with pytest.raises(T.DataError, match=r"test\.csv: row 1, column 'label': label 'entertainment' appears only "
                                           r"in the test split but not in train"):
         D.load_splits(cfg)
 
 
 def test_missing_file_and_empty_folder(tmp_path):
-    with pytest.raises(D.DataError, match="no such file or folder"):
-        D.load_source(str(tmp_path / "nope.csv"))
+    with pytest.raises(T.DataError, match="no such file or folder"):
+        T.load_source(str(tmp_path / "nope.csv"))
     (tmp_path / "empty" / "a").mkdir(parents=True)
-    with pytest.raises(D.DataError, match="contain no files"):
-        D.load_class_folder(tmp_path / "empty")
+    with pytest.raises(T.DataError, match="contain no files"):
+        T.load_class_folder(tmp_path / "empty")
     (tmp_path / "x.txt").write_text("hi")
-    with pytest.raises(D.DataError, match="unsupported file type"):
-        D.load_table(tmp_path / "x.txt")
+    with pytest.raises(T.DataError, match="unsupported file type"):
+        T.load_table(tmp_path / "x.txt")
 
 
 def test_load_splits_from_one_file_is_stratified(tmp_path):

@@ -9,7 +9,7 @@ from flaxheads.checkpoint import list_checkpoints
 from flaxheads.training.loop import (Callback, FitCheckpointing, TrainConfig, Trainer, changed_settings, fit,
                                      flat_metrics)
 from flaxheads.training.optim import OptimConfig
-from flaxheads.training.parallel import Parallel
+from flaxheads.parallel import Parallel
 from train_helpers import random_split, tiny_bert_folder
 
 TOTAL = 10

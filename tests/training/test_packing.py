@@ -7,10 +7,9 @@ import numpy as np
 import pytest
 
 import flaxheads as fh
-from flaxheads.errors import FlaxheadsError
+from flaxheads.errors import FlaxheadsError, TrainingError
 from flaxheads.training import loop
 from flaxheads.training.data import Split, batch_plan, collate
-from flaxheads.training.errors import TrainingError
 from flaxheads.training.optim import OptimConfig
 from flaxheads.training.packing import (AUTO_PACK_SHARE, first_fit, iterate_packed_batches, merge_rare_shapes,
                                         packed_batch, packed_shape, packed_slot_share)

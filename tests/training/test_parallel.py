@@ -15,7 +15,7 @@ import pytest
 import flaxheads as fh
 from flaxheads.training.optim import OptimConfig
 from flaxheads.training.loop import TrainConfig, Trainer, fit
-from flaxheads.training.parallel import Parallel, process_rows
+from flaxheads.parallel import Parallel, process_rows
 from train_helpers import random_split, tiny_bert_folder
 
 N_TRAIN, N_EVAL, BATCH, STEPS = 21, 13, 8, 3  # 21 = 8 + 8 + 5: last batch has 3 padding rows
@@ -76,7 +76,7 @@ def test_train_steps_compile_with_the_gradient_options(folder, monkeypatch, mode
     """``Parallel.compile(gradients=True)`` hands ``runtime.gradient_compiler_options`` to XLA and
     other programs keep the process's settings. The options here turn YNNPACK off, which this
     process has on (XLA's defaults): its fusions leave the train step only."""
-    from flaxheads.training import parallel as parallel_module
+    from flaxheads import parallel as parallel_module
     from flaxheads.training.data import iterate_batches
 
     monkeypatch.setattr(parallel_module, "gradient_compiler_options",

@@ -14,8 +14,8 @@ from jax.sharding import PartitionSpec as P
 
 from flaxheads.backbones.axes import EMBED, HEADS, KV, MLP, VOCAB, generic_param_axes
 from flaxheads.backbones.gpt2 import GPT2Backbone
-from flaxheads.training.errors import TrainingError
-from flaxheads.training.sharding import DEFAULT_RULES, Layout, make_mesh, parse_mesh, spec_for
+from flaxheads.errors import TrainingError
+from flaxheads.sharding import DEFAULT_RULES, Layout, make_mesh, parse_mesh, spec_for
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sharding_worker.py")
 

@@ -7,10 +7,12 @@ import optax
 import pytest
 
 import flaxheads as fh
-from flaxheads.training.data import collate, make_buckets
+from flaxheads.batching import make_buckets
+from flaxheads.programs import make_eval_step
+from flaxheads.training.data import collate
 from flaxheads.training.optim import OptimConfig, decay_mask, make_optimizer, schedule
 from flaxheads.training.loop import TrainConfig, Trainer, fit
-from flaxheads.training.steps import create_state, make_eval_step, make_head_train_step, make_train_step
+from flaxheads.training.steps import create_state, make_head_train_step, make_train_step
 from train_helpers import random_split, tiny_bert_folder
 
 

@@ -1,6 +1,6 @@
 """How steps run on devices: one device, ``pmap`` over the local devices (replicated state,
 ``lax.pmean``-style reductions inside the step), or ``jit`` over a named device ``Mesh``
-(``data`` x ``fsdp`` x ``tensor``, see :mod:`flaxheads.training.sharding`): the batch split over
+(``data`` x ``fsdp`` x ``tensor``, see :mod:`flaxheads.sharding`): the batch split over
 ``data`` x ``fsdp``, params and optimizer state sharded by their logical axis names (all
 replicated on a data-only mesh). The mesh path spans hosts through ``jax.distributed``."""
 from __future__ import annotations
@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax.jax_utils import replicate
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
 
-from ..runtime import gradient_compiler_options
+from .runtime import gradient_compiler_options
 from .errors import TrainingError
 from .sharding import DATA as DATA_AXIS
 from .sharding import Layout, make_mesh, replicated_layout
@@ -52,9 +52,9 @@ class Parallel:
     ``mesh`` (jit over all global devices; works multi-host).
 
     ``mesh``: a :class:`~jax.sharding.Mesh` (default: every device on ``data``; see
-    :func:`~flaxheads.training.sharding.make_mesh`, e.g. ``make_mesh("data=2,fsdp=4")``);
+    :func:`~flaxheads.sharding.make_mesh`, e.g. ``make_mesh("data=2,fsdp=4")``);
     ``rules``: logical axis name -> mesh axes (default
-    :data:`~flaxheads.training.sharding.DEFAULT_RULES`); ``layout``: where each param lives,
+    :data:`~flaxheads.sharding.DEFAULT_RULES`); ``layout``: where each param lives,
     set by :meth:`bind` (unbound: everything replicated, data parallel)."""
 
     mode: str = "single"

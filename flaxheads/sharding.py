@@ -27,7 +27,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from ..backbones.axes import EMBED, HEADS, KV, MLP, VOCAB, Axes, generic_param_axes
+from .backbones.axes import EMBED, HEADS, KV, MLP, VOCAB, Axes, generic_param_axes
 from .errors import TrainingError
 
 DATA, FSDP, TENSOR = "data", "fsdp", "tensor"

@@ -1,7 +1,8 @@
 """Raw examples: table files (CSV / TSV / JSON Lines / Parquet via Hugging Face ``datasets``), a
 folder of one sub-folder per class, the packaged BBC News corpus; checks that name the file,
 line or row of a problem; the label space (single-label, multi-label, regression) and the
-encoding of labels. Splitting, tokenisation and batches are in :mod:`flaxheads.training.data`.
+encoding of labels. Splitting and tokenisation are in :mod:`flaxheads.training.data`, padded
+batches in :mod:`flaxheads.batching`. Training and prediction both read tables from here.
 """
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..errors import FlaxheadsError
-from ..losses import MULTI_LABEL, REGRESSION, SINGLE_LABEL
+from .errors import FlaxheadsError
+from .losses import MULTI_LABEL, REGRESSION, SINGLE_LABEL
 
 TABLE_FORMATS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 PACKAGED = ("bbc_news",)
