@@ -12,8 +12,10 @@ That equals PEFT's ``x W + (alpha / r) * dropout(x) A B`` exactly for ``lora_dro
 a positive dropout is refused rather than ignored.
 
 Kernel layouts: the params trees store a kernel ``[in, out]``, except GPT-2's ``Conv1D``
-kernels, which are ``[out, in]`` (see :mod:`flaxheads.backbones.gpt2`); :data:`OUT_IN_KERNELS`
-is the one place that says so, and PEFT's ``fan_in_fan_out`` follows from it.
+kernels, which are ``[out, in]`` (see :mod:`flaxheads.backbones.gpt2`); the family's
+:attr:`~flaxheads.backbones.base.Backbone.kernels_out_in` is the one place that says so
+(:func:`kernels_out_in`), and PEFT's ``fan_in_fan_out`` follows from it. The default targets
+are the family's :attr:`~flaxheads.backbones.base.Backbone.lora_targets`.
 """
 from __future__ import annotations
 
@@ -26,25 +28,18 @@ import jax
 import jax.numpy as jnp
 from flax.traverse_util import flatten_dict, unflatten_dict
 
+from .backbones.registry import family_for
 from .errors import ConfigError
 
 LORA = "lora"
 A, B = "lora_A", "lora_B"
 
-#: Model types whose params store every 2-D ``kernel`` as ``[out, in]`` (PEFT's ``fan_in_fan_out``).
-OUT_IN_KERNELS = frozenset({"gpt2"})
 
-#: Default targets per ``model_type``: the attention query and value projections (PEFT's defaults
-#: where it has them), by the module names of flaxheads' params trees.
-DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
-    **dict.fromkeys(("bert", "roberta", "xlm-roberta", "camembert", "electra", "albert"), ("query", "value")),
-    "distilbert": ("q_lin", "v_lin"),
-    "gpt2": ("c_attn",),
-    "bart": ("q_proj", "v_proj"),
-    "deberta-v2": ("query_proj", "value_proj"),
-    "modernbert": ("Wqkv",),
-    **dict.fromkeys(("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text"), ("q_proj", "v_proj")),
-}
+def kernels_out_in(model_type: str) -> bool:
+    """Whether a ``model_type`` params tree stores every 2-D ``kernel`` as ``[out, in]`` (its native
+    family's :attr:`~flaxheads.backbones.base.Backbone.kernels_out_in`; PEFT's ``fan_in_fan_out``)."""
+    fam = family_for(model_type)
+    return fam is not None and fam.kernels_out_in
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +48,7 @@ class LoraConfig:
 
     A target is a module name (the last part of a kernel's path, e.g. ``query``, ``q_proj``,
     ``c_attn``) or a ``/``-separated glob over the whole module path (``encoder/layer/1*/*/query``).
-    ``targets=None`` takes the backbone's defaults (:data:`DEFAULT_TARGETS`) when the adapters
+    ``targets=None`` takes the backbone family's defaults (its ``lora_targets``) when the adapters
     are attached. ``dropout`` must be 0 (see the module docstring)."""
 
     rank: int = 8
@@ -112,11 +107,13 @@ def _matches(target: str, module: tuple[str, ...]) -> bool:
 
 
 def default_targets(model_type: str, backbone_params) -> tuple[str, ...]:
-    """The default targets of ``model_type``; :class:`ConfigError` for a type without defaults."""
-    if model_type not in DEFAULT_TARGETS:
+    """The default targets of ``model_type`` (its native family's
+    :attr:`~flaxheads.backbones.base.Backbone.lora_targets`); :class:`ConfigError` for a type without defaults."""
+    fam = family_for(model_type)
+    if fam is None or not fam.lora_targets:
         raise ConfigError(f"no default LoRA targets for model_type {model_type!r}; name them (targets=..., "
                           f"--lora-targets) from its kernels: {_kernel_names(backbone_params)}")
-    return DEFAULT_TARGETS[model_type]
+    return fam.lora_targets
 
 
 def resolve_targets(config: LoraConfig, backbone_params, model_type: str) -> list[tuple[str, ...]]:
@@ -139,7 +136,7 @@ def _kernel_names(backbone_params) -> str:
 
 def in_out(shape: Sequence[int], model_type: str) -> tuple[int, int]:
     """(fan in, fan out) of a kernel of ``shape`` in a ``model_type`` params tree."""
-    return (shape[1], shape[0]) if model_type in OUT_IN_KERNELS else (shape[0], shape[1])
+    return (shape[1], shape[0]) if kernels_out_in(model_type) else (shape[0], shape[1])
 
 
 # ---- params --------------------------------------------------------------------------------------
@@ -176,7 +173,7 @@ def merge_lora(backbone_params, lora_params, config: LoraConfig, model_type: str
     """The backbone params with ``W + (alpha/r) A @ B`` in place of each adapted kernel (pure;
     differentiable in both trees; the input trees are not modified)."""
     flat = flatten_dict(backbone_params)
-    out_in = model_type in OUT_IN_KERNELS
+    out_in = kernels_out_in(model_type)
     for m, ab in adapter_modules(lora_params).items():
         w = flat[m + ("kernel",)]
         flat[m + ("kernel",)] = w + delta(ab[A], ab[B], config.scaling, out_in).astype(w.dtype)

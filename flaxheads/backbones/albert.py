@@ -25,7 +25,7 @@ import jax
 from ..layers.dense import dense
 from ..layers.init import HFInit
 from .base import BackboneError
-from .bert import BertBackbone, LayerLayout, Stack, bert_embeddings
+from .bert import BertBackbone, LayerLayout, Settings, bert_embeddings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +67,7 @@ class AlbertBackbone(BertBackbone):
 
     model_types = ("albert",)
     base_model_prefix = "albert"
+    classifier_dropout_key = "classifier_dropout_prob"
     # transformers' AlbertConfig defaults (ALBERT-xxlarge sizes, no dropout)
     defaults = {"vocab_size": 30000, "embedding_size": 128, "hidden_size": 4096, "num_hidden_layers": 12,
                 "num_hidden_groups": 1, "num_attention_heads": 64, "intermediate_size": 16384, "inner_group_num": 1,
@@ -86,9 +87,9 @@ class AlbertBackbone(BertBackbone):
                                     f"{config[key]}, expected a positive integer (fix config.json)")
 
     @classmethod
-    def stack(cls, config) -> Stack:
+    def stack(cls, config) -> Settings:
         order = layer_order(config)
-        base = Stack.from_config(config, dataclasses.replace(cls.layout, order=order))
+        base = Settings.from_config(config, dataclasses.replace(cls.layout, order=order))
         return dataclasses.replace(base, num_layers=len(order))
 
     def embeddings(self) -> Callable[..., jax.Array]:

@@ -3,9 +3,11 @@
 
 One generic rule serves every family: the leaf name (``kernel``, ``embedding``, ``bias``,
 ``scale``) and the module names above it (``query``, ``q_proj``, ``intermediate/dense``,
-``gate_proj``, ``down_proj``, ``wte``, ...). A family whose tree breaks the Flax conventions
-overrides :meth:`flaxheads.backbones.base.Backbone.param_axes` (GPT-2 stores ``[out, in]``
-kernels). A parameter the rule does not recognise gets ``None`` on every dimension (replicated).
+``gate_proj``, ``down_proj``, ``wte``, ...). A family that stores ``[out, in]`` kernels (GPT-2)
+sets :attr:`~flaxheads.backbones.base.Backbone.kernels_out_in` and the names are reversed there;
+one whose tree breaks the Flax conventions further overrides
+:meth:`flaxheads.backbones.base.Backbone.param_axes`.
+A parameter the rule does not recognise gets ``None`` on every dimension (replicated).
 :mod:`flaxheads.training.sharding` maps these names onto device-mesh axes.
 """
 from __future__ import annotations

@@ -189,7 +189,11 @@ class BartBackbone(Backbone):
     ``attn_chunks`` splits attention into independent batch chunks (speed only)."""
 
     model_types = ("bart",)
+    family = "BART"
     base_model_prefix = "model"
+    classifier_dropout_key = "classifier_dropout"
+    lora_targets = ("q_proj", "v_proj")
+    tokenizer_token_types = False
     defaults = {"vocab_size": 50265, "max_position_embeddings": 1024, "encoder_layers": 12, "encoder_ffn_dim": 4096,
                 "encoder_attention_heads": 16, "decoder_layers": 12, "decoder_ffn_dim": 4096,
                 "decoder_attention_heads": 16, "encoder_layerdrop": 0.0, "decoder_layerdrop": 0.0,
@@ -199,12 +203,12 @@ class BartBackbone(Backbone):
                 "tie_word_embeddings": True}
     features = frozenset({"remat", "bf16"})
     extra_inputs = ()
+    settings_class = Settings
 
     def __init__(self, config, params: dict, dtype=jnp.float32, remat: bool = False,
                  attn_chunks: int | str = "auto"):
         super().__init__(config, params, dtype=dtype, remat=remat)
         self.attn_chunks = attn_chunks
-        self.settings = Settings.from_config(self.config)
 
     @classmethod
     def complete_config(cls, config: HFConfig) -> HFConfig:
@@ -214,11 +218,10 @@ class BartBackbone(Backbone):
 
     @classmethod
     def check_config(cls, config) -> None:
+        super().check_config(config)
         why = None
         legacy = {k: config[k] for k, ok in LEGACY_LAYOUT.items() if config.get(k, ok) != ok}
-        if config.get("model_type") not in cls.model_types:
-            why = f"model_type {config.get('model_type')!r} is not one of {cls.model_types}"
-        elif legacy:
+        if legacy:
             want = {k: LEGACY_LAYOUT[k] for k in legacy}
             why = (f"{legacy} asks for another layout than BART's {want} (transformers' BartModel ignores these "
                    "keys and computes plain BART)")

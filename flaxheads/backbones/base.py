@@ -14,7 +14,14 @@ A backbone family is one module with one :class:`Backbone` subclass. The subclas
 * encodes: :meth:`Backbone.encode` ``(params, input_ids, attention_mask, *, train, rng, **extra)``
   returns the last hidden state ``[B, T, H]``; a pure function of ``params``;
 * says what it supports (:attr:`Backbone.features`: ``"token_type_ids"``, ``"remat"``,
-  ``"bf16"``, ``"causal"``, ...).
+  ``"bf16"``, ``"causal"``, ...);
+* carries every other per-family fact the rest of flaxheads asks for, so that no other module
+  keeps a table keyed by ``model_type``: the classifier dropout key of its PyTorch
+  ``XForSequenceClassification`` config (:attr:`Backbone.classifier_dropout_key`), the default
+  LoRA targets (:attr:`Backbone.lora_targets`), ``[out, in]`` kernels
+  (:attr:`Backbone.kernels_out_in`), whether HF's tokenizer gives token types
+  (:attr:`Backbone.tokenizer_token_types`). Other modules find the family of a ``model_type``
+  with :func:`flaxheads.backbones.registry.family_for`.
 
 The object also keeps the HF Flax calling convention (``backbone(input_ids, attention_mask,
 params=..., dropout_rng=..., train=...)[0]``) so code written against HF's wrappers works.
@@ -104,9 +111,14 @@ class Backbone:
     """Base class of every backbone family (see the module docstring for the contract).
 
     Instances hold ``config`` (:class:`HFConfig`), ``params`` (the initial params tree),
-    ``dtype`` (the compute dtype of activations; params stay float32) and ``remat``."""
+    ``dtype`` (the compute dtype of activations; params stay float32), ``remat`` and ``settings``
+    (``settings_class.from_config(config)``, None for a family without a :attr:`settings_class`)."""
 
     model_types: ClassVar[tuple[str, ...]] = ()
+    #: the family's name in error messages (``"BERT"``, ``"GPT-2"``, ...)
+    family: ClassVar[str] = ""
+    #: the PyTorch ``base_model_prefix`` of the family's ``XForSequenceClassification`` (stripped on
+    #: import, written on export)
     base_model_prefix: ClassVar[str] = ""
     defaults: ClassVar[Mapping[str, Any]] = {}
     features: ClassVar[frozenset[str]] = frozenset()
@@ -115,6 +127,21 @@ class Backbone:
     #: the params tree's top-level modules, which are also the first part of the PyTorch names
     #: (with them the default :meth:`params_from_state` / :meth:`state_from_params` apply)
     top_level: ClassVar[tuple[str, ...]] = ()
+    #: what :meth:`encode` reads from the config besides the params: a dataclass with
+    #: ``from_config(config)``, built once into ``self.settings`` (None: the family builds its own)
+    settings_class: ClassVar[type | None] = None
+    #: the config key the PyTorch ``XForSequenceClassification`` reads its classifier dropout from
+    #: (None: its head has none, e.g. GPT-2's ``score``); a transformers export writes it
+    classifier_dropout_key: ClassVar[str | None] = None
+    #: default LoRA targets: the module names of the attention query and value projections (PEFT's
+    #: defaults where it has them); empty: no defaults, the user names the targets
+    lora_targets: ClassVar[tuple[str, ...]] = ()
+    #: the params tree stores its 2-D kernels ``[out, in]`` (GPT-2's ``Conv1D``) instead of Flax's
+    #: ``[in, out]``: LoRA's fan in/out, PEFT's ``fan_in_fan_out`` and :meth:`param_axes` follow from it
+    kernels_out_in: ClassVar[bool] = False
+    #: whether HF's tokenizer of this family returns ``token_type_ids`` (read for a tokenizer folder
+    #: that names neither its ``model_input_names`` nor its ``tokenizer_class``)
+    tokenizer_token_types: ClassVar[bool] = True
 
     def __init__(self, config: Mapping[str, Any], params: dict, dtype: Any = jnp.float32, remat: bool = False):
         cfg = config if isinstance(config, HFConfig) else HFConfig(config)
@@ -125,6 +152,7 @@ class Backbone:
         if remat and "remat" not in self.features:
             raise BackboneError(f"{type(self).__name__} has no gradient checkpointing (remat); load without it")
         self.remat = bool(remat)
+        self.settings = None if self.settings_class is None else self.settings_class.from_config(self.config)
 
     # ---- config -------------------------------------------------------------------------------
     @classmethod
@@ -135,7 +163,13 @@ class Backbone:
 
     @classmethod
     def check_config(cls, config: HFConfig) -> None:
-        """Raise :class:`BackboneError` for settings this family does not compute."""
+        """Raise :class:`BackboneError` for settings this family does not compute. The base refuses a
+        ``model_type`` outside :attr:`model_types`; a family adds its own refusals after
+        ``super().check_config(config)``."""
+        mt = config.get("model_type")
+        if mt not in cls.model_types:
+            raise BackboneError(f"flaxheads' {cls.family or cls.__name__} backbone serves model_type "
+                                f"{cls.model_types}, not {mt!r}")
 
     # ---- weights ------------------------------------------------------------------------------
     @classmethod
@@ -192,9 +226,11 @@ class Backbone:
     def param_axes(cls, path: tuple[str, ...], shape: tuple[int, ...]) -> Axes:
         """Logical axis names (``embed``, ``heads``, ``kv``, ``mlp``, ``vocab`` or None) of each
         dimension of the param at ``path`` in this family's tree; used to shard it over a device
-        mesh. The default is the generic rule of :mod:`flaxheads.backbones.axes`; a family whose
-        tree departs from the Flax conventions overrides this, and only this."""
-        return generic_param_axes(path, shape)
+        mesh. The default is the generic rule of :mod:`flaxheads.backbones.axes`, reversed on the
+        ``[out, in]`` kernels of a family with :attr:`kernels_out_in`; a family whose tree departs
+        further from the Flax conventions overrides this, and only this."""
+        axes = generic_param_axes(path, shape)
+        return axes[::-1] if cls.kernels_out_in and path and path[-1] == "kernel" else axes
 
     # ---- compute ------------------------------------------------------------------------------
     def encode(self, params: Mapping, input_ids: jax.Array, attention_mask: jax.Array, *, train: bool = False,

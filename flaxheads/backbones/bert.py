@@ -36,9 +36,6 @@ from ..layers.masks import mask_bias, segment_bias
 from ..layers.norms import layer_norm_p
 from .base import Backbone, BackboneError, activation_problem
 
-#: ``model_type`` values whose encoder is BERT's (same tree, same math).
-SUPPORTED_MODEL_TYPES = ("bert",)
-
 
 def check_bert_like(config, *, family: str) -> None:
     """Raise :class:`BackboneError` unless the BERT-like layers of :func:`encode` compute what
@@ -56,20 +53,6 @@ def check_bert_like(config, *, family: str) -> None:
     if why:
         raise BackboneError(f"flaxheads' {family} backbone cannot run this config: {why}. Use a checkpoint "
                             f"without it, or implementation='hf_flax' (transformers < 5) if HF's Flax model has it.")
-
-
-def supports(config) -> tuple[bool, str]:
-    """Whether :class:`BertBackbone` computes exactly what HF's model for ``config`` does.
-
-    Returns ``(ok, reason)``; ``reason`` says what is unsupported when ``ok`` is False."""
-    mt = getattr(config, "model_type", None)
-    if mt not in SUPPORTED_MODEL_TYPES:
-        return False, f"model_type {mt!r} is not one of {SUPPORTED_MODEL_TYPES}"
-    try:
-        check_bert_like(config, family="BERT")
-    except BackboneError as e:
-        return False, str(e).partition(": ")[2]
-    return True, ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +110,7 @@ BERT_LAYOUT = LayerLayout()
 
 
 @dataclasses.dataclass(frozen=True)
-class Stack:
+class Settings:
     """The settings of a stack of BERT-like layers (what :func:`encode` needs beyond the params)."""
 
     num_layers: int
@@ -139,7 +122,7 @@ class Stack:
     layout: LayerLayout = BERT_LAYOUT
 
     @classmethod
-    def from_config(cls, config, layout: LayerLayout = BERT_LAYOUT) -> "Stack":
+    def from_config(cls, config, layout: LayerLayout = BERT_LAYOUT) -> "Settings":
         """BERT's config keys (``num_hidden_layers``, ``layer_norm_eps``, ``hidden_act``, ...)."""
         return cls(int(config.num_hidden_layers), int(config.num_attention_heads), float(config.layer_norm_eps),
                    get_activation(config.hidden_act), float(config.hidden_dropout_prob or 0.0),
@@ -219,7 +202,7 @@ def dropout_keys(rng: jax.Array | None, num_layers: int, train: bool) -> tuple[j
     return keys[-1], keys[:-1]
 
 
-def run_layers(layers: Sequence[dict], x: jax.Array, attention_mask: jax.Array, stack: Stack, *,
+def run_layers(layers: Sequence[dict], x: jax.Array, attention_mask: jax.Array, stack: Settings, *,
                rngs: Sequence[jax.Array | None], attn_chunks: int | str = "auto", ffn_chunks: int = 1,
                remat: bool = False, segment_ids: jax.Array | None = None,
                only_at: jax.Array | None = None) -> jax.Array:
@@ -254,7 +237,7 @@ def run_layers(layers: Sequence[dict], x: jax.Array, attention_mask: jax.Array, 
 
 def encode(params: dict, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, *, config,
            dtype=jnp.float32, dropout_rng: jax.Array | None = None, train: bool = False,
-           attn_chunks: int | str = "auto", ffn_chunks: int = 1, remat: bool = False, stack: Stack | None = None,
+           attn_chunks: int | str = "auto", ffn_chunks: int = 1, remat: bool = False, stack: Settings | None = None,
            embeddings: Callable[..., jax.Array] = bert_embeddings, segment_ids=None,
            only_at: jax.Array | None = None) -> jax.Array:
     """A BERT-like encoder forward: last hidden state ``[B, T, H]`` in ``dtype``. Pure in ``params``.
@@ -272,7 +255,7 @@ def encode(params: dict, input_ids, attention_mask=None, token_type_ids=None, po
     numbered ``1, 2, ...``, padding ``0``) keeps attention inside each text; the caller restarts
     ``position_ids`` at each text. ``only_at [B]``: the last hidden state at that one position of
     each sequence, ``[B, 1, H]``, with the last layer computed there alone (see :func:`run_layers`)."""
-    stack = Stack.from_config(config) if stack is None else stack
+    stack = Settings.from_config(config) if stack is None else stack
     input_ids = jnp.asarray(input_ids)
     bsz, t = input_ids.shape
     if attention_mask is None:
@@ -302,15 +285,16 @@ class BertBackbone(Backbone):
     weight names), :attr:`top_level` (the params tree's top-level modules, which are also
     the PyTorch name prefixes), :meth:`stack`, :meth:`embeddings` and :meth:`init_embeddings`."""
 
-    model_types = SUPPORTED_MODEL_TYPES
+    model_types = ("bert",)
+    family = "BERT"
     base_model_prefix = "bert"
+    classifier_dropout_key = "classifier_dropout"
+    lora_targets = ("query", "value")
     defaults = {"hidden_act": "gelu", "hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1,
                 "layer_norm_eps": 1e-12, "type_vocab_size": 2, "position_embedding_type": "absolute",
                 "pad_token_id": 0, "initializer_range": 0.02, "max_position_embeddings": 512}
     features = frozenset({"token_type_ids", "position_ids", "remat", "bf16", "packing", "only_at"})
     extra_inputs = ("token_type_ids", "position_ids", "segment_ids", "only_at")
-    #: the family's name in error messages
-    family: ClassVar[str] = "BERT"
     layout: ClassVar[LayerLayout] = BERT_LAYOUT
     top_level: ClassVar[tuple[str, ...]] = ("embeddings", "encoder")
     #: PyTorch buffers (not weights) some checkpoints carry under the base model
@@ -323,10 +307,7 @@ class BertBackbone(Backbone):
 
     @classmethod
     def check_config(cls, config) -> None:
-        mt = getattr(config, "model_type", None)
-        if mt not in cls.model_types:
-            raise BackboneError(f"flaxheads' {cls.family} backbone serves model_type {cls.model_types}, "
-                                f"not {mt!r}")
+        super().check_config(config)
         check_bert_like(config, family=cls.family)
 
     @classmethod
@@ -355,9 +336,9 @@ class BertBackbone(Backbone):
         return name.rpartition(".")[2] in cls.buffers
 
     @classmethod
-    def stack(cls, config) -> Stack:
+    def stack(cls, config) -> Settings:
         """The layer settings of ``config``."""
-        return Stack.from_config(config, cls.layout)
+        return Settings.from_config(config, cls.layout)
 
     def embeddings(self) -> Callable[..., jax.Array]:
         """The embedding module for :func:`encode` (see its ``embeddings`` argument)."""

@@ -306,7 +306,10 @@ class DebertaV2Backbone(Backbone):
     """DeBERTa-v2/v3 (``model_type`` ``deberta-v2``); see the module docstring for what it computes."""
 
     model_types = ("deberta-v2",)
+    family = "DeBERTa-v2"
     base_model_prefix = "deberta"
+    classifier_dropout_key = "cls_dropout"
+    lora_targets = ("query_proj", "value_proj")
     # transformers' DebertaV2Config defaults
     defaults = {"vocab_size": 128100, "hidden_size": 1536, "num_hidden_layers": 24, "num_attention_heads": 24,
                 "intermediate_size": 6144, "hidden_act": "gelu", "hidden_dropout_prob": 0.1,
@@ -316,21 +319,17 @@ class DebertaV2Backbone(Backbone):
                 "pooler_dropout": 0.0, "pooler_hidden_act": "gelu"}
     features = frozenset({"token_type_ids", "position_ids", "remat", "bf16", "only_at"})
     extra_inputs = ("token_type_ids", "position_ids", "only_at")
-
-    def __init__(self, config, params: dict, dtype=jnp.float32, remat: bool = False):
-        super().__init__(config, params, dtype=dtype, remat=remat)
-        self.settings = Settings.from_config(self.config)
+    settings_class = Settings
 
     @classmethod
     def check_config(cls, config) -> None:
+        super().check_config(config)
         h, nh = int(config.hidden_size), int(config.num_attention_heads)
         buckets, kernel = int(config.get("position_buckets", -1)), int(config.get("conv_kernel_size", 0) or 0)
         max_rel = int(config.get("max_relative_positions", -1))
         max_rel = max_rel if max_rel >= 1 else int(config.max_position_embeddings)
         why = ""
-        if config.get("model_type") not in cls.model_types:
-            why = f"model_type {config.get('model_type')!r} is not one of {cls.model_types}"
-        elif h % nh:
+        if h % nh:
             why = f"hidden_size {h} is not divisible by num_attention_heads {nh}"
         elif config.get("attention_head_size", h // nh) != h // nh:
             why = (f"attention_head_size {config.get('attention_head_size')} != hidden_size / num_attention_heads "

@@ -179,7 +179,10 @@ class DecoderBackbone(Backbone):
     """Llama / Mistral / Qwen2 / Qwen3 / Gemma / Gemma 2 / Gemma 3 text; see the module docstring."""
 
     model_types = MODEL_TYPES
+    family = "decoder"
     base_model_prefix = "model"
+    lora_targets = ("q_proj", "v_proj")
+    tokenizer_token_types = False
     top_level = TOP_LEVEL
     features = frozenset({"position_ids", "remat", "bf16", "causal", "only_at"})
     extra_inputs = ("position_ids", "only_at")
@@ -197,6 +200,7 @@ class DecoderBackbone(Backbone):
 
     @classmethod
     def check_config(cls, config: HFConfig) -> None:
+        super().check_config(config)
         check_decoder_config(config)
 
     @classmethod

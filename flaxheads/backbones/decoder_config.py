@@ -237,10 +237,8 @@ def make_rope(config: Mapping, p: dict, head_dim: int) -> Rope:
 
 
 def check_decoder_config(config: HFConfig) -> None:
-    """Raise :class:`BackboneError` for settings the decoder backbone does not compute."""
-    mt = config.get("model_type")
-    if mt not in MODEL_TYPES:
-        raise _fail(config, f"model_type {mt!r} is not one of {MODEL_TYPES}")
+    """Raise :class:`BackboneError` for settings the decoder backbone does not compute (a config of
+    one of its :data:`MODEL_TYPES`: :meth:`~flaxheads.backbones.base.Backbone.check_config` refuses others)."""
     heads, kv = int(config.num_attention_heads), int(config.get("num_key_value_heads") or config.num_attention_heads)
     if heads % kv:
         raise _fail(config, f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")

@@ -24,7 +24,7 @@ import numpy as np
 from ..layers.activations import get_activation
 from ..layers.init import HFInit
 from .base import BackboneError, activation_problem
-from .bert import BertBackbone, LayerLayout, Stack, bert_embeddings
+from .bert import BertBackbone, LayerLayout, Settings, bert_embeddings
 
 DISTILBERT_LAYOUT = LayerLayout(
     query=("attention", "q_lin"), key=("attention", "k_lin"), value=("attention", "v_lin"),
@@ -49,6 +49,9 @@ class DistilBertBackbone(BertBackbone):
     model_types = ("distilbert",)
     base_model_prefix = "distilbert"
     family = "DistilBERT"
+    classifier_dropout_key = "seq_classif_dropout"
+    lora_targets = ("q_lin", "v_lin")
+    tokenizer_token_types = False
     defaults = {"vocab_size": 30522, "max_position_embeddings": 512, "sinusoidal_pos_embds": False, "n_layers": 6,
                 "n_heads": 12, "dim": 768, "hidden_dim": 3072, "dropout": 0.1, "attention_dropout": 0.1,
                 "activation": "gelu", "initializer_range": 0.02, "qa_dropout": 0.1, "seq_classif_dropout": 0.2,
@@ -67,10 +70,9 @@ class DistilBertBackbone(BertBackbone):
 
     @classmethod
     def check_config(cls, config) -> None:
+        super(BertBackbone, cls).check_config(config)  # the base's model_type guard; BERT's key checks do not apply
         why = None
-        if config.get("model_type") not in cls.model_types:
-            why = f"model_type {config.get('model_type')!r} (it serves {cls.model_types})"
-        elif int(config.dim) % int(config.n_heads):
+        if int(config.dim) % int(config.n_heads):
             why = f"dim {config.dim} is not divisible by n_heads {config.n_heads}"
         elif int(config.hidden_size) != int(config.dim):
             why = f"hidden_size {config.hidden_size} differs from dim {config.dim}"
@@ -80,9 +82,9 @@ class DistilBertBackbone(BertBackbone):
             raise BackboneError(f"flaxheads' DistilBERT backbone cannot run this config: {why}")
 
     @classmethod
-    def stack(cls, config) -> Stack:
-        return Stack(int(config.n_layers), int(config.n_heads), LAYER_NORM_EPS, get_activation(config.activation),
-                     float(config.dropout or 0.0), float(config.attention_dropout or 0.0), cls.layout)
+    def stack(cls, config) -> Settings:
+        return Settings(int(config.n_layers), int(config.n_heads), LAYER_NORM_EPS, get_activation(config.activation),
+                        float(config.dropout or 0.0), float(config.attention_dropout or 0.0), cls.layout)
 
     @classmethod
     def intermediate_size(cls, config) -> int:

@@ -113,7 +113,11 @@ class GPT2Backbone(Backbone):
     """GPT-2 on the params tree of HF ``FlaxGPT2Model``; see the module docstring for what it computes."""
 
     model_types = ("gpt2",)
+    family = "GPT-2"
     base_model_prefix = "transformer"
+    lora_targets = ("c_attn",)
+    kernels_out_in = True  # Conv1D kernels [out, in]
+    tokenizer_token_types = False
     # transformers' GPT2Config defaults
     defaults = {"vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12,
                 "n_inner": None, "activation_function": "gelu_new", "resid_pdrop": 0.1, "embd_pdrop": 0.1,
@@ -140,10 +144,9 @@ class GPT2Backbone(Backbone):
 
     @classmethod
     def check_config(cls, config) -> None:
+        super().check_config(config)
         why = None
-        if config.get("model_type") not in cls.model_types:
-            why = f"model_type {config.get('model_type')!r} is not one of {cls.model_types}"
-        elif config.get("add_cross_attention"):
+        if config.get("add_cross_attention"):
             why = "add_cross_attention=True (cross-attention blocks); only the decoder-only GPT-2 is implemented"
         elif int(config.n_embd) % int(config.n_head):
             why = f"n_embd {config.n_embd} is not divisible by n_head {config.n_head}"
@@ -170,12 +173,6 @@ class GPT2Backbone(Backbone):
                   for i in range(n)}
         return {"wte": init.embedding(int(config.vocab_size), h), "wpe": init.embedding(int(config.n_positions), h),
                 "h": blocks, "ln_f": init.norm(h)}
-
-    @classmethod
-    def param_axes(cls, path, shape):
-        """The generic names, reversed for the ``[out, in]`` Conv1D kernels."""
-        axes = super().param_axes(path, shape)
-        return axes[::-1] if path and path[-1] == "kernel" else axes
 
     @classmethod
     def is_buffer(cls, name: str) -> bool:

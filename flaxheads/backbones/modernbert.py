@@ -90,8 +90,6 @@ def _config_problem(config) -> str:
     legacy = config.get("rope_scaling") or {}  # transformers 4.x's one scaling for both kinds
     if legacy.get("rope_type", legacy.get("type", "default")) != "default":
         scaled["rope_scaling"] = legacy.get("rope_type", legacy.get("type"))
-    if config.get("model_type") != "modernbert":
-        return f"model_type {config.get('model_type')!r} is not 'modernbert'"
     if h % nh:
         return f"hidden_size {h} is not divisible by num_attention_heads {nh}"
     if (h // nh) % 2:
@@ -308,7 +306,11 @@ class ModernBertBackbone(Backbone):
     memory only, never the result."""
 
     model_types = ("modernbert",)
+    family = "ModernBERT"
     base_model_prefix = "model"
+    classifier_dropout_key = "classifier_dropout"
+    lora_targets = ("Wqkv",)
+    tokenizer_token_types = False
     top_level = TOP_LEVEL
     # transformers' ModernBertConfig defaults (the attention pattern and RoPE bases: layer_types / rope_theta)
     defaults = {"vocab_size": 50368, "hidden_size": 768, "intermediate_size": 1152, "num_hidden_layers": 22,
@@ -320,15 +322,16 @@ class ModernBertBackbone(Backbone):
                 "classifier_dropout": 0.0, "classifier_bias": False, "classifier_activation": "gelu"}
     features = frozenset({"position_ids", "remat", "bf16"})
     extra_inputs = ("position_ids",)
+    settings_class = Settings
 
     def __init__(self, config, params: dict, dtype=jnp.float32, remat: bool = False, local_impl: str = "auto",
                  attn_chunks: int | str = "auto"):
         super().__init__(config, params, dtype=dtype, remat=remat)
         self.local_impl, self.attn_chunks = local_impl, attn_chunks
-        self.settings = Settings.from_config(self.config)
 
     @classmethod
     def check_config(cls, config: HFConfig) -> None:
+        super().check_config(config)
         why = _config_problem(config)
         if why:
             raise BackboneError(f"flaxheads' ModernBERT backbone cannot run this config: {why}. Use a checkpoint "

@@ -26,6 +26,7 @@ class RobertaBackbone(BertBackbone):
     model_types = ("roberta", "xlm-roberta", "camembert")
     base_model_prefix = "roberta"
     family = "RoBERTa"
+    tokenizer_token_types = False
     defaults = {**BertBackbone.defaults, "pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2}
 
     @classmethod

@@ -22,9 +22,9 @@ import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 
 from ..backbones.weights import head_to_hf
-from ..lora import A, B, LORA, OUT_IN_KERNELS, adapter_modules
+from ..lora import A, B, LORA, adapter_modules, kernels_out_in
 from .files import ExportError, atomic_dir, np_tree, save_safetensors, write_json
-from .transformers import PT_BASE_PREFIX, backbone_state_dict, check_transformers_exportable
+from .transformers import backbone_state_dict, check_transformers_exportable, exportable_family
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -70,7 +70,7 @@ def adapter_config(model, target_modules: list[str], saved: list[str]) -> dict:
             "base_model_name_or_path": os.path.abspath(model.name_or_path) if model.name_or_path else None,
             "r": cfg.rank, "lora_alpha": cfg.alpha, "lora_dropout": cfg.dropout,
             "target_modules": target_modules, "modules_to_save": saved,
-            "fan_in_fan_out": model.model_type in OUT_IN_KERNELS, "bias": "none", "use_rslora": False,
+            "fan_in_fan_out": kernels_out_in(model.model_type), "bias": "none", "use_rslora": False,
             "use_dora": False, "init_lora_weights": True, "inference_mode": True, "layers_to_transform": None,
             "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {}}
 
@@ -84,7 +84,7 @@ def peft_state_dict(model, params: Mapping | None = None) -> tuple[dict[str, np.
     params = params or model.params
     adapters = {m: {k: np.asarray(v, np.float32) for k, v in ab.items()}
                 for m, ab in adapter_modules(np_tree(params[LORA])).items()}
-    names = torch_module_names(model, list(adapters), PT_BASE_PREFIX[match.arch])
+    names = torch_module_names(model, list(adapters), exportable_family(match.arch).base_model_prefix)
     state = {}
     for m, ab in adapters.items():
         state[f"{PEFT_PREFIX}{names[m]}.lora_A.weight"] = ab[A].T  # [r, in]

@@ -15,6 +15,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from ..backbones.registry import family_for
 from ..errors import FlaxheadsError
 from .files import TOKENIZER_FILES
 
@@ -24,14 +25,16 @@ VERY_LARGE = int(1e30)
 _LARGE = int(1e20)
 #: A ``model_max_length`` at or above this says "no limit set" when asking how many tokens a model takes.
 UNSET_MAX_LENGTH = 1_000_000
-#: Tokenizer classes (and, without a ``tokenizer_class``, model types) whose model takes no
-#: token types: their ``model_input_names`` are input_ids and attention_mask only.
+#: Tokenizer classes whose model takes no token types: their ``model_input_names`` are input_ids
+#: and attention_mask only.
 _NO_TOKEN_TYPES = frozenset({
     "Bart", "Barthez", "BigBird", "Blenderbot", "Bloom", "Camembert", "CLIP", "CodeLlama", "CodeGen", "Cohere",
     "DistilBert", "Gemma", "GPT2", "GPTNeoX", "LED", "Llama", "Longformer", "MBart", "MBart50", "MPNet", "Mvp",
-    "Nllb", "OpenAIGPT", "Pegasus", "Qwen2", "Reformer", "Roberta", "T5", "Whisper", "XGLM", "XLMRoberta",
-    "bart", "big_bird", "bloom", "camembert", "distilbert", "gpt2", "gpt_neox", "led", "llama", "longformer",
-    "mbart", "mpnet", "roberta", "t5", "xlm-roberta", "modernbert"})
+    "Nllb", "OpenAIGPT", "Pegasus", "Qwen2", "Reformer", "Roberta", "T5", "Whisper", "XGLM", "XLMRoberta"})
+#: Model types without a native family whose tokenizer takes no token types (a native family says
+#: it itself: :attr:`~flaxheads.backbones.base.Backbone.tokenizer_token_types`).
+_NO_TOKEN_TYPES_MODEL_TYPES = frozenset({"big_bird", "bloom", "gpt_neox", "led", "longformer", "mbart", "mpnet",
+                                         "t5"})
 _PADDING = ("longest", "max_length", "do_not_pad")
 _CONFIG_FILES = (TOKENIZER_JSON, "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
 
@@ -65,13 +68,16 @@ def _settings(folder: str) -> dict:
 
 
 def _takes_token_types(settings: Mapping, folder: str) -> bool:
-    """Whether the model takes token types: ``model_input_names`` if saved, else its tokenizer class or model type."""
+    """Whether the model takes token types: ``model_input_names`` if saved, else its tokenizer class,
+    else its model type's family (:attr:`~flaxheads.backbones.base.Backbone.tokenizer_token_types`)."""
     if settings.get("model_input_names"):
         return "token_type_ids" in settings["model_input_names"]
     cls = str(settings.get("tokenizer_class") or "")
     if cls:
         return cls.removesuffix("Fast").removesuffix("Tokenizer") not in _NO_TOKEN_TYPES
-    return _read_json(os.path.join(folder, "config.json")).get("model_type") not in _NO_TOKEN_TYPES
+    model_type = _read_json(os.path.join(folder, "config.json")).get("model_type")
+    fam = family_for(model_type)
+    return fam.tokenizer_token_types if fam is not None else model_type not in _NO_TOKEN_TYPES_MODEL_TYPES
 
 
 class Tokenizer:

@@ -17,21 +17,10 @@ from ..backbones.base import Backbone, BackboneError, HFConfig
 from ..backbones.registry import family_for
 from ..backbones.weights import BIN, BIN_INDEX, SAFE, SAFE_INDEX, head_to_hf
 from ..model import SequenceModel, from_pretrained
-from ..backbones.decoder_config import MODEL_TYPES as DECODER_TYPES
 from ..presets import PRESETS, PresetMatch, match_preset, preset_for
 from .files import (ExportError, ModelImportError, atomic_dir, backbone_config_dict, copy_tokenizer, flatten,
                     flax_to_pytorch_names, np_tree, read_json, save_safetensors, write_json)
 
-# PyTorch ``base_model_prefix`` of each preset's XForSequenceClassification (no torch import needed).
-PT_BASE_PREFIX = {"bert": "bert", "albert": "albert", "roberta": "roberta", "xlm-roberta": "roberta",
-                  "electra": "electra", "distilbert": "distilbert", "gpt2": "transformer", "bart": "model"}
-PT_BASE_PREFIX.update(dict.fromkeys(DECODER_TYPES, "model"))  # Llama, Mistral, Qwen2/3, Gemma 1/2/3
-# The config key each PyTorch class reads its classifier dropout from.
-DROPOUT_KEY = {"bert": "classifier_dropout", "albert": "classifier_dropout_prob",
-               "roberta": "classifier_dropout", "xlm-roberta": "classifier_dropout",
-               "electra": "classifier_dropout", "distilbert": "seq_classif_dropout", "bart": "classifier_dropout"}
-PT_BASE_PREFIX["deberta-v2"], DROPOUT_KEY["deberta-v2"] = "deberta", "cls_dropout"  # DeBERTa-v2 and v3
-PT_BASE_PREFIX["modernbert"], DROPOUT_KEY["modernbert"] = "model", "classifier_dropout"
 WEIGHT_FILES = (SAFE, SAFE_INDEX, BIN, BIN_INDEX)
 _OTHER_FORMATS = ("Export it with format='sentence-transformers' (pooling + dense layers + normalize) or "
                   "format='head' (head.safetensors + head_config.json, any head).")
@@ -98,18 +87,26 @@ def _match(model) -> PresetMatch:
     return match_preset(model.backbone.config, model.num_labels, model.head.pooler, model.head.head, model.pool_mask)
 
 
+def exportable_family(arch: str | None) -> type[Backbone] | None:
+    """The native family of the HF preset ``arch`` (a ``model_type``): it names the PyTorch
+    ``base_model_prefix`` and the classifier dropout key of the preset's XForSequenceClassification.
+    None for a preset without a native backbone (XLNet), which has no transformers export."""
+    return family_for(arch)
+
+
 def check_transformers_exportable(model) -> PresetMatch:
     """The model's exact HF preset match; :class:`ExportError` unless it has a PyTorch class to load into."""
     if getattr(model, "backbone", None) is None:
         raise ExportError(f"a transformers export needs the backbone weights; this source has only a head. "
                           f"{_OTHER_FORMATS}")
     match = _match(model)
-    if not (match.same_pooler and match.same_head) or match.preset.arch not in PT_BASE_PREFIX:
+    if not (match.same_pooler and match.same_head) or exportable_family(match.preset.arch) is None:
         kind = f"{type(model.head.pooler).__name__} + {type(model.head.head).__name__}"
         raise ExportError(
             f"the head ({kind}) on this {model.model_type} backbone is not the Hugging Face "
             f"{model.model_type} sequence-classification head, so no PyTorch XForSequenceClassification "
-            f"class can load it (HF-exact presets with a JAX backbone: {sorted(PT_BASE_PREFIX)}). {_OTHER_FORMATS}")
+            f"class can load it (HF-exact presets with a JAX backbone: "
+            f"{sorted(a for a in PRESETS if exportable_family(a))}). {_OTHER_FORMATS}")
     if not match.exact:
         raise ExportError(f"{match.preset.hf_class} pools by {match.preset.pool_mask!r} but this model pools by "
                           f"{model.pool_mask!r}: PyTorch would give other logits. {_OTHER_FORMATS}")
@@ -124,7 +121,7 @@ def transformers_config(model) -> dict:
     cfg.update(architectures=[match.preset.hf_class], num_labels=model.num_labels,
                id2label={str(i): labels[i] for i in sorted(labels)},
                label2id={labels[i]: i for i in sorted(labels)}, problem_type=model.problem_type)
-    key = DROPOUT_KEY.get(match.arch)
+    key = exportable_family(match.arch).classifier_dropout_key
     if key is not None:
         cfg[key] = float(model.head.head.dropout)
     return cfg
@@ -134,7 +131,7 @@ def transformers_state_dict(model, params: Mapping | None = None) -> dict[str, n
     """The full PyTorch state dict (backbone under its base prefix + head modules)."""
     match = check_transformers_exportable(model)
     params = params or model.params
-    state = backbone_state_dict(model, params, prefix=PT_BASE_PREFIX[match.arch])
+    state = backbone_state_dict(model, params, prefix=exportable_family(match.arch).base_model_prefix)
     state.update(head_to_hf(np_tree(params["head"]), match.hf_names))
     return state
 

@@ -15,7 +15,8 @@ from transformers import AutoModelForSequenceClassification  # noqa: E402
 
 import flaxheads as fh  # noqa: E402
 from flaxheads.interop.head_files import load_head_export  # noqa: E402
-from flaxheads.interop.transformers import DROPOUT_KEY, ExportError  # noqa: E402
+from flaxheads.backbones.registry import family_for  # noqa: E402
+from flaxheads.interop.transformers import ExportError  # noqa: E402
 from hf_tiny import padded_batch, tiny_torch_model  # noqa: E402
 
 FLAX_ARCHS = ["bert", "roberta", "xlm-roberta", "distilbert", "albert", "electra", "gpt2", "bart"]
@@ -56,8 +57,9 @@ def test_preset_roundtrip_through_pytorch(arch, tmp_path):
     assert cfg["architectures"] == [type(pt).__name__]
     assert cfg["num_labels"] == 3 and cfg["problem_type"] == model.problem_type
     assert cfg["id2label"] == {"0": "LABEL_0", "1": "LABEL_1", "2": "LABEL_2"}
-    if arch in DROPOUT_KEY:
-        assert cfg[DROPOUT_KEY[arch]] == pytest.approx(model.head.head.dropout)
+    key = family_for(arch).classifier_dropout_key
+    if key is not None:
+        assert cfg[key] == pytest.approx(model.head.head.dropout)
     pt2, info = AutoModelForSequenceClassification.from_pretrained(out, output_loading_info=True)
     # lists in transformers 4, sets in 5
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info

@@ -127,6 +127,22 @@ def test_byte_level_bpe_folders(tmp_path, cls_name, options):
     assert (ours(["alpha beta"])["input_ids"] >= 5).sum() >= 2  # word pieces, not only special tokens (ids 0-4)
 
 
+@pytest.mark.parametrize("model_type,token_types", [("bert", True), ("roberta", False), ("deberta-v2", True),
+                                                    ("llama", False), ("mistral", False), ("t5", False),
+                                                    ("xlnet", True), (None, True)])
+def test_token_types_by_model_type_when_the_tokenizer_config_does_not_say(tmp_path, model_type, token_types):
+    """No ``model_input_names``, no ``tokenizer_class``: the model type's native family decides
+    (``tokenizer_token_types``), else the list of other model types; a type with no family still loads."""
+    folder = _bpe_tokenizer_folder(tmp_path / "bpe", "GPT2Tokenizer", pad_token="<pad>")
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    del cfg["tokenizer_class"]
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (folder / "config.json").write_text(json.dumps({} if model_type is None else {"model_type": model_type}))
+    tok = fh.load_tokenizer(folder)
+    assert ("token_type_ids" in tok.model_input_names) is token_types
+    assert ("token_type_ids" in tok(["alpha beta"])) is token_types
+
+
 def test_no_pad_token_and_bad_calls_are_clear_errors(tmp_path):
     folder = _bpe_tokenizer_folder(tmp_path / "gpt2", "GPT2Tokenizer")
     tok = fh.load_tokenizer(folder)

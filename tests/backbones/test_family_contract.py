@@ -1,0 +1,27 @@
+"""What every registered family declares on its Backbone class (the facts other modules ask it for)."""
+import pytest
+
+from flaxheads.backbones.base import BackboneError, HFConfig
+from flaxheads.backbones.registry import FAMILIES, family_for
+from flaxheads.presets import PRESETS, preset_for
+
+
+@pytest.mark.parametrize("fam", FAMILIES, ids=lambda f: f.__name__)
+def test_a_model_type_the_family_does_not_serve_is_refused(fam):
+    with pytest.raises(BackboneError, match=rf"flaxheads' {fam.family} backbone serves model_type .*not 'xlnet'"):
+        fam.check_config(HFConfig({"model_type": "xlnet"}))
+
+
+@pytest.mark.parametrize("fam", FAMILIES, ids=lambda f: f.__name__)
+def test_every_family_names_itself_its_prefix_and_lora_targets(fam):
+    assert fam.family and fam.base_model_prefix and fam.lora_targets and fam.model_types
+
+
+@pytest.mark.parametrize("arch", [a for a in PRESETS if family_for(a) is not None])
+def test_the_preset_reads_the_dropout_key_the_export_writes(arch):
+    """A transformers export writes the head's dropout to the family's ``classifier_dropout_key``;
+    the preset must read it from there, so the exported folder imports with the same head."""
+    fam = family_for(arch)
+    key = fam.classifier_dropout_key
+    cfg = fam.complete_config(HFConfig({"model_type": arch, "pad_token_id": 0, **({key: 0.37} if key else {})}))
+    assert preset_for(cfg, 2).head.dropout == pytest.approx(0.37 if key else 0.0)
