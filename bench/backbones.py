@@ -127,7 +127,7 @@ def _systems(path: str, ids, mask, labels):
     fwd = jax.jit(m.apply)
     tx = optax.adamw(2e-5, weight_decay=0.01)
     box = {"s": create_state(m.params, tx)}
-    step = common.jit_train_step(make_train_step(m, tx))
+    step = common.jit_train_step(make_train_step(m, tx), m.plan)
     batch = {"input_ids": jnp.asarray(ids), "attention_mask": jnp.asarray(mask), "labels": jnp.asarray(labels),
              "weights": jnp.ones(len(ids), jnp.float32)}
 

@@ -128,7 +128,7 @@ def main(argv=None):
     cache.labels = labels
     spe = int(np.ceil(n / args.batch))
     cfg = OptimConfig(learning_rate=1e-2, freeze_backbone=True, total_steps=spe * args.epochs, weight_decay=0.0)
-    tx = make_optimizer(cfg)
+    tx = make_optimizer(cfg, fold_reductions=model.plan.fold_reductions)
     head = sweep(model, cache, [Variant(1e-2)], optim=cfg, epochs=args.epochs, batch_size=args.batch)
     head_epoch = head.seconds / args.epochs
     # What a user waits for: the first encode (it compiles every bucket) and the head's training
@@ -140,7 +140,7 @@ def main(argv=None):
     from flaxheads.training.data import iterate_batches
 
     fstate = create_state(jax.tree.map(jnp.copy, model.params), tx, freeze_backbone=True)  # donated below
-    fstep = common.jit_train_step(make_train_step(model, tx, freeze_backbone=True))
+    fstep = common.jit_train_step(make_train_step(model, tx, freeze_backbone=True), model.plan)
     batches = list(iterate_batches(split, args.batch, buckets, seed=0, epoch=0, group_by_length=True))
     sample = batches[:args.recompute_batches]
     for b in sample:  # compile every bucket in the sample first

@@ -61,13 +61,13 @@ POOLED_TOKEN_NOTE = ("flaxheads runs the last layer at the pooled [CLS] token al
 
 def configure_xla(extra: str | None = None) -> list[str]:
     """``--xla-flags`` from the command line, then flaxheads' program defaults
-    (:func:`flaxheads.runtime.configure_malloc` and :func:`~flaxheads.runtime.configure_xla`),
+    (:func:`flaxheads.host.malloc.configure_malloc` and :func:`flaxheads.host.xla_flags.configure_xla`),
     before JAX starts. Every system in a bench runs in this one process, so the peers get the
     same heap and XLA settings as flaxheads."""
     if extra:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + extra).strip()
-    from flaxheads.runtime import configure_malloc
-    from flaxheads.runtime import configure_xla as apply
+    from flaxheads.host.malloc import configure_malloc
+    from flaxheads.host.xla_flags import configure_xla as apply
 
     configure_malloc()
     return apply()
@@ -83,7 +83,7 @@ def add_precision(ap) -> None:
 def bf16_hardware() -> bool:
     """The CPU multiplies bfloat16 natively (AVX512-BF16 or AMX). Without it PyTorch's bf16 matmul
     falls to a reference kernel: 1.3 vs 154 GFLOP/s fp32 (512^3, AMD EPYC, torch 2.14.1)."""
-    from flaxheads.runtime import CpuInfo
+    from flaxheads.host.cpu import CpuInfo
 
     return CpuInfo.read().bf16
 
@@ -165,13 +165,15 @@ class PeakRSS:
         self.peak = self._peak_abs - self.base
 
 
-def jit_train_step(step):
-    """``step(state, batch)`` jitted as flaxheads jits its train steps on one device
-    (``Parallel.compile(..., gradients=True)``: state donated, the train steps' compiler options);
-    a JAX peer in the same bench gets the same."""
+def jit_train_step(step, plan=None):
+    """``step(state, batch)`` jitted as flaxheads jits its train steps on one device: state donated,
+    the train steps' compiler options of ``plan`` (default this process's
+    :meth:`~flaxheads.host.plan.ComputePlan.for_host`); a JAX peer in the same bench gets the same."""
+    from flaxheads.host import ComputePlan
     from flaxheads.parallel import Parallel
 
-    return Parallel().compile(step, gradients=True)
+    plan = plan or ComputePlan.for_host()
+    return Parallel().compile(step, options=plan.compiler_options(gradients=True))
 
 
 def xla_bytes(jitted, *args) -> int | None:
@@ -269,7 +271,7 @@ def environment() -> str:
     import jax
     import torch
 
-    from flaxheads.runtime import CpuInfo
+    from flaxheads.host.cpu import CpuInfo
 
     cpu = CpuInfo.read()
     load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3

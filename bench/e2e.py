@@ -22,7 +22,7 @@ evaluation cadence and the checkpoint policy as flaxheads' own code resolves the
 command line, and the exact train / validation / test examples and label ids.
 
 Each run is a fresh process (environment as ``make`` sets it, plus the heap settings that
-``flaxheads`` applies to itself, ``flaxheads.runtime.malloc_env``, so the Trainer gets the same
+``flaxheads`` applies to itself, ``flaxheads.host.malloc.malloc_env``, so the Trainer gets the same
 heap), one at a time; flaxheads gets an
 empty compile cache per run, so each run compiles as a first run does. Per run: wall time of the
 whole process (timed from outside: imports, data, tokenisation, compile, training, evaluation,
@@ -158,7 +158,7 @@ def apply_make_env(xla_flags: str | None) -> None:
     """Make's settings in this process's environment, which every run inherits (the malloc ones as
     make's ``?=``: a value already set is kept), flaxheads' heap settings for every system alike,
     plus ``--xla-flags``."""
-    from flaxheads.runtime import malloc_env
+    from flaxheads.host.malloc import malloc_env
 
     for k, v in {**malloc_env(), **MAKE_ENV}.items():
         if k.startswith("MALLOC_"):
@@ -274,7 +274,7 @@ def _tail(log: Path) -> str:
 # ---- report --------------------------------------------------------------------------------
 def cpu_info() -> dict:
     """The CPU's model name and whether it multiplies bfloat16 natively (AVX512-BF16, AMX)."""
-    from flaxheads.runtime import CpuInfo
+    from flaxheads.host.cpu import CpuInfo
 
     cpu = CpuInfo.read()
     return {"model": cpu.model or "unknown", "avx512_bf16": "avx512_bf16" in cpu.flags, "amx_bf16": cpu.amx,

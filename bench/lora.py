@@ -68,13 +68,14 @@ def measure(a) -> dict:
     model = build_model(a)
     if a.system == "lora":
         model = model.with_lora(rank=a.rank, alpha=2.0 * a.rank, targets=tuple(a.targets.split(",")))
-    tx = make_optimizer(OptimConfig(learning_rate=1e-4, warmup_steps=0, total_steps=1000))
+    tx = make_optimizer(OptimConfig(learning_rate=1e-4, warmup_steps=0, total_steps=1000),
+                        fold_reductions=model.plan.fold_reductions)
     state = create_state(model.params, tx)
     rng = np.random.default_rng(0)
     batch = {"input_ids": jnp.asarray(rng.integers(3, a.vocab, (a.batch, a.seq)), jnp.int32),
              "attention_mask": jnp.ones((a.batch, a.seq), jnp.int32),
              "labels": jnp.asarray(rng.integers(0, 2, a.batch)), "weights": jnp.ones(a.batch, jnp.float32)}
-    step = common.jit_train_step(make_train_step(model, tx))
+    step = common.jit_train_step(make_train_step(model, tx), model.plan)
     xla = common.xla_bytes(step, state, batch)
     t0 = time.perf_counter()
     state, m = step(state, batch)

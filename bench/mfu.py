@@ -136,7 +136,7 @@ def _compiled_step(path: str, dtype, remat: bool, fused: bool, batch: dict):
     os.environ[ATTENTION_ENV] = "fused" if fused else "auto"
     t0 = time.perf_counter()
     try:  # the choice is read while tracing: compile now, under it
-        step = common.jit_train_step(make_train_step(m, tx)).lower(box["s"], batch).compile()
+        step = common.jit_train_step(make_train_step(m, tx), m.plan).lower(box["s"], batch).compile()
     finally:
         if before is None:
             os.environ.pop(ATTENTION_ENV)

@@ -71,9 +71,10 @@ def main(argv=None):
                 continue
             m = dataclasses.replace(fh.from_pretrained(path, implementation=impl, dtype=dtype),
                                     pooled_token_only=only)
-            tx = make_optimizer(OptimConfig(learning_rate=2e-5, total_steps=1000))
+            tx = make_optimizer(OptimConfig(learning_rate=2e-5, total_steps=1000),
+                                fold_reductions=m.plan.fold_reductions)
             box = {"s": create_state(m.params, tx, seed=0)}
-            step = common.jit_train_step(make_train_step(m, tx))
+            step = common.jit_train_step(make_train_step(m, tx), m.plan)
             xla[name] = common.xla_bytes(step, box["s"], batch)
 
             def run(step=step, box=box):

@@ -22,6 +22,7 @@ from .losses import REGRESSION, check_problem_type, infer_problem_type, loss_fn
 from .nn.poolers import Pool, Pooler, make_pooler
 from .presets import Preset, check_pool_mask, match_preset, preset_for
 from .errors import ConfigError
+from .host.plan import ComputePlan
 from .lora import LORA, LoraConfig, merge_lora, with_lora
 
 @dataclasses.dataclass
@@ -61,6 +62,11 @@ class SequenceModel:
     @property
     def hidden_size(self) -> int:
         return int(self.backbone.config.hidden_size)
+
+    @property
+    def plan(self) -> ComputePlan:
+        """How this model's programs compute (the backbone's :class:`~flaxheads.host.plan.ComputePlan`)."""
+        return self.backbone.plan
 
     @property
     def model_type(self) -> str:
@@ -216,7 +222,7 @@ def from_pretrained(path: str | os.PathLike, *, pooler: str | Sequence[str] | Po
                     dtype=jnp.float32, seed: int = 0, ignore_mismatched_sizes: bool = False,
                     pooler_options: dict | None = None, head_options: dict | None = None,
                     pool_mask: str | None = None, implementation: str = "auto",
-                    remat: bool = False) -> SequenceModel:
+                    remat: bool = False, plan: ComputePlan | None = None) -> SequenceModel:
     """Load a local HF model folder as backbone and attach a pooler + head.
 
     Defaults to the HF-exact preset for the backbone's ``model_type`` (and copies its
@@ -225,10 +231,12 @@ def from_pretrained(path: str | os.PathLike, *, pooler: str | Sequence[str] | Po
     bfloat16; params, head and logits stay float32. ``implementation``: ``"auto"`` (flaxheads'
     native backbone for the folder's ``model_type``, else HF's Flax wrapper when transformers
     < 5 is installed), ``"native"`` or ``"hf_flax"`` (see :mod:`flaxheads.backbones.registry`).
-    ``remat=True`` recomputes each encoder layer in the backward pass (gradient checkpointing)."""
+    ``remat=True`` recomputes each encoder layer in the backward pass (gradient checkpointing).
+    ``plan``: how the programs compute on this host (default :meth:`ComputePlan.for_host`)."""
     path = os.fspath(path)
     state = _read_state_if_any(path)  # read once: the backbone's weights and the head's
-    backbone = load_backbone(path, dtype=dtype, state=state or None, remat=remat, implementation=implementation)
+    backbone = load_backbone(path, dtype=dtype, state=state or None, remat=remat, implementation=implementation,
+                             plan=plan)
     cfg = backbone.config
     labels = _labels(id2label, num_labels, cfg)
     n = len(labels) if labels else int(num_labels or getattr(cfg, "num_labels", 2))

@@ -16,7 +16,6 @@ from flax.jax_utils import replicate
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
-from .runtime import gradient_compiler_options
 from .errors import TrainingError
 from .sharding import DATA as DATA_AXIS
 from .sharding import Layout, make_mesh, replicated_layout
@@ -109,17 +108,18 @@ class Parallel:
         return self.layout.shardings(tree)
 
     def compile(self, step_fn: Callable, *, donate: bool = True, like: Any = None,
-                returns_state: bool | None = None, gradients: bool = False) -> Callable:
+                returns_state: bool | None = None, options: Mapping[str, str] | None = None) -> Callable:
         """Jit (single/mesh) or pmap a ``(state_or_params, batch) -> out`` function.
 
         Mesh mode: ``like`` is the first argument's tree (arrays or ``jax.eval_shape`` leaves);
         it is placed by the layout (None: replicated). ``returns_state`` (default ``donate``):
         the output is ``(new first argument, replicated metrics)`` with the same placement;
-        otherwise the whole output is replicated (logits). ``gradients=True`` (a train step):
-        jitted with :func:`flaxheads.runtime.gradient_compiler_options` (``jax.pmap`` takes no
-        compiler options, so a pmapped step compiles with the process's settings)."""
+        otherwise the whole output is replicated (logits). ``options``: XLA's per-program
+        ``compiler_options``, a train step's from its compute plan
+        (``plan.compiler_options(gradients=True)``; ``jax.pmap`` takes none, so a pmapped step
+        compiles with the process's settings)."""
         donate_argnums = (0,) if donate else ()
-        options = gradient_compiler_options() if gradients else {}
+        options = dict(options or {})
         if self.mode == "single":
             return jax.jit(step_fn, donate_argnums=donate_argnums, compiler_options=options)
         if self.mode == "pmap":

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .batching import extra_inputs
-from .runtime import constant_weights
+from .host.plan import ComputePlan
 
 
 def make_eval_step(model) -> Callable:
@@ -24,12 +24,13 @@ def make_eval_step(model) -> Callable:
     return eval_step
 
 
-def constants_program(fn: Callable, params, dtype=jnp.float32, *, force: bool | None = None) -> Callable | None:
+def constants_program(fn: Callable, params, plan: ComputePlan, dtype=jnp.float32, *,
+                      force: bool | None = None) -> Callable | None:
     """``jax.jit(batch -> fn(params, batch))`` with ``params`` compiled in as constants, for an
-    inference program whose parameters stay the same over many calls, where
-    :func:`flaxheads.runtime.constant_weights` says so for their size and the compute ``dtype``
-    (``force``: True or False instead of asking); None where they should stay an argument."""
-    use = force if force is not None else constant_weights(sum(x.nbytes for x in jax.tree.leaves(params)), dtype)
+    inference program whose parameters stay the same over many calls, where ``plan`` says so for
+    their size and the compute ``dtype`` (:meth:`~flaxheads.host.plan.ComputePlan.constant_weights`;
+    ``force``: True or False instead of asking); None where they should stay an argument."""
+    use = force if force is not None else plan.constant_weights(sum(x.nbytes for x in jax.tree.leaves(params)), dtype)
     return jax.jit(lambda batch: fn(params, batch)) if use else None
 
 

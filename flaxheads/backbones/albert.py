@@ -22,6 +22,7 @@ from typing import Callable, ClassVar, Mapping
 
 import jax
 
+from ..host.plan import ComputePlan
 from ..layers.dense import dense
 from ..layers.init import HFInit
 from .base import BackboneError
@@ -56,10 +57,11 @@ def layer_order(config) -> tuple[tuple[int, int], ...]:
 
 
 def albert_embeddings(params: dict, input_ids, token_type_ids, position_ids, *, eps: float, dtype, rate: float,
-                      rng: jax.Array | None) -> jax.Array:
+                      rng: jax.Array | None, plan: ComputePlan) -> jax.Array:
     """BERT's embeddings at ``embedding_size`` (LayerNorm, dropout), projected to ``hidden_size``."""
-    x = bert_embeddings(params, input_ids, token_type_ids, position_ids, eps=eps, dtype=dtype, rate=rate, rng=rng)
-    return dense(x, params["encoder"]["embedding_hidden_mapping_in"])
+    x = bert_embeddings(params, input_ids, token_type_ids, position_ids, eps=eps, dtype=dtype, rate=rate, rng=rng,
+                        plan=plan)
+    return dense(x, params["encoder"]["embedding_hidden_mapping_in"], plan)
 
 
 class AlbertBackbone(BertBackbone):

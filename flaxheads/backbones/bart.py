@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..host.plan import ComputePlan
 from ..layers.activations import get_activation
 from ..layers.attention import cross_attention, fused_qkv, self_attention
 from ..layers.dense import dense, embedding_lookup
@@ -60,7 +61,7 @@ class Settings:
 
     encoder_heads: int
     decoder_heads: int
-    act: Callable[[jax.Array], jax.Array]
+    act: str  # HF's name (``activation_function``); looked up with the compute plan's barrier where applied
     dropout: float
     attn_dropout: float
     act_dropout: float
@@ -71,7 +72,7 @@ class Settings:
     @classmethod
     def from_config(cls, config) -> "Settings":
         return cls(int(config.encoder_attention_heads), int(config.decoder_attention_heads),
-                   get_activation(config.activation_function), float(config.dropout or 0.0),
+                   config.activation_function, float(config.dropout or 0.0),
                    float(config.attention_dropout or 0.0), float(config.activation_dropout or 0.0),
                    math.sqrt(int(config.d_model)) if config.scale_embedding else 1.0, int(config.pad_token_id),
                    int(config.decoder_start_token_id))
@@ -85,7 +86,7 @@ def shift_tokens_right(input_ids: jax.Array, pad_token_id: int, decoder_start_to
     return jnp.where(shifted == -100, jnp.asarray(pad_token_id, input_ids.dtype), shifted)
 
 
-def embed(p: dict, table: jax.Array, ids: jax.Array, s: Settings, *, dtype, rng) -> jax.Array:
+def embed(p: dict, table: jax.Array, ids: jax.Array, s: Settings, *, dtype, rng, plan: ComputePlan) -> jax.Array:
     """Scaled token embeddings + positions (offset 2), ``layernorm_embedding``, dropout: ``[B, T, H]``."""
     t = ids.shape[1]
     positions = p["embed_positions"]["embedding"]
@@ -93,48 +94,50 @@ def embed(p: dict, table: jax.Array, ids: jax.Array, s: Settings, *, dtype, rng)
         raise BackboneError(f"sequence length {t} exceeds BART's max_position_embeddings "
                             f"{positions.shape[0] - POSITION_OFFSET}; truncate the inputs")
     x = embedding_lookup(table, ids, s.pad_token_id) * s.embed_scale + positions[POSITION_OFFSET:t + POSITION_OFFSET]
-    return dropout(layer_norm_p(x.astype(dtype), p["layernorm_embedding"], LN_EPS), s.dropout, rng)
+    return dropout(layer_norm_p(x.astype(dtype), p["layernorm_embedding"], LN_EPS, plan), s.dropout, rng)
 
 
 def attention_block(p: dict, norm: dict, x: jax.Array, bias: jax.Array, s: Settings, *, num_heads: int, batch: int,
-                    memory: jax.Array | None = None, causal: bool = False, rng=None, chunks="auto") -> jax.Array:
+                    plan: ComputePlan, memory: jax.Array | None = None, causal: bool = False, rng=None) -> jax.Array:
     """Self-attention (``memory`` None) or cross-attention over ``memory [B*S, H]``, ``out_proj``,
-    dropout, residual, LayerNorm ``norm``; on the flattened ``x [B*T, H]``."""
+    dropout, residual, LayerNorm ``norm``; on the flattened ``x [B*T, H]``, as ``plan`` arranges them."""
     r_attn, r_out = jax.random.split(rng) if rng is not None else (None, None)
     d = x.shape[1] // num_heads
     w, b = fused_qkv(tuple(p[n]["kernel"] for n in ("q_proj", "k_proj", "v_proj")),
                      tuple(p[n]["bias"] for n in ("q_proj", "k_proj", "v_proj")), 1.0 / math.sqrt(d))
-    kw = dict(num_heads=num_heads, batch=batch, rate=s.attn_dropout, rng=r_attn, chunks=chunks)
+    kw = dict(num_heads=num_heads, batch=batch, plan=plan, rate=s.attn_dropout, rng=r_attn)
     if memory is None:
         ctx = self_attention(x, w, b, bias, causal=causal, **kw)
     else:
         ctx = cross_attention(x, memory, w, b, bias, **kw)
-    return layer_norm_p(x + dropout(dense(ctx, p["out_proj"]), s.dropout, r_out), norm, LN_EPS)
+    return layer_norm_p(x + dropout(dense(ctx, p["out_proj"], plan), s.dropout, r_out), norm, LN_EPS, plan)
 
 
-def feed_forward(p: dict, x: jax.Array, s: Settings, rng=None) -> jax.Array:
+def feed_forward(p: dict, x: jax.Array, s: Settings, plan: ComputePlan, rng=None) -> jax.Array:
     """fc1 -> act -> dropout(activation_dropout) -> fc2 -> dropout -> residual -> ``final_layer_norm``."""
     r_act, r_out = jax.random.split(rng) if rng is not None else (None, None)
-    inter = dropout(s.act(dense(x, p["fc1"])), s.act_dropout, r_act)
-    return layer_norm_p(x + dropout(dense(inter, p["fc2"]), s.dropout, r_out), p["final_layer_norm"], LN_EPS)
+    act = get_activation(s.act, barrier=plan.activation_barrier)
+    inter = dropout(act(dense(x, p["fc1"], plan)), s.act_dropout, r_act)
+    return layer_norm_p(x + dropout(dense(inter, p["fc2"], plan), s.dropout, r_out), p["final_layer_norm"], LN_EPS,
+                        plan)
 
 
-def encoder_layer(p: dict, x: jax.Array, bias: jax.Array, *, s: Settings, batch: int, rng=None,
-                  chunks="auto") -> jax.Array:
+def encoder_layer(p: dict, x: jax.Array, bias: jax.Array, *, s: Settings, batch: int, plan: ComputePlan,
+                  rng=None) -> jax.Array:
     r_attn, r_ffn = jax.random.split(rng) if rng is not None else (None, None)
     x = attention_block(p["self_attn"], p["self_attn_layer_norm"], x, bias, s, num_heads=s.encoder_heads,
-                        batch=batch, rng=r_attn, chunks=chunks)
-    return feed_forward(p, x, s, r_ffn)
+                        batch=batch, plan=plan, rng=r_attn)
+    return feed_forward(p, x, s, plan, r_ffn)
 
 
 def decoder_layer(p: dict, x: jax.Array, memory: jax.Array, self_bias: jax.Array, cross_bias: jax.Array, *,
-                  s: Settings, batch: int, rng=None, chunks="auto") -> jax.Array:
+                  s: Settings, batch: int, plan: ComputePlan, rng=None) -> jax.Array:
     r_self, r_cross, r_ffn = jax.random.split(rng, 3) if rng is not None else (None, None, None)
     x = attention_block(p["self_attn"], p["self_attn_layer_norm"], x, self_bias, s, num_heads=s.decoder_heads,
-                        batch=batch, causal=True, rng=r_self, chunks=chunks)
+                        batch=batch, plan=plan, causal=True, rng=r_self)
     x = attention_block(p["encoder_attn"], p["encoder_attn_layer_norm"], x, cross_bias, s,
-                        num_heads=s.decoder_heads, batch=batch, memory=memory, rng=r_cross, chunks=chunks)
-    return feed_forward(p, x, s, r_ffn)
+                        num_heads=s.decoder_heads, batch=batch, plan=plan, memory=memory, rng=r_cross)
+    return feed_forward(p, x, s, plan, r_ffn)
 
 
 def run_stack(p: dict, step: Callable, x: jax.Array, rngs, *, remat: bool) -> jax.Array:
@@ -149,11 +152,12 @@ def run_stack(p: dict, step: Callable, x: jax.Array, rngs, *, remat: bool) -> ja
     return x.reshape(bsz, t, h)
 
 
-def encode(params: Mapping, input_ids, attention_mask=None, *, settings: Settings, dtype=jnp.float32,
-           train: bool = False, rng: jax.Array | None = None, remat: bool = False,
-           attn_chunks: int | str = "auto", return_encoder: bool = False) -> jax.Array:
+def encode(params: Mapping, input_ids, attention_mask=None, *, settings: Settings, plan: ComputePlan,
+           dtype=jnp.float32, train: bool = False, rng: jax.Array | None = None, remat: bool = False,
+           return_encoder: bool = False) -> jax.Array:
     """BART's decoder last hidden state ``[B, T, H]`` in ``dtype`` (the encoder's with
-    ``return_encoder=True``); a pure function of ``params``."""
+    ``return_encoder=True``), computed as ``plan`` arranges it (:class:`~flaxheads.host.plan.ComputePlan`);
+    a pure function of ``params``."""
     s = settings
     input_ids = jnp.asarray(input_ids)
     bsz, _ = input_ids.shape
@@ -164,17 +168,17 @@ def encode(params: Mapping, input_ids, attention_mask=None, *, settings: Setting
 
     enc, dec = params["encoder"], params["decoder"]
     emb_rng, rngs = dropout_keys(enc_rng, len(enc["layers"]), train)
-    x = embed(enc, table, input_ids, s, dtype=dtype, rng=emb_rng)
-    step = partial(encoder_layer, bias=key_bias, s=s, batch=bsz, chunks=attn_chunks)
+    x = embed(enc, table, input_ids, s, dtype=dtype, rng=emb_rng, plan=plan)
+    step = partial(encoder_layer, bias=key_bias, s=s, batch=bsz, plan=plan)
     memory = run_stack(enc, step, x, rngs, remat=remat)
     if return_encoder:
         return memory
 
     emb_rng, rngs = dropout_keys(dec_rng, len(dec["layers"]), train)
     y = embed(dec, table, shift_tokens_right(input_ids, s.pad_token_id, s.decoder_start_token_id), s, dtype=dtype,
-              rng=emb_rng)
+              rng=emb_rng, plan=plan)
     step = partial(decoder_layer, memory=memory.reshape(-1, memory.shape[-1]),
-                   self_bias=jnp.zeros_like(key_bias), cross_bias=key_bias, s=s, batch=bsz, chunks=attn_chunks)
+                   self_bias=jnp.zeros_like(key_bias), cross_bias=key_bias, s=s, batch=bsz, plan=plan)
     return run_stack(dec, step, y, rngs, remat=remat)
 
 
@@ -185,8 +189,8 @@ def _is_weight(name: str) -> bool:
 
 class BartBackbone(Backbone):
     """BART (``model_type`` ``bart``): the decoder output ``BartForSequenceClassification``
-    classifies (see the module docstring), on HF ``FlaxBartModel``'s params tree.
-    ``attn_chunks`` splits attention into independent batch chunks (speed only)."""
+    classifies (see the module docstring), on HF ``FlaxBartModel``'s params tree. The compute
+    plan's ``attention_chunks`` splits attention into independent batch chunks (speed only)."""
 
     model_types = ("bart",)
     family = "BART"
@@ -204,11 +208,6 @@ class BartBackbone(Backbone):
     features = frozenset({"remat", "bf16"})
     extra_inputs = ()
     settings_class = Settings
-
-    def __init__(self, config, params: dict, dtype=jnp.float32, remat: bool = False,
-                 attn_chunks: int | str = "auto"):
-        super().__init__(config, params, dtype=dtype, remat=remat)
-        self.attn_chunks = attn_chunks
 
     @classmethod
     def complete_config(cls, config: HFConfig) -> HFConfig:
@@ -285,5 +284,5 @@ class BartBackbone(Backbone):
             raise BackboneError(f"training with LayerDrop (encoder_layerdrop={c.encoder_layerdrop}, decoder_layerdrop="
                                 f"{c.decoder_layerdrop}) is not implemented in flaxheads' BART; set both to 0.0 in "
                                 "config.json to train with every layer")
-        return encode(params, input_ids, attention_mask, settings=self.settings, dtype=self.dtype, train=train,
-                      rng=rng, remat=self.remat, attn_chunks=self.attn_chunks)
+        return encode(params, input_ids, attention_mask, settings=self.settings, plan=self.plan, dtype=self.dtype,
+                      train=train, rng=rng, remat=self.remat)

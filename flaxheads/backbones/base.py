@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..errors import FlaxheadsError
+from ..host.plan import ComputePlan
 from ..layers.activations import get_activation
 from .axes import Axes, generic_param_axes
 from .weights import pick, torch_from_tree, tree_from_torch
@@ -143,7 +144,8 @@ class Backbone:
     #: that names neither its ``model_input_names`` nor its ``tokenizer_class``)
     tokenizer_token_types: ClassVar[bool] = True
 
-    def __init__(self, config: Mapping[str, Any], params: dict, dtype: Any = jnp.float32, remat: bool = False):
+    def __init__(self, config: Mapping[str, Any], params: dict, dtype: Any = jnp.float32, remat: bool = False,
+                 plan: ComputePlan | None = None):
         cfg = config if isinstance(config, HFConfig) else HFConfig(config)
         self.config = self.complete_config(cfg)
         self.check_config(self.config)
@@ -152,6 +154,8 @@ class Backbone:
         if remat and "remat" not in self.features:
             raise BackboneError(f"{type(self).__name__} has no gradient checkpointing (remat); load without it")
         self.remat = bool(remat)
+        #: how this backbone's programs compute on the host (the layers read it while tracing)
+        self.plan = plan if plan is not None else ComputePlan.for_host()
         self.settings = None if self.settings_class is None else self.settings_class.from_config(self.config)
 
     # ---- config -------------------------------------------------------------------------------
@@ -201,7 +205,7 @@ class Backbone:
 
     @classmethod
     def from_state(cls, config: Mapping[str, Any], state: Mapping[str, np.ndarray], *, dtype: Any = jnp.float32,
-                   remat: bool = False, source: str = "checkpoint") -> "Backbone":
+                   remat: bool = False, source: str = "checkpoint", plan: ComputePlan | None = None) -> "Backbone":
         """Build from a full PyTorch state dict: the base-model prefix is stripped, every
         weight the family needs must be present (a folder of another architecture fails here)."""
         cfg = cls.complete_config(config if isinstance(config, HFConfig) else HFConfig(config))
@@ -215,7 +219,7 @@ class Backbone:
                                 f"{cfg.get('model_type')} checkpoint?") from None
         check_params(cls.param_shapes(cfg), params, source=source, model_type=cfg.get("model_type"))
         params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
-        return cls(cfg, params, dtype=dtype, remat=remat)
+        return cls(cfg, params, dtype=dtype, remat=remat, plan=plan)
 
     @classmethod
     def param_shapes(cls, config: HFConfig) -> dict:

@@ -27,6 +27,7 @@ from typing import Any, Callable, ClassVar, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 
+from ..host.plan import ComputePlan
 from ..layers.activations import get_activation
 from ..layers.attention import cross_attention, fused_qkv, self_attention
 from ..layers.dense import dense
@@ -116,7 +117,7 @@ class Settings:
     num_layers: int
     num_heads: int
     eps: float
-    act: Callable[[jax.Array], jax.Array]
+    activation: str  # HF's name (``hidden_act``); looked up with the compute plan's barrier
     hidden_dropout: float = 0.0
     attn_dropout: float = 0.0
     layout: LayerLayout = BERT_LAYOUT
@@ -125,11 +126,11 @@ class Settings:
     def from_config(cls, config, layout: LayerLayout = BERT_LAYOUT) -> "Settings":
         """BERT's config keys (``num_hidden_layers``, ``layer_norm_eps``, ``hidden_act``, ...)."""
         return cls(int(config.num_hidden_layers), int(config.num_attention_heads), float(config.layer_norm_eps),
-                   get_activation(config.hidden_act), float(config.hidden_dropout_prob or 0.0),
+                   config.hidden_act, float(config.hidden_dropout_prob or 0.0),
                    float(config.attention_probs_dropout_prob or 0.0), layout)
 
 
-def embed(params: dict, input_ids, token_type_ids, position_ids, *, eps: float, dtype) -> jax.Array:
+def embed(params: dict, input_ids, token_type_ids, position_ids, *, eps: float, dtype, plan: ComputePlan) -> jax.Array:
     """Word + position + token-type embeddings, LayerNorm: ``[B, T, H]`` (families without
     ``token_type_embeddings``, e.g. DistilBERT, skip that term)."""
     e = params["embeddings"]
@@ -137,19 +138,18 @@ def embed(params: dict, input_ids, token_type_ids, position_ids, *, eps: float, 
          + jnp.take(e["position_embeddings"]["embedding"], position_ids, axis=0))
     if "token_type_embeddings" in e:
         x = x + jnp.take(e["token_type_embeddings"]["embedding"], token_type_ids, axis=0)
-    return layer_norm_p(x.astype(dtype), e["LayerNorm"], eps)
+    return layer_norm_p(x.astype(dtype), e["LayerNorm"], eps, plan)
 
 
 def bert_embeddings(params: dict, input_ids, token_type_ids, position_ids, *, eps: float, dtype, rate: float,
-                    rng: jax.Array | None) -> jax.Array:
+                    rng: jax.Array | None, plan: ComputePlan) -> jax.Array:
     """BERT's embedding module: :func:`embed`, then dropout (the default of :func:`encode`'s ``embeddings``)."""
-    return dropout(embed(params, input_ids, token_type_ids, position_ids, eps=eps, dtype=dtype), rate, rng)
+    return dropout(embed(params, input_ids, token_type_ids, position_ids, eps=eps, dtype=dtype, plan=plan), rate, rng)
 
 
 def layer(p: dict, x: jax.Array, mask_bias: jax.Array, *, num_heads: int, eps: float, act, batch: int,
-          hidden_dropout: float = 0.0, attn_dropout: float = 0.0, rng: jax.Array | None = None,
-          attn_chunks: int | str = "auto", ffn_chunks: int = 1, layout: LayerLayout = BERT_LAYOUT,
-          queries: jax.Array | None = None) -> jax.Array:
+          plan: ComputePlan, hidden_dropout: float = 0.0, attn_dropout: float = 0.0, rng: jax.Array | None = None,
+          ffn_chunks: int = 1, layout: LayerLayout = BERT_LAYOUT, queries: jax.Array | None = None) -> jax.Array:
     """One BERT-like layer on the flattened activation ``x [B*T, H]``; ``mask_bias [B, 1, 1, T]``.
 
     ``queries [B*Q, H]`` (rows of ``x``, ``Q`` per sequence): the layer's output at those rows
@@ -162,33 +162,34 @@ def layer(p: dict, x: jax.Array, mask_bias: jax.Array, *, num_heads: int, eps: f
     else:
         r_attn = r_out = r_ffn = None
     if queries is None:
-        ctx = self_attention(x, w, b, mask_bias, num_heads=num_heads, batch=batch, rate=attn_dropout, rng=r_attn,
-                             chunks=attn_chunks)
+        ctx = self_attention(x, w, b, mask_bias, num_heads=num_heads, batch=batch, plan=plan, rate=attn_dropout,
+                             rng=r_attn)
     else:
-        ctx = cross_attention(queries, x, w, b, mask_bias, num_heads=num_heads, batch=batch, rate=attn_dropout,
-                              rng=r_attn, chunks=attn_chunks)
+        ctx = cross_attention(queries, x, w, b, mask_bias, num_heads=num_heads, batch=batch, plan=plan,
+                              rate=attn_dropout, rng=r_attn)
         x = queries
-    out = dense(ctx, layout(p, "attn_out"))
+    out = dense(ctx, layout(p, "attn_out"), plan)
     if layout.attn_output_dropout:
         out = dropout(out, hidden_dropout, r_out)
-    x = layer_norm_p(out + x, layout(p, "attn_norm"), eps)
-    return _ffn(p, x, eps=eps, act=act, hidden_dropout=hidden_dropout, rng=r_ffn, chunks=ffn_chunks, layout=layout)
+    x = layer_norm_p(out + x, layout(p, "attn_norm"), eps, plan)
+    return _ffn(p, x, eps=eps, act=act, hidden_dropout=hidden_dropout, rng=r_ffn, chunks=ffn_chunks, layout=layout,
+                plan=plan)
 
 
 def _ffn(p: dict, x: jax.Array, *, eps: float, act, hidden_dropout: float, rng, chunks: int,
-         layout: LayerLayout = BERT_LAYOUT) -> jax.Array:
+         layout: LayerLayout = BERT_LAYOUT, plan: ComputePlan) -> jax.Array:
     """dense -> act -> dense -> dropout -> residual -> LayerNorm, in ``chunks`` independent row blocks."""
     rows = x.shape[0]
     n = chunks if chunks > 1 and rows % chunks == 0 else 1
     outs = []
     for c in range(n):
         xc = x[c * rows // n:(c + 1) * rows // n]
-        inter = act(dense(xc, layout(p, "ffn_in")))
+        inter = act(dense(xc, layout(p, "ffn_in"), plan))
         r = None if rng is None else (rng if n == 1 else jax.random.fold_in(rng, c))
-        out = dense(inter, layout(p, "ffn_out"))
+        out = dense(inter, layout(p, "ffn_out"), plan)
         if layout.ffn_output_dropout:
             out = dropout(out, hidden_dropout, r)
-        outs.append(layer_norm_p(out + xc, layout(p, "ffn_norm"), eps))
+        outs.append(layer_norm_p(out + xc, layout(p, "ffn_norm"), eps, plan))
     return outs[0] if n == 1 else jnp.concatenate(outs, axis=0)
 
 
@@ -203,7 +204,7 @@ def dropout_keys(rng: jax.Array | None, num_layers: int, train: bool) -> tuple[j
 
 
 def run_layers(layers: Sequence[dict], x: jax.Array, attention_mask: jax.Array, stack: Settings, *,
-               rngs: Sequence[jax.Array | None], attn_chunks: int | str = "auto", ffn_chunks: int = 1,
+               rngs: Sequence[jax.Array | None], plan: ComputePlan, ffn_chunks: int = 1,
                remat: bool = False, segment_ids: jax.Array | None = None,
                only_at: jax.Array | None = None) -> jax.Array:
     """``stack``'s layers on the embeddings ``x [B, T, H]``: the last hidden state ``[B, T, H]``.
@@ -215,8 +216,9 @@ def run_layers(layers: Sequence[dict], x: jax.Array, attention_mask: jax.Array, 
     (:func:`layer`'s ``queries``) and the result is ``[B, 1, H]``, what a one-token pooler reads."""
     bsz, t, _ = x.shape
     bias = mask_bias(attention_mask, x.dtype) if segment_ids is None else segment_bias(segment_ids, x.dtype)
-    step = partial(layer, num_heads=stack.num_heads, eps=stack.eps, act=stack.act, batch=bsz,
-                   hidden_dropout=stack.hidden_dropout, attn_dropout=stack.attn_dropout, attn_chunks=attn_chunks,
+    act = get_activation(stack.activation, barrier=plan.activation_barrier)
+    step = partial(layer, num_heads=stack.num_heads, eps=stack.eps, act=act, batch=bsz, plan=plan,
+                   hidden_dropout=stack.hidden_dropout, attn_dropout=stack.attn_dropout,
                    ffn_chunks=ffn_chunks, layout=stack.layout)
     if remat:
         # Keep only each layer's input for the backward pass and recompute the rest: activation
@@ -236,20 +238,20 @@ def run_layers(layers: Sequence[dict], x: jax.Array, attention_mask: jax.Array, 
 
 
 def encode(params: dict, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, *, config,
-           dtype=jnp.float32, dropout_rng: jax.Array | None = None, train: bool = False,
-           attn_chunks: int | str = "auto", ffn_chunks: int = 1, remat: bool = False, stack: Settings | None = None,
+           plan: ComputePlan, dtype=jnp.float32, dropout_rng: jax.Array | None = None, train: bool = False,
+           ffn_chunks: int = 1, remat: bool = False, stack: Settings | None = None,
            embeddings: Callable[..., jax.Array] = bert_embeddings, segment_ids=None,
            only_at: jax.Array | None = None) -> jax.Array:
     """A BERT-like encoder forward: last hidden state ``[B, T, H]`` in ``dtype``. Pure in ``params``.
 
     What differs between BERT-like families comes in as arguments: ``stack`` (layer count,
     sizes, dropout, the :class:`LayerLayout` of the weights; default BERT's from ``config``) and
-    ``embeddings(params, input_ids, token_type_ids, position_ids, *, eps, dtype, rate, rng)``
+    ``embeddings(params, input_ids, token_type_ids, position_ids, *, eps, dtype, rate, rng, plan)``
     (embedding module with its dropout; default :func:`bert_embeddings`). Token types default
     to zeros and position ids to ``0..T-1``.
 
-    ``attn_chunks`` splits attention into independent batch chunks (see
-    :func:`attention_chunks`); it changes speed only, never the result. ``remat=True``
+    ``plan`` is how the layers compute on this host (its ``attention_chunks`` split attention into
+    independent batch chunks: speed only, never the result). ``remat=True``
     recomputes each layer in the backward pass (gradient checkpointing): same values and
     gradients, less activation memory. ``segment_ids`` ``[B, T]`` (rows packing several texts,
     numbered ``1, 2, ...``, padding ``0``) keeps attention inside each text; the caller restarts
@@ -266,11 +268,11 @@ def encode(params: dict, input_ids, attention_mask=None, token_type_ids=None, po
         position_ids = jnp.broadcast_to(jnp.arange(t), (bsz, t))
     emb_rng, rngs = dropout_keys(dropout_rng, stack.num_layers, train)
     x = embeddings(params, input_ids, token_type_ids, position_ids, eps=stack.eps, dtype=dtype,
-                   rate=stack.hidden_dropout, rng=emb_rng)
+                   rate=stack.hidden_dropout, rng=emb_rng, plan=plan)
     layers = stack.layout.layer_list(params)
     if len(layers) != stack.num_layers:
         raise BackboneError(f"the params have {len(layers)} layers but the config has {stack.num_layers}")
-    return run_layers(layers, x, attention_mask, stack, rngs=rngs, attn_chunks=attn_chunks,
+    return run_layers(layers, x, attention_mask, stack, rngs=rngs, plan=plan,
                       ffn_chunks=ffn_chunks, remat=remat, segment_ids=segment_ids, only_at=only_at)
 
 
@@ -278,8 +280,7 @@ class BertBackbone(Backbone):
     """BERT (``model_type`` ``bert``): HF's ``BertModel`` without its pooler, as a pure function.
 
     The params tree is HF ``FlaxBertModel``'s (``embeddings``, ``encoder/layer/<i>/...``), so
-    checkpoints written with HF's Flax BERT load unchanged. ``attn_chunks`` splits attention
-    into independent batch chunks (speed only; see :func:`~flaxheads.layers.attention.attention_chunks`).
+    checkpoints written with HF's Flax BERT load unchanged.
 
     BERT-like families subclass it and change what differs: :attr:`layout` (the layer's
     weight names), :attr:`top_level` (the params tree's top-level modules, which are also
@@ -299,11 +300,6 @@ class BertBackbone(Backbone):
     top_level: ClassVar[tuple[str, ...]] = ("embeddings", "encoder")
     #: PyTorch buffers (not weights) some checkpoints carry under the base model
     buffers: ClassVar[tuple[str, ...]] = ("position_ids", "token_type_ids")
-
-    def __init__(self, config, params: dict, dtype=jnp.float32, remat: bool = False,
-                 attn_chunks: int | str = "auto"):
-        super().__init__(config, params, dtype=dtype, remat=remat)
-        self.attn_chunks = attn_chunks
 
     @classmethod
     def check_config(cls, config) -> None:
@@ -351,6 +347,6 @@ class BertBackbone(Backbone):
     def encode(self, params, input_ids, attention_mask, *, train: bool = False, rng=None, token_type_ids=None,
                position_ids=None, segment_ids=None, only_at=None) -> jax.Array:
         return encode(params, input_ids, attention_mask, token_type_ids, position_ids, config=self.config,
-                      dtype=self.dtype, dropout_rng=rng, train=train, attn_chunks=self.attn_chunks, remat=self.remat,
+                      plan=self.plan, dtype=self.dtype, dropout_rng=rng, train=train, remat=self.remat,
                       stack=self.stack(self.config), embeddings=self.embeddings(), segment_ids=segment_ids,
                       only_at=only_at)

@@ -35,13 +35,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from functools import partial
-from typing import Callable, Mapping
+from typing import Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ..host.plan import ComputePlan
 from ..layers.activations import get_activation
 from ..layers.dense import dense, embedding_lookup, matmul
 from ..layers.dropout import dropout
@@ -49,7 +50,7 @@ from ..layers.init import HFInit
 from ..layers.norms import layer_norm_p
 from ..layers.positions import diagonals_to_keys, log_bucket
 from .base import Backbone, BackboneError, activation_problem
-from .bert import LayerLayout, _ffn, dropout_keys
+from .bert import LayerLayout, dropout_keys
 from .weights import pick, torch_from_tree, tree_from_torch
 
 #: A DeBERTa layer is a BERT layer whose attention projections are named ``*_proj``.
@@ -76,7 +77,7 @@ class Settings:
     num_layers: int
     num_heads: int
     eps: float
-    act: Callable[[jax.Array], jax.Array]
+    act: str  # HF's name (``hidden_act``); looked up with the compute plan's barrier where applied
     hidden_dropout: float
     attn_dropout: float
     pos_dropout: float  # on the relative table in each layer (HF: hidden_dropout_prob)
@@ -91,7 +92,7 @@ class Settings:
     norm_rel: bool
     conv_kernel: int  # 0: no convolution
     conv_groups: int
-    conv_act: Callable[[jax.Array], jax.Array]
+    conv_act: str | None  # HF's name (``conv_act``), None without a convolution; looked up as ``act``
     position_biased_input: bool
     type_vocab_size: int
     pad_token_id: int | None
@@ -112,7 +113,7 @@ class Settings:
         conv = int(c.get("conv_kernel_size", 0) or 0)
         return cls(
             num_layers=int(c.num_hidden_layers), num_heads=heads, eps=float(c.layer_norm_eps),
-            act=get_activation(c.hidden_act), hidden_dropout=float(c.hidden_dropout_prob or 0.0),
+            act=c.hidden_act, hidden_dropout=float(c.hidden_dropout_prob or 0.0),
             attn_dropout=float(c.attention_probs_dropout_prob or 0.0),
             pos_dropout=float(c.hidden_dropout_prob or 0.0), conv_dropout=float(c.hidden_dropout_prob or 0.0),
             scale=1.0 / math.sqrt(int(c.hidden_size) // heads * factor),
@@ -120,7 +121,7 @@ class Settings:
             share_att_key=bool(c.get("share_att_key", False)), buckets=int(c.get("position_buckets", -1)),
             max_relative=max_rel if max_rel >= 1 else int(c.max_position_embeddings), norm_rel="layer_norm" in norm,
             conv_kernel=max(conv, 0), conv_groups=int(c.get("conv_groups", 1)),
-            conv_act=get_activation(c.get("conv_act", "tanh")) if conv > 0 else get_activation(None),
+            conv_act=c.get("conv_act", "tanh") if conv > 0 else None,
             position_biased_input=bool(c.get("position_biased_input", True)),
             type_vocab_size=int(c.type_vocab_size or 0), pad_token_id=c.get("pad_token_id"),
             max_positions=int(c.max_position_embeddings))
@@ -149,7 +150,8 @@ def _project_rows(rel: jax.Array, rows: np.ndarray, p: dict, num_heads: int, sca
 
 
 def disentangled_attention(p: dict, x: jax.Array, keep: jax.Array, rel: jax.Array | None, rows, s: Settings, *,
-                           batch: int, rng: jax.Array | None, at: jax.Array | None = None) -> jax.Array:
+                           batch: int, rng: jax.Array | None, plan: ComputePlan,
+                           at: jax.Array | None = None) -> jax.Array:
     """Attention context ``[B*T, H]`` of ``x [B*T, H]`` before the output projection; ``keep [B, 1, T, T]``
     the pairs that may attend, ``rel [2*span, H]`` the (normalised) relative table, ``rows`` :func:`diagonal_rows`.
     ``at [B]``: the context of that one query position per sequence alone, ``[B, H]`` (keys and
@@ -167,12 +169,12 @@ def disentangled_attention(p: dict, x: jax.Array, keep: jax.Array, rel: jax.Arra
     w = jnp.concatenate([q_p["kernel"] * s.scale, k_p["kernel"], v_p["kernel"]], axis=1)
     b = jnp.concatenate([q_p["bias"] * s.scale, lax.stop_gradient(k_p["bias"]), v_p["bias"]])
     if at is None:
-        qkv = (matmul(x, w) + b.astype(x.dtype)).reshape(batch, t, 3, nh, d)
+        qkv = (matmul(x, w, plan) + b.astype(x.dtype)).reshape(batch, t, 3, nh, d)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     else:
-        kv = (matmul(x, w[:, h:]) + b[h:].astype(x.dtype)).reshape(batch, t, 2, nh, d)
+        kv = (matmul(x, w[:, h:], plan) + b[h:].astype(x.dtype)).reshape(batch, t, 2, nh, d)
         k, v = kv[:, :, 0], kv[:, :, 1]
-        q = (matmul(_rows_at(x, at, t), w[:, :h]) + b[:h].astype(x.dtype)).reshape(batch, 1, nh, d)
+        q = (matmul(_rows_at(x, at, t), w[:, :h], plan) + b[:h].astype(x.dtype)).reshape(batch, 1, nh, d)
         keep = jnp.take_along_axis(keep, at.reshape(batch, 1, 1, 1), axis=2)
         # relative-table index of (query at, key j) on c2p's and p2c's diagonals, as in diagonals_to_keys
         c2p_at = jnp.arange(t)[None, :] - at[:, None] + (t - 1)
@@ -208,31 +210,35 @@ def _rows_at(x: jax.Array, at: jax.Array, t: int) -> jax.Array:
 
 
 def layer(p: dict, x: jax.Array, keep: jax.Array, rel: jax.Array | None, *, rows, s: Settings, batch: int,
-          rng: jax.Array | None = None, at: jax.Array | None = None) -> jax.Array:
+          plan: ComputePlan, rng: jax.Array | None = None, at: jax.Array | None = None) -> jax.Array:
     """One DeBERTa layer on the flattened activation ``x [B*T, H]`` (post-LayerNorm, as BERT's);
     ``at [B]``: its output at that one position per sequence alone, ``[B, H]``."""
     r_attn, r_out, r_ffn = jax.random.split(rng, 3) if rng is not None else (None, None, None)
-    ctx = disentangled_attention(p, x, keep, rel, rows, s, batch=batch, rng=r_attn, at=at)
+    ctx = disentangled_attention(p, x, keep, rel, rows, s, batch=batch, rng=r_attn, plan=plan, at=at)
     if at is not None:
         x = _rows_at(x, at, x.shape[0] // batch)
-    out = dropout(dense(ctx, LAYOUT(p, "attn_out")), s.hidden_dropout, r_out)
-    x = layer_norm_p(out + x, LAYOUT(p, "attn_norm"), s.eps)
-    return _ffn(p, x, eps=s.eps, act=s.act, hidden_dropout=s.hidden_dropout, rng=r_ffn, chunks=1, layout=LAYOUT)
+    out = dropout(dense(ctx, LAYOUT(p, "attn_out"), plan), s.hidden_dropout, r_out)
+    x = layer_norm_p(out + x, LAYOUT(p, "attn_norm"), s.eps, plan)
+    # BERT's feed-forward: dense -> act -> dense -> dropout -> residual -> LayerNorm
+    inter = get_activation(s.act, barrier=plan.activation_barrier)(dense(x, LAYOUT(p, "ffn_in"), plan))
+    out = dropout(dense(inter, LAYOUT(p, "ffn_out"), plan), s.hidden_dropout, r_ffn)
+    return layer_norm_p(out + x, LAYOUT(p, "ffn_norm"), s.eps, plan)
 
 
 def conv_layer(p: dict, embedded: jax.Array, hidden: jax.Array, mask: jax.Array, s: Settings,
-               rng: jax.Array | None) -> jax.Array:
+               rng: jax.Array | None, plan: ComputePlan) -> jax.Array:
     """HF's ``ConvLayer``: ``LayerNorm(hidden + act(dropout(conv(embedded))))`` with padded positions
     zeroed before and after; ``embedded``/``hidden`` ``[B, T, H]``, ``mask [B, T, 1]`` (0/1)."""
     pad = (s.conv_kernel - 1) // 2
     c = p["conv"]
     y = lax.conv_general_dilated(embedded, c["kernel"].astype(embedded.dtype), (1,), [(pad, pad)],
                                  dimension_numbers=("NWC", "WIO", "NWC"), feature_group_count=s.conv_groups)
-    y = s.conv_act(dropout((y + c["bias"].astype(y.dtype)) * mask, s.conv_dropout, rng))
-    return layer_norm_p(hidden + y, p["LayerNorm"], s.eps) * mask
+    act = get_activation(s.conv_act, barrier=plan.activation_barrier)
+    y = act(dropout((y + c["bias"].astype(y.dtype)) * mask, s.conv_dropout, rng))
+    return layer_norm_p(hidden + y, p["LayerNorm"], s.eps, plan) * mask
 
 
-def embed(e: dict, input_ids, token_type_ids, position_ids, s: Settings, dtype) -> jax.Array:
+def embed(e: dict, input_ids, token_type_ids, position_ids, s: Settings, dtype, plan: ComputePlan) -> jax.Array:
     """Word (+ position, + token type) embeddings, ``embed_proj``, LayerNorm: ``[B, T, H]`` before the mask."""
     x = embedding_lookup(e["word_embeddings"]["embedding"], input_ids, s.pad_token_id)
     if s.position_biased_input:
@@ -242,13 +248,14 @@ def embed(e: dict, input_ids, token_type_ids, position_ids, s: Settings, dtype) 
     x = x.astype(dtype)
     if "embed_proj" in e:
         x = x @ e["embed_proj"]["kernel"].astype(dtype)
-    return layer_norm_p(x, e["LayerNorm"], s.eps)
+    return layer_norm_p(x, e["LayerNorm"], s.eps, plan)
 
 
 def encode(params: dict, input_ids, attention_mask, token_type_ids=None, position_ids=None, *, settings: Settings,
-           dtype=jnp.float32, rng: jax.Array | None = None, train: bool = False, remat: bool = False,
+           plan: ComputePlan, dtype=jnp.float32, rng: jax.Array | None = None, train: bool = False, remat: bool = False,
            only_at: jax.Array | None = None) -> jax.Array:
-    """The DeBERTa-v2 forward: last hidden state ``[B, T, H]`` in ``dtype``. Pure in ``params``.
+    """The DeBERTa-v2 forward: last hidden state ``[B, T, H]`` in ``dtype``, computed as ``plan`` arranges
+    it (:class:`~flaxheads.host.plan.ComputePlan`). Pure in ``params``.
 
     Token types default to zeros, positions to ``0..T-1``; ``remat=True`` recomputes each layer in
     the backward pass (gradient checkpointing). ``only_at [B]``: the last hidden state at that one
@@ -265,7 +272,7 @@ def encode(params: dict, input_ids, attention_mask, token_type_ids=None, positio
     conv_rng = rngs.pop()
     valid = jnp.asarray(attention_mask) > 0
     mask = valid[..., None].astype(dtype)
-    x = dropout(embed(params["embeddings"], input_ids, token_type_ids, position_ids, s, dtype) * mask,
+    x = dropout(embed(params["embeddings"], input_ids, token_type_ids, position_ids, s, dtype, plan) * mask,
                 s.hidden_dropout, emb_rng)
     keep = valid[:, None, :, None] & valid[:, None, None, :]
     enc = params["encoder"]
@@ -273,9 +280,9 @@ def encode(params: dict, input_ids, attention_mask, token_type_ids=None, positio
     if s.relative:
         rel = enc["rel_embeddings"]["embedding"].astype(dtype)
         if s.norm_rel:
-            rel = layer_norm_p(rel, enc["LayerNorm"], s.eps)
+            rel = layer_norm_p(rel, enc["LayerNorm"], s.eps, plan)
         rows = diagonal_rows(t, s)
-    step = partial(layer, rows=rows, s=s, batch=bsz)
+    step = partial(layer, rows=rows, s=s, batch=bsz, plan=plan)
     if remat:
         # keep each layer's input for the backward pass and recompute the rest
         step = jax.checkpoint(step)
@@ -289,7 +296,7 @@ def encode(params: dict, input_ids, attention_mask, token_type_ids=None, positio
     for i, (p, r) in enumerate(zip(layers, rngs)):
         h = step(p, h, keep, rel, rng=r, at=last_at if i == len(layers) - 1 else None)
         if i == 0 and s.conv_kernel > 0:
-            h = conv_layer(enc["conv"], x, h.reshape(bsz, t, -1), mask, s, conv_rng).reshape(bsz * t, -1)
+            h = conv_layer(enc["conv"], x, h.reshape(bsz, t, -1), mask, s, conv_rng, plan).reshape(bsz * t, -1)
     if at is None:
         return h.reshape(bsz, t, -1)
     return (h if last_at is not None else _rows_at(h, at, t)).reshape(bsz, 1, -1)
@@ -400,4 +407,4 @@ class DebertaV2Backbone(Backbone):
     def encode(self, params, input_ids, attention_mask, *, train: bool = False, rng=None, token_type_ids=None,
                position_ids=None, only_at=None) -> jax.Array:
         return encode(params, input_ids, attention_mask, token_type_ids, position_ids, settings=self.settings,
-                      dtype=self.dtype, rng=rng, train=train, remat=self.remat, only_at=only_at)
+                      plan=self.plan, dtype=self.dtype, rng=rng, train=train, remat=self.remat, only_at=only_at)

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ..host.plan import ComputePlan
 from ..layers.activations import get_activation
 from ..layers.attention import attend_chunked
 from ..layers.dense import embedding_lookup, matmul
@@ -50,9 +51,9 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float, gemma: bool) -> jax.Arr
     return scale.astype(x.dtype) * normed.astype(x.dtype)
 
 
-def linear(x: jax.Array, p: dict) -> jax.Array:
-    """``nn.Linear`` with or without a bias (Flax kernel ``[in, out]``)."""
-    y = matmul(x, p["kernel"])
+def linear(x: jax.Array, p: dict, plan: ComputePlan) -> jax.Array:
+    """``nn.Linear`` with or without a bias (Flax kernel ``[in, out]``), through ``plan``'s :func:`matmul`."""
+    y = matmul(x, p["kernel"], plan)
     return y + p["bias"].astype(x.dtype) if "bias" in p else y
 
 
@@ -96,14 +97,14 @@ def _at(a: jax.Array, at: jax.Array) -> jax.Array:
 
 
 def self_attention(p: dict, x: jax.Array, cos, sin, keep, bias, *, spec: DecoderSpec, window: int | None,
-                   rate: float, rng, at: jax.Array | None = None) -> jax.Array:
+                   rate: float, rng, plan: ComputePlan, at: jax.Array | None = None) -> jax.Array:
     """One layer's attention output ``[B, T, H]`` (after ``o_proj``) of the normed input ``x [B, T, H]``;
     ``at [B]``: the output at that one query position per sequence alone, ``[B, 1, H]``."""
     b, t, _ = x.shape
     xq, cq, sq = (x, cos, sin) if at is None else (_at(x, at), _at(cos, at), _at(sin, at))
-    q = linear(xq, p["q_proj"]).reshape(b, xq.shape[1], spec.num_heads, spec.head_dim)
-    k = linear(x, p["k_proj"]).reshape(b, t, spec.num_kv_heads, spec.head_dim)
-    v = linear(x, p["v_proj"]).reshape(b, t, spec.num_kv_heads, spec.head_dim)
+    q = linear(xq, p["q_proj"], plan).reshape(b, xq.shape[1], spec.num_heads, spec.head_dim)
+    k = linear(x, p["k_proj"], plan).reshape(b, t, spec.num_kv_heads, spec.head_dim)
+    v = linear(x, p["v_proj"], plan).reshape(b, t, spec.num_kv_heads, spec.head_dim)
     if spec.qk_norm:
         q = rms_norm(q, p["q_norm"]["scale"], spec.eps, spec.gemma_norm)
         k = rms_norm(k, p["k_norm"]["scale"], spec.eps, spec.gemma_norm)
@@ -115,18 +116,19 @@ def self_attention(p: dict, x: jax.Array, cos, sin, keep, bias, *, spec: Decoder
         # the plain causal case: the shared CPU-tuned attention, key/value heads repeated
         rep = spec.num_heads // spec.num_kv_heads
         k, v = (jnp.repeat(a, rep, axis=2) if rep > 1 else a for a in (k, v))
-        ctx = attend_chunked(q * jnp.asarray(spec.scaling, q.dtype), k, v, bias, rate=rate, rng=rng, causal=True)
+        ctx = attend_chunked(q * jnp.asarray(spec.scaling, q.dtype), k, v, bias, plan=plan, rate=rate, rng=rng,
+                             causal=True)
     else:
         ctx = attend_textbook(q, k, v, keep, scaling=spec.scaling, softcap=spec.softcap, rate=rate, rng=rng)
-    return linear(ctx.reshape(b, q.shape[1], -1), p["o_proj"])
+    return linear(ctx.reshape(b, q.shape[1], -1), p["o_proj"], plan)
 
 
 def layer(p: dict, x: jax.Array, cos, sin, keep, bias, rng, *, spec: DecoderSpec, window: int | None,
-          rate: float, at: jax.Array | None = None) -> jax.Array:
+          rate: float, plan: ComputePlan, at: jax.Array | None = None) -> jax.Array:
     """One decoder layer on ``x [B, T, H]``; ``at [B]``: its output at that one position alone, ``[B, 1, H]``."""
     norm = partial(rms_norm, eps=spec.eps, gemma=spec.gemma_norm)
     a = self_attention(p["self_attn"], norm(x, p["input_layernorm"]["scale"]), cos, sin, keep, bias, spec=spec,
-                       window=window, rate=rate, rng=rng, at=at)
+                       window=window, rate=rate, rng=rng, plan=plan, at=at)
     if at is not None:
         x = _at(x, at)
     if spec.sandwich:
@@ -135,16 +137,18 @@ def layer(p: dict, x: jax.Array, cos, sin, keep, bias, rng, *, spec: DecoderSpec
     pre = p["pre_feedforward_layernorm" if spec.sandwich else "post_attention_layernorm"]["scale"]
     m = p["mlp"]
     h = norm(x, pre)
-    h = linear(get_activation(spec.activation)(linear(h, m["gate_proj"])) * linear(h, m["up_proj"]), m["down_proj"])
+    act = get_activation(spec.activation, barrier=plan.activation_barrier)
+    h = linear(act(linear(h, m["gate_proj"], plan)) * linear(h, m["up_proj"], plan), m["down_proj"], plan)
     if spec.sandwich:
         h = norm(h, p["post_feedforward_layernorm"]["scale"])
     return x + h
 
 
 def encode(params: dict, input_ids, attention_mask=None, position_ids=None, *, spec: DecoderSpec,
-           dtype=jnp.float32, dropout_rng: jax.Array | None = None, train: bool = False,
+           plan: ComputePlan, dtype=jnp.float32, dropout_rng: jax.Array | None = None, train: bool = False,
            remat: bool = False, only_at: jax.Array | None = None) -> jax.Array:
-    """Last hidden state ``[B, T, H]`` (after the final norm) in ``dtype``; pure in ``params``.
+    """Last hidden state ``[B, T, H]`` (after the final norm) in ``dtype``; pure in ``params``,
+    computed as ``plan`` arranges it (:class:`~flaxheads.host.plan.ComputePlan`).
 
     ``remat=True`` recomputes each layer in the backward pass (gradient checkpointing).
     ``only_at [B]``: the last hidden state at that one position per sequence, ``[B, 1, H]``, with
@@ -167,7 +171,7 @@ def encode(params: dict, input_ids, attention_mask=None, position_ids=None, *, s
     rate = spec.attention_dropout if train else 0.0
     at = None if only_at is None else jnp.asarray(only_at, jnp.int32).reshape(b)
     for i in range(spec.num_layers):
-        f = partial(layer, spec=spec, window=spec.windows[i], rate=rate)
+        f = partial(layer, spec=spec, window=spec.windows[i], rate=rate, plan=plan)
         # remat: keep only each layer's input for the backward pass and recompute the rest
         x = (jax.checkpoint(f) if remat else f)(params["layers"][str(i)], x, *tables[spec.ropes[i]],
                                                 keeps[spec.windows[i]], bias, rngs[i],
@@ -187,8 +191,9 @@ class DecoderBackbone(Backbone):
     features = frozenset({"position_ids", "remat", "bf16", "causal", "only_at"})
     extra_inputs = ("position_ids", "only_at")
 
-    def __init__(self, config, params: dict, dtype=jnp.float32, remat: bool = False):
-        super().__init__(config, params, dtype=dtype, remat=remat)
+    def __init__(self, config, params: dict, dtype=jnp.float32, remat: bool = False,
+                 plan: ComputePlan | None = None):
+        super().__init__(config, params, dtype=dtype, remat=remat, plan=plan)
         self.spec = decoder_spec(self.config)
 
     @classmethod
@@ -238,6 +243,6 @@ class DecoderBackbone(Backbone):
 
     def encode(self, params, input_ids, attention_mask, *, train: bool = False, rng=None,
                position_ids=None, only_at=None) -> jax.Array:
-        return encode(params, input_ids, attention_mask, position_ids, spec=self.spec, dtype=self.dtype,
-                      dropout_rng=rng, train=train, remat=self.remat, only_at=only_at)
+        return encode(params, input_ids, attention_mask, position_ids, spec=self.spec, plan=self.plan,
+                      dtype=self.dtype, dropout_rng=rng, train=train, remat=self.remat, only_at=only_at)
 

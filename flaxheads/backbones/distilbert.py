@@ -21,7 +21,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..layers.activations import get_activation
 from ..layers.init import HFInit
 from .base import BackboneError, activation_problem
 from .bert import BertBackbone, LayerLayout, Settings, bert_embeddings
@@ -83,7 +82,7 @@ class DistilBertBackbone(BertBackbone):
 
     @classmethod
     def stack(cls, config) -> Settings:
-        return Settings(int(config.n_layers), int(config.n_heads), LAYER_NORM_EPS, get_activation(config.activation),
+        return Settings(int(config.n_layers), int(config.n_heads), LAYER_NORM_EPS, config.activation,
                         float(config.dropout or 0.0), float(config.attention_dropout or 0.0), cls.layout)
 
     @classmethod

@@ -20,7 +20,7 @@ from .bert import BertBackbone, bert_embeddings
 def electra_embeddings(params: dict, *args, **kwargs) -> jax.Array:
     """BERT's embeddings (with their dropout) at ``embedding_size``, then ``embeddings_project`` if present."""
     x = bert_embeddings(params, *args, **kwargs)
-    return dense(x, params["embeddings_project"]) if "embeddings_project" in params else x
+    return dense(x, params["embeddings_project"], kwargs["plan"]) if "embeddings_project" in params else x
 
 
 class ElectraBackbone(BertBackbone):

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ..host.plan import ComputePlan
 from ..layers.activations import get_activation
 from ..layers.attention import fused_qkv, self_attention
 from ..layers.dropout import dropout
@@ -49,19 +50,19 @@ def conv1d(x: jax.Array, p: dict) -> jax.Array:
 
 
 def block(p: dict, x: jax.Array, mask_bias: jax.Array, *, num_heads: int, eps: float, act, batch: int,
-          scale: float, resid_dropout: float = 0.0, attn_dropout: float = 0.0, rng: jax.Array | None = None,
-          attn_chunks: int | str = "auto") -> jax.Array:
+          scale: float, plan: ComputePlan, resid_dropout: float = 0.0, attn_dropout: float = 0.0,
+          rng: jax.Array | None = None) -> jax.Array:
     """One GPT-2 block on the flattened activation ``x [B*T, H]``: ``x + attn(ln_1(x))``, then
     ``x + mlp(ln_2(x))``; ``scale`` multiplies the attention scores."""
     r_attn, r_out, r_mlp = jax.random.split(rng, 3) if rng is not None else (None, None, None)
     a = p["attn"]
     w, b = fused_qkv(tuple(jnp.split(a["c_attn"]["kernel"].T, 3, axis=1)), tuple(jnp.split(a["c_attn"]["bias"], 3)),
                      scale)
-    ctx = self_attention(layer_norm_p(x, p["ln_1"], eps), w, b, mask_bias, num_heads=num_heads, batch=batch,
-                         rate=attn_dropout, rng=r_attn, chunks=attn_chunks, causal=True)
+    ctx = self_attention(layer_norm_p(x, p["ln_1"], eps, plan), w, b, mask_bias, num_heads=num_heads, batch=batch,
+                         plan=plan, rate=attn_dropout, rng=r_attn, causal=True)
     x = x + dropout(conv1d(ctx, a["c_proj"]), resid_dropout, r_out)
     m = p["mlp"]
-    h = act(conv1d(layer_norm_p(x, p["ln_2"], eps), m["c_fc"]))
+    h = act(conv1d(layer_norm_p(x, p["ln_2"], eps, plan), m["c_fc"]))
     return x + dropout(conv1d(h, m["c_proj"]), resid_dropout, r_mlp)
 
 
@@ -74,9 +75,10 @@ def attention_scales(config) -> list[float]:
 
 
 def encode(params: dict, input_ids, attention_mask=None, position_ids=None, token_type_ids=None, *, config,
-           dtype=jnp.float32, dropout_rng: jax.Array | None = None, train: bool = False,
-           attn_chunks: int | str = "auto", remat: bool = False) -> jax.Array:
-    """GPT-2 forward: last hidden state ``[B, T, H]`` (after ``ln_f``) in ``dtype``. Pure in ``params``.
+           plan: ComputePlan, dtype=jnp.float32, dropout_rng: jax.Array | None = None, train: bool = False,
+           remat: bool = False) -> jax.Array:
+    """GPT-2 forward: last hidden state ``[B, T, H]`` (after ``ln_f``) in ``dtype``. Pure in ``params``;
+    ``plan`` is how the layers compute on this host.
 
     ``remat=True`` recomputes each block in the backward pass (gradient checkpointing)."""
     input_ids = jnp.asarray(input_ids)
@@ -93,14 +95,14 @@ def encode(params: dict, input_ids, attention_mask=None, position_ids=None, toke
     rate = (lambda key: float(config[key] or 0.0)) if train else (lambda key: 0.0)
     x = dropout(x.astype(dtype), rate("embd_pdrop"), emb_rng).reshape(bsz * t, -1)
     bias = mask_bias(attention_mask, dtype)
-    step = partial(block, num_heads=int(config.n_head), eps=eps, act=get_activation(config.activation_function),
-                   batch=bsz, resid_dropout=rate("resid_pdrop"), attn_dropout=rate("attn_pdrop"),
-                   attn_chunks=attn_chunks)
+    act = get_activation(config.activation_function, barrier=plan.activation_barrier)
+    step = partial(block, num_heads=int(config.n_head), eps=eps, act=act, batch=bsz, plan=plan,
+                   resid_dropout=rate("resid_pdrop"), attn_dropout=rate("attn_pdrop"))
     for i, scale in enumerate(attention_scales(config)):
         f = partial(step, scale=scale)
         # remat: keep only each block's input for the backward pass and recompute the rest
         x = (jax.checkpoint(f) if remat else f)(params["h"][str(i)], x, bias, rng=rngs[i])
-    return layer_norm_p(x, params["ln_f"], eps).reshape(bsz, t, -1)
+    return layer_norm_p(x, params["ln_f"], eps, plan).reshape(bsz, t, -1)
 
 
 def _is_buffer(name: str) -> bool:
@@ -129,11 +131,6 @@ class GPT2Backbone(Backbone):
     # HF FlaxGPT2Model's positional order: (input_ids, attention_mask, position_ids)
     extra_inputs = ("position_ids", "token_type_ids")
     top_level: ClassVar[tuple[str, ...]] = ("wte", "wpe", "h", "ln_f")
-
-    def __init__(self, config, params: dict, dtype=jnp.float32, remat: bool = False,
-                 attn_chunks: int | str = "auto"):
-        super().__init__(config, params, dtype=dtype, remat=remat)
-        self.attn_chunks = attn_chunks
 
     @classmethod
     def complete_config(cls, config: HFConfig) -> HFConfig:
@@ -181,4 +178,4 @@ class GPT2Backbone(Backbone):
     def encode(self, params, input_ids, attention_mask, *, train: bool = False, rng=None, position_ids=None,
                token_type_ids=None) -> jax.Array:
         return encode(params, input_ids, attention_mask, position_ids, token_type_ids, config=self.config,
-                      dtype=self.dtype, dropout_rng=rng, train=train, attn_chunks=self.attn_chunks, remat=self.remat)
+                      plan=self.plan, dtype=self.dtype, dropout_rng=rng, train=train, remat=self.remat)

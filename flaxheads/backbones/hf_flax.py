@@ -12,6 +12,7 @@ from typing import Any, Mapping
 import jax.numpy as jnp
 import numpy as np
 
+from ..host.plan import ComputePlan
 from .base import BackboneError, HFConfig
 from .weights import read_state_dict
 
@@ -44,13 +45,14 @@ def _import():
 
 
 def load(path: str | os.PathLike, config: HFConfig | None = None, dtype: Any = jnp.float32, *,
-         state: Mapping[str, np.ndarray] | None = None, remat: bool = False):
+         state: Mapping[str, np.ndarray] | None = None, remat: bool = False, plan: ComputePlan | None = None):
     """A ``FlaxAutoModel`` for a local HF folder (no hub access), weights from its safetensors.
 
     Every backbone weight must come from the checkpoint: a folder whose weights do not fit
     raises instead of leaving random weights behind a warning (HF's Flax loader does the
     latter, e.g. for XLM-R, whose Flax and PyTorch classes disagree on the weight prefix).
-    The architecture's built-in pooler is skipped where the head owns pooling."""
+    The architecture's built-in pooler is skipped where the head owns pooling. The model carries
+    ``plan`` (default :meth:`~flaxheads.host.plan.ComputePlan.for_host`) for the programs built around it."""
     from flax.traverse_util import flatten_dict, unflatten_dict
 
     AutoConfig, FlaxAutoModel, convert = _import()
@@ -59,7 +61,7 @@ def load(path: str | os.PathLike, config: HFConfig | None = None, dtype: Any = j
     kwargs = {"add_pooling_layer": False} if cfg.model_type in _HAS_UNUSED_POOLER else {}
     if os.path.isfile(os.path.join(path, "flax_model.msgpack")):
         model = FlaxAutoModel.from_pretrained(path, dtype=dtype, local_files_only=True, **kwargs)
-        return _with_remat(model, remat)
+        return _with_remat(model, remat, plan)
     try:
         model = FlaxAutoModel.from_config(cfg, dtype=dtype, **kwargs)
     except ValueError as e:
@@ -85,10 +87,11 @@ def load(path: str | os.PathLike, config: HFConfig | None = None, dtype: Any = j
             f"{path}: the checkpoint does not provide {len(missing)} of the {len(want)} backbone weights of "
             f"{type(model).__name__} (e.g. {missing[:5]}). Is this folder a {cfg.model_type} checkpoint?")
     model.params = unflatten_dict({k: jnp.asarray(converted[k], dtype=want[k].dtype) for k in want})
-    return _with_remat(model, remat)
+    return _with_remat(model, remat, plan)
 
 
-def _with_remat(model, remat: bool):
+def _with_remat(model, remat: bool, plan: ComputePlan | None):
+    model.plan = plan if plan is not None else ComputePlan.for_host()
     if not remat:
         return model
     if not hasattr(model, "enable_gradient_checkpointing"):
@@ -106,4 +109,5 @@ def to_native(model):
     if fam is None:
         raise BackboneError(f"model_type {model.config.model_type!r} has no native flaxheads backbone")
     params = {k: v for k, v in model.params.items() if k != "pooler"}
-    return fam(HFConfig(model.config.to_dict()), params, dtype=getattr(model, "dtype", jnp.float32))
+    return fam(HFConfig(model.config.to_dict()), params, dtype=getattr(model, "dtype", jnp.float32),
+               plan=getattr(model, "plan", None))

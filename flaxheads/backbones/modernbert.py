@@ -31,12 +31,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from functools import partial
-from typing import Callable, Mapping
+from typing import Mapping
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from ..host.plan import ComputePlan
 from ..layers.activations import get_activation
 from ..layers.attention import attend, attend_chunked
 from ..layers.dense import embedding_lookup, matmul
@@ -114,7 +115,7 @@ class Settings:
 
     num_heads: int
     eps: float
-    act: Callable[[jax.Array], jax.Array]
+    act: str  # HF's name (``hidden_activation``); looked up with the compute plan's barrier where applied
     kinds: tuple[str, ...]
     thetas: tuple[tuple[str, float], ...]
     window_half: int
@@ -126,7 +127,7 @@ class Settings:
     @classmethod
     def from_config(cls, config) -> "Settings":
         kinds = layer_types(config)
-        return cls(int(config.num_attention_heads), float(config.norm_eps), get_activation(config.hidden_activation),
+        return cls(int(config.num_attention_heads), float(config.norm_eps), config.hidden_activation,
                    kinds, tuple((k, rope_theta(config, k)) for k in sorted(set(kinds))),
                    int(config.local_attention) // 2, config.get("pad_token_id"),
                    float(config.embedding_dropout or 0.0), float(config.attention_dropout or 0.0),
@@ -134,15 +135,15 @@ class Settings:
 
 
 # ---- pieces -----------------------------------------------------------------------------------------------
-def norm(x: jax.Array, p: Mapping, eps: float) -> jax.Array:
-    """LayerNorm with or without a bias (``norm_bias``)."""
+def norm(x: jax.Array, p: Mapping, eps: float, plan: ComputePlan) -> jax.Array:
+    """LayerNorm with or without a bias (``norm_bias``), in the form ``plan`` chooses."""
     bias = p["bias"] if "bias" in p else jnp.zeros((x.shape[-1],), jnp.float32)
-    return layer_norm(x, p["scale"], bias, eps)
+    return layer_norm(x, p["scale"], bias, eps, plan.layer_norm_products)
 
 
-def linear(x: jax.Array, p: Mapping) -> jax.Array:
-    """A linear layer with or without a bias (``attention_bias`` / ``mlp_bias``)."""
-    y = matmul(x, p["kernel"])
+def linear(x: jax.Array, p: Mapping, plan: ComputePlan) -> jax.Array:
+    """A linear layer with or without a bias (``attention_bias`` / ``mlp_bias``), through ``plan``'s :func:`matmul`."""
+    y = matmul(x, p["kernel"], plan)
     return y + p["bias"].astype(x.dtype) if "bias" in p else y
 
 
@@ -195,23 +196,24 @@ def sliding_window_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_valid
     return out.reshape(b, n * c, nh, d)[:, :t]
 
 
-def global_attention(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, *, rate: float = 0.0,
-                     rng: jax.Array | None = None, chunks: int | str = "auto") -> jax.Array:
-    """Attention to every unmasked key (``bias [B, 1, 1, T]``, :func:`~flaxheads.layers.masks.mask_bias`). Short
-    sequences: :func:`~flaxheads.layers.attention.attend_chunked`. When one ``[B, nh, T, T]`` score tensor would pass
+def global_attention(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, *, plan: ComputePlan,
+                     rate: float = 0.0, rng: jax.Array | None = None) -> jax.Array:
+    """Attention to every unmasked key (``bias [B, 1, 1, T]``, :func:`~flaxheads.layers.masks.mask_bias`) in the
+    arrangement ``plan`` picks. Short sequences: :func:`~flaxheads.layers.attention.attend_chunked` (in the
+    plan's ``attention_chunks``). When one ``[B, nh, T, T]`` score tensor would pass
     64 MiB, the queries go in chunks through ``lax.map``, each chunk recomputed in the backward pass
     (``jax.checkpoint``): memory O(chunk x T) in both passes, same values."""
     b, t, nh, d = q.shape
     n = -(-b * nh * t * t * jnp.dtype(q.dtype).itemsize // _GLOBAL_CHUNK_BYTES)
     if n <= 1:
-        return attend_chunked(q, k, v, bias, rate=rate, rng=rng, chunks=chunks)
+        return attend_chunked(q, k, v, bias, plan=plan, rate=rate, rng=rng)
     size = -(-t // n)
     qs = jnp.pad(q, [(0, 0), (0, n * size - t), (0, 0), (0, 0)]).reshape(b, n, size, nh, d).swapaxes(0, 1)
 
     @jax.checkpoint
     def one(args):
         i, qc = args
-        return attend(qc, k, v, bias, rate, None if rng is None else jax.random.fold_in(rng, i))
+        return attend(qc, k, v, bias, rate, None if rng is None else jax.random.fold_in(rng, i), plan=plan)
 
     out = lax.map(one, (jnp.arange(n), qs))  # [n, B, size, nh, d]
     return out.swapaxes(0, 1).reshape(b, n * size, nh, d)[:, :t]
@@ -219,11 +221,11 @@ def global_attention(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, 
 
 # ---- the model --------------------------------------------------------------------------------------------
 def attention(p: Mapping, x: jax.Array, cos: jax.Array, sin: jax.Array, key_valid: jax.Array, bias: jax.Array, *,
-              s: Settings, local: bool, rng, local_impl: str, chunks) -> jax.Array:
+              s: Settings, local: bool, rng, local_impl: str, plan: ComputePlan) -> jax.Array:
     """``Wqkv`` -> rotary q, k -> global or sliding-window attention -> ``Wo``, on ``x [B, T, H]``."""
     b, t, h = x.shape
     d = h // s.num_heads
-    qkv = linear(x, p["Wqkv"]).reshape(b, t, 3, s.num_heads, d)
+    qkv = linear(x, p["Wqkv"], plan).reshape(b, t, 3, s.num_heads, d)
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     q = apply_rotary(q, cos, sin) * jnp.asarray(1.0 / math.sqrt(d), x.dtype)
     k = apply_rotary(k, cos, sin)
@@ -231,34 +233,36 @@ def attention(p: Mapping, x: jax.Array, cos: jax.Array, sin: jax.Array, key_vali
     if local:
         ctx = sliding_window_attention(q, k, v, key_valid, s.window_half, impl=local_impl, **kw)
     else:
-        ctx = global_attention(q, k, v, bias, chunks=chunks, **kw)
-    return linear(ctx.reshape(b, t, h), p["Wo"])
+        ctx = global_attention(q, k, v, bias, plan=plan, **kw)
+    return linear(ctx.reshape(b, t, h), p["Wo"], plan)
 
 
-def glu_mlp(p: Mapping, x: jax.Array, act, rate: float, rng) -> jax.Array:
-    """GeGLU: ``Wi`` -> (input, gate) halves -> ``act(input) * gate`` -> dropout -> ``Wo``."""
-    inp, gate = jnp.split(linear(x, p["Wi"]), 2, axis=-1)
-    return linear(dropout(act(inp) * gate, rate, rng), p["Wo"])
+def glu_mlp(p: Mapping, x: jax.Array, act: str, rate: float, rng, plan: ComputePlan) -> jax.Array:
+    """GeGLU: ``Wi`` -> (input, gate) halves -> ``act(input) * gate`` -> dropout -> ``Wo`` (``act``: HF's name)."""
+    inp, gate = jnp.split(linear(x, p["Wi"], plan), 2, axis=-1)
+    act_fn = get_activation(act, barrier=plan.activation_barrier)
+    return linear(dropout(act_fn(inp) * gate, rate, rng), p["Wo"], plan)
 
 
 def layer(p: Mapping, x: jax.Array, cos: jax.Array, sin: jax.Array, key_valid: jax.Array, bias: jax.Array, *,
-          s: Settings, local: bool, rng=None, local_impl: str = "auto", chunks="auto") -> jax.Array:
+          s: Settings, local: bool, plan: ComputePlan, rng=None, local_impl: str = "auto") -> jax.Array:
     """One pre-LayerNorm ModernBERT layer on ``x [B, T, H]`` (no ``attn_norm`` in ``p``: identity)."""
     r_attn, r_out, r_mlp = jax.random.split(rng, 3) if rng is not None else (None, None, None)
-    h = norm(x, p["attn_norm"], s.eps) if "attn_norm" in p else x
+    h = norm(x, p["attn_norm"], s.eps, plan) if "attn_norm" in p else x
     a = attention(p["attn"], h, cos, sin, key_valid, bias, s=s, local=local, rng=r_attn, local_impl=local_impl,
-                  chunks=chunks)
+                  plan=plan)
     x = x + dropout(a, s.attention_dropout, r_out)
-    return x + glu_mlp(p["mlp"], norm(x, p["mlp_norm"], s.eps), s.act, s.mlp_dropout, r_mlp)
+    return x + glu_mlp(p["mlp"], norm(x, p["mlp_norm"], s.eps, plan), s.act, s.mlp_dropout, r_mlp, plan)
 
 
 def encode(params: Mapping, input_ids, attention_mask=None, position_ids=None, *, settings: Settings,
-           dtype=jnp.float32, train: bool = False, rng: jax.Array | None = None, remat: bool = False,
-           local_impl: str = "auto", attn_chunks: int | str = "auto") -> jax.Array:
+           plan: ComputePlan, dtype=jnp.float32, train: bool = False, rng: jax.Array | None = None,
+           remat: bool = False, local_impl: str = "auto") -> jax.Array:
     """ModernBERT's last hidden state ``[B, T, H]`` (after ``final_norm``) in ``dtype``; pure in ``params``.
 
-    ``local_impl`` picks the sliding-window arrangement (:func:`sliding_window_attention`) and
-    ``attn_chunks`` the batch chunks of short global attention: speed and memory only.
+    ``plan`` (:class:`~flaxheads.host.plan.ComputePlan`) arranges the products, LayerNorms and global
+    attention (its ``attention_chunks``: the batch chunks of short global attention). ``local_impl``
+    picks the sliding-window arrangement (:func:`sliding_window_attention`): speed and memory only.
     ``remat=True`` recomputes each layer in the backward pass."""
     s = settings
     input_ids = jnp.asarray(input_ids)
@@ -268,17 +272,17 @@ def encode(params: Mapping, input_ids, attention_mask=None, position_ids=None, *
     emb_rng, rngs = dropout_keys(rng, len(s.kinds), train)
     e = params["embeddings"]
     x = embedding_lookup(e["tok_embeddings"]["embedding"], input_ids, s.pad_token_id).astype(dtype)
-    x = dropout(norm(x, e["norm"], s.eps), s.embedding_dropout, emb_rng)  # no key, no dropout
+    x = dropout(norm(x, e["norm"], s.eps, plan), s.embedding_dropout, emb_rng)  # no key, no dropout
     d = x.shape[-1] // s.num_heads
     rotary = {kind: rotary_cos_sin(position_ids, d, theta, dtype) for kind, theta in s.thetas}
     key_valid = attention_mask > 0
     bias = mask_bias(attention_mask, dtype)
     for i, (kind, r) in enumerate(zip(s.kinds, rngs, strict=True)):
-        step = partial(layer, s=s, local=kind == LOCAL, local_impl=local_impl, chunks=attn_chunks)
+        step = partial(layer, s=s, local=kind == LOCAL, local_impl=local_impl, plan=plan)
         if remat:
             step = jax.checkpoint(step)  # keep each layer's input only; recompute the rest in the backward pass
         x = step(params["layers"][str(i)], x, *rotary[kind], key_valid, bias, rng=r)
-    return norm(x, params["final_norm"], s.eps)
+    return norm(x, params["final_norm"], s.eps, plan)
 
 
 class _TruncatedInit(HFInit):
@@ -302,8 +306,8 @@ class _TruncatedInit(HFInit):
 class ModernBertBackbone(Backbone):
     """ModernBERT on a params tree named after PyTorch's modules (see the module docstring).
 
-    ``local_impl`` (``"auto"``, ``"dense"``, ``"blocked"``) and ``attn_chunks`` change speed and
-    memory only, never the result."""
+    ``local_impl`` (``"auto"``, ``"dense"``, ``"blocked"``) and the compute plan's ``attention_chunks``
+    change speed and memory only, never the result."""
 
     model_types = ("modernbert",)
     family = "ModernBERT"
@@ -325,9 +329,9 @@ class ModernBertBackbone(Backbone):
     settings_class = Settings
 
     def __init__(self, config, params: dict, dtype=jnp.float32, remat: bool = False, local_impl: str = "auto",
-                 attn_chunks: int | str = "auto"):
-        super().__init__(config, params, dtype=dtype, remat=remat)
-        self.local_impl, self.attn_chunks = local_impl, attn_chunks
+                 plan: ComputePlan | None = None):
+        super().__init__(config, params, dtype=dtype, remat=remat, plan=plan)
+        self.local_impl = local_impl
 
     @classmethod
     def check_config(cls, config: HFConfig) -> None:
@@ -358,6 +362,5 @@ class ModernBertBackbone(Backbone):
 
     def encode(self, params, input_ids, attention_mask, *, train: bool = False, rng=None,
                position_ids=None) -> jax.Array:
-        return encode(params, input_ids, attention_mask, position_ids, settings=self.settings, dtype=self.dtype,
-                      train=train, rng=rng, remat=self.remat, local_impl=self.local_impl,
-                      attn_chunks=self.attn_chunks)
+        return encode(params, input_ids, attention_mask, position_ids, settings=self.settings, plan=self.plan,
+                      dtype=self.dtype, train=train, rng=rng, remat=self.remat, local_impl=self.local_impl)

@@ -11,6 +11,7 @@ from typing import Any, Mapping
 import jax.numpy as jnp
 import numpy as np
 
+from ..host.plan import ComputePlan
 from .base import Backbone, BackboneError, BackboneNotFoundError, HFConfig
 from .albert import AlbertBackbone
 from .bart import BartBackbone
@@ -44,12 +45,13 @@ def native_model_types() -> tuple[str, ...]:
 
 
 def load_backbone(path: str | os.PathLike, dtype: Any = jnp.float32, *, state: Mapping[str, np.ndarray] | None = None,
-                  remat: bool = False, implementation: str = "auto"):
+                  remat: bool = False, implementation: str = "auto", plan: ComputePlan | None = None):
     """The backbone of a local Hugging Face folder (``config.json`` + weights; never the hub).
 
     ``implementation``: ``"native"`` (flaxheads' own JAX code; an error when the family has
     none), ``"hf_flax"`` (transformers 4.x ``FlaxAutoModel``, the ``flaxheads[hf-flax]`` extra),
-    ``"auto"`` (native when there is one, else HF's Flax wrapper if installed)."""
+    ``"auto"`` (native when there is one, else HF's Flax wrapper if installed). ``plan``: how its
+    programs compute (default :meth:`~flaxheads.host.plan.ComputePlan.for_host`)."""
     if implementation not in IMPLEMENTATIONS:
         raise BackboneError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     path = os.fspath(path)
@@ -65,7 +67,7 @@ def load_backbone(path: str | os.PathLike, dtype: Any = jnp.float32, *, state: M
                 f"{', '.join(native_model_types())}). Use implementation='hf_flax' with transformers < 5 installed "
                 "(pip install 'flaxheads[hf-flax]'), or a model of a supported family.")
         state = read_state_dict(path) if state is None else state
-        return fam.from_state(config, state, dtype=dtype, remat=remat, source=path)
+        return fam.from_state(config, state, dtype=dtype, remat=remat, source=path, plan=plan)
     from . import hf_flax
 
-    return hf_flax.load(path, config, dtype=dtype, state=state, remat=remat)
+    return hf_flax.load(path, config, dtype=dtype, state=state, remat=remat, plan=plan)

@@ -19,7 +19,8 @@ from ..interop.tokenizers import load_tokenizer, model_max_positions
 from ..batching import make_buckets
 from ..model import SequenceModel, from_pretrained
 from ..parallel import Parallel
-from ..runtime import Precision, choose_precision
+from ..host import ComputePlan
+from ..host.precision import Precision
 from ..tables import LabelSpace
 from ..training import loop
 from ..training.data import SPLITS, DataConfig, Split, iterate_batches, load_splits, tokenize
@@ -103,11 +104,11 @@ def optim_config(args: argparse.Namespace, n_train: int, tcfg: loop.TrainConfig,
                        freeze_backbone=frozen)
 
 
-def build_model(args: argparse.Namespace, path: str, space: LabelSpace, precision: Precision) -> SequenceModel:
+def build_model(args: argparse.Namespace, path: str, space: LabelSpace, plan: ComputePlan) -> SequenceModel:
     pooler = None if args.pooler == "preset" else args.pooler.split(",") if "," in args.pooler else args.pooler
     model = from_pretrained(path, pooler=pooler, head=None if args.head == "preset" else args.head,
                             id2label=space.id2label if space.names else None, num_labels=space.num_labels,
-                            problem_type=space.problem_type, dtype=precision.dtype,
+                            problem_type=space.problem_type, dtype=plan.precision.dtype, plan=plan,
                             seed=args.seed, ignore_mismatched_sizes=True,
                             head_options={"hidden_dims": tuple(args.head_hidden)} if args.head_hidden else None)
     return with_lora_flags(args, model)
@@ -146,8 +147,8 @@ def prepare(args: argparse.Namespace) -> Job:
     tables, space, labels = load_splits(data)
     _require_validation(args, "validation" in tables)
     best = best_metric(args.keep_best_by, space, has_validation="validation" in tables)
-    precision = choose_precision(args.precision)  # settled by check_flags
-    model = build_model(args, path, space, precision)
+    plan = ComputePlan.for_host(precision=args.precision)  # the one plan of this run; precision settled by check_flags
+    model = build_model(args, path, space, plan)
     tok = load_tokenizer(path)
     max_length = usable_max_length(args.max_length, tok, model, path)
     splits = {n: tokenize(t, labels[n], tok, max_length, n) for n, t in tables.items()}
@@ -161,7 +162,7 @@ def prepare(args: argparse.Namespace) -> Job:
     return Job(path, model, space, data, splits, buckets,
                max_length, tok.pad_token_id if tok.pad_token_id is not None else 0, out, tcfg,
                optim_config(args, len(splits["train"]), tcfg, frozen=args.freeze_backbone or cached), best, cached,
-               precision, share if pack else None)
+               plan.precision, share if pack else None)
 
 
 def resolve_pack(want: bool | None, model: SequenceModel, train: Split, tcfg: loop.TrainConfig,
@@ -234,6 +235,8 @@ def run_fine_tune(job: Job, args: argparse.Namespace) -> dict:
                          f"{job.train.batch_size}, {_training_kind(job)}"
                          f", {trainer.parallel.width} device(s) ({job.train.parallel}), "
                          f"{job.precision.name} ({job.precision.reason})" + _packing_note(job))
+    if lead:
+        print(job.model.plan.describe(), flush=True)
     if job.train.mesh:  # every process compiles the same program; the first one reports
         report = memory_report(trainer, _largest_batch(job))
         if lead:

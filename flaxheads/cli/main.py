@@ -18,7 +18,9 @@ import warnings
 from typing import Callable, Sequence
 
 from ..errors import FlaxheadsError
-from ..runtime import configure_malloc, configure_xla, enable_compile_cache
+from ..host.compile_cache import enable_compile_cache
+from ..host.malloc import configure_malloc
+from ..host.xla_flags import configure_xla
 from .checkpoints import add_checkpoints_command
 from .export import add_export_command
 from .flags import Parser
@@ -55,7 +57,7 @@ def _prepare_process() -> None:
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     warnings.filterwarnings("ignore", message=".*TensorFlow and JAX classes are deprecated.*")
-    configure_malloc()  # before JAX starts its threads; reasons in flaxheads/runtime.py
+    configure_malloc()  # before JAX starts its threads; reasons in flaxheads/host/malloc.py
     configure_xla()
 
 

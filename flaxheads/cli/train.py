@@ -28,7 +28,7 @@ from typing import Sequence
 
 from ..errors import TrainingError, UsageError
 from ..nn.poolers import POOLER_NAMES
-from ..runtime import PRECISION_ENV, PRECISIONS
+from ..host.precision import PRECISION_ENV, PRECISIONS
 from ..sharding import parse_mesh
 from . import flags
 from .fit_program import DEFAULT_MODEL, DEFAULTS, prepare, run_fine_tune

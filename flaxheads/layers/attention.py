@@ -1,6 +1,6 @@
 """Multi-head attention as pure functions: the arrangements (CPU-tuned, plain, fused, YNNPACK's),
-the one place that picks among them (:func:`attention_impl`), batch chunks and sequential groups,
-the causal mask and the fused q/k/v projection.
+one registry of them (:data:`IMPLEMENTATIONS`, picked by the compute plan), batch chunks and sequential
+groups, the causal mask and the fused q/k/v projection.
 
 Written for XLA:CPU first (each choice measured on MiniLM; see docs/performance.md) and equal in
 value to the textbook form, which accelerators get where the CPU arrangement was never measured.
@@ -8,16 +8,14 @@ The key masks it takes come from :mod:`flaxheads.layers.masks`.
 """
 from __future__ import annotations
 
-import os
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ..errors import ConfigError
-from ..runtime import onednn_dots, ynn_attention
-from .dense import float32_products, matmul
+from ..host.plan import ComputePlan
+from .dense import matmul
 from .dropout import dropout
 
 
@@ -31,7 +29,7 @@ _CHUNK_BYTES = 4 << 20
 #: 1.8 s to compile, 8 chunks 1.8-3.5% faster per call; 32 x 256 1.4% faster with 8. Most
 #: inference is one pass (evaluation, a feature cache, a predict run): encoding 500 BBC articles at
 #: 256 tokens (4 lengths) took 26.8 s with 2 against 31.0 s with 8. A long-running server that
-#: reuses one shape for minutes can ask for more (the backbone's ``attn_chunks``).
+#: reuses one shape for minutes can ask for more (the plan's ``attention_chunks``).
 _MAX_AUTO_CHUNKS = 2
 
 
@@ -59,14 +57,13 @@ _GROUPS_FROM_BYTES = 32 << 20
 _GROUP_BYTES = 8 << 20
 
 
-def attention_groups(batch: int, num_heads: int, seq_q: int, seq_k: int, dtype=jnp.float32) -> int:
+def attention_groups(batch: int, num_heads: int, seq_q: int, seq_k: int, dtype, plan: ComputePlan) -> int:
     """How many sequential batch groups :func:`attend_chunked` runs (``lax.map``): 1, except for
-    float32 activations with oneDNN's dots (:func:`flaxheads.runtime.onednn_dots`) on the CPU
-    backend when the layer's scores pass 32 MiB; then the smallest divisor of ``batch`` that
-    brings a group's scores to about 8 MiB. Read at trace time."""
+    float32 activations where ``plan`` runs oneDNN's dots (:attr:`~flaxheads.host.plan.ComputePlan.attention_groups`)
+    when the layer's scores pass 32 MiB; then the smallest divisor of ``batch`` that brings a
+    group's scores to about 8 MiB."""
     scores = batch * num_heads * seq_q * seq_k * 4
-    if (jnp.dtype(dtype) != jnp.float32 or scores <= _GROUPS_FROM_BYTES or jax.default_backend() != "cpu"
-            or not onednn_dots()):
+    if jnp.dtype(dtype) != jnp.float32 or scores <= _GROUPS_FROM_BYTES or not plan.attention_groups:
         return 1
     n = min(-(-scores // _GROUP_BYTES), batch)
     while batch % n:
@@ -94,37 +91,6 @@ def _biased_scores_jvp(primals, tangents):
     return (_biased_scores(q, k, key_bias),
             jnp.einsum("bqhd,bkhd->bhqk", dq, k, preferred_element_type=jnp.float32)
             + jnp.einsum("bqhd,bkhd->bhqk", q, dk, preferred_element_type=jnp.float32))
-
-
-#: ``FLAXHEADS_ATTENTION``: ``auto`` (default), ``fused``, ``cpu``, ``plain`` or ``ynn`` (:func:`attention_impl`).
-ATTENTION_ENV = "FLAXHEADS_ATTENTION"
-ATTENTION_IMPLS = ("auto", "fused", "cpu", "plain", "ynn")
-
-
-def attention_impl(rate: float = 0.0, rng: jax.Array | None = None, want: str | None = None) -> str:
-    """Which arrangement :func:`attend` uses: ``"fused"`` (:func:`attend_fused`), ``"cpu"``
-    (the CPU-tuned :func:`attend`), ``"plain"`` (:func:`attend_plain`) or ``"ynn"``
-    (:func:`attend_ynn`). The one place this is decided.
-
-    ``want`` (else ``$FLAXHEADS_ATTENTION``, else ``"auto"``): ``"auto"`` is ``"fused"`` on GPU,
-    ``"cpu"`` on CPU (with oneDNN's dots, where the CPU arrangement's products are the slow kind
-    (:func:`~.dense.float32_products`), ``"ynn"`` where YNNPACK takes the reductions
-    (:func:`flaxheads.runtime.ynn_attention`), else ``"plain"``) and ``"plain"`` elsewhere.
-    Attention dropout (``rate > 0`` with an ``rng``) always gets the unfused arrangement of its
-    backend, whatever was asked: the fused kernels have no dropout, and dropping the
-    probabilities needs them materialised anyway. Read at
-    trace time, so a program already compiled keeps the arrangement it was traced with."""
-    want = (want or os.environ.get(ATTENTION_ENV) or "auto").strip().lower()
-    if want not in ATTENTION_IMPLS:
-        raise ConfigError(f"attention implementation {want!r} (argument or ${ATTENTION_ENV}) is not known: "
-                          f"expected one of {', '.join(ATTENTION_IMPLS)}; unset ${ATTENTION_ENV} for the default")
-    backend = jax.default_backend()
-    unfused = "cpu" if backend == "cpu" and float32_products() else "plain"
-    if want == "auto":
-        want = "fused" if backend == "gpu" else "ynn" if backend == "cpu" and ynn_attention() else unfused
-    if want in ("fused", "ynn") and rate > 0.0 and rng is not None:
-        return unfused
-    return want
 
 
 def _fused_kernel(q: jax.Array) -> str:
@@ -174,8 +140,8 @@ def attend_fused(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, caus
     return jnp.where(seen, out, jnp.mean(v, axis=1, keepdims=True).astype(out.dtype))
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, rate: float,
-            rng: jax.Array | None, causal: bool = False, impl: str | None = None) -> jax.Array:
+def attend_cpu(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, rate: float,
+               rng: jax.Array | None, causal: bool = False) -> jax.Array:
     """softmax(q k^T + bias) v for ``q, k, v [B, T, nh, d]``, ``bias [B, 1, 1, T]``: ``[B, T, nh, d]``.
 
     ``causal=True`` also hides every key after the query's position (decoder attention).
@@ -188,16 +154,8 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, rate: floa
       ``[B, nh, T, T]`` probabilities (one pass fewer over the scores; dropout is a per-element
       scale, so dropping ``exp`` then dividing equals dropping the normalised probabilities);
     * ``probs @ v`` is a ``dot_general`` with a ``[B, nh, Tq, d]`` output: ``jnp.einsum`` puts
-      ``v`` first and XLA:CPU then computes the transposed product, 3x slower per call.
-
-    :func:`attention_impl` (``impl`` or ``$FLAXHEADS_ATTENTION``) picks the arrangement: on GPU
-    without attention dropout :func:`attend_fused`, on other accelerators :func:`attend_plain`."""
-    how = attention_impl(rate, rng, impl)
-    if how == "fused":
-        return attend_fused(q, k, v, bias, causal)
-    if how == "ynn":
-        return attend_ynn(q, k, v, bias, causal)
-    if how == "plain" or bias.shape[-2] != 1:
+      ``v`` first and XLA:CPU then computes the transposed product, 3x slower per call."""
+    if bias.shape[-2] != 1:
         # a per-query mask (packed rows, :func:`~.masks.segment_bias`) cannot ride in the score matmul
         return attend_plain(q, k, v, bias, rate, rng, causal)
     b, t, nh, _ = k.shape
@@ -214,8 +172,11 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, rate: floa
 
 
 def attend_plain(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, rate: float,
-                  rng: jax.Array | None, causal: bool = False) -> jax.Array:
+                 rng: jax.Array | None, causal: bool = False, float32_products: bool = True) -> jax.Array:
     """HF's arrangement of :func:`attend` (same function, same dropout bits), used off CPU and with oneDNN's dots.
+
+    ``float32_products=False`` (oneDNN's dots) keeps bf16 scores for bf16 activations, as PyTorch's
+    autocast computes them.
 
     The ``d + 1``-wide score matmul is a CPU measurement; on GPUs XLA fuses bias + softmax
     itself and matmuls want aligned head dims, and nothing here was measured on one, so
@@ -224,8 +185,7 @@ def attend_plain(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, rate
     # (bf16 5.3) against 10.2-10.9 (7.5-9.0) for einsums over [B, T, nh, d]; gradients equal
     q, k, v = (a.transpose(0, 2, 1, 3) for a in (q, k, v))
     batch_dims = ((0, 1), (0, 1))
-    # bf16 scores with oneDNN's dots, as PyTorch's autocast computes them
-    out = jnp.float32 if float32_products() else None
+    out = jnp.float32 if float32_products else None
     scores = lax.dot_general(q, k, (((3,), (3,)), batch_dims), preferred_element_type=out).astype(jnp.float32) + bias
     if causal:
         scores = causal_mask(scores)
@@ -233,11 +193,12 @@ def attend_plain(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, rate
     return lax.dot_general(probs, v, (((3,), (2,)), batch_dims)).transpose(0, 2, 1, 3)
 
 
-@partial(jax.custom_jvp, nondiff_argnums=(4,))
-def attend_ynn(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, causal: bool = False) -> jax.Array:
+@partial(jax.custom_jvp, nondiff_argnums=(4, 5))
+def attend_ynn(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, causal: bool = False,
+               float32_products: bool = False) -> jax.Array:
     """:func:`attend_plain` without dropout, arranged for XLA:CPU's YNNPACK reduction fusions to take
-    each attention whole, both products included, when the dots are oneDNN's
-    (:func:`flaxheads.runtime.ynn_attention`): the row max and the ``exp`` sums in float32, P.V on
+    each attention whole, both products included, when the dots are oneDNN's (the plan's
+    ``"ynn"`` attention): the row max and the ``exp`` sums in float32, P.V on
     the unnormalised ``exp`` in the activation dtype, the division on the ``[B, nh, Tq, d]`` context.
     Products as :func:`attend_plain` computes them (bf16 scores for bf16 activations).
 
@@ -255,8 +216,31 @@ def attend_ynn(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, causal
 
 
 @attend_ynn.defjvp
-def _attend_ynn_jvp(causal, primals, tangents):
-    return jax.jvp(lambda q, k, v, bias: attend_plain(q, k, v, bias, 0.0, None, causal), primals, tangents)
+def _attend_ynn_jvp(causal, float32_products, primals, tangents):
+    return jax.jvp(lambda q, k, v, bias: attend_plain(q, k, v, bias, 0.0, None, causal, float32_products),
+                   primals, tangents)
+
+
+#: Every arrangement of one attention, by the names a :class:`~flaxheads.host.plan.ComputePlan`
+#: chooses among: each ``(q, k, v, bias, rate, rng, causal, plan) -> context``. ``fused`` and ``ynn``
+#: have no dropout (the plan never picks them for attention with dropout).
+IMPLEMENTATIONS = {
+    "fused": lambda q, k, v, bias, rate, rng, causal, plan: attend_fused(q, k, v, bias, causal),
+    "cpu": lambda q, k, v, bias, rate, rng, causal, plan: attend_cpu(q, k, v, bias, rate, rng, causal),
+    "plain": lambda q, k, v, bias, rate, rng, causal, plan: attend_plain(q, k, v, bias, rate, rng, causal,
+                                                                         plan.float32_products),
+    "ynn": lambda q, k, v, bias, rate, rng, causal, plan: attend_ynn(q, k, v, bias, causal, plan.float32_products),
+}
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, rate: float, rng: jax.Array | None,
+           causal: bool = False, *, plan: ComputePlan, impl: str | None = None) -> jax.Array:
+    """softmax(q k^T + bias) v (``q, k, v [B, T, nh, d]``, ``bias [B, 1, 1, T]`` or ``[B, 1, Tq, Tk]``)
+    in the arrangement ``plan`` picks (:meth:`~flaxheads.host.plan.ComputePlan.attention_for`;
+    ``impl`` names one instead): :func:`attend_fused` on GPU, :func:`attend_cpu` or :func:`attend_ynn`
+    on CPU, :func:`attend_plain` elsewhere; with attention dropout always an unfused one."""
+    how = plan.attention_for(rate > 0.0 and rng is not None, impl)
+    return IMPLEMENTATIONS[how](q, k, v, bias, rate, rng, causal, plan)
 
 
 def causal_mask(scores: jax.Array) -> jax.Array:
@@ -286,21 +270,21 @@ def fused_qkv(kernels: tuple[jax.Array, jax.Array, jax.Array], biases: tuple[jax
 
 
 def self_attention(x: jax.Array, w: jax.Array, b: jax.Array, bias: jax.Array, *, num_heads: int, batch: int,
-                   rate: float = 0.0, rng: jax.Array | None = None, chunks: int | str = "auto",
+                   plan: ComputePlan, rate: float = 0.0, rng: jax.Array | None = None,
                    causal: bool = False) -> jax.Array:
     """Multi-head self-attention context ``[B*T, H]`` of the flattened activation ``x [B*T, H]``:
     one matmul with the fused q/k/v kernel ``w [H, 3H]`` / bias ``b`` (see :func:`fused_qkv`),
     then :func:`attend_chunked` with the key mask ``bias [B, 1, 1, T]``, before the output projection."""
     bt, h = x.shape
     t, d = bt // batch, h // num_heads
-    qkv = (matmul(x, w) + b.astype(x.dtype)).reshape(batch, t, 3, num_heads, d)
+    qkv = (matmul(x, w, plan) + b.astype(x.dtype)).reshape(batch, t, 3, num_heads, d)
 
     def attend_qkv(qkv, bias, rng):
         q, k, v = (a.squeeze(2) for a in jnp.split(qkv, 3, axis=2))
-        return attend_chunked(q, k, v, bias, rate=rate, rng=rng, chunks=chunks, causal=causal)
+        return attend_chunked(q, k, v, bias, plan=plan, rate=rate, rng=rng, causal=causal)
 
-    ungrouped = attention_impl(rate, rng) in ("fused", "ynn")
-    groups = 1 if ungrouped else attention_groups(batch, num_heads, t, t, x.dtype)
+    ungrouped = plan.attention_for(rate > 0.0 and rng is not None) in ("fused", "ynn")
+    groups = 1 if ungrouped else attention_groups(batch, num_heads, t, t, x.dtype, plan)
     if groups == 1:
         return attend_qkv(qkv, bias, rng).reshape(bt, h)
     # grouped here, not in attend_chunked: the groups slice the one q/k/v tensor (q, k and v
@@ -309,8 +293,8 @@ def self_attention(x: jax.Array, w: jax.Array, b: jax.Array, bias: jax.Array, *,
 
 
 def cross_attention(x: jax.Array, memory: jax.Array, w: jax.Array, b: jax.Array, bias: jax.Array, *,
-                    num_heads: int, batch: int, rate: float = 0.0, rng: jax.Array | None = None,
-                    chunks: int | str = "auto") -> jax.Array:
+                    num_heads: int, batch: int, plan: ComputePlan, rate: float = 0.0,
+                    rng: jax.Array | None = None) -> jax.Array:
     """Multi-head attention context ``[B*Tq, H]`` of the queries of ``x [B*Tq, H]`` over the keys
     and values of another sequence ``memory [B*Tk, H]`` (an encoder-decoder's cross-attention),
     before the output projection. ``w``/``b`` are the same fused ``[H, 3H]`` q/k/v kernel and
@@ -318,17 +302,17 @@ def cross_attention(x: jax.Array, memory: jax.Array, w: jax.Array, b: jax.Array,
     ``bias [B, 1, 1, Tk]`` masks ``memory``'s padding."""
     h = x.shape[1]
     d = h // num_heads
-    q = (matmul(x, w[:, :h]) + b[:h].astype(x.dtype)).reshape(batch, -1, num_heads, d)
-    kv = (matmul(memory, w[:, h:]) + b[h:].astype(x.dtype)).reshape(batch, -1, 2, num_heads, d)
+    q = (matmul(x, w[:, :h], plan) + b[:h].astype(x.dtype)).reshape(batch, -1, num_heads, d)
+    kv = (matmul(memory, w[:, h:], plan) + b[h:].astype(x.dtype)).reshape(batch, -1, 2, num_heads, d)
     k, v = (a.squeeze(2) for a in jnp.split(kv, 2, axis=2))
-    return attend_chunked(q, k, v, bias, rate=rate, rng=rng, chunks=chunks).reshape(x.shape[0], h)
+    return attend_chunked(q, k, v, bias, plan=plan, rate=rate, rng=rng).reshape(x.shape[0], h)
 
 
-def attend_chunked(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, *, rate: float = 0.0,
-                   rng: jax.Array | None = None, chunks: int | str = "auto", causal: bool = False,
+def attend_chunked(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, *, plan: ComputePlan,
+                   rate: float = 0.0, rng: jax.Array | None = None, causal: bool = False,
                    impl: str | None = None) -> jax.Array:
     """:func:`attend` (``q [B, Tq, nh, d]``, ``k, v [B, Tk, nh, d]``, ``bias [B, 1, 1, Tk]``) in
-    independent batch chunks (:func:`attention_chunks`): XLA's CPU runtime runs them
+    independent batch chunks (:func:`attention_chunks`, the plan's ``attention_chunks``): XLA's CPU runtime runs them
     concurrently, so the (single-threaded) softmax/mask fusions of one chunk overlap the
     other's. They are split (not sliced) so the backward pass concatenates the chunks'
     gradients instead of adding zero-padded full-size copies of them. Chunk ``c``'s dropout
@@ -338,15 +322,15 @@ def attend_chunked(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, *,
     Where :func:`attention_groups` says so, the batch first goes through in sequential groups
     (:func:`in_groups`), each split into chunks."""
     batch, tq, num_heads, _ = q.shape
-    how = attention_impl(rate, rng, impl)
-    if chunks == "auto" and how == "fused":
-        chunks = 1
-    groups = 1 if how in ("fused", "ynn") else attention_groups(batch, num_heads, tq, k.shape[1], q.dtype)
+    how = plan.attention_for(rate > 0.0 and rng is not None, impl)
+    chunks = 1 if plan.attention_chunks == "auto" and how == "fused" else plan.attention_chunks
+    groups = 1 if how in ("fused", "ynn") else attention_groups(batch, num_heads, tq, k.shape[1], q.dtype, plan)
 
     def chunked(q, k, v, bias, rng):
         n = attention_chunks(q.shape[0], num_heads, k.shape[1], jnp.dtype(q.dtype).itemsize, chunks)
         split = (lambda a: jnp.split(a, n, axis=0)) if n > 1 else (lambda a: [a])
-        parts = [attend(qc, kc, vc, bc, rate, None if rng is None else jax.random.fold_in(rng, c), causal, impl)
+        parts = [attend(qc, kc, vc, bc, rate, None if rng is None else jax.random.fold_in(rng, c), causal,
+                        plan=plan, impl=how)
                  for c, (qc, kc, vc, bc) in enumerate(zip(split(q), split(k), split(v), split(bias)))]
         return parts[0] if n == 1 else jnp.concatenate(parts, axis=0)
 

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ..runtime import onednn_dots
+from ..host.plan import ComputePlan
 
 
 def _matmul(x: jax.Array, kernel: jax.Array) -> jax.Array:
@@ -26,14 +26,6 @@ def _transposed(x2d: jax.Array) -> jax.Array:
     return x2d.reshape(m, k, 1).transpose(1, 2, 0).reshape(k, m)
 
 
-def float32_products() -> bool:
-    """Whether bf16 products here should ask for float32 outputs (``preferred_element_type``):
-    yes, except on the CPU backend with oneDNN's dots (:func:`flaxheads.runtime.onednn_dots`), which
-    run bf16 x bf16 -> float32 products converted, ~10x slower than bf16 -> bf16 (Intel Xeon with
-    AMX, jax 0.12, 4096 x 384 x 1536: 18.4 vs 1.6 ms). Read at trace time."""
-    return not (jax.default_backend() == "cpu" and onednn_dots())
-
-
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _matmul_cpu16(x: jax.Array, kernel: jax.Array, f32_out: bool) -> jax.Array:
     """:func:`_matmul` with a backward pass laid out for XLA:CPU's 16-bit dots.
@@ -43,7 +35,8 @@ def _matmul_cpu16(x: jax.Array, kernel: jax.Array, f32_out: bool) -> jax.Array:
     half the speed (AMD EPYC with AVX512-BF16, jax 0.12, 4096 x 384 x 1536: forward 5.7 ms,
     ``dx`` 11.4 ms, ``dW`` 12.2 ms). Asking for float32 outputs (as the accumulators are anyway)
     and giving ``dW`` a physically transposed ``x`` keeps them in bf16: ``dx`` 6.0 ms, ``dW``
-    5.6 ms. With oneDNN's dots (``f32_out=False``, :func:`float32_products`) the products keep
+    5.6 ms. With oneDNN's dots (``f32_out=False``,
+    :attr:`~flaxheads.host.plan.ComputePlan.float32_products`) the products keep
     bf16 outputs and ``dW`` still gets the transposed copy (Intel Xeon with AMX: ``dW`` 4.6 ->
     3.0 ms). ``dW`` is returned in the kernel's own dtype (float32 master weights)."""
     return _matmul(x, kernel)
@@ -66,18 +59,19 @@ def _matmul_cpu16_bwd(f32_out, res, g):
 _matmul_cpu16.defvjp(_matmul_cpu16_fwd, _matmul_cpu16_bwd)
 
 
-def matmul(x: jax.Array, kernel: jax.Array) -> jax.Array:
+def matmul(x: jax.Array, kernel: jax.Array, plan: ComputePlan) -> jax.Array:
     """``x [..., in] @ kernel [in, out]`` in ``x``'s dtype (the kernel is cast: float32 master
-    weights, bf16 compute). The one place a backbone's dense layers multiply: on the CPU backend
-    with bfloat16 activations the backward pass is arranged by :func:`_matmul_cpu16` (forward-mode
+    weights, bf16 compute). The one place a backbone's dense layers multiply: where ``plan`` runs
+    on the CPU, bfloat16 activations get the backward pass of :func:`_matmul_cpu16` (forward-mode
     differentiation, ``jax.jvp``, is not defined there); elsewhere it is the plain product."""
-    if x.dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
-        return _matmul_cpu16(x, kernel, float32_products())
+    if x.dtype == jnp.bfloat16 and plan.cpu_matmul:
+        return _matmul_cpu16(x, kernel, plan.float32_products)
     return _matmul(x, kernel)
 
 
-def dense(x: jax.Array, p: dict) -> jax.Array:
-    return matmul(x, p["kernel"]) + p["bias"].astype(x.dtype)
+def dense(x: jax.Array, p: dict, plan: ComputePlan) -> jax.Array:
+    """``x @ p["kernel"] + p["bias"]`` through :func:`matmul`."""
+    return matmul(x, p["kernel"], plan) + p["bias"].astype(x.dtype)
 
 
 def embedding_lookup(table: jax.Array, ids: jax.Array, padding_idx: int | None = None) -> jax.Array:

@@ -11,11 +11,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ..runtime import layer_norm_dots
+from ..host.plan import ComputePlan
 
 
-@partial(jax.custom_jvp, nondiff_argnums=(3,))
-def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
+@partial(jax.custom_jvp, nondiff_argnums=(3, 4))
+def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float, products: bool = False) -> jax.Array:
     """LayerNorm over the last axis (two-pass variance, as accurate as PyTorch's), in ``x``'s dtype.
 
     bfloat16/float16 activations are normalised in float32 (mean, variance, scale and shift) and
@@ -24,11 +24,11 @@ def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> j
     formula keeps more and runs more passes over the activation (~3% of a BERT train step on
     CPU). Forward and reverse mode both work.
 
-    Without derivatives, on the CPU where :func:`flaxheads.runtime.layer_norm_dots` says so, the
-    mean and variance are products with a ``1/n`` column instead of reductions (same values to
-    rounding). The derivative keeps the reductions: the products made no difference to train steps
+    Without derivatives and with ``products`` (where the compute plan says so,
+    :attr:`~flaxheads.host.plan.ComputePlan.layer_norm`), the mean and variance are products with a
+    ``1/n`` column instead of reductions (same values to rounding). The derivative keeps the reductions: the products made no difference to train steps
     (AMD EPYC with AVX2, 16 x 128: 0.99x the step time, packed 1 x 64: 1.03x)."""
-    xh, _ = _layer_norm_parts(x, eps, products=jax.default_backend() == "cpu" and layer_norm_dots())
+    xh, _ = _layer_norm_parts(x, eps, products)
     return (xh * scale + bias).astype(x.dtype)
 
 
@@ -47,7 +47,7 @@ def _layer_norm_parts(x, eps, products: bool = False):
 
 
 @layer_norm.defjvp
-def _layer_norm_jvp(eps, primals, tangents):
+def _layer_norm_jvp(eps, products, primals, tangents):
     x, scale, bias = primals
     dx, dscale, dbias = tangents
     xh, rstd = _layer_norm_parts(x, eps)
@@ -57,5 +57,6 @@ def _layer_norm_jvp(eps, primals, tangents):
     return (xh * scale + bias).astype(x.dtype), (dxh * scale + xh * dscale + dbias).astype(x.dtype)
 
 
-def layer_norm_p(x: jax.Array, p: dict, eps: float) -> jax.Array:
-    return layer_norm(x, p["scale"], p["bias"], eps)
+def layer_norm_p(x: jax.Array, p: dict, eps: float, plan: ComputePlan) -> jax.Array:
+    """:func:`layer_norm` with a params dict's ``scale`` and ``bias``, in the form ``plan`` chooses."""
+    return layer_norm(x, p["scale"], p["bias"], eps, plan.layer_norm_products)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from ..config import register
 from .poolers import Pooler
 from ..errors import ConfigError
-from ..layers.activations import get_activation
+from ..layers.activations import get_activation, head_activation
 
 
 def _check_positive(what: str, v: int) -> None:
@@ -99,7 +99,7 @@ class MLPHead(Head):
     @nn.compact
     def __call__(self, x, deterministic: bool = True):
         init = nn.initializers.normal(self.init_std)
-        act = get_activation(self.activation)
+        act = head_activation(self.activation)
         x = nn.Dropout(self.input_dropout)(x, deterministic=deterministic)
         for i, d in enumerate(self.hidden_dims):
             x = nn.Dense(d or x.shape[-1], use_bias=self.dense_bias, kernel_init=init, name=f"dense_{i}")(x)
@@ -157,7 +157,7 @@ class ProjectionHead(Head):
 
     @nn.compact
     def __call__(self, x, deterministic: bool = True):
-        act = get_activation(self.activation)
+        act = head_activation(self.activation)
         x = nn.Dropout(self.dropout)(x, deterministic=deterministic)
         for i, d in enumerate(self.widths):
             x = act(nn.Dense(d, use_bias=self.use_bias, kernel_init=nn.initializers.normal(self.init_std),

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from ..config import register
 from ..errors import ConfigError
-from ..layers.activations import get_activation
+from ..layers.activations import get_activation, head_activation
 
 _EPS = 1e-9  # sentence-transformers clamps token counts to this
 
@@ -221,7 +221,7 @@ class DensePooler(Pooler):
         x = nn.Dropout(self.dropout)(x, deterministic=deterministic)
         x = nn.Dense(self.features or hidden.shape[-1], kernel_init=nn.initializers.normal(self.init_std),
                      name="dense")(x)
-        return get_activation(self.activation)(x)
+        return head_activation(self.activation)(x)
 
     def out_features(self, hidden_size):
         return self.features or hidden_size
@@ -286,7 +286,7 @@ class SequenceSummary(Pooler):
         if self.use_proj:
             x = nn.Dense(self.out_features(hidden.shape[-1]),
                          kernel_init=nn.initializers.normal(self.init_std), name="summary")(x)
-        x = get_activation(self.activation)(x)
+        x = head_activation(self.activation)(x)
         if self.last_dropout > 0:
             x = nn.Dropout(self.last_dropout)(x, deterministic=deterministic)
         return x

@@ -125,7 +125,7 @@ def batch_rows(n: int, batch_size: int, width: int) -> int:
 class Runner:
     """A model's forward, compiled once per padded shape and placed on the local devices (a
     1-D mesh, batch sharded, params replicated, when there are several). On one device where
-    :func:`flaxheads.runtime.constant_weights` says so, the parameters are compiled into the
+    :meth:`~flaxheads.host.plan.ComputePlan.constant_weights` says so, the parameters are compiled into the
     program (oneDNN's products then take weights reordered once)."""
 
     def __init__(self, model, params, devices=None):
@@ -137,7 +137,7 @@ class Runner:
         self.params = self.parallel.put_state(params)
         step = make_eval_step(model)
         # program(batch) with the parameters compiled in; otherwise program(params, batch)
-        fixed = constants_program(step, self.params, getattr(model.backbone, "dtype", jnp.float32)) \
+        fixed = constants_program(step, self.params, model.plan, getattr(model.backbone, "dtype", jnp.float32)) \
             if self.parallel.mode == "single" else None
         self.program = fixed or self.parallel.compile(step, donate=False)
         self._forward = fixed or functools.partial(self.program, self.params)

@@ -32,6 +32,7 @@ import numpy as np
 
 from ..batching import bucket_length, extra_inputs, pad_mask, pad_rows, predict_batches, token_batch
 from ..errors import TrainingError
+from ..host.plan import ComputePlan
 from ..nn.poolers import POOL_FUNCTIONS, POOL_POSITIONS, DensePooler, Pool
 from ..programs import constants_program, jit_count
 from .data import labelled_rows
@@ -135,11 +136,12 @@ class Encoder:
     ``(rows, length)`` it ran, and of its latest compile (the first call at a new shape).
 
     ``constants``: compile the parameters into the program as constants (one program per
-    parameter tree and shape); None decides by :func:`flaxheads.runtime.constant_weights` (float32
+    parameter tree and shape); None decides by the compute plan's ``constant_weights`` (float32
     with oneDNN's dots, whose products then take weights reordered once at compile time)."""
 
-    def __init__(self, fn: Callable, constants: bool | None = None, dtype=jnp.float32):
+    def __init__(self, fn: Callable, plan: ComputePlan, constants: bool | None = None, dtype=jnp.float32):
         self._encode = fn
+        self.plan = plan
         self.dtype = dtype  # the backbone's compute dtype, which constant_weights weighs
         self.fn = jax.jit(fn)
         self.constants = constants
@@ -155,7 +157,7 @@ class Encoder:
         or as its first argument)."""
         if self._bound is not None and self._bound[0] is backbone_params:
             return self._bound[1]
-        fn = constants_program(self._encode, backbone_params, self.dtype, force=self.constants)
+        fn = constants_program(self._encode, backbone_params, self.plan, self.dtype, force=self.constants)
         if fn is not None:
             self.batch_seconds.clear()  # new programs: none of the lengths run so far is compiled
         self._bound = (backbone_params, fn or functools.partial(self.fn, backbone_params))
@@ -206,7 +208,7 @@ def make_encoder(model, level: str, reductions: Sequence[str] = (), *, constants
             v = jnp.stack([POOL_FUNCTIONS[r](hidden, pmask) for r in reductions], axis=1)
             return v, jnp.ones(v.shape[:2], jnp.int32)
         return hidden, pmask.astype(jnp.int32)
-    return Encoder(encode, constants, getattr(model.backbone, "dtype", jnp.float32))
+    return Encoder(encode, model.plan, constants, getattr(model.backbone, "dtype", jnp.float32))
 
 
 def _split_parts(split):

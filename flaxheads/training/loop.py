@@ -87,13 +87,14 @@ class Trainer:
     @classmethod
     def build(cls, model, optim: OptimConfig, cfg: TrainConfig, parallel: Parallel | None = None) -> "Trainer":
         parallel = (parallel or Parallel.from_config(cfg.parallel, cfg.mesh)).bind(model)
-        tx = make_optimizer(optim)
+        tx = make_optimizer(optim, fold_reductions=model.plan.fold_reductions)
         axis = DATA_AXIS if parallel.mode == "pmap" else None
         tt, et = TraceCounter(), TraceCounter()
         step = make_train_step(model, tx, freeze_backbone=optim.freeze_backbone, loss_options=cfg.loss_options,
                                axis_name=axis)
         like = abstract_state(model, tx, optim, cfg)
-        return cls(model, optim, cfg, parallel, tx, parallel.compile(tt.wrap(step), like=like, gradients=True),
+        return cls(model, optim, cfg, parallel, tx, parallel.compile(tt.wrap(step), like=like,
+                                                                     options=model.plan.compiler_options(gradients=True)),
                    parallel.compile(et.wrap(make_eval_step(model)), donate=False, like=like.params), tt, et)
 
     def init_state(self, params: dict | None = None) -> TrainState:

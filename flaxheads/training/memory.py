@@ -75,7 +75,7 @@ def memory_report(trainer, batch: Mapping[str, np.ndarray], *, compile: bool = T
     args = (abstract(state, shardings), {k: jax.ShapeDtypeStruct(np.shape(v), v.dtype, sharding=rows)
                                          for k, v in batch.items()})
     try:
-        m = par.compile(step, like=state, gradients=True).lower(*args).compile().memory_analysis()
+        m = par.compile(step, like=state, options=trainer.model.plan.compiler_options(gradients=True)).lower(*args).compile().memory_analysis()
     except NotImplementedError:  # memory analysis is optional per backend
         m = None
     if m is None:

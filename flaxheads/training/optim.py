@@ -17,7 +17,6 @@ import optax
 from flax.traverse_util import flatten_dict, unflatten_dict
 
 from ..errors import TrainingError
-from ..runtime import gradient_ynn_reductions
 
 SCHEDULES = ("linear", "cosine", "constant")
 
@@ -108,21 +107,16 @@ FOLD = 8
 FOLD_MIN_SIZE = 16384
 
 
-def _fold_reductions() -> bool:
-    return jax.default_backend() == "cpu" and not gradient_ynn_reductions()
-
-
-def sum_of_squares(x: jax.Array, fold: bool | None = None) -> jax.Array:
+def sum_of_squares(x: jax.Array, fold: bool = False) -> jax.Array:
     """``sum(x ** 2)`` in float32.
 
-    ``fold`` (default: on the CPU backend when YNNPACK does not take a train step's reductions,
-    :func:`flaxheads.runtime.gradient_ynn_reductions`) first adds :data:`FOLD` equal slices of the array
+    ``fold`` (the compute plan's ``fold_reductions``: on the CPU where YNNPACK does not take a train
+    step's reductions) first adds :data:`FOLD` equal slices of the array
     elementwise, one loop fusion that XLA:CPU runs on every core at memory speed, and reduces what
     is left (8, 16 and 32 slices ran alike; fewer trace and compile faster). XLA's own reduction of a large array is a tree of reduce-windows ~5x slower: MiniLM's
     gradient norm took 21 ms instead of 4.5 ms (AMD EPYC with AVX2); YNNPACK's reductions, where on,
     are faster than the fold (4.9 vs 12 ms there)."""
     x = jnp.ravel(x).astype(jnp.float32)
-    fold = _fold_reductions() if fold is None else fold
     n = x.size - x.size % FOLD
     if not fold or n < FOLD_MIN_SIZE:
         return jnp.sum(x * x)
@@ -133,14 +127,13 @@ def sum_of_squares(x: jax.Array, fold: bool | None = None) -> jax.Array:
     return jnp.sum(acc) + jnp.sum(x[n:] * x[n:])
 
 
-def global_norm(tree, fold: bool | None = None) -> jax.Array:
+def global_norm(tree, fold: bool = False) -> jax.Array:
     """The L2 norm of every leaf of ``tree`` together (``optax.tree.norm`` of real arrays), through
-    :func:`sum_of_squares`."""
-    fold = _fold_reductions() if fold is None else fold  # once per tree, not per leaf
+    :func:`sum_of_squares` (``fold``: see there)."""
     return jnp.sqrt(sum((sum_of_squares(x, fold) for x in jax.tree.leaves(tree)), jnp.zeros((), jnp.float32)))
 
 
-def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+def clip_by_global_norm(max_norm: float, fold: bool = False) -> optax.GradientTransformation:
     """``optax.clip_by_global_norm``'s function and (empty) state, so checkpoints keep their layout.
 
     The norm is :func:`global_norm`, and a clipped tree is scaled by one scalar,
@@ -149,21 +142,23 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
     a clipped copy of every gradient first. Values equal optax's to a rounding."""
     def update(updates, state, params=None):
         del params
-        norm = global_norm(updates)
+        norm = global_norm(updates, fold)
         factor = jnp.where(norm < max_norm, 1.0, max_norm / norm)
         return jax.tree.map(lambda t: t * factor.astype(t.dtype), updates), state
 
     return optax.GradientTransformation(optax.init_empty_state, update)
 
 
-def make_optimizer(cfg: OptimConfig, *, head_learning_rate=None, weight_decay=None) -> optax.GradientTransformation:
+def make_optimizer(cfg: OptimConfig, *, head_learning_rate=None, weight_decay=None,
+                   fold_reductions: bool = False) -> optax.GradientTransformation:
     """The optax transformation for the trainable subtree (``{"backbone","head"}`` or ``{"head"}``).
 
     Clip by global norm (over everything trained) -> AdamW per group (head group may have
     its own learning rate) -> wrapped in ``optax.MultiSteps`` when ``accumulation_steps > 1``
     (gradients of k micro-batches are averaged, one update every k calls).
     ``head_learning_rate`` / ``weight_decay`` override the config's; they may be traced arrays
-    (a head sweep vmaps one optimizer over per-head values)."""
+    (a head sweep vmaps one optimizer over per-head values). ``fold_reductions``: the compute plan's
+    (``model.plan.fold_reductions``), how the gradient norm is reduced (:func:`sum_of_squares`)."""
     head_lr = _head_lr(cfg) if head_learning_rate is None else head_learning_rate
     wd = cfg.weight_decay if weight_decay is None else weight_decay
 
@@ -174,7 +169,7 @@ def make_optimizer(cfg: OptimConfig, *, head_learning_rate=None, weight_decay=No
     if not cfg.freeze_backbone:
         # LoRA adapters train at the backbone's rate; a group no param is labelled with holds no state
         groups["backbone"] = groups["lora"] = adamw(cfg.learning_rate)
-    parts = [clip_by_global_norm(cfg.max_grad_norm)] if cfg.max_grad_norm else []
+    parts = [clip_by_global_norm(cfg.max_grad_norm, fold_reductions)] if cfg.max_grad_norm else []
     parts.append(optax.multi_transform(groups, lambda p: {k: k for k in p}))
     tx = optax.chain(*parts)
     if cfg.accumulation_steps > 1:

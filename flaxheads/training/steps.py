@@ -65,7 +65,7 @@ def loss_denominator(problem_type: str, labels, weights, class_weights=None) -> 
     return jnp.sum(w)
 
 
-def _apply_grads(state, tx, trained, objective, denom_local, axis_name):
+def _apply_grads(state, tx, trained, objective, denom_local, axis_name, fold: bool = False):
     """Differentiate ``objective(trained)`` (a locally normalised loss), combine across devices
     as a globally weighted mean, update. Returns (new trained subtree, opt_state, metrics)."""
     if axis_name is None:
@@ -78,7 +78,7 @@ def _apply_grads(state, tx, trained, objective, denom_local, axis_name):
         loss, grads = jax.lax.psum((loss, grads), axis_name)
     updates, opt_state = tx.update(grads, state.opt_state, trained)
     trained = optax.apply_updates(trained, updates)
-    return trained, opt_state, {"loss": loss, "grad_norm": global_norm(grads), "weight": total}
+    return trained, opt_state, {"loss": loss, "grad_norm": global_norm(grads, fold), "weight": total}
 
 
 def _make_step(model, tx, logits_of: Callable, *, freeze_backbone: bool, loss_options: dict | None,
@@ -98,7 +98,7 @@ def _make_step(model, tx, logits_of: Callable, *, freeze_backbone: bool, loss_op
             return lf(logits_of(state, t, batch, key), labels, weights)
 
         trained, opt_state, metrics = _apply_grads(state, tx, trainable(state.params, freeze_backbone), objective,
-                                                   denom, axis_name)
+                                                   denom, axis_name, model.plan.fold_reductions)
         return state.replace(step=state.step + 1, params=merge(state.params, trained), opt_state=opt_state), metrics
 
     return step

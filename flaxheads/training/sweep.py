@@ -125,16 +125,17 @@ def init_state(model, variants: Sequence[Variant], cfg: OptimConfig, reductions:
     return SweepState(jnp.zeros((), jnp.int32), params, opt, lr, wd, rng, jnp.asarray(reductions))
 
 
-def _head_tx(cfg: OptimConfig, lr, wd):
+def _head_tx(cfg: OptimConfig, lr, wd, fold_reductions: bool = False):
     """The optimizer of one head: the run's, at this head's learning rate and weight decay."""
-    return make_optimizer(cfg, head_learning_rate=lr, weight_decay=wd)
+    return make_optimizer(cfg, head_learning_rate=lr, weight_decay=wd, fold_reductions=fold_reductions)
 
 
 def _sweep_step(model, cfg: OptimConfig, level: str, loss_options: dict | None):
     """The pure ``step(state, batch) -> (state, losses [K])`` of :func:`make_sweep_step`."""
     def one(params, opt_state, lr, wd, rng, r, step, batch):
         hidden, mask = _select(batch, r, level)
-        head_step = make_head_train_step(model, _head_tx(cfg, lr, wd), loss_options=loss_options)
+        head_step = make_head_train_step(model, _head_tx(cfg, lr, wd, model.plan.fold_reductions),
+                                         loss_options=loss_options)
         new, metrics = head_step(TrainState(step, {"head": params}, opt_state, rng),
                                  {"hidden": hidden, "pool_mask": mask, "labels": batch["labels"],
                                   "weights": batch["weights"]})
@@ -152,7 +153,8 @@ def make_sweep_step(model, cfg: OptimConfig, *, level: str = "pooled", loss_opti
     """``step(state, batch) -> (state, losses [K])``, jitted with the state donated.
     ``batch``: ``hidden [B, R, H]`` (pooled) or ``[B, T, H]`` (token), ``pool_mask``, ``labels``,
     ``weights``. Each head takes ``make_head_train_step``'s step (the weighted-mean loss)."""
-    return Parallel().compile(_sweep_step(model, cfg, level, loss_options), gradients=True)
+    return Parallel().compile(_sweep_step(model, cfg, level, loss_options),
+                              options=model.plan.compiler_options(gradients=True))
 
 
 def make_sweep_scan(model, cfg: OptimConfig, *, level: str = "pooled", loss_options: dict | None = None):
@@ -173,7 +175,7 @@ def make_sweep_scan(model, cfg: OptimConfig, *, level: str = "pooled", loss_opti
         state, losses = jax.lax.scan(body, state, batches)
         return state, jnp.sum(jnp.where(batches["valid"][:, None], losses, 0.0), axis=0)
 
-    return Parallel().compile(run, gradients=True)
+    return Parallel().compile(run, options=model.plan.compiler_options(gradients=True))
 
 
 def _select(batch: dict, r, level: str):

@@ -1,9 +1,9 @@
 """Attention arranged for YNNPACK's fusions beside oneDNN's dots (``layers.attention.attend_ynn``): chosen
-only where the process's flags give oneDNN the dots and YNNPACK the reductions, without dropout;
+only where the compute plan gives oneDNN the dots and YNNPACK the reductions, without dropout;
 the values of the plain arrangement, and its derivatives exactly.
 
-The flags are read when a program is traced, so setting ``XLA_FLAGS`` here changes the arrangement
-traced and not the XLA running it."""
+A plan built from other flags than the process's changes the arrangement traced, not the XLA
+running it."""
 from __future__ import annotations
 
 import numpy as np
@@ -12,9 +12,9 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from flaxheads import runtime
-from flaxheads.layers import attention
-from flaxheads.layers.attention import attend_chunked, attend_plain, attend_ynn, attention_impl
+from flaxheads.host import ComputePlan
+from flaxheads.host.xla_flags import CPU_FLAGS, ONEDNN_ALONE_FLAGS, ONEDNN_FLAGS
+from flaxheads.layers.attention import attend_chunked, attend_plain, attend_ynn
 from flaxheads.layers.masks import mask_bias, segment_bias
 
 B, T, NH, D = 3, 24, 4, 8
@@ -30,19 +30,18 @@ def qkv():
     return q, k, v, mask_bias(jnp.asarray(mask), jnp.float32)
 
 
-@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the arrangement is XLA:CPU's")
+def cpu_plan(flags, **kw) -> ComputePlan:
+    return ComputePlan.for_host(xla_flags=" ".join(flags), backend="cpu", jax_version="0.12.0.1", **kw)
+
+
 def test_chosen_with_onednn_dots_and_ynnpack_reductions_only(monkeypatch):
-    monkeypatch.delenv(attention.ATTENTION_ENV, raising=False)
-    monkeypatch.setenv("XLA_FLAGS", " ".join(runtime.ONEDNN_FLAGS))
-    assert attention_impl() == "ynn"
-    assert attention_impl(0.1, jax.random.PRNGKey(0)) == "plain"  # dropout: the unfused arrangement
-    assert attention_impl(0.1, None) == "ynn"  # no key, no dropout
-    monkeypatch.setenv("XLA_FLAGS", " ".join(runtime.ONEDNN_ALONE_FLAGS))
-    assert attention_impl() == "plain"
-    monkeypatch.setenv("XLA_FLAGS", " ".join(runtime.CPU_FLAGS))
-    assert attention_impl() == "cpu"
-    monkeypatch.setenv(attention.ATTENTION_ENV, "ynn")
-    assert attention_impl() == "ynn"  # asked for by name
+    monkeypatch.delenv("FLAXHEADS_ATTENTION", raising=False)
+    plan = cpu_plan(ONEDNN_FLAGS)
+    assert plan.attention_for(dropout=False) == "ynn"
+    assert plan.attention_for(dropout=True) == "plain"  # dropout: the unfused arrangement
+    assert cpu_plan(ONEDNN_ALONE_FLAGS).attention_for(dropout=False) == "plain"
+    assert cpu_plan(CPU_FLAGS).attention_for(dropout=False) == "cpu"
+    assert cpu_plan(CPU_FLAGS, attention="ynn").attention_for(dropout=False) == "ynn"  # asked for by name
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -73,16 +72,15 @@ def test_packed_rows_and_bfloat16(qkv):
     assert np.abs(np.asarray(got, np.float32) - want).max() <= 1.5 * plain_err + 1e-3
 
 
-@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the arrangement is XLA:CPU's")
 def test_chunked_attention_takes_no_groups_with_it(monkeypatch):
     """Groups were measured for oneDNN's softmax; YNNPACK's fused attention ran faster without them."""
-    monkeypatch.delenv(attention.ATTENTION_ENV, raising=False)
+    monkeypatch.delenv("FLAXHEADS_ATTENTION", raising=False)
     big = jax.ShapeDtypeStruct((4, 768, 4, 8), jnp.float32)  # 37.7 MB of scores: past where groups start
     bias = jax.ShapeDtypeStruct((4, 1, 1, 768), jnp.float32)
     loops = {}
-    for name in ("ONEDNN_FLAGS", "ONEDNN_ALONE_FLAGS"):
-        monkeypatch.setenv("XLA_FLAGS", " ".join(getattr(runtime, name)))
-        loops[name] = "while" in jax.jit(lambda *a: attend_chunked(*a)).lower(big, big, big, bias).as_text()
+    for name, flags in (("ONEDNN_FLAGS", ONEDNN_FLAGS), ("ONEDNN_ALONE_FLAGS", ONEDNN_ALONE_FLAGS)):
+        plan = cpu_plan(flags)
+        loops[name] = "while" in jax.jit(lambda *a: attend_chunked(*a, plan=plan)).lower(big, big, big, bias).as_text()
     assert loops == {"ONEDNN_FLAGS": False, "ONEDNN_ALONE_FLAGS": True}
 
 

@@ -45,7 +45,8 @@ def test_hidden_states_and_logits_match_pytorch(tiny, side):
     assert isinstance(model.backbone, BartBackbone) and model.arch == "bart" and model.report.new == []
     ids, mask = padded_batch("bart", tm.config, side=side)
     ref_enc, ref_dec = _torch_hidden(tm, ids, mask)
-    enc = bart.encode(model.params["backbone"], ids, mask, settings=model.backbone.settings, return_encoder=True)
+    enc = bart.encode(model.params["backbone"], ids, mask, settings=model.backbone.settings,
+                      plan=model.backbone.plan, return_encoder=True)
     np.testing.assert_allclose(np.asarray(enc), ref_enc, atol=1e-4, rtol=0)
     np.testing.assert_allclose(np.asarray(model.backbone(ids, mask)[0]), ref_dec, atol=1e-4, rtol=0)
     with torch.no_grad():
@@ -115,7 +116,8 @@ def test_dropout_acts_where_pytorch_does(case, tmp_path):
     pt = _torch_hidden(tm, rep_ids, rep_mask)
     tm.eval()
     key = jax.random.PRNGKey(0)
-    fx = (bart.encode(ours.params, rep_ids, rep_mask, settings=ours.settings, train=True, rng=key, return_encoder=True),
+    fx = (bart.encode(ours.params, rep_ids, rep_mask, settings=ours.settings, plan=ours.plan, train=True, rng=key,
+                      return_encoder=True),
           ours.encode(ours.params, rep_ids, rep_mask, train=True, rng=key))
     valid = rep_mask.astype(bool)
     for name, r, a, b in zip(("encoder", "decoder"), ref, pt, fx):

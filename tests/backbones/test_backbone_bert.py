@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 
 import flaxheads as fh
-from flaxheads import runtime
+from flaxheads.host import ComputePlan
+from flaxheads.host.xla_flags import CPU_FLAGS
 from flaxheads.backbones import hf_flax
 from flaxheads.backbones.bert import BertBackbone, encode
 from flaxheads.layers.attention import attention_chunks
@@ -31,8 +32,8 @@ def _hf_flax(path):
     return load_backbone(path, implementation="hf_flax")  # HF FlaxBertModel, strict weights
 
 
-def _native(path):
-    return load_backbone(path, implementation="native")
+def _native(path, plan=None):
+    return load_backbone(path, implementation="native", plan=plan)
 
 
 @needs_hf_flax
@@ -79,8 +80,8 @@ def test_chunks_do_not_change_the_result(tiny_bert, chunks):
     hf = _native(path)
     params = hf.params
     ids, mask = padded_batch("bert", tm.config)
-    a = encode(params, ids, mask, config=hf.config, attn_chunks=1)
-    b = encode(params, ids, mask, config=hf.config, attn_chunks=chunks, ffn_chunks=3)
+    a = encode(params, ids, mask, config=hf.config, plan=hf.plan.replace(attention_chunks=1))
+    b = encode(params, ids, mask, config=hf.config, plan=hf.plan.replace(attention_chunks=chunks), ffn_chunks=3)
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=0)
 
 
@@ -93,7 +94,8 @@ def test_chunked_attention_gradients_equal_unchunked(tiny_bert):
     w = jax.random.normal(jax.random.PRNGKey(0), (3, 9, hf.config.hidden_size))
 
     def grads(chunks):
-        f = lambda p: jnp.sum(encode(p, ids, mask, config=hf.config, attn_chunks=chunks, ffn_chunks=1) * w)
+        plan = hf.plan.replace(attention_chunks=chunks)
+        f = lambda p: jnp.sum(encode(p, ids, mask, config=hf.config, plan=plan, ffn_chunks=1) * w)
         return jax.grad(f)(params)
 
     for a, b in zip(jax.tree_util.tree_leaves(grads(1)), jax.tree_util.tree_leaves(grads(3))):
@@ -104,7 +106,7 @@ def test_chunked_attention_gradients_equal_unchunked(tiny_bert):
 def test_cpu_attention_equals_textbook_attention(rate):
     """The CPU arrangement (bias inside the matmul, normalisation after ``P @ V``, dropout on the
     unnormalised weights) equals softmax(q k^T + bias) -> dropout -> @ v, values and gradients."""
-    from flaxheads.layers.attention import attend as _attend, attend_plain as _attend_plain
+    from flaxheads.layers.attention import attend_cpu as _attend, attend_plain as _attend_plain
 
     ks = jax.random.split(jax.random.PRNGKey(0), 4)
     q, k, v = (jax.random.normal(ks[i], (2, 7, 3, 4)) for i in range(3))
@@ -143,7 +145,7 @@ def test_key_bias_has_no_effect_and_zero_gradient(tiny_bert):
     np.testing.assert_allclose(ref_moved, ref, atol=1e-5, rtol=0)
     params = hf_flax.to_native(hf).params
     w = jax.random.normal(jax.random.PRNGKey(0), (3, 9, hf.config.hidden_size))
-    g = jax.grad(lambda p: jnp.sum(encode(p, ids, mask, config=hf.config) * w))(params)
+    g = jax.grad(lambda p: jnp.sum(encode(p, ids, mask, config=hf.config, plan=hf.plan) * w))(params)
     for lp in g["encoder"]["layer"].values():
         assert not np.asarray(lp["attention"]["self"]["key"]["bias"]).any()
         assert np.abs(np.asarray(lp["attention"]["self"]["query"]["bias"])).max() > 1e-6  # the others do flow
@@ -157,7 +159,7 @@ def test_forward_mode_matches_reverse_mode(tiny_bert):
     ids, mask = padded_batch("bert", tm.config)
     tangent = jax.tree_util.tree_map(lambda x: jax.random.normal(jax.random.PRNGKey(1), x.shape), params)
     w = jax.random.normal(jax.random.PRNGKey(0), (3, 9, hf.config.hidden_size))
-    f = lambda p: jnp.sum(encode(p, ids, mask, config=hf.config) * w)
+    f = lambda p: jnp.sum(encode(p, ids, mask, config=hf.config, plan=hf.plan) * w)
     _, fwd = jax.jvp(f, (params,), (tangent,))
     g = jax.grad(f)(params)
     rev = sum(jnp.vdot(a, b) for a, b in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(tangent)))
@@ -165,18 +167,18 @@ def test_forward_mode_matches_reverse_mode(tiny_bert):
 
 
 #: XLA's defaults, and the AVX2 setting (Eigen's dots, YNNPACK's reductions) under which LayerNorm's
-#: statistics are products (``runtime.layer_norm_dots``; read at trace time, so setting the flags
-#: here changes the program traced, not the XLA running it).
-XLA_SETTINGS = pytest.mark.parametrize("xla_flags", ["", " ".join(runtime.CPU_FLAGS)], ids=["defaults", "avx2"])
+#: statistics are products (the compute plan's ``layer_norm``: a plan built from these flags changes
+#: the program traced, not the XLA running it).
+XLA_SETTINGS = pytest.mark.parametrize("xla_flags", ["", " ".join(CPU_FLAGS)], ids=["defaults", "avx2"])
 
 
 @XLA_SETTINGS
-def test_layer_norm_and_gelu_equal_references(monkeypatch, xla_flags):
+def test_layer_norm_and_gelu_equal_references(xla_flags):
     """flaxheads' LayerNorm / exact GELU (explicit derivatives) vs flax's LayerNorm and PyTorch."""
     import flax.linen as nn
     import torch
 
-    monkeypatch.setenv("XLA_FLAGS", xla_flags)
+    plan = ComputePlan.for_host(xla_flags=xla_flags, backend="cpu")
 
     from flaxheads.layers.activations import gelu_exact
     from flaxheads.layers.norms import layer_norm
@@ -186,7 +188,7 @@ def test_layer_norm_and_gelu_equal_references(monkeypatch, xla_flags):
     scale, bias = jax.random.normal(k[1], (32,)), jax.random.normal(k[2], (32,))
     w = jax.random.normal(k[3], x.shape)
     ref = lambda x, s, b: nn.LayerNorm(epsilon=1e-12).apply({"params": {"scale": s, "bias": b}}, x)
-    ours = lambda x, s, b: layer_norm(x, s, b, 1e-12)
+    ours = lambda x, s, b: layer_norm(x, s, b, 1e-12, plan.layer_norm_products)
     np.testing.assert_allclose(ours(x, scale, bias), ref(x, scale, bias), atol=2e-6)
     tl = torch.nn.functional.layer_norm(torch.tensor(np.asarray(x)), (32,), torch.tensor(np.asarray(scale)),
                                         torch.tensor(np.asarray(bias)), eps=1e-12)
@@ -244,7 +246,8 @@ def test_remat_same_gradients(tiny_bert):
 
     def grad_fn(remat):
         def f(p):
-            h = encode(p, ids, mask, config=hf.config, train=True, dropout_rng=jax.random.PRNGKey(3), remat=remat)
+            h = encode(p, ids, mask, config=hf.config, plan=hf.plan, train=True, dropout_rng=jax.random.PRNGKey(3),
+                       remat=remat)
             return jnp.sum(h * w)
         return jax.jit(jax.grad(f))
 
@@ -323,16 +326,16 @@ def test_bfloat16_close_to_float32(tiny_bert):
 
 
 @XLA_SETTINGS
-def test_native_forward_matches_pytorch(tiny_bert, monkeypatch, xla_flags):
+def test_native_forward_matches_pytorch(tiny_bert, xla_flags):
     """Loaded straight from the safetensors, no transformers model class involved."""
     import torch
 
-    monkeypatch.setenv("XLA_FLAGS", xla_flags)
+    plan = ComputePlan.for_host(xla_flags=xla_flags)
     path, tm = tiny_bert
     ids, mask = padded_batch("bert", tm.config)
     tt = np.zeros_like(ids)
     tt[:, 4:] = 1
-    ours = np.asarray(_native(path)(jnp.asarray(ids), jnp.asarray(mask), token_type_ids=jnp.asarray(tt))[0])
+    ours = np.asarray(_native(path, plan)(jnp.asarray(ids), jnp.asarray(mask), token_type_ids=jnp.asarray(tt))[0])
     with torch.no_grad():
         ref = tm.bert(torch.tensor(ids), attention_mask=torch.tensor(mask),
                       token_type_ids=torch.tensor(tt)).last_hidden_state.numpy()

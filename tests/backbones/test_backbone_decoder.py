@@ -29,6 +29,7 @@ from flaxheads.backbones.decoder import DecoderBackbone, attend_textbook  # noqa
 from flaxheads.layers.attention import attend_chunked  # noqa: E402
 from flaxheads.layers.masks import mask_bias  # noqa: E402
 from flaxheads.backbones.registry import load_backbone  # noqa: E402
+from flaxheads.host.plan import ComputePlan  # noqa: E402
 from flaxheads.presets import PoolMaskError  # noqa: E402
 from hf_tiny import (DECODERS, check_dropout_spread, check_export,  # noqa: E402
                      check_gradients, check_hidden_states, check_train_needs_key, edited_copy, padded_batch,
@@ -184,7 +185,8 @@ def test_textbook_attention_equals_shared_attention(softcap):
     valid = mask.astype(bool)
     if softcap is None:
         shared = attend_chunked(q * 0.3, jnp.repeat(k, 2, axis=2), jnp.repeat(v, 2, axis=2),
-                                mask_bias(jnp.asarray(mask), jnp.float32), causal=True)
+                                mask_bias(jnp.asarray(mask), jnp.float32), plan=ComputePlan.for_host(),
+                                causal=True)
         np.testing.assert_allclose(ours[valid], np.asarray(shared)[valid], atol=1e-5)
         return
     kr, vr = np.repeat(np.asarray(k), 2, axis=2), np.repeat(np.asarray(v), 2, axis=2)

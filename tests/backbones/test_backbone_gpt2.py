@@ -65,9 +65,9 @@ def test_position_and_token_type_inputs_match_pytorch(tiny):
 
 @pytest.mark.parametrize("rate", [0.0, 0.3])
 def test_causal_attention_both_arrangements(rate):
-    """``attend(causal=True)`` (CPU arrangement) and ``attend_plain(causal=True)`` (other backends)
+    """``attend_cpu(causal=True)`` (CPU arrangement) and ``attend_plain(causal=True)`` (other backends)
     agree in values and gradients, and without dropout equal a NumPy masked softmax."""
-    from flaxheads.layers.attention import attend, attend_plain
+    from flaxheads.layers.attention import attend_cpu, attend_plain
     from flaxheads.layers.masks import mask_bias
 
     ks = jax.random.split(jax.random.PRNGKey(0), 4)
@@ -75,11 +75,11 @@ def test_causal_attention_both_arrangements(rate):
     mask = np.ones((2, 6), np.int32)
     mask[1, :2] = 0  # left padding
     bias, rng = mask_bias(jnp.asarray(mask), jnp.float32), ks[3] if rate else None
-    out = {f.__name__: f(q, k, v, bias, rate, rng, True) for f in (attend, attend_plain)}
-    np.testing.assert_allclose(out["attend"], out["attend_plain"], atol=1e-6, rtol=1e-6)
+    out = {f.__name__: f(q, k, v, bias, rate, rng, True) for f in (attend_cpu, attend_plain)}
+    np.testing.assert_allclose(out["attend_cpu"], out["attend_plain"], atol=1e-6, rtol=1e-6)
     w = jax.random.normal(ks[3], q.shape)
     g = [jax.grad(lambda *a: jnp.sum(f(*a, bias, rate, rng, True) * w), argnums=(0, 1, 2))(q, k, v)
-         for f in (attend, attend_plain)]
+         for f in (attend_cpu, attend_plain)]
     for a, b in zip(*g):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
     if rate:
@@ -89,7 +89,7 @@ def test_causal_attention_both_arrangements(rate):
     p = np.where(keep, np.exp(s - s.max(-1, keepdims=True)), 0.0)
     ref = np.einsum("bhqk,bkhd->bqhd", p / np.maximum(p.sum(-1, keepdims=True), 1e-30), v)
     valid = mask.astype(bool)  # fully masked query rows (left pads) are free
-    np.testing.assert_allclose(np.asarray(out["attend"])[valid], ref[valid], atol=1e-5)
+    np.testing.assert_allclose(np.asarray(out["attend_cpu"])[valid], ref[valid], atol=1e-5)
 
 
 def test_gradients_match_torch_autograd(tiny):

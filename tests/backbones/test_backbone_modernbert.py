@@ -21,6 +21,7 @@ from flaxheads.backbones import modernbert as mb  # noqa: E402
 from flaxheads.backbones.base import BackboneError  # noqa: E402
 from flaxheads.backbones.modernbert import ModernBertBackbone  # noqa: E402
 from flaxheads.backbones.registry import load_backbone  # noqa: E402
+from flaxheads.host.plan import ComputePlan  # noqa: E402
 from hf_tiny import (V, assert_grads_match, check_bf16_and_remat, check_export, check_logits,  # noqa: E402
                      check_train_needs_key, dropout_spread_flax, dropout_spread_torch, edited_copy, save_tiny,
                      scale_matrices, torch_hidden_grads)
@@ -222,9 +223,10 @@ def test_long_global_attention_in_query_chunks_is_the_same(tiny, monkeypatch):
     q, k, v = _qkv(t=33)
     bias = jnp.zeros((2, 1, 1, 33)).at[1, ..., 20:].set(jnp.finfo(jnp.float32).min)
     w = jax.random.normal(jax.random.PRNGKey(3), q.shape)
+    plan = ComputePlan.for_host()
 
     def value_and_grads():
-        f = lambda q, k, v: jnp.sum(mb.global_attention(q, k, v, bias) * w)
+        f = lambda q, k, v: jnp.sum(mb.global_attention(q, k, v, bias, plan=plan) * w)
         return f(q, k, v), jax.grad(f, argnums=(0, 1, 2))(q, k, v)
 
     whole = value_and_grads()
@@ -234,7 +236,7 @@ def test_long_global_attention_in_query_chunks_is_the_same(tiny, monkeypatch):
     before = np.asarray(bb(ids, mask)[0])
     monkeypatch.setattr(mb, "_GLOBAL_CHUNK_BYTES", 2048)  # 5 chunks of the 33 queries here
     chunked = value_and_grads()
-    program = str(jax.make_jaxpr(lambda q: mb.global_attention(q, k, v, bias))(q))
+    program = str(jax.make_jaxpr(lambda q: mb.global_attention(q, k, v, bias, plan=plan))(q))
     assert "while" in program or "scan" in program
     for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(chunked)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)

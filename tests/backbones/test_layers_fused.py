@@ -9,13 +9,15 @@ import pytest
 import jax
 import jax.numpy as jnp
 
+from flaxheads.host import ComputePlan
 from flaxheads.layers import attention
-from flaxheads.layers.attention import attend, attend_chunked, attend_fused, attend_plain, attention_impl
+from flaxheads.layers.attention import attend, attend_chunked, attend_cpu, attend_fused, attend_plain
 from flaxheads.layers.masks import mask_bias, segment_bias
 from flaxheads.errors import ConfigError
 
 B, T, NH, D = 3, 8, 2, 8
 
+PLAN = ComputePlan.for_host(backend="cpu", xla_flags="")  # XLA's defaults: the CPU-tuned attention
 
 def _qkv(seed=0, dtype=jnp.float32, tq=T):
     r = np.random.default_rng(seed)
@@ -73,7 +75,7 @@ def test_fused_equals_cpu_and_plain_values_and_gradients(case):
     bias, causal = CASES[case](jnp.float32)
     seen = _seen(bias, causal)
     fused = _value_and_grads(lambda q, k, v: attend_fused(q, k, v, bias, causal, implementation="xla"), q, k, v, seen)
-    for ref_fn in (attend, attend_plain):
+    for ref_fn in (attend_cpu, attend_plain):
         ref = _value_and_grads(lambda q, k, v: ref_fn(q, k, v, bias, 0.0, None, causal), q, k, v, seen)
         np.testing.assert_allclose(fused[0], ref[0], atol=1e-5, rtol=1e-5)
         for g, gr in zip(fused[1], ref[1]):
@@ -101,7 +103,7 @@ def test_query_seeing_no_key_is_the_mean_of_values_as_with_the_additive_bias():
     out = attend_fused(q, k, v, bias, implementation="xla")
     mean_v = np.broadcast_to(np.asarray(v).mean(axis=1, keepdims=True), out.shape)
     np.testing.assert_allclose(out[1:], mean_v[1:], atol=1e-6)
-    np.testing.assert_allclose(out, attend(q, k, v, bias, 0.0, None), atol=1e-5)
+    np.testing.assert_allclose(out, attend(q, k, v, bias, 0.0, None, plan=PLAN), atol=1e-5)
 
 
 @pytest.mark.parametrize("case", ["key_mask", "causal_key_mask", "segments"])
@@ -133,19 +135,20 @@ def test_cross_length_causal_aligns_queries_with_the_last_keys():
 
 
 def test_attention_impl_policy(monkeypatch):
-    monkeypatch.delenv(attention.ATTENTION_ENV, raising=False)
+    monkeypatch.delenv("FLAXHEADS_ATTENTION", raising=False)
     assert jax.default_backend() == "cpu"
-    assert attention_impl() == "cpu"
-    assert attention_impl(want="fused") == "fused"
+    assert PLAN.attention_for(dropout=False) == "cpu"
+    assert PLAN.attention_for(dropout=False, impl="fused") == "fused"
     # attention dropout has no fused kernel: the backend's unfused arrangement
-    assert attention_impl(0.1, jax.random.key(0), want="fused") == "cpu"
-    assert attention_impl(0.1, None, want="fused") == "fused"  # no rng: no dropout
-    monkeypatch.setenv(attention.ATTENTION_ENV, "plain")
-    assert attention_impl() == "plain"
-    assert attention_impl(want="fused") == "fused"  # the argument wins over the variable
-    monkeypatch.setenv(attention.ATTENTION_ENV, "flash")
+    assert PLAN.attention_for(dropout=True, impl="fused") == "cpu"
+    monkeypatch.setenv("FLAXHEADS_ATTENTION", "plain")
+    plain = ComputePlan.for_host(backend="cpu", xla_flags="")  # the variable is read when a plan is built
+    assert plain.attention_for(dropout=False) == "plain"
+    assert plain.attention_for(dropout=False, impl="fused") == "fused"  # the argument wins over the variable
+    assert ComputePlan.for_host(backend="cpu", xla_flags="", attention="fused").attention == "fused"
+    monkeypatch.setenv("FLAXHEADS_ATTENTION", "flash")
     with pytest.raises(ConfigError, match="FLAXHEADS_ATTENTION"):
-        attention_impl()
+        ComputePlan.for_host(backend="cpu", xla_flags="")
 
 
 def test_attend_dispatch_and_chunks(monkeypatch):
@@ -154,13 +157,14 @@ def test_attend_dispatch_and_chunks(monkeypatch):
     monkeypatch.setattr(attention, "attend_fused", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     q, k, v = _qkv(seed=5)
     bias = mask_bias(_key_mask(), jnp.float32)
-    want = attend_chunked(q, k, v, bias, chunks=3, impl="cpu")
-    out = attend_chunked(q, k, v, bias, impl="fused")  # "auto" chunks: one fused call
+    want = attend_chunked(q, k, v, bias, plan=PLAN.replace(attention_chunks=3), impl="cpu")
+    out = attend_chunked(q, k, v, bias, plan=PLAN, impl="fused")  # "auto" chunks: one fused call
     assert len(calls) == 1
     np.testing.assert_allclose(out, want, atol=1e-5)
     # attention dropout stays on the unfused path (same bits as the CPU arrangement)
     rng = jax.random.key(3)
-    np.testing.assert_array_equal(attend(q, k, v, bias, 0.2, rng, impl="fused"), attend(q, k, v, bias, 0.2, rng))
+    np.testing.assert_array_equal(attend(q, k, v, bias, 0.2, rng, plan=PLAN, impl="fused"),
+                                  attend(q, k, v, bias, 0.2, rng, plan=PLAN))
     assert len(calls) == 1
 
 
@@ -171,7 +175,7 @@ def test_backbone_with_fused_attention_matches_pytorch(tmp_path, monkeypatch, ar
     calls = []
     real = attention.attend_fused
     monkeypatch.setattr(attention, "attend_fused", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    monkeypatch.setenv(attention.ATTENTION_ENV, "fused")
+    monkeypatch.setenv("FLAXHEADS_ATTENTION", "fused")  # read when the backbone's plan is built
     path, pt = save_tiny(tmp_path, arch)
     check_hidden_states(path, pt, arch, side=side)
     assert calls, "the fused path did not run"

@@ -1,8 +1,8 @@
 """Attention in sequential batch groups (``layers.attention.attention_groups``, with oneDNN's dots on CPU):
 the same values and gradients as one pass over the batch.
 
-The flags are only read when a program is traced, so setting them in ``XLA_FLAGS`` here changes
-the arrangement traced (groups, plain attention) and not the XLA running it."""
+A compute plan built from oneDNN's flags changes the arrangement traced (groups, plain attention),
+not the XLA running it."""
 from __future__ import annotations
 
 import numpy as np
@@ -11,7 +11,8 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from flaxheads import runtime
+from flaxheads.host import ComputePlan
+from flaxheads.host.xla_flags import ONEDNN_ALONE_FLAGS
 from flaxheads.layers import attention
 from flaxheads.layers.attention import attend_chunked, attend_plain, attention_groups
 from flaxheads.layers.masks import mask_bias, segment_bias
@@ -19,24 +20,27 @@ from flaxheads.layers.masks import mask_bias, segment_bias
 B, T, NH, D = 4, 768, 4, 8  # 37.7 MB of float32 scores: past the 32 MiB where groups start
 
 
+def _plan(flags: str) -> ComputePlan:
+    return ComputePlan.for_host(xla_flags=flags, backend="cpu", attention="auto")
+
+
 @pytest.fixture
 def onednn(monkeypatch):
-    monkeypatch.setenv("XLA_FLAGS", " ".join(runtime.ONEDNN_ALONE_FLAGS))
-    monkeypatch.delenv(attention.ATTENTION_ENV, raising=False)
+    monkeypatch.delenv("FLAXHEADS_ATTENTION", raising=False)
+    return _plan(" ".join(ONEDNN_ALONE_FLAGS))
 
 
-def test_groups_only_with_onednn_dots_and_large_scores(monkeypatch):
-    monkeypatch.setenv("XLA_FLAGS", "")
-    assert attention_groups(32, 12, 256, 256) == 1
-    monkeypatch.setenv("XLA_FLAGS", " ".join(runtime.ONEDNN_ALONE_FLAGS))
-    assert attention_groups(32, 12, 256, 256) == 16   # 100 MB: groups of 2 rows, ~6 MB each
-    assert attention_groups(128, 12, 128, 128) == 16  # 100 MB: 13 groups wanted, 16 divides the batch
-    assert attention_groups(32, 12, 128, 128) == 1    # 25 MB: one pass
-    assert attention_groups(8, 12, 256, 256) == 1
-    assert attention_groups(30, 12, 256, 256) == 15   # 94 MB: 12 wanted, the next divisor of 30
-    assert attention_groups(31, 12, 256, 256) == 31   # a prime batch: one row per group
-    assert attention_groups(B, NH, T, T) == B
-    assert attention_groups(32, 12, 256, 256, jnp.bfloat16) == 1  # measured slower in bf16
+def test_groups_only_with_onednn_dots_and_large_scores(onednn):
+    f32 = jnp.float32
+    assert attention_groups(32, 12, 256, 256, f32, _plan("")) == 1
+    assert attention_groups(32, 12, 256, 256, f32, onednn) == 16   # 100 MB: groups of 2 rows, ~6 MB each
+    assert attention_groups(128, 12, 128, 128, f32, onednn) == 16  # 100 MB: 13 groups wanted, 16 divides the batch
+    assert attention_groups(32, 12, 128, 128, f32, onednn) == 1    # 25 MB: one pass
+    assert attention_groups(8, 12, 256, 256, f32, onednn) == 1
+    assert attention_groups(30, 12, 256, 256, f32, onednn) == 15   # 94 MB: 12 wanted, the next divisor of 30
+    assert attention_groups(31, 12, 256, 256, f32, onednn) == 31   # a prime batch: one row per group
+    assert attention_groups(B, NH, T, T, f32, onednn) == B
+    assert attention_groups(32, 12, 256, 256, jnp.bfloat16, onednn) == 1  # measured slower in bf16
 
 
 def _inputs(seed=0, segments=False):
@@ -53,7 +57,7 @@ def _inputs(seed=0, segments=False):
 @pytest.mark.parametrize("segments", [False, True])
 def test_grouped_attention_equals_one_pass(onednn, segments):
     q, k, v, bias = _inputs(segments=segments)
-    grouped = jax.jit(lambda q, k, v: attend_chunked(q, k, v, bias))
+    grouped = jax.jit(lambda q, k, v: attend_chunked(q, k, v, bias, plan=onednn))
     assert " scan[" in str(jax.make_jaxpr(grouped)(q, k, v))  # the groups are really there
     whole = jax.jit(lambda q, k, v: attend_plain(q, k, v, bias, 0.0, None))
     np.testing.assert_allclose(grouped(q, k, v), whole(q, k, v), atol=2e-6, rtol=1e-5)
@@ -79,7 +83,7 @@ def test_grouped_self_attention_equals_one_pass(onednn):
         return attend_plain(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], bias, 0.0, None).reshape(B * T, h)
 
     def grouped(x, w):
-        return attention.self_attention(x, w, b, bias, num_heads=NH, batch=B)
+        return attention.self_attention(x, w, b, bias, num_heads=NH, batch=B, plan=onednn)
     assert " scan[" in str(jax.make_jaxpr(grouped)(x, w))
     np.testing.assert_allclose(jax.jit(grouped)(x, w), jax.jit(one_pass)(x, w), atol=2e-6, rtol=1e-5)
     gg = jax.jit(jax.grad(lambda x, w: jnp.sum(grouped(x, w) ** 2), argnums=(0, 1)))(x, w)
@@ -93,12 +97,12 @@ def test_grouped_dropout_is_deterministic_and_differs_per_group(onednn):
     q, k = (jnp.asarray(np.repeat(r.normal(size=(1, T, NH, D)), B, axis=0), jnp.float32) for _ in range(2))
     v = jnp.ones_like(q)  # every output element is the kept probability mass of its row
     bias = mask_bias(jnp.ones((B, T), jnp.int32), jnp.float32)
-    assert attention_groups(B, NH, T, T) == B  # one row per group: the rows differ only by their group
-    f = jax.jit(lambda rng: attend_chunked(q, k, v, bias, rate=0.5, rng=rng))
+    assert attention_groups(B, NH, T, T, jnp.float32, onednn) == B  # one row per group: the rows differ only by their group
+    f = jax.jit(lambda rng: attend_chunked(q, k, v, bias, plan=onednn, rate=0.5, rng=rng))
     a = np.asarray(f(jax.random.key(0)))
     np.testing.assert_array_equal(a, f(jax.random.key(0)))
     assert not np.allclose(f(jax.random.key(1)), a)
     assert not np.allclose(a[0], a[1])  # each group folds in its index
-    np.testing.assert_allclose(jax.jit(lambda: attend_chunked(q, k, v, bias))(), 1.0, rtol=1e-5)
+    np.testing.assert_allclose(jax.jit(lambda: attend_chunked(q, k, v, bias, plan=onednn))(), 1.0, rtol=1e-5)
     # inverted dropout keeps each row's mass at 1 in expectation
     assert abs(float(a.mean()) - 1.0) < 0.02

@@ -8,6 +8,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
+from flaxheads.host import ComputePlan
 from flaxheads.layers.attention import attend
 from flaxheads.layers.dense import matmul
 from flaxheads.layers.masks import mask_bias
@@ -15,6 +16,8 @@ from flaxheads.layers.norms import layer_norm
 
 H = 16
 
+
+PLAN = ComputePlan.for_host(backend="cpu", xla_flags="")  # XLA's defaults: the CPU-tuned attention
 
 def _x(dtype):
     r = np.random.default_rng(0)
@@ -66,11 +69,11 @@ def test_bf16_attention_softmax_runs_in_float32(impl):
     r = np.random.default_rng(2)
     q, k, v = (jnp.asarray(r.normal(size=(2, 8, 2, 4)), jnp.bfloat16) for _ in range(3))
     bias = mask_bias(jnp.ones((2, 8), jnp.int32), jnp.bfloat16)
-    found = _reductions(lambda q, k, v: attend(q, k, v, bias, 0.0, None, impl=impl), q, k, v)
+    found = _reductions(lambda q, k, v: attend(q, k, v, bias, 0.0, None, plan=PLAN, impl=impl), q, k, v)
     assert {name for name, _ in found} >= {"exp", "reduce_max", "reduce_sum"}, found
     assert all(dt == jnp.float32 for _, dt in found), found
-    out = attend(q, k, v, bias, 0.0, None, impl=impl)
-    want = attend(*(a.astype(jnp.float32) for a in (q, k, v)), bias.astype(jnp.float32), 0.0, None, impl=impl)
+    out = attend(q, k, v, bias, 0.0, None, plan=PLAN, impl=impl)
+    want = attend(*(a.astype(jnp.float32) for a in (q, k, v)), bias.astype(jnp.float32), 0.0, None, plan=PLAN, impl=impl)
     assert out.dtype == jnp.bfloat16
     # only the P.V operand and the output are rounded to bf16: within a few bf16 ulps of float32
     np.testing.assert_allclose(np.asarray(out, np.float32), want, atol=2e-2)
@@ -105,7 +108,7 @@ def test_bf16_matmul_gradients_against_float32():
     bit; the kernel gradient is the float32 product of the bf16 operands, rounded once to the
     float32 kernel's dtype (autodiff's rounds it to bf16 first)."""
     x, kernel, ct = _matmul_operands()
-    y, vjp = jax.vjp(matmul, x, kernel)
+    y, vjp = jax.vjp(lambda x, k: matmul(x, k, PLAN), x, kernel)
     y_ref, vjp_ref = jax.vjp(lambda a, k: a @ k.astype(a.dtype), x, kernel)
     (dx, dk), (dx_ref, dk_ref) = vjp(ct), vjp_ref(ct)
     assert y.dtype == dx.dtype == jnp.bfloat16 and dk.dtype == jnp.float32
@@ -122,7 +125,7 @@ def test_bf16_matmul_backward_dots_stay_bf16_with_untransposed_lhs():
     output to bf16: every dot of the backward pass takes bf16 operands, accumulates to float32
     and contracts the left operand's last axis (autodiff's kernel gradient contracts its first)."""
     x, kernel, ct = _matmul_operands()
-    jaxpr = jax.make_jaxpr(lambda x, k, c: jax.vjp(matmul, x, k)[1](c))(x, kernel, ct)
+    jaxpr = jax.make_jaxpr(lambda x, k, c: jax.vjp(lambda x, k: matmul(x, k, PLAN), x, k)[1](c))(x, kernel, ct)
 
     def eqns(j):  # every equation, inside custom-derivative and pjit sub-jaxprs too
         for e in j.eqns:
@@ -145,7 +148,8 @@ def test_bf16_matmul_backward_dots_stay_bf16_with_untransposed_lhs():
 _ONEDNN_CHECK = """
 import json
 import numpy as np, jax, jax.numpy as jnp
-from flaxheads.layers.attention import attend, attention_impl
+from flaxheads.host import ComputePlan
+from flaxheads.layers.attention import attend
 from flaxheads.layers.dense import matmul
 from flaxheads.layers.masks import mask_bias
 r = np.random.default_rng(0)
@@ -153,13 +157,14 @@ x = jnp.asarray(r.normal(size=(256, 256)), jnp.bfloat16)  # above oneDNN's size 
 kernel = jnp.asarray(r.normal(size=(256, 512)) * 0.05, jnp.float32)
 q, k, v = (jnp.asarray(r.normal(size=(8, 64, 4, 32)) * s, jnp.bfloat16) for s in (32 ** -0.5, 1.0, 1.0))  # scaled q
 bias = mask_bias(jnp.ones((8, 64), jnp.int32), jnp.float32)
+plan = ComputePlan.for_host()  # this process's flags
 
 def loss(x, kernel, q, k, v):
-    y, a = matmul(x, kernel), attend(q, k, v, bias, 0.0, None)
+    y, a = matmul(x, kernel, plan), attend(q, k, v, bias, 0.0, None, plan=plan)
     return (y * y).astype(jnp.float32).sum() + (a * a).astype(jnp.float32).sum()  # (a convert right after a dot becomes its output type)
 
 def loss32(x, kernel, q, k, v):
-    return ((x @ kernel) ** 2).sum() + (attend(q, k, v, bias.astype(jnp.float32), 0.0, None, impl="plain") ** 2).sum()
+    return ((x @ kernel) ** 2).sum() + (attend(q, k, v, bias.astype(jnp.float32), 0.0, None, plan=plan, impl="plain") ** 2).sum()
 
 args = (x, kernel, q, k, v)
 grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
@@ -169,7 +174,7 @@ dots = [l.split("=", 1)[1].strip()[:60] for l in hlo.splitlines() if " dot(" in 
 got = grad(*args)
 want = jax.grad(loss32, argnums=(0, 1, 2))(*(a.astype(jnp.float32) for a in args))
 err = [float(jnp.abs(g.astype(jnp.float32) - w).max() / jnp.abs(w).max()) for g, w in zip(got, want)]
-print(json.dumps({"impl": attention_impl(), "calls": calls, "dots": dots, "err": err}))
+print(json.dumps({"impl": plan.attention, "calls": calls, "dots": dots, "err": err}))
 """
 
 
@@ -186,10 +191,11 @@ def test_onednn_dots_keep_bf16_outputs_and_the_gradients(flags):
     import subprocess
     import sys
 
-    from flaxheads import runtime
+    from flaxheads.host import xla_flags
+    from flaxheads.host.cpu import CpuInfo
 
-    env = {k: v for k, v in os.environ.items() if k not in (runtime.OPT_OUT_ENV, "FLAXHEADS_ATTENTION")}
-    env["XLA_FLAGS"] = " ".join(getattr(runtime, flags))
+    env = {k: v for k, v in os.environ.items() if k not in (xla_flags.OPT_OUT_ENV, "FLAXHEADS_ATTENTION")}
+    env["XLA_FLAGS"] = " ".join(getattr(xla_flags, flags))
     env["JAX_PLATFORMS"] = "cpu"
     r = subprocess.run([sys.executable, "-c", _ONEDNN_CHECK], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -202,6 +208,6 @@ def test_onednn_dots_keep_bf16_outputs_and_the_gradients(flags):
     assert len(out["calls"]) + len(out["dots"]) >= 7, out
     if flags == "ONEDNN_ALONE_FLAGS":
         assert not out["dots"], out
-    if runtime.CpuInfo.read().bf16:  # without bf16 instructions oneDNN turns bf16 products into float32 ones itself
+    if CpuInfo.read().bf16:  # without bf16 instructions oneDNN turns bf16 products into float32 ones itself
         assert all(c.lstrip("(").startswith("bf16[") for c in out["calls"] + out["dots"]), out
     assert max(out["err"]) < 3e-2, out["err"]

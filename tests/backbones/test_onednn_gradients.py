@@ -19,7 +19,7 @@ import pytest
 
 import jax
 
-from flaxheads import runtime
+from flaxheads.host.xla_flags import ONEDNN_FLAGS
 from tests.hf_tiny import save_tiny
 
 #: hidden 128, feed-forward 512, 4 heads: at 8 x 64 tokens every dense product is >= 2^24 flops
@@ -38,8 +38,6 @@ _GRADS = r"""
 import json, sys
 import jax, jax.numpy as jnp, numpy as np
 from flaxheads.backbones.registry import load_backbone
-
-from flaxheads.layers.attention import attention_impl
 jobs, out, what = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
 grads, calls = {}, 0
 for (arch, path), dtype in [(j, d) for j in jobs for d in ("float32", "bfloat16")]:
@@ -61,7 +59,7 @@ for (arch, path), dtype in [(j, d) for j in jobs for d in ("float32", "bfloat16"
     for path_, leaf in jax.tree_util.tree_leaves_with_path(compiled(bb.params)):
         grads[f"{arch}/{dtype}" + jax.tree_util.keystr(path_)] = np.asarray(leaf, np.float32)
 np.savez(out, **grads)
-print(json.dumps({"onednn_calls": calls, "attention": attention_impl()}))
+print(json.dumps({"onednn_calls": calls, "attention": bb.plan.attention}))
 """
 
 
@@ -77,7 +75,7 @@ def _grads(jobs, out, xla_flags, what="grad"):
 def _onednn_and_xla(tmp_path, what):
     """Each family's ``what`` ("grad" or "forward") under the AMX flags and under XLA's own dots."""
     jobs = [(arch, save_tiny(tmp_path / arch, arch, **over)[0]) for arch, over in SIZES.items()]
-    info, onednn = _grads(jobs, tmp_path / "onednn.npz", " ".join(runtime.ONEDNN_FLAGS), what)
+    info, onednn = _grads(jobs, tmp_path / "onednn.npz", " ".join(ONEDNN_FLAGS), what)
     if info["onednn_calls"] == 0:
         pytest.skip("this jaxlib's XLA:CPU made no oneDNN matmul calls with these flags (jax 0.10, or a build "
                     "without oneDNN)")

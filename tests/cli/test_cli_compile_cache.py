@@ -5,7 +5,8 @@ import json
 import pytest
 
 from cli_helpers import bert_folder, run_process, train_args, write_csv  # noqa: F401
-from flaxheads.runtime import cpu_fingerprint, default_cache_dir
+from flaxheads.host.compile_cache import default_cache_dir
+from flaxheads.host.cpu import cpu_fingerprint
 
 
 def _train(model, data, out, cache) -> dict:

@@ -239,9 +239,9 @@ def test_prediction_with_constant_weights_equals_sentence_transformers():
     import subprocess
     import sys
 
-    from flaxheads import runtime
+    from flaxheads.host.xla_flags import ONEDNN_FLAGS
 
-    env = {**os.environ, "XLA_FLAGS": " ".join(runtime.ONEDNN_FLAGS), "FLAXHEADS_XLA_DEFAULTS": "0",
+    env = {**os.environ, "XLA_FLAGS": " ".join(ONEDNN_FLAGS), "FLAXHEADS_XLA_DEFAULTS": "0",
            "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.path.dirname(os.path.abspath(__file__))}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     r = subprocess.run([sys.executable, "-c", _CONSTANTS], env=env, capture_output=True, text=True, timeout=900,

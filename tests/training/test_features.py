@@ -116,8 +116,7 @@ for constants in (True, False):
 batch = {"input_ids": np.ones((16, 16), np.int32), "attention_mask": np.ones((16, 16), np.int32)}
 text = make_encoder(model, "pooled", ("mean",), constants=True).jitted(p).lower(batch).compile().as_text()
 out.update(weight_counts(text))
-from flaxheads.runtime import constant_weights
-out["auto"] = constant_weights(sum(x.nbytes for x in jax.tree.leaves(p)))
+out["auto"] = model.plan.constant_weights(sum(x.nbytes for x in jax.tree.leaves(p)))
 print(json.dumps(out))
 """
 
@@ -131,11 +130,11 @@ def test_constant_weights_are_prepacked_for_onednn_and_change_no_feature(tmp_pat
     import subprocess
     import sys
 
-    from flaxheads import runtime
+    from flaxheads.host.xla_flags import ONEDNN_FLAGS
     from tests.hf_tiny import save_tiny
 
     path = save_tiny(tmp_path / "bert", "bert", hidden_size=128, intermediate_size=512)[0]
-    env = {**os.environ, "XLA_FLAGS": " ".join(runtime.ONEDNN_FLAGS), "FLAXHEADS_XLA_DEFAULTS": "0",
+    env = {**os.environ, "XLA_FLAGS": " ".join(ONEDNN_FLAGS), "FLAXHEADS_XLA_DEFAULTS": "0",
            "JAX_PLATFORMS": "cpu"}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     r = subprocess.run([sys.executable, "-c", _CONSTANTS, str(path)], env=env, capture_output=True, text=True,

@@ -72,16 +72,15 @@ def test_single_pmap_mesh_agree(folder, single):
 
 
 @pytest.mark.parametrize("mode", ["single", "mesh"])
-def test_train_steps_compile_with_the_gradient_options(folder, monkeypatch, mode):
-    """``Parallel.compile(gradients=True)`` hands ``runtime.gradient_compiler_options`` to XLA and
+def test_train_steps_compile_with_the_gradient_options(folder, mode):
+    """The trainer compiles its train step with the plan's gradient options and hands them to XLA;
     other programs keep the process's settings. The options here turn YNNPACK off, which this
     process has on (XLA's defaults): its fusions leave the train step only."""
-    from flaxheads import parallel as parallel_module
     from flaxheads.training.data import iterate_batches
 
-    monkeypatch.setattr(parallel_module, "gradient_compiler_options",
-                        lambda: {"xla_cpu_experimental_ynn_fusion_type": ""})
     model = fh.from_pretrained(folder, pooler="mean", head="linear", num_labels=3)
+    off = model.plan.replace(gradient_options=(("xla_cpu_experimental_ynn_fusion_type", ""),))
+    model.backbone.plan, default_plan = off, model.plan
     cfg = TrainConfig(batch_size=BATCH, max_steps=STEPS, parallel=mode)
     trainer = Trainer.build(model, OptimConfig(learning_rate=1e-3, total_steps=STEPS), cfg, Parallel(mode))
     state = trainer.parallel.put_state(trainer.init_state())
@@ -91,7 +90,7 @@ def test_train_steps_compile_with_the_gradient_options(folder, monkeypatch, mode
     assert "__ynn_fusion" in trainer.eval_step.lower(state.params, batch).compile().as_text()
     assert "__ynn_fusion" not in trainer.train_step.lower(state, batch).compile().as_text()
     # the two libraries' steps train alike
-    monkeypatch.undo()
+    model.backbone.plan = default_plan
     plain = Trainer.build(model, OptimConfig(learning_rate=1e-3, total_steps=STEPS), cfg, Parallel(mode))
     params = [p.parallel.get_state(p.train_step(p.parallel.put_state(p.init_state()), batch)[0]).params
               for p in (trainer, plain)]

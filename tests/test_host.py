@@ -1,5 +1,5 @@
-"""flaxheads.runtime: the XLA flags and precision chosen from the host's CPU, what the programs
-set before JAX starts, and what they leave alone."""
+"""flaxheads.host: the XLA flags and precision chosen from the host's CPU, the compute plan made
+from them, what the programs set before JAX starts, and what they leave alone."""
 from __future__ import annotations
 
 import json
@@ -12,179 +12,218 @@ import pytest
 
 import jax.numpy as jnp
 
-from flaxheads import runtime
 from flaxheads.errors import ConfigError
+from flaxheads.host import ComputePlan, malloc, xla_flags
+from flaxheads.host.cpu import CpuInfo, cpu_fingerprint
+from flaxheads.host.precision import choose_precision
+from flaxheads.host.xla_flags import (CPU_FLAGS, EIGEN_FLAGS, ONEDNN_ALONE_FLAGS, ONEDNN_FLAGS, OPT_OUT_ENV,
+                                      YNN_PROGRAM_OPTIONS, XlaSetting, configure_xla, cpu_xla_flags)
 
 YNN = "--xla_cpu_experimental_ynn_fusion_type"
-EPYC = runtime.CpuInfo("AMD EPYC 7B13", frozenset({"sse2", "avx", "avx2", "fma"}))
-ZEN5 = runtime.CpuInfo("AMD EPYC 9B45", frozenset({"sse2", "avx", "avx2", "fma", "avx512f", "avx512_bf16"}))
-XEON = runtime.CpuInfo("Intel(R) Xeon(R) Platinum 8481C", frozenset({"avx2", "avx512f", "avx512_bf16", "amx_tile",
-                                                                     "amx_bf16"}))
+EPYC = CpuInfo("AMD EPYC 7B13", frozenset({"sse2", "avx", "avx2", "fma"}))
+ZEN5 = CpuInfo("AMD EPYC 9B45", frozenset({"sse2", "avx", "avx2", "fma", "avx512f", "avx512_bf16"}))
+XEON = CpuInfo("Intel(R) Xeon(R) Platinum 8481C", frozenset({"avx2", "avx512f", "avx512_bf16", "amx_tile",
+                                                             "amx_bf16"}))
+ONEDNN, ONEDNN_ALONE, AVX2, EIGEN = (" ".join(f) for f in (ONEDNN_FLAGS, ONEDNN_ALONE_FLAGS, CPU_FLAGS, EIGEN_FLAGS))
+
+
+def plan(flags: str, backend: str = "cpu", jax_version: str = "0.12.0.1", **kw) -> ComputePlan:
+    return ComputePlan.for_host(xla_flags=flags, backend=backend, jax_version=jax_version, **kw)
 
 
 @pytest.fixture
 def fresh(monkeypatch):
     """Pretend no backend has started (this test process has one running)."""
-    monkeypatch.setattr(runtime, "_backend_started", lambda: False)
-    monkeypatch.delenv(runtime.OPT_OUT_ENV, raising=False)
+    monkeypatch.setattr(xla_flags, "backend_started", lambda: False)
+    monkeypatch.delenv(OPT_OUT_ENV, raising=False)
     return monkeypatch
 
 
 def test_appends_to_existing_flags(fresh):
     """AVX2 without AVX-512 under jax >= 0.11: Eigen's dots, YNNPACK's reductions."""
-    fresh.setattr(runtime, "_installed_jax", lambda: "0.12.0.1")
+    fresh.setattr(xla_flags, "installed_jax", lambda: "0.12.0.1")
     fresh.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-    assert runtime.configure_xla(cpu=EPYC) == [f"{YNN}=reduce"]
+    assert configure_xla(cpu=EPYC) == [f"{YNN}=reduce"]
     assert os.environ["XLA_FLAGS"].split() == ["--xla_force_host_platform_device_count=8", f"{YNN}=reduce"]
-    assert runtime.configure_xla(cpu=EPYC) == []  # idempotent
-    assert runtime.layer_norm_dots() and runtime.ynn_reductions() and not runtime.onednn_dots()
+    assert configure_xla(cpu=EPYC) == []  # idempotent
+    p = ComputePlan.for_host(backend="cpu", jax_version="0.12.0.1")  # the process's flags, read once here
+    assert p.layer_norm_products and p.ynn_reductions and not p.onednn and p.dots == "eigen"
 
 
 def test_avx2_hosts_under_older_jax_turn_ynnpack_off(fresh):
     """jax 0.10 was measured with YNNPACK's fusions off altogether, and keeps LayerNorm's reductions."""
-    fresh.setattr(runtime, "_installed_jax", lambda: "0.10.2")
+    fresh.setattr(xla_flags, "installed_jax", lambda: "0.10.2")
     fresh.setenv("XLA_FLAGS", "")
-    assert runtime.configure_xla(cpu=EPYC) == [f"{YNN}="]
-    assert not runtime.layer_norm_dots() and not runtime.ynn_reductions()
+    assert configure_xla(cpu=EPYC) == [f"{YNN}="]
+    p = plan(os.environ["XLA_FLAGS"], jax_version="0.10.2")
+    assert not p.layer_norm_products and not p.ynn_reductions and p.gradient_options == ()
 
 
 @pytest.mark.parametrize("cpu, jax_version", [(ZEN5, "0.12.0.1"), (XEON, "0.10.2")], ids=["avx512", "amx-jax0.10"])
 def test_avx512_hosts_keep_xlas_defaults(fresh, cpu, jax_version):
     """YNNPACK-off was measured to win with AVX2 alone; with AVX-512 XLA's defaults won. oneDNN's
     dots were measured with AMX under jax 0.12 only."""
-    fresh.setattr(runtime, "_installed_jax", lambda: jax_version)
+    fresh.setattr(xla_flags, "installed_jax", lambda: jax_version)
     fresh.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-    assert runtime.configure_xla(cpu=cpu) == []
+    assert configure_xla(cpu=cpu) == []
     assert os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=8"
-    assert not runtime.onednn_dots()
+    assert plan(os.environ["XLA_FLAGS"]).dots == "xla"
 
 
 def test_amx_hosts_get_onednn_dots(fresh):
     """With AMX (jax >= 0.11) oneDNN's dots won: oneDNN and its matmul call on, YNNPACK for the
     reductions alone, so forward programs hand it attention whole and LayerNorm's statistics are
     products; train steps keep the process's setting, large reductions unfolded."""
-    fresh.setattr(runtime, "_installed_jax", lambda: "0.12.0.1")
+    fresh.setattr(xla_flags, "installed_jax", lambda: "0.12.0.1")
     fresh.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-    assert runtime.configure_xla(cpu=XEON) == list(runtime.ONEDNN_FLAGS)
-    assert runtime.onednn_dots() and runtime.ynn_attention() and runtime.layer_norm_dots()
-    assert runtime.gradient_compiler_options(backend="cpu") == {}
-    assert runtime.gradient_ynn_reductions()
+    assert configure_xla(cpu=XEON) == list(ONEDNN_FLAGS)
+    p = plan(os.environ["XLA_FLAGS"])
+    assert p.onednn and p.attention == "ynn" and p.layer_norm_products
+    assert p.compiler_options(gradients=True) == {} and p.gradient_ynn_reductions and not p.fold_reductions
+    assert p.activation_barrier and not p.float32_products and p.attention_groups
 
 
 @pytest.mark.parametrize("flags, on", [
-    (" ".join(runtime.ONEDNN_FLAGS), True),
-    (" ".join(runtime.ONEDNN_ALONE_FLAGS), False),  # YNNPACK off: XLA's own softmax
-    (" ".join(runtime.CPU_FLAGS), False),  # Eigen's dots (AVX2): the CPU arrangement
+    (ONEDNN, True),
+    (ONEDNN_ALONE, False),  # YNNPACK off: XLA's own softmax
+    (AVX2, False),  # Eigen's dots (AVX2): the CPU arrangement
     (f"{YNN}=reduce,dot --xla_cpu_use_onednn=true --xla_cpu_experimental_onednn_custom_call=true", False),
     ("", False),
 ])
-def test_ynn_attention_reads_the_flags(flags, on):
-    assert runtime.ynn_attention(flags) is on
+def test_ynn_attention_follows_the_flags(flags, on):
+    assert (plan(flags).attention == "ynn") is on
+    assert plan(flags, backend="gpu").attention == "fused"
+    assert plan(flags, backend="tpu").attention == "plain"
 
 
 @pytest.mark.parametrize("flags, on", [
-    (" ".join(runtime.ONEDNN_FLAGS), True),
+    (ONEDNN, True),
     ("--xla_cpu_use_onednn=true --xla_cpu_experimental_onednn_custom_call=true", False),  # YNNPACK takes the dots
     (f"{YNN}= --xla_cpu_use_onednn=True --xla_cpu_experimental_onednn_custom_call=1", True),
     (f"{YNN}=reduce --xla_cpu_use_onednn=true --xla_cpu_experimental_onednn_custom_call=true", True),
     (f"{YNN}=reduce,dot --xla_cpu_use_onednn=true --xla_cpu_experimental_onednn_custom_call=true", False),
-    (" ".join(runtime.ONEDNN_FLAGS) + " --xla_cpu_use_onednn=false", False),  # the last setting counts
+    (ONEDNN + " --xla_cpu_use_onednn=false", False),  # the last setting counts
     ("", False),
 ])
-def test_onednn_dots_reads_the_flags(flags, on):
-    assert runtime.onednn_dots(flags) is on
+def test_onednn_dots_follow_the_flags(flags, on):
+    assert XlaSetting.parse(flags).onednn_dots is on
+    assert plan(flags).onednn is on and plan(flags).float32_products is not on
+    assert not plan(flags, backend="gpu").onednn  # the CPU's flags say nothing of a GPU's dots
 
 
 @pytest.mark.parametrize("flags, nbytes, dtype, backend, on", [
-    (" ".join(runtime.ONEDNN_FLAGS), 90 << 20, "float32", "cpu", True),
-    (" ".join(runtime.ONEDNN_ALONE_FLAGS), 90 << 20, jnp.float32, "cpu", True),
-    (" ".join(runtime.ONEDNN_FLAGS), 90 << 20, jnp.bfloat16, "cpu", False),  # longer compiles than it gains
-    (" ".join(runtime.ONEDNN_FLAGS), runtime.CONSTANT_WEIGHTS_MAX_BYTES + 1, "float32", "cpu", False),
-    (" ".join(runtime.ONEDNN_FLAGS), 90 << 20, "float32", "gpu", False),
-    (" ".join(runtime.CPU_FLAGS), 90 << 20, "float32", "cpu", False),  # Eigen's dots reorder nothing
+    (ONEDNN, 90 << 20, "float32", "cpu", True),
+    (ONEDNN_ALONE, 90 << 20, jnp.float32, "cpu", True),
+    (ONEDNN, 90 << 20, jnp.bfloat16, "cpu", False),  # longer compiles than it gains
+    (ONEDNN, (1 << 30) + 1, "float32", "cpu", False),
+    (ONEDNN, 90 << 20, "float32", "gpu", False),
+    (AVX2, 90 << 20, "float32", "cpu", False),  # Eigen's dots reorder nothing
     ("", 90 << 20, "float32", "cpu", False),
 ])
 def test_constant_weights_only_where_onednn_prepacks_them(flags, nbytes, dtype, backend, on):
-    assert runtime.constant_weights(nbytes, dtype, flags, backend=backend) is on
+    assert plan(flags, backend=backend).constant_weights(nbytes, dtype) is on
 
 
 @pytest.mark.parametrize("flags, on", [
     ("", True),  # XLA's default: YNNPACK's fusions, reductions among them
-    (" ".join(runtime.CPU_FLAGS), True),
-    (" ".join(runtime.EIGEN_FLAGS), False),
-    (" ".join(runtime.ONEDNN_FLAGS), True),
-    (" ".join(runtime.ONEDNN_ALONE_FLAGS), False),
+    (AVX2, True),
+    (EIGEN, False),
+    (ONEDNN, True),
+    (ONEDNN_ALONE, False),
     (f"{YNN}=reduce,eltwise", True),
     (f"{YNN}=dot --xla_force_host_platform_device_count=8", False),
     (f"{YNN}=reduce {YNN}=", False),  # the last setting counts
 ])
-def test_ynn_reductions_reads_the_flags(flags, on):
-    assert runtime.ynn_reductions(flags) is on
+def test_ynn_reductions_follow_the_flags(flags, on):
+    assert plan(flags).ynn_reductions is on
 
 
 @pytest.mark.parametrize("flags, backend, jax_version, on", [
-    (" ".join(runtime.CPU_FLAGS), "cpu", "0.12.0.1", True),  # the AVX2 setting: train steps get YNNPACK back
+    (AVX2, "cpu", "0.12.0.1", True),  # the AVX2 setting: train steps get YNNPACK back
     (f"--xla_force_host_platform_device_count=4 {YNN}=", "cpu", "0.11.0", True),
     ("", "cpu", "0.12.0.1", False),  # XLA's defaults already have it
-    (" ".join(runtime.ONEDNN_FLAGS), "cpu", "0.12.0.1", False),  # oneDNN keeps the dots (AMX)
-    (" ".join(runtime.ONEDNN_ALONE_FLAGS), "cpu", "0.12.0.1", False),
-    (" ".join(runtime.EIGEN_FLAGS), "cpu", "0.12.0.1", True),
+    (ONEDNN, "cpu", "0.12.0.1", False),  # oneDNN keeps the dots (AMX)
+    (ONEDNN_ALONE, "cpu", "0.12.0.1", False),
+    (EIGEN, "cpu", "0.12.0.1", True),
     (f"{YNN}=reduce,eltwise", "cpu", "0.12.0.1", True),  # Eigen's dots still
     (f"{YNN}=individual_dot", "cpu", "0.12.0.1", False),  # a user's own list with YNNPACK's dots
-    (" ".join(runtime.CPU_FLAGS), "gpu", "0.12.0.1", False),
-    (" ".join(runtime.CPU_FLAGS), "cpu", "0.10.2", False),  # measured on jax 0.12 only
+    (AVX2, "gpu", "0.12.0.1", False),
+    (AVX2, "cpu", "0.10.2", False),  # measured on jax 0.12 only
 ])
 def test_gradient_compiler_options_follow_the_process_setting(fresh, flags, backend, jax_version, on):
-    got = runtime.gradient_compiler_options(flags, backend=backend, jax_version=jax_version)
-    assert got == (runtime.YNN_PROGRAM_OPTIONS if on else {})
+    p = plan(flags, backend=backend, jax_version=jax_version)
+    assert p.compiler_options(gradients=True) == (YNN_PROGRAM_OPTIONS if on else {})
+    assert p.compiler_options(gradients=False) == {}
 
 
 def test_gradient_programs_opt_out_and_their_reductions(fresh):
-    fresh.setattr(runtime, "_installed_jax", lambda: "0.12.0.1")
-    off = " ".join(runtime.EIGEN_FLAGS)
-    assert not runtime.ynn_reductions(off)
-    assert runtime.gradient_ynn_reductions(off)  # train steps' reductions are YNNPACK's again: no fold
-    assert not runtime.gradient_ynn_reductions(" ".join(runtime.ONEDNN_ALONE_FLAGS))
-    assert runtime.gradient_ynn_reductions(" ".join(runtime.ONEDNN_FLAGS))
-    fresh.setenv(runtime.OPT_OUT_ENV, "0")
-    assert runtime.gradient_compiler_options(off, backend="cpu") == {}
-    assert not runtime.gradient_ynn_reductions(off)
+    assert not plan(EIGEN).ynn_reductions
+    assert not plan(EIGEN).fold_reductions  # train steps' reductions are YNNPACK's again: no fold
+    assert plan(ONEDNN_ALONE).fold_reductions
+    assert not plan(ONEDNN).fold_reductions
+    fresh.setenv(OPT_OUT_ENV, "0")
+    assert plan(EIGEN).compiler_options(gradients=True) == {}
+    assert plan(EIGEN).fold_reductions
 
 
 @pytest.mark.parametrize("flags, on", [
-    (" ".join(runtime.CPU_FLAGS), True),  # Eigen's dots, YNNPACK's reductions (AVX2)
+    (AVX2, True),  # Eigen's dots, YNNPACK's reductions (AVX2)
     (f"--xla_force_host_platform_device_count=8 {YNN}=reduce,eltwise", True),
     ("", False),  # XLA's default: YNNPACK would take the products too
-    (" ".join(runtime.EIGEN_FLAGS), False),  # measured with reductions there
-    (" ".join(runtime.ONEDNN_FLAGS), True),  # oneDNN's dots, YNNPACK's reductions (AMX)
-    (" ".join(runtime.ONEDNN_ALONE_FLAGS), False),
+    (EIGEN, False),  # measured with reductions there
+    (ONEDNN, True),  # oneDNN's dots, YNNPACK's reductions (AMX)
+    (ONEDNN_ALONE, False),
     (f"{YNN}=reduce,individual_dot", False),
 ])
-def test_layer_norm_dots_read_the_flags(flags, on):
-    assert runtime.layer_norm_dots(flags) is on
+def test_layer_norm_products_follow_the_flags(flags, on):
+    assert plan(flags).layer_norm_products is on
+    assert not plan(flags, backend="gpu").layer_norm_products
+
+
+def test_attention_choice_and_dropout():
+    """The user's choice (argument, else $FLAXHEADS_ATTENTION, read when the plan is built) wins;
+    attention dropout always gets the backend's unfused arrangement; unknown names are refused."""
+    assert plan("", attention="plain").attention == "plain"
+    p = plan("", backend="gpu")
+    assert (p.attention_for(dropout=False), p.attention_for(dropout=True)) == ("fused", "plain")
+    assert plan(ONEDNN).attention_for(dropout=True) == "plain"  # bf16 products keep bf16 outputs there
+    assert plan(AVX2).attention_for(dropout=True, impl="fused") == "cpu"
+    assert plan(AVX2).attention_for(dropout=False, impl="auto") == "cpu"
+    with pytest.raises(ConfigError, match="FLAXHEADS_ATTENTION"):
+        plan("", attention="flash")
+    with pytest.raises(ConfigError, match="expected one of"):
+        plan("").attention_for(False, impl="flash")
+
+
+def test_plan_env_choice_is_read_when_built(monkeypatch):
+    monkeypatch.setenv("FLAXHEADS_ATTENTION", "plain")
+    p = plan("")
+    monkeypatch.setenv("FLAXHEADS_ATTENTION", "fused")
+    assert p.attention == "plain" and plan("").attention == "fused"
+    assert "attention fused" in plan("").describe()
 
 
 def test_unsplittable_xla_flags_are_refused(fresh):
     with pytest.raises(ConfigError, match="fix its quoting"):
-        runtime.onednn_dots("--xla_cpu_use_onednn='true")
+        plan("--xla_cpu_use_onednn='true")
     fresh.setenv("XLA_FLAGS", "--xla_dump_to='/tmp/x")
     with pytest.raises(ConfigError, match="cannot be split into flags"):
-        runtime.configure_xla(cpu=EPYC)
+        configure_xla(cpu=EPYC)
 
 
 def test_keeps_the_users_own_setting(fresh):
     fresh.setenv("XLA_FLAGS", f"{YNN}=individual_dot")
-    assert runtime.configure_xla(cpu=EPYC) == []
+    assert configure_xla(cpu=EPYC) == []
     assert os.environ["XLA_FLAGS"] == f"{YNN}=individual_dot"
 
 
 def test_opt_out_and_started_backend(fresh):
     fresh.delenv("XLA_FLAGS", raising=False)
-    fresh.setenv(runtime.OPT_OUT_ENV, "0")
-    assert runtime.configure_xla(cpu=EPYC) == [] and "XLA_FLAGS" not in os.environ
-    fresh.delenv(runtime.OPT_OUT_ENV)
-    fresh.setattr(runtime, "_backend_started", lambda: True)
-    assert runtime.configure_xla(cpu=EPYC) == [] and "XLA_FLAGS" not in os.environ
+    fresh.setenv(OPT_OUT_ENV, "0")
+    assert configure_xla(cpu=EPYC) == [] and "XLA_FLAGS" not in os.environ
+    fresh.delenv(OPT_OUT_ENV)
+    fresh.setattr(xla_flags, "backend_started", lambda: True)
+    assert configure_xla(cpu=EPYC) == [] and "XLA_FLAGS" not in os.environ
 
 
 X86_CPUINFO = """processor\t: 0
@@ -204,19 +243,19 @@ CPU part\t: 0xd4f
 
 
 @pytest.mark.parametrize("text, model, kind, flags", [
-    (X86_CPUINFO, "Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz", "AMX", runtime.ONEDNN_FLAGS),
+    (X86_CPUINFO, "Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz", "AMX", ONEDNN_FLAGS),
     (ARM_CPUINFO, "0xd4f", "NEON", ()),  # nothing measured on ARM: XLA's defaults
 ])
 def test_cpu_info_reads_the_first_processor(tmp_path, text, model, kind, flags):
     path = tmp_path / "cpuinfo"
     path.write_text(text)
-    cpu = runtime.CpuInfo.read(str(path))
-    assert (cpu.model, cpu.kind, runtime.cpu_xla_flags(cpu, "0.12.0.1")) == (model, kind, flags)
-    assert runtime.cpu_fingerprint(cpu) != runtime.cpu_fingerprint(EPYC)
+    cpu = CpuInfo.read(str(path))
+    assert (cpu.model, cpu.kind, cpu_xla_flags(cpu, "0.12.0.1")) == (model, kind, flags)
+    assert cpu_fingerprint(cpu) != cpu_fingerprint(EPYC)
 
 
 def test_unreadable_cpuinfo_is_an_unknown_cpu(tmp_path):
-    cpu = runtime.CpuInfo.read(str(tmp_path / "missing"))
+    cpu = CpuInfo.read(str(tmp_path / "missing"))
     assert cpu.flags == frozenset() and cpu.kind == "unknown" and not cpu.amx
 
 
@@ -231,15 +270,15 @@ def test_unreadable_cpuinfo_is_an_unknown_cpu(tmp_path):
     (dict(backend="tpu"), "bfloat16"),
 ])
 def test_auto_precision_follows_the_hardware(kw, name):
-    got = runtime.choose_precision("auto", **kw)
+    got = choose_precision("auto", **kw)
     assert got.name == name and got.reason.startswith("auto: ")
 
 
 def test_asked_precision_is_kept_and_unknown_refused():
-    assert runtime.choose_precision("float32", cpu=XEON, backend="cpu").name == "float32"
-    assert runtime.choose_precision("bfloat16", cpu=EPYC, backend="cpu").dtype == jnp.bfloat16
+    assert choose_precision("float32", cpu=XEON, backend="cpu").name == "float32"
+    assert choose_precision("bfloat16", cpu=EPYC, backend="cpu").dtype == jnp.bfloat16
     with pytest.raises(ConfigError, match="expected one of auto, float32, bfloat16"):
-        runtime.choose_precision("fp16")
+        choose_precision("fp16")
 
 
 def test_importing_flaxheads_changes_nothing_and_the_flag_reaches_xla():
@@ -251,11 +290,11 @@ def test_importing_flaxheads_changes_nothing_and_the_flag_reaches_xla():
         "assert 'XLA_FLAGS' not in os.environ, os.environ.get('XLA_FLAGS')\n"
         "import sys\n"
         "if sys.argv[1] == 'on':\n"
-        "    from flaxheads.runtime import configure_xla, CPU_FLAGS; assert configure_xla(CPU_FLAGS)\n"
+        "    from flaxheads.host.xla_flags import configure_xla, CPU_FLAGS; assert configure_xla(CPU_FLAGS)\n"
         "f = jax.jit(lambda a, b: a @ b)\n"
         "print('__ynn' in f.lower(jnp.ones((256, 256)), jnp.ones((256, 256))).compile().as_text())\n"
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", runtime.OPT_OUT_ENV)}
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", OPT_OUT_ENV)}
     env["JAX_PLATFORMS"] = "cpu"
     out = {}
     for mode in ("on", "off"):
@@ -264,7 +303,7 @@ def test_importing_flaxheads_changes_nothing_and_the_flag_reaches_xla():
         out[mode] = r.stdout.strip().splitlines()[-1]
     assert out["on"] == "False"
     assert out["off"] == "True", ("XLA's CPU default no longer uses YNNPACK fusions: re-measure whether "
-                                  "flaxheads.runtime.CPU_FLAGS still helps (bench/train_step.py)")
+                                  "flaxheads.host.xla_flags.CPU_FLAGS still helps (bench/train_step.py)")
 
 
 class _Mallopt:
@@ -283,39 +322,39 @@ class _Mallopt:
 
 @pytest.fixture
 def fake_libc(monkeypatch):
-    monkeypatch.setattr(runtime, "_backend_started", lambda: False)
-    monkeypatch.setattr(runtime.platform, "libc_ver", lambda: ("glibc", "2.36"))
+    monkeypatch.setattr(malloc, "backend_started", lambda: False)
+    monkeypatch.setattr(malloc.platform, "libc_ver", lambda: ("glibc", "2.36"))
     libc = _Mallopt()
-    monkeypatch.setattr(runtime.ctypes, "CDLL", libc)
-    for name, _, _ in runtime.MALLOC_SETTINGS:
+    monkeypatch.setattr(malloc.ctypes, "CDLL", libc)
+    for name, _, _ in malloc.MALLOC_SETTINGS:
         # set, then delete: monkeypatch records the variable either way, so what configure_malloc
         # writes to the environment is undone after the test (a bare delenv of an absent one is not)
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)
-    monkeypatch.delenv(runtime.MALLOC_OPT_OUT_ENV, raising=False)
+    monkeypatch.delenv(malloc.MALLOC_OPT_OUT_ENV, raising=False)
     return monkeypatch, libc
 
 
 def test_malloc_settings_go_to_glibc_and_the_environment(fake_libc):
     mp, libc = fake_libc
     mp.setenv("MALLOC_TRIM_THRESHOLD_", "4294967296")  # the user's (or make's): glibc read it at start
-    assert runtime.configure_malloc() == ["MALLOC_ARENA_MAX=1", "MALLOC_MMAP_MAX_=0"]
+    assert malloc.configure_malloc() == ["MALLOC_ARENA_MAX=1", "MALLOC_MMAP_MAX_=0"]
     assert libc.calls == [(-8, 1), (-4, 0)]
     assert os.environ["MALLOC_ARENA_MAX"] == "1" and os.environ["MALLOC_TRIM_THRESHOLD_"] == "4294967296"
-    assert runtime.configure_malloc() == [] and len(libc.calls) == 2  # idempotent
+    assert malloc.configure_malloc() == [] and len(libc.calls) == 2  # idempotent
 
 
 def test_malloc_opt_out_started_backend_and_other_libcs(fake_libc):
     mp, libc = fake_libc
-    mp.setenv(runtime.MALLOC_OPT_OUT_ENV, "0")
-    assert runtime.configure_malloc() == []
-    mp.delenv(runtime.MALLOC_OPT_OUT_ENV)
-    mp.setattr(runtime, "_backend_started", lambda: True)
-    assert runtime.configure_malloc() == []
-    mp.setattr(runtime, "_backend_started", lambda: False)
-    mp.setattr(runtime.platform, "libc_ver", lambda: ("", ""))  # musl, macOS
-    assert runtime.configure_malloc() == [] and libc.calls == []
-    assert not any(name in os.environ for name, _, _ in runtime.MALLOC_SETTINGS)
+    mp.setenv(malloc.MALLOC_OPT_OUT_ENV, "0")
+    assert malloc.configure_malloc() == []
+    mp.delenv(malloc.MALLOC_OPT_OUT_ENV)
+    mp.setattr(malloc, "backend_started", lambda: True)
+    assert malloc.configure_malloc() == []
+    mp.setattr(malloc, "backend_started", lambda: False)
+    mp.setattr(malloc.platform, "libc_ver", lambda: ("", ""))  # musl, macOS
+    assert malloc.configure_malloc() == [] and libc.calls == []
+    assert not any(name in os.environ for name, _, _ in malloc.MALLOC_SETTINGS)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or os.uname().machine not in ("x86_64", "aarch64"),
@@ -327,7 +366,7 @@ def test_malloc_opt_out_started_backend_and_other_libcs(fake_libc):
 def test_malloc_settings_stop_the_train_step_faulting_its_buffers_in_each_step():
     """A MiniLM train step (AdamW over 22.7M parameters, a 47 MB embedding gradient) in a fresh
     process faults ~95 MB in again every step under glibc's defaults; started with
-    :func:`~flaxheads.runtime.malloc_env` (what ``make train`` exports; ``configure_malloc`` sets the
+    :func:`~flaxheads.malloc.malloc_env` (what ``make train`` exports; ``configure_malloc`` sets the
     same from inside) its buffers are reused. The heap can still grow in a few of the first steps,
     until fragmentation has found its high-water mark (one ``brk`` of ~90 MB faults in once), so
     the typical step is compared: the median of the per-step faults."""
@@ -352,11 +391,11 @@ def test_malloc_settings_stop_the_train_step_faulting_its_buffers_in_each_step()
         "    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)\n"
         "print(sorted(faults)[4])\n"
     )
-    names = {n for n, _, _ in runtime.MALLOC_SETTINGS} | {"MALLOC_MMAP_THRESHOLD_", "XLA_FLAGS"}
+    names = {n for n, _, _ in malloc.MALLOC_SETTINGS} | {"MALLOC_MMAP_THRESHOLD_", "XLA_FLAGS"}
     base = {k: v for k, v in os.environ.items() if k not in names}
     base.update(JAX_PLATFORMS="cpu")
     faults = {}
-    for mode, env in (("on", {**base, **runtime.malloc_env()}), ("off", base)):
+    for mode, env in (("on", {**base, **malloc.malloc_env()}), ("off", base)):
         r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stderr[-2000:]
         faults[mode] = float(r.stdout.strip().splitlines()[-1])
@@ -367,8 +406,8 @@ def test_malloc_settings_stop_the_train_step_faulting_its_buffers_in_each_step()
 _CACHE = r"""
 import json, sys, warnings
 warnings.simplefilter("error")  # any other warning fails the run
-from flaxheads import runtime
-cache = runtime.enable_compile_cache(sys.argv[1])
+from flaxheads.host.compile_cache import enable_compile_cache
+cache = enable_compile_cache(sys.argv[1])
 import jax, jax.numpy as jnp
 x = jnp.ones((512, 512))
 f = jax.jit(lambda a: a @ a + 1.0)
@@ -378,7 +417,7 @@ print(json.dumps({**out, "onednn": "__onednn$matmul" in f.lower(x).compile().as_
 """
 
 
-@pytest.mark.parametrize("flags", [" ".join(runtime.ONEDNN_FLAGS), "--xla_cpu_experimental_ynn_fusion_type="])
+@pytest.mark.parametrize("flags", [" ".join(ONEDNN_FLAGS), "--xla_cpu_experimental_ynn_fusion_type="])
 def test_compile_cache_reports_what_it_could_not_store(tmp_path, flags):
     """jaxlib 0.12 cannot serialize a program with oneDNN's matmul calls: the run goes on without
     JAX's warning about it, and the summary counts it as compiled, not stored."""
