@@ -1,7 +1,7 @@
 # Entry points for a fresh machine:
 #   make train      - set up .venv and run the main job: fine-tune all-MiniLM-L6-v2 on BBC News (no torch)
 #   make test       - set up .venv (+ torch) and run the whole test suite
-#   make test-fast  - the tests not marked slow (the inner loop; 8 min on 2 cores before the family tests were added, more now)
+#   make test-fast  - the inner loop: unit tests and every family's forward parity (no CLI runs, no subprocesses)
 #   make test-legacy - Python 3.11 + jax 0.10 + transformers 4.57: HF Flax adapter, parity, old checkpoints
 #   make demo / make bench / make bench-e2e
 # The newest Python >= 3.12 found is used (jax 0.11+ needs it); else python3.
@@ -50,11 +50,16 @@ train: $(BASE)
 demo: $(BASE)
 	$(BIN)/python examples/demo.py
 
+# Tests run on every core (pytest-xdist; one file per worker, so a module's fixtures and compiled
+# programs are made once), then the tests marked serial alone (tests/conftest.py says which and why).
+PYTEST_PARALLEL := -n auto --dist loadfile
+
 test: $(TESTS)
-	$(BIN)/python -m pytest -q --durations=25 tests
+	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL) -m "not serial" --durations=25 tests
+	$(BIN)/python -m pytest -q -m serial tests
 
 test-fast: $(TESTS)
-	$(BIN)/python -m pytest -q -m "not slow" tests
+	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL) -m "not slow and not serial and not full" tests
 
 $(LVENV)/.installed: pyproject.toml
 	$(LEGACY_PYTHON) -m venv $(LVENV)
@@ -66,7 +71,7 @@ $(LVENV)/.installed: pyproject.toml
 
 # The legacy stack: the tests marked `legacy` (HF Flax adapter, parity against transformers 4.57, old checkpoints).
 test-legacy: $(LVENV)/.installed
-	$(LVENV)/bin/python -m pytest -q -m "legacy and not slow" tests
+	$(LVENV)/bin/python -m pytest -q $(PYTEST_PARALLEL) -m "legacy and not slow" tests
 
 # Performance: flaxheads vs PyTorch eager, interleaved (each bench < ~3 min idle).
 bench: $(TESTS)
