@@ -49,6 +49,11 @@ FULL = ("tests/cli/", "tests/backbones/test_onednn_gradients.py", "tests/test_po
         "tests/training/test_loop.py", "tests/training/test_multitask.py", "tests/predict/test_predict.py")
 
 
+def _needs_hf_flax(item) -> bool:
+    """Skipped without HF's Flax models (transformers < 5): only the legacy stack runs it."""
+    return any("transformers < 5" in str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif"))
+
+
 def pytest_collection_modifyitems(config, items):
     root = str(config.rootpath) + os.sep
     for item in items:
@@ -56,8 +61,8 @@ def pytest_collection_modifyitems(config, items):
         node = rel + "::" + item.name
         if item.get_closest_marker("slow") and not item.get_closest_marker("timeout"):
             item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
-        if rel.startswith(LEGACY) or (rel.startswith("tests/backbones/")
-                                      and any(n in item.name for n in LEGACY_BACKBONE_TESTS)):
+        if rel.startswith(LEGACY) or _needs_hf_flax(item) or (rel.startswith("tests/backbones/")
+                                                              and any(n in item.name for n in LEGACY_BACKBONE_TESTS)):
             item.add_marker(pytest.mark.legacy)
         if node.startswith(SERIAL):
             item.add_marker(pytest.mark.serial)
