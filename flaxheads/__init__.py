@@ -3,6 +3,7 @@ from .checkpoint import (CheckpointError, CorruptCheckpointError, HeadCheckpoint
                     IncompatibleCheckpointError, RunCheckpointer, attach_head, load_head, save_head)
 from .config import from_dict, from_json, to_dict, to_json
 from .describe import describe
+from .host import ComputePlan
 from .nn.heads import Head, IdentityHead, LinearHead, MLPHead, ProjectionHead, SequenceHead, make_head
 from .checkpoint.models import model_from_checkpoint
 from .interop import (ExportError, ModelImportError, export_head, export_sentence_transformers, export_transformers,
@@ -35,5 +36,5 @@ __all__ = [
     "from_pretrained", "infer_problem_type", "load_backbone", "loss_fn", "make_head", "make_pooler",
     "mean_squared_error", "preset_for", "sigmoid_binary_cross_entropy", "softmax_cross_entropy", "to_dict",
     "to_json", "validate_labels", "lora", "LoraConfig", "merge_model", "export_peft", "load_adapters",
-    "Classifier", "Predictions", "FlaxheadsError",
+    "Classifier", "Predictions", "FlaxheadsError", "ComputePlan",
 ]

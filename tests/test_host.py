@@ -430,3 +430,32 @@ def test_compile_cache_reports_what_it_could_not_store(tmp_path, flags):
     assert (out["stored"] < out["compiled"]) == ("could not be stored" in out["summary"]), out
     if not out["onednn"]:
         assert out["stored"] == out["compiled"], out
+
+
+def test_a_models_programs_follow_the_plan_it_was_given(tmp_path, monkeypatch):
+    """``from_pretrained(plan=...)`` is what the layers trace with: another attention arrangement
+    (and the AVX2 host's LayerNorm form) gives another program, not another environment read, and
+    the same logits as PyTorch's classifier on the same weights."""
+    import jax
+    import numpy as np
+    import torch
+
+    import flaxheads as fh
+    from tests.hf_tiny import padded_batch, save_tiny
+
+    monkeypatch.setenv("FLAXHEADS_ATTENTION", "fused")  # read by for_host() only, never while tracing
+    path, pt = save_tiny(tmp_path / "bert", "bert")
+    ids, mask = padded_batch("bert", pt.config)
+    with torch.no_grad():
+        want = pt(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()
+    texts = {}
+    for attention in ("cpu", "plain"):
+        plan = ComputePlan.for_host(attention=attention, xla_flags=AVX2 if attention == "cpu" else "")
+        model = fh.from_pretrained(path, plan=plan)
+        assert model.plan is plan and model.backbone.plan is plan
+        fwd = jax.jit(lambda p, i, m: model.apply(p, i, m))
+        np.testing.assert_allclose(np.asarray(fwd(model.params, ids, mask)), want, atol=1e-5)
+        texts[attention] = fwd.lower(model.params, ids, mask).as_text()
+    assert texts["cpu"] != texts["plain"]
+    # the CPU arrangement's mask rides in a (d + 1)-wide score product; LayerNorm's statistics are products
+    assert "dot_general" in texts["cpu"] and texts["cpu"].count("dot_general") > texts["plain"].count("dot_general")

@@ -191,6 +191,7 @@ def run_config(job: Job, args: argparse.Namespace, trainer: loop.Trainer) -> dic
     return {"model": job.model_path, "pooler": args.pooler, "head": args.head, "head_config": model.head_config(),
             "problem_type": model.problem_type, "labels": job.space.names, "num_labels": model.num_labels,
             "bf16": job.precision.name == "bfloat16", "precision": dataclasses.asdict(job.precision),
+            "compute_plan": job.model.plan.describe(),
             "max_length": job.max_length, "buckets": list(job.buckets),
             "data": dataclasses.asdict(job.data), "sizes": {n: len(s) for n, s in job.splits.items()},
             "train": dataclasses.asdict(job.train), "optimizer": dataclasses.asdict(job.optim),

@@ -8,6 +8,7 @@ import pytest
 from cli_helpers import (CLASSES, SMALL, assert_one_line_error, bert_folder, run_cli, run_process,  # noqa: F401
                          train_args, write_csv, write_jsonl)
 from flaxheads.cli.main import main
+from flaxheads.host import ComputePlan
 from flaxheads.host.precision import choose_precision
 from train_helpers import WORDS
 
@@ -162,6 +163,8 @@ def test_auto_precision_is_resolved_for_this_host_and_recorded(bert_folder, file
     want = choose_precision("auto")
     assert _config(out)["precision"] == {"name": want.name, "reason": want.reason}
     assert _config(out)["bf16"] is (want.name == "bfloat16")
+    # the one plan of the run, in its report: this process's flags, the precision it chose
+    assert _config(out)["compute_plan"] == ComputePlan.for_host(precision="auto").describe()
 
 
 def test_label_smoothing_changes_the_loss(bert_folder, files, baseline, tmp_path):
