@@ -93,6 +93,8 @@ def _config_problem(config) -> str:
         scaled["rope_scaling"] = legacy.get("rope_type", legacy.get("type"))
     if h % nh:
         return f"hidden_size {h} is not divisible by num_attention_heads {nh}"
+    if activation_problem(config.hidden_activation):
+        return activation_problem(config.hidden_activation)
     if (h // nh) % 2:
         return f"the head dim {h // nh} is odd; rotary embeddings rotate pairs of dims"
     if len(kinds) != n or set(kinds) - {GLOBAL, LOCAL}:
