@@ -93,12 +93,12 @@ def _biased_scores_jvp(primals, tangents):
             + jnp.einsum("bqhd,bkhd->bhqk", q, dk, preferred_element_type=jnp.float32))
 
 
-def _fused_kernel(q: jax.Array) -> str:
-    """``jax.nn.dot_product_attention``'s ``implementation``: cuDNN's flash attention on GPU for
-    16-bit activations and head dims it takes (multiple of 8, at most 128), else XLA's
-    (``implementation=None`` means XLA in JAX 0.12 too, so cuDNN is asked for by name)."""
+def fused_kernel(q: jax.Array, backend: str) -> str:
+    """``jax.nn.dot_product_attention``'s ``implementation`` on ``backend`` (the plan's): cuDNN's
+    flash attention on GPU for 16-bit activations and head dims it takes (multiple of 8, at most 128),
+    else XLA's (``implementation=None`` means XLA in JAX 0.12 too, so cuDNN is asked for by name)."""
     d = q.shape[-1]
-    if jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16) and d % 8 == 0 and d <= 128:
+    if backend == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16) and d % 8 == 0 and d <= 128:
         return "cudnn"
     return "xla"
 
@@ -106,7 +106,8 @@ def _fused_kernel(q: jax.Array) -> str:
 def attend_fused(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, causal: bool = False,
                  implementation: str | None = None) -> jax.Array:
     """:func:`attend` (no dropout) through ``jax.nn.dot_product_attention``: cuDNN's fused
-    kernel on GPU (:func:`_fused_kernel`), XLA's arrangement with ``implementation="xla"``.
+    kernel where :func:`fused_kernel` says so (the registry asks it with the plan's backend), XLA's
+    arrangement with ``implementation="xla"`` (the default).
 
     ``q`` is already scaled (:func:`fused_qkv`), so ``scale=1``. ``bias`` holds 0 (attend) or a
     large negative (hidden), as :func:`~.masks.mask_bias` ``[B, 1, 1, Tk]`` and :func:`~.masks.segment_bias`
@@ -123,7 +124,7 @@ def attend_fused(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, caus
                        <= lax.broadcasted_iota(jnp.int32, (tq, tk), 0) + (tk - tq))
     is_causal = causal and tq == tk  # the kernels' own causal mask is aligned at the first query
     kernel_mask = mask if is_causal else keep
-    implementation = implementation or _fused_kernel(q)
+    implementation = implementation or "xla"
     out = None
     if implementation == "cudnn":
         try:  # cuDNN takes a mask with the full [Tq, Tk] extent only; shapes it refuses fall back to XLA's
@@ -225,7 +226,8 @@ def _attend_ynn_jvp(causal, float32_products, primals, tangents):
 #: chooses among: each ``(q, k, v, bias, rate, rng, causal, plan) -> context``. ``fused`` and ``ynn``
 #: have no dropout (the plan never picks them for attention with dropout).
 IMPLEMENTATIONS = {
-    "fused": lambda q, k, v, bias, rate, rng, causal, plan: attend_fused(q, k, v, bias, causal),
+    "fused": lambda q, k, v, bias, rate, rng, causal, plan: attend_fused(q, k, v, bias, causal,
+                                                                         fused_kernel(q, plan.backend)),
     "cpu": lambda q, k, v, bias, rate, rng, causal, plan: attend_cpu(q, k, v, bias, rate, rng, causal),
     "plain": lambda q, k, v, bias, rate, rng, causal, plan: attend_plain(q, k, v, bias, rate, rng, causal,
                                                                          plan.float32_products),

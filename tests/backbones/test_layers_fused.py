@@ -187,3 +187,13 @@ def test_cudnn_request_off_gpu_falls_back_to_xla():
     bias = segment_bias(_segments(), jnp.float32)
     np.testing.assert_allclose(attend_fused(q, k, v, bias, True, implementation="cudnn"),
                                attend_fused(q, k, v, bias, True, implementation="xla"), atol=1e-6)
+
+
+def test_cudnn_is_asked_for_only_where_the_plan_runs_on_a_gpu_and_cudnn_takes_the_shape():
+    from flaxheads.layers.attention import fused_kernel
+
+    bf16, f32 = jnp.zeros((1, 4, 2, 64), jnp.bfloat16), jnp.zeros((1, 4, 2, 64), jnp.float32)
+    assert fused_kernel(bf16, "gpu") == "cudnn"
+    assert fused_kernel(bf16, "cpu") == fused_kernel(f32, "gpu") == "xla"
+    assert fused_kernel(jnp.zeros((1, 4, 2, 256), jnp.bfloat16), "gpu") == "xla"  # head dim past 128
+    assert fused_kernel(jnp.zeros((1, 4, 2, 60), jnp.bfloat16), "gpu") == "xla"  # not a multiple of 8
