@@ -174,6 +174,20 @@ def load_splits(cfg: DataConfig) -> tuple[dict[str, TextTable], LabelSpace, dict
 def _subset(t: TextTable, space: LabelSpace, limit: int, seed: int) -> TextTable:
     if limit >= len(t):
         return t
-    strata = encode_labels(t, space) if space.problem_type == SINGLE_LABEL else None
-    keep, _ = split_indices(len(t), (limit / len(t), 1 - limit / len(t)), seed + 1, strata)
-    return t.take(keep)
+    strata = encode_labels(t, space) if space.problem_type == SINGLE_LABEL else np.zeros(len(t), np.int64)
+    return t.take(stratified_sample(strata, limit, seed + 1))
+
+
+def stratified_sample(strata: np.ndarray, size: int, seed: int) -> np.ndarray:
+    """Exactly ``size`` sorted indices of ``strata`` (class ids), each class in proportion: its
+    share of ``size`` rounded by largest remainder (ties to the smaller class id), its members
+    drawn at random (``seed``). Rounding each class on its own, as a stratified split does, can
+    miss ``size`` by a few."""
+    classes, counts = np.unique(strata, return_counts=True)
+    want = counts * size / len(strata)
+    take = np.floor(want).astype(np.int64)
+    order = np.lexsort((classes, -(want - take)))  # largest remainder first
+    take[order[:size - int(take.sum())]] += 1
+    rng = np.random.default_rng(seed)
+    parts = [rng.permutation(np.flatnonzero(strata == c))[:k] for c, k in zip(classes, take)]
+    return np.sort(np.concatenate(parts))

