@@ -287,9 +287,11 @@ def _is_list(v) -> bool:
     return isinstance(v, (list, tuple, np.ndarray))
 
 
-def infer_label_space(table: TextTable, problem_type: str | None = None) -> LabelSpace:
+def infer_label_space(table: TextTable, problem_type: str | None = None, *, label_ids: bool = False) -> LabelSpace:
     """From the training table: lists -> multi-label; non-integer floats -> regression;
-    strings / integers -> single-label (names sorted; integers keep their own ids)."""
+    strings / integers -> single-label, one class per distinct value, names sorted (integers by
+    value: star ratings 1-5 are five classes named "1".."5"). ``label_ids``: integer labels are
+    class ids instead, so the classes are 0..max (a class without training rows kept)."""
     labels = table.labels
     if problem_type is None:
         if all(_is_list(v) for v in labels):
@@ -311,7 +313,7 @@ def infer_label_space(table: TextTable, problem_type: str | None = None) -> Labe
         ids = sorted({int(v) for v in labels})
         if ids[0] < 0:
             raise DataError(f"{table.source}: column {table.label_column!r}: negative class id {ids[0]}")
-        names = [str(i) for i in range(ids[-1] + 1)]  # integer ids stay ids
+        names = [str(i) for i in (range(ids[-1] + 1) if label_ids else ids)]
     else:
         names = sorted({str(v) for v in labels})
     if problem_type == SINGLE_LABEL and len(names) < 2:

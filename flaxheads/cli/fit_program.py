@@ -81,7 +81,7 @@ def data_config(args: argparse.Namespace) -> DataConfig:
     return DataConfig(data=args.data, train_file=args.train_file, validation_file=args.validation_file,
                       test_file=args.test_file, text_column=args.text_column, text_pair_column=args.text_pair_column,
                       label_column=args.label_column, problem_type=args.problem_type, split=tuple(args.split),
-                      seed=args.seed, limit=args.limit)
+                      seed=args.seed, limit=args.limit, label_ids=args.label_ids)
 
 
 def train_config(args: argparse.Namespace) -> loop.TrainConfig:

@@ -66,6 +66,9 @@ def _data_flags(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--text-pair-column", default=None, help="second text column (sentence pairs)")
     g.add_argument("--label-column", default="label")
     g.add_argument("--problem-type", default=None, choices=PROBLEM_TYPES, help="default: guessed from the labels")
+    g.add_argument("--label-ids", action="store_true",
+                   help="integer labels are class ids 0..K-1 (a class without training rows is kept); by default "
+                        "each distinct integer is a class named by its value (ratings 1-5: five classes)")
     g.add_argument("--split", type=flags.split_fractions, default=(0.8, 0.1, 0.1),
                    help="train,validation,test fractions of --data (default 0.8,0.1,0.1; 0 for no such split)")
     g.add_argument("--limit", type=flags.positive_int, default=None,

@@ -134,6 +134,7 @@ class DataConfig:
     split: tuple[float, float, float] = (0.8, 0.1, 0.1)
     seed: int = 0
     limit: int | None = None  # keep a stratified subset of this many examples (quick runs)
+    label_ids: bool = False  # integer labels are class ids 0..K-1, not classes by value
 
 
 def load_splits(cfg: DataConfig) -> tuple[dict[str, TextTable], LabelSpace, dict[str, np.ndarray]]:
@@ -147,14 +148,14 @@ def load_splits(cfg: DataConfig) -> tuple[dict[str, TextTable], LabelSpace, dict
         for name, f in (("validation", cfg.validation_file), ("test", cfg.test_file)):
             if f:
                 tables[name] = load_source(f, **topt)
-        space = infer_label_space(tables["train"], cfg.problem_type)
+        space = infer_label_space(tables["train"], cfg.problem_type, label_ids=cfg.label_ids)
         if cfg.limit:
             tables["train"] = _subset(tables["train"], space, cfg.limit, cfg.seed)
     else:
         if not cfg.data:
             raise DataError("no data: give --data (bbc_news, a class folder or a file) or --train-file")
         full = load_source(cfg.data, **topt)
-        space = infer_label_space(full, cfg.problem_type)
+        space = infer_label_space(full, cfg.problem_type, label_ids=cfg.label_ids)
         if cfg.limit:
             full = _subset(full, space, cfg.limit, cfg.seed)
         strata = encode_labels(full, space) if space.problem_type == SINGLE_LABEL else None

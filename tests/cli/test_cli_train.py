@@ -318,3 +318,15 @@ def test_module_and_help():
     for flag in ("--data", "--freeze-backbone", "--parallel", "--coordinator-address", "--max-length", "--bf16",
                  "--accumulation-steps", "--output-dir", "--keep-best-by"):
         assert flag in out.stdout
+
+
+def test_star_ratings_train_as_their_classes_and_label_ids_keeps_ids(bert_folder, tmp_path):
+    """Integer labels 1-3 are three classes named by value; --label-ids makes them ids 0..3."""
+    rows = ["text,label"] + [f"{w} {w},{1 + i % 3}" for i, w in enumerate(["alpha", "beta", "gamma"] * 4)]
+    data = tmp_path / "stars.csv"
+    data.write_text("\n".join(rows) + "\n")
+    for extra, names in (((), ["1", "2", "3"]), (("--label-ids",), ["0", "1", "2", "3"])):
+        out = tmp_path / f"run{len(extra)}"
+        _run("train", "--model", bert_folder, "--train-file", data, "--output-dir", out, *SMALL, "--max-steps", "1",
+             "--batch-size", "4", "--checkpoint-every", "0", *extra)
+        assert _config(out)["labels"] == names and _config(out)["num_labels"] == len(names)

