@@ -160,13 +160,10 @@ def hf_config(family: str, dims: tuple, vocab: int, max_len: int, **over):
         return tf.DebertaV2Config(**size, relative_attention=True, position_buckets=256, norm_rel_ebd="layer_norm",
                                   pos_att_type=["p2c", "c2p"], share_att_key=True, max_relative_positions=-1,
                                   position_biased_input=False, pooler_hidden_act="gelu", **common_kw)
-    if family == "modernbert":
-        window = over.pop("local_attention", 128)
+    if family == "modernbert":  # a global layer every 2nd (layer_types, and the older name for older transformers)
         kinds = ["full_attention" if i % 2 == 0 else "sliding_attention" for i in range(n)]
-        kw = {k: v for k, v in common_kw.items() if k != "local_attention"}
-        return tf.ModernBertConfig(**size, local_attention=window, layer_types=kinds, global_attn_every_n_layers=2,
-                                   pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2,
-                                   **kw)
+        return tf.ModernBertConfig(**size, layer_types=kinds, global_attn_every_n_layers=2, pad_token_id=0,
+                                   bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2, **common_kw)
     raise KeyError(family)
 
 
@@ -265,7 +262,7 @@ def check_family(family: str, sz: Sizes, tmp: str) -> list[dict]:
     rows: list[dict] = []
     dev = torch_device()
     t, vocab = sz.check_len, 99
-    dims = {"llama": (32, 2, 4, 2, 37), "modernbert": (32, 2, 4, 37)}.get(family, (32, 2, 4, 37))
+    dims = (32, 2, 4, 2, 37) if family == "llama" else (32, 2, 4, 37)  # hidden 32, 2 layers, 4 heads (d=8)
     over = {"local_attention": 8} if family == "modernbert" else {}
     box: dict = {}
 
@@ -303,18 +300,25 @@ def check_family(family: str, sz: Sizes, tmp: str) -> list[dict]:
         d = float(np.abs(ours - ref).max())
         return {"max_abs_diff": d, "tol": BF16_TOL, "vs": "torch autocast bf16"}, d <= BF16_TOL
 
-    def fused_plain():
-        with jax.default_matmul_precision("highest"):
-            out = {a: fh_logits(fh.from_pretrained(folder, plan=fh.ComputePlan.for_host(attention=a)), ids, mask)
-                   for a in ("fused", "plain")}
-        d = float(np.abs(out["fused"] - out["plain"]).max())
-        return {"max_abs_diff": d, "tol": FUSED_TOL, "vs": "itself, attention plain"}, d <= FUSED_TOL
+    def fused_plain(dtype, tol):
+        def run():
+            with jax.default_matmul_precision("highest"):
+                out = {a: fh_logits(fh.from_pretrained(folder, dtype=dtype, plan=fh.ComputePlan.for_host(attention=a)),
+                                    ids, mask) for a in ("fused", "plain")}
+            d = float(np.abs(out["fused"] - out["plain"]).max())
+            return {"max_abs_diff": d, "tol": tol, "vs": "itself, attention plain"}, d <= tol
+        return run
 
-    with torch.backends.cudnn.flags(allow_tf32=False):
-        torch.backends.cuda.matmul.allow_tf32 = False
+    before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        # on GPU the bf16 checks run cuDNN's fused attention (flaxheads' default plan there; head dim 8)
         for name, fn in (("f32 logits", f32_logits), ("f32 grads", f32_grads), ("bf16 logits", bf16_logits),
-                         ("fused == plain", fused_plain)):
+                         ("fused == plain", fused_plain(jnp.float32, FUSED_TOL)),
+                         ("bf16 fused == plain", fused_plain(jnp.bfloat16, BF16_TOL))):
             guarded(rows, f"{family}: {name}", fn, family=family, check=name)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
     return rows
 
 
@@ -545,6 +549,12 @@ def table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def save(report: dict, out_dir: str) -> None:
+    """Write the JSON (after every section and bench: a run cut off by its time limit keeps what it did)."""
+    with open(os.path.join(out_dir, "accelerator.json"), "w") as f:
+        json.dump(report, f, indent=1, default=str)
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out_dir")
@@ -571,6 +581,10 @@ def main(argv=None) -> dict:
         if "correctness" in sections:
             for family in FAMILIES:
                 report["correctness"] += check_family(family, sz, tmp)
+                save(report, a.out_dir)
+        if "predict" in sections:  # before the train benches: short, and bounded
+            guarded_bench(report["predict"], "predict", lambda: bench_predict(sz, tmp), start, budget)
+            save(report, a.out_dir)
         peak = 0.0
         if "train" in sections:
             try:
@@ -584,11 +598,9 @@ def main(argv=None) -> dict:
                               lambda n=name, s=seq, bb=b: bench_train(
                                   n, s, bb, sz, peak, tmp, time.perf_counter() - start < sz.compile_until),
                               start, budget)
-        if "predict" in sections:
-            guarded_bench(report["predict"], "predict", lambda: bench_predict(sz, tmp), start, budget)
+                save(report, a.out_dir)
     report["total_s"] = time.perf_counter() - start
-    with open(os.path.join(a.out_dir, "accelerator.json"), "w") as f:
-        json.dump(report, f, indent=1, default=str)
+    save(report, a.out_dir)
     print(f"\n# peak bf16 matmul {report.get('peak_bf16_tflops', 0):.3f} TFLOP/s; total {report['total_s']:.0f} s; "
           f"ratio column: flaxheads time advantage (peer median / flaxheads median)")
     print(table(report), flush=True)

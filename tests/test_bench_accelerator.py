@@ -9,7 +9,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAMILIES = ("bert", "deberta-v3", "modernbert", "llama")
-CHECKS = ("f32 logits", "f32 grads", "bf16 logits", "fused == plain")
+CHECKS = ("f32 logits", "f32 grads", "bf16 logits", "fused == plain", "bf16 fused == plain")
 
 
 @pytest.mark.slow
