@@ -43,14 +43,18 @@ def matthews_corrcoef(cm: np.ndarray) -> float:
 
 
 def single_label_metrics(logits, labels, num_labels: int) -> dict:
-    """accuracy, macro-F1, MCC and the per-class table."""
+    """accuracy, macro-F1, MCC and the per-class table. Macro-F1 averages the classes that occur in
+    the split or in its predictions (as scikit-learn's ``f1_score(average="macro")``): a class with
+    neither scores no 0 into the mean; ``absent`` lists the classes with no example in the split."""
     y = np.asarray(labels, np.int64)
     pred = np.asarray(logits).argmax(-1)
     cm = confusion_matrix(y, pred, num_labels)
     prf = per_class_prf(cm)
+    seen = (cm.sum(0) + cm.sum(1)) > 0
     return {"accuracy": float((pred == y).mean()) if y.size else 0.0,
-            "macro_f1": float(prf["f1"].mean()), "mcc": matthews_corrcoef(cm),
-            "per_class": {k: v.tolist() for k, v in prf.items()}, "confusion_matrix": cm.tolist()}
+            "macro_f1": float(prf["f1"][seen].mean()) if seen.any() else 0.0, "mcc": matthews_corrcoef(cm),
+            "per_class": {k: v.tolist() for k, v in prf.items()}, "confusion_matrix": cm.tolist(),
+            "absent": np.flatnonzero(cm.sum(1) == 0).tolist()}
 
 
 def _f1(tp, fp, fn):
@@ -129,6 +133,9 @@ def format_table(metrics: dict, id2label: dict[int, str] | None = None) -> str:
                          f"{int(pc['support'][i]):7d}")
         lines.append(f"{'accuracy':<{w}}  {metrics['accuracy']:.4f}   macro-F1 {metrics['macro_f1']:.4f}   "
                      f"MCC {metrics['mcc']:.4f}   n={int(sum(pc['support']))}")
+        if metrics.get("absent"):
+            lines.append("no examples of " + ", ".join(names[i] for i in metrics["absent"]) +
+                         " in this split (left out of macro-F1 unless predicted)")
     elif "per_label_f1" in metrics:
         f1 = metrics["per_label_f1"]
         names = [str((id2label or {}).get(i, i)) for i in range(len(f1))]

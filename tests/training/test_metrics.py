@@ -63,3 +63,20 @@ def test_metrics_use_all_predictions_not_batch_means():
     m = compute_metrics("single_label_classification", logits, y, 2)
     assert m["accuracy"] == pytest.approx(0.6)
     assert np.mean([np.mean(pred[:2] == y[:2]), np.mean(pred[2:] == y[2:])]) != pytest.approx(0.6)
+
+
+def test_classes_absent_from_a_split_do_not_drag_macro_f1_down():
+    """Two of six classes in the split, every prediction right: macro-F1 1.0 as scikit-learn has it
+    (averaging the six gave 0.33), and the table names the absent classes."""
+    import sklearn.metrics as skm
+
+    from flaxheads.training.metrics import format_table, single_label_metrics
+
+    y = np.array([1, 1, 3, 3, 3])
+    m = single_label_metrics(np.eye(6)[y], y, 6)
+    assert m["accuracy"] == 1.0 and m["macro_f1"] == 1.0 == skm.f1_score(y, y, average="macro")
+    assert m["absent"] == [0, 2, 4, 5]
+    assert "no examples of c0, c2, c4, c5 in this split" in format_table(m, {i: f"c{i}" for i in range(6)})
+    pred = np.array([1, 2, 3, 3, 1])  # a wrong guess of an absent class counts, as in scikit-learn
+    m = single_label_metrics(np.eye(6)[pred], y, 6)
+    assert m["macro_f1"] == pytest.approx(skm.f1_score(y, pred, average="macro", zero_division=0))
