@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import UsageError
+from ..interop.files import umask_mode
 from ..tables import TABLE_FORMATS, DataError, check_utf8, read_table
 
 #: ``--input-format`` values and the extension each reads as.
@@ -154,6 +155,7 @@ def _atomic_write(path: str, data: bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+        os.chmod(tmp, umask_mode())  # mkstemp's 0600 would keep the output from other users
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -29,20 +29,36 @@ class ModelImportError(FlaxheadsError):
     """A folder flaxheads cannot import (the message says what was wrong and what is expected)."""
 
 
+class OutputExistsError(ExportError, FileExistsError):
+    """An output path that is taken (an :class:`ExportError`, and still a ``FileExistsError``)."""
+
+
+def umask_mode(directory: bool = False) -> int:
+    """The mode the process's umask gives a new folder (``0o777 & ~umask``) or file (``0o666``):
+    what ``mkdir`` / ``open`` would create, where ``tempfile`` creates 0700 / 0600."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return (0o777 if directory else 0o666) & ~mask
+
+
 # ---- writing ---------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def atomic_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterator[str]:
     """Yield a temporary folder beside ``out``; rename it to ``out`` only if the block succeeds,
     so an error never leaves a half-written ``out`` (or a replaced old one) behind."""
     out = os.path.abspath(os.fspath(out))
-    if os.path.exists(out) and not (os.path.isdir(out) and not os.listdir(out)) and not overwrite:
-        raise FileExistsError(f"output folder {out!r} already exists and is not empty; pass overwrite=True "
-                              "(--overwrite) to replace it, or choose a new folder")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise OutputExistsError(f"output folder {out!r} is a file, not a folder: choose a new folder (a file is "
+                                "never replaced, --overwrite or not)")
+    if os.path.exists(out) and os.listdir(out) and not overwrite:
+        raise OutputExistsError(f"output folder {out!r} already exists and is not empty; pass overwrite=True "
+                                "(--overwrite) to replace it, or choose a new folder")
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=parent)
     try:
         yield tmp
+        _umask_modes(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -54,6 +70,18 @@ def atomic_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterator[str]
     os.rename(tmp, out)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True) if os.path.isdir(old) else os.remove(old)
+
+
+def _umask_modes(folder: str) -> None:
+    """``folder`` and everything in it with the modes the umask gives new files: ``mkdtemp`` makes
+    the folder 0700 and safetensors writes its files 0600, which would keep an export from every
+    other user (a server's account, a colleague)."""
+    os.chmod(folder, umask_mode(directory=True))
+    for root, dirs, files in os.walk(folder):
+        for name in dirs:
+            os.chmod(os.path.join(root, name), umask_mode(directory=True))
+        for name in files:
+            os.chmod(os.path.join(root, name), umask_mode())
 
 
 def jsonable(x):

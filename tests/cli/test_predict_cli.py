@@ -56,9 +56,14 @@ def test_evaluate_reproduces_the_runs_test_metrics(run, tmp_path, capsys, how):
 
 def test_predict_csv_keeps_columns_and_order(run, tmp_path, capsys):
     out = tmp_path / "pred.csv"
-    code, _, _ = run_cli(capsys, "predict", run["dir"], "--input", run["test"], "--output", out, "--top-k", "2",
-                         "--batch-size", "5")
+    mask = os.umask(0o022)
+    try:
+        code, _, _ = run_cli(capsys, "predict", run["dir"], "--input", run["test"], "--output", out, "--top-k", "2",
+                             "--batch-size", "5")
+    finally:
+        os.umask(mask)
     assert code == 0
+    assert out.stat().st_mode & 0o777 == 0o644  # as the umask says, not the temporary file's 0600
     with open(run["test"]) as f:
         rows_in = list(csv.DictReader(f))
     with open(out) as f:

@@ -157,3 +157,18 @@ def test_nothing_half_written(bert, tmp_path, monkeypatch):
     assert sorted(os.listdir(out)) == before and sorted(os.listdir(tmp_path)) == ["out"]
     fh.export_transformers(model, out, overwrite=True)
     assert sorted(os.listdir(tmp_path)) == ["out"]
+
+    # the export is created as the umask says (another user can read it); a plain file in its place
+    # is never replaced, overwrite or not, and the refusal is a FlaxheadsError
+    old = os.umask(0o022)
+    try:
+        fh.export_transformers(model, tmp_path / "shared")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "shared").stat().st_mode & 0o777 == 0o755
+    assert all((tmp_path / "shared" / f).stat().st_mode & 0o777 == 0o644 for f in os.listdir(tmp_path / "shared"))
+    plain = tmp_path / "notes.txt"
+    plain.write_text("mine")
+    with pytest.raises(fh.FlaxheadsError, match="is a file, not a folder"):
+        fh.export_transformers(model, plain, overwrite=True)
+    assert plain.read_text() == "mine"
