@@ -36,6 +36,13 @@ folder (no download). Writes ``OUT_DIR/accelerator.json`` and prints a table las
 3. Prediction: ``fh.Classifier.from_pretrained(folder).predict(texts)`` against
    ``pipeline("text-classification")`` on a BERT-base classifier with a WordPiece tokenizer, the
    same texts and batch size; texts/s and the max score difference.
+
+Order and time: correctness, prediction, then the train benches in priority order (BERT-base 128,
+Llama LoRA, ModernBERT 1024, BERT-base 512). A bench not started by ``--budget-s`` (default 360 s)
+is a ``skipped`` row, and no ``torch.compile`` starts after 300 s, so a run ends in about 8 minutes
+whatever the compiles cost; the JSON is rewritten after every section and bench, so a run cut off
+by an outer time limit keeps what it finished. Not compared: flaxheads' step clips the gradient
+norm at 1.0 (its optimizer's default), PyTorch's does not.
 """
 from __future__ import annotations
 
@@ -567,7 +574,13 @@ def main(argv=None) -> dict:
     budget = a.budget_s or (600.0 if a.smoke else 360.0)
     sz = sizes_for(a.smoke)
     common.configure_xla()
-    import jax  # noqa: F401  (after the XLA flags)
+    import jax  # after the XLA flags
+
+    jax.devices()  # JAX's backend (and its CUDA libraries) up before PyTorch loads its own
+    if a.smoke:  # tiny CPU steps: PyTorch's spinning OpenMP threads against XLA's cost 5-500 ms a step on 2 cores
+        import torch
+
+        torch.set_num_threads(1)
 
     os.makedirs(a.out_dir, exist_ok=True)
     head = header()
