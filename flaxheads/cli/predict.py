@@ -24,13 +24,13 @@ import numpy as np
 from ..errors import UsageError
 from ..losses import MULTI_LABEL, REGRESSION, SINGLE_LABEL
 from ..predict import Classifier
-from ..tables import LabelSpace, encode_labels, load_source
+from ..tables import LabelSpace, encode_labels
 from ..training.data import DataConfig, load_splits
 from ..training.metrics import compute_metrics, format_table, headline
 from . import flags
 from .plots import plot_confusion_matrix
 from .predict_io import (INPUT_FORMATS, OUTPUT_FORMATS, STDIO, check_new_columns, output_format, read_input,
-                         write_embeddings, write_rows)
+                         read_labelled_input, write_embeddings, write_rows)
 from .run_folder import RunFolder, scalars
 
 
@@ -137,8 +137,8 @@ def _evaluation_data(args: argparse.Namespace, clf: Classifier):
         return args.split, table, encode_labels(table, space, args.split)
     if not args.input:
         raise UsageError("give --input LABELLED_FILE (or --split for a run's own split)")
-    table = load_source(args.input, text_column=args.text_column, label_column=args.label_column,
-                        text_pair_column=args.text_pair_column)
+    table = read_labelled_input(args.input, fmt=args.input_format, text_column=args.text_column,
+                                label_column=args.label_column, text_pair_column=args.text_pair_column)
     return "evaluation", table, encode_labels(table, space, "evaluation")
 
 

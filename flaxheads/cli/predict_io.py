@@ -18,7 +18,7 @@ import numpy as np
 
 from ..errors import UsageError
 from ..interop.files import umask_mode
-from ..tables import TABLE_FORMATS, DataError, check_utf8, read_table
+from ..tables import TABLE_FORMATS, DataError, TextTable, check_utf8, load_source, load_table, read_table
 
 #: ``--input-format`` values and the extension each reads as.
 INPUT_FORMATS = {"csv": ".csv", "tsv": ".tsv", "jsonl": ".jsonl", "json": ".json", "parquet": ".parquet",
@@ -95,6 +95,35 @@ def read_input(path: str, *, fmt: str | None = None, text_column: str = "text",
     names = [f"{path}: row {i + 1}, column {text_column!r}" for i in range(len(rows))]
     return InputTable(cols, rows, [r[text_column] for r in rows],
                       None if text_pair_column is None else [r[text_pair_column] for r in rows], names, path)
+
+
+def read_labelled_input(path: str, *, fmt: str | None = None, text_column: str = "text",
+                        label_column: str = "label", text_pair_column: str | None = None) -> TextTable:
+    """A labelled table (``evaluate --input``): a file (its extension, or ``fmt``, says the format), a
+    class folder or a packaged corpus, or stdin (``-``, in the table format ``fmt`` names)."""
+    opts = dict(text_column=text_column, label_column=label_column, text_pair_column=text_pair_column)
+    if path != STDIO and not fmt:
+        return load_source(path, **opts)
+    if not fmt:
+        raise UsageError("--input - (stdin) needs --input-format (csv, tsv, jsonl, json or parquet): evaluation "
+                         "reads a table with a label column")
+    if fmt == "txt":
+        raise UsageError("evaluate reads a table with a label column; plain text (--input-format txt) has none")
+    source = "<stdin>" if path == STDIO else path
+    with tempfile.TemporaryDirectory() as tmp:  # read through a file of the named type
+        p = os.path.join(tmp, "input" + INPUT_FORMATS[fmt])
+        if path == STDIO:
+            with open(p, "wb") as f:
+                f.write(sys.stdin.buffer.read())
+        elif os.path.isfile(path):
+            os.symlink(os.path.abspath(path), p)
+        else:
+            raise DataError(f"{path}: file not found")
+        try:
+            table = load_table(p, **opts)
+        except DataError as e:
+            raise DataError(str(e).replace(p, source)) from None
+    return dataclasses.replace(table, source=source)
 
 
 def output_format(path: str, fmt: str | None) -> str:

@@ -76,6 +76,26 @@ def test_predict_csv_keeps_columns_and_order(run, tmp_path, capsys):
     assert [json.loads(r["top_labels"]) for r in rows] == [r["top_labels"] for r in pred]
 
 
+def test_evaluate_reads_a_labelled_table_from_stdin_or_in_the_format_named(run, tmp_path, capsys, monkeypatch):
+    """``--input -`` with ``--input-format`` (and a file whose extension does not say) scores exactly
+    as the file itself; stdin without a table format is a one-line error."""
+    import io
+    import sys
+
+    want = _summary_test_metrics(run["dir"])
+    data = open(run["test"], "rb").read()
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data)))
+    code, stdout, _ = run_cli(capsys, "evaluate", run["dir"], "--input", "-", "--input-format", "csv", "--json")
+    assert code == 0 and json.loads(stdout.strip().splitlines()[-1])["evaluation"] == want
+    odd = tmp_path / "test.data"
+    odd.write_bytes(data)
+    code, stdout, _ = run_cli(capsys, "evaluate", run["dir"], "--input", odd, "--input-format", "csv", "--json")
+    assert code == 0 and json.loads(stdout.strip().splitlines()[-1])["evaluation"] == want
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data)))
+    code, _, err = run_cli(capsys, "evaluate", run["dir"], "--input", "-")
+    assert code == 2 and "needs --input-format" in err and len(err.strip().splitlines()) == 1
+
+
 def test_predict_text_lines_from_stdin_to_jsonl(run, tmp_path, capsys, monkeypatch):
     import io
     import sys
