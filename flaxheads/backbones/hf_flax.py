@@ -29,7 +29,7 @@ def available() -> bool:
     return True
 
 
-def _import():
+def _import(model_type: str | None = None):
     try:
         import warnings
 
@@ -38,9 +38,12 @@ def _import():
             from transformers import AutoConfig, FlaxAutoModel
             from transformers.modeling_flax_pytorch_utils import convert_pytorch_state_dict_to_flax
     except ImportError:
-        raise BackboneError("this backbone needs HF's Flax models, which transformers 5 removed: install "
+        from .registry import native_model_types
+
+        what = f"model_type {model_type!r} has no native flaxheads backbone and" if model_type else "this backbone"
+        raise BackboneError(f"{what} needs HF's Flax models, which transformers 5 removed: install "
                             "'flaxheads[hf-flax]' (transformers < 5), or use a model of a family flaxheads runs "
-                            "natively (flaxheads.backbones.registry.native_model_types())") from None
+                            f"natively ({', '.join(native_model_types())})") from None
     return AutoConfig, FlaxAutoModel, convert_pytorch_state_dict_to_flax
 
 
@@ -55,7 +58,7 @@ def load(path: str | os.PathLike, config: HFConfig | None = None, dtype: Any = j
     ``plan`` (default :meth:`~flaxheads.host.plan.ComputePlan.for_host`) for the programs built around it."""
     from flax.traverse_util import flatten_dict, unflatten_dict
 
-    AutoConfig, FlaxAutoModel, convert = _import()
+    AutoConfig, FlaxAutoModel, convert = _import((config or HFConfig.from_folder(path)).get("model_type"))
     path = os.fspath(path)
     cfg = AutoConfig.from_pretrained(path, local_files_only=True)
     kwargs = {"add_pooling_layer": False} if cfg.model_type in _HAS_UNUSED_POOLER else {}

@@ -25,3 +25,18 @@ def test_the_preset_reads_the_dropout_key_the_export_writes(arch):
     key = fam.classifier_dropout_key
     cfg = fam.complete_config(HFConfig({"model_type": arch, "pad_token_id": 0, **({key: 0.37} if key else {})}))
     assert preset_for(cfg, 2).head.dropout == pytest.approx(0.37 if key else 0.0)
+
+
+def test_a_model_type_without_a_family_is_named_when_hf_flax_is_missing(tmp_path):
+    """Without HF's Flax models (transformers 5) the error names the folder's model_type and the
+    native ones, instead of only suggesting an extra."""
+    import transformers
+
+    from flaxheads.backbones.base import BackboneError
+    from flaxheads.backbones.registry import load_backbone
+
+    if int(transformers.__version__.split(".")[0]) < 5:
+        pytest.skip("transformers < 5 still has HF's Flax models")
+    (tmp_path / "config.json").write_text('{"model_type": "xlnet"}')
+    with pytest.raises(BackboneError, match=r"model_type 'xlnet' has no native flaxheads backbone.*bert, roberta"):
+        load_backbone(tmp_path)
