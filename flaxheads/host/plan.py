@@ -107,17 +107,16 @@ class ComputePlan:
         if (on_cpu and dots == "eigen" and os.environ.get(OPT_OUT_ENV, "1") != "0"
                 and version_tuple(jax_version or installed_jax()) >= (0, 11)):  # measured on jax 0.12 only
             gradient = dict(YNN_PROGRAM_OPTIONS)
-        unfused = "cpu" if on_cpu and dots != "onednn" else "plain"
-        if want == "auto":
-            want = ("fused" if backend == "gpu" else
-                    "ynn" if on_cpu and dots == "onednn" and xla.ynn_reductions else unfused)
-        return cls(backend=backend, dots=dots, ynn_reductions=xla.ynn_reductions,
+        plan = cls(backend=backend, dots=dots, ynn_reductions=xla.ynn_reductions,
                    layer_norm="products" if on_cpu and dots != "xla" and xla.ynn_reductions else "reductions",
-                   attention=want, attention_chunks=attention_chunks,
-                   gradient_options=tuple(sorted(gradient.items())),
+                   attention_chunks=attention_chunks, gradient_options=tuple(sorted(gradient.items())),
                    gradient_ynn_reductions=xla.ynn_reductions or bool(gradient),
                    precision=choose_precision(precision, backend=backend, cpu=cpu, jax_version=jax_version,
                                               gpu_capability=gpu_capability))
+        if want == "auto":
+            want = ("fused" if backend == "gpu" else
+                    "ynn" if plan.onednn and plan.ynn_reductions else plan.unfused_attention)
+        return plan.replace(attention=want)
 
     def replace(self, **changes: Any) -> "ComputePlan":
         """This plan with some fields changed (e.g. ``plan.replace(attention="plain")``)."""
