@@ -64,11 +64,6 @@ class ComputePlan:
     #: process kept the dots for Eigen (AMD EPYC with AVX2, jax 0.12: every train step measured
     #: faster, 0.83-0.95x the step time, and compiled in 0.7-0.8x the time)
     gradient_options: tuple[tuple[str, str], ...] = ()
-    #: YNNPACK takes the reductions of programs that take gradients (the process's setting or the
-    #: train steps' own options); without it large reductions are folded first
-    #: (``training.optim.sum_of_squares``: XLA's own reduction of MiniLM's gradient norm took 21 ms
-    #: against 4.5 ms folded, AMD EPYC with AVX2)
-    gradient_ynn_reductions: bool = True
     #: the compute precision of programs built from this plan, and why
     precision: Precision = Precision("float32", "default")
 
@@ -110,7 +105,6 @@ class ComputePlan:
         plan = cls(backend=backend, dots=dots, ynn_reductions=xla.ynn_reductions,
                    layer_norm="products" if on_cpu and dots != "xla" and xla.ynn_reductions else "reductions",
                    attention_chunks=attention_chunks, gradient_options=tuple(sorted(gradient.items())),
-                   gradient_ynn_reductions=xla.ynn_reductions or bool(gradient),
                    precision=choose_precision(precision, backend=backend, cpu=cpu, jax_version=jax_version,
                                               gpu_capability=gpu_capability))
         if want == "auto":
@@ -173,6 +167,14 @@ class ComputePlan:
         if how in ("fused", "ynn") and dropout:
             return self.unfused_attention
         return how
+
+    @property
+    def gradient_ynn_reductions(self) -> bool:
+        """YNNPACK takes the reductions of programs that take gradients: the process's setting, or the
+        train steps' own options. Without it large reductions are folded first
+        (``training.optim.sum_of_squares``: XLA's own reduction of MiniLM's gradient norm took 21 ms
+        against 4.5 ms folded, AMD EPYC with AVX2)."""
+        return self.ynn_reductions or bool(self.gradient_options)
 
     @property
     def fold_reductions(self) -> bool:
