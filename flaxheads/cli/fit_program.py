@@ -27,6 +27,7 @@ from ..training.data import SPLITS, DataConfig, Split, iterate_batches, load_spl
 from ..training.metrics import compute_metrics
 from ..training.optim import OptimConfig, count_params
 from ..training.packing import AUTO_PACK_SHARE, packed_slot_share
+from ..training.preemption import SignalWatch, StopOnSignal
 from ..training.memory import memory_report
 from .lora_flags import LORA_LR, with_lora_flags
 from .resume import best_metric, open_checkpoints
@@ -245,11 +246,13 @@ def run_fine_tune(job: Job, args: argparse.Namespace) -> dict:
     callbacks = [folder.logger(job.optim, total, job.train.log_every, job.model.problem_type)]
     evals = {"validation": job.splits["validation"]} if "validation" in job.splits else {}
     fit_called = time.perf_counter()
-    res = loop.fit(trainer, job.splits["train"], evals=evals, buckets=job.buckets, pad_id=job.pad_id,
-                   callbacks=callbacks + ([ckpt] if ckpt is not None else []),
-                   progress=lead and not args.no_progress, state=state0)
-    if ckpt is not None:
-        ckpt.ckr.close()  # wait for the last asynchronous save
+    with SignalWatch(checkpoints=None if ckpt is None else ckpt.ckr.root) as watch:  # SIGTERM/SIGINT: save, stop
+        res = loop.fit(trainer, job.splits["train"], evals=evals, buckets=job.buckets, pad_id=job.pad_id,
+                       callbacks=callbacks + ([ckpt] if ckpt is not None else []) + [StopOnSignal(watch, ckpt)],
+                       progress=lead and not args.no_progress, state=state0)
+        if ckpt is not None:
+            ckpt.ckr.close()  # wait for the last asynchronous save
+    watch.raise_if_signalled(res.step, None if ckpt is None else res.step)
     final, predictions = _final_results(trainer, res, job)
     summary = {"steps": res.step, "resumed_from": None if state0 is None else int(state0.step),
                "checkpoints": None if ckpt is None else ckpt.ckr.root, "seconds": round(res.seconds, 1),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 import warnings
@@ -21,6 +22,7 @@ from ..errors import FlaxheadsError
 from ..host.compile_cache import enable_compile_cache
 from ..host.malloc import configure_malloc
 from ..host.xla_flags import configure_xla
+from ..training.preemption import Interrupted, exit_code
 from .checkpoints import add_checkpoints_command
 from .export import add_export_command
 from .flags import Parser
@@ -73,6 +75,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FlaxheadsError as e:
         print(f"error: {one_line(e)}", file=sys.stderr, flush=True)
         return 2
+    except Interrupted as e:  # SIGTERM / SIGINT during training: the step reached is saved
+        print(e.line(), file=sys.stderr, flush=True)
+        return e.exit_code
+    except KeyboardInterrupt:  # Ctrl-C before or after training: nothing in flight to keep
+        print("interrupted; nothing was being saved", file=sys.stderr, flush=True)
+        return exit_code(signal.SIGINT)
 
 
 if __name__ == "__main__":

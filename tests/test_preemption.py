@@ -1,0 +1,133 @@
+"""Preemption: SIGTERM / SIGINT sent to a running `python -m flaxheads train` finish the step in flight,
+checkpoint it, print one line and exit 143 / 130; rerunning the same command ends bitwise where an
+uninterrupted run ends. A second signal during that save stops at once with the previous checkpoint
+intact."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from test_resume import REPO, _assert_bitwise, _data_csv, _env, _items, _log, _train_args
+
+#: The signal is sent once the run has finished this step (steps of 4 of 24 examples; evaluations
+#: and their checkpoints at steps 4, 8, ...), so the run stops after step WAIT_AT + 1 = 6.
+WAIT_AT = 5
+
+# `flaxheads train` that says when it reached a step (and, with SAVE_WAIT, a preemption save) and
+# then waits there for the test's signal: the signal lands at a known point, no sleeps in the test.
+_WAITER = textwrap.dedent("""
+    import os, signal, sys, time
+    import flaxheads.training.loop as T
+    import flaxheads.cli.train as C
+    from flaxheads.checkpoint import RunCheckpointer
+
+    def wait_for_signal(label):
+        got, prev = [], {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+        def note(s, f):
+            got.append(s)
+            for k, h in prev.items():
+                signal.signal(k, h)
+            prev[s](s, f)
+        for s in prev:
+            signal.signal(s, note)
+        print(label, flush=True)
+        deadline = time.monotonic() + 120
+        while not got and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    K = int(os.environ["WAIT_AT"])
+    real_fit, real_save = T.fit, RunCheckpointer.save
+
+    def fit(*a, callbacks=(), **kw):
+        def reached(state, step, m):
+            if step == K:
+                wait_for_signal(f"REACHED {K}")
+        return real_fit(*a, callbacks=[*callbacks, T.hooks(on_step_end=reached)], **kw)
+
+    def save(self, step, *a, **kw):
+        if os.environ.get("SAVE_WAIT") and step == K + 1:
+            wait_for_signal(f"SAVING {step}")
+        return real_save(self, step, *a, **kw)
+
+    T.fit, RunCheckpointer.save = fit, save
+    sys.exit(C.main(sys.argv[1:]))
+""")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from train_helpers import tiny_bert_folder
+
+    root = tmp_path_factory.mktemp("preempt")
+    model = tiny_bert_folder(root / "bert", dropout=0.1)  # dropout on: the resumed keys must match too
+    data = _data_csv(root / "data.csv")
+    script = root / "waiter.py"
+    script.write_text(_WAITER)
+    return root, model, data, str(script), _env(root / "jax-cache")
+
+
+def _signalled(setup, name, signals, *, save_wait=False):
+    """Runs the waiter into run folder ``name``; sends ``signals[i]`` at the i-th waiting line."""
+    root, model, data, script, env = setup
+    out = str(root / name)
+    env = {**env, "WAIT_AT": str(WAIT_AT), **({"SAVE_WAIT": "1"} if save_wait else {})}
+    p = subprocess.Popen([sys.executable, script, *_train_args(model, data, out)], cwd=REPO, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines, pending = [], list(signals)
+    for line in p.stdout:
+        lines.append(line)
+        if pending and line.startswith(("REACHED", "SAVING")):
+            os.kill(p.pid, pending.pop(0))
+    err = p.stderr.read()
+    p.wait(timeout=120)
+    return out, p.returncode, "".join(lines), err
+
+
+def _steps(run):
+    return sorted(int(x) for x in os.listdir(os.path.join(run, "checkpoints")) if x.isdigit())
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(setup):
+    root, model, data, _, env = setup
+    out = str(root / "full")
+    r = subprocess.run([sys.executable, "-m", "flaxheads", "train", *_train_args(model, data, out)], cwd=REPO,
+                       env=env, capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_saves_the_step_in_flight_and_the_rerun_resumes_bitwise(setup, uninterrupted, sig):
+    run, code, out, err = _signalled(setup, f"cut-{sig.name}", [sig])
+    assert code == 128 + sig, out[-2000:] + err[-3000:]
+    assert err.strip().splitlines() == [f"interrupted at step {WAIT_AT + 1}; checkpoint saved; rerun the same "
+                                        "command to resume"], err[-3000:]
+    assert "Traceback" not in out + err
+    assert _steps(run)[-1] == WAIT_AT + 1  # the step in flight finished and was saved
+    assert not [n for n in os.listdir(os.path.join(run, "checkpoints")) if "tmp" in n]
+    if sig == signal.SIGINT:
+        return  # resuming is the same for both: once is enough
+    _, model, data, _, env = setup
+    r = subprocess.run([sys.executable, "-m", "flaxheads", "train", *_train_args(model, data, run)], cwd=REPO,
+                       env=env, capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert f"resuming from step {WAIT_AT + 1}" in r.stdout
+    assert _log(uninterrupted) == _log(run)  # every step's loss, grad norm, lr, and every evaluation
+    _assert_bitwise(*(_items(os.path.join(d, "checkpoints", "18")) for d in (uninterrupted, run)))
+
+
+@pytest.mark.slow
+def test_second_signal_during_the_save_keeps_the_previous_checkpoint(setup):
+    run, code, out, err = _signalled(setup, "twice", [signal.SIGTERM, signal.SIGINT], save_wait=True)
+    assert code == 143, out[-2000:] + err[-3000:]
+    assert f"SAVING {WAIT_AT + 1}" in out
+    assert err.strip().splitlines() == [f"interrupted again after step {WAIT_AT + 1}; stopped without saving it; the "
+                                        "latest checkpoint (step 4) is intact; rerun the same command to resume"]
+    assert _steps(run) == [4]
