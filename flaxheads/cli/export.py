@@ -10,7 +10,9 @@ from .. import (export_head, export_sentence_transformers, export_transformers, 
                 model_from_checkpoint)
 from ..checkpoint import is_checkpoint_folder
 from ..errors import UsageError
+from ..interop.files import OutputExistsError
 from ..interop.peft import export_peft
+from ..preflight import check_folder, export_bytes, with_margin
 from . import flags
 
 #: The file that marks a head-only export folder.
@@ -29,9 +31,16 @@ def _check_paths(args: argparse.Namespace) -> None:
         raise UsageError(f"--from {args.src!r} does not exist (expected a run folder, a checkpoint folder, a model "
                          "folder or a head export)")
     out = args.out
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise OutputExistsError(f"--out {out!r} is a file, not a folder: choose a new folder (a file is never "
+                                "replaced, --overwrite or not)")
     if os.path.exists(out) and not (os.path.isdir(out) and not os.listdir(out)) and not args.overwrite:
         raise UsageError(f"--out {out!r} already exists and is not empty; pass --overwrite to replace it, or choose "
                          "a new folder")
+    head_only = args.format == "head" or os.path.isfile(os.path.join(args.src, HEAD_CONFIG))
+    # written beside --out, then renamed into place: its parent folder is what must take the files
+    check_folder(os.path.dirname(os.path.abspath(out)), what=f"--out {out!r}: its folder",
+                 need_bytes=with_margin(0 if head_only else export_bytes(args.src, args.backbone)))
 
 
 def _from_checkpoint(args: argparse.Namespace):

@@ -19,6 +19,7 @@ from ..interop.tokenizers import load_tokenizer, model_max_positions
 from ..batching import make_buckets
 from ..model import SequenceModel, from_pretrained
 from ..parallel import Parallel
+from ..preflight import check_run_folder
 from ..host import ComputePlan
 from ..host.precision import Precision
 from ..tables import LabelSpace
@@ -140,9 +141,19 @@ def _require_validation(args: argparse.Namespace, has_validation: bool) -> None:
         raise UsageError(f"{needs[0]} needs a validation split, and this run has none: give {how}")
 
 
+def run_folder_path(args: argparse.Namespace) -> Path:
+    """``--output-dir``, or ``runs/<time>-<data name>``."""
+    stem = Path(str(args.train_file or args.data)).stem
+    return Path(args.output_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{stem}")
+
+
 def prepare(args: argparse.Namespace) -> Job:
     """Data, tokenizer and model for the flags (the flags are already checked)."""
     path = resolve_model(args.model)
+    out = run_folder_path(args)
+    check_run_folder(out, path, trains_backbone=not (args.freeze_backbone or args.cache_features or args.sweep
+                                                     or args.lora_rank), keep=args.keep,
+                     keep_best=args.keep_best_by != "none", checkpoints=args.checkpoint_every != 0)
     init_distributed(args)
     data = data_config(args)
     tables, space, labels = load_splits(data)
@@ -158,8 +169,6 @@ def prepare(args: argparse.Namespace) -> Job:
     tcfg = train_config(args)
     pack, share = resolve_pack(args.pack, model, splits["train"], tcfg, buckets, cached)
     tcfg = dataclasses.replace(tcfg, pack=pack)
-    stem = Path(str(args.train_file or args.data)).stem
-    out = Path(args.output_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{stem}")
     return Job(path, model, space, data, splits, buckets,
                max_length, tok.pad_token_id if tok.pad_token_id is not None else 0, out, tcfg,
                optim_config(args, len(splits["train"]), tcfg, frozen=args.freeze_backbone or cached), best, cached,

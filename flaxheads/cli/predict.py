@@ -29,6 +29,7 @@ from ..training.data import DataConfig, load_splits
 from ..training.metrics import compute_metrics, format_table, headline
 from . import flags
 from .plots import plot_confusion_matrix
+from ..preflight import check_file, check_folder
 from .predict_io import (INPUT_FORMATS, OUTPUT_FORMATS, STDIO, check_new_columns, output_format, read_input,
                          read_labelled_input, write_embeddings, write_rows)
 from .run_folder import RunFolder, scalars
@@ -90,6 +91,8 @@ def run_predict(args: argparse.Namespace) -> int:
     table = read_input(args.input, fmt=args.input_format, text_column=args.text_column,
                        text_pair_column=args.text_pair_column)
     fmt = output_format(args.output, args.output_format)
+    if args.output != STDIO:
+        check_file(args.output, what="--output")
     clf = load_classifier(args)
     pred = _run(clf, "predict", args, table.texts, table.pairs, table.names, top_k=args.top_k)
     cols, new = prediction_columns(pred, clf)
@@ -105,6 +108,7 @@ def run_embed(args: argparse.Namespace) -> int:
                        text_pair_column=args.text_pair_column)
     if Path(args.output).suffix.lower() not in (".npy", ".parquet"):
         raise UsageError(f"--output {args.output!r}: embeddings are written as .npy or .parquet")
+    check_file(args.output, what="--output")
     clf = load_classifier(args)
     emb = _run(clf, "embed", args, table.texts, table.pairs, table.names)
     write_embeddings(args.output, table, emb)
@@ -143,6 +147,8 @@ def _evaluation_data(args: argparse.Namespace, clf: Classifier):
 
 
 def run_evaluate(args: argparse.Namespace) -> int:
+    if args.output_dir:
+        check_folder(args.output_dir, what="--output-dir")
     clf = load_classifier(args)
     if clf.is_embedding:
         raise UsageError(f"{args.source} gives embeddings, not predictions to score against labels")

@@ -1,0 +1,106 @@
+"""Preflight: a command that would write where it cannot (a path inside a file, a read-only folder, a
+disk without room for the checkpoints) says so in one line and exits 2 before it loads a model; the
+checkpoint size it estimates from the weights' headers bounds what Orbax really writes."""
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from flaxheads import preflight
+from flaxheads.cli.main import main
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory):
+    from train_helpers import tiny_bert_folder
+
+    return tiny_bert_folder(tmp_path_factory.mktemp("pre") / "bert")
+
+
+def _fail(capfd, argv, monkeypatch=None):
+    # a model loaded would mean the check came too late
+    import flaxheads.cli.export as E
+    import flaxheads.cli.fit_program as F
+    import flaxheads.cli.predict as P
+
+    if monkeypatch is not None:
+        for mod, name in ((F, "build_model"), (P, "load_classifier"), (E, "import_model")):
+            monkeypatch.setattr(mod, name, lambda *a, **k: pytest.fail("model loaded before the check"))
+    code = main(argv)
+    err = capfd.readouterr().err
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+def _blocked(tmp_path, how):
+    """A folder path the process cannot write: inside a plain file, or in a read-only folder."""
+    plain = tmp_path / "plain.txt"
+    plain.write_text("not a folder")
+    if how == "under_file":
+        return str(plain / "out"), "which is a file, not a folder"
+    if os.geteuid() == 0:
+        pytest.skip("root writes into a read-only (chmod) folder; the path-under-a-file case covers root")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    return str(ro / "out"), "permission denied"
+
+
+@pytest.mark.parametrize("how", ["under_file", "read_only"])
+def test_every_command_checks_where_it_writes_first(tmp_path, bert, capfd, monkeypatch, how):
+    out, why = _blocked(tmp_path, how)
+    data = tmp_path / "d.csv"
+    data.write_text("text,label\n" + "".join(f"w{i} w{i + 1},c{i % 2}\n" for i in range(20)))
+    cases = {
+        "--output-dir": ["train", "--model", bert, "--data", str(data), "--output-dir", out, "--no-progress"],
+        "--out": ["export", "--from", bert, "--format", "transformers", "--out", os.path.join(out, "x")],
+        "--output": ["predict", bert, "--input", str(data), "--output", os.path.join(out, "p.csv")],
+        "--output-dir ": ["evaluate", bert, "--input", str(data), "--output-dir", out],
+    }
+    for flag, argv in cases.items():
+        line = _fail(capfd, argv, monkeypatch)
+        assert flag.strip() in line and why in line, (argv, line)
+
+
+def test_export_never_replaces_a_plain_file(tmp_path, bert, capfd):
+    plain = tmp_path / "model.bin"
+    plain.write_bytes(b"keep me")
+    line = _fail(capfd, ["export", "--from", bert, "--format", "transformers", "--out", str(plain), "--overwrite"])
+    assert "is a file" in line and plain.read_bytes() == b"keep me"
+
+
+def test_train_needs_room_for_its_checkpoints(tmp_path, bert, capfd, monkeypatch):
+    n = preflight.weight_elements(bert)
+    need = preflight.checkpoints_bytes(n, trains_backbone=True, keep=3, keep_best=True)
+    monkeypatch.setattr(preflight, "disk_free", lambda path: need - 1)
+    base = ["train", "--model", bert, "--data", "x.csv", "--no-progress"]
+    line = _fail(capfd, base + ["--output-dir", str(tmp_path / "run")], monkeypatch)
+    assert "free on its disk" in line and "needs about" in line and "--output-dir" in line
+    assert not (tmp_path / "run").exists()
+    # a frozen backbone saves only the head: the same disk is enough (the run then fails on the data)
+    line = _fail(capfd, base + ["--freeze-backbone", "--output-dir", str(tmp_path / "run")])
+    assert "free on its disk" not in line
+
+
+def test_checkpoint_estimate_bounds_what_orbax_writes(tmp_path, bert):
+    """The per-checkpoint estimate is at least what a fine-tuning checkpoint takes on disk, and not far above."""
+    from flaxheads import RunCheckpointer, from_pretrained
+    from flaxheads.training.optim import OptimConfig, make_optimizer
+    from flaxheads.training.steps import create_state
+
+    model = from_pretrained(bert, num_labels=3)
+    state = create_state(model.params, make_optimizer(OptimConfig()))
+    with RunCheckpointer(tmp_path / "run", model) as ckr:
+        ckr.save(1, state)
+    actual = preflight.folder_bytes([str(tmp_path / "run" / "checkpoints" / "1")])
+    n = preflight.weight_elements(bert)  # the HF folder: backbone, BERT pooler and a classifier like this head's
+    assert n == sum(int(np.prod(np.shape(x))) for x in jax.tree.leaves(model.params))
+    estimate = preflight.TRAIN_STATE_BYTES_PER_PARAM * n
+    assert actual <= estimate + preflight.MARGIN_BYTES, (actual, estimate)
+    assert estimate < 3 * actual, (actual, estimate)
+    print(f"checkpoint {actual} bytes, estimate {estimate}")
