@@ -36,7 +36,7 @@ LEGACY_BACKBONE_TESTS = ("hf_flax", "hidden_states", "logits_match", "forward_ma
 #: collectives whose rendezvous would time out on a loaded machine, kills timed against a save, and
 #: a measurement of the process's page faults.
 SERIAL = ("tests/cli/test_cli_multihost.py", "tests/cli/test_cli_mesh.py", "tests/test_resume.py",
-          "tests/test_preemption.py",
+          "tests/test_faults.py",
           "tests/training/test_parallel.py::test_multi_host", "tests/training/test_sharding.py::test_meshes",
           "tests/training/test_sharding.py::test_restore_onto", "tests/training/test_sharding.py::test_fsdp8",
           "tests/checkpoint/test_checkpoint.py::test_killed", "tests/test_host.py::test_malloc_settings_stop")
@@ -46,7 +46,7 @@ SERIAL = ("tests/cli/test_cli_multihost.py", "tests/cli/test_cli_mesh.py", "test
 #: its forward parity (``LEGACY_BACKBONE_TESTS``): gradients, dropout, bf16, remat, export round trips.
 FULL = ("tests/cli/", "tests/backbones/test_onednn_gradients.py", "tests/test_pooled_token.py",
         "tests/training/test_train_steps.py", "tests/training/test_packing.py", "tests/checkpoint/test_checkpoint.py",
-        "tests/training/test_features.py", "tests/training/test_sweep.py", "tests/test_resume.py", "tests/test_preemption.py",
+        "tests/training/test_features.py", "tests/training/test_sweep.py", "tests/test_resume.py", "tests/test_faults.py",
         "tests/training/test_loop.py", "tests/training/test_multitask.py", "tests/predict/test_predict.py")
 
 

@@ -3,6 +3,7 @@ and the corrupt-step report. Nothing here knows what a head or a model is."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import warnings
@@ -12,8 +13,9 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from ..errors import os_error_cause
 from .meta import (ARRAY_ITEMS, CHECKPOINTS_SUBDIR, JSON_ITEMS, META, STEP, CheckpointError, CheckpointNotFoundError,
-                   CorruptCheckpointError)
+                   CheckpointWriteError, CorruptCheckpointError)
 
 
 def _handlers() -> dict:
@@ -22,11 +24,21 @@ def _handlers() -> dict:
     return h
 
 
+#: Longest wait for an asynchronous save (seconds). Orbax waits 20 minutes by default; a local or
+#: network disk that has not written a checkpoint in this time has failed.
+ASYNC_TIMEOUT_S = 600
+
+
 def manager(root: str, *, read_only: bool = False, async_save: bool = True, preservation=None,
             best_fn: Callable | None = None, best_mode: str = "max") -> ocp.CheckpointManager:
-    """An Orbax manager of the step folders under ``root``, with one handler per item."""
+    """An Orbax manager of the step folders under ``root``, with one handler per item.
+
+    A step's folders are created before ``save`` returns, not in the background: a folder that
+    cannot be created (read-only, full, gone) then fails that save at once, where the background
+    thread waiting for folders that never come waits out a 5-minute timeout."""
     opts = dict(create=not read_only, read_only=read_only, enable_async_checkpointing=async_save,
-                cleanup_tmp_directories=not read_only, best_fn=best_fn, best_mode=best_mode)
+                cleanup_tmp_directories=not read_only, best_fn=best_fn, best_mode=best_mode,
+                async_options=ocp.AsyncOptions(timeout_secs=ASYNC_TIMEOUT_S, create_directories_asynchronously=False))
     if read_only:
         opts["save_interval_steps"] = 0
     if preservation is not None:
@@ -257,3 +269,18 @@ def item_targets(mgr, root: str, step: int, items: list[str]) -> dict:
         except Exception as e:
             raise corrupt(root, step, item, mgr.all_steps(), e) from e
     return out
+
+
+# ---- failed writes ------------------------------------------------------------------------------------
+
+def write_failed(root: str, step: int | None, err: BaseException, kept: list[int]) -> CheckpointWriteError:
+    """The error for a save of ``step`` under ``root`` that failed, naming what is kept."""
+    where = os.path.join(root, str(step)) if step is not None else root
+    keep = (f"the latest complete checkpoint is step {kept[-1]} ({os.path.join(root, str(kept[-1]))}), intact"
+            if kept else "no earlier checkpoint exists")
+    hint = {os.strerror(errno.ENOSPC): "free some space", os.strerror(errno.EFBIG): "raise the file size limit",
+            os.strerror(errno.EDQUOT): "free some quota", os.strerror(errno.EROFS): "use a writable disk"}
+    cause = os_error_cause(err) or f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:200]}"
+    fix = hint.get(cause, "fix the disk")
+    return CheckpointWriteError(f"could not write checkpoint {where}: {cause}; {keep}; {fix} and rerun the same "
+                                "command to resume")

@@ -18,7 +18,7 @@ import numpy as np
 
 from .. import config as _config
 from .._version import __version__
-from ..errors import FlaxheadsError
+from ..errors import FlaxheadsError, WriteFailedError
 from ..lora import adapters_diff, adapters_meta
 from ..model import SequenceModel
 from ..nn.heads import SequenceHead
@@ -55,6 +55,10 @@ class HeadMismatchError(CheckpointError):
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """A checkpoint folder, step or backbone that is not there (also a ``FileNotFoundError``)."""
+
+
+class CheckpointWriteError(CheckpointError, WriteFailedError):
+    """A checkpoint save that failed (disk full, read-only, quota); the previous step is kept."""
 
 
 class CheckpointExistsError(CheckpointError, FileExistsError):

@@ -2,8 +2,10 @@
 metric, and restored into the structure (and sharding) of a target state."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import re
 from typing import Any, Mapping
 
 import jax
@@ -90,6 +92,7 @@ class RunCheckpointer:
         self.save_backbone = save_backbone
         self.extra_meta = dict(extra_meta or {})
         self._checksum: float | None = None
+        self._pending: int | None = None  # the step of the asynchronous save in flight
         if read_only and not os.path.isdir(self.root):
             raise CheckpointNotFoundError(f"no checkpoints folder {self.root}")
         best_fn = None if best_metric is None else _metric_getter(best_metric)
@@ -105,11 +108,39 @@ class RunCheckpointer:
         self.close()
 
     def close(self) -> None:
-        self._mgr.wait_until_finished()
-        self._mgr.close()
+        try:
+            self.wait_until_finished()
+        finally:
+            with io.quiet():
+                try:
+                    self._mgr.close()
+                except Exception:  # the failed save is already reported; closing adds nothing
+                    pass
 
     def wait_until_finished(self) -> None:
-        self._mgr.wait_until_finished()
+        """Wait for the save in flight; :class:`CheckpointWriteError` if it failed."""
+        with self._writing(self._pending):
+            self._mgr.wait_until_finished()
+        self._pending = None
+
+    @contextlib.contextmanager
+    def _writing(self, step: int | None):
+        """Turn a failed write of ``step`` (Orbax, tensorstore or the OS, raised here or by the
+        background save) into one :class:`CheckpointWriteError`."""
+        try:
+            with io.quiet():
+                yield
+        except CheckpointError:
+            raise
+        except Exception as e:
+            self._pending = None
+            step = self._pending_failed(step, e)
+            raise io.write_failed(self.root, step, e, self.all_steps()) from e
+
+    def _pending_failed(self, step: int | None, err: Exception) -> int | None:
+        """The step whose save failed: the one in flight (its error comes out of the next call) or ``step``."""
+        m = re.search(r"checkpoints/(\d+)\.orbax-checkpoint-tmp", str(err))
+        return int(m.group(1)) if m else step
 
     def all_steps(self) -> list[int]:
         """Finished steps (a save still in progress is not listed until its folder is in place)."""
@@ -148,8 +179,12 @@ class RunCheckpointer:
         arrays = {HEAD: params["head"], OPT_STATE: opt_state, EXTRA: io.keys_to_data(fields),
                   BACKBONE: params["backbone"] if self.save_backbone else {}, LORA: params.get(LORA, {})}
         args = io.save_args(arrays, {META: self._meta(params), STEP: info})
-        with io.quiet():
-            return self._mgr.save(int(step), args=args, metrics=metrics, force=force)
+        with self._writing(self._pending if self._pending is not None else int(step)):
+            self._mgr.wait_until_finished()  # a failure of the save in flight is reported as that step's
+        with self._writing(int(step)):
+            saved = self._mgr.save(int(step), args=args, metrics=metrics, force=force)
+        self._pending = int(step) if saved else None
+        return saved
 
     def read_meta(self, step: int | None = None) -> dict:
         self._mgr.wait_until_finished()  # a step still being written is not readable yet

@@ -11,6 +11,7 @@ other exception is a bug in flaxheads and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import sys
@@ -18,7 +19,7 @@ import time
 import warnings
 from typing import Callable, Sequence
 
-from ..errors import FlaxheadsError
+from ..errors import FlaxheadsError, WriteFailedError
 from ..host.compile_cache import enable_compile_cache
 from ..host.malloc import configure_malloc
 from ..host.xla_flags import configure_xla
@@ -52,6 +53,24 @@ def one_line(error: BaseException) -> str:
     return text or type(error).__name__
 
 
+def _quiet_background_saves() -> None:
+    """A failed asynchronous save is reported by the command in one line
+    (:class:`~flaxheads.errors.WriteFailedError`); without this, Orbax logs it from each of its
+    threads, asyncio logs its unretrieved tasks, and tensorstore's pending writes report the closed
+    event loop they call back into: hundreds of lines of tracebacks."""
+    # filters, not levels: importing orbax or jax may reset the absl logger's level
+    logging.getLogger("absl").addFilter(lambda record: record.levelno >= logging.CRITICAL)
+    logging.getLogger("asyncio").addFilter(lambda record: "orbax" not in record.getMessage())
+    default = sys.unraisablehook
+
+    def unraisable(u) -> None:
+        if "Event loop is closed" in str(u.exc_value) or "orbax" in repr(u.object):
+            return
+        default(u)
+
+    sys.unraisablehook = unraisable
+
+
 def _prepare_process() -> None:
     """Process settings every subcommand wants, before JAX or transformers start."""
     # table files are read locally; model hub ids are fetched only by flaxheads.hub (HF_HUB_OFFLINE=1: cache only)
@@ -59,6 +78,7 @@ def _prepare_process() -> None:
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     warnings.filterwarnings("ignore", message=".*TensorFlow and JAX classes are deprecated.*")
+    _quiet_background_saves()
     configure_malloc()  # before JAX starts its threads; reasons in flaxheads/host/malloc.py
     configure_xla()
 
@@ -72,6 +92,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.started = started
         args.compile_cache = enable_compile_cache()  # a second identical run loads its programs
         return int(args.func(args) or 0)
+    except WriteFailedError as e:
+        print(f"error: {one_line(e)}", file=sys.stderr, flush=True)
+        if argv is None:  # the process's own command: Orbax's and tensorstore's writer threads of the failed
+            sys.stdout.flush()  # save would print their own failures while Python shuts down; end here
+            os._exit(e.exit_code)
+        return e.exit_code
     except FlaxheadsError as e:
         print(f"error: {one_line(e)}", file=sys.stderr, flush=True)
         return 2

@@ -11,7 +11,7 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 
-from ..errors import FlaxheadsError
+from ..errors import FlaxheadsError, WriteFailedError, os_error_cause
 
 #: Files a tokenizer may consist of (a fast ``tokenizer.json``, its configs, or slow-tokenizer vocabularies).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -27,6 +27,11 @@ class ExportError(FlaxheadsError):
 
 class ModelImportError(FlaxheadsError):
     """A folder flaxheads cannot import (the message says what was wrong and what is expected)."""
+
+
+class ExportWriteError(ExportError, WriteFailedError):
+    """Writing an export failed on the way (disk full, read-only, quota); any earlier export at the
+    same path is left as it was."""
 
 
 class OutputExistsError(ExportError, FileExistsError):
@@ -59,8 +64,13 @@ def atomic_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterator[str]
     try:
         yield tmp
         _umask_modes(tmp)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        cause = os_error_cause(e) if isinstance(e, Exception) and not isinstance(e, FlaxheadsError) else None
+        if cause is not None:
+            kept = f"the existing {out} is unchanged" if os.path.exists(out) else f"nothing was written to {out}"
+            raise ExportWriteError(f"could not write the export {out}: {cause}; {kept}; free some space or fix the "
+                                   "disk and export again") from e
         raise
     old = None
     if os.path.exists(out):

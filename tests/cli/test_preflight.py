@@ -1,6 +1,7 @@
 """Preflight: a command that would write where it cannot (a path inside a file, a read-only folder, a
 disk without room for the checkpoints) says so in one line and exits 2 before it loads a model; the
-checkpoint size it estimates from the weights' headers bounds what Orbax really writes."""
+checkpoint size it estimates from the weights' headers bounds what Orbax really writes. An export that fails
+to write (a file size limit: EFBIG, as a full disk gives ENOSPC) exits 1 in one line, the previous export intact."""
 from __future__ import annotations
 
 import os
@@ -104,3 +105,32 @@ def test_checkpoint_estimate_bounds_what_orbax_writes(tmp_path, bert):
     assert actual <= estimate + preflight.MARGIN_BYTES, (actual, estimate)
     assert estimate < 3 * actual, (actual, estimate)
     print(f"checkpoint {actual} bytes, estimate {estimate}")
+
+
+@pytest.fixture
+def file_size_limit():
+    """Files of this process stop growing past the given bytes (writes fail with EFBIG, as a full
+    disk fails them with ENOSPC) until the test ends."""
+    import resource
+    import signal
+
+    old, handler = resource.getrlimit(resource.RLIMIT_FSIZE), signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    yield lambda n: resource.setrlimit(resource.RLIMIT_FSIZE, (n, old[1]))
+    resource.setrlimit(resource.RLIMIT_FSIZE, old)
+    signal.signal(signal.SIGXFSZ, handler)
+
+
+def test_an_export_that_cannot_be_written_keeps_the_previous_one(tmp_path, bert, capfd, file_size_limit):
+    out = tmp_path / "export"
+    argv = ["export", "--from", bert, "--format", "transformers", "--out", str(out), "--overwrite"]
+    assert main(argv) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    capfd.readouterr()
+    file_size_limit(20_000)  # the tiny model's weights are larger
+    code = main(argv)
+    err = capfd.readouterr().err
+    assert code == 1, err
+    assert err.strip().splitlines() == [f"error: could not write the export {out}: File too large; the existing "
+                                        f"{out} is unchanged; free some space or fix the disk and export again"]
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert os.listdir(tmp_path) == ["export"]  # no temporary folder left beside it

@@ -1,7 +1,10 @@
-"""Preemption: SIGTERM / SIGINT sent to a running `python -m flaxheads train` finish the step in flight,
-checkpoint it, print one line and exit 143 / 130; rerunning the same command ends bitwise where an
-uninterrupted run ends. A second signal during that save stops at once with the previous checkpoint
-intact."""
+"""Faults during `python -m flaxheads train`, and that rerunning the same command ends bitwise where an
+uninterrupted run ends.
+
+Preemption: SIGTERM / SIGINT finish the step in flight, checkpoint it, print one line and exit 143 / 130;
+a second signal during that save stops at once with the previous checkpoint intact. A disk that stops
+taking the checkpoints (a file size limit: EFBIG, as a full disk gives ENOSPC) ends the run with one
+line and exit 1, the previous checkpoint intact and still the latest."""
 from __future__ import annotations
 
 import os
@@ -21,7 +24,7 @@ WAIT_AT = 5
 # `flaxheads train` that says when it reached a step (and, with SAVE_WAIT, a preemption save) and
 # then waits there for the test's signal: the signal lands at a known point, no sleeps in the test.
 _WAITER = textwrap.dedent("""
-    import os, signal, sys, time
+    import os, resource, signal, sys, time
     import flaxheads.training.loop as T
     import flaxheads.cli.train as C
     from flaxheads.checkpoint import RunCheckpointer
@@ -41,13 +44,23 @@ _WAITER = textwrap.dedent("""
             time.sleep(0.01)
 
     K = int(os.environ["WAIT_AT"])
+    OUT = sys.argv[sys.argv.index("--output-dir") + 1]
     real_fit, real_save = T.fit, RunCheckpointer.save
 
     def fit(*a, callbacks=(), **kw):
         def reached(state, step, m):
             if step == K:
                 wait_for_signal(f"REACHED {K}")
-        return real_fit(*a, callbacks=[*callbacks, T.hooks(on_step_end=reached)], **kw)
+        hook = limit if os.environ.get("LIMIT") else reached
+        return real_fit(*a, callbacks=[*callbacks, T.hooks(on_step_end=hook)], **kw)
+
+    def limit(state, step, m):
+        if step == K:  # from here on files stop growing past LIMIT bytes (step 4's save complete first)
+            while not os.path.isdir(os.path.join(OUT, "checkpoints", "4")):
+                time.sleep(0.01)
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+            lim = int(os.environ["LIMIT"])
+            resource.setrlimit(resource.RLIMIT_FSIZE, (lim, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
 
     def save(self, step, *a, **kw):
         if os.environ.get("SAVE_WAIT") and step == K + 1:
@@ -71,11 +84,12 @@ def setup(tmp_path_factory):
     return root, model, data, str(script), _env(root / "jax-cache")
 
 
-def _signalled(setup, name, signals, *, save_wait=False):
+def _signalled(setup, name, signals, *, save_wait=False, limit=None):
     """Runs the waiter into run folder ``name``; sends ``signals[i]`` at the i-th waiting line."""
     root, model, data, script, env = setup
     out = str(root / name)
-    env = {**env, "WAIT_AT": str(WAIT_AT), **({"SAVE_WAIT": "1"} if save_wait else {})}
+    env = {**env, "WAIT_AT": str(WAIT_AT), **({"SAVE_WAIT": "1"} if save_wait else {}),
+           **({"LIMIT": str(limit)} if limit else {})}
     p = subprocess.Popen([sys.executable, script, *_train_args(model, data, out)], cwd=REPO, env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines, pending = [], list(signals)
@@ -112,13 +126,16 @@ def test_signal_saves_the_step_in_flight_and_the_rerun_resumes_bitwise(setup, un
     assert "Traceback" not in out + err
     assert _steps(run)[-1] == WAIT_AT + 1  # the step in flight finished and was saved
     assert not [n for n in os.listdir(os.path.join(run, "checkpoints")) if "tmp" in n]
-    if sig == signal.SIGINT:
-        return  # resuming is the same for both: once is enough
+    if sig == signal.SIGTERM:  # resuming is the same for both: once is enough
+        _resumes_to_the_same_end(setup, run, WAIT_AT + 1, uninterrupted)
+
+
+def _resumes_to_the_same_end(setup, run, step, uninterrupted):
     _, model, data, _, env = setup
     r = subprocess.run([sys.executable, "-m", "flaxheads", "train", *_train_args(model, data, run)], cwd=REPO,
                        env=env, capture_output=True, text=True, timeout=400)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    assert f"resuming from step {WAIT_AT + 1}" in r.stdout
+    assert f"resuming from step {step}" in r.stdout
     assert _log(uninterrupted) == _log(run)  # every step's loss, grad norm, lr, and every evaluation
     _assert_bitwise(*(_items(os.path.join(d, "checkpoints", "18")) for d in (uninterrupted, run)))
 
@@ -131,3 +148,16 @@ def test_second_signal_during_the_save_keeps_the_previous_checkpoint(setup):
     assert err.strip().splitlines() == [f"interrupted again after step {WAIT_AT + 1}; stopped without saving it; the "
                                         "latest checkpoint (step 4) is intact; rerun the same command to resume"]
     assert _steps(run) == [4]
+
+
+@pytest.mark.slow
+def test_a_disk_that_stops_taking_checkpoints_ends_the_run_in_one_line(setup, uninterrupted):
+    # from step 5 no file may grow past 20 kB: step 8's checkpoint (~220 kB) fails part-way, in the background
+    run, code, out, err = _signalled(setup, "full-disk", [], limit=20_000)
+    assert code == 1, out[-2000:] + err[-3000:]
+    path = os.path.join(run, "checkpoints")
+    assert err.strip().splitlines() == [
+        f"error: could not write checkpoint {path}/8: File too large; the latest complete checkpoint is step 4 "
+        f"({path}/4), intact; raise the file size limit and rerun the same command to resume"], err[-3000:]
+    assert _steps(run) == [4]  # the half-written step 8 is never listed as a step
+    _resumes_to_the_same_end(setup, run, 4, uninterrupted)
