@@ -22,14 +22,16 @@ Modules: :mod:`.meta` (format, meta, errors), :mod:`.io` (Orbax plumbing), :mod:
 from .heads import HeadCheckpoint, attach_head, load_backbone_params, load_head, read_meta, save_head
 from .inspect import format_listing, format_meta, list_checkpoints, verify_checkpoint
 from .io import is_checkpoint_folder, resolve_root
-from .meta import (FORMAT, CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError,
+from .meta import (FORMAT, CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CheckpointWriteError,
+                   CorruptCheckpointError,
                    HeadMismatchError, IncompatibleCheckpointError, backbone_checksum, expected_head_shapes,
                    head_shapes, head_shapes_hash, make_meta)
 from .models import model_from_checkpoint
 from .runs import RunCheckpointer
 
 __all__ = [
-    "FORMAT", "CheckpointError", "CheckpointExistsError", "CheckpointNotFoundError", "CorruptCheckpointError", "HeadCheckpoint", "HeadMismatchError",
+    "FORMAT", "CheckpointError", "CheckpointExistsError", "CheckpointNotFoundError", "CheckpointWriteError",
+    "CorruptCheckpointError", "HeadCheckpoint", "HeadMismatchError",
     "IncompatibleCheckpointError", "RunCheckpointer", "attach_head", "backbone_checksum", "expected_head_shapes",
     "format_listing", "format_meta", "head_shapes", "head_shapes_hash", "is_checkpoint_folder", "list_checkpoints",
     "load_backbone_params", "load_head", "make_meta", "model_from_checkpoint", "read_meta", "resolve_root", "save_head", "verify_checkpoint",

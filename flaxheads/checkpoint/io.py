@@ -34,8 +34,8 @@ def manager(root: str, *, read_only: bool = False, async_save: bool = True, pres
     """An Orbax manager of the step folders under ``root``, with one handler per item.
 
     A step's folders are created before ``save`` returns, not in the background: a folder that
-    cannot be created (read-only, full, gone) then fails that save at once, where the background
-    thread waiting for folders that never come waits out a 5-minute timeout."""
+    cannot be created (read-only, full, gone) fails that save in the caller's thread, and no
+    writer thread waits on folders that never come (Orbax's waits run up to 5 minutes)."""
     opts = dict(create=not read_only, read_only=read_only, enable_async_checkpointing=async_save,
                 cleanup_tmp_directories=not read_only, best_fn=best_fn, best_mode=best_mode,
                 async_options=ocp.AsyncOptions(timeout_secs=ASYNC_TIMEOUT_S, create_directories_asynchronously=False))
