@@ -51,16 +51,34 @@ class BackboneNotFoundError(BackboneError, FileNotFoundError):
     """A model folder that does not exist (a :class:`BackboneError`, and still a ``FileNotFoundError``)."""
 
 
+class MissingConfigKey(AttributeError):
+    """A key an ``HFConfig`` does not have (an ``AttributeError``, so ``getattr(cfg, k, default)``
+    works); loading turns one a backbone needs into :class:`BackboneError` (:func:`missing_key_error`)."""
+
+    def __init__(self, key: str, source: str | None):
+        self.key, self.source = key, source
+        super().__init__(f"config has no {key!r}")
+
+
+def missing_key_error(e: MissingConfigKey, model_type: Any) -> BackboneError:
+    """The error for a ``config.json`` without a key its ``model_type`` needs."""
+    where = e.source or "config.json"
+    return BackboneError(f"{where} has no {e.key!r}, which a {model_type} model needs: the file was cut or edited; "
+                         f"download config.json again, or add the key {e.key!r} with the model's value")
+
+
 class HFConfig(Mapping[str, Any]):
     """A Hugging Face ``config.json``, read-only, with attribute access.
 
-    ``cfg.hidden_size`` reads the key; a key that is absent raises ``AttributeError``, so
-    ``getattr(cfg, "x", default)`` works as on transformers' config objects."""
+    ``cfg.hidden_size`` reads the key; a key that is absent raises ``AttributeError``
+    (:class:`MissingConfigKey`), so ``getattr(cfg, "x", default)`` works as on transformers'
+    config objects. ``source``: the file it was read from (named in errors)."""
 
-    __slots__ = ("_d",)
+    __slots__ = ("_d", "_source")
 
-    def __init__(self, values: Mapping[str, Any]):
+    def __init__(self, values: Mapping[str, Any], source: str | None = None):
         object.__setattr__(self, "_d", dict(values))
+        object.__setattr__(self, "_source", source)
 
     @classmethod
     def from_folder(cls, path: str | os.PathLike) -> "HFConfig":
@@ -68,17 +86,24 @@ class HFConfig(Mapping[str, Any]):
         if not os.path.isfile(f):
             raise BackboneError(f"{os.fspath(path)!r} has no config.json: expected a Hugging Face model folder "
                                 "(config.json + model.safetensors or pytorch_model.bin)")
-        with open(f, encoding="utf-8") as fh:
-            try:
-                return cls(json.load(fh))
-            except json.JSONDecodeError as e:
-                raise BackboneError(f"{f}: not valid JSON ({e})") from None
+        try:
+            with open(f, encoding="utf-8") as fh:
+                values = json.load(fh)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise BackboneError(f"{f}: not valid JSON ({e}); the file was cut or damaged: download config.json "
+                                "again") from None
+        if not isinstance(values, dict):
+            raise BackboneError(f"{f}: expected a JSON object of model settings, got a {type(values).__name__}; "
+                                "download config.json again")
+        return cls(values, source=f)
 
     def __getattr__(self, name: str) -> Any:
         d = object.__getattribute__(self, "_d")
         if name in d:
             return d[name]
-        raise AttributeError(f"config has no {name!r}")
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise MissingConfigKey(name, object.__getattribute__(self, "_source"))
 
     def __setattr__(self, name, value):
         raise AttributeError("HFConfig is read-only: build a new one with cfg.replace(key=value)")
@@ -99,7 +124,7 @@ class HFConfig(Mapping[str, Any]):
         return hash(json.dumps(self._d, sort_keys=True, default=str))
 
     def replace(self, **changes) -> "HFConfig":
-        return HFConfig({**self._d, **changes})
+        return HFConfig({**self._d, **changes}, source=self._source)
 
     def to_dict(self) -> dict:
         return json.loads(json.dumps(self._d))

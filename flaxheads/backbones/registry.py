@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..host.plan import ComputePlan
-from .base import Backbone, BackboneError, BackboneNotFoundError, HFConfig
+from .base import Backbone, BackboneError, BackboneNotFoundError, HFConfig, MissingConfigKey, missing_key_error
 from .albert import AlbertBackbone
 from .bart import BartBackbone
 from .bert import BertBackbone
@@ -44,6 +44,16 @@ def native_model_types() -> tuple[str, ...]:
     return tuple(t for fam in FAMILIES for t in fam.model_types)
 
 
+def _in_file(e: BackboneError, config: HFConfig, fam: type[Backbone]) -> BackboneError:
+    """``e`` naming the ``config.json`` it is about, and the keys in its message that the file
+    lacks (transformers' defaults stood in for them: a cut or edited file)."""
+    source = object.__getattribute__(config, "_source") or "config.json"
+    filled = [k for k in fam.complete_config(config) if k not in config and f"{k} " in f"{e} "]
+    note = (f" ({', '.join(filled)} not in the file: the default was used; download config.json again or add "
+            "the model's value)") if filled else ""
+    return type(e)(f"{source}: {e}{note}")
+
+
 def load_backbone(path: str | os.PathLike, dtype: Any = jnp.float32, *, state: Mapping[str, np.ndarray] | None = None,
                   remat: bool = False, implementation: str = "auto", plan: ComputePlan | None = None):
     """The backbone of a local Hugging Face folder (``config.json`` + weights; never the hub).
@@ -59,6 +69,10 @@ def load_backbone(path: str | os.PathLike, dtype: Any = jnp.float32, *, state: M
         raise BackboneNotFoundError(f"model folder {path!r} does not exist: pass a local Hugging Face folder "
                                     "(config.json + model.safetensors); flaxheads never downloads")
     config = HFConfig.from_folder(path)
+    if "model_type" not in config:
+        raise BackboneError(f"{os.path.join(path, 'config.json')} has no 'model_type', so the architecture is "
+                            f"unknown: download config.json again, or add \"model_type\" (supported: "
+                            f"{', '.join(native_model_types())})")
     fam = family_for(config.get("model_type"))
     if implementation == "native" or (implementation == "auto" and fam is not None):
         if fam is None:
@@ -67,7 +81,14 @@ def load_backbone(path: str | os.PathLike, dtype: Any = jnp.float32, *, state: M
                 f"{', '.join(native_model_types())}). Use implementation='hf_flax' with transformers < 5 installed "
                 "(pip install 'flaxheads[hf-flax]'), or a model of a supported family.")
         state = read_state_dict(path) if state is None else state
-        return fam.from_state(config, state, dtype=dtype, remat=remat, source=path, plan=plan)
+        try:
+            return fam.from_state(config, state, dtype=dtype, remat=remat, source=path, plan=plan)
+        except MissingConfigKey as e:
+            raise missing_key_error(e, config.get("model_type")) from None
+        except BackboneError as e:
+            if path in str(e):
+                raise
+            raise _in_file(e, config, fam) from None
     from . import hf_flax
 
     return hf_flax.load(path, config, dtype=dtype, state=state, remat=remat, plan=plan)

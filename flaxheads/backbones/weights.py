@@ -12,10 +12,49 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
+from ..errors import FlaxheadsError
+
 SAFE = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
 BIN = "pytorch_model.bin"
 BIN_INDEX = "pytorch_model.bin.index.json"
+
+
+class WeightsError(FlaxheadsError):
+    """A weights file that is missing, truncated or corrupt (a download that stopped part-way, a
+    disk that filled while it was saved): the message names the file and says to fetch it again."""
+
+
+class WeightsNotFoundError(WeightsError, FileNotFoundError):
+    """A model folder without weights flaxheads reads (also a ``FileNotFoundError``)."""
+
+
+def _unreadable(path: str, err: BaseException) -> WeightsError:
+    cause = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+    return WeightsError(f"{path}: the weights cannot be read ({type(err).__name__}: {cause}); the file is truncated "
+                        "or corrupt, as a download that stopped part-way leaves it: download the model again (or "
+                        "re-save it with save_pretrained)")
+
+
+def _safetensors(path: str) -> dict[str, np.ndarray]:
+    """Every tensor of one safetensors file; :class:`WeightsError` for a missing, cut or damaged file."""
+    from safetensors.numpy import load_file
+
+    if not os.path.isfile(path):
+        raise WeightsNotFoundError(f"{path} is missing (listed in the folder's index): download the model again")
+    try:
+        return dict(load_file(path))
+    except Exception as e:  # safetensors raises its own SafetensorError, or OSError / ValueError
+        raise _unreadable(path, e) from None
+
+
+def _shards(index: str) -> list[str]:
+    """The shard files a ``*.index.json`` names."""
+    try:
+        with open(index) as f:
+            return sorted(set(json.load(f)["weight_map"].values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise _unreadable(index, e) from None
 
 
 def read_torch_bin(path: str) -> dict[str, np.ndarray]:
@@ -29,7 +68,7 @@ def read_torch_bin(path: str) -> dict[str, np.ndarray]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise ValueError(f"{path}: refused to load: it is not a plain PyTorch state dict that "
+        raise WeightsError(f"{path}: refused to load: it is not a plain PyTorch state dict that "
                          f"torch.load(weights_only=True) accepts ({type(e).__name__}: {str(e)[:300]}). flaxheads never "
                          "unpickles arbitrary objects; re-save the weights with save_pretrained(..., "
                          "safe_serialization=True) from a source you trust.") from None
@@ -37,7 +76,7 @@ def read_torch_bin(path: str) -> dict[str, np.ndarray]:
             isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
         what = type(state).__name__ if not isinstance(state, Mapping) else \
             f"a dict with {sorted({type(v).__name__ for v in state.values()}) or 'no'} values"
-        raise ValueError(f"{path}: expected a flat state dict {{name: tensor}}, found {what}. Save "
+        raise WeightsError(f"{path}: expected a flat state dict {{name: tensor}}, found {what}. Save "
                          "`model.state_dict()` (not the model object, an optimizer or a training dict).")
     return {k: (v.float() if v.dtype == torch.bfloat16 else v).detach().cpu().numpy() for k, v in state.items()}
 
@@ -45,31 +84,25 @@ def read_torch_bin(path: str) -> dict[str, np.ndarray]:
 def read_state_dict(folder: str | os.PathLike) -> dict[str, np.ndarray]:
     """All tensors of an HF checkpoint folder as numpy: single or sharded safetensors (no torch
     needed), else ``pytorch_model.bin`` (single or sharded) via ``torch.load(weights_only=True)``."""
-    from safetensors.numpy import load_file
-
     folder = os.fspath(folder)
     single, index = os.path.join(folder, SAFE), os.path.join(folder, SAFE_INDEX)
     if os.path.isfile(single):
-        return dict(load_file(single))
+        return _safetensors(single)
     if os.path.isfile(index):
-        with open(index) as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
         out: dict[str, np.ndarray] = {}
-        for s in shards:
-            out.update(load_file(os.path.join(folder, s)))
+        for s in _shards(index):
+            out.update(_safetensors(os.path.join(folder, s)))
         return out
     single, index = os.path.join(folder, BIN), os.path.join(folder, BIN_INDEX)
     if os.path.isfile(single):
         return read_torch_bin(single)
     if os.path.isfile(index):
-        with open(index) as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
         out = {}
-        for s in shards:
+        for s in _shards(index):
             out.update(read_torch_bin(os.path.join(folder, s)))
         return out
     present = sorted(os.listdir(folder)) if os.path.isdir(folder) else []
-    raise FileNotFoundError(
+    raise WeightsNotFoundError(
         f"no {SAFE}, {SAFE_INDEX}, {BIN} or {BIN_INDEX} in {folder!r} (it holds: {present[:12]}); flaxheads "
         "reads safetensors checkpoints, and pytorch_model.bin only through torch.load(weights_only=True) "
         "(re-save a PyTorch model with `model.save_pretrained(folder, safe_serialization=True)`)"

@@ -54,8 +54,8 @@ def _read_json(path: str) -> dict:
     with open(path, encoding="utf-8") as f:
         try:
             return json.load(f)
-        except json.JSONDecodeError as e:
-            raise TokenizerError(f"{path}: not valid JSON ({e}); re-save the tokenizer") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise TokenizerError(f"{path}: not valid JSON ({e}); download it again, or re-save the tokenizer") from None
 
 
 def _settings(folder: str) -> dict:
@@ -110,7 +110,12 @@ class Tokenizer:
 
         folder = os.fspath(folder)
         settings = _settings(folder)
-        backend = Backend.from_file(os.path.join(folder, TOKENIZER_JSON))
+        path = os.path.join(folder, TOKENIZER_JSON)
+        try:
+            backend = Backend.from_file(path)
+        except Exception as e:  # the tokenizers library raises a bare Exception for a damaged file
+            raise TokenizerError(f"{path}: not a tokenizer the tokenizers library can read ({str(e)[:200]}); the "
+                                 "file was cut or damaged: download tokenizer.json again") from None
         _apply_normalizer_settings(backend, settings)
         saved_pad, saved_trunc = backend.padding or {}, backend.truncation or {}
         return cls(backend, pad_token=_token_str(settings.get("pad_token")) or saved_pad.get("pad_token"),
@@ -240,7 +245,9 @@ def load_tokenizer(folder: str | os.PathLike) -> Tokenizer:
             "(`AutoTokenizer.from_pretrained(folder).save_pretrained(folder)` with transformers).") from None
     try:
         hf = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise TokenizerError(f"{folder}: no tokenizer transformers can read ({e}). A model folder needs "
-                             f"{TOKENIZER_JSON}, or the vocabulary files of its tokenizer class.") from None
+        hf("a")  # an empty or cut vocabulary loads, and fails on the first text
+    except Exception as e:  # OSError / ValueError, or the tokenizers library's bare Exception for a damaged file
+        raise TokenizerError(f"{folder}: no tokenizer transformers can read ({str(e)[:200]}); its vocabulary files "
+                             f"({', '.join(vocab_files)}) may be cut or damaged: download them again. A model folder "
+                             f"needs {TOKENIZER_JSON}, or the vocabulary files of its tokenizer class.") from None
     return TransformersTokenizer(hf, name_or_path=folder)
