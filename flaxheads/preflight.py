@@ -172,6 +172,7 @@ def check_run_folder(out: str | os.PathLike, model_path: str | os.PathLike, *, t
                      keep_best: bool, checkpoints: bool) -> None:
     """``train``'s run folder: writable, with room for its checkpoints (``checkpoints=False``: the
     run saves none, only its small result files)."""
+    _check_own_folder(out)
     existing = folder_bytes([os.path.join(os.fspath(out), "checkpoints")])
     need = checkpoints_bytes(weight_elements(model_path), trains_backbone=trains_backbone, keep=keep,
                              keep_best=keep_best, existing=existing) if checkpoints else with_margin(0)
@@ -205,3 +206,21 @@ def _run_model(src: str) -> str | None:
     except (OSError, ValueError, AttributeError):
         return None
     return model if isinstance(model, str) and os.path.isdir(model) else None
+
+
+#: Files only a flaxheads run folder has (folders written before the marker existed are recognised by them).
+RUN_FILES = ("checkpoints", "metrics.jsonl", "summary.json")
+
+
+def _check_own_folder(out: str | os.PathLike) -> None:
+    """A run writes ``config.json`` and more into ``--output-dir``: an existing folder must be
+    empty or a flaxheads run folder (its marker, or a run's own files), never one of the user's."""
+    from .interop.files import MARKER, has_marker
+
+    out = os.fspath(out)
+    if not os.path.isdir(out) or not os.listdir(out) or has_marker(out):
+        return
+    if any(os.path.exists(os.path.join(out, f)) for f in RUN_FILES):
+        return
+    raise PreflightError(f"--output-dir {out!r} holds files that are not a flaxheads run (no {MARKER} marker), and "
+                         "a run would write config.json and more among them: choose a new or empty folder")

@@ -36,7 +36,7 @@ def _unreadable(path: str, err: BaseException) -> WeightsError:
                         "re-save it with save_pretrained)")
 
 
-def _safetensors(path: str) -> dict[str, np.ndarray]:
+def read_safetensors(path: str) -> dict[str, np.ndarray]:
     """Every tensor of one safetensors file; :class:`WeightsError` for a missing, cut or damaged file."""
     from safetensors.numpy import load_file
 
@@ -87,11 +87,11 @@ def read_state_dict(folder: str | os.PathLike) -> dict[str, np.ndarray]:
     folder = os.fspath(folder)
     single, index = os.path.join(folder, SAFE), os.path.join(folder, SAFE_INDEX)
     if os.path.isfile(single):
-        return _safetensors(single)
+        return read_safetensors(single)
     if os.path.isfile(index):
         out: dict[str, np.ndarray] = {}
         for s in _shards(index):
-            out.update(_safetensors(os.path.join(folder, s)))
+            out.update(read_safetensors(os.path.join(folder, s)))
         return out
     single, index = os.path.join(folder, BIN), os.path.join(folder, BIN_INDEX)
     if os.path.isfile(single):

@@ -10,7 +10,7 @@ from .. import (export_head, export_sentence_transformers, export_transformers, 
                 model_from_checkpoint)
 from ..checkpoint import is_checkpoint_folder
 from ..errors import UsageError
-from ..interop.files import OutputExistsError
+from ..interop.files import MARKER, OutputExistsError, has_marker
 from ..interop.peft import export_peft
 from ..preflight import check_folder, export_bytes, with_margin
 from . import flags
@@ -37,6 +37,9 @@ def _check_paths(args: argparse.Namespace) -> None:
     if os.path.exists(out) and not (os.path.isdir(out) and not os.listdir(out)) and not args.overwrite:
         raise UsageError(f"--out {out!r} already exists and is not empty; pass --overwrite to replace it, or choose "
                          "a new folder")
+    if os.path.isdir(out) and os.listdir(out) and not has_marker(out):
+        raise OutputExistsError(f"--out {out!r} holds files flaxheads did not write (no {MARKER} marker): --overwrite "
+                                "replaces only flaxheads' own exports; choose a new folder, or empty this one yourself")
     head_only = args.format == "head" or os.path.isfile(os.path.join(args.src, HEAD_CONFIG))
     # written beside --out, then renamed into place: its parent folder is what must take the files
     check_folder(os.path.dirname(os.path.abspath(out)), what=f"--out {out!r}: its folder",

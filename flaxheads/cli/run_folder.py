@@ -9,6 +9,7 @@ from typing import IO
 
 import numpy as np
 
+from ..interop.files import write_marker
 from ..training import loop
 from ..training.metrics import format_table, headline
 from ..training.optim import OptimConfig, learning_rates
@@ -61,6 +62,7 @@ class RunFolder:
         if not self.lead:
             return
         self.path.mkdir(parents=True, exist_ok=True)
+        write_marker(self.path, "run")
         (self.path / "config.json").write_text(json.dumps(config, indent=2, default=str))
         print(f"run folder: {self.path}\n{intro}", flush=True)
 

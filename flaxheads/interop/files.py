@@ -34,8 +34,28 @@ class ExportWriteError(ExportError, WriteFailedError):
     same path is left as it was."""
 
 
+class ImportNotFoundError(ModelImportError, FileNotFoundError):
+    """A folder or file to import that is not there (a :class:`ModelImportError`, and still a ``FileNotFoundError``)."""
+
+
 class OutputExistsError(ExportError, FileExistsError):
     """An output path that is taken (an :class:`ExportError`, and still a ``FileExistsError``)."""
+
+
+#: The file that marks a folder as written by flaxheads (an export or a run folder): ``--overwrite``
+#: replaces only folders that have it, never one of the user's own.
+MARKER = ".flaxheads"
+
+
+def write_marker(folder: str | os.PathLike, kind: str) -> None:
+    """Mark ``folder`` as a flaxheads ``kind`` ("export", "run")."""
+    from .._version import __version__
+
+    write_json(os.path.join(os.fspath(folder), MARKER), {"kind": kind, "flaxheads_version": __version__})
+
+
+def has_marker(folder: str | os.PathLike) -> bool:
+    return os.path.isfile(os.path.join(os.fspath(folder), MARKER))
 
 
 def umask_mode(directory: bool = False) -> int:
@@ -58,11 +78,16 @@ def atomic_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterator[str]
     if os.path.exists(out) and os.listdir(out) and not overwrite:
         raise OutputExistsError(f"output folder {out!r} already exists and is not empty; pass overwrite=True "
                                 "(--overwrite) to replace it, or choose a new folder")
+    if os.path.exists(out) and os.listdir(out) and not has_marker(out):
+        raise OutputExistsError(f"output folder {out!r} holds files flaxheads did not write (it has no {MARKER} "
+                                "marker), so it is not replaced, --overwrite or not: choose a new folder, or empty "
+                                "this one yourself")
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=parent)
     try:
         yield tmp
+        write_marker(tmp, "export")
         _umask_modes(tmp)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -117,8 +142,8 @@ def read_json(path: str) -> Any:
         with open(path) as f:
             return json.load(f)
     except FileNotFoundError:
-        raise
-    except (OSError, json.JSONDecodeError) as e:
+        raise ImportNotFoundError(f"{path} does not exist") from None
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ModelImportError(f"{path}: not readable JSON ({e})") from None
 
 

@@ -17,7 +17,7 @@ from .._version import __version__
 from ..backbones.weights import head_to_hf
 from ..nn.heads import SequenceHead
 from ..presets import match_preset
-from .files import (ExportError, ModelImportError, atomic_dir, flatten, flax_to_pytorch_names, np_tree, pytorch_to_flax_leaf,
+from .files import (ExportError, ImportNotFoundError, ModelImportError, atomic_dir, flatten, flax_to_pytorch_names, np_tree, pytorch_to_flax_leaf,
                     read_json, save_safetensors, write_json)
 
 HEAD_WEIGHTS = "head.safetensors"
@@ -99,18 +99,18 @@ def export_head(source, out: str | os.PathLike, *, params: Mapping | None = None
 
 def load_head_export(folder: str | os.PathLike) -> tuple[SequenceHead, dict, dict]:
     """Read a head-only export back: ``(SequenceHead, head params, config)``."""
-    from safetensors.numpy import load_file
+    from ..backbones.weights import read_safetensors
 
     folder = os.fspath(folder)
     cfg_path = os.path.join(folder, HEAD_CONFIG)
     if not os.path.isfile(cfg_path):
-        raise FileNotFoundError(f"{folder!r} has no {HEAD_CONFIG}; is it a flaxheads head export?")
+        raise ImportNotFoundError(f"{folder!r} has no {HEAD_CONFIG}; is it a flaxheads head export?")
     cfg = read_json(cfg_path)
     if cfg.get("format") != HEAD_FORMAT:
         raise ModelImportError(f"{cfg_path}: format is {cfg.get('format')!r}, expected {HEAD_FORMAT!r}; "
                                "this folder was not written by flaxheads' export_head")
     head = _config.from_dict(cfg["sequence_head"])
-    state = load_file(os.path.join(folder, HEAD_WEIGHTS))
+    state = read_safetensors(os.path.join(folder, HEAD_WEIGHTS))
     names = {p: n for p, n in cfg.get("hf_names", [])}
     params: dict = {}
     for path, shape in cfg["params"].items():

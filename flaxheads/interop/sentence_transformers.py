@@ -263,9 +263,9 @@ def _st_dense(path: str) -> tuple[dict, np.ndarray, np.ndarray | None]:
     """(config, weight [out, in], bias or None) of a ``k_Dense`` folder, checked against its config."""
     cfg = read_json(os.path.join(path, "config.json"))
     if os.path.isfile(os.path.join(path, SAFE)):
-        from safetensors.numpy import load_file
+        from ..backbones.weights import read_safetensors
 
-        state = load_file(os.path.join(path, SAFE))
+        state = read_safetensors(os.path.join(path, SAFE))
     elif os.path.isfile(os.path.join(path, BIN)):
         state = read_torch_bin(os.path.join(path, BIN))
     else:

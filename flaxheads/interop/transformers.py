@@ -18,7 +18,7 @@ from ..backbones.registry import family_for
 from ..backbones.weights import BIN, BIN_INDEX, SAFE, SAFE_INDEX, head_to_hf
 from ..model import SequenceModel, from_pretrained
 from ..presets import PRESETS, PresetMatch, match_preset, preset_for
-from .files import (ExportError, ModelImportError, atomic_dir, backbone_config_dict, copy_tokenizer, flatten,
+from .files import (ExportError, ImportNotFoundError, ModelImportError, atomic_dir, backbone_config_dict, copy_tokenizer, flatten,
                     flax_to_pytorch_names, np_tree, read_json, save_safetensors, write_json)
 
 WEIGHT_FILES = (SAFE, SAFE_INDEX, BIN, BIN_INDEX)
@@ -155,7 +155,7 @@ def export_transformers(model, out: str | os.PathLike, *, params: Mapping | None
 def _classifier_config(folder: str) -> HFConfig:
     """The folder's config, checked to be a sequence classifier of a model type with a preset."""
     if not os.path.isdir(folder):
-        raise FileNotFoundError(f"model folder {folder!r} does not exist")
+        raise ImportNotFoundError(f"model folder {folder!r} does not exist")
     if not os.path.isfile(os.path.join(folder, "config.json")):
         raise ModelImportError(f"{folder}: no config.json; a transformers model folder has config.json plus "
                                f"weights ({SAFE} or {BIN})")

@@ -134,3 +134,23 @@ def test_an_export_that_cannot_be_written_keeps_the_previous_one(tmp_path, bert,
                                         f"{out} is unchanged; free some space or fix the disk and export again"]
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert os.listdir(tmp_path) == ["export"]  # no temporary folder left beside it
+
+
+def test_overwrite_replaces_only_what_flaxheads_wrote(tmp_path, bert, capfd):
+    out = tmp_path / "export"
+    argv = ["export", "--from", bert, "--format", "transformers", "--out", str(out), "--overwrite"]
+    assert main(argv) == 0 and (out / ".flaxheads").is_file()
+    assert main(argv) == 0  # its own export: replaced
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "thesis.tex").write_text("years of work")
+    line = _fail(capfd, argv[:-2] + [str(mine), "--overwrite"])
+    assert "flaxheads did not write" in line and (mine / "thesis.tex").read_text() == "years of work"
+    import flaxheads as fh  # the library refuses the same folder
+
+    with pytest.raises(fh.FlaxheadsError, match="did not write"):
+        fh.export_head(fh.import_model(bert), mine, overwrite=True)
+    assert os.listdir(mine) == ["thesis.tex"]
+    # a run writes config.json and more into --output-dir: not among someone's files either
+    line = _fail(capfd, ["train", "--model", bert, "--data", "x.csv", "--output-dir", str(mine), "--no-progress"])
+    assert "--output-dir" in line and "not a flaxheads run" in line
