@@ -195,9 +195,11 @@ def split_counts(splits: dict) -> str:
     return " / ".join(f"{len(splits[n]) if n in splits else 0} {n}" for n in SPLITS)
 
 
-def run_config(job: Job, args: argparse.Namespace, trainer: loop.Trainer) -> dict:
-    """Every resolved setting of the run (its ``config.json``)."""
+def run_config(job: Job, args: argparse.Namespace, trainer: loop.Trainer | None = None) -> dict:
+    """Every resolved setting of the run (its ``config.json``); ``trainer`` None: heads on cached
+    features, one device."""
     model = job.model
+    width, mesh = (1, None) if trainer is None else (trainer.parallel.width, trainer.parallel.mesh)
     return {"model": job.model_path, "pooler": args.pooler, "head": args.head, "head_config": model.head_config(),
             "problem_type": model.problem_type, "labels": job.space.names, "num_labels": model.num_labels,
             "bf16": job.precision.name == "bfloat16", "precision": dataclasses.asdict(job.precision),
@@ -206,9 +208,9 @@ def run_config(job: Job, args: argparse.Namespace, trainer: loop.Trainer) -> dic
             "data": dataclasses.asdict(job.data), "sizes": {n: len(s) for n, s in job.splits.items()},
             "train": dataclasses.asdict(job.train), "optimizer": dataclasses.asdict(job.optim),
             "checkpoints": {"keep": args.keep, "best_metric": job.best_metric, "every": args.checkpoint_every},
-            "devices": {"parallel": job.train.parallel, "count": jax.device_count(), "width": trainer.parallel.width,
+            "devices": {"parallel": job.train.parallel, "count": jax.device_count(), "width": width,
                         "processes": jax.process_count(), "platform": jax.devices()[0].platform,
-                        **({"mesh": dict(trainer.parallel.mesh.shape)} if trainer.parallel.mesh is not None else {})},
+                        **({"mesh": dict(mesh.shape)} if mesh is not None else {})},
             "lora": None if model.lora is None else model.lora.to_dict(),
             "params": {k: count_params(v) for k, v in model.params.items()},
             "argv": sys.argv[1:], "flaxheads_version": __version__}

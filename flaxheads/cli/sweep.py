@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import time
 from typing import TYPE_CHECKING
 
@@ -35,19 +36,37 @@ def train_heads(job: Job, args: argparse.Namespace, caches: dict[str, FeatureCac
     """The sweep's heads around the run's learning rate; returns the result and the epochs trained."""
     k = max(args.sweep, 1)
     variants = sweep_variants(k, job.optim.learning_rate, job.optim.weight_decay, args.seed)
-    epochs = max(int(round(args.epochs)), 1)
-    total = steps_per_epoch(caches["train"], args.batch_size) * epochs
+    spe = steps_per_epoch(caches["train"], args.batch_size)
+    # --max-steps wins over --epochs, as in every other run
+    epochs = -(-args.max_steps // spe) if args.max_steps else max(int(round(args.epochs)), 1)
+    total = min(spe * epochs, args.max_steps or spe * epochs)
     ocfg = dataclasses.replace(job.optim, warmup_steps=int(args.warmup_ratio * total), total_steps=total,
                                head_learning_rate=None, accumulation_steps=1, freeze_backbone=True)
     res = sweep(job.model, caches["train"], variants, optim=ocfg, epochs=epochs, batch_size=args.batch_size,
-                val=caches.get("validation"), seed=args.seed, loss_options=job.train.loss_options)
+                val=caches.get("validation"), seed=args.seed, loss_options=job.train.loss_options,
+                max_steps=args.max_steps)
     return res, epochs
+
+
+def _log(folder: RunFolder, res: SweepResult, spe: int, final: dict) -> None:
+    """``metrics.jsonl`` as other runs write it: the best head's training loss per epoch, its
+    validation, and the final metrics."""
+    with open(folder.path / "metrics.jsonl", "w") as f:
+        for e, losses in enumerate(res.losses):
+            step = min((e + 1) * spe, res.steps)
+            f.write(json.dumps({"step": step, "epoch": step / spe, "loss": float(losses[res.best])}) + "\n")
+        if "validation" in final:
+            f.write(json.dumps({"step": res.steps, "eval": {"validation": scalars(final["validation"])}}) + "\n")
+        f.write(json.dumps({"step": res.steps, "final": {n: scalars(r) for n, r in final.items()}}) + "\n")
 
 
 def run_cached(job: Job, args: argparse.Namespace) -> dict:
     """The cached-features program; returns the run's summary."""
+    from .fit_program import run_config, split_counts
+
     folder = RunFolder(job.out)
-    folder.path.mkdir(parents=True, exist_ok=True)
+    folder.start(run_config(job, args), f"{split_counts(job.splits)} examples, {job.model.num_labels} labels, "
+                                         f"heads on cached features ({max(args.sweep, 1)} at once)")
     caches, encode_s = encode_splits(job, args.eval_batch_size)
     res, epochs = train_heads(job, args, caches)
     k = len(res.variants)
@@ -58,6 +77,7 @@ def run_cached(job: Job, args: argparse.Namespace) -> dict:
                                    caches[name].labels, best.num_labels, threshold=job.train.threshold)
              for name in ("validation", "test") if name in caches}
     (job.out / "sweep.md").write_text(res.table() + "\n")
+    _log(folder, res, steps_per_epoch(caches["train"], args.batch_size), final)
     summary = {"mode": "cached-features" + (f" sweep K={k}" if k > 1 else ""), "encode_seconds": round(encode_s, 1),
                "head_seconds": round(res.seconds, 2), "steps": res.steps, "epochs": epochs,
                "best": dataclasses.asdict(res.variants[res.best]), "checkpoint": str(ckpt),

@@ -278,11 +278,12 @@ def steps_per_epoch(cache: FeatureCache, batch_size: int) -> int:
 def sweep(model, train: FeatureCache, variants: Sequence[Variant], *, optim: OptimConfig | None = None,
           epochs: int = 20, batch_size: int = 32, val: FeatureCache | None = None, seed: int = 0,
           loss_options: dict | None = None, metric: str | None = None,
-          max_scan_bytes: int = MAX_SCAN_BYTES) -> SweepResult:
+          max_scan_bytes: int = MAX_SCAN_BYTES, max_steps: int | None = None) -> SweepResult:
     """Train ``len(variants)`` heads at once on cached features; pick the best on ``val``.
 
     ``optim`` supplies everything but the per-head learning rate and weight decay
     (schedule, warmup, clipping, Adam betas); its ``total_steps`` is set to the sweep's.
+    ``max_steps`` stops after that many batches (within ``epochs``; the last epoch may be partial).
     Pooled caches train a whole epoch per call (:func:`make_sweep_scan`; ``max_scan_bytes``
     bounds its stacked batches), token-level ones a batch per call."""
     variants = list(variants)
@@ -292,7 +293,9 @@ def sweep(model, train: FeatureCache, variants: Sequence[Variant], *, optim: Opt
     if cfg.accumulation_steps != 1:
         raise TrainingError("sweeps do not accumulate gradients (accumulation_steps must be 1)")
     spe = steps_per_epoch(train, batch_size)
-    cfg = dataclasses.replace(cfg, total_steps=spe * epochs, freeze_backbone=True)
+    steps = spe * epochs if max_steps is None else min(int(max_steps), spe * epochs)
+    per_epoch = [min(spe, steps - e * spe) for e in range(epochs) if steps > e * spe]  # batches of each epoch run
+    cfg = dataclasses.replace(cfg, total_steps=steps, freeze_backbone=True)
     reds = _reductions(model, variants, train)
     state = init_state(model, variants, cfg, reds)
     losses = []
@@ -301,17 +304,18 @@ def sweep(model, train: FeatureCache, variants: Sequence[Variant], *, optim: Opt
         run = make_sweep_scan(model, cfg, level=train.level, loss_options=loss_options)
         length = scan_length(spe, _batch_bytes(train, batch_size), max_scan_bytes)
         sums = []  # device arrays, read once at the end: no eager op to compile, no wait per epoch
-        for e in range(epochs):
-            for part in _stacked_runs(train.batches(batch_size, seed=seed, epoch=e), length):
+        for e, n in enumerate(per_epoch):
+            sums.append([])
+            for part in _stacked_runs(itertools.islice(train.batches(batch_size, seed=seed, epoch=e), n), length):
                 state, loss = run(state, part)
-                sums.append(loss)
-        runs = -(-spe // length)
-        losses = list(np.asarray(jax.device_get(sums)).reshape(epochs, runs, -1).sum(1) / spe)
+                sums[-1].append(loss)
+        sums = jax.device_get(sums)
+        losses = [np.sum(np.asarray(parts).reshape(len(parts), -1), axis=0) / n for parts, n in zip(sums, per_epoch)]
     else:  # token level: one shape per length bucket, mixed within an epoch
         step = make_sweep_step(model, cfg, level=train.level, loss_options=loss_options)
-        for e in range(epochs):
+        for e, n in enumerate(per_epoch):
             tot, cnt = 0.0, 0
-            for b in train.batches(batch_size, seed=seed, epoch=e):
+            for b in itertools.islice(train.batches(batch_size, seed=seed, epoch=e), n):
                 state, loss = step(state, _device_batch(b))
                 tot, cnt = tot + loss, cnt + 1
             losses.append(np.asarray(tot) / max(cnt, 1))
@@ -327,7 +331,7 @@ def sweep(model, train: FeatureCache, variants: Sequence[Variant], *, optim: Opt
         scores = np.asarray([compute_metrics(model.problem_type, lg[rows], val.labels[rows], model.num_labels)[name]
                              for lg in logits])
         best = int(np.argmax(scores))
-    return SweepResult(variants, params, reds, np.stack(losses), scores, name, best, seconds, spe * epochs)
+    return SweepResult(variants, params, reds, np.stack(losses), scores, name, best, seconds, steps)
 
 
 # ---- the `train --cache-features / --sweep K` program path -----------------------------------
