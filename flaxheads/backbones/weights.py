@@ -183,7 +183,7 @@ def head_from_hf(head_params: Mapping, hf_names: Iterable[tuple[str, str]], stat
         got[key] = w.T if key == "kernel" else w
         if "bias" in sub:
             if f"{name}.bias" not in state:
-                raise ValueError(f"{source}: {name}.weight is present but {name}.bias is missing")
+                raise WeightsError(f"{source}: {name}.weight is present but {name}.bias is missing")
             got["bias"] = state[f"{name}.bias"]
         mismatch = [(k, np.shape(sub[k]), got[k].shape) for k in got if np.shape(sub[k]) != got[k].shape]
         if mismatch:
@@ -191,7 +191,7 @@ def head_from_hf(head_params: Mapping, hf_names: Iterable[tuple[str, str]], stat
                 new.append(path)
                 continue
             k, want, have = mismatch[0]
-            raise ValueError(
+            raise WeightsError(
                 f"{source}: {name} has shape {have} for {k} but the head needs {want} (e.g. a different "
                 "num_labels). Pass ignore_mismatched_sizes=True to initialise this module fresh instead."
             )

@@ -1,0 +1,62 @@
+"""Every ```python block of README.md runs as written.
+
+How the blocks run: in order, in a fresh temporary working folder. A block that begins with
+``import flaxheads as fh`` starts a new namespace; any other block continues the one before it
+(the README says so above each such block). The model paths a block names are placeholders, and
+only these are replaced, each by a tiny random model of that kind (tests/hf_tiny.py) or by a
+folder an earlier block wrote:
+
+    path/to/bert-folder, path/to/other-bert-folder, a/BertForSequenceClassification/folder
+                                   -> a tiny BERT classifier with its tokenizer
+    path/to/qwen2-folder           -> a tiny Qwen2 classifier
+    a/sentence-transformers/folder, path/to/sentence-transformers
+                                   -> that BERT, mean-pooled with a dense layer, exported as sentence-transformers
+    runs/my-run                    -> the run folder a block's RunCheckpointer wrote there
+"""
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+NEW_NAMESPACE = "import flaxheads as fh"
+
+
+def python_blocks(text: str) -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
+
+
+@pytest.fixture(scope="module")
+def placeholders(tmp_path_factory):
+    from hf_tiny import tiny_torch_model
+    from train_helpers import tiny_bert_folder
+
+    root = tmp_path_factory.mktemp("readme-models")
+    bert = tiny_bert_folder(root / "bert", num_labels=5)
+    qwen = str(root / "qwen2")
+    tiny_torch_model("qwen2").save_pretrained(qwen, safe_serialization=True)
+    import flaxheads as fh
+
+    st = fh.export_sentence_transformers(fh.from_pretrained(bert, pooler="mean", head="linear", num_labels=5),
+                                         root / "st")
+    return {"path/to/bert-folder": bert, "path/to/other-bert-folder": bert,
+            "a/BertForSequenceClassification/folder": bert, "path/to/qwen2-folder": qwen,
+            "a/sentence-transformers/folder": st, "path/to/sentence-transformers": st}
+
+
+def test_readme_python_blocks_run(tmp_path, monkeypatch, placeholders):
+    blocks = python_blocks(open(README).read())
+    assert len(blocks) >= 5
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    for i, code in enumerate(blocks):
+        if code.lstrip().startswith(NEW_NAMESPACE):
+            namespace = {"__name__": f"readme_block_{i}"}
+        for name, path in placeholders.items():
+            code = code.replace(f'"{name}"', repr(path))
+        try:
+            exec(compile(code, f"README.md python block {i + 1}", "exec"), namespace)
+        except Exception as e:
+            raise AssertionError(f"README python block {i + 1} fails: {type(e).__name__}: {e}\n{code}") from e
