@@ -161,3 +161,42 @@ def test_a_disk_that_stops_taking_checkpoints_ends_the_run_in_one_line(setup, un
         f"({path}/4), intact; raise the file size limit and rerun the same command to resume"], err[-3000:]
     assert _steps(run) == [4]  # the half-written step 8 is never listed as a step
     _resumes_to_the_same_end(setup, run, 4, uninterrupted)
+
+
+@pytest.mark.slow
+def test_two_processes_stop_at_the_same_step(setup):
+    """SIGINT to one process of a two-process run: JAX's preemption service picks a step both reach;
+    both checkpoint it (one Orbax save across the processes) and stop there."""
+    import re
+    import socket
+
+    root, model, data, _, env = setup
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**env, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=1 --xla_cpu_collective_call_terminate_timeout_seconds=60"}
+    out = str(root / "two")
+    args = [*_train_args(model, data, out), "--max-steps", "400", "--coordinator-address", f"127.0.0.1:{port}",
+            "--num-processes", "2"]
+    procs = [subprocess.Popen([sys.executable, "-m", "flaxheads", "train", *args, "--process-id", str(i)], cwd=REPO,
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in (0, 1)]
+    try:
+        lines = []
+        for line in procs[0].stdout:  # process 0 reports the evaluations (every 4 steps)
+            lines.append(line)
+            if line.startswith("step 8:"):
+                os.kill(procs[1].pid, signal.SIGINT)
+                break
+        logs = ["".join(lines) + procs[0].communicate(timeout=300)[0], procs[1].communicate(timeout=300)[0]]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [143, 130], [x[-2000:] for x in logs]
+    stops = [re.findall(r"^interrupted at step (\d+); checkpoint saved; rerun the same command to resume$", x, re.M)
+             for x in logs]
+    assert stops[0] == stops[1] and len(stops[0]) == 1, logs
+    step = int(stops[0][0])
+    assert 8 < step < 400 and _steps(out)[-1] == step
