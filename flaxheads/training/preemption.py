@@ -84,6 +84,8 @@ class SignalWatch:
         for s in SIGNALS:
             if self.multihost and s == signal.SIGTERM:
                 continue  # the distributed runtime's preemption notifier listens to it
+            if signal.getsignal(s) == signal.SIG_IGN:
+                continue  # ignored on purpose (a shell's background job, nohup): stays ignored
             self._previous[s] = signal.signal(s, self._handle)
         return self
 
