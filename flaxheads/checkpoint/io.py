@@ -282,5 +282,5 @@ def write_failed(root: str, step: int | None, err: BaseException, kept: list[int
             os.strerror(errno.EDQUOT): "free some quota", os.strerror(errno.EROFS): "use a writable disk"}
     cause = os_error_cause(err) or f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:200]}"
     fix = hint.get(cause, "fix the disk")
-    return CheckpointWriteError(f"could not write checkpoint {where}: {cause}; {keep}; {fix} and rerun the same "
-                                "command to resume")
+    rerun = "rerun the same command to resume" if kept else "rerun the same command (it starts over)"
+    return CheckpointWriteError(f"could not write checkpoint {where}: {cause}; {keep}; {fix} and {rerun}")
