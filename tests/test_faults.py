@@ -90,16 +90,17 @@ def _signalled(setup, name, signals, *, save_wait=False, limit=None):
     out = str(root / name)
     env = {**env, "WAIT_AT": str(WAIT_AT), **({"SAVE_WAIT": "1"} if save_wait else {}),
            **({"LIMIT": str(limit)} if limit else {})}
-    p = subprocess.Popen([sys.executable, script, *_train_args(model, data, out)], cwd=REPO, env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    lines, pending = [], list(signals)
-    for line in p.stdout:
-        lines.append(line)
-        if pending and line.startswith(("REACHED", "SAVING")):
-            os.kill(p.pid, pending.pop(0))
-    err = p.stderr.read()
-    p.wait(timeout=120)
-    return out, p.returncode, "".join(lines), err
+    err_file = root / f"{name}.stderr"  # a file, not a pipe: a long stderr cannot block the process
+    with open(err_file, "w") as err_out:
+        p = subprocess.Popen([sys.executable, script, *_train_args(model, data, out)], cwd=REPO, env=env,
+                             stdout=subprocess.PIPE, stderr=err_out, text=True)
+        lines, pending = [], list(signals)
+        for line in p.stdout:
+            lines.append(line)
+            if pending and line.startswith(("REACHED", "SAVING")):
+                os.kill(p.pid, pending.pop(0))
+        p.wait(timeout=120)
+    return out, p.returncode, "".join(lines), err_file.read_text()
 
 
 def _steps(run):
