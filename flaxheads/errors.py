@@ -38,7 +38,7 @@ class WriteFailedError(FlaxheadsError):
 
 
 #: The errors a write meets on a bad disk (full, too large for a limit, read-only, quota, permissions, I/O).
-_WRITE_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EROFS, errno.EDQUOT, errno.EACCES, errno.EIO)
+WRITE_ERRNOS = (errno.ENOSPC, errno.EFBIG, errno.EROFS, errno.EDQUOT, errno.EACCES, errno.EIO)
 _OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)")  # how tensorstore reports the errno of a failed write
 
 
@@ -56,7 +56,7 @@ def os_error_cause(err: BaseException) -> str | None:
         m = _OS_ERROR_CODE.search(str(e))
         if m:
             return os.strerror(int(m.group(1)))
-        for known in map(os.strerror, _WRITE_ERRNOS):
+        for known in map(os.strerror, WRITE_ERRNOS):
             if known in str(e):
                 return known
         todo += [e.__cause__, e.__context__, *getattr(e, "exceptions", ())]

@@ -11,6 +11,7 @@ other exception is a bug in flaxheads and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import signal
@@ -29,6 +30,9 @@ from .export import add_export_command
 from .flags import Parser
 from .predict import add_predict_commands
 from .train import add_train_command
+
+#: Errors only a write meets (a full or read-only disk, a quota or file size limit): one line, exit 1.
+REFUSED_WRITES = (errno.ENOSPC, errno.EFBIG, errno.EROFS, errno.EDQUOT)
 
 SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     add_train_command, add_export_command, add_checkpoints_command, add_predict_commands)
@@ -101,6 +105,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FlaxheadsError as e:
         print(f"error: {one_line(e)}", file=sys.stderr, flush=True)
         return 2
+    except OSError as e:
+        if e.errno not in REFUSED_WRITES:
+            raise
+        # a log, table or plot the disk refused (checkpoints and exports report their own, with what is kept)
+        print(f"error: could not write {e.filename or 'a file'}: {os.strerror(e.errno)}; free some space or fix the "
+              "disk and rerun", file=sys.stderr, flush=True)
+        return 1
     except Interrupted as e:  # SIGTERM / SIGINT during training: the step reached is saved
         print(e.line(), file=sys.stderr, flush=True)
         return e.exit_code

@@ -154,3 +154,21 @@ def test_overwrite_replaces_only_what_flaxheads_wrote(tmp_path, bert, capfd):
     # a run writes config.json and more into --output-dir: not among someone's files either
     line = _fail(capfd, ["train", "--model", bert, "--data", "x.csv", "--output-dir", str(mine), "--no-progress"])
     assert "--output-dir" in line and "not a flaxheads run" in line
+
+
+def test_a_refused_table_write_is_one_line(tmp_path, bert, capfd, monkeypatch):
+    """A table, log or plot the disk refuses, anywhere in a command: one line, exit 1."""
+    import errno
+
+    import flaxheads.cli.predict as P
+
+    def full(path, *a, **k):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+    monkeypatch.setattr(P, "write_rows", full)
+    data = tmp_path / "in.csv"
+    data.write_text("text\n" + "".join(f"w{i} w{i + 1} w{i + 2}\n" for i in range(4)))
+    code = main(["predict", bert, "--input", str(data), "--output", str(tmp_path / "p.csv")])
+    err = capfd.readouterr().err.strip().splitlines()
+    assert code == 1 and err == [f"error: could not write {tmp_path / 'p.csv'}: No space left on device; free some "
+                                 "space or fix the disk and rerun"], err
