@@ -11,6 +11,7 @@ from .. import (export_head, export_sentence_transformers, export_transformers, 
 from ..checkpoint import is_checkpoint_folder
 from ..errors import UsageError
 from ..interop.peft import export_peft
+from ..predict.sources import run_config
 from . import flags
 
 #: The file that marks a head-only export folder.
@@ -50,6 +51,13 @@ def _with_adapters(source, args: argparse.Namespace):
     return source
 
 
+def _run_threshold(src: str) -> float | None:
+    """The multi-label threshold the run that saved ``src`` trained with (None for other sources)."""
+    if not is_checkpoint_folder(src):
+        return None
+    return (run_config(src).get("train") or {}).get("threshold")
+
+
 def run_export(args: argparse.Namespace) -> int:
     """Load the source (model folder, head export or checkpoint) and write it in ``--format``."""
     _check_paths(args)
@@ -72,7 +80,8 @@ def run_export(args: argparse.Namespace) -> int:
         elif args.format == "head":
             out = export_head(source, args.out, **common)
         elif args.format == "transformers":
-            out = export_transformers(source, args.out, tokenizer_from=args.tokenizer, **common)
+            out = export_transformers(source, args.out, tokenizer_from=args.tokenizer, threshold=_run_threshold(src),
+                                      **common)
         else:
             out = export_sentence_transformers(source, args.out, tokenizer_from=args.tokenizer,
                                                pooling_format=args.pooling_format,
@@ -85,7 +94,9 @@ def add_export_command(sub: argparse._SubParsersAction) -> None:
     """Register ``flaxheads export``."""
     p = sub.add_parser(
         "export", help="export a model or head to PyTorch layouts",
-        description="Export to the PyTorch transformers layout (HF-exact heads), the sentence-transformers layout "
+        description="Export to the PyTorch transformers layout (HF-exact heads as their own classes, any other "
+                    "pooler + head with flaxheads' PyTorch code: load with trust_remote_code=True), the "
+                    "sentence-transformers layout "
                     "(pooling + dense layers + normalize) or a head-only safetensors + JSON config (any head). "
                     "Needs no torch.")
     p.add_argument("--from", dest="src", required=True,

@@ -17,6 +17,7 @@ from ..checkpoint.meta import CHECKPOINTS_SUBDIR
 from ..errors import UsageError
 from ..hub import resolve_model_source
 from ..interop import HEAD_CONFIG, import_model, load_head_export
+from ..interop.remote_code import threshold_of
 from ..model import SequenceModel, from_pretrained
 
 
@@ -99,4 +100,4 @@ def load_source(source: str | os.PathLike, *, step=None, backbone: str | os.Path
     model = import_model(path, **options)
     if os.path.isfile(os.path.join(path, "modules.json")):
         return Loaded(model, path, "sentence-transformers", _sbert_max_length(path))
-    return Loaded(model, path, "transformers")
+    return Loaded(model, path, "transformers", threshold=threshold_of(path))

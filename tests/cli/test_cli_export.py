@@ -88,10 +88,10 @@ def test_export_from_run_folder_with_trained_backbone(src, tmp_path):
 
 def test_errors_exit_2_and_write_nothing(src, tmp_path, capsys):
     model = fh.from_pretrained(src, pooler="mean", head="mlp", num_labels=3)
-    fh.save_head(tmp_path / "ckpt", model)
+    fh.export_head(model, tmp_path / "head")
     out = tmp_path / "pt"
-    code, _, err = run_cli(capsys, "export", "--from", tmp_path / "ckpt", "--format", "transformers", "--out", out)
-    assert_one_line_error(code, err, "format='head'")
+    code, _, err = run_cli(capsys, "export", "--from", tmp_path / "head", "--format", "transformers", "--out", out)
+    assert_one_line_error(code, err, "head-only export", "--format head")
     assert not out.exists()
     code, _, err = run_cli(capsys, "export", "--from", tmp_path / "nope", "--format", "head", "--out", out)
     assert_one_line_error(code, err, "--from", "does not exist")
