@@ -150,3 +150,28 @@ def test_sentence_transformers_export_of_a_trained_run(bert_folder, tmp_path, ca
                                             ignore_mismatched_sizes=True)(
         jnp.asarray(enc["input_ids"]), jnp.asarray(enc["attention_mask"])))
     assert np.abs(untrained - want).max() > 1e-3  # the export carries the trained run, not a fresh head
+
+
+def test_default_run_exports_to_a_transformers_pipeline(bert_folder, tmp_path, capsys):
+    """`flaxheads train` with default flags (mean pooler + linear head), then `flaxheads export --format
+    transformers` with no other flag: transformers' pipeline loads the folder (trust_remote_code) and
+    labels texts as flaxheads' Classifier does, with the same scores."""
+    from transformers import pipeline
+
+    run = tmp_path / "run"
+    data = write_csv(tmp_path / "d.csv", 30)
+    assert main(["train", "--model", bert_folder, "--data", data, "--output-dir", str(run), *SMALL,
+                 "--max-steps", "3", "--batch-size", "6", "--lr", "1e-2"]) == 0
+    code, out, err = run_cli(capsys, "export", "--from", run, "--format", "transformers", "--out", tmp_path / "pt")
+    assert code == 0, err
+    texts = ["stock market bank", "goal match team player", "vote", "bank goal vote match"]
+    clf = fh.Classifier.from_pretrained(run)
+    want = clf.predict(texts)
+    pipe = pipeline("text-classification", model=str(tmp_path / "pt"), trust_remote_code=True, device="cpu")
+    got = pipe(texts)
+    assert [g["label"] for g in got] == list(want.labels)
+    np.testing.assert_allclose([g["score"] for g in got], want.scores.max(axis=1), atol=1e-5, rtol=0)
+    assert sorted(pipe.model.config.id2label.values()) == sorted(clf.id2label.values())
+    # and the exported folder predicts the same through flaxheads (config + weights, no Python run)
+    again = fh.Classifier.from_pretrained(tmp_path / "pt").predict(texts)
+    assert list(again.labels) == list(want.labels)
