@@ -217,6 +217,10 @@ def load_transformers(folder: str | os.PathLike, *, allow_new_head: bool = False
     ``allow_new_head=True`` or use :func:`flaxheads.from_pretrained`). ``options`` go to
     :func:`flaxheads.from_pretrained` (``dtype``, ``ignore_mismatched_sizes``, ...)."""
     folder = os.fspath(folder)
+    if os.path.isfile(os.path.join(folder, "adapter_config.json")):
+        from .peft import load_peft  # a PEFT adapter on its base folder
+
+        return load_peft(folder, **options)
     cfg = _classifier_config(folder)
     if remote_code.is_flaxheads_config(cfg):
         check_weights_present(folder)
