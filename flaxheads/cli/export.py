@@ -10,6 +10,7 @@ from .. import (export_head, export_sentence_transformers, export_transformers, 
                 model_from_checkpoint)
 from ..checkpoint import is_checkpoint_folder
 from ..errors import UsageError
+from ..interop.onnx import export_onnx
 from ..interop.peft import export_peft
 from ..predict.sources import run_config
 from . import flags
@@ -79,9 +80,9 @@ def run_export(args: argparse.Namespace) -> int:
             out = export_peft(_with_adapters(source, args), args.out, **common)
         elif args.format == "head":
             out = export_head(source, args.out, **common)
-        elif args.format == "transformers":
-            out = export_transformers(source, args.out, tokenizer_from=args.tokenizer, threshold=_run_threshold(src),
-                                      **common)
+        elif args.format in ("transformers", "onnx"):
+            write = export_transformers if args.format == "transformers" else export_onnx
+            out = write(source, args.out, tokenizer_from=args.tokenizer, threshold=_run_threshold(src), **common)
         else:
             out = export_sentence_transformers(source, args.out, tokenizer_from=args.tokenizer,
                                                pooling_format=args.pooling_format,
@@ -96,13 +97,14 @@ def add_export_command(sub: argparse._SubParsersAction) -> None:
         "export", help="export a model or head to PyTorch layouts",
         description="Export to the PyTorch transformers layout (HF-exact heads as their own classes, any other "
                     "pooler + head with flaxheads' PyTorch code: load with trust_remote_code=True), the "
-                    "sentence-transformers layout "
-                    "(pooling + dense layers + normalize) or a head-only safetensors + JSON config (any head). "
-                    "Needs no torch.")
+                    "sentence-transformers layout (pooling + dense layers + normalize), a head-only safetensors + "
+                    "JSON config (any head) or ONNX for onnxruntime. Needs no torch, except ONNX.")
     p.add_argument("--from", dest="src", required=True,
                    help="a run folder, an Orbax checkpoint folder (root or one step), a transformers / "
                         "sentence-transformers model folder, or a head export")
-    p.add_argument("--format", required=True, choices=("transformers", "sentence-transformers", "head"))
+    p.add_argument("--format", required=True, choices=("transformers", "sentence-transformers", "head", "onnx"),
+                   help="transformers: a PyTorch folder; sentence-transformers; head: head.safetensors + config "
+                        "(any head, no backbone); onnx: model.onnx + config + tokenizer for onnxruntime (needs torch)")
     p.add_argument("--out", required=True, help="output folder (must not exist or be empty, unless --overwrite)")
     p.add_argument("--step", type=flags.step_spec, default=None,
                    help="checkpoint step: an integer, 'latest' (default) or 'best'")

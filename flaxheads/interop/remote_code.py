@@ -68,6 +68,7 @@ def config_dict(model, *, threshold: float = 0.5) -> dict:
     return {"model_type": MODEL_TYPE, "architectures": [MODEL_CLASS], "auto_map": AUTO_MAP,
             "backbone_hf_config": backbone, "sequence_head": _config.to_dict(model.head),
             "pool_mask": model.pool_mask, "pool_token_id": pool_token_id(model), "threshold": float(threshold),
+            "pad_token_id": getattr(model.backbone.config, "pad_token_id", None),
             "num_labels": model.num_labels, "id2label": {str(i): labels[i] for i in sorted(labels)},
             "label2id": {labels[i]: i for i in sorted(labels)}, "problem_type": model.problem_type,
             "torch_dtype": "float32", "flaxheads_version": __version__,

@@ -101,8 +101,8 @@ def test_errors_exit_2_and_write_nothing(src, tmp_path, capsys):
     code, _, err = run_cli(capsys, "export", "--from", src, "--format", "transformers", "--out", tmp_path / "full")
     assert_one_line_error(code, err, "already exists and is not empty", "--overwrite")
     assert (tmp_path / "full" / "x").read_text() == "keep"
-    code, _, err = run_cli(capsys, "export", "--from", src, "--format", "onnx", "--out", out)
-    assert_one_line_error(code, err, "--format: invalid choice: 'onnx'")
+    code, _, err = run_cli(capsys, "export", "--from", src, "--format", "tflite", "--out", out)
+    assert_one_line_error(code, err, "--format: invalid choice: 'tflite'")
 
 
 def test_checkpoint_whose_backbone_folder_moved_needs_backbone_option(src, tmp_path, capsys):
@@ -175,3 +175,27 @@ def test_default_run_exports_to_a_transformers_pipeline(bert_folder, tmp_path, c
     # and the exported folder predicts the same through flaxheads (config + weights, no Python run)
     again = fh.Classifier.from_pretrained(tmp_path / "pt").predict(texts)
     assert list(again.labels) == list(want.labels)
+
+
+def test_onnx_export_of_a_run(bert_folder, tmp_path, capsys):
+    """`flaxheads export --format onnx` of a run with a custom head: onnxruntime gives the Classifier's logits
+    on the tokenizer's padded batch, and the folder carries the labels and the tokenizer."""
+    ort = pytest.importorskip("onnxruntime")
+    from transformers import AutoTokenizer
+
+    run = tmp_path / "run"
+    data = write_csv(tmp_path / "d.csv", 30)
+    assert main(["train", "--model", bert_folder, "--data", data, "--output-dir", str(run), *SMALL,
+                 "--max-steps", "2", "--batch-size", "6", "--pooler", "cls,max", "--head", "mlp"]) == 0
+    code, out, err = run_cli(capsys, "export", "--from", run, "--format", "onnx", "--out", tmp_path / "onnx")
+    assert code == 0 and "wrote onnx export" in out, err
+    texts = ["stock market bank", "goal match team player player goal", "vote"]
+    clf = fh.Classifier.from_pretrained(run)
+    enc = AutoTokenizer.from_pretrained(tmp_path / "onnx")(texts, padding=True, return_tensors="np")
+    sess = ort.InferenceSession(str(tmp_path / "onnx" / "model.onnx"), providers=["CPUExecutionProvider"])
+    got = sess.run(["logits"], {i.name: enc[i.name].astype(np.int64) for i in sess.get_inputs()})[0]
+    np.testing.assert_allclose(got, clf.predict(texts).logits, atol=1e-4, rtol=0)
+    import json
+
+    cfg = json.loads((tmp_path / "onnx" / "config.json").read_text())
+    assert [cfg["id2label"][str(i)] for i in range(3)] == [clf.id2label[i] for i in range(3)]
