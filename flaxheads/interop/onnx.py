@@ -101,6 +101,7 @@ def export_onnx(model, out: str | os.PathLike, *, params: Mapping | None = None,
                                   os.path.join(o, ONNX_FILE), input_names=names, output_names=["logits"],
                                   dynamic_axes={**axes, "logits": {0: "batch"}}, opset_version=OPSET, dynamo=False)
             cfg = read_json(os.path.join(pt_dir, "config.json"))
+            cfg.pop("auto_map", None)  # no Python code here: AutoTokenizer must not ask to run any
             cfg.setdefault("threshold", 0.5 if threshold is None else float(threshold))
             cfg["onnx_inputs"] = names
             write_json(os.path.join(o, "config.json"), cfg)

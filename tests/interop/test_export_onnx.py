@@ -40,6 +40,7 @@ def test_onnxruntime_logits_equal_flaxheads(arch, side, pooler, head, options, t
     fh.export_onnx(model, tmp_path / "onnx")
     cfg = json.loads((tmp_path / "onnx" / "config.json").read_text())
     assert cfg["id2label"] == {"0": "x", "1": "y", "2": "z"} and cfg["problem_type"] == model.problem_type
+    assert "auto_map" not in cfg and not (tmp_path / "onnx" / "modeling_flaxheads.py").exists()
     names = cfg["onnx_inputs"]
     assert names[:2] == ["input_ids", "attention_mask"]
     ids, mask = padded_batch(arch, model.backbone.config, side)  # 3 x 9, traced with 2 x 8
