@@ -99,7 +99,9 @@ def exportable_family(arch: str | None) -> type[Backbone] | None:
 
 
 def check_transformers_exportable(model) -> PresetMatch:
-    """The model's exact HF preset match; :class:`ExportError` unless it has a PyTorch class to load into."""
+    """The model's exact HF preset match; :class:`ExportError` unless it is an HF class (what a PEFT
+    adapter folder and the preset layout need; :func:`export_transformers` writes the others with
+    flaxheads' own PyTorch code)."""
     if getattr(model, "backbone", None) is None:
         raise ExportError(f"a transformers export needs the backbone weights; this source has only a head. "
                           f"{_OTHER_FORMATS}")
@@ -110,10 +112,12 @@ def check_transformers_exportable(model) -> PresetMatch:
             f"the head ({kind}) on this {model.model_type} backbone is not the Hugging Face "
             f"{model.model_type} sequence-classification head, so no PyTorch XForSequenceClassification "
             f"class can load it (HF-exact presets with a JAX backbone: "
-            f"{sorted(a for a in PRESETS if exportable_family(a))}). {_OTHER_FORMATS}")
+            f"{sorted(a for a in PRESETS if exportable_family(a))}). Export the whole model with "
+            f"format='transformers' (flaxheads' own PyTorch code, trust_remote_code=True) instead.")
     if not match.exact:
         raise ExportError(f"{match.preset.hf_class} pools by {match.preset.pool_mask!r} but this model pools by "
-                          f"{model.pool_mask!r}: PyTorch would give other logits. {_OTHER_FORMATS}")
+                          f"{model.pool_mask!r}: PyTorch would give other logits. Export the whole model with "
+                          "format='transformers' (flaxheads' own PyTorch code, trust_remote_code=True) instead.")
     return match
 
 
@@ -212,9 +216,12 @@ def _classifier_config(folder: str) -> HFConfig:
 def load_transformers(folder: str | os.PathLike, *, allow_new_head: bool = False, **options) -> SequenceModel:
     """A trained PyTorch ``XForSequenceClassification`` folder as a flaxheads model with the same logits.
 
-    The ``config.json`` must name the preset's PyTorch class in ``architectures`` and the
-    weights must contain every head module (else the folder is a base model: pass
-    ``allow_new_head=True`` or use :func:`flaxheads.from_pretrained`). ``options`` go to
+    A folder flaxheads exported with its own PyTorch code (``model_type: flaxheads``) is read from
+    ``config.json`` and the weights (its Python file is never run); a PEFT adapter folder goes to
+    :func:`~flaxheads.interop.peft.load_peft` (``backbone=``: its base folder). Otherwise the
+    ``config.json`` must name the preset's PyTorch class in ``architectures`` and the weights must
+    contain every head module (else the folder is a base model: pass ``allow_new_head=True`` or use
+    :func:`flaxheads.from_pretrained`). ``options`` go to
     :func:`flaxheads.from_pretrained` (``dtype``, ``ignore_mismatched_sizes``, ...)."""
     folder = os.fspath(folder)
     if os.path.isfile(os.path.join(folder, "adapter_config.json")):
