@@ -96,7 +96,8 @@ def train_config(args: argparse.Namespace) -> loop.TrainConfig:
 
 def optim_config(args: argparse.Namespace, n_train: int, tcfg: loop.TrainConfig, frozen: bool) -> OptimConfig:
     """AdamW settings; the schedule counts optimizer steps (micro-steps / accumulation steps)."""
-    lr = args.lr if args.lr is not None else LORA_LR if trains_adapters(args) else DEFAULTS["probe_lr" if frozen else "lr"]
+    default_lr = LORA_LR if trains_adapters(args) else DEFAULTS["probe_lr" if frozen else "lr"]
+    lr = args.lr if args.lr is not None else default_lr
     head_lr = args.head_lr if args.head_lr is not None else (lr if frozen else DEFAULTS["head_lr"])
     opt_steps = max(loop.total_steps(n_train, tcfg) // args.accumulation_steps, 1)
     return OptimConfig(learning_rate=lr, head_learning_rate=head_lr, weight_decay=args.weight_decay,
@@ -122,8 +123,8 @@ def adapter_model(args: argparse.Namespace, path: str, space: LabelSpace, plan: 
     model = load_peft(args.lora_from, backbone=path, id2label=space.id2label if space.names else None,
                       problem_type=space.problem_type, dtype=plan.precision.dtype, plan=plan)
     if model.num_labels != space.num_labels:
-        raise UsageError(f"--lora-from {args.lora_from}: the adapter's classifier has {model.num_labels} outputs but the "
-                         f"data has {space.num_labels} labels; continue it on data with the same labels")
+        raise UsageError(f"--lora-from {args.lora_from}: the adapter's classifier has {model.num_labels} outputs but "
+                         f"the data has {space.num_labels} labels; continue it on data with the same labels")
     return model
 
 

@@ -36,7 +36,8 @@ from ..backbones.weights import head_from_hf, head_to_hf, read_torch_bin
 from ..errors import FlaxheadsError
 from ..lora import A, B, LORA, LoraConfig, adapter_modules, check_adapters, kernel_modules, kernels_out_in
 from ..presets import preset_for
-from .files import ExportError, ModelImportError, TOKENIZER_FILES, atomic_dir, np_tree, read_json, save_safetensors, write_json
+from .files import (ExportError, ModelImportError, TOKENIZER_FILES, atomic_dir, np_tree, read_json, save_safetensors,
+                    write_json)
 from .transformers import backbone_state_dict, check_transformers_exportable, exportable_family, read_config
 
 ADAPTER_CONFIG = "adapter_config.json"

@@ -72,7 +72,7 @@ def config_dict(model, *, threshold: float = 0.5) -> dict:
             "num_labels": model.num_labels, "id2label": {str(i): labels[i] for i in sorted(labels)},
             "label2id": {labels[i]: i for i in sorted(labels)}, "problem_type": model.problem_type,
             "torch_dtype": "float32", "flaxheads_version": __version__,
-            **({"transformers_version": backbone["transformers_version"]} if "transformers_version" in backbone else {})}
+            **{k: backbone[k] for k in ("transformers_version",) if k in backbone}}
 
 
 def state_dict(model, params: Mapping | None = None) -> dict[str, np.ndarray]:
@@ -90,7 +90,8 @@ def write_folder(model, folder: str, *, params: Mapping | None = None, threshold
     check_expressible(model)
     if threshold is not None and not 0.0 < float(threshold) < 1.0:
         raise ExportError(f"threshold must be between 0 and 1 (exclusive), got {threshold}")
-    write_json(os.path.join(folder, "config.json"), config_dict(model, threshold=0.5 if threshold is None else threshold))
+    cfg = config_dict(model, threshold=0.5 if threshold is None else threshold)
+    write_json(os.path.join(folder, "config.json"), cfg)
     save_safetensors(state_dict(model, params), os.path.join(folder, "model.safetensors"))
     shutil.copyfile(code_path(), os.path.join(folder, CODE_FILE))
 

@@ -228,6 +228,10 @@ def load_transformers(folder: str | os.PathLike, *, allow_new_head: bool = False
         from .peft import load_peft  # a PEFT adapter on its base folder
 
         return load_peft(folder, **options)
+    if os.path.isfile(os.path.join(folder, "model.onnx")) and not any(
+            os.path.isfile(os.path.join(folder, w)) for w in WEIGHT_FILES):
+        raise ModelImportError(f"{folder} is an ONNX export (model.onnx, no weights flaxheads reads): serve it with "
+                               "onnxruntime; to load the model in flaxheads use the run or the transformers export")
     cfg = _classifier_config(folder)
     if remote_code.is_flaxheads_config(cfg):
         check_weights_present(folder)

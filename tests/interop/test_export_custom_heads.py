@@ -128,7 +128,8 @@ def test_folder_contents_and_import_without_its_code(folders, tmp_path):
                                           problem_type=fh.MULTI_LABEL))
     fh.export_transformers(model, tmp_path / "out", threshold=0.3)
     raw = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert raw["auto_map"]["AutoModelForSequenceClassification"] == "modeling_flaxheads.FlaxheadsForSequenceClassification"
+    model_class = raw["auto_map"]["AutoModelForSequenceClassification"]
+    assert model_class == "modeling_flaxheads.FlaxheadsForSequenceClassification"
     assert raw["id2label"] == {"0": "a", "1": "b", "2": "c"} and raw["label2id"] == {"a": 0, "b": 1, "c": 2}
     assert raw["problem_type"] == "multi_label_classification" and raw["threshold"] == 0.3
     assert raw["backbone_hf_config"]["model_type"] == "bert"
