@@ -11,7 +11,7 @@ from .. import (export_head, export_sentence_transformers, export_transformers, 
 from ..checkpoint import is_checkpoint_folder
 from ..errors import UsageError
 from ..interop.onnx import export_onnx
-from ..interop.peft import export_peft
+from ..interop.peft import export_peft, is_adapter_folder
 from ..predict.sources import run_config
 from . import flags
 
@@ -23,7 +23,7 @@ _FILE_KEYS = ("format", "flaxheads_version", "sequence_head", "hf_names", "param
 
 def _is_model_folder(path: str) -> bool:
     return not is_checkpoint_folder(path) and any(os.path.isfile(os.path.join(path, f))
-                                                   for f in ("config.json", "modules.json"))
+                                                   for f in ("config.json", "modules.json", "adapter_config.json"))
 
 
 def _check_paths(args: argparse.Namespace) -> None:
@@ -75,7 +75,12 @@ def run_export(args: argparse.Namespace) -> int:
         out = export_head(head, args.out, params=params, meta=meta, hf_names=[tuple(x) for x in cfg["hf_names"]],
                           **common)
     else:
-        source = import_model(src) if _is_model_folder(src) else _from_checkpoint(args)
+        if _is_model_folder(src):
+            # a PEFT adapter folder loads on its base: --backbone, else the one it names
+            source = import_model(src, **({"backbone": args.backbone} if is_adapter_folder(src) and args.backbone
+                                          else {}))
+        else:
+            source = _from_checkpoint(args)
         if args.peft:
             out = export_peft(_with_adapters(source, args), args.out, **common)
         elif args.format == "head":
@@ -109,8 +114,8 @@ def add_export_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--step", type=flags.step_spec, default=None,
                    help="checkpoint step: an integer, 'latest' (default) or 'best'")
     p.add_argument("--backbone", default=None,
-                   help="backbone folder for a checkpoint that did not save its (frozen) backbone; default: the "
-                        "backbone_name_or_path recorded in the checkpoint's meta")
+                   help="backbone folder for a checkpoint that did not save its (frozen) backbone, or base model "
+                        "folder of a PEFT adapter; default: the one the checkpoint's meta or the adapter names")
     p.add_argument("--tokenizer", default=None, help="folder to copy tokenizer files from (default: the backbone's)")
     p.add_argument("--pooling-format", default="legacy", choices=("legacy", "v6"),
                    help="sentence-transformers Pooling config: legacy pooling_mode_* keys (every ST version) or "

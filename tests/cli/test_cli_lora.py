@@ -129,6 +129,11 @@ def test_predict_from_a_peft_adapter(peft_adapter, tmp_path, capsys, monkeypatch
         ref = pm(**enc).logits.numpy()
     pred = clf.predict(texts)
     np.testing.assert_allclose(pred.logits, ref, atol=1e-5, rtol=0)
+    code, _, err = run_cli(capsys, "export", "--from", folder, "--format", "transformers", "--out", tmp_path / "pt")
+    assert code == 0, err  # the adapter merged into its base, as the HF class
+    with torch.no_grad():
+        merged = AutoModelForSequenceClassification.from_pretrained(tmp_path / "pt").eval()(**enc).logits.numpy()
+    np.testing.assert_allclose(merged, ref, atol=1e-5, rtol=0)
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(("\n".join(texts) + "\n").encode())))
     code, stdout, err = run_cli(capsys, "predict", folder, "--input", "-")
     assert code == 0, err
