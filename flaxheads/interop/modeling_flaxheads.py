@@ -367,8 +367,8 @@ class FlaxheadsForSequenceClassification(PreTrainedModel):
             problem = ("regression" if self.num_labels == 1 else "single_label_classification"
                        if labels.dtype in (torch.long, torch.int) else "multi_label_classification")
         if problem == "regression":
-            return F.mse_loss(logits.squeeze(-1) if self.num_labels == 1 else logits,
-                              labels.float().view_as(logits.squeeze(-1) if self.num_labels == 1 else logits))
+            out = logits.squeeze(-1) if self.num_labels == 1 else logits
+            return F.mse_loss(out, labels.float().view_as(out))
         if problem == "single_label_classification":
             return F.cross_entropy(logits.view(-1, self.num_labels), labels.view(-1))
         return F.binary_cross_entropy_with_logits(logits, labels.float())

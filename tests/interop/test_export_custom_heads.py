@@ -121,8 +121,9 @@ def test_one_combination_per_family(folders, tmp_path, arch):
 
 
 def test_folder_contents_and_import_without_its_code(folders, tmp_path):
-    """config.json names the code and the labels; flaxheads reads the folder back with the Python file
-    gone (it never runs it); a multi-label threshold is recorded and read back."""
+    """config.json names the code and the labels; PyTorch trains the folder with transformers' loss;
+    flaxheads reads it back with the Python file gone (it never runs it); the multi-label threshold
+    is recorded."""
     src, cfg = folders("bert")
     model = _perturbed(fh.from_pretrained(src, pooler="max", head="mlp", id2label=["a", "b", "c"],
                                           problem_type=fh.MULTI_LABEL))
@@ -135,10 +136,18 @@ def test_folder_contents_and_import_without_its_code(folders, tmp_path):
     assert raw["backbone_hf_config"]["model_type"] == "bert"
     pt = AutoModelForSequenceClassification.from_pretrained(tmp_path / "out", trust_remote_code=True)
     assert pt.config.id2label == {0: "a", 1: "b", 2: "c"} and pt.config.threshold == 0.3
+    # it trains in PyTorch: transformers' multi-label loss (BCE with logits), gradients down to the embeddings
+    ids, mask = padded_batch("bert", cfg)
+    labels = np.array([[1, 0, 1], [0, 0, 1], [1, 1, 0]], np.float32)
+    out = pt.train()(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), labels=torch.tensor(labels))
+    z = out.logits.detach().numpy()
+    bce = np.mean(np.maximum(z, 0) - z * labels + np.log1p(np.exp(-np.abs(z))))
+    assert float(out.loss) == pytest.approx(bce, rel=1e-5)
+    out.loss.backward()
+    assert pt.backbone.embeddings.word_embeddings.weight.grad.abs().sum() > 0
 
     os.remove(tmp_path / "out" / CODE_FILE)
     back = fh.load_transformers(tmp_path / "out")
-    ids, mask = padded_batch("bert", cfg)
     np.testing.assert_array_equal(np.asarray(back.apply(back.params, ids, mask)),
                                   np.asarray(model.apply(model.params, ids, mask)))
     assert back.id2label == {0: "a", 1: "b", 2: "c"} and back.problem_type == fh.MULTI_LABEL
