@@ -70,16 +70,50 @@ def _logits_module(pt, names: list[str]):
     import torch
 
     class Logits(torch.nn.Module):
-        """Positional inputs in ``names`` order -> logits (the graph's one output)."""
+        """The graph's inputs (``names``, in order) -> logits, its one output."""
 
         def __init__(self):
             super().__init__()
             self.model = pt
 
-        def forward(self, *inputs):
-            return self.model(**dict(zip(names, inputs)), return_dict=True).logits
+        def forward(self, input_ids, attention_mask, token_type_ids=None):
+            inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": token_type_ids}
+            return self.model(**{n: inputs[n] for n in names}, return_dict=True).logits
 
     return Logits().eval()
+
+
+def trace(pt, names: list[str], example: tuple, path: str) -> None:
+    """``model.onnx`` of ``pt`` with dynamic batch and sequence axes.
+
+    The TorchScript exporter first: it traces in well under a second into plain operators. Where the
+    model's code is beyond a trace (transformers 4.57 builds decoders' causal masks with ``vmap``),
+    the ``torch.export`` based exporter, which takes seconds to minutes but follows such code."""
+    import torch
+
+    module = _logits_module(pt, names)
+    axes = {n: {0: "batch", 1: "sequence"} for n in names}
+    common = dict(input_names=names, output_names=["logits"], opset_version=OPSET)
+    with torch.no_grad(), warnings.catch_warnings():
+        # the tracer's notes on Python-side checks in transformers' code: the graph is checked against
+        # flaxheads on other shapes than the traced one (tests/interop/test_export_onnx.py)
+        warnings.simplefilter("ignore")
+        try:
+            torch.onnx.export(module, example, path, dynamic_axes={**axes, "logits": {0: "batch"}}, dynamo=False,
+                              **common)
+            return
+        except Exception as e:  # noqa: BLE001 - any tracing failure: the other exporter decides
+            first = f"{type(e).__name__}: {str(e)[:200]}"
+        batch, seq = torch.export.Dim("batch"), torch.export.Dim("sequence")
+        shapes = {n: {0: batch, 1: seq} for n in ("input_ids", "attention_mask", "token_type_ids") if n in names}
+        try:
+            # weights beside the graph (model.onnx.data) only past protobuf's 2 GB limit
+            big = sum(p.numel() * p.element_size() for p in pt.parameters()) > 1.8e9
+            torch.onnx.export(module, example, path, dynamic_shapes=shapes, dynamo=True, external_data=big,
+                              **common)
+        except Exception as e:  # noqa: BLE001
+            raise ExportError(f"torch.onnx cannot export this {type(pt).__name__}: TorchScript exporter: {first}; "
+                              f"dynamo exporter: {type(e).__name__}: {str(e)[:200]}") from None
 
 
 def export_onnx(model, out: str | os.PathLike, *, params: Mapping | None = None,
@@ -89,21 +123,14 @@ def export_onnx(model, out: str | os.PathLike, *, params: Mapping | None = None,
 
     Any model :func:`~flaxheads.interop.transformers.export_transformers` writes (HF presets and any
     other pooler + head on a native backbone); ``threshold``: the multi-label threshold recorded."""
-    torch = _torch()
+    _torch()
     with tempfile.TemporaryDirectory() as tmp:
         pt_dir = os.path.join(tmp, "pt")
         export_transformers(model, pt_dir, params=params, tokenizer_from=tokenizer_from, threshold=threshold)
         pt = torch_model(pt_dir)
         names = input_names(model.backbone.config)
-        axes = {n: {0: "batch", 1: "sequence"} for n in names}
         with atomic_dir(out, overwrite) as o:
-            with torch.no_grad(), warnings.catch_warnings():
-                # the tracer's notes on Python-side checks in transformers' code: the graph is checked
-                # against flaxheads on other shapes than the traced one (tests/interop/test_export_onnx.py)
-                warnings.simplefilter("ignore")
-                torch.onnx.export(_logits_module(pt, names), _example(names, int(model.backbone.config.vocab_size)),
-                                  os.path.join(o, ONNX_FILE), input_names=names, output_names=["logits"],
-                                  dynamic_axes={**axes, "logits": {0: "batch"}}, opset_version=OPSET, dynamo=False)
+            trace(pt, names, _example(names, int(model.backbone.config.vocab_size)), os.path.join(o, ONNX_FILE))
             cfg = read_json(os.path.join(pt_dir, "config.json"))
             cfg.pop("auto_map", None)  # no Python code here: AutoTokenizer must not ask to run any
             cfg.setdefault("threshold", 0.5 if threshold is None else float(threshold))
