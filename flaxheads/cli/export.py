@@ -106,7 +106,7 @@ def add_export_command(sub: argparse._SubParsersAction) -> None:
                     "JSON config (any head) or ONNX for onnxruntime. Needs no torch, except ONNX.")
     p.add_argument("--from", dest="src", required=True,
                    help="a run folder, an Orbax checkpoint folder (root or one step), a transformers / "
-                        "sentence-transformers model folder, or a head export")
+                        "sentence-transformers model folder, a PEFT LoRA adapter folder, or a head export")
     p.add_argument("--format", required=True, choices=("transformers", "sentence-transformers", "head", "onnx"),
                    help="transformers: a PyTorch folder; sentence-transformers; head: head.safetensors + config "
                         "(any head, no backbone); onnx: model.onnx + config + tokenizer for onnxruntime (needs torch)")
