@@ -11,7 +11,8 @@ from .interop import (ExportError, ModelImportError, export_head, export_sentenc
 from .interop.tokenizers import Tokenizer, TokenizerError, load_tokenizer
 from . import lora
 from .checkpoint.adapters import load_adapters
-from .interop.peft import export_peft
+from .interop.onnx import export_onnx
+from .interop.peft import export_peft, load_peft
 from .lora import LoraConfig, merge_model
 from .losses import (MULTI_LABEL, REGRESSION, SINGLE_LABEL, infer_problem_type, loss_fn, mean_squared_error,
                      sigmoid_binary_cross_entropy, softmax_cross_entropy, validate_labels)
@@ -35,6 +36,7 @@ __all__ = [
     "SequenceHead", "SequenceModel", "SequenceSummary", "build_head", "describe", "from_dict", "from_json",
     "from_pretrained", "infer_problem_type", "load_backbone", "loss_fn", "make_head", "make_pooler",
     "mean_squared_error", "preset_for", "sigmoid_binary_cross_entropy", "softmax_cross_entropy", "to_dict",
-    "to_json", "validate_labels", "lora", "LoraConfig", "merge_model", "export_peft", "load_adapters",
+    "to_json", "validate_labels", "lora", "LoraConfig", "merge_model", "export_peft", "export_onnx", "load_peft",
+    "load_adapters",
     "Classifier", "Predictions", "FlaxheadsError", "ComputePlan",
 ]

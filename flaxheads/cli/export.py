@@ -11,7 +11,9 @@ from .. import (export_head, export_sentence_transformers, export_transformers, 
 from ..checkpoint import is_checkpoint_folder
 from ..errors import UsageError
 from ..interop.files import MARKER, OutputExistsError, has_marker
-from ..interop.peft import export_peft
+from ..interop.onnx import export_onnx
+from ..interop.peft import export_peft, is_adapter_folder
+from ..predict.sources import run_config
 from ..preflight import check_folder, export_bytes, with_margin
 from . import flags
 
@@ -23,7 +25,7 @@ _FILE_KEYS = ("format", "flaxheads_version", "sequence_head", "hf_names", "param
 
 def _is_model_folder(path: str) -> bool:
     return not is_checkpoint_folder(path) and any(os.path.isfile(os.path.join(path, f))
-                                                   for f in ("config.json", "modules.json"))
+                                                   for f in ("config.json", "modules.json", "adapter_config.json"))
 
 
 def _check_paths(args: argparse.Namespace) -> None:
@@ -62,6 +64,13 @@ def _with_adapters(source, args: argparse.Namespace):
     return source
 
 
+def _run_threshold(src: str) -> float | None:
+    """The multi-label threshold the run that saved ``src`` trained with (None for other sources)."""
+    if not is_checkpoint_folder(src):
+        return None
+    return (run_config(src).get("train") or {}).get("threshold")
+
+
 def run_export(args: argparse.Namespace) -> int:
     """Load the source (model folder, head export or checkpoint) and write it in ``--format``."""
     _check_paths(args)
@@ -78,13 +87,19 @@ def run_export(args: argparse.Namespace) -> int:
         out = export_head(head, args.out, params=params, meta=meta, hf_names=[tuple(x) for x in cfg["hf_names"]],
                           **common)
     else:
-        source = import_model(src) if _is_model_folder(src) else _from_checkpoint(args)
+        if _is_model_folder(src):
+            # a PEFT adapter folder loads on its base: --backbone, else the one it names
+            source = import_model(src, **({"backbone": args.backbone} if is_adapter_folder(src) and args.backbone
+                                          else {}))
+        else:
+            source = _from_checkpoint(args)
         if args.peft:
             out = export_peft(_with_adapters(source, args), args.out, **common)
         elif args.format == "head":
             out = export_head(source, args.out, **common)
-        elif args.format == "transformers":
-            out = export_transformers(source, args.out, tokenizer_from=args.tokenizer, **common)
+        elif args.format in ("transformers", "onnx"):
+            write = export_transformers if args.format == "transformers" else export_onnx
+            out = write(source, args.out, tokenizer_from=args.tokenizer, threshold=_run_threshold(src), **common)
         else:
             out = export_sentence_transformers(source, args.out, tokenizer_from=args.tokenizer,
                                                pooling_format=args.pooling_format,
@@ -97,19 +112,22 @@ def add_export_command(sub: argparse._SubParsersAction) -> None:
     """Register ``flaxheads export``."""
     p = sub.add_parser(
         "export", help="export a model or head to PyTorch layouts",
-        description="Export to the PyTorch transformers layout (HF-exact heads), the sentence-transformers layout "
-                    "(pooling + dense layers + normalize) or a head-only safetensors + JSON config (any head). "
-                    "Needs no torch.")
+        description="Export to the PyTorch transformers layout (HF-exact heads as their own classes, any other "
+                    "pooler + head with flaxheads' PyTorch code: load with trust_remote_code=True), the "
+                    "sentence-transformers layout (pooling + dense layers + normalize), a head-only safetensors + "
+                    "JSON config (any head) or ONNX for onnxruntime. Needs no torch, except ONNX.")
     p.add_argument("--from", dest="src", required=True,
                    help="a run folder, an Orbax checkpoint folder (root or one step), a transformers / "
-                        "sentence-transformers model folder, or a head export")
-    p.add_argument("--format", required=True, choices=("transformers", "sentence-transformers", "head"))
+                        "sentence-transformers model folder, a PEFT LoRA adapter folder, or a head export")
+    p.add_argument("--format", required=True, choices=("transformers", "sentence-transformers", "head", "onnx"),
+                   help="transformers: a PyTorch folder; sentence-transformers; head: head.safetensors + config "
+                        "(any head, no backbone); onnx: model.onnx + config + tokenizer for onnxruntime (needs torch)")
     p.add_argument("--out", required=True, help="output folder (must not exist or be empty, unless --overwrite)")
     p.add_argument("--step", type=flags.step_spec, default=None,
                    help="checkpoint step: an integer, 'latest' (default) or 'best'")
     p.add_argument("--backbone", default=None,
-                   help="backbone folder for a checkpoint that did not save its (frozen) backbone; default: the "
-                        "backbone_name_or_path recorded in the checkpoint's meta")
+                   help="backbone folder for a checkpoint that did not save its (frozen) backbone, or base model "
+                        "folder of a PEFT adapter; default: the one the checkpoint's meta or the adapter names")
     p.add_argument("--tokenizer", default=None, help="folder to copy tokenizer files from (default: the backbone's)")
     p.add_argument("--pooling-format", default="legacy", choices=("legacy", "v6"),
                    help="sentence-transformers Pooling config: legacy pooling_mode_* keys (every ST version) or "

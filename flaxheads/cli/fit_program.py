@@ -15,6 +15,7 @@ import numpy as np
 from .. import __version__
 from ..errors import UsageError
 from ..hub import PACKAGED_MODEL, resolve_model_source
+from ..interop.peft import load_peft
 from ..interop.tokenizers import load_tokenizer, model_max_positions
 from ..batching import make_buckets
 from ..model import SequenceModel, from_pretrained
@@ -30,7 +31,7 @@ from ..training.optim import OptimConfig, count_params
 from ..training.packing import AUTO_PACK_SHARE, packed_slot_share
 from ..training.preemption import SignalWatch, StopOnSignal
 from ..training.memory import memory_report
-from .lora_flags import LORA_LR, with_lora_flags
+from .lora_flags import LORA_LR, trains_adapters, with_lora_flags
 from .resume import best_metric, open_checkpoints
 from .run_folder import RunFolder
 
@@ -97,7 +98,8 @@ def train_config(args: argparse.Namespace) -> loop.TrainConfig:
 
 def optim_config(args: argparse.Namespace, n_train: int, tcfg: loop.TrainConfig, frozen: bool) -> OptimConfig:
     """AdamW settings; the schedule counts optimizer steps (micro-steps / accumulation steps)."""
-    lr = args.lr if args.lr is not None else LORA_LR if args.lora_rank else DEFAULTS["probe_lr" if frozen else "lr"]
+    default_lr = LORA_LR if trains_adapters(args) else DEFAULTS["probe_lr" if frozen else "lr"]
+    lr = args.lr if args.lr is not None else default_lr
     head_lr = args.head_lr if args.head_lr is not None else (lr if frozen else DEFAULTS["head_lr"])
     opt_steps = max(loop.total_steps(n_train, tcfg) // args.accumulation_steps, 1)
     return OptimConfig(learning_rate=lr, head_learning_rate=head_lr, weight_decay=args.weight_decay,
@@ -107,6 +109,8 @@ def optim_config(args: argparse.Namespace, n_train: int, tcfg: loop.TrainConfig,
 
 
 def build_model(args: argparse.Namespace, path: str, space: LabelSpace, plan: ComputePlan) -> SequenceModel:
+    if args.lora_from is not None:
+        return adapter_model(args, path, space, plan)
     pooler = None if args.pooler == "preset" else args.pooler.split(",") if "," in args.pooler else args.pooler
     model = from_pretrained(path, pooler=pooler, head=None if args.head == "preset" else args.head,
                             id2label=space.id2label if space.names else None, num_labels=space.num_labels,
@@ -114,6 +118,16 @@ def build_model(args: argparse.Namespace, path: str, space: LabelSpace, plan: Co
                             seed=args.seed, ignore_mismatched_sizes=True,
                             head_options={"hidden_dims": tuple(args.head_hidden)} if args.head_hidden else None)
     return with_lora_flags(args, model)
+
+
+def adapter_model(args: argparse.Namespace, path: str, space: LabelSpace, plan: ComputePlan) -> SequenceModel:
+    """``--lora-from``: the PEFT adapter folder's adapters and head on the base ``--model``."""
+    model = load_peft(args.lora_from, backbone=path, id2label=space.id2label if space.names else None,
+                      problem_type=space.problem_type, dtype=plan.precision.dtype, plan=plan)
+    if model.num_labels != space.num_labels:
+        raise UsageError(f"--lora-from {args.lora_from}: the adapter's classifier has {model.num_labels} outputs but "
+                         f"the data has {space.num_labels} labels; continue it on data with the same labels")
+    return model
 
 
 def model_positions(tok, model: SequenceModel) -> int | None:

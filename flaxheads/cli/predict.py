@@ -37,9 +37,12 @@ from .run_folder import RunFolder, scalars
 
 def _source_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("source", metavar="SOURCE", help="run folder, checkpoint folder, transformers or "
-                   "sentence-transformers folder, head export (with --backbone), or hub id (org/name)")
+                   "sentence-transformers folder, head export or PEFT LoRA adapter folder (with --backbone, "
+                   "default: the one it names), or hub id (org/name)")
     p.add_argument("--step", type=flags.step_spec, default=None, help="a run's checkpoint: latest (default), best, N")
-    p.add_argument("--backbone", default=None, help="backbone folder of a head export (default: the one it names)")
+    p.add_argument("--backbone", default=None,
+                   help="backbone folder of a head export, or base model folder of a PEFT adapter (default: the one "
+                        "it names)")
     p.add_argument("--batch-size", type=flags.positive_int, default=32, help="texts per batch (default 32)")
     p.add_argument("--max-length", type=flags.positive_int, default=None,
                    help="tokens per text (default: the run's --max-length, else the model's maximum)")

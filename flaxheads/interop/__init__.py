@@ -1,6 +1,7 @@
 """Import and export of the formats flaxheads reads and writes, one module per format:
 :mod:`.transformers` (``XForSequenceClassification`` folders), :mod:`.sentence_transformers`,
-:mod:`.head_files` (``head.safetensors`` + ``head_config.json``); :mod:`.tokenizers` loads a
+:mod:`.head_files` (``head.safetensors`` + ``head_config.json``), :mod:`.peft` (LoRA adapter folders),
+:mod:`.onnx` (``model.onnx`` for serving); :mod:`.tokenizers` loads a
 folder's tokenizer without transformers; :mod:`.files` holds what they share."""
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from .head_files import HEAD_CONFIG, export_head, load_head_export
 from .sentence_transformers import export_sentence_transformers, load_sentence_transformers
 from .transformers import export_transformers, load_transformers
 
-FORMATS = ("transformers", "sentence-transformers", "head")
+FORMATS = ("transformers", "sentence-transformers", "head", "onnx")
 
 
 def import_model(folder: str | os.PathLike, **options) -> SequenceModel:
@@ -24,13 +25,17 @@ def import_model(folder: str | os.PathLike, **options) -> SequenceModel:
 
 
 def export(source, out: str | os.PathLike, format: str = "transformers", **options) -> str:  # noqa: A002
-    """Export ``source`` in ``format`` (``transformers``, ``sentence-transformers``, ``head``)."""
+    """Export ``source`` in ``format`` (``transformers``, ``sentence-transformers``, ``head``, ``onnx``)."""
     if format == "transformers":
         return export_transformers(source, out, **options)
     if format in ("sentence-transformers", "sentence_transformers", "st"):
         return export_sentence_transformers(source, out, **options)
     if format == "head":
         return export_head(source, out, **options)
+    if format == "onnx":
+        from .onnx import export_onnx
+
+        return export_onnx(source, out, **options)
     raise ExportError(f"unknown export format {format!r}; valid formats: {FORMATS}")
 
 

@@ -1,10 +1,13 @@
-"""The PyTorch ``transformers`` folder (``config.json`` + ``model.safetensors`` + tokenizer files) of an
-``XForSequenceClassification``, both ways, with numpy only (no torch, no transformers classes).
+"""The PyTorch ``transformers`` folder (``config.json`` + ``model.safetensors`` + tokenizer files) of a
+sequence classifier, both ways, with numpy only (no torch, no transformers classes).
 
 Export writes a folder ``AutoModelForSequenceClassification.from_pretrained`` loads with no
-missing or unexpected keys, for models whose pooler + head + pool mask is exactly an HF preset
-(:func:`flaxheads.presets.match_preset`). Import reads such a folder back with the same logits;
-weights come from safetensors, or ``pytorch_model.bin`` through ``torch.load(weights_only=True)``.
+missing or unexpected keys. A model whose pooler + head + pool mask is exactly an HF preset
+(:func:`flaxheads.presets.match_preset`) becomes that preset's ``XForSequenceClassification``;
+any other pooler + head on a native backbone becomes a folder with flaxheads' own PyTorch code
+(:mod:`.remote_code`, loaded with ``trust_remote_code=True``). Import reads both back with the
+same logits (never running a folder's Python file); weights come from safetensors, or
+``pytorch_model.bin`` through ``torch.load(weights_only=True)``.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from ..backbones.registry import family_for
 from ..backbones.weights import BIN, BIN_INDEX, SAFE, SAFE_INDEX, head_to_hf
 from ..model import SequenceModel, from_pretrained
 from ..presets import PRESETS, PresetMatch, match_preset, preset_for
+from . import remote_code
 from .files import (ExportError, ImportNotFoundError, ModelImportError, atomic_dir, backbone_config_dict, copy_tokenizer, flatten,
                     flax_to_pytorch_names, np_tree, read_json, save_safetensors, write_json)
 
@@ -95,7 +99,9 @@ def exportable_family(arch: str | None) -> type[Backbone] | None:
 
 
 def check_transformers_exportable(model) -> PresetMatch:
-    """The model's exact HF preset match; :class:`ExportError` unless it has a PyTorch class to load into."""
+    """The model's exact HF preset match; :class:`ExportError` unless it is an HF class (what a PEFT
+    adapter folder and the preset layout need; :func:`export_transformers` writes the others with
+    flaxheads' own PyTorch code)."""
     if getattr(model, "backbone", None) is None:
         raise ExportError(f"a transformers export needs the backbone weights; this source has only a head. "
                           f"{_OTHER_FORMATS}")
@@ -106,11 +112,30 @@ def check_transformers_exportable(model) -> PresetMatch:
             f"the head ({kind}) on this {model.model_type} backbone is not the Hugging Face "
             f"{model.model_type} sequence-classification head, so no PyTorch XForSequenceClassification "
             f"class can load it (HF-exact presets with a JAX backbone: "
-            f"{sorted(a for a in PRESETS if exportable_family(a))}). {_OTHER_FORMATS}")
+            f"{sorted(a for a in PRESETS if exportable_family(a))}). Export the whole model with "
+            f"format='transformers' (flaxheads' own PyTorch code, trust_remote_code=True) instead.")
     if not match.exact:
         raise ExportError(f"{match.preset.hf_class} pools by {match.preset.pool_mask!r} but this model pools by "
-                          f"{model.pool_mask!r}: PyTorch would give other logits. {_OTHER_FORMATS}")
+                          f"{model.pool_mask!r}: PyTorch would give other logits. Export the whole model with "
+                          "format='transformers' (flaxheads' own PyTorch code, trust_remote_code=True) instead.")
     return match
+
+
+PRESET, CUSTOM = "preset", "custom"
+
+
+def transformers_layout(model) -> str:
+    """THE decision which transformers folder ``model`` becomes: :data:`PRESET` (the HF
+    ``XForSequenceClassification`` it exactly is) or :data:`CUSTOM` (flaxheads' own PyTorch code,
+    any pooler + head on a native backbone); :class:`ExportError` when it can be neither."""
+    if getattr(model, "backbone", None) is None:
+        raise ExportError(f"a transformers export needs the backbone weights; this source has only a head. "
+                          f"{_OTHER_FORMATS}")
+    match = _match(model)
+    if match.exact and exportable_family(match.arch) is not None:
+        return PRESET
+    remote_code.check_expressible(model)
+    return CUSTOM
 
 
 def transformers_config(model) -> dict:
@@ -137,18 +162,35 @@ def transformers_state_dict(model, params: Mapping | None = None) -> dict[str, n
 
 
 def export_transformers(model, out: str | os.PathLike, *, params: Mapping | None = None,
-                        tokenizer_from: str | os.PathLike | None = None, overwrite: bool = False) -> str:
-    """Write ``model`` as a PyTorch ``XForSequenceClassification`` folder; returns ``out``.
+                        tokenizer_from: str | os.PathLike | None = None, threshold: float | None = None,
+                        overwrite: bool = False) -> str:
+    """Write ``model`` as a PyTorch transformers classifier folder; returns ``out``.
 
-    Needs an HF-exact preset (pooler, head and pool mask); tokenizer files are copied from
-    ``tokenizer_from`` (default: the folder the model was loaded from) when present."""
-    state = transformers_state_dict(model, params)
-    cfg = transformers_config(model)
+    An HF-exact preset (pooler, head and pool mask) is written as its ``XForSequenceClassification``;
+    any other pooler + head on a native backbone as ``config.json`` + weights + ``modeling_flaxheads.py``
+    (load with ``trust_remote_code=True``; ``threshold``: the multi-label decision threshold it records).
+    Tokenizer files are copied from ``tokenizer_from`` (default: the folder the model was loaded from)."""
+    layout = transformers_layout(model)
+    if layout == PRESET:
+        state, cfg = transformers_state_dict(model, params), transformers_config(model)
     with atomic_dir(out, overwrite) as tmp:
-        write_json(os.path.join(tmp, "config.json"), cfg)
-        save_safetensors(state, os.path.join(tmp, "model.safetensors"))
+        if layout == PRESET:
+            write_json(os.path.join(tmp, "config.json"), cfg)
+            save_safetensors(state, os.path.join(tmp, "model.safetensors"))
+        else:
+            remote_code.write_folder(model, tmp, params=params, threshold=threshold)
         copy_tokenizer(os.fspath(tokenizer_from) if tokenizer_from else model.name_or_path, tmp)
+        if layout == CUSTOM:
+            _name_tokenizer_class(tmp)
     return os.fspath(out)
+
+
+def _name_tokenizer_class(folder: str) -> None:
+    """A fast ``tokenizer.json`` without ``tokenizer_config.json``: say its class, since ``AutoTokenizer``
+    cannot guess it from ``model_type: flaxheads``."""
+    if os.path.isfile(os.path.join(folder, "tokenizer.json")) and \
+            not os.path.isfile(os.path.join(folder, "tokenizer_config.json")):
+        write_json(os.path.join(folder, "tokenizer_config.json"), {"tokenizer_class": "PreTrainedTokenizerFast"})
 
 
 # ---- import -------------------------------------------------------------------------------------------
@@ -161,6 +203,8 @@ def _classifier_config(folder: str) -> HFConfig:
                                f"weights ({SAFE} or {BIN})")
     raw = read_json(os.path.join(folder, "config.json"))
     model_type, archs = raw.get("model_type"), raw.get("architectures") or []
+    if remote_code.is_flaxheads_config(raw):
+        return HFConfig(raw)
     if model_type not in PRESETS:
         raise ModelImportError(
             f"{folder}: unknown architecture: model_type {model_type!r} (architectures {archs}) has no "
@@ -172,12 +216,26 @@ def _classifier_config(folder: str) -> HFConfig:
 def load_transformers(folder: str | os.PathLike, *, allow_new_head: bool = False, **options) -> SequenceModel:
     """A trained PyTorch ``XForSequenceClassification`` folder as a flaxheads model with the same logits.
 
-    The ``config.json`` must name the preset's PyTorch class in ``architectures`` and the
-    weights must contain every head module (else the folder is a base model: pass
-    ``allow_new_head=True`` or use :func:`flaxheads.from_pretrained`). ``options`` go to
+    A folder flaxheads exported with its own PyTorch code (``model_type: flaxheads``) is read from
+    ``config.json`` and the weights (its Python file is never run); a PEFT adapter folder goes to
+    :func:`~flaxheads.interop.peft.load_peft` (``backbone=``: its base folder). Otherwise the
+    ``config.json`` must name the preset's PyTorch class in ``architectures`` and the weights must
+    contain every head module (else the folder is a base model: pass ``allow_new_head=True`` or use
+    :func:`flaxheads.from_pretrained`). ``options`` go to
     :func:`flaxheads.from_pretrained` (``dtype``, ``ignore_mismatched_sizes``, ...)."""
     folder = os.fspath(folder)
+    if os.path.isfile(os.path.join(folder, "adapter_config.json")):
+        from .peft import load_peft  # a PEFT adapter on its base folder
+
+        return load_peft(folder, **options)
+    if os.path.isfile(os.path.join(folder, "model.onnx")) and not any(
+            os.path.isfile(os.path.join(folder, w)) for w in WEIGHT_FILES):
+        raise ModelImportError(f"{folder} is an ONNX export (model.onnx, no weights flaxheads reads): serve it with "
+                               "onnxruntime; to load the model in flaxheads use the run or the transformers export")
     cfg = _classifier_config(folder)
+    if remote_code.is_flaxheads_config(cfg):
+        check_weights_present(folder)
+        return remote_code.load_folder(folder, cfg, **options)
     preset = preset_for(cfg, len(cfg.get("id2label") or {}) or int(cfg.get("num_labels", 2)))
     archs = cfg.get("architectures") or []
     if archs and archs[0] != preset.hf_class:

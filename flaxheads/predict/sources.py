@@ -1,6 +1,7 @@
 """Loading a model to predict with, by what its folder holds: a run folder or checkpoint
-(:func:`~flaxheads.checkpoint.model_from_checkpoint`), a head export on a backbone folder, a
-sentence-transformers folder or a transformers classifier (:func:`~flaxheads.interop.import_model`).
+(:func:`~flaxheads.checkpoint.model_from_checkpoint`), a head export on a backbone folder, a PEFT
+LoRA adapter on its base folder (:func:`~flaxheads.interop.peft.load_peft`), a sentence-transformers
+folder or a transformers classifier (:func:`~flaxheads.interop.import_model`).
 Each gives the model, its tokenizer folder and the settings it was made with (maximum length,
 buckets, threshold)."""
 from __future__ import annotations
@@ -17,6 +18,8 @@ from ..checkpoint.meta import CHECKPOINTS_SUBDIR
 from ..errors import UsageError
 from ..hub import resolve_model_source
 from ..interop import HEAD_CONFIG, import_model, load_head_export
+from ..interop.peft import adapter_tokenizer_folder, is_adapter_folder, load_peft
+from ..interop.remote_code import threshold_of
 from ..model import SequenceModel, from_pretrained
 
 
@@ -26,7 +29,7 @@ class Loaded:
 
     model: SequenceModel
     tokenizer_folder: str
-    kind: str  # "run", "head export", "sentence-transformers", "transformers"
+    kind: str  # "run", "head export", "PEFT adapter", "sentence-transformers", "transformers"
     max_length: int | None = None
     buckets: tuple[int, ...] | None = None
     threshold: float | None = None
@@ -80,7 +83,7 @@ def load_source(source: str | os.PathLike, *, step=None, backbone: str | os.Path
     """The model in ``source`` (a local folder or a hub id), with its tokenizer folder and settings.
 
     ``step``: a run's checkpoint step (an int, ``"latest"`` or ``"best"``); ``backbone``: the
-    backbone folder of a head export, or of a run whose recorded backbone moved."""
+    backbone folder of a head export or of a PEFT adapter, or of a run whose recorded backbone moved."""
     path = resolve_model_source(source, revision=revision)
     backbone = None if backbone is None else resolve_model_source(backbone, what="backbone")
     if not os.path.isdir(path):
@@ -88,6 +91,9 @@ def load_source(source: str | os.PathLike, *, step=None, backbone: str | os.Path
                          "sentence-transformers model folder, or a head export")
     if step not in (None, "latest") and not is_checkpoint_folder(path):
         raise UsageError(f"a checkpoint step ({step!r}) was given, but {path} is not a run or checkpoint folder")
+    if is_adapter_folder(path):
+        model = load_peft(path, backbone=backbone, dtype=dtype or jnp.float32)
+        return Loaded(model, adapter_tokenizer_folder(path, model.name_or_path), "PEFT adapter")
     if os.path.isfile(os.path.join(path, HEAD_CONFIG)):
         return _from_head_export(path, backbone, dtype)
     if is_checkpoint_folder(path):
@@ -99,4 +105,4 @@ def load_source(source: str | os.PathLike, *, step=None, backbone: str | os.Path
     model = import_model(path, **options)
     if os.path.isfile(os.path.join(path, "modules.json")):
         return Loaded(model, path, "sentence-transformers", _sbert_max_length(path))
-    return Loaded(model, path, "transformers")
+    return Loaded(model, path, "transformers", threshold=threshold_of(path))

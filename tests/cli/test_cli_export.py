@@ -88,10 +88,10 @@ def test_export_from_run_folder_with_trained_backbone(src, tmp_path):
 
 def test_errors_exit_2_and_write_nothing(src, tmp_path, capsys):
     model = fh.from_pretrained(src, pooler="mean", head="mlp", num_labels=3)
-    fh.save_head(tmp_path / "ckpt", model)
+    fh.export_head(model, tmp_path / "head")
     out = tmp_path / "pt"
-    code, _, err = run_cli(capsys, "export", "--from", tmp_path / "ckpt", "--format", "transformers", "--out", out)
-    assert_one_line_error(code, err, "format='head'")
+    code, _, err = run_cli(capsys, "export", "--from", tmp_path / "head", "--format", "transformers", "--out", out)
+    assert_one_line_error(code, err, "head-only export", "--format head")
     assert not out.exists()
     code, _, err = run_cli(capsys, "export", "--from", tmp_path / "nope", "--format", "head", "--out", out)
     assert_one_line_error(code, err, "--from", "does not exist")
@@ -101,8 +101,8 @@ def test_errors_exit_2_and_write_nothing(src, tmp_path, capsys):
     code, _, err = run_cli(capsys, "export", "--from", src, "--format", "transformers", "--out", tmp_path / "full")
     assert_one_line_error(code, err, "already exists and is not empty", "--overwrite")
     assert (tmp_path / "full" / "x").read_text() == "keep"
-    code, _, err = run_cli(capsys, "export", "--from", src, "--format", "onnx", "--out", out)
-    assert_one_line_error(code, err, "--format: invalid choice: 'onnx'")
+    code, _, err = run_cli(capsys, "export", "--from", src, "--format", "tflite", "--out", out)
+    assert_one_line_error(code, err, "--format: invalid choice: 'tflite'")
 
 
 def test_checkpoint_whose_backbone_folder_moved_needs_backbone_option(src, tmp_path, capsys):
@@ -150,3 +150,52 @@ def test_sentence_transformers_export_of_a_trained_run(bert_folder, tmp_path, ca
                                             ignore_mismatched_sizes=True)(
         jnp.asarray(enc["input_ids"]), jnp.asarray(enc["attention_mask"])))
     assert np.abs(untrained - want).max() > 1e-3  # the export carries the trained run, not a fresh head
+
+
+def test_default_run_exports_to_a_transformers_pipeline(bert_folder, tmp_path, capsys):
+    """`flaxheads train` with default flags (mean pooler + linear head), then `flaxheads export --format
+    transformers` with no other flag: transformers' pipeline loads the folder (trust_remote_code) and
+    labels texts as flaxheads' Classifier does, with the same scores."""
+    from transformers import pipeline
+
+    run = tmp_path / "run"
+    data = write_csv(tmp_path / "d.csv", 30)
+    assert main(["train", "--model", bert_folder, "--data", data, "--output-dir", str(run), *SMALL,
+                 "--max-steps", "3", "--batch-size", "6", "--lr", "1e-2"]) == 0
+    code, out, err = run_cli(capsys, "export", "--from", run, "--format", "transformers", "--out", tmp_path / "pt")
+    assert code == 0, err
+    texts = ["stock market bank", "goal match team player", "vote", "bank goal vote match"]
+    clf = fh.Classifier.from_pretrained(run)
+    want = clf.predict(texts)
+    pipe = pipeline("text-classification", model=str(tmp_path / "pt"), trust_remote_code=True, device="cpu")
+    got = pipe(texts)
+    assert [g["label"] for g in got] == list(want.labels)
+    np.testing.assert_allclose([g["score"] for g in got], want.scores.max(axis=1), atol=1e-5, rtol=0)
+    assert sorted(pipe.model.config.id2label.values()) == sorted(clf.id2label.values())
+    # and the exported folder predicts the same through flaxheads (config + weights, no Python run)
+    again = fh.Classifier.from_pretrained(tmp_path / "pt").predict(texts)
+    assert list(again.labels) == list(want.labels)
+
+
+def test_onnx_export_of_a_run(bert_folder, tmp_path, capsys):
+    """`flaxheads export --format onnx` of a run with a custom head: onnxruntime gives the Classifier's logits
+    on the tokenizer's padded batch, and the folder carries the labels and the tokenizer."""
+    ort = pytest.importorskip("onnxruntime")
+    from transformers import AutoTokenizer
+
+    run = tmp_path / "run"
+    data = write_csv(tmp_path / "d.csv", 30)
+    assert main(["train", "--model", bert_folder, "--data", data, "--output-dir", str(run), *SMALL,
+                 "--max-steps", "2", "--batch-size", "6", "--pooler", "cls,max", "--head", "mlp"]) == 0
+    code, out, err = run_cli(capsys, "export", "--from", run, "--format", "onnx", "--out", tmp_path / "onnx")
+    assert code == 0 and "wrote onnx export" in out, err
+    texts = ["stock market bank", "goal match team player player goal", "vote"]
+    clf = fh.Classifier.from_pretrained(run)
+    enc = AutoTokenizer.from_pretrained(tmp_path / "onnx")(texts, padding=True, return_tensors="np")
+    sess = ort.InferenceSession(str(tmp_path / "onnx" / "model.onnx"), providers=["CPUExecutionProvider"])
+    got = sess.run(["logits"], {i.name: enc[i.name].astype(np.int64) for i in sess.get_inputs()})[0]
+    np.testing.assert_allclose(got, clf.predict(texts).logits, atol=1e-4, rtol=0)
+    import json
+
+    cfg = json.loads((tmp_path / "onnx" / "config.json").read_text())
+    assert [cfg["id2label"][str(i)] for i in range(3)] == [clf.id2label[i] for i in range(3)]

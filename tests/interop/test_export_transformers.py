@@ -95,13 +95,11 @@ def test_tokenizer_files_are_copied(tmp_path):
     assert (tmp_path / "out" / "vocab.txt").read_text() == (tmp_path / "src" / "vocab.txt").read_text()
 
 
-def test_inexpressible_head_points_to_head_export(tmp_path):
+def test_head_sentence_transformers_cannot_express_points_to_head_export(tmp_path):
     pt = tiny_torch_model("bert")
     pt.save_pretrained(tmp_path / "src", safe_serialization=True)
     model = fh.from_pretrained(tmp_path / "src", pooler=["mean", "attention"], head="mlp",
                                head_options={"hidden_dims": (16,), "layer_norm": True}, num_labels=3)
-    with pytest.raises(ExportError, match="format='head'"):
-        fh.export_transformers(model, tmp_path / "out")
     with pytest.raises(ExportError, match="format='head'"):
         fh.export_sentence_transformers(model, tmp_path / "out")
     assert not (tmp_path / "out").exists()
