@@ -7,7 +7,8 @@ Inputs are flat: ``scores [N]``, ``labels [N]`` (relevance, higher is better) an
   ``score_i > score_j`` (on preference pairs: chosen scored above rejected, TRL's ``accuracy``);
   pooled over the pairs of every group.
 * ``ndcg@k``: scikit-learn's ``ndcg_score`` (linear gain, log2 discount, tied scores averaged).
-* ``mrr@k``: 1 / rank of the first relevant candidate (label > 0) in the top k, else 0.
+* ``mrr@k``: 1 / rank of the first relevant candidate (label > 0) in the top k, else 0 (a
+  relevant candidate tied with others ranks after them).
 * ``map``: scikit-learn's ``average_precision_score`` with relevance > 0 as positive, over the
   groups that have a positive.
 """
@@ -46,7 +47,8 @@ def ndcg_at(scores: np.ndarray, labels: np.ndarray, k: int) -> float:
 
 
 def reciprocal_rank_at(scores: np.ndarray, labels: np.ndarray, k: int) -> float:
-    order = np.argsort(-scores, kind="stable")[:k]
+    """Among tied scores the relevant candidates rank last (no credit from the data's order)."""
+    order = np.lexsort((labels > 0, -scores))[:k]
     hits = np.flatnonzero(labels[order] > 0)
     return 1.0 / (hits[0] + 1) if len(hits) else 0.0
 
