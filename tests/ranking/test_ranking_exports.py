@@ -1,0 +1,118 @@
+"""Exports of trained scorers, loaded by the tools their users ship them to: a reward model as a
+transformers ``XForSequenceClassification`` with ``num_labels=1`` (a decoder family's last-token
+``score`` head) and a reranker as a sentence-transformers ``CrossEncoder`` folder, each giving
+the flaxheads scores."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from flaxheads.ranking.data import GroupedSplit
+from flaxheads.ranking.train import RankingTrainer
+from flaxheads.training import loop
+from flaxheads.training.optim import OptimConfig
+from hf_tiny import padded_batch, tiny_torch_model
+
+torch = pytest.importorskip("torch")
+
+
+def _train(model, split: GroupedSplit, objective: str, steps: int = 2) -> dict:
+    """A few steps of ``objective``, so every exported weight differs from the source folder's."""
+    cfg = loop.TrainConfig(batch_size=2, max_steps=steps, eval_batch_size=2)
+    optim = OptimConfig(learning_rate=5e-3, head_learning_rate=5e-3, total_steps=steps, warmup_steps=0)
+    t = RankingTrainer.build(model, optim, cfg, objective=objective, group_size=int(split.sizes.max()))
+    res = loop.fit(t, split, buckets=(16,), progress=False)
+    params = t.parallel.get_state(res.state).params if t.parallel.mode == "pmap" else res.state.params
+    return jax_to_np(params)
+
+
+def jax_to_np(tree):
+    import jax
+
+    return jax.tree.map(np.asarray, jax.device_get(tree))
+
+
+def _random_pairs(n_groups: int, seed: int, vocab: int = 99) -> GroupedSplit:
+    rng = np.random.default_rng(seed)
+    ids = [np.r_[1, rng.integers(3, vocab, int(rng.integers(3, 12))), 2].astype(np.int32) for _ in range(2 * n_groups)]
+    return GroupedSplit("train", ids, np.tile([1.0, 0.0], n_groups).astype(np.float32),
+                        np.arange(0, 2 * n_groups + 1, 2))
+
+
+def test_reward_model_exports_as_sequence_classification_with_one_label(tmp_path):
+    """Qwen2 with its last-token ``score`` head, trained with the Bradley-Terry loss, exported and
+    loaded by ``AutoModelForSequenceClassification``: the same rewards on a right-padded batch."""
+    from transformers import AutoModelForSequenceClassification
+
+    from flaxheads.interop.transformers import export_transformers
+    from flaxheads.model import from_pretrained
+
+    src = tmp_path / "src"
+    tiny_torch_model("qwen2", num_labels=1).save_pretrained(src)
+    model = from_pretrained(str(src), num_labels=1, problem_type="regression")
+    params = _train(model, _random_pairs(4, 0), "pairwise")
+    export_transformers(model, tmp_path / "out", params=params)
+    pt = AutoModelForSequenceClassification.from_pretrained(tmp_path / "out").eval()
+    assert pt.config.num_labels == 1 and type(pt).__name__ == "Qwen2ForSequenceClassification"
+    ids, mask = padded_batch("qwen2", pt.config)
+    ours = np.asarray(model.apply(params, ids, mask))
+    with torch.no_grad():
+        ref = pt(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()
+    assert ours.shape == ref.shape == (len(ids), 1)
+    np.testing.assert_allclose(ours, ref, atol=1e-5)
+
+
+PAIRS = [("stock market falls", "the bank share profit fell"), ("goal match", "team player score goal match again"),
+         ("film award", "vote"), ("phone", "computer software internet game phone music actor award song")]
+
+
+@pytest.fixture(scope="module")
+def bert_folder(tmp_path_factory):
+    from train_helpers import tiny_bert_folder
+
+    return tiny_bert_folder(tmp_path_factory.mktemp("ce_bert"), num_labels=1)
+
+
+@pytest.fixture(scope="module")
+def reranker(bert_folder):
+    """BERT's preset head (pooler + classifier) with one output, trained listwise for two steps."""
+    from flaxheads.interop.tokenizers import load_tokenizer
+    from flaxheads.model import from_pretrained
+    from flaxheads.ranking.data import GroupTable, tokenize_groups
+
+    model = from_pretrained(bert_folder, num_labels=1, problem_type="regression")
+    table = GroupTable([q for q, _ in PAIRS[:2]], [[PAIRS[0][1], PAIRS[2][1]], [PAIRS[1][1], PAIRS[3][1]]],
+                       [[1.0, 0.0], [1.0, 0.0]], "pairs", ["row 1", "row 2"])
+    return model, _train(model, tokenize_groups(table, load_tokenizer(bert_folder), 16), "listwise")
+
+
+@pytest.mark.parametrize("activation", ["identity", "sigmoid"])
+def test_reranker_exports_as_cross_encoder(reranker, bert_folder, tmp_path, activation):
+    """``CrossEncoder(folder).predict`` equals ``Classifier.score`` (identity) or its sigmoid, on
+    pairs of different lengths."""
+    from sentence_transformers import CrossEncoder
+
+    from flaxheads.interop.cross_encoder import export_cross_encoder
+    from flaxheads.predict import Classifier
+
+    model, params = reranker
+    out = export_cross_encoder(model, tmp_path / "ce", params=params, activation=activation, max_length=64)
+    ours = Classifier.from_model(model, bert_folder, params=params).score(PAIRS)
+    got = CrossEncoder(out, device="cpu").predict(PAIRS, convert_to_numpy=True)
+    want = ours if activation == "identity" else 1 / (1 + np.exp(-ours))
+    np.testing.assert_allclose(np.asarray(got, np.float64).reshape(-1), want, atol=1e-5)
+
+
+def test_pair_classifier_exports_as_cross_encoder(bert_folder, tmp_path):
+    """A 3-label pair classifier (an NLI-style CrossEncoder): predict gives its logits."""
+    from sentence_transformers import CrossEncoder
+
+    from flaxheads.interop.cross_encoder import export_cross_encoder
+    from flaxheads.model import from_pretrained
+    from flaxheads.predict import Classifier
+
+    model = from_pretrained(bert_folder, num_labels=3, ignore_mismatched_sizes=True)
+    out = export_cross_encoder(model, tmp_path / "ce3")
+    ours, _ = Classifier.from_model(model, bert_folder).outputs([q for q, _ in PAIRS], [p for _, p in PAIRS])
+    got = CrossEncoder(out, device="cpu").predict(PAIRS, convert_to_numpy=True)
+    np.testing.assert_allclose(np.asarray(got), ours, atol=1e-5)
