@@ -46,7 +46,8 @@ SERIAL = ("tests/cli/test_cli_multihost.py", "tests/cli/test_cli_mesh.py", "test
 FULL = ("tests/cli/", "tests/backbones/test_onednn_gradients.py", "tests/test_pooled_token.py",
         "tests/training/test_train_steps.py", "tests/training/test_packing.py", "tests/checkpoint/test_checkpoint.py",
         "tests/training/test_features.py", "tests/training/test_sweep.py", "tests/test_resume.py",
-        "tests/training/test_loop.py", "tests/training/test_multitask.py", "tests/predict/test_predict.py")
+        "tests/training/test_loop.py", "tests/training/test_multitask.py", "tests/predict/test_predict.py",
+        "tests/test_bbc_ranking.py", "tests/ranking/test_ranking_train.py", "tests/ranking/test_ranking_exports.py")
 
 
 def _needs_hf_flax(item) -> bool:

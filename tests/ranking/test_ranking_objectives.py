@@ -27,7 +27,7 @@ def _pairs():
 
 def trl_reward_loss(chosen, rejected, margin=None):
     """TRL's RewardTrainer.compute_loss on a model whose logits are the given rewards."""
-    from trl.trainer.reward_trainer import RewardTrainer
+    RewardTrainer = pytest.importorskip("trl.trainer.reward_trainer").RewardTrainer
 
     logits = torch.tensor(np.concatenate([chosen, rejected]))[:, None]
     model = lambda **kw: types.SimpleNamespace(logits=logits)  # noqa: E731
