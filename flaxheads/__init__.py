@@ -12,6 +12,9 @@ from .interop.tokenizers import Tokenizer, TokenizerError, load_tokenizer
 from . import lora
 from .checkpoint.adapters import load_adapters
 from .interop.peft import export_peft
+from .interop.cross_encoder import export_cross_encoder
+from . import ranking
+from .ranking.train import RankingTrainer
 from .lora import LoraConfig, merge_model
 from .losses import (MULTI_LABEL, REGRESSION, SINGLE_LABEL, infer_problem_type, loss_fn, mean_squared_error,
                      sigmoid_binary_cross_entropy, softmax_cross_entropy, validate_labels)
@@ -37,4 +40,5 @@ __all__ = [
     "mean_squared_error", "preset_for", "sigmoid_binary_cross_entropy", "softmax_cross_entropy", "to_dict",
     "to_json", "validate_labels", "lora", "LoraConfig", "merge_model", "export_peft", "load_adapters",
     "Classifier", "Predictions", "FlaxheadsError", "ComputePlan",
+    "ranking", "RankingTrainer", "export_cross_encoder",
 ]
