@@ -88,7 +88,8 @@ def test_rank_and_score_reproduce_the_runs_test_scores(pairwise_run, preference_
     with open(tmp_path / "ranked.csv") as f:
         ranked = list(csv.DictReader(f))
     scores = np.asarray([float(r["score"]) for r in ranked])
-    # the test run scored these pairs at the step it ended on: the latest checkpoint (6 after resume)
+    # predictions.npz holds the test scores of the step the run ended on, its latest checkpoint
+    np.testing.assert_allclose(scores, saved["test_scores"], atol=1e-5)
     clf = Classifier.from_pretrained(str(out))
     np.testing.assert_allclose(clf.score(pairs), scores, atol=1e-5)
     ranks = np.asarray([int(r["rank"]) for r in ranked])
@@ -164,6 +165,12 @@ def test_bad_ranking_input_is_one_line_naming_the_row(rows, needle, bert_folder,
                            "--output-dir", tmp_path / "run", *SMALL)
     assert code == 2 and err.count("\n") == 1 and err.startswith("error: ") and needle in err, err
     assert not os.path.exists(tmp_path / "run")
+
+
+def test_evaluate_split_of_a_ranking_run_says_where_its_metrics_are(pairwise_run, capsys):
+    out, _ = pairwise_run
+    code, _, err = run_cli(capsys, "evaluate", out, "--split", "test", "--no-progress")
+    assert code == 2 and "is a ranking run" in err and err.count("\n") == 1
 
 
 def test_rank_refuses_a_classifier(bert_folder, tmp_path, capsys):  # noqa: F811
