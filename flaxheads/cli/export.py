@@ -96,8 +96,9 @@ def add_export_command(sub: argparse._SubParsersAction) -> None:
                    help="a run folder, an Orbax checkpoint folder (root or one step), a transformers / "
                         "sentence-transformers model folder, or a head export")
     p.add_argument("--format", required=True, choices=("transformers", "sentence-transformers", "head", "cross-encoder"),
-                   help="cross-encoder: a sentence-transformers CrossEncoder folder (HF-exact heads; predict gives "
-                        "the raw scores, as flaxheads rank)")
+                   help="cross-encoder: a sentence-transformers CrossEncoder folder whose predict gives the raw "
+                        "scores, as flaxheads rank (HF-exact heads; other poolings + Dense heads need "
+                        "sentence-transformers 6)")
     p.add_argument("--out", required=True, help="output folder (must not exist or be empty, unless --overwrite)")
     p.add_argument("--step", type=flags.step_spec, default=None,
                    help="checkpoint step: an integer, 'latest' (default) or 'best'")

@@ -116,3 +116,22 @@ def test_pair_classifier_exports_as_cross_encoder(bert_folder, tmp_path):
     ours, _ = Classifier.from_model(model, bert_folder).outputs([q for q, _ in PAIRS], [p for _, p in PAIRS])
     got = CrossEncoder(out, device="cpu").predict(PAIRS, convert_to_numpy=True)
     np.testing.assert_allclose(np.asarray(got), ours, atol=1e-5)
+
+
+@pytest.mark.parametrize("pooler,head", [("mean", "linear"), ("max", "mlp")])
+def test_non_preset_heads_export_as_modular_cross_encoder(bert_folder, tmp_path, pooler, head):
+    """A pooler + head that is no HF preset (flaxheads train's default mean + linear): sentence-transformers
+    6's modular CrossEncoder (Transformer -> Pooling -> Dense scores) predicts the same scores."""
+    from sentence_transformers import CrossEncoder
+
+    from flaxheads.interop.cross_encoder import export_cross_encoder, is_preset
+    from flaxheads.model import from_pretrained
+    from flaxheads.predict import Classifier
+
+    model = from_pretrained(bert_folder, pooler=pooler, head=head, num_labels=1, problem_type="regression",
+                            head_options={"hidden_dims": (8,)} if head == "mlp" else None)
+    assert not is_preset(model)
+    out = export_cross_encoder(model, tmp_path / "ce")
+    ours = Classifier.from_model(model, bert_folder).score(PAIRS)
+    got = CrossEncoder(out, device="cpu").predict(PAIRS, convert_to_numpy=True)
+    np.testing.assert_allclose(np.asarray(got, np.float64).reshape(-1), ours, atol=1e-5)
