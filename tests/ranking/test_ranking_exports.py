@@ -7,41 +7,25 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from flaxheads.ranking.data import GroupedSplit
-from flaxheads.ranking.train import RankingTrainer
-from flaxheads.training import loop
-from flaxheads.training.optim import OptimConfig
 from hf_tiny import padded_batch, tiny_torch_model
 
 torch = pytest.importorskip("torch")
 
 
-def _train(model, split: GroupedSplit, objective: str, steps: int = 2) -> dict:
-    """A few steps of ``objective``, so every exported weight differs from the source folder's."""
-    cfg = loop.TrainConfig(batch_size=2, max_steps=steps, eval_batch_size=2)
-    optim = OptimConfig(learning_rate=5e-3, head_learning_rate=5e-3, total_steps=steps, warmup_steps=0)
-    t = RankingTrainer.build(model, optim, cfg, objective=objective, group_size=int(split.sizes.max()))
-    res = loop.fit(t, split, buckets=(16,), progress=False)
-    params = t.parallel.get_state(res.state).params if t.parallel.mode == "pmap" else res.state.params
-    return jax_to_np(params)
-
-
-def jax_to_np(tree):
+def perturbed(params, seed: int) -> dict:
+    """``params`` with every weight moved, as training moves them: an export must write these, not
+    the source folder's."""
     import jax
 
-    return jax.tree.map(np.asarray, jax.device_get(tree))
-
-
-def _random_pairs(n_groups: int, seed: int, vocab: int = 99) -> GroupedSplit:
+    leaves, tree = jax.tree.flatten(jax.device_get(params))
     rng = np.random.default_rng(seed)
-    ids = [np.r_[1, rng.integers(3, vocab, int(rng.integers(3, 12))), 2].astype(np.int32) for _ in range(2 * n_groups)]
-    return GroupedSplit("train", ids, np.tile([1.0, 0.0], n_groups).astype(np.float32),
-                        np.arange(0, 2 * n_groups + 1, 2))
+    return jax.tree.unflatten(tree, [np.asarray(x) + 0.05 * rng.standard_normal(np.shape(x)).astype(np.float32)
+                                     for x in leaves])
 
 
 def test_reward_model_exports_as_sequence_classification_with_one_label(tmp_path):
-    """Qwen2 with its last-token ``score`` head, trained with the Bradley-Terry loss, exported and
-    loaded by ``AutoModelForSequenceClassification``: the same rewards on a right-padded batch."""
+    """Qwen2 with its last-token ``score`` head and moved weights, exported and loaded by
+    ``AutoModelForSequenceClassification``: the same rewards on a right-padded batch."""
     from transformers import AutoModelForSequenceClassification
 
     from flaxheads.interop.transformers import export_transformers
@@ -50,7 +34,7 @@ def test_reward_model_exports_as_sequence_classification_with_one_label(tmp_path
     src = tmp_path / "src"
     tiny_torch_model("qwen2", num_labels=1).save_pretrained(src)
     model = from_pretrained(str(src), num_labels=1, problem_type="regression")
-    params = _train(model, _random_pairs(4, 0), "pairwise")
+    params = perturbed(model.params, 0)
     export_transformers(model, tmp_path / "out", params=params)
     pt = AutoModelForSequenceClassification.from_pretrained(tmp_path / "out").eval()
     assert pt.config.num_labels == 1 and type(pt).__name__ == "Qwen2ForSequenceClassification"
@@ -75,15 +59,11 @@ def bert_folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reranker(bert_folder):
-    """BERT's preset head (pooler + classifier) with one output, trained listwise for two steps."""
-    from flaxheads.interop.tokenizers import load_tokenizer
+    """BERT's preset head (pooler + classifier) with one output, every weight moved."""
     from flaxheads.model import from_pretrained
-    from flaxheads.ranking.data import GroupTable, tokenize_groups
 
     model = from_pretrained(bert_folder, num_labels=1, problem_type="regression")
-    table = GroupTable([q for q, _ in PAIRS[:2]], [[PAIRS[0][1], PAIRS[2][1]], [PAIRS[1][1], PAIRS[3][1]]],
-                       [[1.0, 0.0], [1.0, 0.0]], "pairs", ["row 1", "row 2"])
-    return model, _train(model, tokenize_groups(table, load_tokenizer(bert_folder), 16), "listwise")
+    return model, perturbed(model.params, 1)
 
 
 @pytest.mark.parametrize("activation", ["identity", "sigmoid"])
