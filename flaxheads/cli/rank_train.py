@@ -25,12 +25,14 @@ from ..host import ComputePlan
 from ..model import from_pretrained
 from ..interop.tokenizers import load_tokenizer
 from ..parallel import Parallel
-from ..ranking.data import GroupedSplit, GroupTable, load_groups, split_groups, tokenize_groups
+from ..ranking.data import (GroupedSplit, GroupTable, check_unit_relevance, collate_groups, load_groups, split_groups,
+                            tokenize_groups)
 from ..ranking.metrics import ranking_metrics
 from ..ranking.train import RankingTrainer
 from ..tables import DataError
 from ..training import loop
 from ..training.data import SPLITS
+from ..training.memory import memory_report
 from ..training.optim import count_params
 from .fit_program import init_distributed, optim_config, resolve_model, train_config, usable_max_length
 from .lora_flags import with_lora_flags
@@ -139,6 +141,9 @@ def prepare_ranking(args: argparse.Namespace) -> RankJob:
     path = resolve_model(args.model)
     init_distributed(args)
     tables = load_group_splits(args)
+    if args.objective == "pointwise":
+        for t in tables.values():
+            check_unit_relevance(t, args.objective)
     has_val = "validation" in tables
     if args.eval_every is not None and not has_val:
         raise UsageError("--eval-every needs a validation split, and this run has none")
@@ -203,6 +208,10 @@ def run_ranking(args: argparse.Namespace) -> dict:
         f"LoRA rank {job.model.lora.rank}" if job.model.lora is not None else "full fine-tune")
     folder.start(config, f"{sizes} groups of up to {job.group_size} candidates, objective {args.objective}, "
                          f"{total} steps of {job.train.batch_size} groups, {kind}, {trainer.parallel.width} device(s)")
+    if job.train.mesh:  # every process compiles the same program; the first one reports
+        report = memory_report(trainer, _largest_batch(job))
+        if lead:
+            print("\n".join(report.lines()), flush=True)
     log = folder.logger(job.optim, total, job.train.log_every, job.model.problem_type)
     log.metric = job.headline
     evals = {"validation": job.splits["validation"]} if "validation" in job.splits else {}
@@ -220,6 +229,13 @@ def run_ranking(args: argparse.Namespace) -> dict:
                "run_folder": str(job.out)}
     _finish(folder, summary, final, predictions, res, job)
     return summary
+
+
+def _largest_batch(job: RankJob) -> dict:
+    """The first groups of a training batch padded to the longest bucket (a step's most activation memory)."""
+    train = job.splits["train"]
+    groups = np.arange(min(job.train.batch_size, len(train)))
+    return collate_groups(train, groups, job.train.batch_size, job.group_size, job.buckets[-1:], job.pad_id)
 
 
 def _final_results(trainer: RankingTrainer, res: loop.FitResult, job: RankJob) -> tuple[dict, dict]:

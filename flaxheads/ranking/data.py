@@ -92,6 +92,16 @@ def check_groups(t: GroupTable) -> GroupTable:
     return t
 
 
+def check_unit_relevance(t: GroupTable, objective: str) -> None:
+    """Pointwise binary cross-entropy reads relevance as a probability: every label in [0, 1]."""
+    for i, ys in enumerate(t.labels):
+        bad = [y for y in ys if y > 1]
+        if bad:
+            raise DataError(f"{t.source}: {t.rows[i]}: relevance {bad[0]:g} is above 1; --objective {objective} "
+                            "(binary cross-entropy) needs relevance in [0, 1]: divide graded labels by the top "
+                            "grade, or train with --objective listwise / pairwise, which take any grades")
+
+
 def _require(cols: list[str], names: Sequence[str], path: str, layout: str) -> None:
     missing = [n for n in names if n not in cols]
     if missing:
