@@ -2,8 +2,9 @@
 model (one score per (query, candidate) text pair) trained on groups, with the run folder,
 checkpoints, resume, devices and LoRA of classification (:mod:`flaxheads.cli.fit_program`).
 
-Data: ``--data bbc_news`` (the packaged corpus as a relevance set: each headline with its own
-article and ``--negatives`` other articles of its class), or a preference / ranking table (see
+Data: ``--data bbc_news`` (the packaged corpus as a relevance set: each headline with a passage of
+its class and ``--negatives`` passages of other classes, see
+:func:`flaxheads.ranking.data.bbc_news_groups`), or a preference / ranking table (see
 :mod:`flaxheads.ranking.data`) as ``--data`` split by ``--split``, or as ``--train-file`` /
 ``--validation-file`` / ``--test-file``. ``--batch-size`` and ``--eval-batch-size`` count groups.
 """
@@ -22,26 +23,26 @@ from .. import __version__
 from ..batching import make_buckets
 from ..errors import UsageError
 from ..host import ComputePlan
-from ..model import from_pretrained
+from ..model import SequenceModel, from_pretrained
 from ..interop.tokenizers import load_tokenizer
 from ..parallel import Parallel
 from ..ranking.data import (GroupedSplit, GroupTable, check_unit_relevance, collate_groups, load_groups, split_groups,
                             tokenize_groups)
-from ..ranking.metrics import ranking_metrics
+from ..ranking.metrics import headline, metric_names, ranking_metrics
+from ..ranking.objectives import OBJECTIVES
 from ..ranking.train import RankingTrainer
 from ..tables import DataError
 from ..training import loop
 from ..training.data import SPLITS
 from ..training.memory import memory_report
-from ..training.optim import count_params
+from ..training.optim import OptimConfig, count_params
 from .fit_program import init_distributed, optim_config, resolve_model, train_config, usable_max_length
 from .lora_flags import with_lora_flags
 from .plots import plot_curve
 from .resume import open_checkpoints
 from .run_folder import RunFolder
 
-RANKING_OBJECTIVES = ("pairwise", "hinge", "listwise", "listnet", "pointwise")
-RANKING_METRICS = ("pairwise_accuracy", "ndcg@1", "mrr@1", "ndcg@10", "mrr@10", "map")
+RANKING_OBJECTIVES = OBJECTIVES
 
 
 def add_ranking_flags(ap: argparse.ArgumentParser) -> None:
@@ -50,7 +51,7 @@ def add_ranking_flags(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--query-column", default=None,
                    help="query / prompt column of a ranking or preference table (default: prompt, else query)")
     g.add_argument("--negatives", type=int, default=3,
-                   help="--data bbc_news: other articles of the same class per headline (default 3)")
+                   help="--data bbc_news: passages of other classes per headline (default 3)")
     g.add_argument("--margin", type=float, default=None,
                    help="pairwise: s_chosen - s_rejected must exceed it (default 0); hinge: the margin (default 1)")
     g.add_argument("--scale", type=float, default=None,
@@ -99,21 +100,18 @@ def load_group_splits(args: argparse.Namespace) -> dict[str, GroupTable]:
     return tables
 
 
-def headline_metric(tables: dict[str, GroupTable]) -> str:
-    """Pairwise accuracy for preference pairs, NDCG@10 for ranked groups."""
-    return "pairwise_accuracy" if tables["train"].kind == "preference" else "ndcg@10"
-
-
-def best_metric(args: argparse.Namespace, headline: str, has_validation: bool) -> str | None:
+def best_metric(args: argparse.Namespace, metric: str, has_validation: bool) -> str | None:
+    """``--keep-best-by``: ``auto`` (the validation ``metric``, if there is a validation split),
+    ``none``, or ``validation/<metric>`` of the ranking metrics."""
     flag = args.keep_best_by
     if flag == "none" or (flag == "auto" and not has_validation):
         return None
     if flag == "auto":
-        return f"validation/{headline}"
+        return f"validation/{metric}"
     split, _, name = flag.partition("/")
-    if split != "validation" or name not in RANKING_METRICS:
+    if split != "validation" or name not in metric_names():
         raise UsageError(f"--keep-best-by {flag!r}: a ranking run evaluates validation/<metric> with metric one of "
-                         f"{', '.join(RANKING_METRICS)} (or use `auto` / `none`)")
+                         f"{', '.join(metric_names())} (or use `auto` / `none`)")
     return flag
 
 
@@ -122,7 +120,7 @@ class RankJob:
     """What the flags of one ranking run resolve to (the fields checkpoints and the run folder read)."""
 
     model_path: str
-    model: object
+    model: SequenceModel
     splits: dict[str, GroupedSplit]
     group_size: int
     buckets: tuple[int, ...]
@@ -130,7 +128,7 @@ class RankJob:
     pad_id: int
     out: Path
     train: loop.TrainConfig
-    optim: object
+    optim: OptimConfig
     best_metric: str | None
     headline: str
     data: dict
@@ -147,8 +145,7 @@ def prepare_ranking(args: argparse.Namespace) -> RankJob:
     has_val = "validation" in tables
     if args.eval_every is not None and not has_val:
         raise UsageError("--eval-every needs a validation split, and this run has none")
-    headline = headline_metric(tables)
-    best = best_metric(args, headline, has_val)
+    best = best_metric(args, headline(tables["train"].kind), has_val)
     plan = ComputePlan.for_host(precision=args.precision)
     pooler = None if args.pooler == "preset" else args.pooler.split(",") if "," in args.pooler else args.pooler
     model = with_lora_flags(args, from_pretrained(
@@ -167,7 +164,8 @@ def prepare_ranking(args: argparse.Namespace) -> RankJob:
     return RankJob(path, model, splits, max(t.max_group for t in tables.values()),
                    make_buckets(max_length, min(args.bucket_step, max_length)), max_length,
                    tok.pad_token_id if tok.pad_token_id is not None else 0, out, tcfg,
-                   optim_config(args, len(splits["train"]), tcfg, frozen=args.freeze_backbone), best, headline, data)
+                   optim_config(args, len(splits["train"]), tcfg, frozen=args.freeze_backbone), best,
+                   headline(tables["train"].kind), data)
 
 
 def ranking_config(job: RankJob, args: argparse.Namespace, trainer: RankingTrainer) -> dict:

@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import numpy as np
 
+#: The cut-offs of NDCG@k and MRR@k that training reports.
+DEFAULT_KS = (1, 10)
+
 
 def split_groups(scores, labels, groups) -> list[tuple[np.ndarray, np.ndarray]]:
     """``[(scores, labels)]`` per group, groups in order of first appearance."""
@@ -72,7 +75,7 @@ def pairwise_counts(scores: np.ndarray, labels: np.ndarray) -> tuple[int, int]:
     return int((better & (scores[:, None] > scores[None, :])).sum()), int(better.sum())
 
 
-def ranking_metrics(scores, labels, groups, *, ks=(10,)) -> dict:
+def ranking_metrics(scores, labels, groups, *, ks=DEFAULT_KS) -> dict:
     """``pairwise_accuracy``, ``ndcg@k`` and ``mrr@k`` for each k, ``map``, and the counts."""
     parts = split_groups(scores, labels, groups)
     right = pairs = 0
@@ -90,6 +93,12 @@ def ranking_metrics(scores, labels, groups, *, ks=(10,)) -> dict:
     return out
 
 
-def headline(objective: str) -> str:
-    """The metric that names a ranking run's score (higher is better)."""
-    return "pairwise_accuracy" if objective in ("pairwise", "hinge") else "ndcg@10"
+def metric_names(ks=DEFAULT_KS) -> list[str]:
+    """The scalar metrics :func:`ranking_metrics` reports for ``ks`` (what ``--keep-best-by`` may name)."""
+    return ["pairwise_accuracy", *(f"{m}@{k}" for k in ks for m in ("ndcg", "mrr")), "map"]
+
+
+def headline(kind: str) -> str:
+    """The metric that names a ranking run's score (higher is better): pairwise accuracy for
+    preference pairs, NDCG@10 for ranked groups."""
+    return "pairwise_accuracy" if kind == "preference" else "ndcg@10"

@@ -22,7 +22,7 @@ from ..training import loop
 from ..training.optim import OptimConfig, make_optimizer
 from ..training.steps import make_train_step
 from .data import GroupedSplit, iterate_group_batches
-from .metrics import ranking_metrics
+from .metrics import DEFAULT_KS, ranking_metrics
 from .objectives import objective_loss
 
 
@@ -55,12 +55,12 @@ class RankingTrainer(loop.Trainer):
 
     objective: str = "listwise"
     group_size: int = 2
-    ks: tuple[int, ...] = (1, 10)
+    ks: tuple[int, ...] = DEFAULT_KS
 
     @classmethod
     def build(cls, model, optim: OptimConfig, cfg: loop.TrainConfig, parallel: Parallel | None = None, *,
               objective: str = "listwise", group_size: int = 2, objective_options: dict | None = None,
-              ks: Sequence[int] = (1, 10)) -> "RankingTrainer":
+              ks: Sequence[int] = DEFAULT_KS) -> "RankingTrainer":
         check_scorer(model)
         if cfg.pack:
             raise TrainingError("packing is not available for ranking objectives (a batch holds whole groups)")
