@@ -98,10 +98,18 @@ def test_pair_classifier_exports_as_cross_encoder(bert_folder, tmp_path):
     np.testing.assert_allclose(np.asarray(got), ours, atol=1e-5)
 
 
+def _st_major() -> int:
+    import sentence_transformers
+
+    return int(sentence_transformers.__version__.split(".")[0])
+
+
 @pytest.mark.parametrize("pooler,head", [("mean", "linear"), ("max", "mlp")])
 def test_non_preset_heads_export_as_modular_cross_encoder(bert_folder, tmp_path, pooler, head):
     """A pooler + head that is no HF preset (flaxheads train's default mean + linear): sentence-transformers
     6's modular CrossEncoder (Transformer -> Pooling -> Dense scores) predicts the same scores."""
+    if _st_major() < 6:
+        pytest.skip("the modular CrossEncoder (Transformer, Pooling, Dense scores) is sentence-transformers 6's")
     from sentence_transformers import CrossEncoder
 
     from flaxheads.interop.cross_encoder import export_cross_encoder, is_preset
