@@ -95,7 +95,8 @@ def add_export_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--from", dest="src", required=True,
                    help="a run folder, an Orbax checkpoint folder (root or one step), a transformers / "
                         "sentence-transformers model folder, or a head export")
-    p.add_argument("--format", required=True, choices=("transformers", "sentence-transformers", "head", "cross-encoder"),
+    p.add_argument("--format", required=True,
+                   choices=("transformers", "sentence-transformers", "head", "cross-encoder"),
                    help="cross-encoder: a sentence-transformers CrossEncoder folder whose predict gives the raw "
                         "scores, as flaxheads rank (HF-exact heads; other poolings + Dense heads need "
                         "sentence-transformers 6)")
