@@ -61,7 +61,8 @@ class GroupTable:
 
 def _text(value, source: str, row: str, column: str) -> str:
     if not isinstance(value, str) or not value.strip():
-        what = "missing" if value is None else "empty" if isinstance(value, str) else f"not text ({type(value).__name__})"
+        what = ("missing" if value is None else "empty" if isinstance(value, str)
+                else f"not text ({type(value).__name__})")
         raise DataError(f"{source}: {row}, column {column!r}: text is {what}. Remove the row or fill in its text.")
     return value
 
@@ -197,7 +198,8 @@ def bbc_news_groups(negatives: int = 3, seed: int = 0, limit: int | None = None,
                 bodies.append("\n".join(paragraphs) if passage == "body" else paragraphs[-1])
     classes = np.asarray(classes)
     names = sorted(set(classes.tolist()))
-    keep = np.arange(len(heads)) if limit is None or limit >= len(heads) else np.sort(rng.permutation(len(heads))[:limit])
+    keep = np.arange(len(heads)) if limit is None or limit >= len(heads) \
+        else np.sort(rng.permutation(len(heads))[:limit])
     queries, cand, labels, where = [], [], [], []
     for i in keep:
         same = np.flatnonzero(classes == classes[i])

@@ -149,7 +149,8 @@ def test_listwise_with_lora_on_pmap_and_ragged_groups(bert_folder, tmp_path):  #
     ([{"prompt": "a", "chosen": "x", "rejected": ""}], "row 1, column 'rejected': text is empty"),
     ([{"query": "a", "passage": "x", "label": "yes"}, {"query": "a", "passage": "y", "label": 0}],
      "row 1, column 'label': relevance 'yes' is not a finite number"),
-    ([{"query": "a", "passages": ["x", "y"], "labels": [3, 0]}], "row 1: relevance 3 is above 1; --objective pointwise"),
+    ([{"query": "a", "passages": ["x", "y"], "labels": [3, 0]}],
+     "row 1: relevance 3 is above 1; --objective pointwise"),
 ])
 def test_bad_ranking_input_is_one_line_naming_the_row(rows, needle, bert_folder, tmp_path, capsys):  # noqa: F811
     data = tmp_path / "bad.jsonl"
