@@ -99,6 +99,13 @@ def test_rank_and_score_reproduce_the_runs_test_scores(pairwise_run, preference_
     for items in by_query.values():
         order = sorted(items, key=lambda x: -x[0])
         assert [k for _, k in order] == list(range(1, len(items) + 1))
+    code, _, err = run_cli(capsys, "rank", out, "--input", preference_files["test"], "--preference", "--output",
+                           tmp_path / "prefs.jsonl", "--no-progress")
+    assert code == 0, err
+    prefs_out = [json.loads(x) for x in (tmp_path / "prefs.jsonl").read_text().splitlines()]
+    np.testing.assert_allclose([[r["chosen_score"], r["rejected_score"]] for r in prefs_out],
+                               saved["test_scores"].reshape(-1, 2), atol=1e-5)
+    assert [r["prefers_chosen"] for r in prefs_out] == [r["chosen_score"] > r["rejected_score"] for r in prefs_out]
     top = clf.rank(pairs[0][0], [pairs[0][1], pairs[1][1]])
     assert [t["index"] for t in top] == ([0, 1] if scores[0] >= scores[1] else [1, 0])
 
