@@ -29,7 +29,7 @@ from ..parallel import Parallel
 from ..ranking.data import (GroupedSplit, GroupTable, check_unit_relevance, collate_groups, load_groups, split_groups,
                             tokenize_groups)
 from ..ranking.metrics import headline, metric_names, ranking_metrics
-from ..ranking.objectives import OBJECTIVES
+from ..ranking.objectives import MARGIN_OBJECTIVES, OBJECTIVES
 from ..ranking.train import RankingTrainer
 from ..tables import DataError
 from ..training import loop
@@ -142,6 +142,10 @@ def prepare_ranking(args: argparse.Namespace) -> RankJob:
     if args.objective == "pointwise":
         for t in tables.values():
             check_unit_relevance(t, args.objective)
+    with_margins = [t.source for t in tables.values() if t.margins is not None]
+    if with_margins and args.objective not in MARGIN_OBJECTIVES:
+        raise UsageError(f"{with_margins[0]} has a margin column, which the {' and '.join(MARGIN_OBJECTIVES)} "
+                         f"objectives use, not --objective {args.objective}: drop the column or change the objective")
     has_val = "validation" in tables
     if args.eval_every is not None and not has_val:
         raise UsageError("--eval-every needs a validation split, and this run has none")

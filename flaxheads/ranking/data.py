@@ -2,8 +2,9 @@
 
 A group is one query (or prompt) with its candidates and their relevance labels. Tables:
 
-* preference: ``prompt`` (or ``query``), ``chosen``, ``rejected``: one group of two candidates
-  per row, labels ``[1, 0]``;
+* preference: ``prompt`` (or ``query``), ``chosen``, ``rejected`` [, ``margin``]: one group of two
+  candidates per row, labels ``[1, 0]``; ``margin`` (TRL's column): how far the chosen score
+  must exceed the rejected one, for the pairwise objectives;
 * ranking, one row per candidate: ``query``, ``passage``, ``label``: rows with the same query
   text form a group, in order of first appearance;
 * ranking, one row per query: ``query``, ``passages`` (a list), ``labels`` (a list).
@@ -42,6 +43,7 @@ class GroupTable:
     source: str
     rows: list[str]  # per group, for messages ("row 7", "rows 3-5")
     kind: str = "ranking"  # "preference": two candidates, chosen first
+    margins: list[float] | None = None  # per group (preference tables with a margin column)
 
     def __len__(self) -> int:
         return len(self.queries)
@@ -50,7 +52,7 @@ class GroupTable:
         idx = [int(i) for i in idx]
         pick = lambda xs: None if xs is None else [xs[i] for i in idx]  # noqa: E731
         return dataclasses.replace(self, queries=pick(self.queries), candidates=pick(self.candidates),
-                                   labels=pick(self.labels), rows=pick(self.rows))
+                                   labels=pick(self.labels), rows=pick(self.rows), margins=pick(self.margins))
 
     @property
     def max_group(self) -> int:
@@ -65,6 +67,12 @@ def _text(value, source: str, row: str, column: str) -> str:
                 else f"not text ({type(value).__name__})")
         raise DataError(f"{source}: {row}, column {column!r}: text is {what}. Remove the row or fill in its text.")
     return value
+
+
+def _finite(value, source: str, row: str, column: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or not math.isfinite(float(value)):
+        raise DataError(f"{source}: {row}, column {column!r}: {value!r} is not a finite number")
+    return float(value)
 
 
 def _number(value, source: str, row: str, column: str) -> float:
@@ -128,12 +136,13 @@ def load_group_table(path: str | os.PathLike, *, query_column: str | None = None
     q = query_column or ("prompt" if layout == "preference" and "prompt" in cols else "query")
     if layout == "preference":
         _require(cols, (q, "chosen", "rejected"), path, "preference")
-        data = {c: list(ds[c]) for c in (q, "chosen", "rejected")}
+        data = {c: list(ds[c]) for c in (q, "chosen", "rejected", *(["margin"] if "margin" in cols else []))}
         rows = [f"row {i + 1}" for i in range(len(ds))]
         cand = [[_text(a, path, r, "chosen"), _text(b, path, r, "rejected")]
                 for a, b, r in zip(data["chosen"], data["rejected"], rows)]
+        margins = [_finite(m, path, r, "margin") for m, r in zip(data["margin"], rows)] if "margin" in data else None
         t = GroupTable([_text(x, path, r, q) for x, r in zip(data[q], rows)], cand, [[1.0, 0.0]] * len(cand), path,
-                       rows, "preference")
+                       rows, "preference", margins)
     elif layout == "lists":
         _require(cols, (q, "passages", "labels"), path, "ranking (one row per query)")
         queries, passages, labels = list(ds[q]), list(ds["passages"]), list(ds["labels"])
@@ -243,6 +252,7 @@ class GroupedSplit:
     labels: np.ndarray
     offsets: np.ndarray
     token_type_ids: list[np.ndarray] | None = None
+    margins: np.ndarray | None = None  # per group: batches then carry [relevance, margin] per row
 
     def __len__(self) -> int:  # batches, epochs and steps count groups
         return len(self.offsets) - 1
@@ -267,7 +277,8 @@ def tokenize_groups(table: GroupTable, tokenizer, max_length: int, name: str = "
     tt = [np.asarray(x, np.int32) for x in out["token_type_ids"]] if "token_type_ids" in out else None
     offsets = np.concatenate([[0], np.cumsum([len(c) for c in table.candidates])]).astype(np.int64)
     labels = np.asarray([y for ys in table.labels for y in ys], np.float32)
-    return GroupedSplit(name, ids, labels, offsets, tt)
+    margins = None if table.margins is None else np.asarray(table.margins, np.float32)
+    return GroupedSplit(name, ids, labels, offsets, tt, margins)
 
 
 def group_rows(split: GroupedSplit, groups: np.ndarray, batch_size: int, group_size: int) -> np.ndarray:
@@ -284,7 +295,8 @@ def group_rows(split: GroupedSplit, groups: np.ndarray, batch_size: int, group_s
 def collate_groups(split: GroupedSplit, groups: np.ndarray, batch_size: int, group_size: int,
                    buckets: Sequence[int], pad_id: int = 0) -> dict:
     """Groups ``groups`` as ``batch_size * group_size`` rows padded to the bucket of their longest
-    row: ``input_ids``, ``attention_mask`` (, ``token_type_ids``), ``labels`` (relevance),
+    row: ``input_ids``, ``attention_mask`` (, ``token_type_ids``), ``labels`` (relevance; with margins
+    ``[relevance, group margin]`` per row),
     ``weights`` (a group's weight 1 shared among its real rows; 0 for padding) and ``group`` (the
     group's index in the split, -1 for padding)."""
     groups = np.asarray(groups, np.int64)
@@ -304,6 +316,10 @@ def collate_groups(split: GroupedSplit, groups: np.ndarray, batch_size: int, gro
     weights = np.where(real.reshape(batch_size, group_size), 1.0 / np.maximum(sizes, 1)[:, None], 0.0)
     labels = np.zeros(len(slots), np.float32)
     labels[rows] = split.labels[slots[real]]
+    if split.margins is not None:  # each row carries its group's margin beside its relevance
+        margin = np.zeros((batch_size, group_size), np.float32)
+        margin[:len(groups)] = split.margins[groups][:, None]
+        labels = np.stack([labels, margin.reshape(-1)], axis=1)
     group = np.full((batch_size, group_size), -1, np.int64)
     group[:len(groups)] = groups[:, None]
     out.update(labels=labels, weights=weights.reshape(-1).astype(np.float32),

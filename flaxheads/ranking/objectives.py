@@ -118,14 +118,20 @@ def objective_fn(name: str, **options) -> Callable[..., jax.Array]:
     return lambda scores, labels, mask, weights: fn(scores, labels, mask, weights, **options)
 
 
+#: Objectives that take a margin (an option, plus a per-group margin from the data).
+MARGIN_OBJECTIVES = ("pairwise", "hinge")
+
+
 def objective_loss(name: str, group_size: int, **options) -> Callable[..., jax.Array]:
-    """The objective as the train steps' ``f(logits [G*k, 1], labels [G*k], weights [G*k])``.
+    """The objective as the train steps' ``f(logits [G*k, 1], labels, weights [G*k])``.
 
     Rows come group by group, ``group_size`` rows each. A row's weight is its group's weight
     divided among the group's real candidates (0 for padded candidates), so the summed row weight
-    of a batch is its summed group weight: the steps' normaliser of a global weighted mean."""
-    fn = objective_fn(name, **options)
-    k = int(group_size)
+    of a batch is its summed group weight: the steps' normaliser of a global weighted mean.
+    ``labels`` is the relevance ``[G*k]``, or ``[G*k, 2]``: relevance and the row's group margin,
+    added to the ``margin`` option (pairwise objectives only)."""
+    objective_fn(name)  # the name check
+    fn, k = _FUNCTIONS[name], int(group_size)
 
     def f(logits, labels, weights=None):
         if logits.ndim != 2 or logits.shape[-1] != 1:
@@ -134,6 +140,16 @@ def objective_loss(name: str, group_size: int, **options) -> Callable[..., jax.A
             raise ConfigError(f"{logits.shape[0]} rows are not whole groups of {k}")
         w = jnp.ones((logits.shape[0],), jnp.float32) / k if weights is None else jnp.asarray(weights, jnp.float32)
         w = w.reshape(-1, k)
-        return fn(logits.reshape(-1, k), jnp.asarray(labels).reshape(-1, k), w > 0, jnp.sum(w, axis=-1))
+        labels = jnp.asarray(labels)
+        opts = dict(options)
+        if labels.ndim == 2:
+            if name not in MARGIN_OBJECTIVES:
+                raise ConfigError(f"per-group margins apply to the {' and '.join(MARGIN_OBJECTIVES)} objectives, "
+                                  f"not {name}")
+            base = opts.get("margin")
+            base = (1.0 if name == "hinge" else 0.0) if base is None else base
+            opts["margin"] = base + labels[:, 1].reshape(-1, k)[:, 0]
+            labels = labels[:, 0]
+        return fn(logits.reshape(-1, k), labels.reshape(-1, k), w > 0, jnp.sum(w, axis=-1), **opts)
 
     return f

@@ -92,7 +92,8 @@ class RankingTrainer(loop.Trainer):
                                     keys=("labels", "group"))
         if out is None:
             return np.zeros(0, np.float32), np.zeros(0, np.float32), np.zeros(0, np.int32)
-        return out[:, 0], kept["labels"], kept["group"]
+        labels = kept["labels"]
+        return out[:, 0], labels[:, 0] if labels.ndim == 2 else labels, kept["group"]  # (without the margins)
 
     def evaluate(self, params, split: GroupedSplit, *, buckets: Sequence[int], pad_id: int = 0) -> dict:
         """Ranking metrics of ``params`` (placed) on every group of ``split``."""

@@ -159,3 +159,19 @@ def test_objective_loss_on_flat_rows_equals_group_form():
     for name, fn in (("pairwise", pairwise_logistic), ("listwise", listwise_softmax), ("pointwise", pointwise_bce)):
         flat = objective_loss(name, K)(jnp.asarray(SCORES.reshape(-1, 1)), labels.ravel(), rows)
         assert abs(float(flat) - float(fn(jnp.asarray(SCORES), labels, mask, gw))) < 1e-6
+
+
+def test_margins_from_the_data_ride_in_a_second_label_column():
+    """Preference rows with TRL's per-pair margin: ``labels [G*2, 2]`` = (relevance, the group's margin),
+    added to the margin option; the loss is TRL's with that margin."""
+    c, r = _pairs()
+    margin = RNG.uniform(0, 1, G).astype(np.float32)
+    rows = np.stack([np.tile([1.0, 0.0], G), np.repeat(margin, 2)], 1).astype(np.float32)
+    flat = objective_loss("pairwise", 2)(jnp.asarray(np.stack([c, r], 1).reshape(-1, 1)), rows,
+                                         np.full(2 * G, 0.5, np.float32))
+    assert abs(float(flat) - trl_reward_loss(c, r, margin)) < 1e-6
+    hinge = objective_loss("hinge", 2, margin=0.5)(jnp.asarray(np.stack([c, r], 1).reshape(-1, 1)), rows,
+                                                   np.full(2 * G, 0.5, np.float32))
+    s, y, m = _preference(c, r)
+    assert abs(float(hinge) - float(pairwise_hinge(s, y, m, ONES, margin=0.5 + margin))) < 1e-6
+
