@@ -157,10 +157,10 @@ def test_listwise_with_lora_on_pmap_and_ragged_groups(bert_folder, tmp_path):  #
     ([{"prompt": "a", "chosen": "x", "rejected": ""}], "row 1, column 'rejected': text is empty"),
     ([{"query": "a", "passage": "x", "label": "yes"}, {"query": "a", "passage": "y", "label": 0}],
      "row 1, column 'label': relevance 'yes' is not a finite number"),
-    ([{"prompt": "a", "chosen": "x", "rejected": "y", "margin": 1}, {"prompt": "b", "chosen": "x", "rejected": "y",
-                                                                    "margin": 1}],
+    ([{"prompt": p, "chosen": "x", "rejected": "y", "margin": 1} for p in "ab"],
      "has a margin column, which the pairwise and hinge objectives use, not --objective listwise"),
-    ([{"prompt": "a", "chosen": "x", "rejected": "y", "margin": "big"}], "row 1, column 'margin': 'big' is not a finite"),
+    ([{"prompt": "a", "chosen": "x", "rejected": "y", "margin": "big"}],
+     "row 1, column 'margin': 'big' is not a finite"),
     ([{"query": "a", "passages": ["x", "y"], "labels": [3, 0]}],
      "row 1: relevance 3 is above 1; --objective pointwise"),
 ])
