@@ -19,6 +19,9 @@ def test_three_layouts(tmp_path):
     pref = load_group_table(_jsonl(tmp_path / "p.jsonl", [{"prompt": "p1", "chosen": "good", "rejected": "bad"}]))
     assert (pref.kind, pref.queries, pref.candidates, pref.labels) == ("preference", ["p1"], [["good", "bad"]],
                                                                         [[1.0, 0.0]])
+    assert pref.margins is None
+    pref = load_group_table(_jsonl(tmp_path / "m.jsonl", [{"prompt": "p", "chosen": "a", "rejected": "b", "margin": 2}]))
+    assert pref.margins == [2.0]
     rows = load_group_table(_jsonl(tmp_path / "r.jsonl", [
         {"query": "a", "passage": "x", "label": 0}, {"query": "b", "passage": "y", "label": 2},
         {"query": "a", "passage": "z", "label": 1}, {"query": "b", "passage": "w", "label": 0}]))
