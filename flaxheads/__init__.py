@@ -11,8 +11,11 @@ from .interop import (ExportError, ModelImportError, export_head, export_sentenc
 from .interop.tokenizers import Tokenizer, TokenizerError, load_tokenizer
 from . import lora
 from .checkpoint.adapters import load_adapters
+from .interop.cross_encoder import export_cross_encoder
 from .interop.onnx import export_onnx
 from .interop.peft import export_peft, load_peft
+from . import ranking
+from .ranking.train import RankingTrainer
 from .lora import LoraConfig, merge_model
 from .losses import (MULTI_LABEL, REGRESSION, SINGLE_LABEL, infer_problem_type, loss_fn, mean_squared_error,
                      sigmoid_binary_cross_entropy, softmax_cross_entropy, validate_labels)
@@ -39,4 +42,5 @@ __all__ = [
     "to_json", "validate_labels", "lora", "LoraConfig", "merge_model", "export_peft", "export_onnx", "load_peft",
     "load_adapters",
     "Classifier", "Predictions", "FlaxheadsError", "ComputePlan",
+    "ranking", "RankingTrainer", "export_cross_encoder",
 ]

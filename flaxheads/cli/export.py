@@ -10,6 +10,7 @@ from .. import (export_head, export_sentence_transformers, export_transformers, 
                 model_from_checkpoint)
 from ..checkpoint import is_checkpoint_folder
 from ..errors import UsageError
+from ..interop.cross_encoder import export_cross_encoder
 from ..interop.files import MARKER, OutputExistsError, has_marker
 from ..interop.onnx import export_onnx
 from ..interop.peft import export_peft, is_adapter_folder
@@ -100,6 +101,9 @@ def run_export(args: argparse.Namespace) -> int:
         elif args.format in ("transformers", "onnx"):
             write = export_transformers if args.format == "transformers" else export_onnx
             out = write(source, args.out, tokenizer_from=args.tokenizer, threshold=_run_threshold(src), **common)
+        elif args.format == "cross-encoder":  # a transformers classifier + the activation CrossEncoder.predict applies
+            out = export_cross_encoder(source, args.out, tokenizer_from=args.tokenizer,
+                                       max_length=args.max_seq_length, **common)
         else:
             out = export_sentence_transformers(source, args.out, tokenizer_from=args.tokenizer,
                                                pooling_format=args.pooling_format,
@@ -119,9 +123,13 @@ def add_export_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--from", dest="src", required=True,
                    help="a run folder, an Orbax checkpoint folder (root or one step), a transformers / "
                         "sentence-transformers model folder, a PEFT LoRA adapter folder, or a head export")
-    p.add_argument("--format", required=True, choices=("transformers", "sentence-transformers", "head", "onnx"),
+    p.add_argument("--format", required=True,
+                   choices=("transformers", "sentence-transformers", "head", "onnx", "cross-encoder"),
                    help="transformers: a PyTorch folder; sentence-transformers; head: head.safetensors + config "
-                        "(any head, no backbone); onnx: model.onnx + config + tokenizer for onnxruntime (needs torch)")
+                        "(any head, no backbone); onnx: model.onnx + config + tokenizer for onnxruntime (needs torch); "
+                        "cross-encoder: a sentence-transformers CrossEncoder folder whose predict gives the raw "
+                        "scores, as flaxheads rank (HF-exact heads; other poolings + Dense heads need "
+                        "sentence-transformers 6)")
     p.add_argument("--out", required=True, help="output folder (must not exist or be empty, unless --overwrite)")
     p.add_argument("--step", type=flags.step_spec, default=None,
                    help="checkpoint step: an integer, 'latest' (default) or 'best'")
@@ -133,7 +141,7 @@ def add_export_command(sub: argparse._SubParsersAction) -> None:
                    help="sentence-transformers Pooling config: legacy pooling_mode_* keys (every ST version) or "
                         "the pooling_mode key")
     p.add_argument("--max-seq-length", type=flags.positive_int, default=None,
-                   help="sentence-transformers max_seq_length")
+                   help="sentence-transformers max_seq_length (cross-encoder: tokens per pair)")
     p.add_argument("--peft", action="store_true",
                    help="with --format transformers, for a run trained with LoRA: write the adapters and head as a "
                         "PEFT adapter folder (adapter_config.json + adapter_model.safetensors) instead of the merged "

@@ -1,4 +1,4 @@
-"""The ``flaxheads`` command: ``flaxheads train | export | checkpoints | predict | embed | evaluate``
+"""The ``flaxheads`` command: ``flaxheads train | export | checkpoints | predict | embed | evaluate | rank``
 (also ``python -m flaxheads``).
 
 Each subcommand module has an ``add_<name>_command(subparsers)`` that registers its parser and
@@ -29,13 +29,14 @@ from .checkpoints import add_checkpoints_command
 from .export import add_export_command
 from .flags import Parser
 from .predict import add_predict_commands
+from .rank import add_rank_command
 from .train import add_train_command
 
 #: Errors only a write meets (a full or read-only disk, a quota or file size limit): one line, exit 1.
 REFUSED_WRITES = (errno.ENOSPC, errno.EFBIG, errno.EROFS, errno.EDQUOT)
 
 SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
-    add_train_command, add_export_command, add_checkpoints_command, add_predict_commands)
+    add_train_command, add_export_command, add_checkpoints_command, add_predict_commands, add_rank_command)
 
 
 def build_parser() -> Parser:

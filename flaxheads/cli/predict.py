@@ -136,6 +136,9 @@ def _evaluation_data(args: argparse.Namespace, clf: Classifier):
         if not cfg.get("data"):
             raise UsageError(f"--split needs a run folder that recorded its data (config.json); {clf.source} has "
                              "none: give --input with a labelled file")
+        if cfg.get("objective", "classification") != "classification":
+            raise UsageError(f"{clf.source} is a ranking run (--objective {cfg['objective']}): its validation and test "
+                             "metrics are in its summary.json and eval.txt; score new pairs with `flaxheads rank`")
         data = dict(cfg["data"], split=tuple(cfg["data"]["split"]))
         tables, _, _ = load_splits(DataConfig(**data))
         if args.split not in tables:

@@ -33,6 +33,7 @@ from ..sharding import parse_mesh
 from . import flags
 from .fit_program import DEFAULT_MODEL, DEFAULTS, prepare, run_fine_tune
 from .lora_flags import add_lora_flags, check_lora_flags
+from .rank_train import RANKING_OBJECTIVES, add_ranking_flags, run_ranking
 from .sweep import run_cached
 
 PROBLEM_TYPES = ("single_label_classification", "multi_label_classification", "regression")
@@ -102,6 +103,9 @@ def _training_flags(ap: argparse.ArgumentParser) -> None:
                    help="train K heads at once in one vmapped step on cached features (lr log-spaced over "
                         "[lr/10, lr*10], weight decay on/off, seeds seed..seed+K-1); the best on validation is "
                         "saved as the run's head (implies --cache-features)")
+    g.add_argument("--objective", default="classification", choices=("classification", *RANKING_OBJECTIVES),
+                   help="classification (default), or a one-score ranker / reward model trained on groups: "
+                        "pairwise (Bradley-Terry), hinge, listwise (softmax over a group), listnet, pointwise (BCE)")
     g.add_argument("--seed", type=flags.non_negative_int, default=0,
                    help="data split, order, init and dropout (default 0)")
     g.add_argument("--label-smoothing", type=flags.below_one, default=0.0,
@@ -161,8 +165,8 @@ def _output_flags(ap: argparse.ArgumentParser) -> None:
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     """Register every ``train`` flag on ``ap``."""
-    for add in (_model_flags, _data_flags, _training_flags, add_lora_flags, _optimizer_flags, _device_flags,
-                _output_flags):
+    for add in (_model_flags, _data_flags, _training_flags, add_ranking_flags, add_lora_flags, _optimizer_flags,
+                _device_flags, _output_flags):
         add(ap)
 
 
@@ -249,6 +253,8 @@ def _check_distributed_flags(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> dict:
     """Everything ``flaxheads train`` does; returns the run's summary (for tests and notebooks)."""
     check_flags(args)
+    if args.objective != "classification":
+        return run_ranking(args)
     job = prepare(args)
     return run_cached(job, args) if job.cached else run_fine_tune(job, args)
 

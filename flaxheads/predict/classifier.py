@@ -17,6 +17,7 @@ from ..model import SequenceModel
 from ..nn.heads import IdentityHead, ProjectionHead
 from ..programs import jit_count
 from .batches import Runner, check_texts, encode, short_buckets
+from .ranking import rank_candidates, score_pairs
 from .results import Predictions
 from .sources import load_source
 
@@ -151,3 +152,15 @@ class Classifier:
                              "load a sentence-transformers folder / a model with a projection or identity head")
         return self.outputs(texts, text_pairs, batch_size=batch_size, truncate=truncate, progress=progress,
                             rows=rows)[0]
+
+    # ---- rerankers and reward models (one output) -------------------------------------------
+    def score(self, pairs: Sequence[tuple[str, str]], *, batch_size: int = 32, truncate: bool = True,
+              progress: bool | None = None) -> np.ndarray:
+        """One score per ``(query, candidate)`` pair ``[N]`` float32, in input order (a one-output
+        model: a reranker's relevance or a reward model's reward, the raw output)."""
+        return score_pairs(self, pairs, batch_size=batch_size, truncate=truncate, progress=progress)
+
+    def rank(self, query: str, candidates: Sequence[str], *, top_k: int | None = None,
+             batch_size: int = 32) -> list[dict]:
+        """``candidates`` for ``query``, best first: ``[{"index", "score", "text"}, ...]``."""
+        return rank_candidates(self, query, candidates, top_k=top_k, batch_size=batch_size)

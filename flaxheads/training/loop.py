@@ -219,7 +219,11 @@ def _check_batch_sizes(cfg: TrainConfig, par: Parallel) -> None:
 
 
 def train_batches(trainer: Trainer) -> Callable[..., Iterable[dict]]:
-    """The training batch iterator: ordinary bucketed batches, or the same batches packed (``cfg.pack``)."""
+    """The training batch iterator: the trainer's own (grouped data: ``flaxheads.ranking``), ordinary
+    bucketed batches, or the same batches packed (``cfg.pack``)."""
+    own = getattr(trainer, "iterate_batches", None)
+    if own is not None:
+        return own
     if not trainer.cfg.pack:
         return iterate_batches
     backbone = trainer.model.backbone

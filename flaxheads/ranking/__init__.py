@@ -1,0 +1,10 @@
+"""Rerankers and reward models: one score per (query, candidate) row, trained on groups.
+
+:mod:`.objectives` (pairwise Bradley-Terry and hinge, listwise softmax / ListNet, pointwise BCE),
+:mod:`.metrics` (pairwise accuracy, NDCG@k, MRR@k, MAP), :mod:`.data` (preference and ranking
+tables, grouped splits and batches), :mod:`.train` (the trainer of ``fit`` for an objective).
+"""
+from .metrics import ranking_metrics
+from .objectives import OBJECTIVES, objective_fn, objective_loss
+
+__all__ = ["OBJECTIVES", "objective_fn", "objective_loss", "ranking_metrics"]
