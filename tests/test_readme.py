@@ -9,6 +9,7 @@ folder an earlier block wrote:
     path/to/bert-folder, path/to/other-bert-folder, a/BertForSequenceClassification/folder
                                    -> a tiny BERT classifier with its tokenizer
     path/to/qwen2-folder           -> a tiny Qwen2 classifier
+    path/to/encoder-folder         -> that BERT's encoder alone (no classifier), with its tokenizer
     a/sentence-transformers/folder, path/to/sentence-transformers
                                    -> that BERT, mean-pooled with a dense layer, exported as sentence-transformers
     runs/my-run                    -> the run folder a block's RunCheckpointer wrote there
@@ -37,11 +38,18 @@ def placeholders(tmp_path_factory):
     bert = tiny_bert_folder(root / "bert", num_labels=5)
     qwen = str(root / "qwen2")
     tiny_torch_model("qwen2").save_pretrained(qwen, safe_serialization=True)
+    import shutil
+
     import flaxheads as fh
 
+    encoder = str(root / "encoder")
+    tiny_torch_model("bert", num_labels=5).bert.save_pretrained(encoder, safe_serialization=True)
+    for name in os.listdir(bert):
+        if name.startswith(("vocab", "tokenizer", "special_tokens")):
+            shutil.copy(os.path.join(bert, name), encoder)
     st = fh.export_sentence_transformers(fh.from_pretrained(bert, pooler="mean", head="linear", num_labels=5),
                                          root / "st")
-    return {"path/to/bert-folder": bert, "path/to/other-bert-folder": bert,
+    return {"path/to/encoder-folder": encoder, "path/to/bert-folder": bert, "path/to/other-bert-folder": bert,
             "a/BertForSequenceClassification/folder": bert, "path/to/qwen2-folder": qwen,
             "a/sentence-transformers/folder": st, "path/to/sentence-transformers": st}
 
