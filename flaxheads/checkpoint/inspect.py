@@ -7,19 +7,9 @@ import os
 
 import numpy as np
 
+from ..preflight import folder_bytes
 from . import io
 from .meta import ARRAY_ITEMS, JSON_ITEMS, META, OWN_KEYS, STEP, CheckpointError, CheckpointNotFoundError
-
-
-def _dir_size(path: str) -> int:
-    total = 0
-    for dirpath, _, files in os.walk(path):
-        for f in files:
-            try:
-                total += os.path.getsize(os.path.join(dirpath, f))
-            except OSError:
-                pass
-    return total
 
 
 def _written_items(mgr, root: str, step: int) -> list[str]:
@@ -57,7 +47,7 @@ def _step_row(mgr, root: str, step: int, latest: bool, verify: bool) -> tuple[di
     """One listing row, and the (best_metric, mode) the step was saved with, if any."""
     d = os.path.join(root, str(step))
     items = sorted(x for x in os.listdir(d) if os.path.isdir(os.path.join(d, x)) and x in ARRAY_ITEMS + JSON_ITEMS)
-    row = {"step": step, "path": d, "items": items, "bytes": _dir_size(d), "latest": latest, "metrics": None,
+    row = {"step": step, "path": d, "items": items, "bytes": folder_bytes([d]), "latest": latest, "metrics": None,
            "best": False, "status": "ok"}
     best_by = None
     try:
@@ -74,7 +64,7 @@ def _step_row(mgr, root: str, step: int, latest: bool, verify: bool) -> tuple[di
 
 
 def _unfinished_rows(root: str) -> list[dict]:
-    return [{"step": None, "path": os.path.join(root, name), "items": [], "bytes": _dir_size(os.path.join(root, name)),
+    return [{"step": None, "path": os.path.join(root, name), "items": [], "bytes": folder_bytes([os.path.join(root, name)]),
              "latest": False, "best": False, "metrics": None, "status": "incomplete (unfinished save; ignored)"}
             for name in sorted(os.listdir(root)) if ".orbax-checkpoint-tmp" in name]
 
