@@ -23,7 +23,8 @@ from ..host import ComputePlan
 from ..host.precision import Precision
 from ..tables import LabelSpace
 from ..training import loop
-from ..training.data import SPLITS, DataConfig, Split, iterate_batches, load_splits, tokenize
+from ..training.data import SPLITS, DataConfig, Split, load_splits, tokenize
+from ..training.streaming import StreamSplit, open_stream, ordered_batches, streams
 from ..training.metrics import compute_metrics
 from ..training.optim import OptimConfig, count_params
 from ..training.packing import AUTO_PACK_SHARE, packed_slot_share
@@ -81,7 +82,9 @@ def data_config(args: argparse.Namespace) -> DataConfig:
     return DataConfig(data=args.data, train_file=args.train_file, validation_file=args.validation_file,
                       test_file=args.test_file, text_column=args.text_column, text_pair_column=args.text_pair_column,
                       label_column=args.label_column, problem_type=args.problem_type, split=tuple(args.split),
-                      seed=args.seed, limit=args.limit, label_ids=args.label_ids)
+                      seed=args.seed, limit=args.limit, label_ids=args.label_ids,
+                      labels=getattr(args, "labels", None), eval_limit=getattr(args, "eval_limit", None),
+                      stream=getattr(args, "stream", None))
 
 
 def train_config(args: argparse.Namespace) -> loop.TrainConfig:
@@ -144,15 +147,17 @@ def prepare(args: argparse.Namespace) -> Job:
     path = resolve_model(args.model)
     init_distributed(args)
     data = data_config(args)
-    tables, space, labels = load_splits(data)
+    cached = bool(args.cache_features or args.sweep)
+    stream = _open_stream(data, cached)
+    tables, space, labels = load_splits(data) if stream is None else (stream.sources, stream.space, None)
     _require_validation(args, "validation" in tables)
     best = best_metric(args.keep_best_by, space, has_validation="validation" in tables)
     plan = ComputePlan.for_host(precision=args.precision)  # the one plan of this run; precision settled by check_flags
     model = build_model(args, path, space, plan)
     tok = load_tokenizer(path)
     max_length = usable_max_length(args.max_length, tok, model, path)
-    splits = {n: tokenize(t, labels[n], tok, max_length, n) for n, t in tables.items()}
-    cached = bool(args.cache_features or args.sweep)
+    splits = ({n: tokenize(t, labels[n], tok, max_length, n) for n, t in tables.items()} if stream is None
+              else stream.splits(tok, max_length))
     buckets = make_buckets(max_length, min(args.bucket_step, max_length))
     tcfg = train_config(args)
     pack, share = resolve_pack(args.pack, model, splits["train"], tcfg, buckets, cached)
@@ -165,6 +170,16 @@ def prepare(args: argparse.Namespace) -> Job:
                plan.precision, share if pack else None)
 
 
+def _open_stream(data: DataConfig, cached: bool):
+    """The streamed data's scan (``training.streaming.open_stream``), or None for data read into memory."""
+    if not streams(data.train_file or data.data, data.stream):
+        return None
+    if cached:
+        raise UsageError("--cache-features/--sweep encode the whole training split once, in memory; streamed data "
+                         "cannot: train the head with --freeze-backbone, or use --no-stream for a table that fits")
+    return open_stream(data)
+
+
 def resolve_pack(want: bool | None, model: SequenceModel, train: Split, tcfg: loop.TrainConfig,
                  buckets: tuple[int, ...], cached: bool) -> tuple[bool, float | None]:
     """Whether the run packs, and the packed share of the padded token slots
@@ -173,6 +188,11 @@ def resolve_pack(want: bool | None, model: SequenceModel, train: Split, tcfg: lo
     ``--pack`` / ``--no-pack`` as given; neither: packed when the backbone keeps packed texts
     apart, the backbone is not cached, and the share is at most ``AUTO_PACK_SHARE``. Packing
     changes no batch and no loss, only the token slots a step computes."""
+    if isinstance(train, StreamSplit):
+        if want:
+            raise UsageError("--pack needs the training split in memory; streamed data trains unpacked (drop "
+                             "--pack, or --no-stream for a table that fits in memory)")
+        return False, None
     packable = not cached and "packing" in getattr(model.backbone, "features", ())
     if want is False or (want is None and not packable):
         return False, None
@@ -208,8 +228,7 @@ def _final_results(trainer: loop.Trainer, res: loop.FitResult, job: Job) -> tupl
     """Metrics of the last validation and of the test split, and the test predictions."""
     final, predictions = {}, {}
     if "test" in job.splits:
-        batches = iterate_batches(job.splits["test"], job.train.eval_batch_size, job.buckets, shuffle=False,
-                                  pad_id=job.pad_id)
+        batches = ordered_batches(job.splits["test"], job.train.eval_batch_size, job.buckets, pad_id=job.pad_id)
         logits, labels = trainer.predict(res.state.params, batches)
         predictions["test"] = {"logits": np.asarray(logits), "labels": np.asarray(labels)}
         final["test"] = compute_metrics(job.model.problem_type, logits, labels, job.model.num_labels,
@@ -285,8 +304,7 @@ def _startup(args: argparse.Namespace, res: loop.FitResult, fit_called: float) -
 
 def _largest_batch(job: Job) -> dict:
     """A training batch padded to the longest bucket (the most activation memory a step takes)."""
-    return next(iter(iterate_batches(job.splits["train"], job.train.batch_size, job.buckets[-1:], shuffle=False,
-                                     pad_id=job.pad_id)))
+    return next(iter(ordered_batches(job.splits["train"], job.train.batch_size, job.buckets[-1:], pad_id=job.pad_id)))
 
 
 def _scalars(r: dict) -> dict:

@@ -73,6 +73,14 @@ def _data_flags(ap: argparse.ArgumentParser) -> None:
                    help="train,validation,test fractions of --data (default 0.8,0.1,0.1; 0 for no such split)")
     g.add_argument("--limit", type=flags.positive_int, default=None,
                    help="use a stratified subset of N examples (quick runs)")
+    g.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
+                   help="read table files as training runs, in bounded memory, each process its share of every "
+                        "batch (default: for files over 16 MiB and globs such as 'shards/*.parquet')")
+    g.add_argument("--eval-limit", type=flags.positive_int, default=None,
+                   help="evaluate during training on a sample of N validation examples (the test split is "
+                        "evaluated in full at the end)")
+    g.add_argument("--labels", type=flags.names, default=None,
+                   help="the class names, comma-separated, in id order (default: every label of the data)")
     g.add_argument("--max-length", type=flags.positive_int, default=DEFAULTS["max_length"],
                    help="tokens per text (default 128; at most the model's positions)")
     g.add_argument("--bucket-step", type=flags.positive_int, default=32,

@@ -135,6 +135,9 @@ class DataConfig:
     seed: int = 0
     limit: int | None = None  # keep a stratified subset of this many examples (quick runs)
     label_ids: bool = False  # integer labels are class ids 0..K-1, not classes by value
+    labels: tuple[str, ...] | None = None  # the class names (single/multi-label), instead of discovering them
+    eval_limit: int | None = None  # evaluate during training on a sample of this many validation examples
+    stream: bool | None = None  # read tables as training runs (None: large files and globs; training/streaming.py)
 
 
 def load_splits(cfg: DataConfig) -> tuple[dict[str, TextTable], LabelSpace, dict[str, np.ndarray]]:
@@ -148,14 +151,14 @@ def load_splits(cfg: DataConfig) -> tuple[dict[str, TextTable], LabelSpace, dict
         for name, f in (("validation", cfg.validation_file), ("test", cfg.test_file)):
             if f:
                 tables[name] = load_source(f, **topt)
-        space = infer_label_space(tables["train"], cfg.problem_type, label_ids=cfg.label_ids)
+        space = _label_space(tables["train"], cfg)
         if cfg.limit:
             tables["train"] = _subset(tables["train"], space, cfg.limit, cfg.seed)
     else:
         if not cfg.data:
             raise DataError("no data: give --data (bbc_news, a class folder or a file) or --train-file")
         full = load_source(cfg.data, **topt)
-        space = infer_label_space(full, cfg.problem_type, label_ids=cfg.label_ids)
+        space = _label_space(full, cfg)
         if cfg.limit:
             full = _subset(full, space, cfg.limit, cfg.seed)
         strata = encode_labels(full, space) if space.problem_type == SINGLE_LABEL else None
@@ -168,8 +171,18 @@ def load_splits(cfg: DataConfig) -> tuple[dict[str, TextTable], LabelSpace, dict
         tables = {name: full.take(p) for name, p in zip(SPLITS, parts) if len(p)}
         if "train" not in tables:
             raise DataError(f"{cfg.data}: the split {cfg.split} leaves no training examples")
+    if cfg.eval_limit and "validation" in tables:
+        tables["validation"] = _subset(tables["validation"], space, cfg.eval_limit, cfg.seed + 1)
     labels = {name: encode_labels(t, space, name) for name, t in tables.items()}
     return tables, space, labels
+
+
+def _label_space(t: TextTable, cfg: DataConfig) -> LabelSpace:
+    """Inferred from the table, or with ``cfg.labels`` as the class names (in that order)."""
+    space = infer_label_space(t, cfg.problem_type, label_ids=cfg.label_ids)
+    if cfg.labels is None or space.names is None:
+        return space
+    return LabelSpace(space.problem_type, [str(n) for n in cfg.labels], len(cfg.labels))
 
 
 def _subset(t: TextTable, space: LabelSpace, limit: int, seed: int) -> TextTable:
