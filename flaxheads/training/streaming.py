@@ -26,6 +26,8 @@ from __future__ import annotations
 import dataclasses
 import glob
 import heapq
+import json
+import math
 import os
 import queue
 import threading
@@ -37,8 +39,8 @@ import numpy as np
 from ..batching import bucket_length
 from ..errors import UsageError
 from ..losses import MULTI_LABEL, REGRESSION, SINGLE_LABEL
-from ..tables import (TABLE_FORMATS, DataError, LabelSpace, TextTable, _quiet_datasets, check_csv_quoting, check_utf8,
-                      encode_labels)
+from ..tables import (TABLE_FORMATS, DataError, LabelSpace, TextTable, _label_kind, _quiet_datasets, check_csv_quoting,
+                      check_utf8, encode_labels)
 from .data import SPLITS, Split, collate, tokenize
 
 #: ``--stream`` unset: a table file larger than this streams (smaller ones are read into memory,
@@ -186,13 +188,52 @@ def source_rows(src: StreamSource, order: Sequence[int] | None = None) -> Iterat
             yield fi, rows, chunk
 
 
+def arr_table(arr):
+    """One array as a one-column (``v``) table."""
+    import pyarrow as pa
+
+    return pa.table({"v": arr})
+
+
 # ---- the scan: counts, labels, bad rows, evaluation sample -------------------------------------
+
+def _is_json(arr) -> bool:
+    """A column of mixed types, which ``datasets`` reads as JSON text per value."""
+    import pyarrow as pa
+
+    return isinstance(arr.type, pa.BaseExtensionType) and "json" in str(arr.type)
+
+
+def column_values(chunk, col: str) -> list:
+    """A column of a chunk as Python values (JSON text of a mixed-type column decoded)."""
+    arr = chunk.column(col)
+    if _is_json(arr):
+        chunks = arr.chunks if hasattr(arr, "chunks") else [arr]
+        return [None if v is None else json.loads(v) for c in chunks for v in c.storage.to_pylist()]
+    return arr.to_pylist()
+
+
+def char_lengths(chunk, col: str) -> np.ndarray:
+    """Characters per text (what windows group by: no tokenizer needed)."""
+    import pyarrow.compute as pc
+
+    arr = chunk.column(col)
+    if _is_json(arr):
+        return np.asarray([len(str(v)) for v in column_values(chunk, col)], np.int64)
+    return np.asarray(pc.utf8_length(arr).to_numpy(zero_copy_only=False), np.int64)
+
 
 def _check_texts(path: str, rows: np.ndarray, chunk, col: str) -> None:
     import pyarrow as pa
     import pyarrow.compute as pc
 
     arr = chunk.column(col)
+    if _is_json(arr):
+        for r, v in zip(rows, column_values(chunk, col)):
+            if not isinstance(v, str) or not v.strip():
+                what = "missing" if v is None else "empty" if isinstance(v, str) else f"not text ({type(v).__name__})"
+                raise DataError(f"{path}: row {r}, column {col!r}: text is {what}. Remove the row or fill in its text.")
+        return
     if not (pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type)):
         if pa.types.is_null(arr.type):
             what = "missing"
@@ -222,6 +263,8 @@ class _LabelStats:
         import pyarrow.compute as pc
 
         t = arr.type
+        if _is_json(arr):
+            return self._add_values(path, rows, column_values(arr_table(arr), "v"), label_column)
         missing = pc.is_null(arr, nan_is_null=True)
         if pa.types.is_string(t) or pa.types.is_large_string(t):
             missing = pc.or_kleene(missing, pc.equal(pc.utf8_trim_whitespace(arr), ""))
@@ -252,6 +295,20 @@ class _LabelStats:
         if kind not in self.kinds:
             self.kinds[kind] = (path, int(rows[0]), arr[0].as_py())
 
+    def _add_values(self, path: str, rows: np.ndarray, values: list, label_column: str) -> None:
+        """The same, from Python values (a column of mixed types)."""
+        for r, v in zip(rows, values):
+            if v is None or (isinstance(v, float) and math.isnan(v)) or (isinstance(v, str) and not v.strip()):
+                raise DataError(f"{path}: row {r}, column {label_column!r}: label is missing. Every row needs a label.")
+            kind = _label_kind(v)
+            self.kinds.setdefault(kind, (path, int(r), v))
+            for x in (v if isinstance(v, list) else [v]):
+                if isinstance(x, float) and not x.is_integer():
+                    self.non_integer = True
+                    continue
+                key = str(int(x)) if isinstance(x, (int, float)) and not isinstance(x, bool) else str(x)
+                self.values.setdefault(key, (path, int(r), v))
+
     def _values(self, path, rows, flat, row_of, arr, *, as_text: bool) -> None:
         import pyarrow.compute as pc
 
@@ -269,8 +326,10 @@ def label_space(stats: _LabelStats, label_column: str, problem_type: str | None 
     """The label space a streaming pass found, by :func:`flaxheads.tables.infer_label_space`'s
     rules (``names``: given by ``--labels`` instead)."""
     if len(stats.kinds) > 1:
-        seen = ", ".join(f"{p}: row {r} has {kind} ({v!r})" for kind, (p, r, v) in stats.kinds.items())
-        raise DataError(f"column {label_column!r} mixes label kinds: {seen}. Use one kind in every row: a list of "
+        files = {p for p, _, _ in stats.kinds.values()}
+        one = files.pop() if len(files) == 1 else None
+        seen = ", ".join(f"{'' if one else p + ': '}row {r} has {kind} ({v!r})" for kind, (p, r, v) in stats.kinds.items())
+        raise DataError(f"{one + ': ' if one else ''}column {label_column!r} mixes label kinds: {seen}. Use one kind in every row: a list of "
                         "label names (multi-label), one class name or integer id (single-label), or a number "
                         "(regression).")
     kind = next(iter(stats.kinds), "text")
@@ -326,9 +385,10 @@ class _Sample:
             cand = np.argsort(keys)[:self.size]
         if not len(cand):
             return
-        texts = chunk.column(src.text_column).take(cand).to_pylist()
-        pairs = chunk.column(src.pair_column).take(cand).to_pylist() if src.pair_column else [None] * len(cand)
-        labels = chunk.column(src.label_column).take(cand).to_pylist()
+        sub = chunk.take(cand)
+        texts = column_values(sub, src.text_column)
+        pairs = column_values(sub, src.pair_column) if src.pair_column else [None] * len(cand)
+        labels = column_values(sub, src.label_column)
         for j, c in enumerate(cand):
             item = (-float(keys[c]), fi, int(rows[c]), path, texts[j], pairs[j], labels[j])
             if len(self.heap) < self.size:
@@ -493,9 +553,10 @@ class StreamSplit:
     def rows_table(self, where, chunk, idx: np.ndarray) -> TextTable:
         """The rows ``idx`` of a window as a :class:`TextTable` (row numbers for messages)."""
         src, fis, rws = self.source, where[0][idx], where[1][idx]
-        texts = chunk.column(src.text_column).take(idx).to_pylist()
-        pairs = chunk.column(src.pair_column).take(idx).to_pylist() if src.pair_column else None
-        labels = chunk.column(src.label_column).take(idx).to_pylist()
+        sub = chunk.take(idx)
+        texts = column_values(sub, src.text_column)
+        pairs = column_values(sub, src.pair_column) if src.pair_column else None
+        labels = column_values(sub, src.label_column)
         files = dict.fromkeys(src.files[int(f)] for f in fis)
         return TextTable(texts, labels, ", ".join(files) or src.files[0], [f"row {r}" for r in rws], pairs,
                          src.label_column, src.text_column)
@@ -593,12 +654,10 @@ def stream_batches(split: StreamSplit, batch_size: int, buckets: Sequence[int], 
     order = _epoch_order(len(split.source.files), seed, epoch, shuffle)
 
     def produce():
-        import pyarrow.compute as pc
-
         for w, (where, chunk) in enumerate(split.windows(batch_size * w_batches, order)):
             if w < first_window:
                 continue
-            chars = np.asarray(pc.utf8_length(chunk.column(split.source.text_column)).to_numpy(zero_copy_only=False))
+            chars = char_lengths(chunk, split.source.text_column)
             plan = window_plan(chars, batch_size, (seed, epoch, w), shuffle=shuffle, group_by_length=group_by_length)
             plan = plan[skip:] if w == first_window else plan
             mine = [idx[me * local:(me + 1) * local] for idx in plan]
