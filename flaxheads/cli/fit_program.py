@@ -237,6 +237,15 @@ def _final_results(trainer: loop.Trainer, res: loop.FitResult, job: Job) -> tupl
     return {**last, **final}, predictions
 
 
+def _stream_note(job: Job) -> str:
+    if not isinstance(job.splits["train"], StreamSplit):
+        return ""
+    sample = job.splits.get("validation")
+    return (", read from disk as it trains (streamed)"
+            + (f", evaluating on a sample of {len(sample)} validation examples" if isinstance(sample, Split)
+               and job.data.eval_limit else ""))
+
+
 def _packing_note(job: Job) -> str:
     if not job.train.pack or job.pack_share is None:
         return ""
@@ -254,7 +263,7 @@ def run_fine_tune(job: Job, args: argparse.Namespace) -> dict:
     folder.start(config, f"{split_counts(job.splits)} examples, {job.model.num_labels} labels, {total} steps of "
                          f"{job.train.batch_size}, {_training_kind(job)}"
                          f", {trainer.parallel.width} device(s) ({job.train.parallel}), "
-                         f"{job.precision.name} ({job.precision.reason})" + _packing_note(job))
+                         f"{job.precision.name} ({job.precision.reason})" + _packing_note(job) + _stream_note(job))
     if lead:
         print(job.model.plan.describe(), flush=True)
     if job.train.mesh:  # every process compiles the same program; the first one reports
