@@ -23,6 +23,7 @@ Arrow chunks with Hugging Face ``datasets`` in streaming mode and are never all 
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import glob
 import heapq
@@ -271,7 +272,8 @@ class _LabelStats:
         missing = np.asarray(pc.fill_null(missing, True).to_numpy(zero_copy_only=False))
         if missing.any():
             i = int(np.argmax(missing))
-            raise DataError(f"{path}: row {rows[i]}, column {label_column!r}: label is missing. Every row needs a label.")
+            raise DataError(f"{path}: row {rows[i]}, column {label_column!r}: label is missing. "
+                            "Every row needs a label.")
         if pa.types.is_list(t) or pa.types.is_large_list(t):
             kind = "a list"
             if self.width is None:
@@ -328,8 +330,10 @@ def label_space(stats: _LabelStats, label_column: str, problem_type: str | None 
     if len(stats.kinds) > 1:
         files = {p for p, _, _ in stats.kinds.values()}
         one = files.pop() if len(files) == 1 else None
-        seen = ", ".join(f"{'' if one else p + ': '}row {r} has {kind} ({v!r})" for kind, (p, r, v) in stats.kinds.items())
-        raise DataError(f"{one + ': ' if one else ''}column {label_column!r} mixes label kinds: {seen}. Use one kind in every row: a list of "
+        seen = ", ".join(f"{'' if one else p + ': '}row {r} has {kind} ({v!r})"
+                         for kind, (p, r, v) in stats.kinds.items())
+        raise DataError(f"{one + ': ' if one else ''}column {label_column!r} mixes label kinds: {seen}. Use one kind "
+                        "in every row: a list of "
                         "label names (multi-label), one class name or integer id (single-label), or a number "
                         "(regression).")
     kind = next(iter(stats.kinds), "text")
@@ -422,7 +426,8 @@ class StreamData:
                 t = self.samples[name]
                 out[name] = tokenize(t, encode_labels(t, self.space, name), tokenizer, max_length, name)
             else:
-                out[name] = StreamSplit(name, src, self.counts[name], self.space, tokenizer, max_length)
+                # a copy each: a tokenizer's settings change per call, and splits tokenize in their own threads
+                out[name] = StreamSplit(name, src, self.counts[name], self.space, copy.deepcopy(tokenizer), max_length)
         return out
 
 
@@ -526,6 +531,8 @@ class StreamSplit:
     tokenizer: Any
     max_length: int
     window_batches: int = WINDOW_BATCHES
+    #: one tokenizing thread at a time (a reader left behind by an abandoned iterator may still run)
+    lock: Any = dataclasses.field(default_factory=threading.Lock, repr=False, compare=False)
 
     def __len__(self) -> int:
         return self.n
@@ -563,7 +570,9 @@ class StreamSplit:
 
     def tokenized(self, where, chunk, idx: np.ndarray) -> Split:
         table = self.rows_table(where, chunk, idx)
-        return tokenize(table, encode_labels(table, self.space, self.name), self.tokenizer, self.max_length, self.name)
+        with self.lock:
+            labels = encode_labels(table, self.space, self.name)
+            return tokenize(table, labels, self.tokenizer, self.max_length, self.name)
 
 
 def _background(produce, limit: int) -> Iterator:
@@ -638,7 +647,8 @@ def _global_rows(local: dict, batch_size: int, process: int, processes: int) -> 
 
 
 def stream_batches(split: StreamSplit, batch_size: int, buckets: Sequence[int], *, seed: int = 0, epoch: int = 0,
-                   shuffle: bool = True, start: int = 0, pad_id: int = 0, group_by_length: bool = True) -> Iterator[dict]:
+                   shuffle: bool = True, start: int = 0, pad_id: int = 0,
+                   group_by_length: bool = True) -> Iterator[dict]:
     """The training batches of one epoch of a streamed split from batch ``start`` on, as
     :func:`~flaxheads.training.data.iterate_batches` gives them (global batches, padded to a
     bucket, weight-0 padding rows), a pure function of ``(seed, epoch, start)``. In a multi-process

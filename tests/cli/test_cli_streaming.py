@@ -81,7 +81,8 @@ def test_two_processes_resume_a_streamed_run_mid_epoch(bert_folder, tmp_path):
             shutil.rmtree(multi / "checkpoints" / d)
     port = _free_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=1 --xla_cpu_collective_call_terminate_timeout_seconds=60"}
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=1 "
+                        "--xla_cpu_collective_call_terminate_timeout_seconds=60"}
     procs = []
     try:
         for pid in range(2):

@@ -164,8 +164,8 @@ def test_an_epoch_sees_every_row_once_and_resumes_mid_epoch(big, tok):
     assert len(a) == -(-n // 8)
     assert sum(int(b["weights"].sum()) for b in a) == n
     # each row once: the multiset of token sequences equals the file's
-    seqs = sorted(tuple(x[m > 0].tolist()) for b in a for x, m, w in zip(b["input_ids"], b["attention_mask"], b["weights"])
-                  if w > 0)
+    seqs = sorted(tuple(x[m > 0].tolist())
+                  for b in a for x, m, w in zip(b["input_ids"], b["attention_mask"], b["weights"]) if w > 0)
     want = sorted(tuple(np.asarray(x).tolist())
                   for x in tok([t for t, _ in _rows(N)], truncation=True, max_length=16, padding=False)["input_ids"])
     assert seqs == want
