@@ -23,6 +23,7 @@ Arrow chunks with Hugging Face ``datasets`` in streaming mode and are never all 
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import glob
@@ -31,6 +32,7 @@ import json
 import math
 import os
 import queue
+import sys
 import threading
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -40,8 +42,8 @@ import numpy as np
 from ..batching import bucket_length
 from ..errors import UsageError
 from ..losses import MULTI_LABEL, REGRESSION, SINGLE_LABEL
-from ..tables import (TABLE_FORMATS, DataError, LabelSpace, TextTable, _label_kind, _quiet_datasets, check_csv_quoting,
-                      check_utf8, encode_labels)
+from ..tables import (PACKAGED, TABLE_FORMATS, DataError, LabelSpace, TextTable, _label_kind, _quiet_datasets,
+                      check_csv_quoting, check_utf8, encode_labels)
 from .data import SPLITS, Split, collate, tokenize
 
 #: ``--stream`` unset: a table file larger than this streams (smaller ones are read into memory,
@@ -76,13 +78,35 @@ def streams(spec: str | None, want: bool | None) -> bool:
     """Whether the table ``spec`` is streamed: ``want`` (``--stream`` / ``--no-stream``) when
     given; else for a glob, or a table file larger than :data:`STREAM_BYTES`. Packaged data and
     class folders are read into memory."""
-    if spec is None or os.path.isdir(spec) or spec in ("bbc_news",):
+    if spec is None or os.path.isdir(spec) or spec in PACKAGED:
         return False
     if want is not None:
         return want
     if glob.has_magic(spec):
         return True
     return os.path.isfile(spec) and Path(spec).suffix.lower() in TABLE_FORMATS and os.path.getsize(spec) > STREAM_BYTES
+
+
+_TORCH_FLAG = threading.Lock()
+
+
+@contextlib.contextmanager
+def _torch_unused():
+    """``datasets`` makes each streaming dataset a subclass of torch's ``IterableDataset`` when torch
+    is installed, importing torch (~0.5 GB resident) in a process that never uses it: while a
+    dataset is built, and torch is not imported yet, ``datasets`` is told it is unavailable."""
+    import datasets
+
+    if "torch" in sys.modules:
+        yield
+        return
+    with _TORCH_FLAG:
+        was = datasets.config.TORCH_AVAILABLE
+        datasets.config.TORCH_AVAILABLE = False
+        try:
+            yield
+        finally:
+            datasets.config.TORCH_AVAILABLE = was
 
 
 def read_chunks(path: str, rows: int = CHUNK_ROWS) -> Iterator[Any]:
@@ -97,8 +121,10 @@ def read_chunks(path: str, rows: int = CHUNK_ROWS) -> Iterator[Any]:
     n = 0
     try:
         with _quiet_datasets():
-            ds = datasets.load_dataset(fmt, data_files=[path], split="train", streaming=True, **kw)
-            for chunk in ds.with_format("arrow").iter(batch_size=rows):
+            with _torch_unused():
+                ds = datasets.load_dataset(fmt, data_files=[path], split="train", streaming=True, **kw)
+                chunks = ds.with_format("arrow").iter(batch_size=rows)
+            for chunk in chunks:
                 n += chunk.num_rows
                 yield chunk
     except DataError:
