@@ -173,7 +173,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="100000,1000000,10000000")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--segment", type=int, default=10)
-    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "flaxheads-input-pipeline"))
     ap.add_argument("--json", default=None)
     args = ap.parse_args()

@@ -156,7 +156,7 @@ def _mix64(x: np.ndarray) -> np.ndarray:
 def row_hash(seed: int, file_index: int, rows: np.ndarray, salt: int = 0) -> np.ndarray:
     """A uniform number in [0, 1) per row, from ``(seed, salt, file index, row number)``: the same in
     every run, process and chunking (splitmix64)."""
-    key = _mix64(np.asarray([(seed << 8) + salt], np.uint64))[0]
+    key = _mix64(np.asarray([((seed << 8) + salt) % (1 << 64)], np.uint64))[0]
     x = _mix64((np.asarray(rows, np.uint64) + np.uint64(file_index << 40)) ^ key)
     return (x >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
 
@@ -181,22 +181,24 @@ class StreamSource:
     seed: int = 0
 
     @property
-    def columns(self) -> list[str]:
-        return [c for c in (self.text_column, self.pair_column, self.label_column) if c is not None]
+    def columns(self) -> dict[str, str]:
+        """The columns read, each with the flag that names it."""
+        named = ((self.text_column, "--text-column"), (self.pair_column, "--text-pair-column"),
+                 (self.label_column, "--label-column"))
+        return {c: flag for c, flag in named if c is not None}
 
 
-def file_rows(files: Sequence[str], columns: Sequence[str], order: Sequence[int] | None = None,
+def file_rows(files: Sequence[str], columns: dict[str, str], order: Sequence[int] | None = None,
               ) -> Iterator[tuple[int, np.ndarray, Any]]:
     """``(file index, 1-based row numbers, chunk of the columns)`` for every chunk of the files,
-    in ``order`` (file indices; default as given). Missing columns raise naming the flag."""
-    flags = ("--text-column", "--text-pair-column", "--label-column")
+    in ``order`` (file indices; default as given). ``columns``: name -> the flag that chose it,
+    named when the column is missing."""
     for fi in (range(len(files)) if order is None else order):
         first = 1
         for chunk in read_chunks(files[fi]):
             if first == 1:
-                for col in columns:
+                for col, flag in columns.items():
                     if col not in chunk.column_names:
-                        flag = next((f for f, c in zip(flags, columns) if c == col), "--text-column")
                         raise DataError(f"{files[fi]}: no column {col!r} (columns: {chunk.column_names}); "
                                         f"choose one with {flag}")
             rows = np.arange(first, first + chunk.num_rows, dtype=np.int64)

@@ -113,6 +113,14 @@ def test_bad_row_deep_in_a_large_file_gives_the_in_memory_message(tmp_path, bad)
     assert got == _in_memory_error(str(path))
 
 
+def test_missing_column_names_its_flag_as_in_memory(tmp_path):
+    path = _csv(tmp_path / "d.csv", _rows(10))
+    for flag in ("label_column", "text_column", "text_pair_column"):
+        got = _stream_error(path, **{flag: "nope"})
+        assert got == _in_memory_error(path, **{flag: "nope"})
+        assert "--" + flag.replace("_", "-") in got
+
+
 def test_unknown_label_in_the_validation_file_and_labels_flag(tmp_path):
     tr = _csv(tmp_path / "tr.csv", _rows(30))
     va = _csv(tmp_path / "va.csv", _rows(20) + [("alpha beta", "weather")])
