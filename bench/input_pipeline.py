@@ -17,6 +17,11 @@ Measured, each run a fresh ``flaxheads train`` process:
 * steady step time in the run: the median over its log windows (``--log-every 5``) after the first
   two, of the batch size over the logged examples/s.
 
+The pipeline alone, a fresh process per size with no model: RSS after the imports, and its peak
+over the scan, ``--batches`` training batches and a pass over the whole test split (the growth is
+what the pipeline holds; a training run's peak also holds the compiles, which vary by ~1 GB from
+run to run on this machine). And the scan's seconds.
+
 Then in this process, on the smallest size:
 
 * steps fed by the live pipeline (reading and tokenizing in its background thread) against the same
@@ -99,6 +104,39 @@ def run_train(data: Path, steps: int, out: Path, *extra: str) -> dict:
             "step_ms": statistics.median(steady), "wall_s": wall}
 
 
+def pipeline_alone(data: str, batches: int) -> dict:
+    """In this process (no model): the scan, ``batches`` training batches and the whole test split
+    through the pipeline; RSS after the imports, its peak, and the seconds of the scan."""
+    import resource
+
+    from flaxheads.interop.tokenizers import load_tokenizer
+    from flaxheads.training.data import DataConfig
+    from flaxheads.training import streaming as S
+
+    import datasets  # noqa: F401  (imported before the baseline: a fixed cost, not the pipeline's)
+    import pyarrow  # noqa: F401
+
+    tok = load_tokenizer(common.minilm_path())
+    base = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    t = time.perf_counter()
+    sd = S.open_stream(DataConfig(data=data, stream=True, split=(0.998, 0.001, 0.001), eval_limit=200))
+    scan = time.perf_counter() - t
+    splits = sd.splits(tok, 64)
+    for i, _ in enumerate(S.stream_batches(splits["train"], 32, (32, 64))):
+        if i + 1 == batches:
+            break
+    tested = sum(1 for _ in S.ordered_batches(splits["test"], 64, (32, 64)))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {"base_mb": base, "peak_mb": peak, "scan_s": scan, "test_batches": tested}
+
+
+def run_pipeline_alone(data: Path, batches: int) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run([sys.executable, __file__, "--pipeline-alone", str(data), "--batches", str(batches)],
+                         cwd=REPO, env=env, capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def pipeline_against_pretokenized(data: Path, segment: int, rounds: int) -> dict:
     """Median step ms fed by the live pipeline and by the same batches made beforehand."""
     import jax
@@ -168,6 +206,12 @@ def tokenize_throughput(job, texts_wanted: int, repeats: int = 3) -> dict:
     return {"texts": len(texts), "ours": len(texts) / min(ours), "tokenizers": len(texts) / min(theirs)}
 
 
+def argparse_hidden():
+    import argparse
+
+    return argparse.SUPPRESS
+
+
 def main() -> None:
     ap = common.parser(__doc__)
     ap.add_argument("--sizes", default="100000,1000000,10000000")
@@ -176,7 +220,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "flaxheads-input-pipeline"))
     ap.add_argument("--json", default=None)
+    ap.add_argument("--pipeline-alone", default=None, help=argparse_hidden())
+    ap.add_argument("--batches", type=int, default=300)
     args = ap.parse_args()
+    if args.pipeline_alone:
+        print(json.dumps(pipeline_alone(args.pipeline_alone, args.batches)))
+        return
     common.configure_xla(args.xla_flags)
     sizes = [int(x) for x in args.sizes.split(",")]
     work = Path(args.workdir)
@@ -202,6 +251,15 @@ def main() -> None:
               f"{r['first_step_s'] / ref['first_step_s']:.2f}x | {r['step_ms']:.0f} | {r['wall_s']:.0f} |")
     streamed = [r["rss_mb"] for (n, how), r in runs.items() if how == "streamed"]
     print(f"\npeak RSS streamed: largest / smallest size {max(streamed) / min(streamed):.2f}x")
+    alone = {n: run_pipeline_alone(files[n], args.batches) for n in sizes}
+    print(f"\nthe pipeline alone (no model; a process that scans, makes {args.batches} training batches and reads "
+          "the whole test split):\n")
+    print("| rows | scan s | RSS after imports MB | peak RSS MB | growth MB | growth vs smallest |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    g0 = alone[small]["peak_mb"] - alone[small]["base_mb"]
+    for n, a in alone.items():
+        g = a["peak_mb"] - a["base_mb"]
+        print(f"| {n:,} | {a['scan_s']:.1f} | {a['base_mb']:.0f} | {a['peak_mb']:.0f} | {g:.0f} | {g / g0:.2f}x |")
 
     p = pipeline_against_pretokenized(files[small], args.segment, args.rounds)
     print(f"\nsteps fed by the live pipeline: {p['live_ms']:.1f} ms median; on the same batches pre-tokenized: "
@@ -211,7 +269,7 @@ def main() -> None:
     print(f"tokenisation of {t['texts']:,} texts (64 tokens max): pipeline {t['ours']:,.0f} texts/s, tokenizers "
           f"encode_batch {t['tokenizers']:,.0f} texts/s; ratio {t['ours'] / t['tokenizers']:.2f}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"runs": {f"{n} {h}": r for (n, h), r in runs.items()},
+        Path(args.json).write_text(json.dumps({"runs": {f"{n} {h}": r for (n, h), r in runs.items()}, "alone": alone,
                                                "pipeline": {k: v for k, v in p.items() if k != "job"},
                                                "tokenize": t}, indent=1))
 
