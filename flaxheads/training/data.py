@@ -151,14 +151,14 @@ def load_splits(cfg: DataConfig) -> tuple[dict[str, TextTable], LabelSpace, dict
         for name, f in (("validation", cfg.validation_file), ("test", cfg.test_file)):
             if f:
                 tables[name] = load_source(f, **topt)
-        space = _label_space(tables["train"], cfg)
+        space = infer_label_space(tables["train"], cfg.problem_type, label_ids=cfg.label_ids)
         if cfg.limit:
             tables["train"] = _subset(tables["train"], space, cfg.limit, cfg.seed)
     else:
         if not cfg.data:
             raise DataError("no data: give --data (bbc_news, a class folder or a file) or --train-file")
         full = load_source(cfg.data, **topt)
-        space = _label_space(full, cfg)
+        space = infer_label_space(full, cfg.problem_type, label_ids=cfg.label_ids)
         if cfg.limit:
             full = _subset(full, space, cfg.limit, cfg.seed)
         strata = encode_labels(full, space) if space.problem_type == SINGLE_LABEL else None
@@ -173,16 +173,17 @@ def load_splits(cfg: DataConfig) -> tuple[dict[str, TextTable], LabelSpace, dict
             raise DataError(f"{cfg.data}: the split {cfg.split} leaves no training examples")
     if cfg.eval_limit and "validation" in tables:
         tables["validation"] = _subset(tables["validation"], space, cfg.eval_limit, cfg.seed + 1)
+    space = _given_names(space, cfg.labels)
     labels = {name: encode_labels(t, space, name) for name, t in tables.items()}
     return tables, space, labels
 
 
-def _label_space(t: TextTable, cfg: DataConfig) -> LabelSpace:
-    """Inferred from the table, or with ``cfg.labels`` as the class names (in that order)."""
-    space = infer_label_space(t, cfg.problem_type, label_ids=cfg.label_ids)
-    if cfg.labels is None or space.names is None:
+def _given_names(space: LabelSpace, names: Sequence[str] | None) -> LabelSpace:
+    """``space`` with ``names`` (``--labels``) as its classes, in that order. Splits and samples are
+    drawn with the inferred space, so naming the classes in another order changes no split."""
+    if names is None or space.names is None:
         return space
-    return LabelSpace(space.problem_type, [str(n) for n in cfg.labels], len(cfg.labels))
+    return LabelSpace(space.problem_type, [str(n) for n in names], len(names))
 
 
 def _subset(t: TextTable, space: LabelSpace, limit: int, seed: int) -> TextTable:

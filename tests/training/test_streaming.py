@@ -236,3 +236,15 @@ def test_shards_glob_and_file_order_per_epoch(tmp_path, tok):
     assert sum(int(b["weights"].sum()) for b in _epoch(train, bs=16, epoch=3)) == 600
     with pytest.raises(T.DataError, match="no such file matches"):
         S.table_files(str(d / "nothing-*.csv"))
+
+
+def test_labels_and_eval_limit_in_memory_too(tmp_path):
+    path = _csv(tmp_path / "d.csv", _rows(300))
+    tables, space, labels = D.load_splits(D.DataConfig(data=path, labels=("sport", "politics", "business"),
+                                                       eval_limit=12))
+    assert space.names == ["sport", "politics", "business"]
+    full, _, _ = D.load_splits(D.DataConfig(data=path))
+    assert len(tables["validation"]) == 12 and len(full["validation"]) == 30
+    assert set(tables["validation"].texts) <= set(full["validation"].texts)  # a sample of the same split
+    assert len(tables["test"]) == len(full["test"])  # the test split stays whole
+    assert [space.names[i] for i in labels["train"]] == tables["train"].labels
