@@ -11,6 +11,8 @@ Examples:
 Data: --data is `bbc_news` (packaged), a folder with one sub-folder of .txt files per class,
 or a CSV / TSV / JSON Lines / Parquet file (UTF-8); it is split --split train,validation,test
 (stratified, seeded). Or give the splits as files with --train-file/--validation-file/--test-file.
+Large tables (files over 16 MiB, globs of shards, or --stream) are read from disk as the model
+trains, in bounded memory (split by a hash of each row; --eval-limit N evaluates on a sample).
 Labels: class names or integer ids (single-label), lists of names (multi-label), floats
 (regression); --problem-type overrides the guess.
 
