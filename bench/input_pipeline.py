@@ -107,8 +107,6 @@ def run_train(data: Path, steps: int, out: Path, *extra: str) -> dict:
 def pipeline_alone(data: str, batches: int) -> dict:
     """In this process (no model): the scan, ``batches`` training batches and the whole test split
     through the pipeline; RSS after the imports, its peak, and the seconds of the scan."""
-    import resource
-
     from flaxheads.interop.tokenizers import load_tokenizer
     from flaxheads.training.data import DataConfig
     from flaxheads.training import streaming as S
@@ -117,17 +115,17 @@ def pipeline_alone(data: str, batches: int) -> dict:
     import pyarrow  # noqa: F401
 
     tok = load_tokenizer(common.minilm_path())
-    base = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-    t = time.perf_counter()
-    sd = S.open_stream(DataConfig(data=data, stream=True, split=(0.998, 0.001, 0.001), eval_limit=200))
-    scan = time.perf_counter() - t
-    splits = sd.splits(tok, 64)
-    for i, _ in enumerate(S.stream_batches(splits["train"], 32, (32, 64))):
-        if i + 1 == batches:
-            break
-    tested = sum(1 for _ in S.ordered_batches(splits["test"], 64, (32, 64)))
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"base_mb": base, "peak_mb": peak, "scan_s": scan, "test_batches": tested}
+    with common.PeakRSS(interval=0.005) as mem:
+        t = time.perf_counter()
+        sd = S.open_stream(DataConfig(data=data, stream=True, split=(0.998, 0.001, 0.001), eval_limit=200))
+        scan = time.perf_counter() - t
+        splits = sd.splits(tok, 64)
+        for i, _ in enumerate(S.stream_batches(splits["train"], 32, (32, 64))):
+            if i + 1 == batches:
+                break
+        tested = sum(1 for _ in S.ordered_batches(splits["test"], 64, (32, 64)))
+    return {"base_mb": mem.base / 2**20, "peak_mb": (mem.base + mem.peak) / 2**20, "scan_s": scan,
+            "test_batches": tested}
 
 
 def run_pipeline_alone(data: Path, batches: int) -> dict:
@@ -222,6 +220,9 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--pipeline-alone", default=None, help=argparse_hidden())
     ap.add_argument("--batches", type=int, default=300)
+    ap.add_argument("--parts", default="runs,alone,steps",
+                    help="what to measure: runs (training processes), alone (the pipeline without a model), steps "
+                         "(live pipeline against pre-tokenized batches, and tokenisation)")
     args = ap.parse_args()
     if args.pipeline_alone:
         print(json.dumps(pipeline_alone(args.pipeline_alone, args.batches)))
@@ -237,11 +238,27 @@ def main() -> None:
         files[n] = make_rows(n, work)
         print(f"# {files[n].name}: {files[n].stat().st_size / 2**20:.0f} MiB ({time.perf_counter() - t:.0f} s to "
               "write or find)", flush=True)
+    parts = set(args.parts.split(","))
+    small = sizes[0]
+    runs, alone, p, t = {}, {}, {}, {}
+    if "runs" in parts:
+        runs = training_runs(files, sizes, args.steps, work)
+    if "alone" in parts:
+        alone = pipeline_alone_table(files, sizes, args.batches)
+    if "steps" in parts:
+        p, t = live_against_made(files[small], args)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"runs": {f"{n} {h}": r for (n, h), r in runs.items()}, "alone": alone,
+                                               "pipeline": {k: v for k, v in p.items() if k != "job"},
+                                               "tokenize": t}, indent=1))
+
+
+def training_runs(files: dict, sizes: list[int], steps: int, work: Path) -> dict:
     runs = {}
     small = sizes[0]
-    runs[(small, "in memory")] = run_train(files[small], args.steps, work / "run-mem", "--no-stream")
+    runs[(small, "in memory")] = run_train(files[small], steps, work / "run-mem", "--no-stream")
     for n in sizes:
-        runs[(n, "streamed")] = run_train(files[n], args.steps, work / f"run-{n}", "--stream")
+        runs[(n, "streamed")] = run_train(files[n], steps, work / f"run-{n}", "--stream")
         print(f"# {n} rows streamed: {runs[(n, 'streamed')]}", flush=True)
     ref = runs[(small, "in memory")]
     print("\n| rows | data | peak RSS MB | vs in memory | first step s | vs in memory | steady ms/step | whole run s |")
@@ -251,8 +268,13 @@ def main() -> None:
               f"{r['first_step_s'] / ref['first_step_s']:.2f}x | {r['step_ms']:.0f} | {r['wall_s']:.0f} |")
     streamed = [r["rss_mb"] for (n, how), r in runs.items() if how == "streamed"]
     print(f"\npeak RSS streamed: largest / smallest size {max(streamed) / min(streamed):.2f}x")
-    alone = {n: run_pipeline_alone(files[n], args.batches) for n in sizes}
-    print(f"\nthe pipeline alone (no model; a process that scans, makes {args.batches} training batches and reads "
+    return runs
+
+
+def pipeline_alone_table(files: dict, sizes: list[int], batches: int) -> dict:
+    small = sizes[0]
+    alone = {n: run_pipeline_alone(files[n], batches) for n in sizes}
+    print(f"\nthe pipeline alone (no model; a process that scans, makes {batches} training batches and reads "
           "the whole test split):\n")
     print("| rows | scan s | RSS after imports MB | peak RSS MB | growth MB | growth vs smallest |")
     print("| --- | --- | --- | --- | --- | --- |")
@@ -260,18 +282,18 @@ def main() -> None:
     for n, a in alone.items():
         g = a["peak_mb"] - a["base_mb"]
         print(f"| {n:,} | {a['scan_s']:.1f} | {a['base_mb']:.0f} | {a['peak_mb']:.0f} | {g:.0f} | {g / g0:.2f}x |")
+    return alone
 
-    p = pipeline_against_pretokenized(files[small], args.segment, args.rounds)
+
+def live_against_made(data: Path, args) -> tuple[dict, dict]:
+    p = pipeline_against_pretokenized(data, args.segment, args.rounds)
     print(f"\nsteps fed by the live pipeline: {p['live_ms']:.1f} ms median; on the same batches pre-tokenized: "
           f"{p['made_ms']:.1f} ms; ratio {p['live_ms'] / p['made_ms']:.3f} ({args.rounds} x {args.segment} steps each, "
           "interleaved)")
     t = tokenize_throughput(p["job"], 40000)
     print(f"tokenisation of {t['texts']:,} texts (64 tokens max): pipeline {t['ours']:,.0f} texts/s, tokenizers "
           f"encode_batch {t['tokenizers']:,.0f} texts/s; ratio {t['ours'] / t['tokenizers']:.2f}")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"runs": {f"{n} {h}": r for (n, h), r in runs.items()}, "alone": alone,
-                                               "pipeline": {k: v for k, v in p.items() if k != "job"},
-                                               "tokenize": t}, indent=1))
+    return p, t
 
 
 if __name__ == "__main__":
