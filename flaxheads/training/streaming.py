@@ -605,28 +605,22 @@ class StreamSplit:
 
 def _background(produce, limit: int) -> Iterator:
     """Items of the generator ``produce()`` made in a thread, at most ``limit`` ahead; an
-    exception there is raised here. Closing this generator stops the thread."""
+    exception there is raised here. Closing this generator stops the thread (it is blocked on a
+    full queue, not polling: a thread waking during a compile would interleave its allocations
+    with the compiler's in the one heap arena)."""
     q: queue.Queue = queue.Queue(maxsize=max(limit, 1))
     stop = threading.Event()
     done = object()
 
-    def put(item) -> bool:
-        while not stop.is_set():
-            try:
-                q.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
     def run():
         try:
             for item in produce():
-                if not put((None, item)):
+                q.put((None, item))
+                if stop.is_set():
                     return
-            put((None, done))
+            q.put((None, done))
         except BaseException as e:  # handed to the consumer, raised there
-            put((e, None))
+            q.put((e, None))
 
     t = threading.Thread(target=run, daemon=True, name="flaxheads-stream")
     t.start()
@@ -640,6 +634,11 @@ def _background(produce, limit: int) -> Iterator:
             yield item
     finally:
         stop.set()
+        while t.is_alive():  # unblock its put; it sees `stop` and ends
+            try:
+                q.get(timeout=0.05)
+            except queue.Empty:
+                pass
 
 
 def _epoch_order(n_files: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
