@@ -530,6 +530,26 @@ def open_stream(cfg) -> StreamData:
     return StreamData(sources, counts, space, {n: s.table(sources[n]) for n, s in samples.items()})
 
 
+def split_table(cfg, name: str) -> TextTable | None:
+    """One split of streamed data (``cfg``: the run's :class:`~flaxheads.training.data.DataConfig`),
+    the same rows as the run's, read into memory: a run's own test split evaluated again. None when
+    the run has no such split."""
+    src = next((s for g in _sources(cfg) for s in g if s.name == name), None)
+    if src is None:
+        return None
+    texts, labels, rows, pairs, files = [], [], [], [], {}
+    for fi, r, chunk in source_rows(src):
+        files[src.files[fi]] = None
+        texts += column_values(chunk, src.text_column)
+        labels += column_values(chunk, src.label_column)
+        pairs += column_values(chunk, src.pair_column) if src.pair_column else []
+        rows += [f"row {x}" for x in r]
+    if not texts:
+        return None
+    return TextTable(texts, labels, ", ".join(files), rows, pairs if src.pair_column else None, src.label_column,
+                     src.text_column)
+
+
 # ---- batches -----------------------------------------------------------------------------------
 
 def window_plan(char_lengths: np.ndarray, batch_size: int, key: Sequence[int], *, shuffle: bool = True,

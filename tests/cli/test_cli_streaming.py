@@ -29,7 +29,7 @@ def test_streamed_run_from_shards(bert_folder, tmp_path, capsys):
     out = tmp_path / "run"
     code, stdout, err = run_cli(capsys, "train", "--model", bert_folder, "--data", glob, "--split", "0.6,0.2,0.2",
                                 *SMALL, "--max-steps", "4", "--batch-size", "4", "--eval-limit", "5",
-                                "--checkpoint-every", "0", "--output-dir", out)
+                                "--output-dir", out)
     assert code == 0, err
     assert "read from disk as it trains (streamed), evaluating on a sample of 5 validation examples" in stdout
     cfg = json.loads((out / "config.json").read_text())
@@ -46,6 +46,13 @@ def test_streamed_run_from_shards(bert_folder, tmp_path, capsys):
     labels = [v for _, _, c in S.source_rows(sd.sources["test"]) for v in c.column("label").to_pylist()]
     assert len(pred["test_logits"]) == counts["test"]
     assert pred["test_labels"].tolist() == [cfg["labels"].index(v) for v in labels]
+
+    # `evaluate --split test` rebuilds the run's own (hashed) test split: the run's test metrics again
+    code, stdout, err = run_cli(capsys, "evaluate", out, "--split", "test", "--json")
+    assert code == 0, err
+    again = json.loads(stdout.strip().splitlines()[-1])["test"]
+    assert again["accuracy"] == summary["metrics"]["test"]["accuracy"]
+    assert again["macro_f1"] == pytest.approx(summary["metrics"]["test"]["macro_f1"])
 
     for extra, needle in ((["--pack"], "--pack needs the training split in memory"),
                           (["--limit", "10"], "--limit samples a table held in memory"),
