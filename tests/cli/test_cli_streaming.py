@@ -1,6 +1,6 @@
 """`flaxheads train` on streamed tables (--stream, or a large file / glob): a run from shards, its
-one-line refusals, and two processes, each reading only its rows of every batch, resuming a
-single process's checkpoint mid-epoch and training on as that process did."""
+one-line refusals and `evaluate --split`; two processes, each reading only its rows of every batch,
+train the single process's run, and resume their own run mid-epoch bitwise."""
 import json
 import os
 import shutil
@@ -72,20 +72,7 @@ def _losses(folder):
     return {e["step"]: e["loss"] for e in map(json.loads, open(os.path.join(folder, "metrics.jsonl"))) if "loss" in e}
 
 
-@pytest.mark.slow
-def test_two_processes_resume_a_streamed_run_mid_epoch(bert_folder, tmp_path):
-    data = write_csv(tmp_path / "d.csv", 40, seed=4)
-    run = ["train", "--model", bert_folder, "--data", data, "--stream", "--split", "0.6,0.2,0.2", *SMALL,
-           "--max-steps", "9", "--batch-size", "4", "--eval-batch-size", "4", "--log-every", "1",
-           "--checkpoint-every", "2", "--keep", "10", "--keep-best-by", "none", "--lr", "1e-3", "--head-lr", "1e-2"]
-    single = tmp_path / "single"
-    assert main([*run, "--output-dir", str(single)]) == 0
-    # the same run on two processes, from the single process's checkpoint at step 4 (mid-epoch: 6 steps per epoch)
-    multi = tmp_path / "multi"
-    shutil.copytree(single, multi)
-    for d in os.listdir(multi / "checkpoints"):
-        if d.isdigit() and int(d) > 4:
-            shutil.rmtree(multi / "checkpoints" / d)
+def _two_processes(run, out):
     port = _free_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "XLA_FLAGS": "--xla_force_host_platform_device_count=1 "
@@ -94,7 +81,7 @@ def test_two_processes_resume_a_streamed_run_mid_epoch(bert_folder, tmp_path):
     try:
         for pid in range(2):
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "flaxheads", *run, "--output-dir", str(multi), "--coordinator-address",
+                [sys.executable, "-m", "flaxheads", *run, "--output-dir", str(out), "--coordinator-address",
                  f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(pid)],
                 cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         logs = [p.communicate(timeout=900)[0] for p in procs]
@@ -105,14 +92,54 @@ def test_two_processes_resume_a_streamed_run_mid_epoch(bert_folder, tmp_path):
                 p.wait()
     for p, log in zip(procs, logs):
         assert p.returncode == 0, log[-3000:]
-    assert "resuming from step 4" in logs[0]
+    return logs
+
+
+def _restore(step_dir):
+    """A checkpoint's items as host arrays, whatever processes wrote them (onto this process's first device)."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    ckptr, one = ocp.StandardCheckpointer(), jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    out = {}
+    for item in ("head", "backbone", "opt_state"):
+        path = os.path.join(step_dir, item)
+        if os.path.isdir(path):
+            tree = ckptr.metadata(path).item_metadata.tree
+            like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), tree)
+            out[item] = jax.tree.map(np.asarray, ckptr.restore(path, like))
+    return out
+
+
+@pytest.mark.slow
+def test_two_processes_train_the_single_process_batches_and_resume_mid_epoch(bert_folder, tmp_path):
+    data = write_csv(tmp_path / "d.csv", 40, seed=4)
+    run = ["train", "--model", bert_folder, "--data", data, "--stream", "--split", "0.6,0.2,0.2", *SMALL,
+           "--max-steps", "9", "--batch-size", "4", "--eval-batch-size", "4", "--log-every", "1",
+           "--checkpoint-every", "2", "--keep", "10", "--keep-best-by", "none", "--lr", "1e-3", "--head-lr", "1e-2"]
+    single, multi, cut = tmp_path / "single", tmp_path / "multi", tmp_path / "cut"
+    assert main([*run, "--output-dir", str(single)]) == 0
+    logs = _two_processes(run, multi)
+    assert "run folder" in logs[0] and "run folder" not in logs[1]
     cfg = json.loads((multi / "config.json").read_text())
     assert cfg["devices"]["processes"] == 2 and cfg["devices"]["width"] == 2
+    # each process fed its half of every batch of the single process's run (6 steps per epoch: 9 cross one)
     a, b = _losses(single), _losses(multi)
     assert sorted(b) == list(range(1, 10))
-    # steps 5..9 (the rest of epoch 0, then epoch 1): each process fed its half of the same batches
-    np.testing.assert_allclose([b[s] for s in range(5, 10)], [a[s] for s in range(5, 10)], rtol=1e-5, atol=1e-6)
-    assert [b[s] for s in range(1, 5)] == [a[s] for s in range(1, 5)]  # the resumed run kept the log before step 4
-    got = np.load(multi / "predictions.npz")["test_logits"]
-    want = np.load(single / "predictions.npz")["test_logits"]
-    np.testing.assert_allclose(got, want, atol=1e-5)
+    np.testing.assert_allclose([b[s] for s in range(1, 10)], [a[s] for s in range(1, 10)], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.load(multi / "predictions.npz")["test_logits"],
+                               np.load(single / "predictions.npz")["test_logits"], atol=1e-5)
+    # the two-process run stopped after its step-4 checkpoint (mid-epoch) and run again: the same run, bitwise
+    shutil.copytree(multi, cut)
+    for d in os.listdir(cut / "checkpoints"):
+        if d.isdigit() and int(d) > 4:
+            shutil.rmtree(cut / "checkpoints" / d)
+    logs = _two_processes(run, cut)
+    assert "resuming from step 4" in logs[0]
+    assert _losses(cut) == b
+    full, resumed = _restore(multi / "checkpoints" / "9"), _restore(cut / "checkpoints" / "9")
+    assert set(full) == {"head", "backbone", "opt_state"}
+    import jax
+
+    for x, y in zip(jax.tree.leaves(full), jax.tree.leaves(resumed)):
+        assert np.array_equal(x, y)
