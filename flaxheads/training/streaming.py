@@ -624,8 +624,8 @@ class StreamSplit:
 
 
 def _background(produce, limit: int) -> Iterator:
-    """Items of the generator ``produce()`` made in a thread, at most ``limit`` ahead; an
-    exception there is raised here. Closing this generator stops the thread (it is blocked on a
+    """Items of the generator ``produce(stop)`` made in a thread, at most ``limit`` ahead (``stop``:
+    a ``threading.Event`` set when the consumer is gone); an exception there is raised here. Closing this generator stops the thread (it is blocked on a
     full queue, not polling: a thread waking during a compile would interleave its allocations
     with the compiler's in the one heap arena)."""
     q: queue.Queue = queue.Queue(maxsize=max(limit, 1))
@@ -634,7 +634,7 @@ def _background(produce, limit: int) -> Iterator:
 
     def run():
         try:
-            for item in produce():
+            for item in produce(stop):
                 q.put((None, item))
                 if stop.is_set():
                     return
@@ -710,9 +710,11 @@ def stream_batches(split: StreamSplit, batch_size: int, buckets: Sequence[int], 
     first_window, skip = divmod(start, w_batches)
     order = _epoch_order(len(split.source.files), seed, epoch, shuffle)
 
-    def produce():
+    def produce(stop):
         for w, (where, chunk) in enumerate(split.windows(batch_size * w_batches, order)):
-            if w < first_window:
+            if stop.is_set():
+                return
+            if w < first_window:  # resuming: read past (no tokenisation) up to the window of `start`
                 continue
             chars = char_lengths(chunk, split.source.text_column)
             plan = window_plan(chars, batch_size, (seed, epoch, w), shuffle=shuffle, group_by_length=group_by_length)
@@ -745,8 +747,10 @@ def ordered_batches(split, batch_size: int, buckets: Sequence[int], *, pad_id: i
         yield from iterate_batches(split, batch_size, buckets, shuffle=False, pad_id=pad_id)
         return
 
-    def produce():
+    def produce(stop):
         for where, chunk in split.windows(batch_size * split.window_batches):
+            if stop.is_set():
+                return
             toks = split.tokenized(where, chunk, np.arange(chunk.num_rows))
             for i in range(0, len(toks), batch_size):
                 yield toks, np.arange(i, min(i + batch_size, len(toks)))

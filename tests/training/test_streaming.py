@@ -248,3 +248,20 @@ def test_labels_and_eval_limit_in_memory_too(tmp_path):
     assert set(tables["validation"].texts) <= set(full["validation"].texts)  # a sample of the same split
     assert len(tables["test"]) == len(full["test"])  # the test split stays whole
     assert [space.names[i] for i in labels["train"]] == tables["train"].labels
+
+
+def test_closing_the_batches_stops_the_reader_and_errors_reach_the_loop(big, tok):
+    import threading
+
+    train = S.open_stream(_cfg(big["file"], split=(1.0, 0.0, 0.0))).splits(tok, 16)["train"]
+    it = S.stream_batches(train, 8, BUCKETS)
+    next(it)
+    it.close()
+    assert not any(t.name == "flaxheads-stream" and t.is_alive() for t in threading.enumerate())
+
+    def broken(*a, **kw):
+        raise T.DataError("bad.csv: row 3, column 'text': text is empty")
+
+    train.tokenizer = broken
+    with pytest.raises(T.DataError, match="row 3"):
+        next(S.stream_batches(train, 8, BUCKETS))
