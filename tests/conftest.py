@@ -35,8 +35,8 @@ LEGACY_BACKBONE_TESTS = ("hf_flax", "hidden_states", "logits_match", "forward_ma
 #: Tests that run alone (``make test`` runs them after the parallel pass): several processes in
 #: collectives whose rendezvous would time out on a loaded machine, kills timed against a save, and
 #: a measurement of the process's page faults.
-SERIAL = ("tests/cli/test_cli_multihost.py", "tests/cli/test_cli_mesh.py", "tests/test_resume.py",
-          "tests/test_faults.py",
+SERIAL = ("tests/cli/test_cli_multihost.py", "tests/cli/test_cli_streaming.py::test_two_processes", "tests/cli/test_cli_mesh.py",
+          "tests/test_resume.py", "tests/test_faults.py",
           "tests/training/test_parallel.py::test_multi_host", "tests/training/test_sharding.py::test_meshes",
           "tests/training/test_sharding.py::test_restore_onto", "tests/training/test_sharding.py::test_fsdp8",
           "tests/checkpoint/test_checkpoint.py::test_killed", "tests/test_host.py::test_malloc_settings_stop")

@@ -166,3 +166,50 @@ def test_sigkilled_train_run_resumes_to_the_same_result(tmp_path, capfd):
     rows = list_checkpoints(full)
     assert rows[-1]["latest"] and sum(r["best"] for r in rows) == 1
     assert "validation/accuracy=" in format_listing(rows)
+
+
+@pytest.mark.slow
+def test_sigkilled_streamed_run_resumes_mid_epoch_bitwise(tmp_path):
+    """The same with the table streamed: the data position comes back from the step (the epoch's
+    windows are read again up to the batch the killed run stopped before)."""
+    from train_helpers import tiny_bert_folder
+
+    model = tiny_bert_folder(tmp_path / "bert", dropout=0.1)
+    data = _data_csv(tmp_path / "data.csv", n=48, seed=1)
+    full, cut = str(tmp_path / "full"), str(tmp_path / "cut")
+    script = tmp_path / "sleeper.py"
+    script.write_text(_SLEEPER)
+    env = _env(tmp_path / "jax-cache")
+
+    def args(out):
+        return [*_train_args(model, data, out), "--stream", "--eval-limit", "6", "--checkpoint-every", "5"]
+
+    b = subprocess.Popen([sys.executable, str(script), *args(cut)], cwd=REPO, env={**env, "KILL_AT": "11"},
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in b.stdout:
+        lines.append(line)
+        if line.startswith("REACHED 11"):
+            os.kill(b.pid, signal.SIGKILL)
+            break
+    b.wait(timeout=60)
+    assert b.returncode == -signal.SIGKILL, "".join(lines)[-3000:]
+    assert "streamed" in "".join(lines)
+    left = max(int(x) for x in os.listdir(os.path.join(cut, "checkpoints")) if x.isdigit())
+    # checkpoints every 5 steps and at the evaluations (every 4); the hash split leaves 35 training
+    # rows, 9 batches of 4 per epoch: the resume starts mid-epoch (8 or 10; 10 may be cut by the kill)
+    assert left in (8, 10)
+    a = subprocess.Popen([sys.executable, "-m", "flaxheads", "train", *args(full)], cwd=REPO, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    r = subprocess.run([sys.executable, "-m", "flaxheads", "train", *args(cut)], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=400)
+    out_a, _ = a.communicate(timeout=400)
+    assert a.returncode == 0, out_a[-3000:]
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert f"resuming from step {left}" in r.stdout
+    sa, sb = (json.load(open(os.path.join(d, "summary.json"))) for d in (full, cut))
+    assert sa["steps"] == sb["steps"] == 27
+    assert sa["metrics"] == sb["metrics"]
+    assert _log(full) == _log(cut)
+    last = str(sa["steps"])
+    _assert_bitwise(*(_items(os.path.join(d, "checkpoints", last)) for d in (full, cut)))

@@ -25,7 +25,8 @@ from ..host import ComputePlan
 from ..host.precision import Precision
 from ..tables import LabelSpace
 from ..training import loop
-from ..training.data import SPLITS, DataConfig, Split, iterate_batches, load_splits, tokenize
+from ..training.data import SPLITS, DataConfig, Split, load_splits, tokenize
+from ..training.streaming import StreamSplit, open_stream, ordered_batches, streams
 from ..training.metrics import compute_metrics
 from ..training.optim import OptimConfig, count_params
 from ..training.packing import AUTO_PACK_SHARE, packed_slot_share
@@ -84,7 +85,9 @@ def data_config(args: argparse.Namespace) -> DataConfig:
     return DataConfig(data=args.data, train_file=args.train_file, validation_file=args.validation_file,
                       test_file=args.test_file, text_column=args.text_column, text_pair_column=args.text_pair_column,
                       label_column=args.label_column, problem_type=args.problem_type, split=tuple(args.split),
-                      seed=args.seed, limit=args.limit, label_ids=args.label_ids)
+                      seed=args.seed, limit=args.limit, label_ids=args.label_ids,
+                      labels=getattr(args, "labels", None), eval_limit=getattr(args, "eval_limit", None),
+                      stream=getattr(args, "stream", None))
 
 
 def train_config(args: argparse.Namespace) -> loop.TrainConfig:
@@ -170,15 +173,17 @@ def prepare(args: argparse.Namespace) -> Job:
                      keep_best=args.keep_best_by != "none", checkpoints=args.checkpoint_every != 0)
     init_distributed(args)
     data = data_config(args)
-    tables, space, labels = load_splits(data)
+    cached = bool(args.cache_features or args.sweep)
+    stream = _open_stream(data, cached)
+    tables, space, labels = load_splits(data) if stream is None else (stream.sources, stream.space, None)
     _require_validation(args, "validation" in tables)
     best = best_metric(args.keep_best_by, space, has_validation="validation" in tables)
     plan = ComputePlan.for_host(precision=args.precision)  # the one plan of this run; precision settled by check_flags
     model = build_model(args, path, space, plan)
     tok = load_tokenizer(path)
     max_length = usable_max_length(args.max_length, tok, model, path)
-    splits = {n: tokenize(t, labels[n], tok, max_length, n) for n, t in tables.items()}
-    cached = bool(args.cache_features or args.sweep)
+    splits = ({n: tokenize(t, labels[n], tok, max_length, n) for n, t in tables.items()} if stream is None
+              else stream.splits(tok, max_length))
     buckets = make_buckets(max_length, min(args.bucket_step, max_length))
     tcfg = train_config(args)
     pack, share = resolve_pack(args.pack, model, splits["train"], tcfg, buckets, cached)
@@ -189,6 +194,16 @@ def prepare(args: argparse.Namespace) -> Job:
                plan.precision, share if pack else None)
 
 
+def _open_stream(data: DataConfig, cached: bool):
+    """The streamed data's scan (``training.streaming.open_stream``), or None for data read into memory."""
+    if not streams(data.train_file or data.data, data.stream):
+        return None
+    if cached:
+        raise UsageError("--cache-features/--sweep encode the whole training split once, in memory; streamed data "
+                         "cannot: train the head with --freeze-backbone, or use --no-stream for a table that fits")
+    return open_stream(data)
+
+
 def resolve_pack(want: bool | None, model: SequenceModel, train: Split, tcfg: loop.TrainConfig,
                  buckets: tuple[int, ...], cached: bool) -> tuple[bool, float | None]:
     """Whether the run packs, and the packed share of the padded token slots
@@ -197,6 +212,11 @@ def resolve_pack(want: bool | None, model: SequenceModel, train: Split, tcfg: lo
     ``--pack`` / ``--no-pack`` as given; neither: packed when the backbone keeps packed texts
     apart, the backbone is not cached, and the share is at most ``AUTO_PACK_SHARE``. Packing
     changes no batch and no loss, only the token slots a step computes."""
+    if isinstance(train, StreamSplit):
+        if want:
+            raise UsageError("--pack needs the training split in memory; streamed data trains unpacked (drop "
+                             "--pack, or --no-stream for a table that fits in memory)")
+        return False, None
     packable = not cached and "packing" in getattr(model.backbone, "features", ())
     if want is False or (want is None and not packable):
         return False, None
@@ -234,14 +254,22 @@ def _final_results(trainer: loop.Trainer, res: loop.FitResult, job: Job) -> tupl
     """Metrics of the last validation and of the test split, and the test predictions."""
     final, predictions = {}, {}
     if "test" in job.splits:
-        batches = iterate_batches(job.splits["test"], job.train.eval_batch_size, job.buckets, shuffle=False,
-                                  pad_id=job.pad_id)
+        batches = ordered_batches(job.splits["test"], job.train.eval_batch_size, job.buckets, pad_id=job.pad_id)
         logits, labels = trainer.predict(res.state.params, batches)
         predictions["test"] = {"logits": np.asarray(logits), "labels": np.asarray(labels)}
         final["test"] = compute_metrics(job.model.problem_type, logits, labels, job.model.num_labels,
                                         threshold=job.train.threshold)
     last = next((e["eval"] for e in reversed(res.history) if "eval" in e), {})
     return {**last, **final}, predictions
+
+
+def _stream_note(job: Job) -> str:
+    if not isinstance(job.splits["train"], StreamSplit):
+        return ""
+    sample = job.splits.get("validation")
+    return (", read from disk as it trains (streamed)"
+            + (f", evaluating on a sample of {len(sample)} validation examples" if isinstance(sample, Split)
+               and job.data.eval_limit else ""))
 
 
 def _packing_note(job: Job) -> str:
@@ -261,7 +289,7 @@ def run_fine_tune(job: Job, args: argparse.Namespace) -> dict:
     folder.start(config, f"{split_counts(job.splits)} examples, {job.model.num_labels} labels, {total} steps of "
                          f"{job.train.batch_size}, {_training_kind(job)}"
                          f", {trainer.parallel.width} device(s) ({job.train.parallel}), "
-                         f"{job.precision.name} ({job.precision.reason})" + _packing_note(job))
+                         f"{job.precision.name} ({job.precision.reason})" + _packing_note(job) + _stream_note(job))
     if lead:
         print(job.model.plan.describe(), flush=True)
     if job.train.mesh:  # every process compiles the same program; the first one reports
@@ -313,8 +341,7 @@ def _startup(args: argparse.Namespace, res: loop.FitResult, fit_called: float) -
 
 def _largest_batch(job: Job) -> dict:
     """A training batch padded to the longest bucket (the most activation memory a step takes)."""
-    return next(iter(iterate_batches(job.splits["train"], job.train.batch_size, job.buckets[-1:], shuffle=False,
-                                     pad_id=job.pad_id)))
+    return next(iter(ordered_batches(job.splits["train"], job.train.batch_size, job.buckets[-1:], pad_id=job.pad_id)))
 
 
 def _scalars(r: dict) -> dict:

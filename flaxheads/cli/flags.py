@@ -75,3 +75,12 @@ def step_spec(text: str) -> int | str:
     if text.isdigit():
         return int(text)
     raise argparse.ArgumentTypeError(f"expected a step number, 'latest' or 'best', got {text!r}")
+
+
+def names(text: str) -> tuple[str, ...]:
+    """``"sport,tech"`` -> ``("sport", "tech")``: comma-separated names, none empty or repeated."""
+    values = tuple(x.strip() for x in text.split(","))
+    if len(values) < 2 or not all(values) or len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"expected two or more distinct comma-separated names (e.g. sport,tech), "
+                                         f"got {text!r}")
+    return values

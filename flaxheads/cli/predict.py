@@ -26,6 +26,7 @@ from ..losses import MULTI_LABEL, REGRESSION, SINGLE_LABEL
 from ..predict import Classifier
 from ..tables import LabelSpace, encode_labels
 from ..training.data import DataConfig, load_splits
+from ..training.streaming import split_table, streams
 from ..training.metrics import compute_metrics, format_table, headline
 from . import flags
 from .plots import plot_confusion_matrix
@@ -139,11 +140,16 @@ def _evaluation_data(args: argparse.Namespace, clf: Classifier):
         if cfg.get("objective", "classification") != "classification":
             raise UsageError(f"{clf.source} is a ranking run (--objective {cfg['objective']}): its validation and test "
                              "metrics are in its summary.json and eval.txt; score new pairs with `flaxheads rank`")
-        data = dict(cfg["data"], split=tuple(cfg["data"]["split"]))
-        tables, _, _ = load_splits(DataConfig(**data))
-        if args.split not in tables:
-            raise UsageError(f"the run has no {args.split} split (it has {sorted(tables)})")
-        table = tables[args.split]
+        data = DataConfig(**dict(cfg["data"], split=tuple(cfg["data"]["split"])))
+        if streams(data.train_file or data.data, data.stream):  # the run's hash split, not the in-memory one
+            table = split_table(data, args.split)
+            if table is None:
+                raise UsageError(f"the run has no {args.split} split")
+        else:
+            tables, _, _ = load_splits(data)
+            if args.split not in tables:
+                raise UsageError(f"the run has no {args.split} split (it has {sorted(tables)})")
+            table = tables[args.split]
         return args.split, table, encode_labels(table, space, args.split)
     if not args.input:
         raise UsageError("give --input LABELLED_FILE (or --split for a run's own split)")

@@ -11,6 +11,8 @@ Examples:
 Data: --data is `bbc_news` (packaged), a folder with one sub-folder of .txt files per class,
 or a CSV / TSV / JSON Lines / Parquet file (UTF-8); it is split --split train,validation,test
 (stratified, seeded). Or give the splits as files with --train-file/--validation-file/--test-file.
+Large tables (files over 16 MiB, globs of shards, or --stream) are read from disk as the model
+trains, in bounded memory (split by a hash of each row; --eval-limit N evaluates on a sample).
 Labels: class names or integer ids (single-label), lists of names (multi-label), floats
 (regression); --problem-type overrides the guess.
 
@@ -74,6 +76,14 @@ def _data_flags(ap: argparse.ArgumentParser) -> None:
                    help="train,validation,test fractions of --data (default 0.8,0.1,0.1; 0 for no such split)")
     g.add_argument("--limit", type=flags.positive_int, default=None,
                    help="use a stratified subset of N examples (quick runs)")
+    g.add_argument("--stream", action=argparse.BooleanOptionalAction, default=None,
+                   help="read table files as training runs, in bounded memory, each process its share of every "
+                        "batch (default: for files over 16 MiB and globs such as 'shards/*.parquet')")
+    g.add_argument("--eval-limit", type=flags.positive_int, default=None,
+                   help="evaluate during training on a sample of N validation examples (the test split is "
+                        "evaluated in full at the end)")
+    g.add_argument("--labels", type=flags.names, default=None,
+                   help="the class names, comma-separated, in id order (default: every label of the data)")
     g.add_argument("--max-length", type=flags.positive_int, default=DEFAULTS["max_length"],
                    help="tokens per text (default 128; at most the model's positions)")
     g.add_argument("--bucket-step", type=flags.positive_int, default=32,

@@ -135,6 +135,9 @@ class DataConfig:
     seed: int = 0
     limit: int | None = None  # keep a stratified subset of this many examples (quick runs)
     label_ids: bool = False  # integer labels are class ids 0..K-1, not classes by value
+    labels: tuple[str, ...] | None = None  # the class names (single/multi-label), instead of discovering them
+    eval_limit: int | None = None  # evaluate during training on a sample of this many validation examples
+    stream: bool | None = None  # read tables as training runs (None: large files and globs; training/streaming.py)
 
 
 def load_splits(cfg: DataConfig) -> tuple[dict[str, TextTable], LabelSpace, dict[str, np.ndarray]]:
@@ -168,8 +171,19 @@ def load_splits(cfg: DataConfig) -> tuple[dict[str, TextTable], LabelSpace, dict
         tables = {name: full.take(p) for name, p in zip(SPLITS, parts) if len(p)}
         if "train" not in tables:
             raise DataError(f"{cfg.data}: the split {cfg.split} leaves no training examples")
+    if cfg.eval_limit and "validation" in tables:
+        tables["validation"] = _subset(tables["validation"], space, cfg.eval_limit, cfg.seed + 1)
+    space = _given_names(space, cfg.labels)
     labels = {name: encode_labels(t, space, name) for name, t in tables.items()}
     return tables, space, labels
+
+
+def _given_names(space: LabelSpace, names: Sequence[str] | None) -> LabelSpace:
+    """``space`` with ``names`` (``--labels``) as its classes, in that order. Splits and samples are
+    drawn with the inferred space, so naming the classes in another order changes no split."""
+    if names is None or space.names is None:
+        return space
+    return LabelSpace(space.problem_type, [str(n) for n in names], len(names))
 
 
 def _subset(t: TextTable, space: LabelSpace, limit: int, seed: int) -> TextTable:

@@ -30,6 +30,7 @@ from .metrics import compute_metrics
 from .optim import OptimConfig, make_optimizer
 from .packing import iterate_packed_batches, padding_fraction
 from .steps import TrainState, create_state, make_train_step
+from .streaming import StreamSplit, ordered_batches, stream_batches
 
 if TYPE_CHECKING:  # annotation only: the checkpoint package does not depend on training
     from ..checkpoint import RunCheckpointer
@@ -123,7 +124,7 @@ class Trainer:
 
     def evaluate(self, params, split: Split, *, buckets: Sequence[int], pad_id: int = 0) -> dict:
         """The metrics of ``params`` (placed) on every example of ``split``."""
-        batches = iterate_batches(split, self.cfg.eval_batch_size, buckets, shuffle=False, pad_id=pad_id)
+        batches = ordered_batches(split, self.cfg.eval_batch_size, buckets, pad_id=pad_id)
         logits, labels = self.predict(params, batches)
         return compute_metrics(self.model.problem_type, logits, labels, self.model.num_labels,
                                threshold=self.cfg.threshold)
@@ -218,12 +219,17 @@ def _check_batch_sizes(cfg: TrainConfig, par: Parallel) -> None:
                             f"{par.width} data-parallel devices; change --batch-size/--eval-batch-size")
 
 
-def train_batches(trainer: Trainer) -> Callable[..., Iterable[dict]]:
-    """The training batch iterator: the trainer's own (grouped data: ``flaxheads.ranking``), ordinary
-    bucketed batches, or the same batches packed (``cfg.pack``)."""
+def train_batches(trainer: Trainer, train: Split | StreamSplit | None = None) -> Callable[..., Iterable[dict]]:
+    """The training batch iterator: the trainer's own (grouped data: ``flaxheads.ranking``), a streamed
+    split's (``training.streaming``), ordinary bucketed batches, or the same batches packed (``cfg.pack``)."""
     own = getattr(trainer, "iterate_batches", None)
     if own is not None:
         return own
+    if isinstance(train, StreamSplit):
+        if trainer.cfg.pack:
+            raise TrainingError("packing needs the training split in memory; streamed data trains unpacked "
+                                "(drop --pack, or --no-stream for a table that fits in memory)")
+        return stream_batches
     if not trainer.cfg.pack:
         return iterate_batches
     backbone = trainer.model.backbone
@@ -247,7 +253,7 @@ def fit(trainer: Trainer, train: Split, *, evals: Mapping[str, Split] | None = N
     entered = time.perf_counter()
     cfg, par = trainer.cfg, trainer.parallel
     _check_batch_sizes(cfg, par)
-    batches = train_batches(trainer)
+    batches = train_batches(trainer, train)
     spe = steps_per_epoch(len(train), cfg.batch_size)
     total = total_steps(len(train), cfg)
     eval_every = cfg.eval_every or spe
