@@ -158,19 +158,37 @@ def _require_validation(args: argparse.Namespace, has_validation: bool) -> None:
         raise UsageError(f"{needs[0]} needs a validation split, and this run has none: give {how}")
 
 
-def run_folder_path(args: argparse.Namespace) -> Path:
-    """``--output-dir``, or ``runs/<time>-<data name>``."""
+def run_folder_path(args: argparse.Namespace, suffix: str = "") -> Path:
+    """``--output-dir``, or ``runs/<time>-<data name><suffix>``."""
     stem = Path(str(args.train_file or args.data)).stem
-    return Path(args.output_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{stem}")
+    return Path(args.output_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{stem}{suffix}")
+
+
+def checked_run_folder(args: argparse.Namespace, model_path: str, *, trains_backbone: bool, suffix: str = "") -> Path:
+    """The run folder, checked before any model loads (a folder, writable, room for ``--keep`` checkpoints)."""
+    out = run_folder_path(args, suffix)
+    check_run_folder(out, model_path, trains_backbone=trains_backbone, keep=args.keep,
+                     keep_best=args.keep_best_by != "none", checkpoints=args.checkpoint_every != 0)
+    return out
+
+
+def fit_until_signal(trainer: loop.Trainer, train, ckpt, callbacks: list, **fit_kwargs) -> loop.FitResult:
+    """:func:`loop.fit` with the run's checkpoints; SIGTERM / SIGINT end it at a step boundary with that
+    step saved (:class:`~flaxheads.training.preemption.Interrupted`, which the command turns into one line)."""
+    with SignalWatch(checkpoints=None if ckpt is None else ckpt.ckr.root) as watch:  # SIGTERM/SIGINT: save, stop
+        res = loop.fit(trainer, train, callbacks=callbacks + ([ckpt] if ckpt is not None else [])
+                       + [StopOnSignal(watch, ckpt)], **fit_kwargs)
+        if ckpt is not None:
+            ckpt.ckr.close()  # wait for the last asynchronous save
+    watch.raise_if_signalled(res.step, None if ckpt is None else res.step)
+    return res
 
 
 def prepare(args: argparse.Namespace) -> Job:
     """Data, tokenizer and model for the flags (the flags are already checked)."""
     path = resolve_model(args.model)
-    out = run_folder_path(args)
-    check_run_folder(out, path, trains_backbone=not (args.freeze_backbone or args.cache_features or args.sweep
-                                                     or args.lora_rank), keep=args.keep,
-                     keep_best=args.keep_best_by != "none", checkpoints=args.checkpoint_every != 0)
+    out = checked_run_folder(args, path, trains_backbone=not (args.freeze_backbone or args.cache_features
+                                                                or args.sweep or args.lora_rank))
     init_distributed(args)
     data = data_config(args)
     cached = bool(args.cache_features or args.sweep)
@@ -299,13 +317,8 @@ def run_fine_tune(job: Job, args: argparse.Namespace) -> dict:
     callbacks = [folder.logger(job.optim, total, job.train.log_every, job.model.problem_type)]
     evals = {"validation": job.splits["validation"]} if "validation" in job.splits else {}
     fit_called = time.perf_counter()
-    with SignalWatch(checkpoints=None if ckpt is None else ckpt.ckr.root) as watch:  # SIGTERM/SIGINT: save, stop
-        res = loop.fit(trainer, job.splits["train"], evals=evals, buckets=job.buckets, pad_id=job.pad_id,
-                       callbacks=callbacks + ([ckpt] if ckpt is not None else []) + [StopOnSignal(watch, ckpt)],
-                       progress=lead and not args.no_progress, state=state0)
-        if ckpt is not None:
-            ckpt.ckr.close()  # wait for the last asynchronous save
-    watch.raise_if_signalled(res.step, None if ckpt is None else res.step)
+    res = fit_until_signal(trainer, job.splits["train"], ckpt, callbacks, evals=evals, buckets=job.buckets,
+                           pad_id=job.pad_id, progress=lead and not args.no_progress, state=state0)
     final, predictions = _final_results(trainer, res, job)
     summary = {"steps": res.step, "resumed_from": None if state0 is None else int(state0.step),
                "checkpoints": None if ckpt is None else ckpt.ckr.root, "seconds": round(res.seconds, 1),

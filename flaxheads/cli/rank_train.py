@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -36,7 +35,8 @@ from ..training import loop
 from ..training.data import SPLITS
 from ..training.memory import memory_report
 from ..training.optim import OptimConfig, count_params
-from .fit_program import init_distributed, optim_config, resolve_model, train_config, usable_max_length
+from .fit_program import (checked_run_folder, fit_until_signal, init_distributed, optim_config, resolve_model,
+                          train_config, usable_max_length)
 from .lora_flags import with_lora_flags
 from .plots import plot_curve
 from .resume import open_checkpoints
@@ -137,6 +137,8 @@ class RankJob:
 def prepare_ranking(args: argparse.Namespace) -> RankJob:
     check_ranking_flags(args)
     path = resolve_model(args.model)
+    out = checked_run_folder(args, path, trains_backbone=not (args.freeze_backbone or args.lora_rank),
+                             suffix=f"-{args.objective}")
     init_distributed(args)
     tables = load_group_splits(args)
     if args.objective == "pointwise":
@@ -160,8 +162,6 @@ def prepare_ranking(args: argparse.Namespace) -> RankJob:
     max_length = usable_max_length(args.max_length, tok, model, path)
     splits = {n: tokenize_groups(t, tok, max_length, n) for n, t in tables.items()}
     tcfg = dataclasses.replace(train_config(args), pack=False, loss_options={})
-    stem = Path(str(args.train_file or args.data)).stem
-    out = Path(args.output_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{stem}-{args.objective}")
     data = {"data": args.data, "train_file": args.train_file, "validation_file": args.validation_file,
             "test_file": args.test_file, "split": list(args.split), "seed": args.seed, "limit": args.limit,
             "kind": tables["train"].kind, "negatives": args.negatives if args.data == "bbc_news" else None}
@@ -217,11 +217,8 @@ def run_ranking(args: argparse.Namespace) -> dict:
     log = folder.logger(job.optim, total, job.train.log_every, job.model.problem_type)
     log.metric = job.headline
     evals = {"validation": job.splits["validation"]} if "validation" in job.splits else {}
-    res = loop.fit(trainer, job.splits["train"], evals=evals, buckets=job.buckets, pad_id=job.pad_id,
-                   callbacks=[log] + ([ckpt] if ckpt is not None else []),
-                   progress=lead and not args.no_progress, state=state0)
-    if ckpt is not None:
-        ckpt.ckr.close()
+    res = fit_until_signal(trainer, job.splits["train"], ckpt, [log], evals=evals, buckets=job.buckets,
+                           pad_id=job.pad_id, progress=lead and not args.no_progress, state=state0)
     final, predictions = _final_results(trainer, res, job)
     summary = {"objective": args.objective, "steps": res.step,
                "resumed_from": None if state0 is None else int(state0.step),

@@ -184,3 +184,18 @@ def test_rank_refuses_a_classifier(bert_folder, tmp_path, capsys):  # noqa: F811
     flat = _write(tmp_path / "pairs.csv", [{"query": "a", "passage": "b"}])
     code, _, err = run_cli(capsys, "rank", bert_folder, "--input", flat, "--no-progress")
     assert code == 2 and "needs a one-output model" in err and err.count("\n") == 1
+
+
+def test_a_ranking_run_checks_its_run_folder_before_loading(preference_files, tmp_path, capsys, monkeypatch):
+    import flaxheads.cli.rank_train as rank_train
+
+    def never(*a, **k):
+        raise AssertionError("the model was loaded before the run folder was checked")
+
+    monkeypatch.setattr(rank_train, "from_pretrained", never)
+    plain = tmp_path / "plain"
+    plain.write_text("keep me")
+    code, _, err = run_cli(capsys, "train", "--objective", "pairwise", "--model", tmp_path,
+                           "--train-file", preference_files["train"], "--output-dir", plain / "run", *SMALL)
+    assert code == 2 and err.count("\n") == 1 and "which is a file, not a folder" in err, err
+    assert plain.read_text() == "keep me"
