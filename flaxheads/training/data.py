@@ -137,7 +137,7 @@ class DataConfig:
     label_ids: bool = False  # integer labels are class ids 0..K-1, not classes by value
     labels: tuple[str, ...] | None = None  # the class names (single/multi-label), instead of discovering them
     eval_limit: int | None = None  # evaluate during training on a sample of this many validation examples
-    stream: bool | None = None  # read tables as training runs (None: large files and globs; training/streaming.py)
+    stream: bool | None = None  # read tables as training runs (None: large files and globs; training/streaming/)
 
 
 def load_splits(cfg: DataConfig) -> tuple[dict[str, TextTable], LabelSpace, dict[str, np.ndarray]]:

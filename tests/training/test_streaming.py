@@ -208,7 +208,7 @@ def test_each_process_tokenizes_and_holds_only_its_rows(big, tok, monkeypatch):
         lengths = iter([b["input_ids"].shape[1] for b in single])  # what the all-gather agrees on
         monkeypatch.setattr(jax, "process_count", lambda: 2)
         monkeypatch.setattr(jax, "process_index", lambda p=p: p)
-        monkeypatch.setattr(S, "agreed_length", lambda local: next(lengths))
+        monkeypatch.setattr(S.batches, "agreed_length", lambda local: next(lengths))
         mine = S.StreamSplit(train.name, train.source, train.n, train.space, Counting(), train.max_length)
         got = _epoch(mine, seed=2, epoch=1, start=5)
         assert len(got) == len(single)
@@ -231,7 +231,7 @@ def test_shards_glob_and_file_order_per_epoch(tmp_path, tok):
     sd = S.open_stream(_cfg(str(d / "part-*.csv"), split=(1.0, 0.0, 0.0)))
     assert sd.counts["train"] == 600 and sd.sources["train"].files == tuple(str(d / f"part-{k}.csv") for k in range(3))
     train = sd.splits(tok, 16)["train"]
-    orders = {tuple(S._epoch_order(3, 0, e, True)) for e in range(6)}
+    orders = {tuple(S.batches._epoch_order(3, 0, e, True)) for e in range(6)}
     assert len(orders) > 1  # the shards are read in another order in another epoch
     assert sum(int(b["weights"].sum()) for b in _epoch(train, bs=16, epoch=3)) == 600
     with pytest.raises(T.DataError, match="no such file matches"):
