@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -75,3 +76,33 @@ def assert_one_line_error(code: int, err: str, *needles: str) -> str:
 
 def train_args(model: str, data: str, out, *extra) -> list[str]:
     return ["train", "--model", model, "--data", data, "--output-dir", str(out), *SMALL, *map(str, extra)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def two_processes(argv, out) -> list[str]:
+    """``flaxheads ARGV --output-dir OUT`` as two processes of one JAX job over loopback, one CPU device
+    each: their logs (both must exit 0)."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=1 "
+                        "--xla_cpu_collective_call_terminate_timeout_seconds=60"}
+    port, procs = free_port(), []
+    try:
+        for pid in range(2):
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "flaxheads", *map(str, argv), "--output-dir", str(out), "--coordinator-address",
+                 f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(pid)],
+                cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        logs = [p.communicate(timeout=900)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-3000:]
+    return logs

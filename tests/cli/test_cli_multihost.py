@@ -3,21 +3,12 @@ CPU device each, joined by jax.distributed over loopback, train one run together
 run as one process trains on one device (each process feeds its half of every global batch)."""
 import json
 import os
-import socket
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from cli_helpers import REPO, SMALL, bert_folder, write_csv  # noqa: F401
+from cli_helpers import SMALL, bert_folder, two_processes, write_csv  # noqa: F401
 from flaxheads.cli.main import main
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow
@@ -29,25 +20,8 @@ def test_two_processes_train_the_single_process_run(bert_folder, tmp_path):
            "--log-every", "1", "--checkpoint-every", "0", "--lr", "1e-3", "--head-lr", "1e-2"]
     assert main([*run, "--output-dir", str(tmp_path / "single")]) == 0
 
-    port = _free_port()
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=1 --xla_cpu_collective_call_terminate_timeout_seconds=60"}
     multi = str(tmp_path / "multi")
-    procs = []
-    try:
-        for pid in range(2):
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "flaxheads", *run, "--output-dir", multi, "--coordinator-address",
-                 f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(pid)],
-                cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-        logs = [p.communicate(timeout=900)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for p, log in zip(procs, logs):
-        assert p.returncode == 0, log[-3000:]
+    logs = two_processes(run, multi)
     assert "run folder" in logs[0] and "run folder" not in logs[1]  # process 0 writes and reports
 
     cfg = json.loads(open(os.path.join(multi, "config.json")).read())

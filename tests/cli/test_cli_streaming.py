@@ -4,14 +4,11 @@ train the single process's run, and resume their own run mid-epoch bitwise."""
 import json
 import os
 import shutil
-import socket
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from cli_helpers import REPO, SMALL, assert_one_line_error, bert_folder, run_cli, write_csv  # noqa: F401
+from cli_helpers import SMALL, assert_one_line_error, bert_folder, run_cli, two_processes, write_csv  # noqa: F401
 from flaxheads.cli.main import main
 
 
@@ -62,37 +59,8 @@ def test_streamed_run_from_shards(bert_folder, tmp_path, capsys):
         assert_one_line_error(code, err, needle)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _losses(folder):
     return {e["step"]: e["loss"] for e in map(json.loads, open(os.path.join(folder, "metrics.jsonl"))) if "loss" in e}
-
-
-def _two_processes(run, out):
-    port = _free_port()
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=1 "
-                        "--xla_cpu_collective_call_terminate_timeout_seconds=60"}
-    procs = []
-    try:
-        for pid in range(2):
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "flaxheads", *run, "--output-dir", str(out), "--coordinator-address",
-                 f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(pid)],
-                cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-        logs = [p.communicate(timeout=900)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for p, log in zip(procs, logs):
-        assert p.returncode == 0, log[-3000:]
-    return logs
 
 
 def _restore(step_dir):
@@ -119,7 +87,7 @@ def test_two_processes_train_the_single_process_batches_and_resume_mid_epoch(ber
            "--checkpoint-every", "2", "--keep", "10", "--keep-best-by", "none", "--lr", "1e-3", "--head-lr", "1e-2"]
     single, multi, cut = tmp_path / "single", tmp_path / "multi", tmp_path / "cut"
     assert main([*run, "--output-dir", str(single)]) == 0
-    logs = _two_processes(run, multi)
+    logs = two_processes(run, multi)
     assert "run folder" in logs[0] and "run folder" not in logs[1]
     cfg = json.loads((multi / "config.json").read_text())
     assert cfg["devices"]["processes"] == 2 and cfg["devices"]["width"] == 2
@@ -134,7 +102,7 @@ def test_two_processes_train_the_single_process_batches_and_resume_mid_epoch(ber
     for d in os.listdir(cut / "checkpoints"):
         if d.isdigit() and int(d) > 4:
             shutil.rmtree(cut / "checkpoints" / d)
-    logs = _two_processes(run, cut)
+    logs = two_processes(run, cut)
     assert "resuming from step 4" in logs[0]
     assert _losses(cut) == b
     full, resumed = _restore(multi / "checkpoints" / "9"), _restore(cut / "checkpoints" / "9")
