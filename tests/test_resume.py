@@ -97,6 +97,22 @@ def _assert_bitwise(a, b):
 
 
 @pytest.mark.slow
+
+def _killed_at(script, argv, env, step: int) -> list[str]:
+    """Run the sleeper script on ``argv`` and SIGKILL it once it reports reaching ``step``: its output lines."""
+    b = subprocess.Popen([sys.executable, str(script), *argv], cwd=REPO, env={**env, "KILL_AT": str(step)},
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in b.stdout:
+        lines.append(line)
+        if line.startswith(f"REACHED {step}"):
+            os.kill(b.pid, signal.SIGKILL)
+            break
+    b.wait(timeout=60)
+    assert b.returncode == -signal.SIGKILL, "".join(lines)[-3000:]
+    return lines
+
+
 def test_sigkilled_train_run_resumes_to_the_same_result(tmp_path, capfd):
     from train_helpers import tiny_bert_folder
 
@@ -106,16 +122,7 @@ def test_sigkilled_train_run_resumes_to_the_same_result(tmp_path, capfd):
     script = tmp_path / "sleeper.py"
     script.write_text(_SLEEPER)
     env = _env(tmp_path / "jax-cache")
-    b = subprocess.Popen([sys.executable, str(script), *_train_args(model, data, cut)], cwd=REPO,
-                         env={**env, "KILL_AT": "10"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
-    for line in b.stdout:
-        lines.append(line)
-        if line.startswith("REACHED 10"):
-            os.kill(b.pid, signal.SIGKILL)
-            break
-    b.wait(timeout=60)
-    assert b.returncode == -signal.SIGKILL, "".join(lines)[-3000:]
+    _killed_at(script, _train_args(model, data, cut), env, 10)
     steps_left = sorted(int(x) for x in os.listdir(os.path.join(cut, "checkpoints")) if x.isdigit())
     # 24 training examples, batches of 4: 6 steps per epoch; checkpoints at the evaluations
     # (every 4 steps), so the resume starts mid-epoch (step 8 = epoch 1 + 2 batches)
@@ -184,16 +191,7 @@ def test_sigkilled_streamed_run_resumes_mid_epoch_bitwise(tmp_path):
     def args(out):
         return [*_train_args(model, data, out), "--stream", "--eval-limit", "6", "--checkpoint-every", "5"]
 
-    b = subprocess.Popen([sys.executable, str(script), *args(cut)], cwd=REPO, env={**env, "KILL_AT": "11"},
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
-    for line in b.stdout:
-        lines.append(line)
-        if line.startswith("REACHED 11"):
-            os.kill(b.pid, signal.SIGKILL)
-            break
-    b.wait(timeout=60)
-    assert b.returncode == -signal.SIGKILL, "".join(lines)[-3000:]
+    lines = _killed_at(script, args(cut), env, 11)
     assert "streamed" in "".join(lines)
     left = max(int(x) for x in os.listdir(os.path.join(cut, "checkpoints")) if x.isdigit())
     # checkpoints every 5 steps and at the evaluations (every 4); the hash split leaves 35 training
