@@ -129,21 +129,24 @@ def recipe_argv(a, source: str) -> list[str]:
 def resolve(argv: list[str], workdir: Path) -> dict:
     """What ``flaxheads train argv`` resolves to, by flaxheads' own code: the split (written to a
     file for the Trainer side), the optimizer, the head, the checkpoint policy, the batch order."""
-    from flaxheads.cli.fit_program import data_config, optim_config, resolve_model, train_config
-    from flaxheads.cli.train import build_parser
+    from flaxheads.cli.train import build_parser, spec_from_args
+    from flaxheads.hub import resolve_model_source
     from flaxheads.nn.heads import make_head
+    from flaxheads.run.data import data_config
+    from flaxheads.run.program import optim_config, train_config
     from flaxheads.training import loop
     from flaxheads.training.data import load_splits
 
     args = build_parser().parse_args(argv)
-    tables, space, labels = load_splits(data_config(args))
-    tcfg = train_config(args)
-    optim = optim_config(args, len(tables["train"]), tcfg, frozen=False)
+    spec = spec_from_args(args)
+    tables, space, labels = load_splits(data_config(spec))
+    tcfg = train_config(spec)
+    optim = optim_config(spec, len(tables["train"]), tcfg)
     head = make_head(args.head, num_labels=space.num_labels)
     data_file = workdir / "splits.json"
     data_file.write_text(json.dumps({n: {"texts": list(t.texts), "labels": labels[n].tolist()}
                                      for n, t in tables.items()}))
-    return {"model": resolve_model(args.model), "data_file": str(data_file), "num_labels": space.num_labels,
+    return {"model": resolve_model_source(args.model), "data_file": str(data_file), "num_labels": space.num_labels,
             "sizes": {n: len(t) for n, t in tables.items()}, "max_length": args.max_length,
             "batch_size": tcfg.batch_size, "eval_batch_size": tcfg.eval_batch_size, "epochs": tcfg.epochs,
             "seed": tcfg.seed, "log_every": tcfg.log_every, "optim": dataclasses.asdict(optim),

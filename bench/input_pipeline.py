@@ -139,13 +139,13 @@ def pipeline_against_pretokenized(data: Path, segment: int, rounds: int) -> dict
     """Median step ms fed by the live pipeline and by the same batches made beforehand."""
     import jax
 
-    from flaxheads.cli.fit_program import prepare
-    from flaxheads.cli.train import build_parser, check_flags
+    from flaxheads.cli.train import build_parser, spec_from_args
+    from flaxheads.run.checks import check_spec
+    from flaxheads.run.program import prepare
     from flaxheads.training import loop
 
     args = build_parser().parse_args(["--data", str(data), "--stream", *RECIPE, "--max-steps", "1000"])
-    check_flags(args)
-    job = prepare(args)
+    job = prepare(check_spec(spec_from_args(args)))
     trainer = loop.Trainer.build(job.model, job.optim, job.train)
     train = job.splits["train"]
     batches = loop.train_batches(trainer, train)

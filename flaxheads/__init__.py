@@ -15,7 +15,11 @@ from .interop.cross_encoder import export_cross_encoder
 from .interop.onnx import export_onnx
 from .interop.peft import export_peft, load_peft
 from . import ranking
-from .ranking.train import RankingTrainer
+from .run import Run, RunSpec, train
+from .training.loop import Callback, TrainConfig, Trainer, fit
+from .training.optim import OptimConfig
+from .training.task import Classification, Task
+from .ranking.task import Ranking
 from .lora import LoraConfig, merge_model
 from .losses import (MULTI_LABEL, REGRESSION, SINGLE_LABEL, infer_problem_type, loss_fn, mean_squared_error,
                      sigmoid_binary_cross_entropy, softmax_cross_entropy, validate_labels)
@@ -42,5 +46,6 @@ __all__ = [
     "to_json", "validate_labels", "lora", "LoraConfig", "merge_model", "export_peft", "export_onnx", "load_peft",
     "load_adapters",
     "Classifier", "Predictions", "FlaxheadsError", "ComputePlan",
-    "ranking", "RankingTrainer", "export_cross_encoder",
+    "ranking", "export_cross_encoder", "Run", "RunSpec", "train", "Callback", "TrainConfig", "Trainer", "fit",
+    "OptimConfig", "Task", "Classification", "Ranking",
 ]

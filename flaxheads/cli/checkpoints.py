@@ -7,9 +7,10 @@ import os
 
 from ..checkpoint import format_listing, format_meta, list_checkpoints, read_meta
 from . import flags
+from .flags import Program
 
 
-def run_checkpoints(args: argparse.Namespace) -> int:
+def run_checkpoints(args: argparse.Namespace, program: Program | None = None) -> int:
     """Print the listing or the meta; with ``--verify``, exit 1 when a step fails to read."""
     if args.meta:
         meta, step, root = read_meta(args.path, args.step)

@@ -17,6 +17,7 @@ from ..interop.peft import export_peft, is_adapter_folder
 from ..predict.sources import run_config
 from ..preflight import check_folder, export_bytes, with_margin
 from . import flags
+from .flags import Program
 
 #: The file that marks a head-only export folder.
 HEAD_CONFIG = "head_config.json"
@@ -72,7 +73,7 @@ def _run_threshold(src: str) -> float | None:
     return (run_config(src).get("train") or {}).get("threshold")
 
 
-def run_export(args: argparse.Namespace) -> int:
+def run_export(args: argparse.Namespace, program: Program | None = None) -> int:
     """Load the source (model folder, head export or checkpoint) and write it in ``--format``."""
     _check_paths(args)
     if args.peft and args.format != "transformers":

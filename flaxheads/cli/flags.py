@@ -4,10 +4,20 @@ the flags are parsed, before any work starts."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
-from typing import Callable
+from typing import Any, Callable
 
 from ..errors import UsageError
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """What the ``flaxheads`` process knows of itself, handed to each subcommand with its flags:
+    when it started and its compile cache (``flaxheads.host.compile_cache``)."""
+
+    started: float
+    compile_cache: Any = None
 
 
 class Parser(argparse.ArgumentParser):

@@ -27,7 +27,7 @@ from ..host.xla_flags import configure_xla
 from ..training.preemption import Interrupted, exit_code
 from .checkpoints import add_checkpoints_command
 from .export import add_export_command
-from .flags import Parser
+from .flags import Parser, Program
 from .predict import add_predict_commands
 from .rank import add_rank_command
 from .train import add_train_command
@@ -94,9 +94,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         _prepare_process()
         args = build_parser().parse_args(sys.argv[1:] if argv is None else list(argv))
-        args.started = started
-        args.compile_cache = enable_compile_cache()  # a second identical run loads its programs
-        return int(args.func(args) or 0)
+        # a second identical run loads its programs from the compile cache
+        return int(args.func(args, Program(started, enable_compile_cache())) or 0)
     except WriteFailedError as e:
         print(f"error: {one_line(e)}", file=sys.stderr, flush=True)
         if argv is None:  # the process's own command: Orbax's and tensorstore's writer threads of the failed

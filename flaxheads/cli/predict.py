@@ -29,11 +29,12 @@ from ..training.data import DataConfig, load_splits
 from ..training.streaming import split_table, streams
 from ..training.metrics import compute_metrics, format_table, headline
 from . import flags
-from .plots import plot_confusion_matrix
+from .flags import Program
+from ..run.plots import plot_confusion_matrix
 from ..preflight import check_file, check_folder
 from .predict_io import (INPUT_FORMATS, OUTPUT_FORMATS, STDIO, check_new_columns, output_format, read_input,
                          read_labelled_input, write_embeddings, write_rows)
-from .run_folder import RunFolder, scalars
+from ..run.folder import RunFolder, scalars
 
 
 def _source_flags(p: argparse.ArgumentParser) -> None:
@@ -89,7 +90,7 @@ def prediction_columns(pred, clf: Classifier) -> tuple[list[str], list[dict]]:
     return ["prediction"], [{"prediction": r["value"]} for r in pred]
 
 
-def run_predict(args: argparse.Namespace) -> int:
+def run_predict(args: argparse.Namespace, program: Program | None = None) -> int:
     if args.top_k is not None and args.top_k < 1:
         raise UsageError("--top-k must be at least 1")
     table = read_input(args.input, fmt=args.input_format, text_column=args.text_column,
@@ -107,7 +108,7 @@ def run_predict(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_embed(args: argparse.Namespace) -> int:
+def run_embed(args: argparse.Namespace, program: Program | None = None) -> int:
     table = read_input(args.input, fmt=args.input_format, text_column=args.text_column,
                        text_pair_column=args.text_pair_column)
     if Path(args.output).suffix.lower() not in (".npy", ".parquet"):
@@ -158,7 +159,7 @@ def _evaluation_data(args: argparse.Namespace, clf: Classifier):
     return "evaluation", table, encode_labels(table, space, "evaluation")
 
 
-def run_evaluate(args: argparse.Namespace) -> int:
+def run_evaluate(args: argparse.Namespace, program: Program | None = None) -> int:
     if args.output_dir:
         check_folder(args.output_dir, what="--output-dir")
     clf = load_classifier(args)

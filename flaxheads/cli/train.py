@@ -30,15 +30,17 @@ from typing import Sequence
 
 from ..errors import TrainingError, UsageError
 from ..nn.poolers import POOLER_NAMES
-from ..host.precision import PRECISION_ENV, PRECISIONS
+from ..host.precision import PRECISIONS
+from ..run import RunSpec, train
+from ..run.spec import DEFAULT_HEAD_LR, DEFAULT_LR, FIELD_GROUP, PROBE_LR, PROBLEM_TYPES, RANKING_OBJECTIVES
 from ..sharding import parse_mesh
 from . import flags
-from .fit_program import DEFAULT_MODEL, DEFAULTS, prepare, run_fine_tune
-from .lora_flags import add_lora_flags, check_lora_flags
-from .rank_train import RANKING_OBJECTIVES, add_ranking_flags, run_ranking
-from .sweep import run_cached
+from .flags import Program
+from .lora_flags import add_lora_flags
 
-PROBLEM_TYPES = ("single_label_classification", "multi_label_classification", "regression")
+#: The defaults of every flag: the spec's own.
+D = RunSpec().flat()
+DEFAULT_MODEL = D["model"]
 
 
 def _model_flags(ap: argparse.ArgumentParser) -> None:
@@ -84,7 +86,7 @@ def _data_flags(ap: argparse.ArgumentParser) -> None:
                         "evaluated in full at the end)")
     g.add_argument("--labels", type=flags.names, default=None,
                    help="the class names, comma-separated, in id order (default: every label of the data)")
-    g.add_argument("--max-length", type=flags.positive_int, default=DEFAULTS["max_length"],
+    g.add_argument("--max-length", type=flags.positive_int, default=D["max_length"],
                    help="tokens per text (default 128; at most the model's positions)")
     g.add_argument("--bucket-step", type=flags.positive_int, default=32,
                    help="pad each batch to a multiple of this (<= max length): bounds compiles (default 32)")
@@ -96,9 +98,9 @@ def _data_flags(ap: argparse.ArgumentParser) -> None:
 
 def _training_flags(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group("training")
-    g.add_argument("--epochs", type=flags.positive_float, default=DEFAULTS["epochs"], help="default 2")
+    g.add_argument("--epochs", type=flags.positive_float, default=D["epochs"], help="default 2")
     g.add_argument("--max-steps", type=flags.positive_int, default=None, help="stop after N steps (overrides --epochs)")
-    g.add_argument("--batch-size", type=flags.positive_int, default=DEFAULTS["batch_size"],
+    g.add_argument("--batch-size", type=flags.positive_int, default=D["batch_size"],
                    help="global batch per step (default 16)")
     g.add_argument("--eval-batch-size", type=flags.positive_int, default=64)
     g.add_argument("--eval-every", type=flags.positive_int, default=None,
@@ -124,12 +126,24 @@ def _training_flags(ap: argparse.ArgumentParser) -> None:
                    help="multi-label decision threshold for metrics")
 
 
+def _ranking_flags(ap: argparse.ArgumentParser) -> None:
+    g = ap.add_argument_group("ranking objectives (--objective other than classification)")
+    g.add_argument("--query-column", default=None,
+                   help="query / prompt column of a ranking or preference table (default: prompt, else query)")
+    g.add_argument("--negatives", type=flags.positive_int, default=D["negatives"],
+                   help="--data bbc_news: passages of other classes per headline (default 3)")
+    g.add_argument("--margin", type=float, default=None,
+                   help="pairwise: s_chosen - s_rejected must exceed it (default 0); hinge: the margin (default 1)")
+    g.add_argument("--scale", type=float, default=None,
+                   help="listwise / listnet: scores are multiplied by it before the softmax (default 1)")
+
+
 def _optimizer_flags(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group("optimizer (AdamW)")
     g.add_argument("--lr", type=flags.positive_float, default=None,
-                   help=f"peak learning rate (default {DEFAULTS['lr']}; {DEFAULTS['probe_lr']} with a frozen backbone)")
+                   help=f"peak learning rate (default {DEFAULT_LR}; {PROBE_LR} with a frozen backbone)")
     g.add_argument("--head-lr", type=flags.positive_float, default=None,
-                   help=f"peak learning rate of the head (default {DEFAULTS['head_lr']} when fine-tuning)")
+                   help=f"peak learning rate of the head (default {DEFAULT_HEAD_LR} when fine-tuning)")
     g.add_argument("--weight-decay", type=flags.non_negative_float, default=0.01,
                    help="not applied to biases and LayerNorm")
     g.add_argument("--schedule", default="linear", choices=["linear", "cosine", "constant"])
@@ -175,7 +189,7 @@ def _output_flags(ap: argparse.ArgumentParser) -> None:
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     """Register every ``train`` flag on ``ap``."""
-    for add in (_model_flags, _data_flags, _training_flags, add_ranking_flags, add_lora_flags, _optimizer_flags,
+    for add in (_model_flags, _data_flags, _training_flags, _ranking_flags, add_lora_flags, _optimizer_flags,
                 _device_flags, _output_flags):
         add(ap)
 
@@ -195,41 +209,17 @@ def add_train_command(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_command)
 
 
-def check_flags(args: argparse.Namespace) -> None:
-    """Refuse flags that conflict or name nothing, before any work (single values are checked while parsing)."""
-    if args.pooler != "preset":
-        bad = [p for p in args.pooler.split(",") if p not in POOLER_NAMES]
-        if bad:
-            raise UsageError(f"--pooler {args.pooler!r}: unknown pooler {bad[0]!r}; valid poolers: "
-                             f"{', '.join(sorted(POOLER_NAMES))}, `preset`, or several names joined by commas")
-    if args.head_hidden and args.head != "mlp":
-        raise UsageError(f"--head-hidden sets the widths of an MLP head; it needs --head mlp (got --head {args.head})")
-    _settle_precision(args)
+def spec_from_args(args: argparse.Namespace) -> RunSpec:
+    """The run the flags describe; the two conflicts only flags can have are refused here, every
+    other one by the library (:func:`flaxheads.run.checks.check_spec`)."""
+    if args.bf16 and args.precision not in (None, "bfloat16"):
+        raise UsageError(f"--bf16 means --precision bfloat16; it contradicts --precision {args.precision}: give one")
     if args.no_resume and args.resume_step is not None:
         raise UsageError("--no-resume and --resume-step contradict each other; give one")
-    if args.validation_file or args.test_file:
-        if not args.train_file:
-            raise UsageError("--validation-file/--test-file need --train-file (or give one --data file and --split)")
-    if (args.sweep or args.cache_features) and (args.parallel != "single" or args.mesh or args.accumulation_steps != 1):
-        raise UsageError("--cache-features/--sweep run on one device without gradient accumulation "
-                         "(drop --parallel/--mesh/--accumulation-steps)")
-    if args.mesh and args.parallel == "pmap":
-        raise UsageError(f"--mesh {args.mesh} runs jit over a device mesh; it cannot be combined with --parallel pmap")
-    check_lora_flags(args)
-    _check_distributed_flags(args)
-
-
-def _settle_precision(args: argparse.Namespace) -> None:
-    """``args.precision`` from ``--precision``, ``--bf16`` or ``$FLAXHEADS_PRECISION`` (a flag wins)."""
-    if args.bf16:
-        if args.precision not in (None, "bfloat16"):
-            raise UsageError(f"--bf16 means --precision bfloat16; it contradicts --precision {args.precision}: give one")
-        args.precision = "bfloat16"
-    elif args.precision is None:
-        args.precision = os.environ.get(PRECISION_ENV, "").strip() or "auto"
-        if args.precision not in PRECISIONS:
-            raise UsageError(f"${PRECISION_ENV}={args.precision!r} is not a precision: expected one of "
-                             f"{', '.join(PRECISIONS)} (or unset it)")
+    given = {name: getattr(args, name) for name in FIELD_GROUP if hasattr(args, name)}
+    given.update(precision="bfloat16" if args.bf16 else args.precision, seed=args.seed,
+                 resume="never" if args.no_resume else args.resume_step if args.resume_step is not None else "auto")
+    return RunSpec.from_kwargs(**given)
 
 
 def mesh_flag(text: str) -> str:
@@ -241,36 +231,15 @@ def mesh_flag(text: str) -> str:
     return text
 
 
-def _check_distributed_flags(args: argparse.Namespace) -> None:
-    procs = (args.num_processes, args.process_id)
-    if args.coordinator_address is None:
-        if procs != (None, None):
-            raise UsageError("--num-processes/--process-id need --coordinator-address (multi-host runs)")
-        return
-    if args.parallel == "pmap":
-        raise UsageError("multi-host runs (--coordinator-address) use --parallel mesh, not pmap")
-    if args.coordinator_address != "auto":
-        if None in procs:
-            raise UsageError("--coordinator-address needs --num-processes and --process-id (or `auto` on a "
-                             "cluster JAX can discover)")
-        if args.process_id >= args.num_processes:
-            raise UsageError(f"--process-id {args.process_id} is not below --num-processes {args.num_processes}: "
-                             "processes are numbered 0..N-1")
-    if args.output_dir is None:
-        raise UsageError("multi-host runs need --output-dir: every process must name the same run folder")
+def run(args: argparse.Namespace, program: Program | None = None) -> dict:
+    """Everything ``flaxheads train`` does; returns the run's summary."""
+    return train(spec_from_args(args), progress=not args.no_progress, argv=sys.argv[1:],
+                 started=None if program is None else program.started,
+                 compile_cache=None if program is None else program.compile_cache).summary
 
 
-def run(args: argparse.Namespace) -> dict:
-    """Everything ``flaxheads train`` does; returns the run's summary (for tests and notebooks)."""
-    check_flags(args)
-    if args.objective != "classification":
-        return run_ranking(args)
-    job = prepare(args)
-    return run_cached(job, args) if job.cached else run_fine_tune(job, args)
-
-
-def run_command(args: argparse.Namespace) -> int:
-    run(args)
+def run_command(args: argparse.Namespace, program: Program | None = None) -> int:
+    run(args, program)
     return 0
 
 

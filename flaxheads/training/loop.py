@@ -26,11 +26,11 @@ from ..errors import TrainingError
 from ..parallel import DATA_AXIS, Parallel
 from ..programs import TraceCounter, make_eval_step
 from .data import Split, iterate_batches
-from .metrics import compute_metrics
 from .optim import OptimConfig, make_optimizer
 from .packing import iterate_packed_batches, padding_fraction
 from .steps import TrainState, create_state, make_train_step
-from .streaming import StreamSplit, ordered_batches, stream_batches
+from .task import Classification, Task
+from .streaming import StreamSplit, stream_batches
 
 if TYPE_CHECKING:  # annotation only: the checkpoint package does not depend on training
     from ..checkpoint import RunCheckpointer
@@ -73,7 +73,8 @@ def total_steps(n: int, cfg: TrainConfig) -> int:
 
 @dataclasses.dataclass
 class Trainer:
-    """Compiled steps for one model/optimizer/parallel mode (build once, reuse)."""
+    """Compiled steps for one model/optimizer/parallel mode and one :class:`~flaxheads.training.task.Task`
+    (build once, reuse)."""
 
     model: Any
     optim: OptimConfig
@@ -84,19 +85,24 @@ class Trainer:
     eval_step: Callable
     train_traces: TraceCounter
     eval_traces: TraceCounter
+    task: Task
 
     @classmethod
-    def build(cls, model, optim: OptimConfig, cfg: TrainConfig, parallel: Parallel | None = None) -> "Trainer":
+    def build(cls, model, optim: OptimConfig, cfg: TrainConfig, parallel: Parallel | None = None, *,
+              task: Task | None = None) -> "Trainer":
+        """Compile the steps. ``task`` defaults to the model's own classification task."""
+        task = task if task is not None else Classification.of(model, cfg.threshold)
+        task.check(model, pack=cfg.pack)
         parallel = (parallel or Parallel.from_config(cfg.parallel, cfg.mesh)).bind(model)
         tx = make_optimizer(optim, fold_reductions=model.plan.fold_reductions)
         axis = DATA_AXIS if parallel.mode == "pmap" else None
         tt, et = TraceCounter(), TraceCounter()
         step = make_train_step(model, tx, freeze_backbone=optim.freeze_backbone, loss_options=cfg.loss_options,
-                               axis_name=axis)
+                               axis_name=axis, loss=task.step_loss(model, cfg.loss_options))
         like = abstract_state(model, tx, optim, cfg)
         return cls(model, optim, cfg, parallel, tx, parallel.compile(tt.wrap(step), like=like,
                                                                      options=model.plan.compiler_options(gradients=True)),
-                   parallel.compile(et.wrap(make_eval_step(model)), donate=False, like=like.params), tt, et)
+                   parallel.compile(et.wrap(make_eval_step(model)), donate=False, like=like.params), tt, et, task)
 
     def init_state(self, params: dict | None = None) -> TrainState:
         return create_state(self.model.params if params is None else params, self.tx,
@@ -122,12 +128,13 @@ class Trainer:
             return np.zeros((0, self.model.num_labels), np.float32), np.zeros((0,))
         return logits, kept["labels"]
 
-    def evaluate(self, params, split: Split, *, buckets: Sequence[int], pad_id: int = 0) -> dict:
-        """The metrics of ``params`` (placed) on every example of ``split``."""
-        batches = ordered_batches(split, self.cfg.eval_batch_size, buckets, pad_id=pad_id)
-        logits, labels = self.predict(params, batches)
-        return compute_metrics(self.model.problem_type, logits, labels, self.model.num_labels,
-                               threshold=self.cfg.threshold)
+    def evaluate(self, params, split, *, buckets: Sequence[int], pad_id: int = 0) -> dict:
+        """The task's metrics of ``params`` (placed) on every example of ``split``."""
+        return self.task.evaluate(self, params, split, buckets=buckets, pad_id=pad_id)
+
+    def final(self, params, split, *, buckets: Sequence[int], pad_id: int = 0) -> tuple[dict, dict]:
+        """The task's metrics of ``split`` and the arrays behind them (predictions to keep)."""
+        return self.task.final(self, params, split, buckets=buckets, pad_id=pad_id)
 
 
 class Callback:
@@ -220,9 +227,9 @@ def _check_batch_sizes(cfg: TrainConfig, par: Parallel) -> None:
 
 
 def train_batches(trainer: Trainer, train: Split | StreamSplit | None = None) -> Callable[..., Iterable[dict]]:
-    """The training batch iterator: the trainer's own (grouped data: ``flaxheads.ranking``), a streamed
+    """The training batch iterator: the task's own (grouped data: ``flaxheads.ranking``), a streamed
     split's (``training.streaming``), ordinary bucketed batches, or the same batches packed (``cfg.pack``)."""
-    own = getattr(trainer, "iterate_batches", None)
+    own = trainer.task.train_batches()
     if own is not None:
         return own
     if isinstance(train, StreamSplit):

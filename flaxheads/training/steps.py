@@ -82,17 +82,17 @@ def _apply_grads(state, tx, trained, objective, denom_local, axis_name, fold: bo
 
 
 def _make_step(model, tx, logits_of: Callable, *, freeze_backbone: bool, loss_options: dict | None,
-               axis_name: str | None) -> Callable:
+               axis_name: str | None, loss: tuple[Callable, str] | None = None) -> Callable:
     """The one train step: ``logits_of(state, trained, batch, key)`` is all that differs between
     training on token ids and training a head on precomputed features."""
     loss_options = dict(loss_options or {})
-    lf = model.loss_fn(**loss_options)
+    lf, problem_type = loss if loss is not None else (model.loss_fn(**loss_options), model.problem_type)
     cw = loss_options.get("class_weights")
 
     def step(state: TrainState, batch: dict):
         key = step_key(state, axis_name)
         labels, weights = example_targets(batch)
-        denom = loss_denominator(model.problem_type, labels, weights, cw)
+        denom = loss_denominator(problem_type, labels, weights, cw)
 
         def objective(t):
             return lf(logits_of(state, t, batch, key), labels, weights)
@@ -105,18 +105,21 @@ def _make_step(model, tx, logits_of: Callable, *, freeze_backbone: bool, loss_op
 
 
 def make_train_step(model, tx: optax.GradientTransformation, *, freeze_backbone: bool = False,
-                    loss_options: dict | None = None, axis_name: str | None = None) -> Callable:
+                    loss_options: dict | None = None, axis_name: str | None = None,
+                    loss: tuple[Callable, str] | None = None) -> Callable:
     """``train_step(state, batch) -> (state, metrics)`` (not jitted; ``Parallel.compile`` jits it).
 
     ``axis_name`` is the pmap axis to reduce over (None for one device or for jit over a mesh,
-    where the computation is written globally and XLA inserts the collectives)."""
+    where the computation is written globally and XLA inserts the collectives). ``loss``:
+    ``(loss(logits, labels, weights), problem type of its normaliser)`` instead of the model's own
+    (a :class:`~flaxheads.training.task.Task`'s ``step_loss``)."""
     if freeze_backbone and getattr(model, "lora", None) is not None:
         raise TrainingError("freeze_backbone=True trains the head alone on the base backbone's features, but this "
                             "model has LoRA adapters: train without freeze_backbone (the base stays frozen and "
                             "only the adapters and the head train), or merge the adapters first")
     if freeze_backbone:
         # the backbone only runs forward, outside the differentiated function: the head step on its features
-        head_step = make_head_train_step(model, tx, loss_options=loss_options, axis_name=axis_name)
+        head_step = make_head_train_step(model, tx, loss_options=loss_options, axis_name=axis_name, loss=loss)
 
         def frozen_step(state: TrainState, batch: dict):
             if is_packed(batch):
@@ -138,11 +141,12 @@ def make_train_step(model, tx: optax.GradientTransformation, *, freeze_backbone:
         return model.apply(merge(state.params, t), batch["input_ids"], batch["attention_mask"], train=True,
                            dropout_rng=key, **extra_inputs(batch))
 
-    return _make_step(model, tx, logits_of, freeze_backbone=False, loss_options=loss_options, axis_name=axis_name)
+    return _make_step(model, tx, logits_of, freeze_backbone=False, loss_options=loss_options, axis_name=axis_name,
+                      loss=loss)
 
 
 def make_head_train_step(model, tx: optax.GradientTransformation, *, loss_options: dict | None = None,
-                         axis_name: str | None = None) -> Callable:
+                         axis_name: str | None = None, loss: tuple[Callable, str] | None = None) -> Callable:
     """``head_train_step(state, batch) -> (state, metrics)`` on precomputed backbone features.
 
     ``batch`` holds ``hidden`` [B, T, H] (or any features the pooler takes), ``pool_mask`` [B, T],
@@ -151,4 +155,5 @@ def make_head_train_step(model, tx: optax.GradientTransformation, *, loss_option
     def logits_of(state, t, batch, key):
         return model.head_apply(t["head"], batch["hidden"], batch["pool_mask"], train=True, dropout_rng=key)
 
-    return _make_step(model, tx, logits_of, freeze_backbone=True, loss_options=loss_options, axis_name=axis_name)
+    return _make_step(model, tx, logits_of, freeze_backbone=True, loss_options=loss_options, axis_name=axis_name,
+                      loss=loss)

@@ -187,12 +187,12 @@ def test_rank_refuses_a_classifier(bert_folder, tmp_path, capsys):  # noqa: F811
 
 
 def test_a_ranking_run_checks_its_run_folder_before_loading(preference_files, tmp_path, capsys, monkeypatch):
-    import flaxheads.cli.rank_train as rank_train
+    import flaxheads.run.program as program
 
     def never(*a, **k):
         raise AssertionError("the model was loaded before the run folder was checked")
 
-    monkeypatch.setattr(rank_train, "from_pretrained", never)
+    monkeypatch.setattr(program, "from_pretrained", never)
     plain = tmp_path / "plain"
     plain.write_text("keep me")
     code, _, err = run_cli(capsys, "train", "--objective", "pairwise", "--model", tmp_path,

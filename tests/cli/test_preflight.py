@@ -24,7 +24,7 @@ def bert(tmp_path_factory):
 def _fail(capfd, argv, monkeypatch=None):
     # a model loaded would mean the check came too late
     import flaxheads.cli.export as E
-    import flaxheads.cli.fit_program as F
+    import flaxheads.run.program as F
     import flaxheads.cli.predict as P
 
     if monkeypatch is not None:

@@ -9,7 +9,7 @@ import pytest
 
 from flaxheads.ranking.data import GroupTable, check_groups, collate_groups, tokenize_groups
 from flaxheads.ranking.objectives import objective_fn
-from flaxheads.ranking.train import RankingTrainer
+from flaxheads.ranking.task import Ranking
 from flaxheads.training import loop
 from flaxheads.training.optim import OptimConfig
 from train_helpers import WORDS, tiny_bert_folder
@@ -51,7 +51,7 @@ def test_batches_hold_whole_groups(setup):
 def _one_step(model, split, mode: str, objective: str):
     cfg = loop.TrainConfig(batch_size=4, parallel=mode)
     optim = OptimConfig(learning_rate=1e-2, head_learning_rate=1e-2, total_steps=4, warmup_steps=0)
-    t = RankingTrainer.build(model, optim, cfg, objective=objective, group_size=4)
+    t = loop.Trainer.build(model, optim, cfg, task=Ranking(objective, group_size=4))
     batch = collate_groups(split, np.array([3, 1, 5, 2]), 4, 4, (16,))
     state, m = t.step(t.parallel.put_state(t.init_state()), batch)
     return t.parallel.get_state(state) if mode == "pmap" else jax.device_get(state), m, batch

@@ -127,11 +127,9 @@ def test_train_program_sweep_saves_the_best_head(tmp_path):
     """`flaxheads train --sweep K` on real MiniLM + BBC News: the saved head is the sweep's best and
     scores what the summary says when attached to a freshly loaded backbone."""
     from flaxheads.checkpoint import attach_head, load_head
-    from flaxheads.cli.train import build_parser, run
+    import flaxheads as fh
 
-    args = build_parser().parse_args(["--sweep", "3", "--limit", "60", "--max-length", "32", "--epochs", "2",
-                                      "--output-dir", str(tmp_path), "--no-progress"])
-    summary = run(args)
+    summary = fh.train(sweep=3, limit=60, max_length=32, epochs=2, output_dir=str(tmp_path), progress=False).summary
     assert summary["mode"] == "cached-features sweep K=3"
     assert (tmp_path / "sweep.md").read_text().count("**best**") == 1
     ckpt = load_head(tmp_path / "checkpoints")

@@ -1,4 +1,4 @@
-"""The files of a ``flaxheads train`` run folder: ``config.json``, ``metrics.jsonl`` (written
+"""The files of a run folder: ``config.json``, ``metrics.jsonl`` (written
 while training, by a ``fit`` callback), ``eval.txt``, ``summary.json``, ``predictions.npz``,
 ``curve.png`` and ``confusion_matrix.png``. Only process 0 of a multi-process run writes."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import numpy as np
 
 from ..interop.files import write_marker
 from ..training import loop
-from ..training.metrics import format_table, headline
+from ..training.metrics import format_table
 from ..training.optim import OptimConfig, learning_rates
 from .plots import plot_confusion_matrix, plot_curve
 
@@ -28,9 +28,8 @@ class RunLog(loop.Callback):
     """``metrics.jsonl``: a line every ``log_every`` steps (loss, throughput, learning rates) and
     one per evaluation; evaluations are also printed."""
 
-    def __init__(self, file: IO[str] | None, optim: OptimConfig, total: int, log_every: int, problem_type: str):
-        self.file, self.optim, self.total, self.log_every = file, optim, total, log_every
-        self.metric = headline(problem_type)
+    def __init__(self, file: IO[str] | None, optim: OptimConfig, total: int, log_every: int, metric: str):
+        self.file, self.optim, self.total, self.log_every, self.metric = file, optim, total, log_every, metric
 
     def write(self, entry: dict) -> None:
         if self.file is not None:
@@ -66,10 +65,10 @@ class RunFolder:
         (self.path / "config.json").write_text(json.dumps(config, indent=2, default=str))
         print(f"run folder: {self.path}\n{intro}", flush=True)
 
-    def logger(self, optim: OptimConfig, total: int, log_every: int, problem_type: str) -> RunLog:
-        """The ``fit`` callback that appends to ``metrics.jsonl``."""
+    def logger(self, optim: OptimConfig, total: int, log_every: int, metric: str) -> RunLog:
+        """The ``fit`` callback that appends to ``metrics.jsonl`` (``metric``: the one printed per evaluation)."""
         file = open(self.path / "metrics.jsonl", "a") if self.lead else None
-        self.log = RunLog(file, optim, total, log_every, problem_type)
+        self.log = RunLog(file, optim, total, log_every, metric)
         return self.log
 
     def write_results(self, summary: dict, final: dict, id2label: dict | None,
@@ -85,19 +84,20 @@ class RunFolder:
                      **{f"{split}_{k}": v for split, arrays in predictions.items() for k, v in arrays.items()})
         return text
 
-    def finish(self, summary: dict, final: dict, predictions: dict, model, *, history: list[dict],
-               tail: str) -> None:
-        """The final log line, the result files and plots, and the printed report."""
+    def finish(self, summary: dict, final: dict, predictions: dict, id2label: dict | None, *, history: list[dict],
+               metric: str, tail: str) -> None:
+        """The final log line, the result files and plots (``metric``: the curve's validation metric),
+        and the printed report."""
         if self.log is not None and self.log.file is not None:
             self.log.write({"step": summary["steps"], "final": summary["metrics"]})
             self.log.file.close()
-        text = self.write_results(summary, final, model.id2label, predictions)
+        text = self.write_results(summary, final, id2label, predictions)
         if not self.lead:
             return
-        plot_curve(self.path / "curve.png", history, headline(model.problem_type))
+        plot_curve(self.path / "curve.png", history, metric)
         for name in ("test", "validation"):
             if "confusion_matrix" in final.get(name, {}):
                 plot_confusion_matrix(self.path / "confusion_matrix.png", final[name]["confusion_matrix"],
-                                      model.id2label, name)
+                                      id2label, name)
                 break
         print(f"\n{text}\n\n{tail}; run folder: {self.path}", flush=True)

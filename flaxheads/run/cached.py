@@ -1,10 +1,9 @@
-"""``flaxheads train --cache-features [--sweep K]``: encode every split once, train K heads (K=1
-without ``--sweep``) on the cached features with the library's :func:`flaxheads.training.sweep.sweep`,
+"""Runs with ``cache_features`` / ``sweep=K``: encode every split once, train K heads (K=1
+without a sweep) on the cached features with the library's :func:`flaxheads.training.sweep.sweep`,
 keep the best on validation as a normal head checkpoint in ``<run folder>/checkpoints``, and
 write ``sweep.md``, ``eval.txt`` and ``summary.json``."""
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import time
@@ -14,10 +13,10 @@ from ..checkpoint import save_head
 from ..training.features import FeatureCache, cache_features, choose_level, make_encoder, predict_cached, reduction
 from ..training.metrics import compute_metrics, headline
 from ..training.sweep import SweepResult, steps_per_epoch, sweep, sweep_variants
-from .run_folder import RunFolder, scalars
+from .folder import RunFolder, scalars
 
-if TYPE_CHECKING:  # annotation only: fit_program imports what imports this module
-    from .fit_program import Job
+if TYPE_CHECKING:  # annotation only: the program imports this module
+    from .program import Job, Run
 
 
 def encode_splits(job: Job, batch_size: int) -> tuple[dict[str, FeatureCache], float]:
@@ -32,19 +31,18 @@ def encode_splits(job: Job, batch_size: int) -> tuple[dict[str, FeatureCache], f
     return caches, time.perf_counter() - t0
 
 
-def train_heads(job: Job, args: argparse.Namespace, caches: dict[str, FeatureCache]) -> tuple[SweepResult, int]:
+def train_heads(job: Job, caches: dict[str, FeatureCache]) -> tuple[SweepResult, int]:
     """The sweep's heads around the run's learning rate; returns the result and the epochs trained."""
-    k = max(args.sweep, 1)
-    variants = sweep_variants(k, job.optim.learning_rate, job.optim.weight_decay, args.seed)
-    spe = steps_per_epoch(caches["train"], args.batch_size)
-    # --max-steps wins over --epochs, as in every other run
-    epochs = -(-args.max_steps // spe) if args.max_steps else max(int(round(args.epochs)), 1)
-    total = min(spe * epochs, args.max_steps or spe * epochs)
-    ocfg = dataclasses.replace(job.optim, warmup_steps=int(args.warmup_ratio * total), total_steps=total,
+    o, seed = job.spec.optim, job.spec.seed
+    variants = sweep_variants(max(o.sweep, 1), job.optim.learning_rate, job.optim.weight_decay, seed)
+    spe = steps_per_epoch(caches["train"], o.batch_size)
+    # max_steps wins over epochs, as in every other run
+    epochs = -(-o.max_steps // spe) if o.max_steps else max(int(round(o.epochs)), 1)
+    total = min(spe * epochs, o.max_steps or spe * epochs)
+    ocfg = dataclasses.replace(job.optim, warmup_steps=int(o.warmup_ratio * total), total_steps=total,
                                head_learning_rate=None, accumulation_steps=1, freeze_backbone=True)
-    res = sweep(job.model, caches["train"], variants, optim=ocfg, epochs=epochs, batch_size=args.batch_size,
-                val=caches.get("validation"), seed=args.seed, loss_options=job.train.loss_options,
-                max_steps=args.max_steps)
+    res = sweep(job.model, caches["train"], variants, optim=ocfg, epochs=epochs, batch_size=o.batch_size,
+                val=caches.get("validation"), seed=seed, loss_options=job.train.loss_options, max_steps=o.max_steps)
     return res, epochs
 
 
@@ -60,15 +58,16 @@ def _log(folder: RunFolder, res: SweepResult, spe: int, final: dict) -> None:
         f.write(json.dumps({"step": res.steps, "final": {n: scalars(r) for n, r in final.items()}}) + "\n")
 
 
-def run_cached(job: Job, args: argparse.Namespace) -> dict:
-    """The cached-features program; returns the run's summary."""
-    from .fit_program import run_config, split_counts
+def run_cached(job: Job, argv=None) -> Run:
+    """The cached-features program; returns the run."""
+    from .program import Run, run_config, split_counts
 
     folder = RunFolder(job.out)
-    folder.start(run_config(job, args), f"{split_counts(job.splits)} examples, {job.model.num_labels} labels, "
-                                         f"heads on cached features ({max(args.sweep, 1)} at once)")
-    caches, encode_s = encode_splits(job, args.eval_batch_size)
-    res, epochs = train_heads(job, args, caches)
+    o = job.spec.optim
+    folder.start(run_config(job, argv=argv), f"{split_counts(job.splits)} examples, {job.model.num_labels} labels, "
+                                             f"heads on cached features ({max(o.sweep, 1)} at once)")
+    caches, encode_s = encode_splits(job, o.eval_batch_size)
+    res, epochs = train_heads(job, caches)
     k = len(res.variants)
     best = res.best_model(job.model)
     ckpt = save_head(job.out / "checkpoints", best, step=res.steps,
@@ -77,7 +76,7 @@ def run_cached(job: Job, args: argparse.Namespace) -> dict:
                                    caches[name].labels, best.num_labels, threshold=job.train.threshold)
              for name in ("validation", "test") if name in caches}
     (job.out / "sweep.md").write_text(res.table() + "\n")
-    _log(folder, res, steps_per_epoch(caches["train"], args.batch_size), final)
+    _log(folder, res, steps_per_epoch(caches["train"], o.batch_size), final)
     summary = {"mode": "cached-features" + (f" sweep K={k}" if k > 1 else ""), "encode_seconds": round(encode_s, 1),
                "head_seconds": round(res.seconds, 2), "steps": res.steps, "epochs": epochs,
                "best": dataclasses.asdict(res.variants[res.best]), "checkpoint": str(ckpt),
@@ -89,4 +88,4 @@ def run_cached(job: Job, args: argparse.Namespace) -> dict:
           f"x {epochs} epochs in {res.seconds:.1f} s\n{res.table()}\n\n{text}\n\nbest head "
           f"({res.variants[res.best].label()}, validation {h} "
           f"{final.get('validation', {}).get(h, float('nan')):.4f}) saved to {ckpt}", flush=True)
-    return summary
+    return Run(job.spec, summary, best, job.out)

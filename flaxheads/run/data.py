@@ -1,0 +1,101 @@
+"""A run's data, decided in one place: :func:`load_data` reads a spec's examples in memory, as a
+stream (large tables, globs, ``stream=True``), or as groups (ranking objectives), finds the label
+space once, and :meth:`RunData.tokenize` turns the splits into what ``fit`` batches."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from ..errors import UsageError
+from ..ranking.data import check_unit_relevance, load_groups, split_groups, tokenize_groups
+from ..ranking.objectives import MARGIN_OBJECTIVES
+from ..tables import DataError, LabelSpace
+from ..training.data import DataConfig, load_splits, tokenize
+from ..training.streaming import open_stream, streams
+from .spec import RunSpec
+
+
+@dataclasses.dataclass
+class RunData:
+    """The splits of a run before tokenisation. ``space`` is None for ranking (one score per row);
+    ``kind`` is ``"rows"``, or the group table's layout (``"preference"`` / ``"ranking"``)."""
+
+    tables: dict[str, Any]  # TextTable, GroupTable, or a stream's sources
+    space: LabelSpace | None
+    kind: str
+    config: dict  # what the run's config.json records of the data
+    labels: dict[str, np.ndarray] | None = None  # encoded labels of in-memory rows
+    stream: Any = None  # the stream's scan (training.streaming.StreamData) when the data streams
+
+    @property
+    def has_validation(self) -> bool:
+        return "validation" in self.tables
+
+    @property
+    def group_size(self) -> int:
+        """The most candidates of a group (ranking); 1 for rows."""
+        return max(t.max_group for t in self.tables.values()) if self.kind != "rows" else 1
+
+    def tokenize(self, tokenizer, max_length: int) -> dict[str, Any]:
+        """Every split as ``fit`` takes it: ``Split``, ``StreamSplit`` or ``GroupedSplit``."""
+        if self.stream is not None:
+            return self.stream.splits(tokenizer, max_length)
+        if self.kind != "rows":
+            return {n: tokenize_groups(t, tokenizer, max_length, n) for n, t in self.tables.items()}
+        return {n: tokenize(t, self.labels[n], tokenizer, max_length, n) for n, t in self.tables.items()}
+
+
+def data_config(spec: RunSpec) -> DataConfig:
+    """The in-memory / streamed reader's settings of ``spec``."""
+    d = spec.data
+    return DataConfig(data=d.data, train_file=d.train_file, validation_file=d.validation_file, test_file=d.test_file,
+                      text_column=d.text_column, text_pair_column=d.text_pair_column, label_column=d.label_column,
+                      problem_type=spec.task.problem_type, split=tuple(d.split), seed=spec.seed, limit=d.limit,
+                      label_ids=d.label_ids, labels=d.labels, eval_limit=d.eval_limit, stream=d.stream)
+
+
+def load_data(spec: RunSpec) -> RunData:
+    """Read ``spec``'s data: groups for a ranking objective, else rows in memory or streamed."""
+    if spec.ranking:
+        return _groups(spec)
+    cfg = data_config(spec)
+    if streams(cfg.train_file or cfg.data, cfg.stream):
+        if spec.cached:
+            raise UsageError("--cache-features/--sweep encode the whole training split once, in memory; streamed "
+                             "data cannot: train the head with --freeze-backbone, or use --no-stream for a table "
+                             "that fits")
+        stream = open_stream(cfg)
+        return RunData(stream.sources, stream.space, "rows", dataclasses.asdict(cfg), stream=stream)
+    tables, space, labels = load_splits(cfg)
+    return RunData(tables, space, "rows", dataclasses.asdict(cfg), labels)
+
+
+def _groups(spec: RunSpec) -> RunData:
+    d, objective = spec.data, spec.task.objective
+    opts = dict(query_column=d.query_column, negatives=d.negatives, seed=spec.seed, limit=d.limit)
+    if d.train_file:
+        tables = {"train": load_groups(d.train_file, **opts)}
+        for name, f in (("validation", d.validation_file), ("test", d.test_file)):
+            if f:
+                tables[name] = load_groups(f, **opts)
+    else:
+        full = load_groups(d.data, **opts)
+        if d.limit and d.data != "bbc_news" and d.limit < len(full):
+            full = full.take(np.sort(np.random.default_rng(spec.seed + 1).permutation(len(full))[:d.limit]))
+        tables = split_groups(full, d.split, spec.seed)
+        if "train" not in tables:
+            raise DataError(f"{d.data}: the split {d.split} of {len(full)} groups leaves no training groups")
+    if objective == "pointwise":
+        for t in tables.values():
+            check_unit_relevance(t, objective)
+    with_margins = [t.source for t in tables.values() if t.margins is not None]
+    if with_margins and objective not in MARGIN_OBJECTIVES:
+        raise UsageError(f"{with_margins[0]} has a margin column, which the {' and '.join(MARGIN_OBJECTIVES)} "
+                         f"objectives use, not --objective {objective}: drop the column or change the objective")
+    kind = tables["train"].kind
+    config = {"data": d.data, "train_file": d.train_file, "validation_file": d.validation_file,
+              "test_file": d.test_file, "split": list(d.split), "seed": spec.seed, "limit": d.limit, "kind": kind,
+              "negatives": d.negatives if d.data == "bbc_news" else None}
+    return RunData(tables, None, kind, config)

@@ -1,0 +1,246 @@
+""":class:`RunSpec`: one frozen, typed description of a training run.
+
+A spec is six groups (model, data, task, optimisation, checkpoints, devices) and a seed. Every
+field has the default ``flaxheads train`` has, so ``RunSpec()`` is the README's main job and
+``flaxheads train FLAGS`` is ``fh.train(RunSpec.from_kwargs(**flags))``. Its JSON form is kept in
+the run's ``config.json`` (key ``"spec"``): :meth:`RunSpec.from_run` gives back the spec that made a
+run folder, and running it again resumes that run.
+
+Keyword arguments reach their group by name (:meth:`RunSpec.from_kwargs`, :meth:`RunSpec.replace`):
+every field name is unique across the groups.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+from ..errors import UsageError
+from ..hub import PACKAGED_MODEL
+from ..host.precision import PRECISION_ENV, PRECISIONS
+
+#: The problem types a classification run can be given (default: guessed from the labels).
+PROBLEM_TYPES = ("single_label_classification", "multi_label_classification", "regression")
+#: ``task.objective`` values other than ``classification`` (:mod:`flaxheads.ranking.objectives`).
+RANKING_OBJECTIVES = ("pairwise", "hinge", "listwise", "listnet", "pointwise")
+#: Peak learning rates when ``lr`` / ``head_lr`` are not given: fine-tuning, the head of a
+#: fine-tune, a frozen backbone (probe), LoRA adapters (they start at B = 0 and need a larger step).
+DEFAULT_LR, DEFAULT_HEAD_LR, PROBE_LR, LORA_LR = 1e-4, 1e-3, 5e-3, 1e-3
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """The backbone folder, the pooler and head on it, LoRA adapters and the compute precision."""
+
+    model: str = PACKAGED_MODEL  # local Hugging Face folder, the packaged model, or a hub id in the cache
+    pooler: str = "mean"  # a pooler name, names joined by commas (concatenated), or "preset"
+    head: str = "linear"  # linear | mlp | preset
+    head_hidden: tuple[int, ...] | None = None  # hidden widths of an mlp head
+    precision: str | None = None  # auto | float32 | bfloat16 (None: $FLAXHEADS_PRECISION, else auto)
+    lora_rank: int | None = None
+    lora_alpha: float | None = None  # default 2 x rank
+    lora_dropout: float = 0.0
+    lora_targets: tuple[str, ...] | None = None  # default: the backbone's attention query/value projections
+    lora_from: str | None = None  # a PEFT LoRA sequence-classification adapter folder to continue
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSpec:
+    """Where the examples come from, how they split, and how they become token batches."""
+
+    data: str | None = "bbc_news"  # bbc_news | class folder | table file or glob (split by `split`)
+    train_file: str | None = None  # explicit splits instead of `data`
+    validation_file: str | None = None
+    test_file: str | None = None
+    text_column: str = "text"
+    text_pair_column: str | None = None
+    label_column: str = "label"
+    query_column: str | None = None  # ranking tables: the query / prompt column
+    negatives: int = 3  # ranking on bbc_news: passages of other classes per headline
+    label_ids: bool = False  # integer labels are class ids 0..K-1, not classes by value
+    labels: tuple[str, ...] | None = None  # the class names in id order (default: every label of the data)
+    split: tuple[float, float, float] = (0.8, 0.1, 0.1)
+    limit: int | None = None  # a stratified subset of this many examples (quick runs)
+    eval_limit: int | None = None  # evaluate during training on a sample of this many validation examples
+    stream: bool | None = None  # read tables as training runs (None: files over 16 MiB and globs)
+    max_length: int = 128
+    bucket_step: int = 32
+    pack: bool | None = None  # None: packed where that saves enough and the backbone keeps texts apart
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskSpec:
+    """What is learnt: classification (single-label, multi-label, regression) or a ranking objective."""
+
+    objective: str = "classification"  # or one of RANKING_OBJECTIVES
+    problem_type: str | None = None  # classification: guessed from the labels when None
+    label_smoothing: float = 0.0
+    threshold: float = 0.5  # multi-label decision threshold of the metrics
+    margin: float | None = None  # pairwise / hinge
+    scale: float | None = None  # listwise / listnet
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimSpec:
+    """AdamW, its schedule, the length of the run and what trains."""
+
+    epochs: float = 2.0
+    max_steps: int | None = None  # overrides epochs
+    batch_size: int = 16  # global, per step (groups for a ranking objective)
+    eval_batch_size: int = 64
+    eval_every: int | None = None  # steps between validations (None: each epoch)
+    log_every: int = 10
+    freeze_backbone: bool = False
+    cache_features: bool = False  # frozen backbone encoded once; the head trains on the features
+    sweep: int = 0  # K heads at once on cached features; the best on validation is kept
+    lr: float | None = None  # None: DEFAULT_LR, PROBE_LR with a frozen backbone, LORA_LR for adapters
+    head_lr: float | None = None  # None: DEFAULT_HEAD_LR when fine-tuning, else lr
+    weight_decay: float = 0.01
+    schedule: str = "linear"  # linear | cosine | constant
+    warmup_ratio: float = 0.1
+    max_grad_norm: float = 1.0  # 0: no clipping
+    accumulation_steps: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointSpec:
+    """The run folder and its checkpoints."""
+
+    output_dir: str | None = None  # None: runs/<time>-<data name>
+    resume: str | int = "auto"  # auto (latest checkpoint, if any) | never | a step number
+    checkpoint_every: int | None = None  # None: at each evaluation and the last step; 0: never
+    keep: int = 3
+    keep_best_by: str = "auto"  # validation/<metric>, auto (the headline metric) or none
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceSpec:
+    """How the steps run on devices, and the processes of a multi-host run."""
+
+    parallel: str = "single"  # single | pmap | mesh
+    mesh: str | None = None  # e.g. "data=2,fsdp=4" (implies mesh)
+    coordinator_address: str | None = None  # multi-host: host:port of process 0, or "auto"
+    num_processes: int | None = None
+    process_id: int | None = None
+
+
+GROUPS: dict[str, type] = {"model": ModelSpec, "data": DataSpec, "task": TaskSpec, "optim": OptimSpec,
+                           "checkpoints": CheckpointSpec, "devices": DeviceSpec}
+#: field name -> its group
+FIELD_GROUP: dict[str, str] = {f.name: g for g, cls in GROUPS.items() for f in dataclasses.fields(cls)}
+_TUPLES = {"head_hidden", "lora_targets", "labels", "split"}
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    """Everything that defines a run (see the module docstring)."""
+
+    model: ModelSpec = ModelSpec()
+    data: DataSpec = DataSpec()
+    task: TaskSpec = TaskSpec()
+    optim: OptimSpec = OptimSpec()
+    checkpoints: CheckpointSpec = CheckpointSpec()
+    devices: DeviceSpec = DeviceSpec()
+    seed: int = 0  # data split, order, init and dropout
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "RunSpec":
+        """A spec from flat keyword arguments (``model=..., epochs=3, output_dir=...``)."""
+        return cls().replace(**kwargs)
+
+    def replace(self, **kwargs: Any) -> "RunSpec":
+        """A copy with the named fields changed (flat names, each routed to its group)."""
+        groups: dict[str, dict] = {}
+        top = {}
+        for name, value in kwargs.items():
+            if name == "seed":
+                top["seed"] = value
+                continue
+            group = FIELD_GROUP.get(name)
+            if group is None:
+                raise UsageError(f"{name!r} is not a run setting; the settings are: seed, "
+                                 + ", ".join(sorted(FIELD_GROUP)))
+            groups.setdefault(group, {})[name] = tuple(value) if name in _TUPLES and value is not None \
+                and not isinstance(value, str) else value
+        return dataclasses.replace(self, **top, **{g: dataclasses.replace(getattr(self, g), **v)
+                                                   for g, v in groups.items()})
+
+    def flat(self) -> dict[str, Any]:
+        """Every field by its flat name (what :meth:`from_kwargs` takes)."""
+        out = {name: getattr(getattr(self, g), name) for name, g in FIELD_GROUP.items()}
+        return {**out, "seed": self.seed}
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form: ``{"model": {...}, ..., "seed": 0}``."""
+        return json.loads(json.dumps(dataclasses.asdict(self)))
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "RunSpec":
+        """The spec of :meth:`to_dict` (unknown keys are refused by name)."""
+        if not isinstance(d, Mapping):
+            raise UsageError(f"a run spec is a JSON object of groups {', '.join(GROUPS)} and seed; got {type(d).__name__}")
+        flat: dict[str, Any] = {}
+        for key, value in d.items():
+            if key == "seed":
+                flat["seed"] = value
+            elif key in GROUPS and isinstance(value, Mapping):
+                known = {f.name for f in dataclasses.fields(GROUPS[key])}
+                bad = sorted(set(value) - known)
+                if bad:
+                    raise UsageError(f"run spec group {key!r} has no setting {bad[0]!r}; it has {', '.join(sorted(known))}")
+                flat.update(value)
+            else:
+                raise UsageError(f"run spec key {key!r} is not one of {', '.join(GROUPS)}, seed")
+        return cls.from_kwargs(**flat)
+
+    @classmethod
+    def from_run(cls, run_dir: str | os.PathLike) -> "RunSpec":
+        """The spec that made the run folder ``run_dir`` (its ``config.json``); running it resumes the run."""
+        path = Path(run_dir) / "config.json"
+        try:
+            cfg = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise UsageError(f"{run_dir} has no config.json: not a flaxheads run folder") from None
+        except json.JSONDecodeError as e:
+            raise UsageError(f"{path} is not valid JSON ({e}); the run folder is damaged") from None
+        if not isinstance(cfg, dict) or "spec" not in cfg:
+            raise UsageError(f"{path} records no run spec: the run was made by an older flaxheads; start it again "
+                             "with the same settings")
+        return cls.from_dict(cfg["spec"])
+
+    @property
+    def ranking(self) -> bool:
+        return self.task.objective != "classification"
+
+    @property
+    def cached(self) -> bool:
+        """Heads trained on features encoded once (``cache_features`` or ``sweep``)."""
+        return bool(self.optim.cache_features or self.optim.sweep)
+
+    @property
+    def trains_adapters(self) -> bool:
+        return self.model.lora_rank is not None or self.model.lora_from is not None
+
+    @property
+    def frozen(self) -> bool:
+        """The backbone does not train (frozen or cached); LoRA runs train their adapters."""
+        return self.optim.freeze_backbone or self.cached
+
+    @property
+    def parallel_mode(self) -> str:
+        d = self.devices
+        return "mesh" if d.coordinator_address is not None or d.mesh else d.parallel
+
+
+def settle_precision(name: str | None) -> str:
+    """``precision``: as given, else ``$FLAXHEADS_PRECISION``, else ``auto``."""
+    if name is None:
+        name = os.environ.get(PRECISION_ENV, "").strip() or "auto"
+        if name not in PRECISIONS:
+            raise UsageError(f"${PRECISION_ENV}={name!r} is not a precision: expected one of {', '.join(PRECISIONS)} "
+                             "(or unset it)")
+    elif name not in PRECISIONS:
+        raise UsageError(f"precision {name!r} is not one of {', '.join(PRECISIONS)}")
+    return name
