@@ -1,51 +1,77 @@
-"""flaxheads: any pooler and any head on native JAX backbones loaded from Hugging Face folders, as Flax modules."""
-from .checkpoint import (CheckpointError, CorruptCheckpointError, HeadCheckpoint, HeadMismatchError,
-                    IncompatibleCheckpointError, RunCheckpointer, attach_head, load_head, save_head)
-from .config import from_dict, from_json, to_dict, to_json
+"""flaxheads: any pooler and any head on native JAX backbones loaded from Hugging Face folders, as Flax modules.
+
+The public names, by concept:
+
+* a run: :func:`train` (a :class:`RunSpec`, or its settings as keywords) -> :class:`Run`
+* models: :func:`from_pretrained`, :class:`SequenceModel`, :func:`load` (anything flaxheads reads),
+  :func:`export` (any format; per-format functions in :mod:`flaxheads.interop`), :class:`Classifier`
+* poolers and heads (Flax modules), presets, LoRA
+* training pieces: :class:`Trainer`, :func:`fit`, :class:`TrainConfig`, :class:`OptimConfig`, tasks, losses
+* checkpoints: heads saved apart from backbones, run checkpoints
+"""
+from ._version import __version__
+from .errors import FlaxheadsError
+
+# a run
+from .run import Run, RunSpec, train
+
+# models, loading and exporting
+from .model import LoadReport, SequenceModel, build_head, from_pretrained, load_backbone
+from .formats import FORMATS, export, load
+from .predict import Classifier, Predictions
 from .describe import describe
 from .host import ComputePlan
-from .nn.heads import Head, IdentityHead, LinearHead, MLPHead, ProjectionHead, SequenceHead, make_head
-from .checkpoint.models import model_from_checkpoint
+from . import interop
 from .interop import (ExportError, ModelImportError, export_head, export_sentence_transformers, export_transformers,
                       import_model, load_head_export, load_sentence_transformers, load_transformers)
-from .interop.tokenizers import Tokenizer, TokenizerError, load_tokenizer
-from . import lora
-from .checkpoint.adapters import load_adapters
 from .interop.cross_encoder import export_cross_encoder
 from .interop.onnx import export_onnx
 from .interop.peft import export_peft, load_peft
-from . import ranking
-from .run import Run, RunSpec, train
+from .interop.tokenizers import Tokenizer, TokenizerError, load_tokenizer
+
+# poolers, heads, presets, LoRA
+from .nn.poolers import AttentionPool, Concat, DensePooler, Pool, Pooler, SequenceSummary, make_pooler
+from .nn.heads import Head, IdentityHead, LinearHead, MLPHead, ProjectionHead, SequenceHead, make_head
+from .config import from_dict, from_json, to_dict, to_json
+from .presets import PRESETS, PoolMaskError, Preset, PresetMatch, match_preset, preset_for
+from . import lora
+from .lora import LoraConfig, merge_model
+
+# training pieces
 from .training.loop import Callback, TrainConfig, Trainer, fit
 from .training.optim import OptimConfig
 from .training.task import Classification, Task
 from .ranking.task import Ranking
-from .lora import LoraConfig, merge_model
+from . import ranking
 from .losses import (MULTI_LABEL, REGRESSION, SINGLE_LABEL, infer_problem_type, loss_fn, mean_squared_error,
                      sigmoid_binary_cross_entropy, softmax_cross_entropy, validate_labels)
-from .model import LoadReport, SequenceModel, build_head, from_pretrained, load_backbone
-from .nn.poolers import (AttentionPool, Concat, DensePooler, Pool, Pooler, SequenceSummary, make_pooler)
-from .predict import Classifier, Predictions
-from .presets import PRESETS, PoolMaskError, Preset, PresetMatch, match_preset, preset_for
 
-from ._version import __version__
-from .errors import FlaxheadsError
+# checkpoints
+from .checkpoint import (CheckpointError, CorruptCheckpointError, HeadCheckpoint, HeadMismatchError,
+                         IncompatibleCheckpointError, RunCheckpointer, attach_head, load_head, save_head)
+from .checkpoint.models import model_from_checkpoint
+from .checkpoint.adapters import load_adapters
 
 __all__ = [
-    "ExportError", "ModelImportError", "export_head", "export_sentence_transformers",
-    "export_transformers", "import_model", "load_head_export", "load_sentence_transformers", "load_transformers",
-    "model_from_checkpoint", "Tokenizer", "TokenizerError", "load_tokenizer", "PoolMaskError", "PresetMatch",
-    "match_preset",
-    "AttentionPool", "CheckpointError", "Concat", "CorruptCheckpointError", "HeadCheckpoint", "HeadMismatchError",
-    "IncompatibleCheckpointError", "RunCheckpointer", "attach_head", "load_head", "save_head",
-    "DensePooler", "Head", "IdentityHead", "LinearHead", "LoadReport", "MLPHead",
-    "MULTI_LABEL", "PRESETS", "Pool", "Pooler", "Preset", "ProjectionHead", "REGRESSION", "SINGLE_LABEL",
-    "SequenceHead", "SequenceModel", "SequenceSummary", "build_head", "describe", "from_dict", "from_json",
-    "from_pretrained", "infer_problem_type", "load_backbone", "loss_fn", "make_head", "make_pooler",
-    "mean_squared_error", "preset_for", "sigmoid_binary_cross_entropy", "softmax_cross_entropy", "to_dict",
-    "to_json", "validate_labels", "lora", "LoraConfig", "merge_model", "export_peft", "export_onnx", "load_peft",
-    "load_adapters",
-    "Classifier", "Predictions", "FlaxheadsError", "ComputePlan",
-    "ranking", "export_cross_encoder", "Run", "RunSpec", "train", "Callback", "TrainConfig", "Trainer", "fit",
-    "OptimConfig", "Task", "Classification", "Ranking",
+    "__version__", "FlaxheadsError",
+    # a run
+    "Run", "RunSpec", "train",
+    # models, loading and exporting
+    "LoadReport", "SequenceModel", "build_head", "from_pretrained", "load_backbone", "FORMATS", "export", "load",
+    "Classifier", "Predictions", "describe", "ComputePlan", "interop", "ExportError", "ModelImportError",
+    "export_head", "export_sentence_transformers", "export_transformers", "import_model", "load_head_export",
+    "load_sentence_transformers", "load_transformers", "export_cross_encoder", "export_onnx", "export_peft",
+    "load_peft", "Tokenizer", "TokenizerError", "load_tokenizer",
+    # poolers, heads, presets, LoRA
+    "AttentionPool", "Concat", "DensePooler", "Pool", "Pooler", "SequenceSummary", "make_pooler",
+    "Head", "IdentityHead", "LinearHead", "MLPHead", "ProjectionHead", "SequenceHead", "make_head",
+    "from_dict", "from_json", "to_dict", "to_json", "PRESETS", "PoolMaskError", "Preset", "PresetMatch",
+    "match_preset", "preset_for", "lora", "LoraConfig", "merge_model",
+    # training pieces
+    "Callback", "TrainConfig", "Trainer", "fit", "OptimConfig", "Classification", "Task", "Ranking", "ranking",
+    "MULTI_LABEL", "REGRESSION", "SINGLE_LABEL", "infer_problem_type", "loss_fn", "mean_squared_error",
+    "sigmoid_binary_cross_entropy", "softmax_cross_entropy", "validate_labels",
+    # checkpoints
+    "CheckpointError", "CorruptCheckpointError", "HeadCheckpoint", "HeadMismatchError", "IncompatibleCheckpointError",
+    "RunCheckpointer", "attach_head", "load_head", "save_head", "model_from_checkpoint", "load_adapters",
 ]

@@ -1,5 +1,6 @@
-"""How steps run on devices: one device, ``pmap`` over the local devices (replicated state,
-``lax.pmean``-style reductions inside the step), or ``jit`` over a named device ``Mesh``
+"""How steps run on devices: one device, ``pmap`` mode over the local devices (replicated state,
+``lax.psum`` reductions inside the step: ``jit`` of ``jax.shard_map`` over a data-only mesh of the
+local devices, as JAX recommends in place of ``jax.pmap``), or ``jit`` over a named device ``Mesh``
 (``data`` x ``fsdp`` x ``tensor``, see :mod:`flaxheads.sharding`): the batch split over
 ``data`` x ``fsdp``, params and optimizer state sharded by their logical axis names (all
 replicated on a data-only mesh). The mesh path spans hosts through ``jax.distributed``."""
@@ -12,16 +13,33 @@ from typing import Any, Callable, Mapping
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax.jax_utils import replicate
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from .errors import TrainingError
 from .sharding import DATA as DATA_AXIS
 from .sharding import Layout, make_mesh, replicated_layout
 
 PARALLEL_MODES = ("single", "pmap", "mesh")
-__all__ = ["DATA_AXIS", "PARALLEL_MODES", "Parallel", "host_leaf", "make_mesh", "process_rows", "pmap_eval_gather"]
+__all__ = ["DATA_AXIS", "PARALLEL_MODES", "Parallel", "host_leaf", "make_mesh", "process_rows"]
+
+
+def _per_device(fn: Callable, mesh: Mesh, in_specs, out_specs) -> Callable:
+    """``fn`` written per device, as under ``jax.pmap``: ``jax.shard_map`` without its replication
+    checks, whose automatic sum of an invariant input's cotangent would add to the step's own
+    ``psum`` of the gradients (``jax.experimental.shard_map`` on releases before it moved)."""
+    shard_map = getattr(jax, "shard_map", None)
+    if shard_map is not None:
+        return shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    from jax.experimental.shard_map import shard_map
+
+    return shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
+
+
+def local_data_mesh() -> Mesh:
+    """Every local device on one ``data`` axis (``pmap`` mode)."""
+    return Mesh(np.array(jax.local_devices()), (DATA_AXIS,))
 
 
 def host_leaf(x) -> np.ndarray:
@@ -47,8 +65,9 @@ def _process_block(sharding: NamedSharding, parts: int) -> tuple[int, int]:
 
 @dataclasses.dataclass
 class Parallel:
-    """How steps run: ``single`` (one device), ``pmap`` (local devices, replicated state) or
-    ``mesh`` (jit over all global devices; works multi-host).
+    """How steps run: ``single`` (one device), ``pmap`` (local devices, replicated state, the step
+    written per device with collectives over ``data``: ``shard_map``) or ``mesh`` (jit over all
+    global devices, the step written globally; works multi-host).
 
     ``mesh``: a :class:`~jax.sharding.Mesh` (default: every device on ``data``; see
     :func:`~flaxheads.sharding.make_mesh`, e.g. ``make_mesh("data=2,fsdp=4")``);
@@ -123,7 +142,12 @@ class Parallel:
         if self.mode == "single":
             return jax.jit(step_fn, donate_argnums=donate_argnums, compiler_options=options)
         if self.mode == "pmap":
-            return jax.pmap(step_fn, axis_name=DATA_AXIS, donate_argnums=donate_argnums)
+            mesh = local_data_mesh()
+            rep, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P(DATA_AXIS))
+            state_out = donate if returns_state is None else returns_state
+            per_device = _per_device(step_fn, mesh, (P(), P(DATA_AXIS)), (P(), P()) if state_out else P(DATA_AXIS))
+            return jax.jit(per_device, in_shardings=(rep, rows), out_shardings=(rep, rep) if state_out else rows,
+                           donate_argnums=donate_argnums, compiler_options=options)
         rep = self.layout.replicated()
         first = rep if like is None else self.shardings(like)
         out = (first, rep) if (donate if returns_state is None else returns_state) else rep
@@ -136,7 +160,8 @@ class Parallel:
         if self.mode == "single":
             return jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
         if self.mode == "pmap":
-            return replicate(jax.tree.map(np.asarray, tree))
+            rep = NamedSharding(local_data_mesh(), P())
+            return jax.tree.map(lambda x: _place(x, rep), tree)
         return jax.tree.map(_place, tree, self.shardings(tree))
 
     def get_state(self, tree):
@@ -149,8 +174,8 @@ class Parallel:
         if self.mode == "single":
             return batch
         if self.mode == "pmap":
-            n = jax.local_device_count()
-            return {k: np.asarray(v).reshape(n, -1, *np.shape(v)[1:]) for k, v in batch.items()}
+            rows = NamedSharding(local_data_mesh(), P(DATA_AXIS))
+            return {k: jax.device_put(np.asarray(v), rows) for k, v in batch.items()}
         data, count = self.layout.batch(), self.local_rows_fraction[1]
         return {k: jax.make_array_from_process_local_data(data, np.asarray(v), (len(v) * count, *np.shape(v)[1:]))
                 for k, v in batch.items()}
@@ -161,14 +186,10 @@ class Parallel:
 
     def get(self, x):
         """Host value of a step output (state, metrics): read once."""
-        if self.mode == "pmap":
-            x = jax.tree.map(lambda a: a[0], x)
         return jax.tree.map(host_leaf, x)
 
     def get_rows(self, x) -> np.ndarray:
         """Host value of a per-example output (logits) in global batch order."""
-        if self.mode == "pmap":
-            return pmap_eval_gather(np.asarray(x))
         return host_leaf(x)
 
 
@@ -191,8 +212,3 @@ def process_rows(batch: dict, process_index: int, process_count: int) -> dict:
                             f"size that is a multiple of {process_count}")
     k = n // process_count
     return {key: v[process_index * k:(process_index + 1) * k] for key, v in batch.items()}
-
-
-def pmap_eval_gather(logits):
-    """Logits [D, B/D, N] from pmap back to [B, N]."""
-    return logits.reshape(-1, *logits.shape[2:])

@@ -44,7 +44,7 @@ SERIAL = ("tests/cli/test_cli_multihost.py", "tests/cli/test_cli_streaming.py::t
 #: The inner loop (``make test-fast``) leaves these to ``make test``: end to end through the command
 #: line, subprocesses, whole training runs and checkpoints, and of each backbone family everything but
 #: its forward parity (``LEGACY_BACKBONE_TESTS``): gradients, dropout, bf16, remat, export round trips.
-FULL = ("tests/cli/", "tests/backbones/test_onednn_gradients.py", "tests/test_pooled_token.py",
+FULL = ("tests/cli/", "tests/run/", "tests/backbones/test_onednn_gradients.py", "tests/test_pooled_token.py",
         "tests/training/test_train_steps.py", "tests/training/test_packing.py", "tests/checkpoint/test_checkpoint.py",
         "tests/training/test_features.py", "tests/training/test_sweep.py", "tests/test_resume.py", "tests/test_faults.py", "tests/test_readme.py",
         "tests/backbones/test_broken_folders.py",

@@ -6,14 +6,12 @@ from __future__ import annotations
 import argparse
 import os
 
-from .. import (export_head, export_sentence_transformers, export_transformers, import_model, load_head_export,
-                model_from_checkpoint)
+from .. import export_head, import_model, load_head_export, model_from_checkpoint
 from ..checkpoint import is_checkpoint_folder
 from ..errors import UsageError
-from ..interop.cross_encoder import export_cross_encoder
+from ..formats import export
 from ..interop.files import MARKER, OutputExistsError, has_marker
-from ..interop.onnx import export_onnx
-from ..interop.peft import export_peft, is_adapter_folder
+from ..interop.peft import is_adapter_folder
 from ..predict.sources import run_config
 from ..preflight import check_folder, export_bytes, with_margin
 from . import flags
@@ -95,20 +93,14 @@ def run_export(args: argparse.Namespace, program: Program | None = None) -> int:
                                           else {}))
         else:
             source = _from_checkpoint(args)
-        if args.peft:
-            out = export_peft(_with_adapters(source, args), args.out, **common)
-        elif args.format == "head":
-            out = export_head(source, args.out, **common)
-        elif args.format in ("transformers", "onnx"):
-            write = export_transformers if args.format == "transformers" else export_onnx
-            out = write(source, args.out, tokenizer_from=args.tokenizer, threshold=_run_threshold(src), **common)
-        elif args.format == "cross-encoder":  # a transformers classifier + the activation CrossEncoder.predict applies
-            out = export_cross_encoder(source, args.out, tokenizer_from=args.tokenizer,
-                                       max_length=args.max_seq_length, **common)
-        else:
-            out = export_sentence_transformers(source, args.out, tokenizer_from=args.tokenizer,
-                                               pooling_format=args.pooling_format,
-                                               max_seq_length=args.max_seq_length, **common)
+        fmt = "peft" if args.peft else args.format
+        options = {"transformers": {"tokenizer_from": args.tokenizer, "threshold": _run_threshold(src)},
+                   "onnx": {"tokenizer_from": args.tokenizer, "threshold": _run_threshold(src)},
+                   # a transformers classifier + the activation CrossEncoder.predict applies
+                   "cross-encoder": {"tokenizer_from": args.tokenizer, "max_length": args.max_seq_length},
+                   "sentence-transformers": {"tokenizer_from": args.tokenizer, "pooling_format": args.pooling_format,
+                                             "max_seq_length": args.max_seq_length}}.get(fmt, {})
+        out = export(_with_adapters(source, args) if args.peft else source, args.out, format=fmt, **options, **common)
     print(f"wrote {'PEFT adapter' if args.peft else args.format} export to {out}")
     return 0
 

@@ -13,32 +13,9 @@ from .head_files import HEAD_CONFIG, export_head, load_head_export
 from .sentence_transformers import export_sentence_transformers, load_sentence_transformers
 from .transformers import export_transformers, load_transformers
 
-FORMATS = ("transformers", "sentence-transformers", "head", "onnx")
-
-
 def import_model(folder: str | os.PathLike, **options) -> SequenceModel:
     """Import a sentence-transformers folder (it has ``modules.json``) or a transformers classifier."""
     folder = os.fspath(folder)
     if os.path.isfile(os.path.join(folder, "modules.json")):
         return load_sentence_transformers(folder, **options)
     return load_transformers(folder, **options)
-
-
-def export(source, out: str | os.PathLike, format: str = "transformers", **options) -> str:  # noqa: A002
-    """Export ``source`` in ``format`` (``transformers``, ``sentence-transformers``, ``head``, ``onnx``)."""
-    if format == "transformers":
-        return export_transformers(source, out, **options)
-    if format in ("sentence-transformers", "sentence_transformers", "st"):
-        return export_sentence_transformers(source, out, **options)
-    if format == "head":
-        return export_head(source, out, **options)
-    if format == "onnx":
-        from .onnx import export_onnx
-
-        return export_onnx(source, out, **options)
-    raise ExportError(f"unknown export format {format!r}; valid formats: {FORMATS}")
-
-
-__all__ = ["FORMATS", "HEAD_CONFIG", "ExportError", "ModelImportError", "export", "export_head",
-           "export_sentence_transformers", "export_transformers", "import_model", "load_head_export",
-           "load_sentence_transformers", "load_transformers"]
