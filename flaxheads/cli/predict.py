@@ -25,14 +25,13 @@ from ..errors import UsageError
 from ..losses import MULTI_LABEL, REGRESSION, SINGLE_LABEL
 from ..predict import Classifier
 from ..tables import LabelSpace, encode_labels
-from ..training.data import DataConfig, load_splits
-from ..training.streaming import split_table, streams
+from ..run.data import run_split
 from ..training.metrics import compute_metrics, format_table, headline
 from . import flags
 from .flags import Program
 from ..run.plots import plot_confusion_matrix
 from ..preflight import check_file, check_folder
-from .predict_io import (INPUT_FORMATS, OUTPUT_FORMATS, STDIO, check_new_columns, output_format, read_input,
+from ..predict.io import (INPUT_FORMATS, OUTPUT_FORMATS, STDIO, check_new_columns, output_format, read_input,
                          read_labelled_input, write_embeddings, write_rows)
 from ..run.folder import RunFolder, scalars
 
@@ -132,25 +131,7 @@ def _evaluation_data(args: argparse.Namespace, clf: Classifier):
     if args.split:
         if args.input:
             raise UsageError("give --input (a labelled file) or --split (the run's own split), not both")
-        from ..predict.sources import run_config
-
-        cfg = run_config(clf.source)
-        if not cfg.get("data"):
-            raise UsageError(f"--split needs a run folder that recorded its data (config.json); {clf.source} has "
-                             "none: give --input with a labelled file")
-        if cfg.get("objective", "classification") != "classification":
-            raise UsageError(f"{clf.source} is a ranking run (--objective {cfg['objective']}): its validation and test "
-                             "metrics are in its summary.json and eval.txt; score new pairs with `flaxheads rank`")
-        data = DataConfig(**dict(cfg["data"], split=tuple(cfg["data"]["split"])))
-        if streams(data.train_file or data.data, data.stream):  # the run's hash split, not the in-memory one
-            table = split_table(data, args.split)
-            if table is None:
-                raise UsageError(f"the run has no {args.split} split")
-        else:
-            tables, _, _ = load_splits(data)
-            if args.split not in tables:
-                raise UsageError(f"the run has no {args.split} split (it has {sorted(tables)})")
-            table = tables[args.split]
+        table = run_split(clf.source, args.split)
         return args.split, table, encode_labels(table, space, args.split)
     if not args.input:
         raise UsageError("give --input LABELLED_FILE (or --split for a run's own split)")

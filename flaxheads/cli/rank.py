@@ -22,7 +22,7 @@ from ..predict.ranking import check_scorer, ranks_within
 from ..tables import DataError
 from .flags import Program
 from .predict import _run, _source_flags, load_classifier
-from .predict_io import INPUT_FORMATS, OUTPUT_FORMATS, STDIO, check_new_columns, output_format, read_input, write_rows
+from ..predict.io import INPUT_FORMATS, OUTPUT_FORMATS, STDIO, check_new_columns, output_format, read_input, write_rows
 
 
 def run_rank(args: argparse.Namespace, program: Program | None = None) -> int:

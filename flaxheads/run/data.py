@@ -4,6 +4,7 @@ space once, and :meth:`RunData.tokenize` turns the splits into what ``fit`` batc
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import numpy as np
@@ -11,9 +12,9 @@ import numpy as np
 from ..errors import UsageError
 from ..ranking.data import check_unit_relevance, load_groups, split_groups, tokenize_groups
 from ..ranking.objectives import MARGIN_OBJECTIVES
-from ..tables import DataError, LabelSpace
-from ..training.data import DataConfig, load_splits, tokenize
-from ..training.streaming import open_stream, streams
+from ..tables import DataError, LabelSpace, TextTable
+from ..training.data import DataConfig, TableSources, load_splits, tokenize
+from ..training.streaming import open_stream, split_table, streams
 from .spec import RunSpec
 
 
@@ -50,10 +51,9 @@ class RunData:
 def data_config(spec: RunSpec) -> DataConfig:
     """The in-memory / streamed reader's settings of ``spec``."""
     d = spec.data
-    return DataConfig(data=d.data, train_file=d.train_file, validation_file=d.validation_file, test_file=d.test_file,
-                      text_column=d.text_column, text_pair_column=d.text_pair_column, label_column=d.label_column,
-                      problem_type=spec.task.problem_type, split=tuple(d.split), seed=spec.seed, limit=d.limit,
-                      label_ids=d.label_ids, labels=d.labels, eval_limit=d.eval_limit, stream=d.stream)
+    sources = {f.name: getattr(d, f.name) for f in dataclasses.fields(TableSources)}
+    return DataConfig(**sources, problem_type=spec.task.problem_type, split=tuple(d.split), seed=spec.seed,
+                      limit=d.limit, label_ids=d.label_ids, labels=d.labels, eval_limit=d.eval_limit, stream=d.stream)
 
 
 def load_data(spec: RunSpec) -> RunData:
@@ -70,6 +70,30 @@ def load_data(spec: RunSpec) -> RunData:
         return RunData(stream.sources, stream.space, "rows", dataclasses.asdict(cfg), stream=stream)
     tables, space, labels = load_splits(cfg)
     return RunData(tables, space, "rows", dataclasses.asdict(cfg), labels)
+
+
+def run_split(source: str | os.PathLike, name: str) -> TextTable:
+    """The rows of split ``name`` of the run that saved ``source`` (a run or checkpoint folder), as it
+    trained on them: a streamed run's hash split, an in-memory run's stratified one."""
+    from ..predict.sources import run_config
+
+    cfg = run_config(os.fspath(source))
+    if not cfg.get("data"):
+        raise UsageError(f"--split needs a run folder that recorded its data (config.json); {source} has "
+                         "none: give --input with a labelled file")
+    if cfg.get("objective", "classification") != "classification":
+        raise UsageError(f"{source} is a ranking run (--objective {cfg['objective']}): its validation and test "
+                         "metrics are in its summary.json and eval.txt; score new pairs with `flaxheads rank`")
+    data = DataConfig(**dict(cfg["data"], split=tuple(cfg["data"]["split"])))
+    if streams(data.train_file or data.data, data.stream):  # the run's hash split, not the in-memory one
+        table = split_table(data, name)
+        if table is None:
+            raise UsageError(f"the run has no {name} split")
+        return table
+    tables, _, _ = load_splits(data)
+    if name not in tables:
+        raise UsageError(f"the run has no {name} split (it has {sorted(tables)})")
+    return tables[name]
 
 
 def _groups(spec: RunSpec) -> RunData:

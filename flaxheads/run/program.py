@@ -282,7 +282,8 @@ def _intro(job: Job, trainer: loop.Trainer, total: int) -> str:
         what = (f"{split_counts(job.splits)} groups of up to {job.task.group_size} candidates, objective "
                 f"{job.spec.task.objective}, {total} steps of {job.train.batch_size} groups")
     else:
-        what = f"{split_counts(job.splits)} examples, {job.model.num_labels} labels, {total} steps of {job.train.batch_size}"
+        what = (f"{split_counts(job.splits)} examples, {job.model.num_labels} labels, {total} steps of "
+                f"{job.train.batch_size}")
     return (f"{what}, {_training_kind(job)}, {trainer.parallel.width} device(s) ({job.train.parallel}), "
             f"{job.precision.name} ({job.precision.reason})" + _packing_note(job) + _stream_note(job))
 

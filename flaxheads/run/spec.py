@@ -20,6 +20,7 @@ from typing import Any, Mapping
 from ..errors import UsageError
 from ..hub import PACKAGED_MODEL
 from ..host.precision import PRECISION_ENV, PRECISIONS
+from ..training.data import TableSources
 
 #: The problem types a classification run can be given (default: guessed from the labels).
 PROBLEM_TYPES = ("single_label_classification", "multi_label_classification", "regression")
@@ -47,16 +48,10 @@ class ModelSpec:
 
 
 @dataclasses.dataclass(frozen=True)
-class DataSpec:
-    """Where the examples come from, how they split, and how they become token batches."""
+class DataSpec(TableSources):
+    """Where the examples come from (the fields of :class:`~flaxheads.training.data.TableSources`),
+    how they split, and how they become token batches."""
 
-    data: str | None = "bbc_news"  # bbc_news | class folder | table file or glob (split by `split`)
-    train_file: str | None = None  # explicit splits instead of `data`
-    validation_file: str | None = None
-    test_file: str | None = None
-    text_column: str = "text"
-    text_pair_column: str | None = None
-    label_column: str = "label"
     query_column: str | None = None  # ranking tables: the query / prompt column
     negatives: int = 3  # ranking on bbc_news: passages of other classes per headline
     label_ids: bool = False  # integer labels are class ids 0..K-1, not classes by value
@@ -180,7 +175,8 @@ class RunSpec:
     def from_dict(cls, d: Mapping[str, Any]) -> "RunSpec":
         """The spec of :meth:`to_dict` (unknown keys are refused by name)."""
         if not isinstance(d, Mapping):
-            raise UsageError(f"a run spec is a JSON object of groups {', '.join(GROUPS)} and seed; got {type(d).__name__}")
+            raise UsageError(f"a run spec is a JSON object of groups {', '.join(GROUPS)} and seed; "
+                             f"got {type(d).__name__}")
         flat: dict[str, Any] = {}
         for key, value in d.items():
             if key == "seed":
@@ -189,7 +185,8 @@ class RunSpec:
                 known = {f.name for f in dataclasses.fields(GROUPS[key])}
                 bad = sorted(set(value) - known)
                 if bad:
-                    raise UsageError(f"run spec group {key!r} has no setting {bad[0]!r}; it has {', '.join(sorted(known))}")
+                    raise UsageError(f"run spec group {key!r} has no setting {bad[0]!r}; it has "
+                                     f"{', '.join(sorted(known))}")
                 flat.update(value)
             else:
                 raise UsageError(f"run spec key {key!r} is not one of {', '.join(GROUPS)}, seed")

@@ -72,21 +72,24 @@ def tokenize(table: TextTable, labels: np.ndarray, tokenizer, max_length: int, n
     return Split(name, ids, labels, tt)
 
 
-def batch_plan(lengths: np.ndarray, batch_size: int, *, seed: int, epoch: int, shuffle: bool = True,
-               group_by_length: bool = False, group_batches: int = 32) -> list[np.ndarray]:
-    """The epoch's batches as index arrays, a pure function of ``(seed, epoch)``.
+def batch_plan(lengths: np.ndarray, batch_size: int, *, seed: int = 0, epoch: int = 0,
+               key: Sequence[int] | None = None, shuffle: bool = True, group_by_length: bool = False,
+               group_batches: int | None = 32) -> list[np.ndarray]:
+    """The batches of ``lengths``' rows as index arrays, a pure function of ``key`` (default
+    ``(seed, epoch)``): the one planner of in-memory epochs and of streamed windows.
 
-    ``group_by_length``: within windows of ``group_batches`` batches, sort by length before
-    cutting batches (less padding), then shuffle the batch order."""
+    ``group_by_length``: within windows of ``group_batches`` batches (None: all rows are one
+    window, as a streamed window is), sort longest first before cutting batches (less padding),
+    then shuffle the batch order."""
+    key = [seed, epoch] if key is None else list(key)
     n = len(lengths)
-    order = np.random.default_rng([seed, epoch]).permutation(n) if shuffle else np.arange(n)
-    if group_by_length and shuffle:
-        w = batch_size * group_batches
-        order = np.concatenate([c[np.argsort(-lengths[c], kind="stable")] for c in np.split(order, range(w, n, w))]) \
-            if n else order
+    order = np.random.default_rng(key).permutation(n) if shuffle else np.arange(n)
+    if group_by_length and shuffle and n:
+        w = batch_size * group_batches if group_batches else n
+        order = np.concatenate([c[np.argsort(-lengths[c], kind="stable")] for c in np.split(order, range(w, n, w))])
     batches = [order[i:i + batch_size] for i in range(0, n, batch_size)]
     if group_by_length and shuffle and len(batches) > 1:
-        perm = np.random.default_rng([seed, epoch, 1]).permutation(len(batches))
+        perm = np.random.default_rng([*key, 1]).permutation(len(batches))
         batches = [batches[i] for i in perm]
     return batches
 
@@ -119,17 +122,24 @@ def iterate_batches(split: Split, batch_size: int, buckets: Sequence[int], *, se
 
 # ---- everything together ---------------------------------------------------------------------
 
-@dataclasses.dataclass
-class DataConfig:
-    """Where the data comes from and how it is split (CLI flags of ``train``)."""
+@dataclasses.dataclass(frozen=True)
+class TableSources:
+    """Where a run's rows come from: one source split by fractions, or a file per split, and the
+    columns to read (shared by the reader's :class:`DataConfig` and the run spec's data group)."""
 
-    data: str | None = "bbc_news"  # packaged name, class folder or table file (split with `split`)
+    data: str | None = "bbc_news"  # packaged name, class folder, table file or glob (split with `split`)
     train_file: str | None = None  # explicit splits instead of `data`
     validation_file: str | None = None
     test_file: str | None = None
     text_column: str = "text"
     text_pair_column: str | None = None
     label_column: str = "label"
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig(TableSources):
+    """The readers' settings: the sources, the split and the labels."""
+
     problem_type: str | None = None
     split: tuple[float, float, float] = (0.8, 0.1, 0.1)
     seed: int = 0

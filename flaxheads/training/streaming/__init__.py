@@ -23,7 +23,7 @@ Arrow chunks with Hugging Face ``datasets`` in streaming mode and are never all 
 """
 from __future__ import annotations
 
-from .batches import StreamSplit, agreed_length, ordered_batches, stream_batches, window_plan
+from .batches import StreamSplit, agreed_length, ordered_batches, stream_batches
 from .files import CHUNK_ROWS, PREFETCH_BATCHES, STREAM_BYTES, WINDOW_BATCHES, read_chunks, streams, table_files
 from .scan import StreamData, label_space, open_stream, split_table
 from .splits import StreamSource, char_lengths, column_values, file_rows, row_hash, source_rows, split_parts
@@ -31,4 +31,4 @@ from .splits import StreamSource, char_lengths, column_values, file_rows, row_ha
 __all__ = ["CHUNK_ROWS", "PREFETCH_BATCHES", "STREAM_BYTES", "WINDOW_BATCHES", "StreamData", "StreamSource",
            "StreamSplit", "agreed_length", "char_lengths", "column_values", "file_rows", "label_space", "open_stream",
            "ordered_batches", "read_chunks", "row_hash", "source_rows", "split_parts", "split_table",
-           "stream_batches", "streams", "table_files", "window_plan"]
+           "stream_batches", "streams", "table_files"]

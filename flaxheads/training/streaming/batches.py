@@ -12,27 +12,12 @@ import numpy as np
 from ...batching import bucket_length
 from ...errors import UsageError
 from ...tables import LabelSpace, TextTable, encode_labels
-from ..data import Split, collate, iterate_batches, tokenize
+from ..data import Split, batch_plan, collate, iterate_batches, tokenize
 from .files import PREFETCH_BATCHES, WINDOW_BATCHES
 from .splits import StreamSource, char_lengths, column_values, source_rows
 
 
 # ---- batches -----------------------------------------------------------------------------------
-
-def window_plan(char_lengths: np.ndarray, batch_size: int, key: Sequence[int], *, shuffle: bool = True,
-                group_by_length: bool = True) -> list[np.ndarray]:
-    """A window's batches as index arrays, a pure function of ``key`` (seed, epoch, window):
-    shuffled, sorted by length (longest first) when grouping, cut, batch order shuffled."""
-    n = len(char_lengths)
-    order = np.random.default_rng(list(key)).permutation(n) if shuffle else np.arange(n)
-    if group_by_length and shuffle:
-        order = order[np.argsort(-char_lengths[order], kind="stable")]
-    batches = [order[i:i + batch_size] for i in range(0, n, batch_size)]
-    if group_by_length and shuffle and len(batches) > 1:
-        perm = np.random.default_rng([*key, 1]).permutation(len(batches))
-        batches = [batches[i] for i in perm]
-    return batches
-
 
 @dataclasses.dataclass
 class StreamSplit:
@@ -184,7 +169,8 @@ def stream_batches(split: StreamSplit, batch_size: int, buckets: Sequence[int], 
             if w < first_window:  # resuming: read past (no tokenisation) up to the window of `start`
                 continue
             chars = char_lengths(chunk, split.source.text_column)
-            plan = window_plan(chars, batch_size, (seed, epoch, w), shuffle=shuffle, group_by_length=group_by_length)
+            plan = batch_plan(chars, batch_size, key=(seed, epoch, w), shuffle=shuffle,
+                              group_by_length=group_by_length, group_batches=None)
             plan = plan[skip:] if w == first_window else plan
             mine = [idx[me * local:(me + 1) * local] for idx in plan]
             flat = np.concatenate(mine) if mine else np.zeros(0, np.int64)
