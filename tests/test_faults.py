@@ -17,6 +17,8 @@ import pytest
 
 from test_resume import REPO, _assert_bitwise, _data_csv, _env, _items, _log, _train_args
 
+pytestmark = [pytest.mark.full, pytest.mark.serial]
+
 #: The signal is sent once the run has finished this step (steps of 4 of 24 examples; evaluations
 #: and their checkpoints at steps 4, 8, ...), so the run stops after step WAIT_AT + 1 = 6.
 WAIT_AT = 5

@@ -363,6 +363,7 @@ def test_malloc_opt_out_started_backend_and_other_libcs(fake_libc):
 
 @pytest.mark.slow
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's heap only")
+@pytest.mark.serial
 def test_malloc_settings_stop_the_train_step_faulting_its_buffers_in_each_step():
     """A MiniLM train step (AdamW over 22.7M parameters, a 47 MB embedding gradient) in a fresh
     process faults ~95 MB in again every step under glibc's defaults; started with

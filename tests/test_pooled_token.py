@@ -18,6 +18,8 @@ from flaxheads.backbones.base import BackboneError  # noqa: E402
 from flaxheads.backbones.registry import load_backbone  # noqa: E402
 from hf_tiny import DECODERS, assert_grads_match, padded_batch, save_tiny  # noqa: E402
 
+pytestmark = pytest.mark.full
+
 ONE_TOKEN = [("cls", {}), ("first_non_pad", {}), ("last", {}), ("bert", {}), ("dense", {"source": "last"}),
              ("xlnet", {"summary_type": "first"}), ("xlnet", {"summary_type": "last"})]
 EVERY_TOKEN = [("mean", {}), ("max", {}), ("attention", {}), (["cls", "mean"], {}), (["cls", "last"], {}),

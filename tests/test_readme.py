@@ -21,6 +21,8 @@ import re
 
 import pytest
 
+pytestmark = pytest.mark.full
+
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
 NEW_NAMESPACE = "import flaxheads as fh"
 

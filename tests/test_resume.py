@@ -14,6 +14,8 @@ import jax
 import numpy as np
 import pytest
 
+pytestmark = [pytest.mark.full, pytest.mark.serial]
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -15,6 +15,8 @@ from flaxheads.errors import FlaxheadsError
 from flaxheads.interop.tokenizers import load_tokenizer
 from hf_tiny import tiny_torch_model
 
+pytestmark = pytest.mark.full
+
 FAMILIES = ("bert", "roberta", "distilbert", "albert", "electra", "gpt2", "bart", "deberta-v2", "modernbert", "llama")
 #: Keys without which a family's weights cannot be laid out (the error names the key; where a family has
 #: transformers' defaults for a key, the weights' shapes then disagree with config.json, and it says so).

@@ -15,6 +15,8 @@ from flaxheads.layers.attention import attend, attend_chunked, attend_cpu, atten
 from flaxheads.layers.masks import mask_bias, segment_bias
 from flaxheads.errors import ConfigError
 
+pytestmark = pytest.mark.legacy
+
 B, T, NH, D = 3, 8, 2, 8
 
 PLAN = ComputePlan.for_host(backend="cpu", xla_flags="")  # XLA's defaults: the CPU-tuned attention

@@ -22,6 +22,8 @@ import jax
 from flaxheads.host.xla_flags import ONEDNN_FLAGS
 from tests.hf_tiny import save_tiny
 
+pytestmark = pytest.mark.full
+
 #: hidden 128, feed-forward 512, 4 heads: at 8 x 64 tokens every dense product is >= 2^24 flops
 SIZES = {
     "bert": dict(hidden_size=128, intermediate_size=512, max_position_embeddings=128),

@@ -27,6 +27,8 @@ from flaxheads.nn.heads import IdentityHead, LinearHead, MLPHead, ProjectionHead
 from flaxheads.nn.poolers import AttentionPool, Concat, DensePooler, Pool, SequenceSummary
 from flaxheads.presets import PRESETS
 
+pytestmark = pytest.mark.full
+
 H = 32  # tests/hf_tiny.py hidden width
 HERE = os.path.dirname(os.path.abspath(__file__))
 TESTS = os.path.dirname(HERE)
@@ -418,6 +420,7 @@ _KILLER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.serial
 def test_killed_during_save_leaves_previous_checkpoint(tmp_path):
     """SIGKILL at two points of an async save of step 2 (both processes run side by side)."""
     script = tmp_path / "killer.py"

@@ -17,6 +17,8 @@ from flaxheads.checkpoint import (RunCheckpointer, attach_head, list_checkpoints
                                   read_meta, verify_checkpoint)
 from flaxheads.training.steps import create_state
 
+pytestmark = pytest.mark.legacy
+
 FIXTURE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "pre_layout")
 TOL = dict(rtol=1e-5, atol=1e-5)
 

@@ -7,6 +7,8 @@ import pytest
 from cli_helpers import (assert_one_line_error, bert_folder, error_lines, run_cli, run_process,  # noqa: F401
                          train_args, write_csv, write_jsonl)
 
+pytestmark = pytest.mark.full
+
 
 @pytest.mark.parametrize("flag,value,needle", [
     ("--batch-size", "-4", "expected a positive integer, got '-4'"),

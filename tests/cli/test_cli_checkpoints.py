@@ -8,6 +8,8 @@ import pytest
 import flaxheads as fh
 from cli_helpers import bert_folder, run_cli  # noqa: F401
 
+pytestmark = pytest.mark.full
+
 
 def _data_files(folder) -> list[str]:
     """Orbax's array data files (``.../d/<hash>``) under ``folder``."""

@@ -8,6 +8,8 @@ from cli_helpers import bert_folder, run_process, train_args, write_csv  # noqa:
 from flaxheads.host.compile_cache import default_cache_dir
 from flaxheads.host.cpu import cpu_fingerprint
 
+pytestmark = pytest.mark.full
+
 
 def _train(model, data, out, cache) -> dict:
     proc = run_process(*train_args(model, data, out, "--max-steps", "2", "--batch-size", "4", "--checkpoint-every",

@@ -11,6 +11,8 @@ import pytest
 from cli_helpers import REPO
 from train_helpers import tiny_bert_folder
 
+pytestmark = pytest.mark.full
+
 DEMO = os.path.join(REPO, "examples", "demo.py")
 
 

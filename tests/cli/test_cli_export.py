@@ -15,6 +15,8 @@ from flaxheads.cli.main import build_parser, main  # noqa: E402
 from cli_helpers import SMALL, assert_one_line_error, bert_folder, run_cli, write_csv  # noqa: E402,F401
 from hf_tiny import padded_batch, tiny_torch_model  # noqa: E402
 
+pytestmark = pytest.mark.full
+
 
 @pytest.fixture(scope="module")
 def src(tmp_path_factory):

@@ -16,6 +16,8 @@ from cli_helpers import assert_one_line_error, bert_folder, run_cli, train_args,
 from flaxheads.cli.main import main  # noqa: E402
 from hf_tiny import padded_batch  # noqa: E402
 
+pytestmark = pytest.mark.full
+
 # the HF head (BERT's pooler + classifier), so the run exports to transformers and PEFT
 LORA = ["--pooler", "preset", "--head", "preset", "--lora-rank", "4", "--lora-alpha", "8", "--lora-targets",
         "query,value", "--batch-size", "8", "--schedule", "constant", "--warmup-ratio", "0", "--lr", "5e-3"]

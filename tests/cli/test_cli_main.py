@@ -9,6 +9,8 @@ from cli_helpers import assert_one_line_error, run_cli, run_process
 from flaxheads.cli.main import build_parser, main, one_line
 from flaxheads.errors import FlaxheadsError, UsageError
 
+pytestmark = pytest.mark.full
+
 
 def test_subcommands_are_argparse_subparsers():
     parser = build_parser()

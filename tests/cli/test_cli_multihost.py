@@ -10,6 +10,8 @@ import pytest
 from cli_helpers import SMALL, bert_folder, two_processes, write_csv  # noqa: F401
 from flaxheads.cli.main import main
 
+pytestmark = [pytest.mark.full, pytest.mark.serial]
+
 
 @pytest.mark.slow
 def test_two_processes_train_the_single_process_run(bert_folder, tmp_path):

@@ -14,6 +14,8 @@ import pytest
 from cli_helpers import SMALL, bert_folder, run_cli  # noqa: F401  (fixture)
 from train_helpers import WORDS
 
+pytestmark = pytest.mark.full
+
 TOPICS = [WORDS[32:38], WORDS[38:43], WORDS[43:48], WORDS[48:53]]
 
 

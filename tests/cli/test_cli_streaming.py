@@ -11,6 +11,8 @@ import pytest
 from cli_helpers import SMALL, assert_one_line_error, bert_folder, run_cli, two_processes, write_csv  # noqa: F401
 from flaxheads.cli.main import main
 
+pytestmark = pytest.mark.full
+
 
 def _shards(tmp_path, n=3, rows=30):
     d = tmp_path / "shards"
@@ -80,6 +82,7 @@ def _restore(step_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_two_processes_train_the_single_process_batches_and_resume_mid_epoch(bert_folder, tmp_path):
     data = write_csv(tmp_path / "d.csv", 40, seed=4)
     run = ["train", "--model", bert_folder, "--data", data, "--stream", "--split", "0.6,0.2,0.2", *SMALL,

@@ -7,8 +7,11 @@ import json
 
 import jax
 import numpy as np
+import pytest
 
 from flaxheads.cli.main import main
+
+pytestmark = pytest.mark.full
 
 
 def test_sweep_run_honours_max_steps_and_evaluates(tmp_path, capsys):

@@ -12,6 +12,8 @@ from flaxheads.host import ComputePlan
 from flaxheads.host.precision import choose_precision
 from train_helpers import WORDS
 
+pytestmark = pytest.mark.full
+
 
 def _run(*argv) -> None:
     assert main([str(a) for a in argv]) == 0

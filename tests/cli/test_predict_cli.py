@@ -13,6 +13,8 @@ import pytest
 from cli_helpers import SMALL, assert_one_line_error, bert_folder, run_cli, write_csv  # noqa: F401 (fixture)
 from flaxheads.predict import Classifier
 
+pytestmark = pytest.mark.full
+
 
 @pytest.fixture(scope="module")
 def run(bert_folder, tmp_path_factory):

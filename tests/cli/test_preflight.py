@@ -13,6 +13,8 @@ import pytest
 from flaxheads import preflight
 from flaxheads.cli.main import main
 
+pytestmark = pytest.mark.full
+
 
 @pytest.fixture(scope="module")
 def bert(tmp_path_factory):

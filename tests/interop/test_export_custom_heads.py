@@ -21,6 +21,8 @@ from flaxheads.interop.files import ExportError  # noqa: E402
 from flaxheads.interop.remote_code import CODE_FILE  # noqa: E402
 from hf_tiny import padded_batch, tiny_torch_model  # noqa: E402
 
+pytestmark = pytest.mark.legacy
+
 #: every pooler flaxheads names (parametric ones with non-default options), concatenations included
 POOLERS = {
     "cls": ("cls", {}), "first_non_pad": ("first_non_pad", {}), "last": ("last", {}), "mean": ("mean", {}),

@@ -12,6 +12,8 @@ ort = pytest.importorskip("onnxruntime", reason="onnxruntime is not installed on
 import flaxheads as fh  # noqa: E402
 from hf_tiny import padded_batch, tiny_torch_model  # noqa: E402
 
+pytestmark = pytest.mark.legacy
+
 #: (arch, padding side, pooler, head, head options); pooler None = the family's HF preset
 CASES = [
     ("bert", "right", None, None, {}),

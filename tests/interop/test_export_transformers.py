@@ -19,6 +19,8 @@ from flaxheads.backbones.registry import family_for  # noqa: E402
 from flaxheads.interop.transformers import ExportError  # noqa: E402
 from hf_tiny import padded_batch, tiny_torch_model  # noqa: E402
 
+pytestmark = pytest.mark.legacy
+
 FLAX_ARCHS = ["bert", "roberta", "xlm-roberta", "distilbert", "albert", "electra", "gpt2", "bart"]
 
 

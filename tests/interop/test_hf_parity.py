@@ -10,6 +10,8 @@ import flaxheads as fh  # noqa: E402
 from flaxheads.backbones.weights import head_from_hf  # noqa: E402
 from hf_tiny import padded_batch, tiny_torch_model  # noqa: E402
 
+pytestmark = pytest.mark.legacy
+
 TRANSFORMERS_4 = int(pytest.importorskip("transformers").__version__.split(".")[0]) < 5
 FLAX_ARCHS = ["bert", "roberta", "xlm-roberta", "distilbert", "albert", "electra", "gpt2", "bart"]
 

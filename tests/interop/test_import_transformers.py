@@ -15,6 +15,8 @@ import flaxheads as fh  # noqa: E402
 from flaxheads.interop import transformers as tf_folder  # noqa: E402
 from hf_tiny import padded_batch, tiny_torch_model  # noqa: E402
 
+pytestmark = pytest.mark.legacy
+
 
 def _logits(pt, ids, mask):
     with torch.no_grad():

@@ -13,6 +13,8 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer  # no
 
 from train_helpers import tiny_bert_folder  # noqa: E402
 
+pytestmark = pytest.mark.legacy
+
 TEXTS = ["alpha beta gamma delta", "stock market bank share profit", "film music actor", "goal match team player"]
 
 _SCRIPT = r"""

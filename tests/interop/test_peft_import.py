@@ -16,6 +16,8 @@ from transformers import AutoModelForSequenceClassification  # noqa: E402
 import flaxheads as fh  # noqa: E402
 from hf_tiny import padded_batch, tiny_torch_model  # noqa: E402
 
+pytestmark = pytest.mark.legacy
+
 TARGETS = {"bert": ["query", "value", "output.dense"], "qwen3": ["q_proj", "v_proj", "down_proj"]}
 
 

@@ -9,6 +9,8 @@ import pytest
 
 from hf_tiny import padded_batch, tiny_torch_model
 
+pytestmark = pytest.mark.legacy
+
 torch = pytest.importorskip("torch")
 
 

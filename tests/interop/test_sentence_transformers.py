@@ -17,6 +17,8 @@ import flaxheads as fh  # noqa: E402
 from flaxheads.interop.files import ExportError  # noqa: E402
 from hf_tiny import V, tiny_torch_model  # noqa: E402
 
+pytestmark = pytest.mark.legacy
+
 TEXTS = ["w1 w2 w3 w4 w5 w6 w7", "w8 w9", "w10 w11 w12 w13", "w14"]
 
 

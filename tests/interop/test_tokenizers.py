@@ -16,6 +16,8 @@ from flaxheads.tables import TextTable  # noqa: E402
 from flaxheads.training import data as D  # noqa: E402
 from train_helpers import WORDS  # noqa: E402
 
+pytestmark = pytest.mark.legacy
+
 TEXTS = ["Alpha BETA gamma, delta! Ça va? naïve café", "stock market " * 30, "", "中文 tokens w1 w2", "x",
          "Hello   world\tnew\nline", "zeta eta theta iota kappa lambda mu nu xi"]
 PAIRS = ["the second part", "bank share profit " * 40, "only the pair", "w3", "Émile ZOLA", "y", "z"]

@@ -11,6 +11,8 @@ from flaxheads.errors import FlaxheadsError
 from flaxheads.predict import Classifier, TruncationWarning
 from predict_helpers import TEXTS, minilm_path, tiny_bert_classifier
 
+pytestmark = pytest.mark.full
+
 PAIRS = ["a second text", "Profits", "match report", "film", "the vote was close", "new phone", "games",
          "sport", "colours", "markets"]
 

@@ -14,6 +14,8 @@ from flaxheads.training import loop
 from flaxheads.training.optim import OptimConfig
 from train_helpers import WORDS, tiny_bert_folder
 
+pytestmark = pytest.mark.full
+
 SIZES = [2, 4, 3, 4, 2, 3]  # candidates per group: ragged, padded to 4
 
 

@@ -18,6 +18,8 @@ from flaxheads.errors import UsageError
 from flaxheads.training.preemption import Interrupted
 from train_helpers import WORDS, tiny_bert_folder
 
+pytestmark = pytest.mark.full
+
 TOPICS = [WORDS[32:38], WORDS[38:43], WORDS[43:48], WORDS[48:53]]
 #: One setting, two spellings: the command's flags and the library's keywords.
 SETTINGS = {"max_length": 16, "bucket_step": 16, "batch_size": 4, "max_steps": 6, "eval_every": 3, "log_every": 1,

@@ -15,6 +15,8 @@ import flaxheads as fh
 from flaxheads.training.features import cache_features, choose_level, encode_groups, predict_cached
 from tests.feature_helpers import padded, tiny_bert_dir, toy_split
 
+pytestmark = pytest.mark.full
+
 BUCKETS = (4, 8, 16)
 
 

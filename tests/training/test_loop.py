@@ -12,6 +12,8 @@ from flaxheads.training.optim import OptimConfig
 from flaxheads.parallel import Parallel
 from train_helpers import random_split, tiny_bert_folder
 
+pytestmark = pytest.mark.full
+
 TOTAL = 10
 
 

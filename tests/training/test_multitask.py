@@ -14,6 +14,8 @@ from flaxheads.losses import loss_fn
 from flaxheads.training.multitask import init_multitask_state, make_multitask_train_step, multitask
 from tests.feature_helpers import padded, tiny_bert_dir, toy_split
 
+pytestmark = pytest.mark.full
+
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):

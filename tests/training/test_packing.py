@@ -16,6 +16,8 @@ from flaxheads.training.packing import (AUTO_PACK_SHARE, first_fit, iterate_pack
 from hf_tiny import save_tiny
 from train_helpers import random_split, tiny_bert_folder
 
+pytestmark = pytest.mark.full
+
 BUCKETS = (32, 64)  # the default bucket step: short texts pad to 32 unpacked
 POOLERS = ["cls", "first_non_pad", "last", "mean", "max", "mean_sqrt_len", "weighted_mean", "attention", "bert",
            ["cls", "mean", "max"]]

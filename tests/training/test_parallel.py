@@ -147,6 +147,7 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh, local", [("", 1), ("data=1,fsdp=2,tensor=2", 2)])
+@pytest.mark.serial
 def test_multi_host_mesh_matches_single_process(folder, single, tmp_path, mesh, local):
     """Two processes, jax.distributed on a loopback port: each feeds its half of every global
     batch; both end with the single-process params. 1 CPU device each (data parallel), or 2 each

@@ -211,6 +211,7 @@ def llama(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["bert", "gpt2", "llama"])
+@pytest.mark.serial
 def test_meshes_train_the_single_device_run(family, request, tmp_path):
     out = str(tmp_path / "res")
     rep = _worker(request.getfixturevalue(family), out, "meshes")
@@ -228,6 +229,7 @@ def test_meshes_train_the_single_device_run(family, request, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_restore_onto_another_mesh_continues_the_run(gpt2, tmp_path):
     out = str(tmp_path / "res")
     rep = _worker(gpt2, out, "resume")
@@ -238,6 +240,7 @@ def test_restore_onto_another_mesh_continues_the_run(gpt2, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_fsdp8_holds_an_eighth_of_a_1b_llama_per_device(tmp_path):
     """A ~1B-parameter Llama sized with jax.eval_shape and XLA's memory analysis of the compiled
     train step (nothing allocated): under fsdp=8 each device holds ~1/8 of the params and

@@ -15,6 +15,8 @@ from flaxheads.training.sweep import Variant, grid, init_heads, sweep
 from flaxheads.training.steps import create_state, make_head_train_step
 from tests.feature_helpers import tiny_bert_dir, toy_split
 
+pytestmark = pytest.mark.full
+
 BUCKETS = (4, 8, 16)
 
 

@@ -15,6 +15,8 @@ from flaxheads.training.loop import TrainConfig, Trainer, fit
 from flaxheads.training.steps import create_state, make_head_train_step, make_train_step
 from train_helpers import random_split, tiny_bert_folder
 
+pytestmark = pytest.mark.full
+
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
