@@ -35,6 +35,15 @@ SLOW_TIMEOUT_S = 1800
 LEGACY_BACKBONE_TESTS = ("hf_flax", "hidden_states", "logits_match", "forward_match")
 
 
+@pytest.fixture(scope="session")
+def tiny_bert(tmp_path_factory) -> str:
+    """A tiny random BERT classifier folder (3 labels, no dropout, a word-level fast tokenizer),
+    made once per test process and shared read-only by every file that needs the default one."""
+    from train_helpers import tiny_bert_folder
+
+    return tiny_bert_folder(tmp_path_factory.mktemp("tiny_bert") / "bert")
+
+
 def _needs_hf_flax(item) -> bool:
     """Skipped without HF's Flax models (transformers < 5): only the legacy stack runs it."""
     return any("transformers < 5" in str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif"))

@@ -17,10 +17,8 @@ pytestmark = pytest.mark.full
 
 
 @pytest.fixture(scope="module")
-def bert(tmp_path_factory):
-    from train_helpers import tiny_bert_folder
-
-    return tiny_bert_folder(tmp_path_factory.mktemp("pre") / "bert")
+def bert(tiny_bert):
+    return tiny_bert
 
 
 def _fail(capfd, argv, monkeypatch=None):

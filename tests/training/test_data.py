@@ -8,7 +8,6 @@ import pytest
 from flaxheads import tables as T
 from flaxheads.batching import make_buckets
 from flaxheads.training import data as D
-from train_helpers import tiny_bert_folder
 
 ROWS = [("the stock market fell", "business"), ("a late goal won the match", "sport"),
         ("the minister called an election", "politics"), ("shares and profit rose", "business"),
@@ -21,9 +20,9 @@ def _csv(path, rows, header="text,label"):
 
 
 @pytest.fixture(scope="module")
-def tok(tmp_path_factory):
+def tok(tiny_bert):
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(tiny_bert_folder(tmp_path_factory.mktemp("tok")))
+    return AutoTokenizer.from_pretrained(tiny_bert)
 
 
 def test_csv_jsonl_parquet_give_the_same_table(tmp_path):

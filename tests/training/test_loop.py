@@ -10,7 +10,7 @@ from flaxheads.training.loop import (Callback, FitCheckpointing, TrainConfig, Tr
                                      flat_metrics)
 from flaxheads.training.optim import OptimConfig
 from flaxheads.parallel import Parallel
-from train_helpers import random_split, tiny_bert_folder
+from train_helpers import random_split
 
 pytestmark = pytest.mark.full
 
@@ -18,8 +18,8 @@ TOTAL = 10
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    folder = tiny_bert_folder(tmp_path_factory.mktemp("tiny_bert_loop"))
+def model(tiny_bert):
+    folder = tiny_bert
     return fh.from_pretrained(folder, pooler="mean", head="linear", num_labels=3, head_options={"dropout": 0.0})
 
 

@@ -14,7 +14,7 @@ from flaxheads.training.optim import OptimConfig
 from flaxheads.training.packing import (AUTO_PACK_SHARE, first_fit, iterate_packed_batches, merge_rare_shapes,
                                         packed_batch, packed_shape, packed_slot_share)
 from hf_tiny import save_tiny
-from train_helpers import random_split, tiny_bert_folder
+from train_helpers import random_split
 
 pytestmark = pytest.mark.full
 
@@ -24,8 +24,8 @@ POOLERS = ["cls", "first_non_pad", "last", "mean", "max", "mean_sqrt_len", "weig
 
 
 @pytest.fixture(scope="module")
-def bert(tmp_path_factory):
-    return tiny_bert_folder(tmp_path_factory.mktemp("pack_bert"))
+def bert(tiny_bert):
+    return tiny_bert
 
 
 @pytest.fixture(scope="module")

@@ -16,14 +16,14 @@ import flaxheads as fh
 from flaxheads.training.optim import OptimConfig
 from flaxheads.training.loop import TrainConfig, Trainer, fit
 from flaxheads.parallel import Parallel, process_rows
-from train_helpers import random_split, tiny_bert_folder
+from train_helpers import random_split
 
 N_TRAIN, N_EVAL, BATCH, STEPS = 21, 13, 8, 3  # 21 = 8 + 8 + 5: last batch has 3 padding rows
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return tiny_bert_folder(tmp_path_factory.mktemp("tiny_bert_par"))
+def folder(tiny_bert):
+    return tiny_bert
 
 
 @pytest.fixture(scope="module")

@@ -192,9 +192,8 @@ def _assert_params_close(a, b):
 
 
 @pytest.fixture(scope="module")
-def bert(tmp_path_factory):
-    from train_helpers import tiny_bert_folder
-    return tiny_bert_folder(tmp_path_factory.mktemp("shard_bert"))
+def bert(tiny_bert):
+    return tiny_bert
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import pytest
 from flaxheads import tables as T
 from flaxheads.training import data as D
 from flaxheads.training import streaming as S
-from train_helpers import WORDS, tiny_bert_folder
+from train_helpers import WORDS
 
 CLASSES = ("business", "sport", "politics")
 #: rows in several Arrow chunks, and several shuffle windows of batches of 8
@@ -40,10 +40,10 @@ def big(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def tok(tmp_path_factory):
+def tok(tiny_bert):
     from flaxheads.interop.tokenizers import load_tokenizer
 
-    return load_tokenizer(tiny_bert_folder(tmp_path_factory.mktemp("tok")))
+    return load_tokenizer(tiny_bert)
 
 
 def _cfg(data, **kw):

@@ -19,8 +19,8 @@ pytestmark = pytest.mark.full
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return tiny_bert_folder(tmp_path_factory.mktemp("tiny_bert"))
+def folder(tiny_bert):
+    return tiny_bert
 
 
 @pytest.fixture(scope="module")
