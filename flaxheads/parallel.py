@@ -7,6 +7,7 @@ replicated on a data-only mesh). The mesh path spans hosts through ``jax.distrib
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from typing import Any, Callable, Mapping
 
@@ -30,11 +31,11 @@ def _per_device(fn: Callable, mesh: Mesh, in_specs, out_specs) -> Callable:
     checks, whose automatic sum of an invariant input's cotangent would add to the step's own
     ``psum`` of the gradients (``jax.experimental.shard_map`` on releases before it moved)."""
     shard_map = getattr(jax, "shard_map", None)
-    if shard_map is not None:
-        return shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
-    from jax.experimental.shard_map import shard_map
-
-    return shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
+    if shard_map is None:
+        from jax.experimental.shard_map import shard_map
+    # the checks' switch was renamed (check_rep -> check_vma)
+    check = "check_vma" if "check_vma" in inspect.signature(shard_map).parameters else "check_rep"
+    return shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **{check: False})
 
 
 def local_data_mesh() -> Mesh:
