@@ -201,5 +201,6 @@ def info_body(clf: Classifier, settings: ServeSettings, batcher: Batcher, kind: 
             "max_client_batch_size": settings.max_client_batch_size, "max_concurrent_requests": settings.max_queue,
             "max_wait_ms": settings.max_wait_ms, "buckets": list(clf.buckets),
             "batch_shapes": [list(s) for s in batcher.shapes.all()], "compiled_programs": batcher.compiles,
+            "compiled_at_warm_up": batcher.compiles_after_warm_up,
             "plan": plan.describe() if plan is not None else None, "version": __version__,
             "router": "flaxheads"}

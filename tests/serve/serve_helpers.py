@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 import threading
 import time
 
@@ -9,6 +11,10 @@ import pytest
 
 uvicorn = pytest.importorskip("uvicorn", reason="the serve extra is not installed (pip install -e .[serve])")
 pytest.importorskip("starlette", reason="the serve extra is not installed (pip install -e .[serve])")
+
+
+# the tiny models and texts of the prediction tests (tests/predict/predict_helpers.py)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "predict"))
 
 
 @contextlib.contextmanager
