@@ -263,3 +263,16 @@ def test_sigterm_answers_requests_in_flight_then_exits_0(cli_server):
     pending["thread"].join(30)
     assert pending["r"].status_code == 200 and len(pending["r"].json()) == 3
     assert any("every request in flight was answered" in x for x in lines)
+
+
+def test_load_bench_smoke(classifier):
+    """bench/serve_load.py's client on the in-process server: every request answered once, each
+    with its own text's answer."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    from bench import serve_load
+
+    url = classifier[0]
+    alone = asyncio.run(serve_load.load(url, serve_load.TEXTS, 1, len(serve_load.TEXTS), 60))
+    got = asyncio.run(serve_load.load(url, serve_load.TEXTS, 8, 48, 60, alone["answers"]))
+    assert (got["sent"], got["answered"], got["failed"], got["duplicated"], got["wrong"]) == (48, 48, 0, 0, 0)
+    assert got["rps"] > 0 and got["p99_ms"] >= got["p50_ms"]
