@@ -71,18 +71,19 @@ def pipeline_app(folder: str, max_length: int):
     return Starlette(routes=[Route("/predict", predict, methods=["POST"])])
 
 
-def start(cmd: list[str], timeout: float = 600.0) -> tuple[subprocess.Popen, str]:
-    """A server process and its URL, once it prints ``serving ... on http://...``."""
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + timeout
+def launch(cmd: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+
+
+def wait_ready(proc: subprocess.Popen) -> str:
+    """The URL of a server process, once it prints ``serving ... on http://...``; then its
+    stderr keeps being read (a full pipe would stop it)."""
     for line in proc.stderr:
         if "serving" in line and "http://" in line:
-            threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()  # keep draining
-            return proc, "http://" + line.split("http://")[1].split()[0]
-        if time.monotonic() > deadline:
-            break
+            threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
+            return "http://" + line.split("http://")[1].split()[0]
     proc.kill()
-    raise RuntimeError(f"{cmd[:4]} did not start")
+    raise RuntimeError(f"{proc.args[:4]} exited before it served")
 
 
 def rss_mib(pid: int) -> float:
@@ -168,8 +169,9 @@ def main(argv=None) -> int:
     print(f"load average before: {os.getloadavg()}; {len(TEXTS)} texts cycled, max length {args.max_length}\n")
     print("| server | concurrency | requests | req/s | p50 ms | p99 ms | failed | lost | duplicated | wrong |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    servers = {name: start(commands[name]) for name in args.systems.split(",")}
+    procs = {name: launch(commands[name]) for name in args.systems.split(",")}  # both warm up at once
     try:
+        servers = {name: (proc, wait_ready(proc)) for name, proc in procs.items()}
         expected = {}
         for name, (_, url) in servers.items():  # each text alone, once: the answer every later one must equal
             expected[name] = asyncio.run(load(url, TEXTS, 1, len(TEXTS), 600))["answers"]
@@ -195,7 +197,7 @@ def main(argv=None) -> int:
                   f"warm-up ({len(info['batch_shapes'])} batch shapes)")
         print(f"load average after: {os.getloadavg()}")
     finally:
-        for proc, _ in servers.values():
+        for proc in procs.values():
             proc.terminate()
             proc.wait(60)
     return 0

@@ -192,7 +192,8 @@ async def _disconnected(request: Request) -> None:
 def info_body(clf: Classifier, settings: ServeSettings, batcher: Batcher, kind: str) -> dict:
     """TEI's ``/info`` fields, and what flaxheads adds: problem type, buckets, batch shapes, compute plan."""
     labels = {str(i): n for i, n in sorted(clf.id2label.items())}
-    model_type = {"embedding": {"pooling": type(getattr(clf.model.head, "pooler", None)).__name__}} if kind == "embedding" \
+    pooler = type(getattr(clf.model.head, "pooler", None)).__name__
+    model_type = {"embedding": {"pooling": pooler}} if kind == "embedding" \
         else {kind: {"id2label": labels, "label2id": {n: int(i) for i, n in labels.items()}}}
     plan = getattr(clf.model, "plan", None)
     return {"model_id": clf.source, "model_dtype": str(np.dtype(getattr(clf.model.backbone, "dtype", np.float32))),

@@ -184,6 +184,17 @@ def test_embed_real_minilm_with_httpx_and_inference_client(inference_client):
     np.testing.assert_allclose(np.asarray(one).reshape(-1), ref[0], atol=1e-5)
 
 
+def test_batch_shapes_stay_within_the_token_budget():
+    from flaxheads.serve import Shapes
+
+    shapes = Shapes((8, 16, 64), max_batch_tokens=256, max_batch_size=24)
+    assert [shapes.cap(n) for n in (8, 16, 64)] == [16, 16, 4]  # 24 texts -> 16 (a power of two); 256 // 64
+    assert shapes.rows(3, 16) == 4 and shapes.rows(9, 8) == 16 and shapes.rows(1, 64) == 1
+    assert shapes.all() == sorted({(r, n) for n, cap in ((8, 16), (16, 16), (64, 4)) for r in (1, 2, 4, 8, 16)
+                                   if r <= cap})
+    assert Shapes((8, 16), 256, 8, width=4).all() == [(4, 8), (4, 16), (8, 8), (8, 16)]  # rows split over 4 devices
+
+
 def test_cli_errors_are_one_line(capsys):
     from flaxheads.cli.main import main
 
