@@ -1,7 +1,8 @@
 """Load on loopback: `flaxheads serve` against transformers' text-classification pipeline behind
 the same ASGI stack (Starlette + uvicorn, the same TEI /predict payload), each in its own process
-on 127.0.0.1, driven by one httpx client at each concurrency. Both serve the same folder:
-all-MiniLM-L6-v2 with a random 4-label BERT head, exported as a transformers classifier.
+on 127.0.0.1, driven by one client process (plain asyncio keep-alive connections) at each
+concurrency. Both serve the same folder: all-MiniLM-L6-v2 with a random 4-label BERT head,
+exported as a transformers classifier.
 
 Per server and concurrency: requests/s, p50 / p99 latency, and the checks: every request
 answered exactly once (none lost, none twice), each answer the one its own text gets alone
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -43,7 +45,7 @@ TEXTS = [
 ]
 
 
-def pipeline_app(folder: str, max_length: int):
+def pipeline_app(folder: str, max_length: int, threads: int | None = None):
     """The reference: transformers' pipeline called per request (one at a time: concurrent
     PyTorch forwards on the same cores only oversubscribe them), TEI's /predict answer."""
     import torch
@@ -53,6 +55,8 @@ def pipeline_app(folder: str, max_length: int):
     from starlette.routing import Route
     from transformers import pipeline
 
+    if threads:
+        torch.set_num_threads(threads)
     pipe = pipeline("text-classification", model=folder, tokenizer=folder, top_k=None, device="cpu")
     lock = threading.Lock()
 
@@ -91,36 +95,64 @@ def rss_mib(pid: int) -> float:
         return next(int(x.split()[1]) for x in f if x.startswith("VmRSS")) / 1024
 
 
+class Connection:
+    """One keep-alive HTTP/1.1 connection that POSTs JSON and reads the answer (by its
+    Content-Length). The load is made with this rather than httpx: with 64 connections httpx's
+    pool costs the client process more CPU than the servers' own work on a 2-core machine, and
+    the client's delays then read as server latency. httpx is what the tests drive the server with."""
+
+    def __init__(self, url: str):
+        self.host, self.port = url.split("//")[1].split(":")
+        self.reader = self.writer = None
+
+    async def post(self, path: str, payload: dict) -> tuple[int, object]:
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, int(self.port))
+        body = json.dumps(payload).encode()
+        self.writer.write(b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: %d\r\n\r\n%s" % (path.encode(), self.host.encode(), len(body), body))
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        status = int(lines[0].split()[1])
+        length = next(int(x.split(":", 1)[1]) for x in lines[1:] if x.lower().startswith("content-length:"))
+        return status, json.loads(await self.reader.readexactly(length))
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
 async def load(url: str, texts: list[str], concurrency: int, requests: int, time_limit: float,
                expected: dict[int, list] | None = None) -> dict:
-    """``requests`` POST /predict (text ``i % len(texts)``) from ``concurrency`` workers, stopping
-    early at ``time_limit`` seconds; latency per request and the exactly-once / same-answer checks."""
-    import httpx
-
+    """``requests`` POST /predict (text ``i % len(texts)``) from ``concurrency`` connections,
+    stopping early at ``time_limit`` seconds; latency per request and the exactly-once /
+    same-answer checks."""
     answers: dict[int, list] = {}
     latency, failed, seen_twice = [], 0, 0
     next_id = iter(range(requests))
     deadline = time.perf_counter() + time_limit
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
 
-    async def worker(client):
+    async def worker():
         nonlocal failed, seen_twice
-        for i in next_id:
-            if time.perf_counter() > deadline:
-                return
-            t0 = time.perf_counter()
-            r = await client.post("/predict", json={"inputs": texts[i % len(texts)], "truncate": True})
-            latency.append(time.perf_counter() - t0)
-            if r.status_code != 200:
-                failed += 1
-                continue
-            seen_twice += i in answers
-            answers[i] = r.json()
+        conn = Connection(url)
+        try:
+            for i in next_id:
+                if time.perf_counter() > deadline:
+                    return
+                t0 = time.perf_counter()
+                status, answer = await conn.post("/predict", {"inputs": texts[i % len(texts)], "truncate": True})
+                latency.append(time.perf_counter() - t0)
+                if status != 200:
+                    failed += 1
+                    continue
+                seen_twice += i in answers
+                answers[i] = answer
+        finally:
+            conn.close()
 
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=120) as client:
-        started = time.perf_counter()
-        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
-        wall = time.perf_counter() - started
+    started = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    wall = time.perf_counter() - started
     sent = len(latency)
     wrong = 0
     for i, a in answers.items():
@@ -129,9 +161,8 @@ async def load(url: str, texts: list[str], concurrency: int, requests: int, time
             wrong += 1
     lat = sorted(latency) or [float("nan")]
     return {"sent": sent, "answered": len(answers), "failed": failed, "duplicated": seen_twice, "wrong": wrong,
-            "rps": sent / wall, "p50_ms": 1e3 * lat[len(lat) // 2], "p99_ms": 1e3 * lat[min(len(lat) - 1,
-                                                                                          int(0.99 * len(lat)))],
-            "answers": answers}
+            "rps": sent / wall, "p50_ms": 1e3 * lat[len(lat) // 2],
+            "p99_ms": 1e3 * lat[min(len(lat) - 1, int(0.99 * len(lat)))], "answers": answers}
 
 
 def model_folder(tmp: str) -> str:
@@ -149,13 +180,14 @@ def main(argv=None) -> int:
     ap.add_argument("--memory-requests", type=int, default=10000, help="flaxheads alone, at the top concurrency")
     ap.add_argument("--max-length", type=int, default=64)
     ap.add_argument("--systems", default="flaxheads,pipeline")
+    ap.add_argument("--torch-threads", type=int, default=0, help="the pipeline's torch threads (default: torch's)")
     ap.add_argument("--pipeline-server", default=None, help=argparse.SUPPRESS)  # the child process
     args = ap.parse_args(argv)
     if args.pipeline_server:
         from flaxheads.serve import bind, run
 
         sock = bind("127.0.0.1", 0)
-        app = pipeline_app(args.pipeline_server, args.max_length)
+        app = pipeline_app(args.pipeline_server, args.max_length, args.torch_threads)
         print(f"serving pipeline on http://127.0.0.1:{sock.getsockname()[1]}", file=sys.stderr, flush=True)
         return run(app, sock)
 
@@ -163,7 +195,7 @@ def main(argv=None) -> int:
     commands = {"flaxheads": [sys.executable, "-m", "flaxheads", "serve", folder, "--port", "0",
                               "--max-length", str(args.max_length)],
                 "pipeline": [sys.executable, os.path.abspath(__file__), "--pipeline-server", folder,
-                             "--max-length", str(args.max_length)]}
+                             "--max-length", str(args.max_length), "--torch-threads", str(args.torch_threads)]}
     levels = [int(x) for x in args.concurrency.split(",")]
     print(common.environment())
     print(f"load average before: {os.getloadavg()}; {len(TEXTS)} texts cycled, max length {args.max_length}\n")
@@ -193,8 +225,19 @@ def main(argv=None) -> int:
             import httpx
 
             info = httpx.get(servers["flaxheads"][1] + "/info").json()
+            metrics = dict(line.rsplit(" ", 1) for line in httpx.get(servers["flaxheads"][1] + "/metrics").text
+                           .splitlines() if line.startswith("flaxheads_") and not line.startswith("#"))
+            server_ms = 1e3 * float(metrics['flaxheads_request_duration_seconds_sum{route="/predict"}']) / float(
+                metrics['flaxheads_request_duration_seconds_count{route="/predict"}'])
+            queue_ms = 1e3 * float(metrics["flaxheads_queue_duration_seconds_sum"]) / float(
+                metrics["flaxheads_queue_duration_seconds_count"])
+            batch_ms = 1e3 * float(metrics["flaxheads_batch_duration_seconds_sum"]) / float(
+                metrics["flaxheads_batch_duration_seconds_count"])
+            print(f"flaxheads, all levels: mean {server_ms:.1f} ms in the server per request, of which {queue_ms:.1f} "
+                  f"queued; mean forward {batch_ms:.1f} ms per batch")
             print(f"flaxheads programs: {info['compiled_programs']} now, {info['compiled_at_warm_up']} after "
-                  f"warm-up ({len(info['batch_shapes'])} batch shapes)")
+                  f"warm-up ({len(info['batch_shapes'])} batch shapes); texts per batch over the run: "
+                  f"{float(metrics['flaxheads_batch_size_sum']) / float(metrics['flaxheads_batch_size_count']):.1f}")
         print(f"load average after: {os.getloadavg()}")
     finally:
         for proc in procs.values():
