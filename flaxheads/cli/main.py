@@ -1,4 +1,4 @@
-"""The ``flaxheads`` command: ``flaxheads train | export | checkpoints | predict | embed | evaluate | rank``
+"""The ``flaxheads`` command: ``flaxheads train | export | checkpoints | predict | embed | evaluate | rank | serve``
 (also ``python -m flaxheads``).
 
 Each subcommand module has an ``add_<name>_command(subparsers)`` that registers its parser and
@@ -30,13 +30,15 @@ from .export import add_export_command
 from .flags import Parser, Program
 from .predict import add_predict_commands
 from .rank import add_rank_command
+from .serve import add_serve_command
 from .train import add_train_command
 
 #: Errors only a write meets (a full or read-only disk, a quota or file size limit): one line, exit 1.
 REFUSED_WRITES = (errno.ENOSPC, errno.EFBIG, errno.EROFS, errno.EDQUOT)
 
 SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
-    add_train_command, add_export_command, add_checkpoints_command, add_predict_commands, add_rank_command)
+    add_train_command, add_export_command, add_checkpoints_command, add_predict_commands, add_rank_command,
+    add_serve_command)
 
 
 def build_parser() -> Parser:

@@ -1,0 +1,11 @@
+"""Serving a model over HTTP with text-embeddings-inference's API (``flaxheads serve``):
+:func:`create_app` (a Starlette app on a :class:`~flaxheads.predict.Classifier`), the
+:class:`Batcher` that batches concurrent requests, and :func:`run` (uvicorn).
+
+Needs the ``serve`` extra: ``pip install "flaxheads[serve]"``.
+"""
+from .app import ServeSettings, create_app
+from .batcher import Batcher, Shapes
+from .server import bind, run
+
+__all__ = ["Batcher", "ServeSettings", "Shapes", "bind", "create_app", "run"]
