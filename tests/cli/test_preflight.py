@@ -23,7 +23,7 @@ def bert(tiny_bert):
 
 def _fail(capfd, argv, monkeypatch=None):
     # a model loaded would mean the check came too late
-    import flaxheads.cli.export as E
+    import flaxheads.formats as E
     import flaxheads.run.program as F
     import flaxheads.cli.predict as P
 
