@@ -6,3 +6,6 @@ from .layers import (AttentionPool, Concat, DensePooler, IdentityHead, LinearHea
 
 __all__ = ["AttentionPool", "Concat", "DensePooler", "IdentityHead", "LinearHead", "MLPHead", "Pool",
            "ProjectionHead", "SequenceHead", "SequenceSummary", "head", "head_params", "load_head_params", "pooler"]
+from .model import FrozenBase, LoraParam, NNXSequenceModel, shardings, to_nnx
+
+__all__ += ["FrozenBase", "LoraParam", "NNXSequenceModel", "shardings", "to_nnx"]

@@ -263,5 +263,5 @@ def load_head_params(module: nnx.Module, params: dict) -> None:
     got = jax.tree.map(jnp.shape, _drop_empty(dict(params)))
     if want != got:
         raise ConfigError(f"head params do not fit this NNX head: it has {want}, the params have {got}")
-    state.replace_by_pure_dict(jax.tree.map(jnp.asarray, dict(params)))
+    nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, dict(params)))
     nnx.update(module, state)
