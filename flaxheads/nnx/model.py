@@ -88,8 +88,9 @@ class NNXSequenceModel(nnx.Module):
         for path, var in jax.tree_util.tree_leaves_with_path(
                 nnx.state(self.head, nnx.Param), is_leaf=lambda v: isinstance(v, nnx.Variable)):
             names = axes.get(("head",) + tuple(str(getattr(k, "key", k)) for k in path))
-            if names is not None:
+            if names is not None:  # logical names: placed by shardings(), never eagerly (no mesh needed)
                 var.set_metadata("out_sharding", tuple(names))
+                var.set_metadata("eager_sharding", False)
         self.spec = _Static(dataclasses.replace(model, params={}))
 
     @property
