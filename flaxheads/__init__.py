@@ -10,6 +10,7 @@ from .interop import (ExportError, ModelImportError, export_head, export_sentenc
                       import_model, load_head_export, load_sentence_transformers, load_transformers)
 from .interop.tokenizers import Tokenizer, TokenizerError, load_tokenizer
 from . import lora
+from . import nnx
 from .checkpoint.adapters import load_adapters
 from .interop.cross_encoder import export_cross_encoder
 from .interop.onnx import export_onnx
@@ -43,4 +44,5 @@ __all__ = [
     "load_adapters",
     "Classifier", "Predictions", "FlaxheadsError", "ComputePlan",
     "ranking", "RankingTrainer", "export_cross_encoder",
+    "nnx",
 ]
