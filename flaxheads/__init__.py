@@ -10,7 +10,6 @@ from .interop import (ExportError, ModelImportError, export_head, export_sentenc
                       import_model, load_head_export, load_sentence_transformers, load_transformers)
 from .interop.tokenizers import Tokenizer, TokenizerError, load_tokenizer
 from . import lora
-from . import nnx
 from .checkpoint.adapters import load_adapters
 from .interop.cross_encoder import export_cross_encoder
 from .interop.onnx import export_onnx
@@ -44,5 +43,13 @@ __all__ = [
     "load_adapters",
     "Classifier", "Predictions", "FlaxheadsError", "ComputePlan",
     "ranking", "RankingTrainer", "export_cross_encoder",
-    "nnx",
 ]
+
+
+def __getattr__(name: str):
+    # fh.nnx imports Flax NNX on first use: `import flaxheads` stays free of it (older Flax has none)
+    if name == "nnx":
+        import importlib
+
+        return importlib.import_module(".nnx", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
