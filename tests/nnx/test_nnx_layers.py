@@ -26,7 +26,7 @@ def bert_hidden(tmp_path_factory):
     path, _ = save_tiny(tmp_path_factory.mktemp("bert") / "model", "bert")
     model = fh.from_pretrained(path)
     ids, mask = padded_batch("bert", tiny_config("bert"))
-    hidden, _ = model.features(model.params["backbone"], jnp.asarray(ids), jnp.asarray(mask))
+    hidden, _ = jax.jit(model.features)(model.params["backbone"], jnp.asarray(ids), jnp.asarray(mask))
     return hidden, jnp.asarray(mask)
 
 

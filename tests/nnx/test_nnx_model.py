@@ -51,6 +51,7 @@ def check_model(model, ids, mask):
         return nm(ids, mask), functional, nnx.value_and_grad(lambda m: jnp.sum(m(ids, mask) * w))(nm)
 
     logits, (value, g_want), (n_value, g_got) = both(params, nm)
+    reference = (want, value, g_want)
     _assert_close(logits, want, "logits")
     _assert_close(n_value, value, "loss")
     g_got = {"backbone": nnx.to_pure_dict(g_got["backbone"]), "head": fnnx.layers._drop_empty(
@@ -58,13 +59,38 @@ def check_model(model, ids, mask):
     assert jax.tree.structure(g_got) == jax.tree.structure(g_want)
     for (p, a), b in zip(jax.tree_util.tree_leaves_with_path(g_got), jax.tree.leaves(g_want)):
         _assert_close(a, b, jax.tree_util.keystr(p))
+    return nm, w, reference
 
 
-def test_bert_model(bert):
+def test_bert_model_and_mesh(bert):
     """A pooler and a head with params on every position's hidden state (the preset, which reads one
-    token, is the model of the train-step tests)."""
+    token, is the model of the train-step tests); then the same NNX model sharded on a 2 x 2 mesh."""
     path, ids, mask = bert
-    check_model(fh.from_pretrained(path, pooler=["attention", "bert"], head="mlp"), ids, mask)
+    model = fh.from_pretrained(path, pooler=["attention", "bert"], head="mlp")
+    nm, w, (want, value, g_want) = check_model(model, ids, mask)
+    mesh = make_mesh({"data": 1, "fsdp": 2, "tensor": 2})
+    shardings = fnnx.shardings(nm, mesh)
+    # every param is placed as the functional Layout places it (the logical axes of its family)
+    placed = {path_names(p): s.spec for p, s in
+              jax.tree_util.tree_leaves_with_path(Layout.for_model(mesh, model).shardings(model.params))}
+    got = {path_names(p)[:-1]: s.spec for p, s in jax.tree_util.tree_leaves_with_path(shardings)}
+    assert {k: got[k] for k in placed} == placed and any(len(s) for s in placed.values())
+    kernel = nm.backbone["encoder"]["layer"]["0"]["attention"]["self"]["query"]["kernel"]
+    assert kernel.get_metadata("out_sharding") == ("embed", "heads")
+    nnx.update(nm, jax.device_put(nnx.state(nm), shardings))
+    assert len(kernel[...].sharding.device_set) == 4
+
+    @nnx.jit
+    def forward_and_grad(m):
+        return m(ids, mask), nnx.value_and_grad(lambda m: jnp.sum(m(ids, mask) * w))(m)
+
+    with jax.set_mesh(mesh):
+        logits, (n_value, grads) = forward_and_grad(nm)
+    _assert_close(logits, want, "logits on the mesh")
+    _assert_close(n_value, value, "loss on the mesh")
+    grads = nnx.to_pure_dict(grads)
+    for (p, a), b in zip(jax.tree_util.tree_leaves_with_path(grads["backbone"]), jax.tree.leaves(g_want["backbone"])):
+        _assert_close(a, b, "gradient on the mesh " + jax.tree_util.keystr(p))
 
 
 def test_left_padded_qwen3_preset(tmp_path):
@@ -142,33 +168,6 @@ def test_nnx_optimizer_matches_make_train_step(bert, case):
     assert jax.tree.all(jax.tree.map(np.array_equal, nm.params()["backbone"], model.params["backbone"]))  # frozen
     for a, b in zip(jax.tree.leaves(nm.params()), jax.tree.leaves(state.params)):
         _assert_close(a, b, case)
-
-
-def test_mesh(bert):
-    path, ids, mask = bert
-    model = fh.from_pretrained(path)
-    nm = model.to_nnx()
-    mesh = make_mesh({"data": 1, "fsdp": 2, "tensor": 2})
-    shardings = fnnx.shardings(nm, mesh)
-    # every param is placed as the functional Layout places it (the logical axes of its family)
-    want = {path_names(p): s.spec for p, s in
-            jax.tree_util.tree_leaves_with_path(Layout.for_model(mesh, model).shardings(model.params))}
-    got = {path_names(p)[:-1]: s.spec for p, s in jax.tree_util.tree_leaves_with_path(shardings)}
-    assert {k: got[k] for k in want} == want and any(len(s) for s in want.values())
-    kernel = nm.backbone["encoder"]["layer"]["0"]["attention"]["self"]["query"]["kernel"]
-    assert kernel.get_metadata("out_sharding") == ("embed", "heads")
-    nnx.update(nm, jax.device_put(nnx.state(nm), shardings))
-
-    @nnx.jit
-    def forward_and_grad(m, ids, mask):
-        return nnx.value_and_grad(lambda m: jnp.sum(m(ids, mask) ** 2))(m)
-
-    with jax.set_mesh(mesh):
-        value, grads = forward_and_grad(nm, ids, mask)
-    _assert_close(value, jnp.sum(model.apply(model.params, ids, mask) ** 2), "loss on the mesh")
-    g_want = jax.grad(lambda p: jnp.sum(model.apply(p, ids, mask) ** 2))(model.params)
-    for a, b in zip(jax.tree.leaves(nnx.to_pure_dict(grads)["head"]), jax.tree.leaves(g_want["head"])):
-        _assert_close(a, b, "head gradient on the mesh")
 
 
 def test_checkpoints_and_exports_both_ways(bert, tmp_path):
