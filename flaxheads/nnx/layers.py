@@ -13,8 +13,6 @@ functional path's explicit key: with dropout active the two paths draw different
 """
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
