@@ -75,3 +75,12 @@ __all__ = [
     "CheckpointError", "CorruptCheckpointError", "HeadCheckpoint", "HeadMismatchError", "IncompatibleCheckpointError",
     "RunCheckpointer", "attach_head", "load_head", "save_head", "model_from_checkpoint", "load_adapters",
 ]
+
+
+def __getattr__(name: str):
+    # fh.nnx imports Flax NNX on first use: `import flaxheads` stays free of it (older Flax has none)
+    if name == "nnx":
+        import importlib
+
+        return importlib.import_module(".nnx", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -174,6 +174,13 @@ class SequenceModel:
         """``f(logits, labels, weights)`` for this model's problem type (see ``losses.loss_fn``)."""
         return loss_fn(self.problem_type, self.num_labels, **options)
 
+    def to_nnx(self, params=None, *, freeze_backbone: bool | None = None, rngs=None):
+        """This model as a Flax NNX module on ``params`` (default ``self.params``): see
+        :func:`flaxheads.nnx.to_nnx`."""
+        from .nnx.model import to_nnx
+
+        return to_nnx(self, params, freeze_backbone=freeze_backbone, rngs=rngs)
+
     def head_config(self) -> dict:
         return _config.to_dict(self.head)
 

@@ -131,6 +131,18 @@ _POOL_TEXT = {
 }
 
 
+def attention_pool(hidden: jax.Array, mask: jax.Array, query: jax.Array) -> jax.Array:
+    """Masked softmax of ``hidden . query / sqrt(H)`` over the tokens, then the weighted sum
+    (:class:`AttentionPool`'s computation, shared by its Linen and NNX forms)."""
+    h = hidden.shape[-1]
+    scores = jnp.einsum("bth,h->bt", hidden, query.astype(hidden.dtype)) / jnp.sqrt(h).astype(hidden.dtype)
+    m = mask.astype(bool)
+    scores = jnp.where(m, scores, jnp.finfo(scores.dtype).min)
+    w = jax.nn.softmax(scores, axis=-1) * m  # an all-padding row sums to 0, not NaN
+    w = w / jnp.maximum(jnp.sum(w, axis=-1, keepdims=True), _EPS)
+    return jnp.einsum("bt,bth->bh", w, hidden)
+
+
 def _check_choice(what: str, value, valid) -> None:
     if value not in valid:
         raise ConfigError(f"unknown {what} {value!r}; valid values: {sorted(valid)}")
@@ -183,14 +195,8 @@ class AttentionPool(Pooler):
 
     @nn.compact
     def __call__(self, hidden, mask, deterministic: bool = True):
-        h = hidden.shape[-1]
-        q = self.param("query", nn.initializers.zeros_init(), (h,), jnp.float32)
-        scores = jnp.einsum("bth,h->bt", hidden, q.astype(hidden.dtype)) / jnp.sqrt(h).astype(hidden.dtype)
-        m = mask.astype(bool)
-        scores = jnp.where(m, scores, jnp.finfo(scores.dtype).min)
-        w = jax.nn.softmax(scores, axis=-1) * m  # an all-padding row sums to 0, not NaN
-        w = w / jnp.maximum(jnp.sum(w, axis=-1, keepdims=True), _EPS)
-        return jnp.einsum("bt,bth->bh", w, hidden)
+        q = self.param("query", nn.initializers.zeros_init(), (hidden.shape[-1],), jnp.float32)
+        return attention_pool(hidden, mask, q)
 
     def steps(self, hidden_size):
         return [f"attention pooling: softmax(h . query / sqrt({hidden_size})) over unmasked tokens, "
@@ -244,6 +250,18 @@ class DensePooler(Pooler):
 SUMMARY_TYPES = ("last", "first", "mean", "cls_index")
 
 
+def summary_token(hidden: jax.Array, summary_type: str, cls_index: jax.Array | None = None) -> jax.Array:
+    """The vector :class:`SequenceSummary` summarises, before its projection (HF's choice, mask ignored)."""
+    if summary_type == "last":
+        return hidden[:, -1]
+    if summary_type == "first":
+        return hidden[:, 0]
+    if summary_type == "mean":
+        return jnp.mean(hidden, axis=1)
+    idx = jnp.full(hidden.shape[:1], hidden.shape[1] - 1) if cls_index is None else cls_index
+    return _gather(hidden, idx)
+
+
 @register("sequence_summary")
 class SequenceSummary(Pooler):
     """XLNet's sequence summary, exactly as Hugging Face computes it.
@@ -272,15 +290,7 @@ class SequenceSummary(Pooler):
 
     @nn.compact
     def __call__(self, hidden, mask, deterministic: bool = True, cls_index: jax.Array | None = None):
-        if self.summary_type == "last":
-            x = hidden[:, -1]
-        elif self.summary_type == "first":
-            x = hidden[:, 0]
-        elif self.summary_type == "mean":
-            x = jnp.mean(hidden, axis=1)
-        else:
-            idx = jnp.full(hidden.shape[:1], hidden.shape[1] - 1) if cls_index is None else cls_index
-            x = _gather(hidden, idx)
+        x = summary_token(hidden, self.summary_type, cls_index)
         if self.first_dropout > 0:
             x = nn.Dropout(self.first_dropout)(x, deterministic=deterministic)
         if self.use_proj:
