@@ -233,7 +233,7 @@ def from_pretrained(path: str | os.PathLike, *, pooler: str | Sequence[str] | Po
                     dtype=jnp.float32, seed: int = 0, ignore_mismatched_sizes: bool = False,
                     pooler_options: dict | None = None, head_options: dict | None = None,
                     pool_mask: str | None = None, implementation: str = "auto",
-                    remat: bool = False, plan: ComputePlan | None = None, base_dtype=None) -> SequenceModel:
+                    remat: bool | str = False, plan: ComputePlan | None = None, base_dtype=None) -> SequenceModel:
     """Load a local HF model folder as backbone and attach a pooler + head.
 
     Defaults to the HF-exact preset for the backbone's ``model_type`` (and copies its
@@ -242,7 +242,8 @@ def from_pretrained(path: str | os.PathLike, *, pooler: str | Sequence[str] | Po
     bfloat16; params, head and logits stay float32. ``implementation``: ``"auto"`` (flaxheads'
     native backbone for the folder's ``model_type``, else HF's Flax wrapper when transformers
     < 5 is installed), ``"native"`` or ``"hf_flax"`` (see :mod:`flaxheads.backbones.registry`).
-    ``remat=True`` recomputes each encoder layer in the backward pass (gradient checkpointing).
+    ``remat``: what the backward pass keeps of each layer, ``none | full | save-dots | save-named``
+    (``True``: ``full``, each layer recomputed; see :mod:`flaxheads.layers.remat`).
     ``plan``: how the programs compute on this host (default :meth:`ComputePlan.for_host`).
     ``base_dtype``: the storage dtype of the backbone's params (default float32; ``jnp.bfloat16``
     halves a base that stays frozen: :meth:`SequenceModel.with_base_dtype`)."""

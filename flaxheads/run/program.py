@@ -138,7 +138,7 @@ def build_model(spec: RunSpec, path: str, space: LabelSpace | None, plan: Comput
     num_labels, problem_type = (space.num_labels, space.problem_type) if space is not None else (1, "regression")
     if m.lora_from is not None:
         model = load_peft(m.lora_from, backbone=path, id2label=id2label, problem_type=problem_type,
-                          dtype=plan.precision.dtype, plan=plan)
+                          dtype=plan.precision.dtype, plan=plan, remat=m.remat)
         if model.num_labels != num_labels:
             raise UsageError(f"--lora-from {m.lora_from}: the adapter's classifier has {model.num_labels} outputs but "
                              f"the data has {num_labels} labels; continue it on data with the same labels")
@@ -147,6 +147,7 @@ def build_model(spec: RunSpec, path: str, space: LabelSpace | None, plan: Comput
     model = from_pretrained(path, pooler=pooler, head=None if m.head == "preset" else m.head, id2label=id2label,
                             num_labels=num_labels, problem_type=problem_type, dtype=plan.precision.dtype, plan=plan,
                             seed=spec.seed, ignore_mismatched_sizes=True, base_dtype=base_dtype(spec, plan),
+                            remat=m.remat,
                             head_options={"hidden_dims": tuple(m.head_hidden)} if m.head_hidden else None)
     cfg = lora_config(spec)
     return model if cfg is None else model.with_lora(cfg, seed=spec.seed)

@@ -1,0 +1,98 @@
+"""Remat policies by name: every policy gives the gradients of no remat (jax's recompute semantics
+are the reference) on a tiny BERT and a tiny Qwen3 decoder; the compiled backward keeps less with
+more recomputation (XLA's own memory analysis: full <= save-dots <= none); the names reach a run
+through ``--remat`` and the spec."""
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import flaxheads as fh  # noqa: E402
+from flaxheads.backbones.base import BackboneError  # noqa: E402
+from flaxheads.backbones.registry import load_backbone  # noqa: E402
+from flaxheads.errors import ConfigError, UsageError  # noqa: E402
+from flaxheads.layers.remat import REMAT_POLICIES, remat_policy  # noqa: E402
+from hf_tiny import padded_batch, save_tiny  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    return {arch: save_tiny(tmp_path_factory.mktemp(arch) / "model", arch, seed=2) for arch in ("bert", "qwen3")}
+
+
+def _grad_fn(backbone, ids, mask):
+    w = jax.random.normal(jax.random.PRNGKey(0), np.shape(ids) + (backbone.hidden_size,))
+    return jax.jit(jax.grad(lambda p: jnp.sum(backbone.encode(p, ids, mask) * w)))
+
+
+@pytest.mark.parametrize("arch", ["bert", "qwen3"])
+def test_every_policy_gives_the_same_gradients(folders, arch):
+    path, pt = folders[arch]
+    ids, mask = padded_batch(arch, pt.config)
+    plain = load_backbone(path)
+    want = jax.tree.leaves(_grad_fn(plain, ids, mask)(plain.params))
+    for policy in REMAT_POLICIES[1:]:
+        bb = load_backbone(path, remat=policy)
+        assert bb.remat and bb.remat_policy == policy
+        program = str(jax.make_jaxpr(_grad_fn(bb, ids, mask))(bb.params))
+        assert "remat" in program or "checkpoint" in program, policy  # the layers really are checkpointed
+        got = jax.tree.leaves(_grad_fn(bb, ids, mask)(bb.params))
+        for a, b in zip(want, got, strict=True):
+            # the programs may sum in other orders: float32 rounding relative to the leaf's scale
+            scale = max(1.0, float(np.abs(np.asarray(a)).max()))
+            np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-6 * scale, rtol=1e-5, err_msg=policy)
+
+
+def test_save_named_keeps_the_named_outputs(folders):
+    """``save-named`` saves exactly the named tensors: the backward's residuals include them."""
+    from jax.ad_checkpoint import print_saved_residuals  # noqa: F401  (present in this jax)
+
+    path, pt = folders["bert"]
+    ids, mask = padded_batch("bert", pt.config)
+    bb = load_backbone(path, remat="save-named")
+    jaxpr = str(jax.make_jaxpr(_grad_fn(bb, ids, mask))(bb.params))
+    assert "attention_out" in jaxpr and "mlp_out" in jaxpr
+
+
+def test_compiled_memory_orders_the_policies(tmp_path):
+    """XLA's temporaries of the compiled gradient: recomputing more keeps less."""
+    path, _ = save_tiny(tmp_path / "bert", "bert", seed=0, num_hidden_layers=6, hidden_size=64,
+                        intermediate_size=256, max_position_embeddings=128)
+    ids = np.random.default_rng(0).integers(3, 99, (8, 128))
+    mask = np.ones_like(ids)
+    temp = {}
+    for policy in ("none", "save-dots", "full"):
+        bb = load_backbone(path, remat=policy)
+        compiled = _grad_fn(bb, ids, mask).lower(bb.params).compile()
+        analysis = compiled.memory_analysis()
+        if analysis is None or not getattr(analysis, "temp_size_in_bytes", None):
+            pytest.skip("this XLA backend reports no memory analysis of a compiled program")
+        temp[policy] = analysis.temp_size_in_bytes
+    assert temp["full"] <= temp["save-dots"] <= temp["none"], temp
+    assert temp["full"] < temp["none"], temp
+
+
+def test_names_and_flags(folders):
+    from flaxheads.cli.train import build_parser, spec_from_args
+    from flaxheads.host import ComputePlan
+    from flaxheads.run.checks import check_spec
+    from flaxheads.run.program import build_model
+    from flaxheads.run.spec import RunSpec
+
+    assert (remat_policy(True), remat_policy(False), remat_policy(None)) == ("full", "none", "none")
+    with pytest.raises(ConfigError, match="not one of none, full, save-dots, save-named"):
+        remat_policy("dots")
+    path, _ = folders["bert"]
+    with pytest.raises(BackboneError, match="remat 'dots'"):
+        load_backbone(path, remat="dots")
+    assert not load_backbone(path, remat=False).remat and load_backbone(path, remat=True).remat_policy == "full"
+    spec = spec_from_args(build_parser().parse_args(["--model", path, "--remat", "save-dots"]))
+    assert spec.model.remat == "save-dots" and RunSpec().model.remat == "none"
+    model = build_model(check_spec(spec), path, None, ComputePlan.for_host())
+    assert model.backbone.remat_policy == "save-dots"
+    with pytest.raises(UsageError, match="--remat 'all'"):
+        check_spec(RunSpec.from_kwargs(model=path, remat="all"))
+    assert fh.from_pretrained(path, remat="save-named").backbone.remat_policy == "save-named"
