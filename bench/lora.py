@@ -12,7 +12,7 @@ other's):
 * ``lora``: adapters of ``--rank`` (alpha = 2 x rank) on ``--targets`` plus the head train; the
   base stays frozen (no gradient buffers or moments for it);
 * ``lora-bf16`` (``--systems full,lora,lora-bf16``): ``lora`` with the frozen base stored in
-  bfloat16 (``SequenceModel.with_base_dtype``; compute stays float32).
+  bfloat16 (``SequenceModel.with_base_dtype``; the compute dtype is float32, or bfloat16 with ``--bf16``).
 
 Per system: the first step (trace + compile + run), the median of ``--repeats`` steps after
 it, the process's peak resident set (``ru_maxrss``: params, optimizer state, activations,
@@ -48,13 +48,15 @@ def _config(a) -> dict:
 def build_model(a):
     """A random decoder classifier (last-token pooling, linear head), built without a folder."""
     import jax
+    import jax.numpy as jnp
 
     from flaxheads.backbones.base import HFConfig
     from flaxheads.backbones.decoder import DecoderBackbone
     from flaxheads.model import SequenceModel, _init_head, build_head
 
     cfg = DecoderBackbone.complete_config(HFConfig(_config(a)))
-    backbone = DecoderBackbone(cfg, jax.jit(DecoderBackbone.init_params, static_argnums=0)(cfg, jax.random.key(0)))
+    backbone = DecoderBackbone(cfg, jax.jit(DecoderBackbone.init_params, static_argnums=0)(cfg, jax.random.key(0)),
+                               dtype=jnp.bfloat16 if a.bf16 else jnp.float32)
     head, _ = build_head(cfg, 2, pooler="last", head="linear")
     head_params, _ = _init_head(head, a.hidden, 0, (), {})
     return SequenceModel(backbone=backbone, head=head, num_labels=2, problem_type="single_label_classification",
@@ -124,6 +126,7 @@ def main() -> None:
                           ("seq", 128), ("repeats", 3), ("rank", 8)):
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--targets", default="q_proj,v_proj")
+    ap.add_argument("--bf16", action="store_true", help="bfloat16 compute (params float32 unless lora-bf16)")
     ap.add_argument("--system", choices=SYSTEMS, default=None, help="(internal) measure one system")
     ap.add_argument("--systems", default="full,lora", help=f"which systems, comma-separated ({', '.join(SYSTEMS)})")
     ap.add_argument("--xla-flags", default=None)
@@ -137,7 +140,8 @@ def main() -> None:
     if set(systems) - set(SYSTEMS):
         ap.error(f"--systems: expected names among {', '.join(SYSTEMS)}, got {a.systems}")
     print(f"# LoRA vs full fine-tuning: qwen2-style decoder, hidden {a.hidden}, {a.layers} layers, SwiGLU "
-          f"{a.intermediate}, vocab {a.vocab}; batch {a.batch} x {a.seq} tokens, float32, AdamW; LoRA rank "
+          f"{a.intermediate}, vocab {a.vocab}; batch {a.batch} x {a.seq} tokens, "
+          f"{'bfloat16' if a.bf16 else 'float32'} compute, AdamW; LoRA rank "
           f"{a.rank}, alpha {2 * a.rank}, targets {a.targets}")
     print(f"# {common.environment()}")
     res = {s: run_system(s, argv) for s in systems}

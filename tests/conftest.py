@@ -49,7 +49,8 @@ FULL = ("tests/cli/", "tests/run/", "tests/backbones/test_onednn_gradients.py", 
         "tests/training/test_features.py", "tests/training/test_sweep.py", "tests/test_resume.py", "tests/test_faults.py", "tests/test_readme.py",
         "tests/backbones/test_broken_folders.py",
         "tests/training/test_loop.py", "tests/training/test_multitask.py", "tests/predict/test_predict.py",
-        "tests/test_bbc_ranking.py", "tests/ranking/test_ranking_train.py")
+        "tests/test_bbc_ranking.py", "tests/ranking/test_ranking_train.py",
+        "tests/test_base_dtype.py", "tests/test_remat.py", "tests/test_lazy_load.py")
 
 
 def _needs_hf_flax(item) -> bool:
