@@ -32,8 +32,8 @@ def _load(path, dtype=jnp.float32):
     cfg = fam.complete_config(HFConfig.from_folder(path))
     tracemalloc.start()
     try:
-        lazy = read_params_sharded(path, fam, cfg, lambda p, s: NamedSharding(mesh, layout.spec_of(("backbone",) + p, s)),
-                                   dtype=dtype)
+        lazy = read_params_sharded(path, fam, cfg, dtype=dtype,
+                                   shardings=lambda p, s: NamedSharding(mesh, layout.spec_of(("backbone",) + p, s)))
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()

@@ -237,7 +237,8 @@ class Backbone:
 
     @classmethod
     def from_state(cls, config: Mapping[str, Any], state: Mapping[str, np.ndarray], *, dtype: Any = jnp.float32,
-                   remat: bool | str = False, source: str = "checkpoint", plan: ComputePlan | None = None) -> "Backbone":
+                   remat: bool | str = False, source: str = "checkpoint",
+                   plan: ComputePlan | None = None) -> "Backbone":
         """Build from a full PyTorch state dict: the base-model prefix is stripped, every
         weight the family needs must be present (a folder of another architecture fails here)."""
         cfg = cls.complete_config(config if isinstance(config, HFConfig) else HFConfig(config))

@@ -253,8 +253,8 @@ def embed(e: dict, input_ids, token_type_ids, position_ids, s: Settings, dtype, 
 
 
 def encode(params: dict, input_ids, attention_mask, token_type_ids=None, position_ids=None, *, settings: Settings,
-           plan: ComputePlan, dtype=jnp.float32, rng: jax.Array | None = None, train: bool = False, remat: bool | str = False,
-           only_at: jax.Array | None = None) -> jax.Array:
+           plan: ComputePlan, dtype=jnp.float32, rng: jax.Array | None = None, train: bool = False,
+           remat: bool | str = False, only_at: jax.Array | None = None) -> jax.Array:
     """The DeBERTa-v2 forward: last hidden state ``[B, T, H]`` in ``dtype``, computed as ``plan`` arranges
     it (:class:`~flaxheads.host.plan.ComputePlan`). Pure in ``params``.
 

@@ -40,7 +40,7 @@ class ModelSpec:
     head: str = "linear"  # linear | mlp | preset
     head_hidden: tuple[int, ...] | None = None  # hidden widths of an mlp head
     precision: str | None = None  # auto | float32 | bfloat16 (None: $FLAXHEADS_PRECISION, else auto)
-    base_dtype: str = "auto"  # storage of a frozen base: auto (bfloat16 when frozen and precision is) | float32 | bfloat16
+    base_dtype: str = "auto"  # a frozen base's storage: auto (bfloat16 if frozen and precision is) | float32 | bfloat16
     remat: str = "none"  # what the backward pass keeps of each layer: none | full | save-dots | save-named
     lora_rank: int | None = None
     lora_alpha: float | None = None  # default 2 x rank
