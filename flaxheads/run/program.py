@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from .._version import __version__
-from ..base_dtype import resolve_base_dtype
+from ..base_dtype import base_dtype_of, resolve_base_dtype
 from ..batching import make_buckets
 from ..errors import UsageError
 from ..host import ComputePlan
@@ -405,6 +405,8 @@ def _packing_note(job: Job) -> str:
 
 
 def _training_kind(job: Job) -> str:
+    stored = base_dtype_of(job.model.params["backbone"])
+    in_16 = f", stored in {stored}" if stored not in (None, "float32") else ""  # --base-dtype
     if job.model.lora is not None:
-        return f"LoRA rank {job.model.lora.rank} on {', '.join(job.model.lora.targets)} (base frozen)"
-    return "backbone frozen" if job.optim.freeze_backbone else "full fine-tune"
+        return f"LoRA rank {job.model.lora.rank} on {', '.join(job.model.lora.targets)} (base frozen{in_16})"
+    return f"backbone frozen{in_16}" if job.optim.freeze_backbone else "full fine-tune"
