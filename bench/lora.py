@@ -10,7 +10,9 @@ other's):
 
 * ``full``: the whole backbone and the head train (optimizer moments for every weight);
 * ``lora``: adapters of ``--rank`` (alpha = 2 x rank) on ``--targets`` plus the head train; the
-  base stays frozen (no gradient buffers or moments for it).
+  base stays frozen (no gradient buffers or moments for it);
+* ``lora-bf16`` (``--systems full,lora,lora-bf16``): ``lora`` with the frozen base stored in
+  bfloat16 (``SequenceModel.with_base_dtype``; the compute dtype is float32, or bfloat16 with ``--bf16``).
 
 Per system: the first step (trace + compile + run), the median of ``--repeats`` steps after
 it, the process's peak resident set (``ru_maxrss``: params, optimizer state, activations,
@@ -33,6 +35,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import common  # noqa: E402
 
 
+SYSTEMS = ("full", "lora", "lora-bf16")
+
+
 def _config(a) -> dict:
     return dict(model_type="qwen2", vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.intermediate,
                 num_hidden_layers=a.layers, num_attention_heads=16, num_key_value_heads=4,
@@ -43,13 +48,15 @@ def _config(a) -> dict:
 def build_model(a):
     """A random decoder classifier (last-token pooling, linear head), built without a folder."""
     import jax
+    import jax.numpy as jnp
 
     from flaxheads.backbones.base import HFConfig
     from flaxheads.backbones.decoder import DecoderBackbone
     from flaxheads.model import SequenceModel, _init_head, build_head
 
     cfg = DecoderBackbone.complete_config(HFConfig(_config(a)))
-    backbone = DecoderBackbone(cfg, jax.jit(DecoderBackbone.init_params, static_argnums=0)(cfg, jax.random.key(0)))
+    backbone = DecoderBackbone(cfg, jax.jit(DecoderBackbone.init_params, static_argnums=0)(cfg, jax.random.key(0)),
+                               dtype=jnp.bfloat16 if a.bf16 else jnp.float32)
     head, _ = build_head(cfg, 2, pooler="last", head="linear")
     head_params, _ = _init_head(head, a.hidden, 0, (), {})
     return SequenceModel(backbone=backbone, head=head, num_labels=2, problem_type="single_label_classification",
@@ -66,7 +73,9 @@ def measure(a) -> dict:
     from flaxheads.training.steps import create_state, make_train_step
 
     model = build_model(a)
-    if a.system == "lora":
+    if a.system == "lora-bf16":
+        model = model.with_base_dtype(jnp.bfloat16)
+    if a.system.startswith("lora"):
         model = model.with_lora(rank=a.rank, alpha=2.0 * a.rank, targets=tuple(a.targets.split(",")))
     tx = make_optimizer(OptimConfig(learning_rate=1e-4, warmup_steps=0, total_steps=1000),
                         fold_reductions=model.plan.fold_reductions)
@@ -94,7 +103,8 @@ def measure(a) -> dict:
             "trained": count_params(trainable(model.params, False)), "opt_state": count_params(state.opt_state),
             "first_s": first, "step_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
             "maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "step_rss": pk.peak,
-            "xla_bytes": xla, "loss": float(m["loss"])}
+            "xla_bytes": xla, "loss": float(m["loss"]),
+            "base_bytes": sum(x.nbytes for x in jax.tree.leaves(model.params["backbone"]))}
 
 
 def run_system(system: str, argv: list[str]) -> dict | str:
@@ -116,7 +126,9 @@ def main() -> None:
                           ("seq", 128), ("repeats", 3), ("rank", 8)):
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--targets", default="q_proj,v_proj")
-    ap.add_argument("--system", choices=("full", "lora"), default=None, help="(internal) measure one system")
+    ap.add_argument("--bf16", action="store_true", help="bfloat16 compute (params float32 unless lora-bf16)")
+    ap.add_argument("--system", choices=SYSTEMS, default=None, help="(internal) measure one system")
+    ap.add_argument("--systems", default="full,lora", help=f"which systems, comma-separated ({', '.join(SYSTEMS)})")
     ap.add_argument("--xla-flags", default=None)
     a = ap.parse_args()
     common.configure_xla(a.xla_flags)
@@ -124,22 +136,27 @@ def main() -> None:
         print(json.dumps(measure(a)))
         return
     argv = [x for x in sys.argv[1:]]
+    systems = a.systems.split(",")
+    if set(systems) - set(SYSTEMS):
+        ap.error(f"--systems: expected names among {', '.join(SYSTEMS)}, got {a.systems}")
     print(f"# LoRA vs full fine-tuning: qwen2-style decoder, hidden {a.hidden}, {a.layers} layers, SwiGLU "
-          f"{a.intermediate}, vocab {a.vocab}; batch {a.batch} x {a.seq} tokens, float32, AdamW; LoRA rank "
+          f"{a.intermediate}, vocab {a.vocab}; batch {a.batch} x {a.seq} tokens, "
+          f"{'bfloat16' if a.bf16 else 'float32'} compute, AdamW; LoRA rank "
           f"{a.rank}, alpha {2 * a.rank}, targets {a.targets}")
     print(f"# {common.environment()}")
-    res = {s: run_system(s, argv) for s in ("full", "lora")}
-    print("| system | params | trained | optimizer state | first step (s) | step (s), median (min..max) | "
-          "peak RSS (GiB) | step RSS growth (GiB) | XLA buffers (GiB) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    res = {s: run_system(s, argv) for s in systems}
+    print("| system | params | trained | optimizer state | base params (GiB) | first step (s) | "
+          "step (s), median (min..max) | peak RSS (GiB) | step RSS growth (GiB) | XLA buffers (GiB) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for s, r in res.items():
         if isinstance(r, str):
-            print(f"| {s} | {r} | | | | | | | |")
+            print(f"| {s} | {r} | | | | | | | | |")
             continue
         print(f"| {s} | {r['params'] / 1e6:.1f} M | {r['trained'] / 1e6:.2f} M | {r['opt_state'] / 1e6:.2f} M | "
+              f"{_gib(r['base_bytes'])} | "
               f"{r['first_s']:.1f} | {r['step_s']:.2f} ({r['min_s']:.2f}..{r['max_s']:.2f}) | {_gib(r['maxrss'])} | "
               f"{_gib(r['step_rss'])} | {_gib(r['xla_bytes'])} |")
-    full, lora = res["full"], res["lora"]
+    full, lora = res.get("full"), res.get("lora")
     if isinstance(full, dict) and isinstance(lora, dict):
         xla = (f"{full['xla_bytes'] / lora['xla_bytes']:.2f}x" if full["xla_bytes"] and lora["xla_bytes"]
                else "n/a")

@@ -176,7 +176,10 @@ def merge_lora(backbone_params, lora_params, config: LoraConfig, model_type: str
     out_in = kernels_out_in(model_type)
     for m, ab in adapter_modules(lora_params).items():
         w = flat[m + ("kernel",)]
-        flat[m + ("kernel",)] = w + delta(ab[A], ab[B], config.scaling, out_in).astype(w.dtype)
+        d = delta(ab[A], ab[B], config.scaling, out_in)
+        # a 16-bit base is merged in float32: its rounding would swallow a small delta (float32: unchanged)
+        dt = jnp.promote_types(w.dtype, d.dtype)
+        flat[m + ("kernel",)] = w.astype(dt) + d.astype(dt)
     return unflatten_dict(flat)
 
 

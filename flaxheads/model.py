@@ -6,6 +6,7 @@ hidden state), extra inputs (position ids, token types) included.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 from typing import Any, Sequence
@@ -23,6 +24,7 @@ from .nn.poolers import Pool, Pooler, make_pooler
 from .presets import Preset, check_pool_mask, match_preset, preset_for
 from .errors import ConfigError
 from .host.plan import ComputePlan
+from .base_dtype import cast_tree
 from .lora import LORA, LoraConfig, merge_lora, with_lora
 
 @dataclasses.dataclass
@@ -119,6 +121,15 @@ class SequenceModel:
             raise ConfigError("this model has LoRA adapters but the params have no 'lora' subtree; pass the "
                               "params of the model with adapters (model.params), or merge them (flaxheads.lora)")
         return merge_lora(params["backbone"], params[LORA], self.lora, self.model_type)
+
+    def with_base_dtype(self, dtype) -> "SequenceModel":
+        """This model with its base (``params["backbone"]``) stored in ``dtype`` (e.g. ``jnp.bfloat16``
+        for a frozen base; see :mod:`flaxheads.base_dtype`); head and adapters keep their float32."""
+        backbone_params = cast_tree(self.params["backbone"], dtype)
+        backbone = copy.copy(self.backbone)
+        if getattr(backbone, "params", None) is self.params["backbone"]:
+            backbone.params = backbone_params  # the backbone's own reference would keep the old copy alive
+        return dataclasses.replace(self, backbone=backbone, params={**self.params, "backbone": backbone_params})
 
     def with_lora(self, config: LoraConfig | None = None, *, seed: int = 0, **options) -> "SequenceModel":
         """This model with fresh LoRA adapters (see :func:`flaxheads.lora.with_lora`)."""
@@ -229,7 +240,7 @@ def from_pretrained(path: str | os.PathLike, *, pooler: str | Sequence[str] | Po
                     dtype=jnp.float32, seed: int = 0, ignore_mismatched_sizes: bool = False,
                     pooler_options: dict | None = None, head_options: dict | None = None,
                     pool_mask: str | None = None, implementation: str = "auto",
-                    remat: bool = False, plan: ComputePlan | None = None) -> SequenceModel:
+                    remat: bool | str = False, plan: ComputePlan | None = None, base_dtype=None) -> SequenceModel:
     """Load a local HF model folder as backbone and attach a pooler + head.
 
     Defaults to the HF-exact preset for the backbone's ``model_type`` (and copies its
@@ -238,8 +249,11 @@ def from_pretrained(path: str | os.PathLike, *, pooler: str | Sequence[str] | Po
     bfloat16; params, head and logits stay float32. ``implementation``: ``"auto"`` (flaxheads'
     native backbone for the folder's ``model_type``, else HF's Flax wrapper when transformers
     < 5 is installed), ``"native"`` or ``"hf_flax"`` (see :mod:`flaxheads.backbones.registry`).
-    ``remat=True`` recomputes each encoder layer in the backward pass (gradient checkpointing).
-    ``plan``: how the programs compute on this host (default :meth:`ComputePlan.for_host`)."""
+    ``remat``: what the backward pass keeps of each layer, ``none | full | save-dots | save-named``
+    (``True``: ``full``, each layer recomputed; see :mod:`flaxheads.layers.remat`).
+    ``plan``: how the programs compute on this host (default :meth:`ComputePlan.for_host`).
+    ``base_dtype``: the storage dtype of the backbone's params (default float32; ``jnp.bfloat16``
+    halves a base that stays frozen: :meth:`SequenceModel.with_base_dtype`)."""
     path = os.fspath(path)
     state = _read_state_if_any(path)  # read once: the backbone's weights and the head's
     backbone = load_backbone(path, dtype=dtype, state=state or None, remat=remat, implementation=implementation,
@@ -271,9 +285,10 @@ def from_pretrained(path: str | os.PathLike, *, pooler: str | Sequence[str] | Po
                                      strip_prefixes=[base] if base else [],
                                      ignore_mismatched_sizes=ignore_mismatched_sizes, source=path)
     params = {"backbone": backbone.params, "head": jax.tree.map(jnp.asarray, head_params)}
-    return SequenceModel(backbone=backbone, head=seq_head, num_labels=n, problem_type=ptype, params=params,
-                         id2label=labels, pool_mask=match.pool_mask, pad_token_id=pad, eos_token_id=eos,
-                         arch=match.arch, hf_names=match.hf_names, name_or_path=path, report=report)
+    model = SequenceModel(backbone=backbone, head=seq_head, num_labels=n, problem_type=ptype, params=params,
+                          id2label=labels, pool_mask=match.pool_mask, pad_token_id=pad, eos_token_id=eos,
+                          arch=match.arch, hf_names=match.hf_names, name_or_path=path, report=report)
+    return model if base_dtype is None else model.with_base_dtype(base_dtype)
 
 
 def _init_head(seq_head: SequenceHead, hidden_size: int, seed: int, names, state, **load) -> tuple[dict, LoadReport]:

@@ -38,6 +38,7 @@ from ..layers.dropout import dropout
 from ..layers.init import HFInit
 from ..layers.masks import mask_bias
 from ..layers.norms import layer_norm_p
+from ..layers.remat import checkpointed, mlp_out
 from .base import Backbone, BackboneError, HFConfig, activation_problem
 from .bert import dropout_keys
 from .weights import pick, torch_from_tree, tree_from_torch
@@ -118,8 +119,8 @@ def feed_forward(p: dict, x: jax.Array, s: Settings, plan: ComputePlan, rng=None
     r_act, r_out = jax.random.split(rng) if rng is not None else (None, None)
     act = get_activation(s.act, barrier=plan.activation_barrier)
     inter = dropout(act(dense(x, p["fc1"], plan)), s.act_dropout, r_act)
-    return layer_norm_p(x + dropout(dense(inter, p["fc2"], plan), s.dropout, r_out), p["final_layer_norm"], LN_EPS,
-                        plan)
+    return layer_norm_p(x + dropout(mlp_out(dense(inter, p["fc2"], plan)), s.dropout, r_out), p["final_layer_norm"],
+                        LN_EPS, plan)
 
 
 def encoder_layer(p: dict, x: jax.Array, bias: jax.Array, *, s: Settings, batch: int, plan: ComputePlan,
@@ -140,10 +141,9 @@ def decoder_layer(p: dict, x: jax.Array, memory: jax.Array, self_bias: jax.Array
     return feed_forward(p, x, s, plan, r_ffn)
 
 
-def run_stack(p: dict, step: Callable, x: jax.Array, rngs, *, remat: bool) -> jax.Array:
+def run_stack(p: dict, step: Callable, x: jax.Array, rngs, *, remat: bool | str) -> jax.Array:
     """``step(layer_params, x, rng=...)`` over the stack's layers on ``x [B, T, H]``, flattened to ``[B*T, H]``."""
-    if remat:
-        step = jax.checkpoint(step)  # keep each layer's input only; recompute the rest in the backward pass
+    step = checkpointed(step, remat)  # remat: what the backward pass keeps, by policy
     bsz, t, h = x.shape
     x = x.reshape(bsz * t, h)
     layers = p["layers"]
@@ -153,7 +153,7 @@ def run_stack(p: dict, step: Callable, x: jax.Array, rngs, *, remat: bool) -> ja
 
 
 def encode(params: Mapping, input_ids, attention_mask=None, *, settings: Settings, plan: ComputePlan,
-           dtype=jnp.float32, train: bool = False, rng: jax.Array | None = None, remat: bool = False,
+           dtype=jnp.float32, train: bool = False, rng: jax.Array | None = None, remat: bool | str = False,
            return_encoder: bool = False) -> jax.Array:
     """BART's decoder last hidden state ``[B, T, H]`` in ``dtype`` (the encoder's with
     ``return_encoder=True``), computed as ``plan`` arranges it (:class:`~flaxheads.host.plan.ComputePlan`);
@@ -285,4 +285,4 @@ class BartBackbone(Backbone):
                                 f"{c.decoder_layerdrop}) is not implemented in flaxheads' BART; set both to 0.0 in "
                                 "config.json to train with every layer")
         return encode(params, input_ids, attention_mask, settings=self.settings, plan=self.plan, dtype=self.dtype,
-                      train=train, rng=rng, remat=self.remat)
+                      train=train, rng=rng, remat=self.remat_policy)

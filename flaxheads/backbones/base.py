@@ -36,9 +36,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..errors import FlaxheadsError
+from ..errors import ConfigError, FlaxheadsError
 from ..host.plan import ComputePlan
 from ..layers.activations import get_activation
+from ..layers.remat import remat_policy
 from .axes import Axes, generic_param_axes
 from .weights import pick, torch_from_tree, tree_from_torch
 
@@ -137,7 +138,8 @@ class Backbone:
     """Base class of every backbone family (see the module docstring for the contract).
 
     Instances hold ``config`` (:class:`HFConfig`), ``params`` (the initial params tree),
-    ``dtype`` (the compute dtype of activations; params stay float32), ``remat`` and ``settings``
+    ``dtype`` (the compute dtype of activations; params stay float32), ``remat`` (whether layers are
+    recomputed in the backward pass) and ``remat_policy`` (how: ``none | full | save-dots | save-named``), ``settings``
     (``settings_class.from_config(config)``, None for a family without a :attr:`settings_class`)."""
 
     model_types: ClassVar[tuple[str, ...]] = ()
@@ -169,16 +171,21 @@ class Backbone:
     #: that names neither its ``model_input_names`` nor its ``tokenizer_class``)
     tokenizer_token_types: ClassVar[bool] = True
 
-    def __init__(self, config: Mapping[str, Any], params: dict, dtype: Any = jnp.float32, remat: bool = False,
+    def __init__(self, config: Mapping[str, Any], params: dict, dtype: Any = jnp.float32, remat: bool | str = False,
                  plan: ComputePlan | None = None):
         cfg = config if isinstance(config, HFConfig) else HFConfig(config)
         self.config = self.complete_config(cfg)
         self.check_config(self.config)
         self.params = params
         self.dtype = dtype
-        if remat and "remat" not in self.features:
+        try:
+            #: what the backward pass keeps of each layer (:mod:`flaxheads.layers.remat`)
+            self.remat_policy = remat_policy(remat)
+        except ConfigError as e:
+            raise BackboneError(str(e)) from None
+        if self.remat_policy != "none" and "remat" not in self.features:
             raise BackboneError(f"{type(self).__name__} has no gradient checkpointing (remat); load without it")
-        self.remat = bool(remat)
+        self.remat = self.remat_policy != "none"
         #: how this backbone's programs compute on the host (the layers read it while tracing)
         self.plan = plan if plan is not None else ComputePlan.for_host()
         self.settings = None if self.settings_class is None else self.settings_class.from_config(self.config)
@@ -230,7 +237,8 @@ class Backbone:
 
     @classmethod
     def from_state(cls, config: Mapping[str, Any], state: Mapping[str, np.ndarray], *, dtype: Any = jnp.float32,
-                   remat: bool = False, source: str = "checkpoint", plan: ComputePlan | None = None) -> "Backbone":
+                   remat: bool | str = False, source: str = "checkpoint",
+                   plan: ComputePlan | None = None) -> "Backbone":
         """Build from a full PyTorch state dict: the base-model prefix is stripped, every
         weight the family needs must be present (a folder of another architecture fails here)."""
         cfg = cls.complete_config(config if isinstance(config, HFConfig) else HFConfig(config))

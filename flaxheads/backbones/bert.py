@@ -35,6 +35,7 @@ from ..layers.dropout import dropout
 from ..layers.init import HFInit
 from ..layers.masks import mask_bias, segment_bias
 from ..layers.norms import layer_norm_p
+from ..layers.remat import checkpointed, mlp_out
 from .base import Backbone, BackboneError, activation_problem
 
 
@@ -186,7 +187,7 @@ def _ffn(p: dict, x: jax.Array, *, eps: float, act, hidden_dropout: float, rng, 
         xc = x[c * rows // n:(c + 1) * rows // n]
         inter = act(dense(xc, layout(p, "ffn_in"), plan))
         r = None if rng is None else (rng if n == 1 else jax.random.fold_in(rng, c))
-        out = dense(inter, layout(p, "ffn_out"), plan)
+        out = mlp_out(dense(inter, layout(p, "ffn_out"), plan))
         if layout.ffn_output_dropout:
             out = dropout(out, hidden_dropout, r)
         outs.append(layer_norm_p(out + xc, layout(p, "ffn_norm"), eps, plan))
@@ -205,7 +206,7 @@ def dropout_keys(rng: jax.Array | None, num_layers: int, train: bool) -> tuple[j
 
 def run_layers(layers: Sequence[dict], x: jax.Array, attention_mask: jax.Array, stack: Settings, *,
                rngs: Sequence[jax.Array | None], plan: ComputePlan, ffn_chunks: int = 1,
-               remat: bool = False, segment_ids: jax.Array | None = None,
+               remat: bool | str = False, segment_ids: jax.Array | None = None,
                only_at: jax.Array | None = None) -> jax.Array:
     """``stack``'s layers on the embeddings ``x [B, T, H]``: the last hidden state ``[B, T, H]``.
 
@@ -220,10 +221,9 @@ def run_layers(layers: Sequence[dict], x: jax.Array, attention_mask: jax.Array, 
     step = partial(layer, num_heads=stack.num_heads, eps=stack.eps, act=act, batch=bsz, plan=plan,
                    hidden_dropout=stack.hidden_dropout, attn_dropout=stack.attn_dropout,
                    ffn_chunks=ffn_chunks, layout=stack.layout)
-    if remat:
-        # Keep only each layer's input for the backward pass and recompute the rest: activation
-        # memory stops growing with the layer count (long sequences), ~1 extra forward of compute.
-        step = jax.checkpoint(step)
+    # remat: keep less than every intermediate for the backward pass and recompute the rest (its
+    # policy says what is kept): activation memory stops growing with the layer count
+    step = checkpointed(step, remat)
     x = x.reshape(bsz * t, -1)
     last = len(layers) - 1 if only_at is not None else len(layers)
     for p, r in zip(layers[:last], rngs[:last], strict=True):
@@ -239,7 +239,7 @@ def run_layers(layers: Sequence[dict], x: jax.Array, attention_mask: jax.Array, 
 
 def encode(params: dict, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, *, config,
            plan: ComputePlan, dtype=jnp.float32, dropout_rng: jax.Array | None = None, train: bool = False,
-           ffn_chunks: int = 1, remat: bool = False, stack: Settings | None = None,
+           ffn_chunks: int = 1, remat: bool | str = False, stack: Settings | None = None,
            embeddings: Callable[..., jax.Array] = bert_embeddings, segment_ids=None,
            only_at: jax.Array | None = None) -> jax.Array:
     """A BERT-like encoder forward: last hidden state ``[B, T, H]`` in ``dtype``. Pure in ``params``.
@@ -347,6 +347,6 @@ class BertBackbone(Backbone):
     def encode(self, params, input_ids, attention_mask, *, train: bool = False, rng=None, token_type_ids=None,
                position_ids=None, segment_ids=None, only_at=None) -> jax.Array:
         return encode(params, input_ids, attention_mask, token_type_ids, position_ids, config=self.config,
-                      plan=self.plan, dtype=self.dtype, dropout_rng=rng, train=train, remat=self.remat,
+                      plan=self.plan, dtype=self.dtype, dropout_rng=rng, train=train, remat=self.remat_policy,
                       stack=self.stack(self.config), embeddings=self.embeddings(), segment_ids=segment_ids,
                       only_at=only_at)

@@ -49,6 +49,7 @@ from ..layers.dropout import dropout
 from ..layers.init import HFInit
 from ..layers.norms import layer_norm_p
 from ..layers.positions import diagonals_to_keys, log_bucket
+from ..layers.remat import attention_out, checkpointed, mlp_out
 from .base import Backbone, BackboneError, activation_problem
 from .bert import LayerLayout, dropout_keys
 from .weights import pick, torch_from_tree, tree_from_torch
@@ -214,14 +215,14 @@ def layer(p: dict, x: jax.Array, keep: jax.Array, rel: jax.Array | None, *, rows
     """One DeBERTa layer on the flattened activation ``x [B*T, H]`` (post-LayerNorm, as BERT's);
     ``at [B]``: its output at that one position per sequence alone, ``[B, H]``."""
     r_attn, r_out, r_ffn = jax.random.split(rng, 3) if rng is not None else (None, None, None)
-    ctx = disentangled_attention(p, x, keep, rel, rows, s, batch=batch, rng=r_attn, plan=plan, at=at)
+    ctx = attention_out(disentangled_attention(p, x, keep, rel, rows, s, batch=batch, rng=r_attn, plan=plan, at=at))
     if at is not None:
         x = _rows_at(x, at, x.shape[0] // batch)
     out = dropout(dense(ctx, LAYOUT(p, "attn_out"), plan), s.hidden_dropout, r_out)
     x = layer_norm_p(out + x, LAYOUT(p, "attn_norm"), s.eps, plan)
     # BERT's feed-forward: dense -> act -> dense -> dropout -> residual -> LayerNorm
     inter = get_activation(s.act, barrier=plan.activation_barrier)(dense(x, LAYOUT(p, "ffn_in"), plan))
-    out = dropout(dense(inter, LAYOUT(p, "ffn_out"), plan), s.hidden_dropout, r_ffn)
+    out = dropout(mlp_out(dense(inter, LAYOUT(p, "ffn_out"), plan)), s.hidden_dropout, r_ffn)
     return layer_norm_p(out + x, LAYOUT(p, "ffn_norm"), s.eps, plan)
 
 
@@ -252,8 +253,8 @@ def embed(e: dict, input_ids, token_type_ids, position_ids, s: Settings, dtype, 
 
 
 def encode(params: dict, input_ids, attention_mask, token_type_ids=None, position_ids=None, *, settings: Settings,
-           plan: ComputePlan, dtype=jnp.float32, rng: jax.Array | None = None, train: bool = False, remat: bool = False,
-           only_at: jax.Array | None = None) -> jax.Array:
+           plan: ComputePlan, dtype=jnp.float32, rng: jax.Array | None = None, train: bool = False,
+           remat: bool | str = False, only_at: jax.Array | None = None) -> jax.Array:
     """The DeBERTa-v2 forward: last hidden state ``[B, T, H]`` in ``dtype``, computed as ``plan`` arranges
     it (:class:`~flaxheads.host.plan.ComputePlan`). Pure in ``params``.
 
@@ -283,9 +284,7 @@ def encode(params: dict, input_ids, attention_mask, token_type_ids=None, positio
             rel = layer_norm_p(rel, enc["LayerNorm"], s.eps, plan)
         rows = diagonal_rows(t, s)
     step = partial(layer, rows=rows, s=s, batch=bsz, plan=plan)
-    if remat:
-        # keep each layer's input for the backward pass and recompute the rest
-        step = jax.checkpoint(step)
+    step = checkpointed(step, remat)  # remat: what the backward pass keeps, by policy
     layers = LAYOUT.layer_list(params)
     if len(layers) != s.num_layers:
         raise BackboneError(f"the params have {len(layers)} layers but the config has {s.num_layers}")
@@ -407,4 +406,4 @@ class DebertaV2Backbone(Backbone):
     def encode(self, params, input_ids, attention_mask, *, train: bool = False, rng=None, token_type_ids=None,
                position_ids=None, only_at=None) -> jax.Array:
         return encode(params, input_ids, attention_mask, token_type_ids, position_ids, settings=self.settings,
-                      plan=self.plan, dtype=self.dtype, rng=rng, train=train, remat=self.remat, only_at=only_at)
+                      plan=self.plan, dtype=self.dtype, rng=rng, train=train, remat=self.remat_policy, only_at=only_at)

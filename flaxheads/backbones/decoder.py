@@ -34,6 +34,7 @@ from ..layers.dropout import dropout
 from ..layers.init import HFInit
 from ..layers.masks import mask_bias
 from ..layers.positions import apply_rotary
+from ..layers.remat import attention_out, checkpointed, mlp_out
 from .base import Backbone, BackboneError, HFConfig
 from .bert import dropout_keys
 from .decoder_config import DEFAULTS, MODEL_TYPES, DecoderSpec, Rope, check_decoder_config, decoder_spec
@@ -120,7 +121,7 @@ def self_attention(p: dict, x: jax.Array, cos, sin, keep, bias, *, spec: Decoder
                              causal=True)
     else:
         ctx = attend_textbook(q, k, v, keep, scaling=spec.scaling, softcap=spec.softcap, rate=rate, rng=rng)
-    return linear(ctx.reshape(b, q.shape[1], -1), p["o_proj"], plan)
+    return linear(attention_out(ctx).reshape(b, q.shape[1], -1), p["o_proj"], plan)
 
 
 def layer(p: dict, x: jax.Array, cos, sin, keep, bias, rng, *, spec: DecoderSpec, window: int | None,
@@ -138,7 +139,7 @@ def layer(p: dict, x: jax.Array, cos, sin, keep, bias, rng, *, spec: DecoderSpec
     m = p["mlp"]
     h = norm(x, pre)
     act = get_activation(spec.activation, barrier=plan.activation_barrier)
-    h = linear(act(linear(h, m["gate_proj"], plan)) * linear(h, m["up_proj"], plan), m["down_proj"], plan)
+    h = mlp_out(linear(act(linear(h, m["gate_proj"], plan)) * linear(h, m["up_proj"], plan), m["down_proj"], plan))
     if spec.sandwich:
         h = norm(h, p["post_feedforward_layernorm"]["scale"])
     return x + h
@@ -146,7 +147,7 @@ def layer(p: dict, x: jax.Array, cos, sin, keep, bias, rng, *, spec: DecoderSpec
 
 def encode(params: dict, input_ids, attention_mask=None, position_ids=None, *, spec: DecoderSpec,
            plan: ComputePlan, dtype=jnp.float32, dropout_rng: jax.Array | None = None, train: bool = False,
-           remat: bool = False, only_at: jax.Array | None = None) -> jax.Array:
+           remat: bool | str = False, only_at: jax.Array | None = None) -> jax.Array:
     """Last hidden state ``[B, T, H]`` (after the final norm) in ``dtype``; pure in ``params``,
     computed as ``plan`` arranges it (:class:`~flaxheads.host.plan.ComputePlan`).
 
@@ -172,10 +173,9 @@ def encode(params: dict, input_ids, attention_mask=None, position_ids=None, *, s
     at = None if only_at is None else jnp.asarray(only_at, jnp.int32).reshape(b)
     for i in range(spec.num_layers):
         f = partial(layer, spec=spec, window=spec.windows[i], rate=rate, plan=plan)
-        # remat: keep only each layer's input for the backward pass and recompute the rest
-        x = (jax.checkpoint(f) if remat else f)(params["layers"][str(i)], x, *tables[spec.ropes[i]],
-                                                keeps[spec.windows[i]], bias, rngs[i],
-                                                at=at if i == spec.num_layers - 1 else None)
+        # remat: what the backward pass keeps of the layer, by policy; the rest is recomputed
+        x = checkpointed(f, remat)(params["layers"][str(i)], x, *tables[spec.ropes[i]], keeps[spec.windows[i]], bias,
+                                   rngs[i], at=at if i == spec.num_layers - 1 else None)
     return rms_norm(x, params["norm"]["scale"], spec.eps, spec.gemma_norm)
 
 
@@ -244,5 +244,5 @@ class DecoderBackbone(Backbone):
     def encode(self, params, input_ids, attention_mask, *, train: bool = False, rng=None,
                position_ids=None, only_at=None) -> jax.Array:
         return encode(params, input_ids, attention_mask, position_ids, spec=self.spec, plan=self.plan,
-                      dtype=self.dtype, dropout_rng=rng, train=train, remat=self.remat, only_at=only_at)
+                      dtype=self.dtype, dropout_rng=rng, train=train, remat=self.remat_policy, only_at=only_at)
 

@@ -35,6 +35,7 @@ from ..layers.dropout import dropout
 from ..layers.init import HFInit
 from ..layers.masks import mask_bias
 from ..layers.norms import layer_norm_p
+from ..layers.remat import checkpointed, mlp_out
 from .base import Backbone, BackboneError, HFConfig, activation_problem
 from .bert import dropout_keys
 
@@ -63,7 +64,7 @@ def block(p: dict, x: jax.Array, mask_bias: jax.Array, *, num_heads: int, eps: f
     x = x + dropout(conv1d(ctx, a["c_proj"]), resid_dropout, r_out)
     m = p["mlp"]
     h = act(conv1d(layer_norm_p(x, p["ln_2"], eps, plan), m["c_fc"]))
-    return x + dropout(conv1d(h, m["c_proj"]), resid_dropout, r_mlp)
+    return x + dropout(mlp_out(conv1d(h, m["c_proj"])), resid_dropout, r_mlp)
 
 
 def attention_scales(config) -> list[float]:
@@ -76,7 +77,7 @@ def attention_scales(config) -> list[float]:
 
 def encode(params: dict, input_ids, attention_mask=None, position_ids=None, token_type_ids=None, *, config,
            plan: ComputePlan, dtype=jnp.float32, dropout_rng: jax.Array | None = None, train: bool = False,
-           remat: bool = False) -> jax.Array:
+           remat: bool | str = False) -> jax.Array:
     """GPT-2 forward: last hidden state ``[B, T, H]`` (after ``ln_f``) in ``dtype``. Pure in ``params``;
     ``plan`` is how the layers compute on this host.
 
@@ -100,8 +101,8 @@ def encode(params: dict, input_ids, attention_mask=None, position_ids=None, toke
                    resid_dropout=rate("resid_pdrop"), attn_dropout=rate("attn_pdrop"))
     for i, scale in enumerate(attention_scales(config)):
         f = partial(step, scale=scale)
-        # remat: keep only each block's input for the backward pass and recompute the rest
-        x = (jax.checkpoint(f) if remat else f)(params["h"][str(i)], x, bias, rng=rngs[i])
+        # remat: what the backward pass keeps of the block, by policy; the rest is recomputed
+        x = checkpointed(f, remat)(params["h"][str(i)], x, bias, rng=rngs[i])
     return layer_norm_p(x, params["ln_f"], eps, plan).reshape(bsz, t, -1)
 
 
@@ -178,4 +179,4 @@ class GPT2Backbone(Backbone):
     def encode(self, params, input_ids, attention_mask, *, train: bool = False, rng=None, position_ids=None,
                token_type_ids=None) -> jax.Array:
         return encode(params, input_ids, attention_mask, position_ids, token_type_ids, config=self.config,
-                      plan=self.plan, dtype=self.dtype, dropout_rng=rng, train=train, remat=self.remat)
+                      plan=self.plan, dtype=self.dtype, dropout_rng=rng, train=train, remat=self.remat_policy)

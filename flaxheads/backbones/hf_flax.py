@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..host.plan import ComputePlan
+from ..layers.remat import remat_policy
 from .base import BackboneError, HFConfig
 from .weights import read_state_dict
 
@@ -93,10 +94,14 @@ def load(path: str | os.PathLike, config: HFConfig | None = None, dtype: Any = j
     return _with_remat(model, remat, plan)
 
 
-def _with_remat(model, remat: bool, plan: ComputePlan | None):
+def _with_remat(model, remat: bool | str, plan: ComputePlan | None):
     model.plan = plan if plan is not None else ComputePlan.for_host()
-    if not remat:
+    policy = remat_policy(remat)
+    if policy == "none":
         return model
+    if policy != "full":
+        raise BackboneError(f"remat={remat!r}: transformers' Flax models recompute whole layers only; use "
+                            "remat='full', or a native flaxheads backbone for other policies")
     if not hasattr(model, "enable_gradient_checkpointing"):
         raise BackboneError(f"remat=True: {type(model).__name__} has no gradient checkpointing in transformers' "
                             "Flax implementation; load without remat")

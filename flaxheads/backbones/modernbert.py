@@ -46,6 +46,7 @@ from ..layers.init import HFInit
 from ..layers.masks import mask_bias
 from ..layers.norms import layer_norm
 from ..layers.positions import apply_rotary, rotary_cos_sin
+from ..layers.remat import attention_out, checkpointed, mlp_out
 from .base import Backbone, BackboneError, HFConfig, activation_problem
 from .bert import dropout_keys
 
@@ -236,14 +237,14 @@ def attention(p: Mapping, x: jax.Array, cos: jax.Array, sin: jax.Array, key_vali
         ctx = sliding_window_attention(q, k, v, key_valid, s.window_half, impl=local_impl, **kw)
     else:
         ctx = global_attention(q, k, v, bias, plan=plan, **kw)
-    return linear(ctx.reshape(b, t, h), p["Wo"], plan)
+    return linear(attention_out(ctx).reshape(b, t, h), p["Wo"], plan)
 
 
 def glu_mlp(p: Mapping, x: jax.Array, act: str, rate: float, rng, plan: ComputePlan) -> jax.Array:
     """GeGLU: ``Wi`` -> (input, gate) halves -> ``act(input) * gate`` -> dropout -> ``Wo`` (``act``: HF's name)."""
     inp, gate = jnp.split(linear(x, p["Wi"], plan), 2, axis=-1)
     act_fn = get_activation(act, barrier=plan.activation_barrier)
-    return linear(dropout(act_fn(inp) * gate, rate, rng), p["Wo"], plan)
+    return mlp_out(linear(dropout(act_fn(inp) * gate, rate, rng), p["Wo"], plan))
 
 
 def layer(p: Mapping, x: jax.Array, cos: jax.Array, sin: jax.Array, key_valid: jax.Array, bias: jax.Array, *,
@@ -259,7 +260,7 @@ def layer(p: Mapping, x: jax.Array, cos: jax.Array, sin: jax.Array, key_valid: j
 
 def encode(params: Mapping, input_ids, attention_mask=None, position_ids=None, *, settings: Settings,
            plan: ComputePlan, dtype=jnp.float32, train: bool = False, rng: jax.Array | None = None,
-           remat: bool = False, local_impl: str = "auto") -> jax.Array:
+           remat: bool | str = False, local_impl: str = "auto") -> jax.Array:
     """ModernBERT's last hidden state ``[B, T, H]`` (after ``final_norm``) in ``dtype``; pure in ``params``.
 
     ``plan`` (:class:`~flaxheads.host.plan.ComputePlan`) arranges the products, LayerNorms and global
@@ -281,8 +282,7 @@ def encode(params: Mapping, input_ids, attention_mask=None, position_ids=None, *
     bias = mask_bias(attention_mask, dtype)
     for i, (kind, r) in enumerate(zip(s.kinds, rngs, strict=True)):
         step = partial(layer, s=s, local=kind == LOCAL, local_impl=local_impl, plan=plan)
-        if remat:
-            step = jax.checkpoint(step)  # keep each layer's input only; recompute the rest in the backward pass
+        step = checkpointed(step, remat)  # remat: what the backward pass keeps, by policy
         x = step(params["layers"][str(i)], x, *rotary[kind], key_valid, bias, rng=r)
     return norm(x, params["final_norm"], s.eps, plan)
 
@@ -365,4 +365,4 @@ class ModernBertBackbone(Backbone):
     def encode(self, params, input_ids, attention_mask, *, train: bool = False, rng=None,
                position_ids=None) -> jax.Array:
         return encode(params, input_ids, attention_mask, position_ids, settings=self.settings, plan=self.plan,
-                      dtype=self.dtype, train=train, rng=rng, remat=self.remat, local_impl=self.local_impl)
+                      dtype=self.dtype, train=train, rng=rng, remat=self.remat_policy, local_impl=self.local_impl)

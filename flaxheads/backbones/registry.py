@@ -55,7 +55,7 @@ def _in_file(e: BackboneError, config: HFConfig, fam: type[Backbone]) -> Backbon
 
 
 def load_backbone(path: str | os.PathLike, dtype: Any = jnp.float32, *, state: Mapping[str, np.ndarray] | None = None,
-                  remat: bool = False, implementation: str = "auto", plan: ComputePlan | None = None):
+                  remat: bool | str = False, implementation: str = "auto", plan: ComputePlan | None = None):
     """The backbone of a local Hugging Face folder (``config.json`` + weights; never the hub).
 
     ``implementation``: ``"native"`` (flaxheads' own JAX code; an error when the family has

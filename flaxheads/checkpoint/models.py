@@ -32,7 +32,9 @@ def model_from_checkpoint(directory: str | os.PathLike, step: int | str | None =
             f"{ckpt.path}: the backbone folder {path!r} (recorded in the checkpoint's meta) does not exist here; "
             "pass backbone=<folder> (--backbone) with the same backbone, or export the head alone with "
             "format='head'")
+    stored = meta.get("base_dtype")  # a frozen base kept in bfloat16 is loaded as the head was trained on it
     base = from_pretrained(path, num_labels=int(meta["num_labels"]), ignore_mismatched_sizes=True,
+                           base_dtype=stored if stored in ("bfloat16", "float16") else None,
                            **({} if dtype is None else {"dtype": dtype}))
     if base.model_type != meta.get("backbone_model_type", base.model_type):
         raise CheckpointError(f"{ckpt.path}: the head was trained on a {meta['backbone_model_type']} backbone, "

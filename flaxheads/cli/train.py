@@ -28,7 +28,9 @@ import os
 import sys
 from typing import Sequence
 
+from ..base_dtype import BASE_DTYPES
 from ..errors import TrainingError, UsageError
+from ..layers.remat import REMAT_POLICIES
 from ..nn.poolers import POOLER_NAMES
 from ..host.precision import PRECISIONS
 from ..run import RunSpec, train
@@ -59,6 +61,14 @@ def _model_flags(ap: argparse.ArgumentParser) -> None:
                         "stay float32. auto (default, or $FLAXHEADS_PRECISION): bfloat16 where the hardware "
                         "multiplies it natively (TPU, GPUs from sm_80, CPUs with AMX or AVX512-BF16), else float32")
     g.add_argument("--bf16", action="store_true", help="same as --precision bfloat16")
+    g.add_argument("--remat", choices=REMAT_POLICIES, default="none",
+                   help="gradient checkpointing: what the backward pass keeps of each layer. none (default): "
+                        "everything; full: the layer's input only (least memory, ~1 more forward); save-dots: the "
+                        "dense projections' outputs; save-named: the attention and feed-forward outputs")
+    g.add_argument("--base-dtype", choices=BASE_DTYPES, default="auto",
+                   help="how a base that does not train (--freeze-backbone, --cache-features, LoRA) is stored: "
+                        "bfloat16 halves its memory; head, adapters and optimizer state stay float32. auto "
+                        "(default): bfloat16 when the base is frozen and the precision is bfloat16, else float32")
 
 
 def _data_flags(ap: argparse.ArgumentParser) -> None:

@@ -217,7 +217,7 @@ def _num_labels(folder: str, base_cfg, saved) -> int:
 
 
 def load_peft(folder: str | os.PathLike, *, backbone: str | os.PathLike | None = None, dtype=jnp.float32,
-              plan=None, id2label=None, problem_type: str | None = None, **ignored):
+              plan=None, id2label=None, problem_type: str | None = None, remat: bool | str = False, **ignored):
     """A PEFT LoRA ``SEQ_CLS`` adapter folder on its base model folder, as a flaxheads model with the
     same logits as ``PeftModel.from_pretrained(AutoModelForSequenceClassification(base), folder)``.
 
@@ -235,7 +235,7 @@ def load_peft(folder: str | os.PathLike, *, backbone: str | os.PathLike | None =
         raise ModelImportError(f"{folder}: the adapter holds no lora_A / lora_B weights")
     n = _num_labels(folder, read_config(base), saved)
     model = from_pretrained(base, num_labels=n, id2label=id2label, problem_type=problem_type, dtype=dtype,
-                            plan=plan, ignore_mismatched_sizes=True)
+                            plan=plan, ignore_mismatched_sizes=True, remat=remat)
     prefix = model.backbone.base_model_prefix if hasattr(model.backbone, "base_model_prefix") else ""
     head, loaded, _ = head_from_hf(np_tree(model.params["head"]), model.hf_names, saved, strip_prefixes=[])
     used = {f"{name}.{leaf}" for _, name in loaded for leaf in ("weight", "bias")}

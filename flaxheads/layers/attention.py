@@ -17,6 +17,7 @@ from jax import lax
 from ..host.plan import ComputePlan
 from .dense import matmul
 from .dropout import dropout
+from .remat import attention_out
 
 
 #: Target size of one attention chunk's score tensor. Chunks that fit in cache cost less
@@ -288,10 +289,10 @@ def self_attention(x: jax.Array, w: jax.Array, b: jax.Array, bias: jax.Array, *,
     ungrouped = plan.attention_for(rate > 0.0 and rng is not None) in ("fused", "ynn")
     groups = 1 if ungrouped else attention_groups(batch, num_heads, t, t, x.dtype, plan)
     if groups == 1:
-        return attend_qkv(qkv, bias, rng).reshape(bt, h)
+        return attention_out(attend_qkv(qkv, bias, rng).reshape(bt, h))
     # grouped here, not in attend_chunked: the groups slice the one q/k/v tensor (q, k and v
     # split before the loop are three copies of it)
-    return in_groups(attend_qkv, groups, rng, qkv, bias).reshape(bt, h)
+    return attention_out(in_groups(attend_qkv, groups, rng, qkv, bias).reshape(bt, h))
 
 
 def cross_attention(x: jax.Array, memory: jax.Array, w: jax.Array, b: jax.Array, bias: jax.Array, *,
@@ -307,7 +308,7 @@ def cross_attention(x: jax.Array, memory: jax.Array, w: jax.Array, b: jax.Array,
     q = (matmul(x, w[:, :h], plan) + b[:h].astype(x.dtype)).reshape(batch, -1, num_heads, d)
     kv = (matmul(memory, w[:, h:], plan) + b[h:].astype(x.dtype)).reshape(batch, -1, 2, num_heads, d)
     k, v = (a.squeeze(2) for a in jnp.split(kv, 2, axis=2))
-    return attend_chunked(q, k, v, bias, plan=plan, rate=rate, rng=rng).reshape(x.shape[0], h)
+    return attention_out(attend_chunked(q, k, v, bias, plan=plan, rate=rate, rng=rng).reshape(x.shape[0], h))
 
 
 def attend_chunked(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, *, plan: ComputePlan,

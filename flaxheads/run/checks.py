@@ -6,7 +6,9 @@ from __future__ import annotations
 import math
 import os
 
+from ..base_dtype import BASE_DTYPES
 from ..errors import TrainingError, UsageError
+from ..layers.remat import REMAT_POLICIES
 from ..nn.poolers import POOLER_NAMES
 from ..ranking.objectives import OBJECTIVES
 from ..sharding import parse_mesh
@@ -75,6 +77,14 @@ def _check_model(spec: RunSpec) -> None:
         raise UsageError(f"--head {m.head!r} is not one of linear, mlp, preset")
     if m.head_hidden and m.head != "mlp":
         raise UsageError(f"--head-hidden sets the widths of an MLP head; it needs --head mlp (got --head {m.head})")
+    if m.remat not in REMAT_POLICIES:
+        raise UsageError(f"--remat {m.remat!r} is not one of {', '.join(REMAT_POLICIES)}")
+    if m.base_dtype not in BASE_DTYPES:
+        raise UsageError(f"--base-dtype {m.base_dtype!r} is not one of {', '.join(BASE_DTYPES)}")
+    if m.base_dtype == "bfloat16" and not (spec.frozen or spec.trains_adapters):
+        raise UsageError("--base-dtype bfloat16 stores a base that does not train; this run fine-tunes the backbone, "
+                         "whose small updates would round away in bfloat16: add --freeze-backbone, "
+                         "--cache-features or --lora-rank, or drop --base-dtype")
 
 
 def _check_lora(spec: RunSpec) -> None:

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from .._version import __version__
+from ..base_dtype import base_dtype_of, resolve_base_dtype
 from ..batching import make_buckets
 from ..errors import UsageError
 from ..host import ComputePlan
@@ -123,6 +124,13 @@ def lora_config(spec: RunSpec) -> LoraConfig | None:
     return LoraConfig(rank=m.lora_rank, alpha=alpha, dropout=m.lora_dropout, targets=m.lora_targets)
 
 
+def base_dtype(spec: RunSpec, plan: ComputePlan):
+    """The storage dtype of the run's base (``--base-dtype``; auto: bfloat16 when it does not train
+    and the compute precision is bfloat16)."""
+    return resolve_base_dtype(spec.model.base_dtype, frozen=spec.frozen or spec.trains_adapters,
+                              compute_dtype=plan.precision.dtype)
+
+
 def build_model(spec: RunSpec, path: str, space: LabelSpace | None, plan: ComputePlan) -> SequenceModel:
     """The model the spec names; ``space`` None: a one-output scorer (ranking)."""
     m = spec.model
@@ -130,15 +138,16 @@ def build_model(spec: RunSpec, path: str, space: LabelSpace | None, plan: Comput
     num_labels, problem_type = (space.num_labels, space.problem_type) if space is not None else (1, "regression")
     if m.lora_from is not None:
         model = load_peft(m.lora_from, backbone=path, id2label=id2label, problem_type=problem_type,
-                          dtype=plan.precision.dtype, plan=plan)
+                          dtype=plan.precision.dtype, plan=plan, remat=m.remat)
         if model.num_labels != num_labels:
             raise UsageError(f"--lora-from {m.lora_from}: the adapter's classifier has {model.num_labels} outputs but "
                              f"the data has {num_labels} labels; continue it on data with the same labels")
-        return model
+        return model.with_base_dtype(base_dtype(spec, plan))
     pooler = None if m.pooler == "preset" else m.pooler.split(",") if "," in m.pooler else m.pooler
     model = from_pretrained(path, pooler=pooler, head=None if m.head == "preset" else m.head, id2label=id2label,
                             num_labels=num_labels, problem_type=problem_type, dtype=plan.precision.dtype, plan=plan,
-                            seed=spec.seed, ignore_mismatched_sizes=True,
+                            seed=spec.seed, ignore_mismatched_sizes=True, base_dtype=base_dtype(spec, plan),
+                            remat=m.remat,
                             head_options={"hidden_dims": tuple(m.head_hidden)} if m.head_hidden else None)
     cfg = lora_config(spec)
     return model if cfg is None else model.with_lora(cfg, seed=spec.seed)
@@ -396,6 +405,8 @@ def _packing_note(job: Job) -> str:
 
 
 def _training_kind(job: Job) -> str:
+    stored = base_dtype_of(job.model.params["backbone"])
+    in_16 = f", stored in {stored}" if stored not in (None, "float32") else ""  # --base-dtype
     if job.model.lora is not None:
-        return f"LoRA rank {job.model.lora.rank} on {', '.join(job.model.lora.targets)} (base frozen)"
-    return "backbone frozen" if job.optim.freeze_backbone else "full fine-tune"
+        return f"LoRA rank {job.model.lora.rank} on {', '.join(job.model.lora.targets)} (base frozen{in_16})"
+    return f"backbone frozen{in_16}" if job.optim.freeze_backbone else "full fine-tune"

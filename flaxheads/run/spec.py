@@ -40,6 +40,8 @@ class ModelSpec:
     head: str = "linear"  # linear | mlp | preset
     head_hidden: tuple[int, ...] | None = None  # hidden widths of an mlp head
     precision: str | None = None  # auto | float32 | bfloat16 (None: $FLAXHEADS_PRECISION, else auto)
+    base_dtype: str = "auto"  # a frozen base's storage: auto (bfloat16 if frozen and precision is) | float32 | bfloat16
+    remat: str = "none"  # what the backward pass keeps of each layer: none | full | save-dots | save-named
     lora_rank: int | None = None
     lora_alpha: float | None = None  # default 2 x rank
     lora_dropout: float = 0.0

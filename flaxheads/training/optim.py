@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import optax
 from flax.traverse_util import flatten_dict, unflatten_dict
 
+from ..base_dtype import check_trainable_base
 from ..errors import TrainingError
 
 SCHEDULES = ("linear", "cosine", "constant")
@@ -59,7 +60,9 @@ def trainable(params: dict, freeze_backbone: bool) -> dict:
         return {"head": params["head"]}
     if "lora" in params:
         return {"lora": params["lora"], "head": params["head"]}
-    return {"backbone": params["backbone"], "head": params["head"]}
+    out = {"backbone": params["backbone"], "head": params["head"]}
+    check_trainable_base(out)  # a 16-bit base is only ever frozen
+    return out
 
 
 def merge(params: dict, trained: dict) -> dict:
