@@ -219,22 +219,22 @@ _HEADS = {H.LinearHead: LinearHead, H.MLPHead: MLPHead, H.ProjectionHead: Projec
           H.IdentityHead: IdentityHead}
 
 
+def _nnx_form(forms: dict, what: str, config, width: int, rngs: nnx.Rngs) -> nnx.Module:
+    cls = forms.get(type(config))
+    if cls is None:
+        raise ConfigError(f"no NNX form of {what} {type(config).__name__}; NNX {what}s: "
+                          f"{sorted(c.__name__ for c in forms)}")
+    return cls(config, width, rngs=rngs)
+
+
 def pooler(config: P.Pooler, hidden_size: int, *, rngs: nnx.Rngs) -> nnx.Module:
     """The NNX form of a pooler config (``fh.make_pooler(...)``) on hidden states of width ``hidden_size``."""
-    cls = _POOLERS.get(type(config))
-    if cls is None:
-        raise ConfigError(f"no NNX form of pooler {type(config).__name__}; NNX poolers: "
-                          f"{sorted(c.__name__ for c in _POOLERS)}")
-    return cls(config, hidden_size, rngs=rngs)
+    return _nnx_form(_POOLERS, "pooler", config, hidden_size, rngs)
 
 
 def head(config: H.Head, in_features: int, *, rngs: nnx.Rngs) -> nnx.Module:
     """The NNX form of a head config (``fh.make_head(...)``, a preset's head) on vectors of ``in_features``."""
-    cls = _HEADS.get(type(config))
-    if cls is None:
-        raise ConfigError(f"no NNX form of head {type(config).__name__}; NNX heads: "
-                          f"{sorted(c.__name__ for c in _HEADS)}")
-    return cls(config, in_features, rngs=rngs)
+    return _nnx_form(_HEADS, "head", config, in_features, rngs)
 
 
 def _drop_empty(tree: dict) -> dict:
