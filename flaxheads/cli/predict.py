@@ -29,7 +29,6 @@ from ..run.data import run_split
 from ..training.metrics import compute_metrics, format_table, headline
 from . import flags
 from .flags import Program
-from ..run.plots import plot_confusion_matrix
 from ..preflight import check_file, check_folder
 from ..predict.io import (INPUT_FORMATS, OUTPUT_FORMATS, STDIO, check_new_columns, output_format, read_input,
                          read_labelled_input, write_embeddings, write_rows)
@@ -159,6 +158,8 @@ def run_evaluate(args: argparse.Namespace, program: Program | None = None) -> in
         text = RunFolder(out).write_results(summary, final, clf.id2label,
                                             {name: {"logits": pred.logits, "labels": np.asarray(labels)}})
         if "confusion_matrix" in metrics:
+            from ..run.plots import plot_confusion_matrix  # matplotlib only when there is a matrix to draw
+
             plot_confusion_matrix(out / "confusion_matrix.png", metrics["confusion_matrix"], clf.id2label, name)
     else:
         text = f"== {name} ==\n{format_table(metrics, clf.id2label)}"

@@ -13,7 +13,6 @@ from ..interop.files import write_marker
 from ..training import loop
 from ..training.metrics import format_table
 from ..training.optim import OptimConfig, learning_rates
-from .plots import plot_confusion_matrix, plot_curve
 
 #: Keys of fit's step metrics that go to metrics.jsonl.
 LOGGED = ("epoch", "loss", "loss_avg", "grad_norm", "examples_per_s", "padding")
@@ -94,6 +93,8 @@ class RunFolder:
         text = self.write_results(summary, final, id2label, predictions)
         if not self.lead:
             return
+        from .plots import plot_confusion_matrix, plot_curve  # matplotlib: loaded when a run ends, not on import
+
         plot_curve(self.path / "curve.png", history, metric)
         for name in ("test", "validation"):
             if "confusion_matrix" in final.get(name, {}):
