@@ -473,3 +473,19 @@ def check_dropout_site(folder, arch: str, site: str, *, attn_out: str, ffn: str,
              "attention probabilities": (None, {hidden_rate: 0.0, attn_rate: 0.5})}
     edit, over = cases[site]
     return check_dropout_spread(*save_tiny(folder, arch, edit=edit, **over), arch)
+
+
+def pooler_specs() -> list:
+    """Every pooler form (the 12 names and two concatenations), as ``fh.make_pooler`` takes them."""
+    return ["cls", "first_non_pad", "last", "mean", "max", "mean_sqrt_len", "weighted_mean", "attention",
+            "bert", "albert", "deberta", "xlnet", ["cls", "mean", "max"], ["attention", "bert"]]
+
+
+def head_specs() -> list:
+    """Every head form, with the options that change its parameters (bias, norm, hidden widths)."""
+    import flaxheads as fh
+
+    return [fh.LinearHead(3), fh.LinearHead(3, dropout=0.0, use_bias=False),
+            fh.MLPHead(3, hidden_dims=(16, 8), activation="relu", layer_norm=True, norm_bias=False),
+            fh.ProjectionHead(features=(12, 6), activation="tanh", normalize=True), fh.ProjectionHead(features=5),
+            fh.IdentityHead()]

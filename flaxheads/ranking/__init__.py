@@ -2,7 +2,7 @@
 
 :mod:`.objectives` (pairwise Bradley-Terry and hinge, listwise softmax / ListNet, pointwise BCE),
 :mod:`.metrics` (pairwise accuracy, NDCG@k, MRR@k, MAP), :mod:`.data` (preference and ranking
-tables, grouped splits and batches), :mod:`.train` (the trainer of ``fit`` for an objective).
+tables, grouped splits and batches), :mod:`.task` (``Ranking``: an objective as the task of the one ``Trainer``).
 """
 from .metrics import ranking_metrics
 from .objectives import OBJECTIVES, objective_fn, objective_loss

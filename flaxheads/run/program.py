@@ -309,8 +309,7 @@ def train(spec: RunSpec | None = None, *, callbacks: Sequence[loop.Callback] = (
     :class:`~flaxheads.training.preemption.Interrupted`; calling again resumes. ``argv``,
     ``started`` (``time.perf_counter()`` at the program's start) and ``compile_cache`` are what the
     command records of itself."""
-    spec = (spec or RunSpec()).replace(**settings) if settings else (spec or RunSpec())
-    spec = check_spec(spec)
+    spec = check_spec((spec or RunSpec()).replace(**settings))
     job = prepare(spec)
     if spec.cached:
         from .cached import run_cached

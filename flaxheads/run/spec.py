@@ -20,12 +20,14 @@ from typing import Any, Mapping
 from ..errors import UsageError
 from ..hub import PACKAGED_MODEL
 from ..host.precision import PRECISION_ENV, PRECISIONS
+from ..losses import MULTI_LABEL, REGRESSION, SINGLE_LABEL
+from ..ranking.objectives import OBJECTIVES
 from ..training.data import TableSources
 
 #: The problem types a classification run can be given (default: guessed from the labels).
-PROBLEM_TYPES = ("single_label_classification", "multi_label_classification", "regression")
-#: ``task.objective`` values other than ``classification`` (:mod:`flaxheads.ranking.objectives`).
-RANKING_OBJECTIVES = ("pairwise", "hinge", "listwise", "listnet", "pointwise")
+PROBLEM_TYPES = (SINGLE_LABEL, MULTI_LABEL, REGRESSION)
+#: ``task.objective`` values other than ``classification``.
+RANKING_OBJECTIVES = OBJECTIVES
 #: Peak learning rates when ``lr`` / ``head_lr`` are not given: fine-tuning, the head of a
 #: fine-tune, a frozen backbone (probe), LoRA adapters (they start at B = 0 and need a larger step).
 DEFAULT_LR, DEFAULT_HEAD_LR, PROBE_LR, LORA_LR = 1e-4, 1e-3, 5e-3, 1e-3

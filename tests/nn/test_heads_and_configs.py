@@ -7,14 +7,9 @@ import numpy as np
 import pytest
 
 import flaxheads as fh
-from hf_tiny import tiny_config
+from hf_tiny import head_specs, pooler_specs, tiny_config
 
-ALL_POOLERS = ["cls", "first_non_pad", "last", "mean", "max", "mean_sqrt_len", "weighted_mean", "attention",
-               "bert", "albert", "deberta", "xlnet", ["cls", "mean", "max"], ["attention", "bert"]]
-ALL_HEADS = [fh.LinearHead(3), fh.LinearHead(3, dropout=0.0, use_bias=False),
-             fh.MLPHead(3, hidden_dims=(16, 8), activation="relu", layer_norm=True, norm_bias=False),
-             fh.ProjectionHead(features=(12, 6), activation="tanh", normalize=True), fh.ProjectionHead(features=5),
-             fh.IdentityHead()]
+ALL_POOLERS, ALL_HEADS = pooler_specs(), head_specs()
 
 
 def _presets():

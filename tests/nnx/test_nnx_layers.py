@@ -10,14 +10,9 @@ from flax import nnx
 import flaxheads as fh
 from flaxheads import nnx as fnnx
 from flaxheads.errors import ConfigError
-from hf_tiny import H, padded_batch, save_tiny, tiny_config
+from hf_tiny import H, head_specs, padded_batch, pooler_specs, save_tiny, tiny_config
 
-POOLERS = ["cls", "first_non_pad", "last", "mean", "max", "mean_sqrt_len", "weighted_mean", "attention",
-           "bert", "albert", "deberta", "xlnet", ["cls", "mean", "max"], ["attention", "bert"]]
-HEADS = [fh.LinearHead(3), fh.LinearHead(3, dropout=0.0, use_bias=False),
-         fh.MLPHead(3, hidden_dims=(16, 8), activation="relu", layer_norm=True, norm_bias=False),
-         fh.ProjectionHead(features=(12, 6), activation="tanh", normalize=True), fh.ProjectionHead(features=5),
-         fh.IdentityHead()]
+POOLERS, HEADS = pooler_specs(), head_specs()
 
 
 @pytest.fixture(scope="module")
