@@ -81,7 +81,7 @@ def _check_model(spec: RunSpec) -> None:
         raise UsageError(f"--remat {m.remat!r} is not one of {', '.join(REMAT_POLICIES)}")
     if m.base_dtype not in BASE_DTYPES:
         raise UsageError(f"--base-dtype {m.base_dtype!r} is not one of {', '.join(BASE_DTYPES)}")
-    if m.base_dtype == "bfloat16" and not (spec.frozen or spec.trains_adapters):
+    if m.base_dtype == "bfloat16" and not spec.base_frozen:
         raise UsageError("--base-dtype bfloat16 stores a base that does not train; this run fine-tunes the backbone, "
                          "whose small updates would round away in bfloat16: add --freeze-backbone, "
                          "--cache-features or --lora-rank, or drop --base-dtype")

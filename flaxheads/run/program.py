@@ -127,7 +127,7 @@ def lora_config(spec: RunSpec) -> LoraConfig | None:
 def base_dtype(spec: RunSpec, plan: ComputePlan):
     """The storage dtype of the run's base (``--base-dtype``; auto: bfloat16 when it does not train
     and the compute precision is bfloat16)."""
-    return resolve_base_dtype(spec.model.base_dtype, frozen=spec.frozen or spec.trains_adapters,
+    return resolve_base_dtype(spec.model.base_dtype, frozen=spec.base_frozen,
                               compute_dtype=plan.precision.dtype)
 
 
@@ -174,7 +174,7 @@ def checked_run_folder(spec: RunSpec, model_path: str) -> Path:
     """The run folder, checked before any model loads (a folder, writable, room for ``keep`` checkpoints)."""
     out = run_folder_path(spec)
     c = spec.checkpoints
-    check_run_folder(out, model_path, trains_backbone=not (spec.frozen or spec.trains_adapters), keep=c.keep,
+    check_run_folder(out, model_path, trains_backbone=not spec.base_frozen, keep=c.keep,
                      keep_best=c.keep_best_by != "none", checkpoints=c.checkpoint_every != 0)
     return out
 

@@ -230,6 +230,11 @@ class RunSpec:
         return self.optim.freeze_backbone or self.cached
 
     @property
+    def base_frozen(self) -> bool:
+        """The base's own weights do not train (frozen, cached, or LoRA adapters train instead)."""
+        return self.frozen or self.trains_adapters
+
+    @property
     def parallel_mode(self) -> str:
         d = self.devices
         return "mesh" if d.coordinator_address is not None or d.mesh else d.parallel
