@@ -13,7 +13,7 @@ from ..errors import UsageError
 from ..ranking.data import check_unit_relevance, load_groups, split_groups, tokenize_groups
 from ..ranking.objectives import MARGIN_OBJECTIVES
 from ..tables import DataError, LabelSpace, TextTable
-from ..training.data import DataConfig, TableSources, load_splits, tokenize
+from ..training.data import DataConfig, TableSources, load_splits, tokenize_shared
 from ..training.streaming import open_stream, split_table, streams
 from .spec import RunSpec
 
@@ -40,12 +40,13 @@ class RunData:
         return max(t.max_group for t in self.tables.values()) if self.kind != "rows" else 1
 
     def tokenize(self, tokenizer, max_length: int) -> dict[str, Any]:
-        """Every split as ``fit`` takes it: ``Split``, ``StreamSplit`` or ``GroupedSplit``."""
+        """Every split as ``fit`` takes it: ``Split``, ``StreamSplit`` or ``GroupedSplit``. Rows are
+        tokenized once across the processes of a multi-host run (each its share, then gathered)."""
         if self.stream is not None:
             return self.stream.splits(tokenizer, max_length)
         if self.kind != "rows":
             return {n: tokenize_groups(t, tokenizer, max_length, n) for n, t in self.tables.items()}
-        return {n: tokenize(t, self.labels[n], tokenizer, max_length, n) for n, t in self.tables.items()}
+        return {n: tokenize_shared(t, self.labels[n], tokenizer, max_length, n) for n, t in self.tables.items()}
 
 
 def data_config(spec: RunSpec) -> DataConfig:

@@ -72,6 +72,59 @@ def tokenize(table: TextTable, labels: np.ndarray, tokenizer, max_length: int, n
     return Split(name, ids, labels, tt)
 
 
+def tokenize_shared(table: TextTable, labels: np.ndarray, tokenizer, max_length: int, name: str = "train", *,
+                    processes: int | None = None, process: int | None = None, gather=None) -> Split:
+    """:func:`tokenize`, the work shared among the processes of a multi-host run: process ``p`` of
+    ``P`` tokenizes rows ``p, p + P, ...`` (every P-th row, so long and short texts spread evenly),
+    and one all-gather gives every process the same whole :class:`Split`, hence the same batch
+    plan. One process: plain :func:`tokenize`.
+
+    ``gather(list of int32 arrays) -> one such list per process`` defaults to
+    :func:`all_gather_ragged` (a collective: every process calls it, in the same order)."""
+    import jax
+
+    procs = jax.process_count() if processes is None else processes
+    if procs == 1:
+        return tokenize(table, labels, tokenizer, max_length, name)
+    me = jax.process_index() if process is None else process
+    rows = np.arange(me, len(table), procs)
+    part = tokenize(table.take(rows), labels[rows], tokenizer, max_length, name)
+    gather = all_gather_ragged if gather is None else gather
+
+    def interleave(per_process: list[list[np.ndarray]]) -> list[np.ndarray]:
+        out: list = [None] * len(table)
+        for p, arrays in enumerate(per_process):
+            out[p::procs] = arrays
+        return out
+
+    ids = interleave(gather(part.input_ids))
+    types = None if part.token_type_ids is None else interleave(gather(part.token_type_ids))
+    return Split(name, ids, labels, types)
+
+
+def all_gather_ragged(arrays: list[np.ndarray]) -> list[list[np.ndarray]]:
+    """Every process's list of 1-D int32 arrays (lengths may differ within and between processes),
+    in process order: three all-gathers (counts, lengths, the padded concatenation)."""
+    from jax.experimental import multihost_utils
+
+    def gather(x: np.ndarray) -> np.ndarray:
+        return np.asarray(multihost_utils.process_allgather(x))
+
+    counts = gather(np.asarray([len(arrays)], np.int64))[:, 0]
+    lengths = np.zeros(int(counts.max()), np.int64)
+    lengths[:len(arrays)] = [len(a) for a in arrays]
+    all_lengths = gather(lengths)
+    flat = np.zeros(int(all_lengths.sum(axis=1).max()), np.int32)
+    mine = np.concatenate(arrays) if arrays else flat[:0]
+    flat[:len(mine)] = mine
+    all_flat = gather(flat)
+    out = []
+    for p, count in enumerate(counts):
+        cuts = np.cumsum(all_lengths[p, :count])[:-1]
+        out.append(list(np.split(all_flat[p, :all_lengths[p, :count].sum()], cuts)) if count else [])
+    return out
+
+
 def batch_plan(lengths: np.ndarray, batch_size: int, *, seed: int = 0, epoch: int = 0,
                key: Sequence[int] | None = None, shuffle: bool = True, group_by_length: bool = False,
                group_batches: int | None = 32) -> list[np.ndarray]:

@@ -106,6 +106,43 @@ def test_text_pairs_get_token_types(tmp_path, tok):
     assert "token_type_ids" in b
 
 
+@pytest.mark.parametrize("processes", [2, 3])
+def test_tokenize_shared_tokenizes_a_share_each_and_gives_all_the_whole_split(tmp_path, tok, processes):
+    rows = [(f"{t} {k}", b) for k in range(3) for t, b in ROWS]  # 18 rows, pairs from a second column
+    (tmp_path / "p.csv").write_text("a,b,label\n" + "".join(f"{t},{t[::-1]},{l}\n" for t, l in rows))
+    t = T.load_table(tmp_path / "p.csv", text_column="a", text_pair_column="b")
+    labels = T.encode_labels(t, T.infer_label_space(t))
+    want = D.tokenize(t, labels, tok, 12)
+    seen: dict[int, list[str]] = {}
+
+    def counting(me):
+        def call(texts, pairs, **kw):
+            seen.setdefault(me, []).extend(texts)
+            return tok(texts, pairs, **kw)
+        return call
+
+    # what each process holds after its own share is tokenized, as all_gather_ragged returns it
+    parts = [D.tokenize(t.take(range(p, len(t), processes)), labels[p::processes], tok, 12) for p in range(processes)]
+    for me in range(processes):
+        calls = iter(["input_ids", "token_type_ids"])
+        def gather(arrays, me=me, calls=calls):
+            field = next(calls)
+            return [arrays if p == me else getattr(parts[p], field) for p in range(processes)]
+
+        got = D.tokenize_shared(t, labels, counting(me), 12, processes=processes, process=me, gather=gather)
+        assert seen[me] == [t.texts[i] for i in range(me, len(t), processes)]  # its share only
+        assert [x.tolist() for x in got.input_ids] == [x.tolist() for x in want.input_ids]
+        assert [x.tolist() for x in got.token_type_ids] == [x.tolist() for x in want.token_type_ids]
+        np.testing.assert_array_equal(got.labels, want.labels)
+
+
+def test_all_gather_ragged_round_trips_on_one_process():
+    arrays = [np.arange(n, dtype=np.int32) + 7 for n in (3, 0, 5, 1)]
+    (got,) = D.all_gather_ragged(arrays)
+    assert [a.tolist() for a in got] == [a.tolist() for a in arrays]
+    assert D.all_gather_ragged([]) == [[]]
+
+
 def test_batch_plan_is_a_function_of_seed_and_epoch():
     lengths = np.random.default_rng(0).integers(1, 50, 37)
     for group in (False, True):
