@@ -18,6 +18,7 @@ from flaxheads.checkpoint import RunCheckpointer  # noqa: E402
 from flaxheads.training.loop import FitCheckpointing, TrainConfig, Trainer, fit  # noqa: E402
 from flaxheads.training.optim import OptimConfig  # noqa: E402
 from flaxheads.sharding import abstract  # noqa: E402
+from flaxheads.nn import linen
 from train_helpers import random_split  # noqa: E402
 
 N_TRAIN, BATCH, STEPS = 21, 8, 3  # 21 = 8 + 8 + 5: the last batch has 3 padding rows
@@ -107,7 +108,7 @@ def abstract_model(config: dict):
     shapes = fam.param_shapes(cfg)
     head, _ = build_head(cfg, 2, pooler="mean", head="linear")
     hidden = int(cfg.hidden_size)
-    hp = jax.eval_shape(lambda: head.init(jax.random.PRNGKey(0), jnp.zeros((1, 1, hidden)), jnp.ones((1, 1), jnp.int32)))
+    hp = jax.eval_shape(lambda: linen.module(head).init(jax.random.PRNGKey(0), jnp.zeros((1, 1, hidden)), jnp.ones((1, 1), jnp.int32)))
     return SequenceModel(fam(cfg, shapes), head, 2, "single_label_classification",
                          {"backbone": shapes, "head": hp["params"]})
 
