@@ -179,7 +179,8 @@ class SequenceHead:
 
     def __post_init__(self):
         if not isinstance(self.pooler, Pooler):
-            raise ConfigError(f"SequenceHead's pooler must be a pooler config (fh.make_pooler(...)), got {self.pooler!r}")
+            raise ConfigError("SequenceHead's pooler must be a pooler config (fh.make_pooler(...)), "
+                              f"got {self.pooler!r}")
         if not isinstance(self.head, Head):
             raise ConfigError(f"SequenceHead's head must be a head config (fh.make_head(...)), got {self.head!r}")
 

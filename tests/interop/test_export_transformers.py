@@ -15,6 +15,7 @@ from transformers import AutoModelForSequenceClassification  # noqa: E402
 
 import flaxheads as fh  # noqa: E402
 from flaxheads.interop.head_files import load_head_export  # noqa: E402
+from flaxheads.nn import linen  # noqa: E402
 from flaxheads.backbones.registry import family_for  # noqa: E402
 from flaxheads.interop.transformers import ExportError  # noqa: E402
 from hf_tiny import padded_batch, tiny_torch_model  # noqa: E402
@@ -178,7 +179,6 @@ _NO_TORCH = """
 import sys
 sys.modules["torch"] = None  # as if torch were not installed: import fails, find_spec returns None
 import flaxheads as fh
-from flaxheads.nn import linen
 src, out = sys.argv[1], sys.argv[2]
 m = fh.from_pretrained(src)
 fh.export_transformers(m, out + "/pt")

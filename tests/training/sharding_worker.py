@@ -18,7 +18,7 @@ from flaxheads.checkpoint import RunCheckpointer  # noqa: E402
 from flaxheads.training.loop import FitCheckpointing, TrainConfig, Trainer, fit  # noqa: E402
 from flaxheads.training.optim import OptimConfig  # noqa: E402
 from flaxheads.sharding import abstract  # noqa: E402
-from flaxheads.nn import linen
+from flaxheads.nn import linen  # noqa: E402
 from train_helpers import random_split  # noqa: E402
 
 N_TRAIN, BATCH, STEPS = 21, 8, 3  # 21 = 8 + 8 + 5: the last batch has 3 padding rows
