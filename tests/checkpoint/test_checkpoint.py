@@ -381,7 +381,7 @@ def _stub_model(seed=0):
     backbone = types.SimpleNamespace(config=types.SimpleNamespace(hidden_size=H, model_type="stub"),
                                      dtype=jnp.float32)
     head = SequenceHead(DensePooler(), LinearHead(3))
-    hp = _perturb(linen.module(head).init(jax.random.PRNGKey(seed), jnp.zeros((1, 1, H)), jnp.ones((1, 1)))["params"], seed)
+    hp = _perturb(linen.init_head(head, H, jax.random.PRNGKey(seed)), seed)
     bp = {"w": jax.random.normal(jax.random.PRNGKey(seed + 1), (256, 256))}
     return fh.SequenceModel(backbone=backbone, head=head, num_labels=3, problem_type="single_label_classification",
                             params={"backbone": bp, "head": hp}, name_or_path="stub")

@@ -48,8 +48,8 @@ def check_same(seq, hidden, mask):
     got = mod(hidden, mask)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     w = jnp.asarray(np.random.default_rng(0).normal(size=want.shape), jnp.float32)
-    g_params, g_hidden = jax.grad(lambda p, h: jnp.sum(linen.module(seq).apply({"params": p}, h, mask) * w), argnums=(0, 1))(
-        params, hidden)
+    g_params, g_hidden = jax.grad(lambda p, h: jnp.sum(linen.module(seq).apply({"params": p}, h, mask) * w),
+                                  argnums=(0, 1))(params, hidden)
     n_params, n_hidden = nnx.grad(lambda m, h: jnp.sum(m(h, mask) * w), argnums=(0, 1))(mod, hidden)
     np.testing.assert_array_equal(np.asarray(n_hidden), np.asarray(g_hidden))
     n_params = _drop_empty(nnx.to_pure_dict(n_params))
