@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import os
 import subprocess
@@ -84,7 +85,8 @@ def wait_ready(proc: subprocess.Popen) -> str:
     stderr keeps being read (a full pipe would stop it)."""
     for line in proc.stderr:
         if "serving" in line and "http://" in line:
-            threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
+            proc.tail = collections.deque(maxlen=20)  # what it says last, shown if it dies during the run
+            threading.Thread(target=lambda: proc.tail.extend(proc.stderr), daemon=True).start()
             return "http://" + line.split("http://")[1].split()[0]
     proc.kill()
     raise RuntimeError(f"{proc.args[:4]} exited before it served")
@@ -240,7 +242,10 @@ def main(argv=None) -> int:
                   f"{float(metrics['flaxheads_batch_size_sum']) / float(metrics['flaxheads_batch_size_count']):.1f}")
         print(f"load average after: {os.getloadavg()}")
     finally:
-        for proc in procs.values():
+        for name, proc in procs.items():
+            if proc.poll() is not None:
+                print(f"{name} server exited with {proc.returncode}; its last lines:\n"
+                      + "".join(getattr(proc, "tail", [])), file=sys.stderr)
             proc.terminate()
             proc.wait(60)
     return 0

@@ -19,6 +19,7 @@ from flax import nnx
 
 import flaxheads as fh
 from flaxheads import nnx as fnnx
+from flaxheads.nn import linen
 
 VOCAB, WIDTH, LABELS = 50, 16, 3
 
@@ -78,7 +79,7 @@ def main(out: str, steps: int = 30) -> dict:
     fh.export_head(config, out, params=fnnx.head_params(model.head))
     seq, params, _ = fh.load_head_export(out)
     hidden, pool_mask = model.encoder(ids, mask)
-    functional = seq.apply({"params": params}, hidden, pool_mask)
+    functional = linen.module(seq).apply({"params": params}, hidden, pool_mask)
     print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f}; head exported to {out}; functional logits equal NNX logits: "
           f"{bool(jnp.array_equal(functional, model(ids, mask)))}")
     return {"losses": losses, "nnx_logits": model(ids, mask), "functional_logits": functional}

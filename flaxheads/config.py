@@ -1,8 +1,8 @@
-"""JSON round trip for the frozen module configs (poolers and heads).
+"""JSON round trip for the pooler and head configs.
 
-A pooler or head *is* its config: a Flax linen module is a frozen dataclass, so its
-fields (minus Flax's ``parent``/``name``) are the config. Each serialisable module
-class registers a ``kind`` string used as the ``"type"`` tag in JSON.
+A config is a plain frozen dataclass (``flaxheads.nn.poolers`` / ``flaxheads.nn.heads``); its
+fields, in their order, are the JSON object's keys after ``"type"``, the ``kind`` string its class
+registers here. Its Linen and NNX modules are built from it and are not serialised themselves.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ _KINDS: dict[str, type] = {}
 
 
 def register(kind: str):
-    """Class decorator: make a module class loadable from ``{"type": kind, ...}``."""
+    """Class decorator: make a config class loadable from ``{"type": kind, ...}``."""
 
     def wrap(cls):
         if kind in _KINDS and _KINDS[kind] is not cls:
@@ -31,7 +31,7 @@ def _fields(obj) -> list[dataclasses.Field]:
 
 
 def to_dict(obj) -> dict[str, Any]:
-    """Serialise a registered module (recursively) to plain JSON-able data."""
+    """Serialise a registered config (recursively) to plain JSON-able data."""
     out: dict[str, Any] = {"type": type(obj).kind}
     for f in _fields(obj):
         out[f.name] = _encode(getattr(obj, f.name))

@@ -17,6 +17,7 @@ import numpy as np
 
 from . import config as _config
 from .nn.heads import Head, IdentityHead, LinearHead, ProjectionHead, SequenceHead, make_head
+from .nn import linen
 from .backbones.registry import load_backbone
 from .backbones.weights import head_from_hf, read_state_dict
 from .losses import REGRESSION, check_problem_type, infer_problem_type, loss_fn
@@ -166,7 +167,8 @@ class SequenceModel:
         if train and dropout_rng is None:
             raise ConfigError("train=True needs a dropout_rng")
         rngs = {"dropout": dropout_rng} if train else {}
-        return self.head.apply({"params": head_params}, hidden, mask, deterministic=not train, rngs=rngs)
+        return linen.module(self.head).apply({"params": head_params}, hidden, mask, deterministic=not train,
+                                             rngs=rngs)
 
     def apply(self, params, input_ids, attention_mask=None, *, train: bool = False,
               dropout_rng: jax.Array | None = None, **extra) -> jax.Array:
@@ -294,9 +296,8 @@ def from_pretrained(path: str | os.PathLike, *, pooler: str | Sequence[str] | Po
 def _init_head(seq_head: SequenceHead, hidden_size: int, seed: int, names, state, **load) -> tuple[dict, LoadReport]:
     """Fresh head params, with the modules named in ``names`` copied from the checkpoint ``state``
     (``load``: :func:`~flaxheads.backbones.weights.head_from_hf`'s options)."""
-    variables = seq_head.init(jax.random.PRNGKey(seed), jnp.zeros((1, 1, hidden_size), jnp.float32),
-                              jnp.ones((1, 1), jnp.int32))
-    head_params, loaded, _ = head_from_hf(jax.device_get(variables.get("params", {})), names, state, **load)
+    fresh = linen.init_head(seq_head, hidden_size, jax.random.PRNGKey(seed))
+    head_params, loaded, _ = head_from_hf(jax.device_get(fresh), names, state, **load)
     done = {p for p, _ in loaded}
     return head_params, LoadReport(pretrained=loaded, new=[p for p in _module_paths(head_params) if p not in done])
 

@@ -22,6 +22,7 @@ from ..base_dtype import base_dtype_of
 from ..errors import FlaxheadsError, WriteFailedError
 from ..lora import adapters_diff, adapters_meta
 from ..model import SequenceModel
+from ..nn import linen
 from ..nn.heads import SequenceHead
 
 FORMAT = "flaxheads-checkpoint/1"
@@ -99,8 +100,7 @@ def head_shapes_hash(head_params) -> str:
 
 def expected_head_shapes(head: SequenceHead, hidden_size: int) -> dict:
     """The params tree (as ShapeDtypeStructs) that ``head`` has on hidden states of width ``hidden_size``."""
-    return jax.eval_shape(lambda: head.init(jax.random.PRNGKey(0), jnp.zeros((1, 1, hidden_size), jnp.float32),
-                                            jnp.ones((1, 1), jnp.int32))).get("params", {})
+    return jax.eval_shape(lambda: linen.init_head(head, hidden_size))
 
 
 def backbone_checksum(backbone_params) -> float:

@@ -25,6 +25,7 @@ from ..backbones.base import Backbone, BackboneError, HFConfig
 from ..backbones.registry import family_for, native_model_types
 from ..backbones.weights import read_state_dict
 from ..errors import ConfigError
+from ..nn import linen
 from ..losses import infer_problem_type
 from ..model import LoadReport, SequenceModel, _module_paths
 from .files import (ExportError, ModelImportError, backbone_config_dict, flatten, flax_to_pytorch_names, np_tree,
@@ -103,10 +104,9 @@ def is_flaxheads_config(raw: Mapping) -> bool:
 
 def _head_params(seq_head, hidden_size: int, state: Mapping[str, np.ndarray], folder: str) -> dict:
     """The head params tree read from the ``pooler.*`` / ``head.*`` tensors, shapes checked."""
-    shapes = jax.eval_shape(lambda: seq_head.init(jax.random.PRNGKey(0), jnp.zeros((1, 1, hidden_size), jnp.float32),
-                                                  jnp.ones((1, 1), jnp.int32)))
+    shapes = jax.eval_shape(lambda: linen.init_head(seq_head, hidden_size))
     params: dict = {}
-    for path, want in flatten(shapes.get("params", {})).items():
+    for path, want in flatten(shapes).items():
         *mod, leaf = map(str, path)
         try:
             v = pytorch_to_flax_leaf(state, ".".join(mod), leaf)

@@ -359,3 +359,37 @@ def load_sentence_transformers(folder: str | os.PathLike, *, dtype=jnp.float32) 
         head_params["head"] = layers
     return dataclasses.replace(model, params={"backbone": model.params["backbone"], "head": head_params},
                                num_labels=width, arch=None, hf_names=())
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompts:
+    """A sentence-transformers model's prompts (``config_sentence_transformers.json``): texts put before
+    the input, by name, the one used when none is asked for, and whether pooling reads the prompt's
+    tokens (``1_Pooling``'s ``include_prompt``, true unless the folder says otherwise)."""
+
+    prompts: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    default_prompt_name: str | None = None
+    include_prompt: bool = True
+
+
+def read_prompts(folder: str | os.PathLike) -> Prompts:
+    """The prompts of a sentence-transformers folder; none for any other folder."""
+    import json
+
+    folder = os.fspath(folder)
+    path = os.path.join(folder, "config_sentence_transformers.json")
+    if not os.path.isfile(path):
+        return Prompts()
+    with open(path) as f:
+        cfg = json.load(f)
+    prompts = {str(k): str(v) for k, v in (cfg.get("prompts") or {}).items()}
+    include = True
+    if os.path.isfile(os.path.join(folder, "modules.json")):
+        with open(os.path.join(folder, "modules.json")) as f:
+            for m in json.load(f):
+                pool_cfg = os.path.join(folder, m.get("path", ""), "config.json")
+                if m.get("type", "").endswith("Pooling") and os.path.isfile(pool_cfg):
+                    with open(pool_cfg) as g:
+                        include = bool(json.load(g).get("include_prompt", True))
+    default = cfg.get("default_prompt_name")
+    return Prompts(prompts, default if default in prompts else None, include)

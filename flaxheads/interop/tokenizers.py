@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -102,6 +103,15 @@ class Tokenizer:
         self.model_input_names = ("input_ids", "token_type_ids", "attention_mask") if token_types \
             else ("input_ids", "attention_mask")
         self.name_or_path = name_or_path
+        # the backend's truncation and padding are settings of the object: one call at a time sets and uses them
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict:  # copies (deepcopy, pickle) get a lock of their own
+        return {k: v for k, v in self.__dict__.items() if k != "_lock"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     @classmethod
     def from_folder(cls, folder: str | os.PathLike) -> "Tokenizer":
@@ -127,12 +137,13 @@ class Tokenizer:
 
     def __call__(self, texts: str | Sequence[str], pairs: str | Sequence[str] | None = None, *,
                  max_length: int | None = None, truncation: bool = True,
-                 padding: bool | str = "longest") -> dict[str, Any]:
+                 padding: bool | str = "longest", truncation_side: str | None = None) -> dict[str, Any]:
         """Encode a batch (a lone string is a batch of one), with special tokens.
 
         ``truncation``: longest-first to ``max_length`` (default ``model_max_length``; no
         truncation when that is unset). ``padding``: ``"longest"`` (or True), ``"max_length"``,
         or ``False`` / ``"do_not_pad"``, which returns lists of 1-D arrays of each row's length.
+        ``truncation_side``: ``"left"`` or ``"right"`` for this call (default :attr:`truncation_side`).
         Returns int64 arrays ``[batch, length]`` keyed by :attr:`model_input_names`."""
         texts = [texts] if isinstance(texts, str) else list(texts)
         if pairs is not None:
@@ -151,20 +162,25 @@ class Tokenizer:
             raise TokenizerError(f"{self.name_or_path}: the tokenizer has no pad token, so a batch cannot be "
                                  "padded; set pad_token in tokenizer_config.json (e.g. to the eos token), or pass "
                                  "padding=False")
-        out = self._encode(texts, pairs, max_length if truncation else None,
-                           None if pad == "do_not_pad" else max_length if pad == "max_length" else 0)
+        side = self.truncation_side if truncation_side is None else truncation_side
+        if side not in ("left", "right"):
+            raise TokenizerError(f"truncation_side must be 'left' or 'right', got {side!r}")
+        with self._lock:
+            out = self._encode(texts, pairs, max_length if truncation else None,
+                               None if pad == "do_not_pad" else max_length if pad == "max_length" else 0, side)
         if pad == "do_not_pad":
             return {k: [np.asarray(r, np.int64) for r in out[k]] for k in self.model_input_names}
         return {k: np.asarray(out[k], np.int64) for k in self.model_input_names}
 
     def _encode(self, texts: list[str], pairs: list[str] | None, truncate_to: int | None,
-                pad_to: int | None) -> dict[str, list]:
-        """Rows per input name; ``pad_to``: None (no padding), 0 (the longest row) or a length."""
+                pad_to: int | None, side: str) -> dict[str, list]:
+        """Rows per input name; ``pad_to``: None (no padding), 0 (the longest row) or a length; ``side``:
+        which end truncation cuts."""
         b = self.backend
         if truncate_to is None:
             b.no_truncation()
         else:
-            b.enable_truncation(truncate_to, stride=0, strategy="longest_first", direction=self.truncation_side)
+            b.enable_truncation(truncate_to, stride=0, strategy="longest_first", direction=side)
         if pad_to is None:
             b.no_padding()
         else:
@@ -192,11 +208,15 @@ class TransformersTokenizer(Tokenizer):
         self.model_input_names = tuple(n for n in hf_tokenizer.model_input_names
                                        if n in ("input_ids", "token_type_ids", "attention_mask"))
 
-    def _encode(self, texts, pairs, truncate_to, pad_to):
+    def _encode(self, texts, pairs, truncate_to, pad_to, side):
         padding = False if pad_to is None else "max_length" if pad_to else "longest"
-        return self.hf_tokenizer(texts, pairs, truncation=truncate_to is not None,
-                                 max_length=truncate_to if truncate_to is not None else pad_to or None,
-                                 padding=padding, return_token_type_ids=True, return_attention_mask=True)
+        saved, self.hf_tokenizer.truncation_side = self.hf_tokenizer.truncation_side, side
+        try:
+            return self.hf_tokenizer(texts, pairs, truncation=truncate_to is not None,
+                                     max_length=truncate_to if truncate_to is not None else pad_to or None,
+                                     padding=padding, return_token_type_ids=True, return_attention_mask=True)
+        finally:
+            self.hf_tokenizer.truncation_side = saved
 
 
 def _apply_normalizer_settings(backend, settings: Mapping) -> None:

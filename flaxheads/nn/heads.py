@@ -1,21 +1,17 @@
-"""Heads: Flax linen modules of the pooled vector [B, H'] -> logits / embedding [B, N].
+"""Head configs: what maps the pooled vector [B, H'] to logits / an embedding [B, N].
 
-Every Hugging Face classification head is a configuration of :class:`LinearHead` or
-:class:`MLPHead` (see ``presets.py``); :class:`ProjectionHead` maps embeddings to
-another width. Each module's dataclass fields are its JSON config.
+Each head's config is a plain frozen dataclass (the one place of its fields, defaults and
+validation, and its JSON form); its modules are built from it, the Linen form in
+:mod:`flaxheads.nn.linen` and the NNX form in :mod:`flaxheads.nnx.layers`. Every Hugging Face
+classification head is a configuration of :class:`LinearHead` or :class:`MLPHead` (see
+``presets.py``); :class:`ProjectionHead` maps embeddings to another width.
 """
 from __future__ import annotations
 
-from typing import Sequence
-
-import flax.linen as nn
-import jax
-import jax.numpy as jnp
-
 from ..config import register
-from .poolers import Pooler
 from ..errors import ConfigError
-from ..layers.activations import get_activation, head_activation
+from ..layers.activations import get_activation
+from .poolers import Pooler, config_class
 
 
 def _check_positive(what: str, v: int) -> None:
@@ -28,8 +24,9 @@ def _check_rate(what: str, p: float) -> None:
         raise ConfigError(f"{what} must be in [0, 1), got {p!r}")
 
 
-class Head(nn.Module):
-    """Base class: ``__call__(x [B, H'], deterministic=True) -> [B, N]``."""
+@config_class
+class Head:
+    """Base of the head configs; a module built from one maps ``x [B, H'] -> [B, N]``."""
 
     def out_features(self) -> int:
         raise NotImplementedError
@@ -39,9 +36,10 @@ class Head(nn.Module):
 
 
 @register("linear")
+@config_class
 class LinearHead(Head):
-    """dropout -> dense. BERT/ALBERT/DeBERTa-v2 (``classifier``), XLNet (``logits_proj``,
-    no dropout), GPT-2 (``score``, no dropout, no bias)."""
+    """dropout -> dense (``classifier``). BERT/ALBERT/DeBERTa-v2 (``classifier``), XLNet
+    (``logits_proj``, no dropout), GPT-2 (``score``, no dropout, no bias)."""
 
     num_labels: int = 2
     dropout: float = 0.1
@@ -51,13 +49,6 @@ class LinearHead(Head):
     def __post_init__(self):
         _check_positive("num_labels", self.num_labels)
         _check_rate("dropout", self.dropout)
-        super().__post_init__()
-
-    @nn.compact
-    def __call__(self, x, deterministic: bool = True):
-        x = nn.Dropout(self.dropout)(x, deterministic=deterministic)
-        return nn.Dense(self.num_labels, use_bias=self.use_bias,
-                        kernel_init=nn.initializers.normal(self.init_std), name="classifier")(x)
 
     def out_features(self):
         return self.num_labels
@@ -68,8 +59,9 @@ class LinearHead(Head):
 
 
 @register("mlp")
+@config_class
 class MLPHead(Head):
-    """input dropout -> [dense -> act -> (LayerNorm) -> dropout] x depth -> dense ``out_proj``.
+    """input dropout -> [dense ``dense_i`` -> act -> (LayerNorm ``norm_i``) -> dropout] x depth -> dense ``out_proj``.
 
     ``hidden_dims`` entries of ``None`` mean "the input width". HF presets:
     RoBERTa/XLM-R/BART (input_dropout=p, tanh), ELECTRA (input_dropout=p, gelu),
@@ -87,6 +79,7 @@ class MLPHead(Head):
     init_std: float = 0.02
 
     def __post_init__(self):
+        object.__setattr__(self, "hidden_dims", tuple(self.hidden_dims))  # a list would make it unhashable
         _check_positive("num_labels", self.num_labels)
         _check_rate("dropout", self.dropout)
         _check_rate("input_dropout", self.input_dropout)
@@ -94,20 +87,6 @@ class MLPHead(Head):
             if d is not None:
                 _check_positive("hidden_dims entry", d)
         get_activation(self.activation)
-        super().__post_init__()
-
-    @nn.compact
-    def __call__(self, x, deterministic: bool = True):
-        init = nn.initializers.normal(self.init_std)
-        act = head_activation(self.activation)
-        x = nn.Dropout(self.input_dropout)(x, deterministic=deterministic)
-        for i, d in enumerate(self.hidden_dims):
-            x = nn.Dense(d or x.shape[-1], use_bias=self.dense_bias, kernel_init=init, name=f"dense_{i}")(x)
-            x = act(x)
-            if self.layer_norm:
-                x = nn.LayerNorm(epsilon=self.norm_eps, use_bias=self.norm_bias, name=f"norm_{i}")(x)
-            x = nn.Dropout(self.dropout)(x, deterministic=deterministic)
-        return nn.Dense(self.num_labels, kernel_init=init, name="out_proj")(x)
 
     def out_features(self):
         return self.num_labels
@@ -129,8 +108,9 @@ class MLPHead(Head):
 
 
 @register("projection")
+@config_class
 class ProjectionHead(Head):
-    """dense -> act for each width in ``features``, then optional L2 normalisation.
+    """dense ``dense_i`` -> act for each width in ``features``, then optional L2 normalisation.
 
     Maps embeddings to another width (distillation, CLIP-style alignment); the layers are
     sentence-transformers ``Dense`` modules and ``normalize`` its ``Normalize``."""
@@ -147,25 +127,14 @@ class ProjectionHead(Head):
         return (self.features,) if isinstance(self.features, int) else tuple(self.features)
 
     def __post_init__(self):
+        if isinstance(self.features, list):
+            object.__setattr__(self, "features", tuple(self.features))  # a list would make it unhashable
         if not self.widths:
             raise ConfigError("ProjectionHead needs at least one output width in `features`")
         for d in self.widths:
             _check_positive("projection width", d)
         _check_rate("dropout", self.dropout)
         get_activation(self.activation)
-        super().__post_init__()
-
-    @nn.compact
-    def __call__(self, x, deterministic: bool = True):
-        act = head_activation(self.activation)
-        x = nn.Dropout(self.dropout)(x, deterministic=deterministic)
-        for i, d in enumerate(self.widths):
-            x = act(nn.Dense(d, use_bias=self.use_bias, kernel_init=nn.initializers.normal(self.init_std),
-                             name=f"dense_{i}")(x))
-        if self.normalize:
-            # same as torch.nn.functional.normalize: x / max(||x||, 1e-12)
-            x = x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
-        return x
 
     def out_features(self):
         return self.widths[-1]
@@ -182,17 +151,13 @@ class ProjectionHead(Head):
 
 
 @register("identity")
+@config_class
 class IdentityHead(Head):
     """No head: the pooled vector itself (plain sentence embeddings), optionally L2-normalised
     (sentence-transformers ``Pooling`` -> ``Normalize`` with no ``Dense`` in between)."""
 
     width: int = 0
     normalize: bool = False
-
-    def __call__(self, x, deterministic: bool = True):
-        if self.normalize:
-            x = x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
-        return x
 
     def out_features(self):
         return self.width
@@ -202,29 +167,33 @@ class IdentityHead(Head):
 
 
 @register("sequence_head")
-class SequenceHead(nn.Module):
-    """Everything after the encoder's last hidden state: ``pooler`` then ``head``.
+@config_class
+class SequenceHead:
+    """Everything after the encoder's last hidden state: ``pooler`` then ``head`` (two configs).
 
-    Hidden states are cast to float32 first, so a bfloat16 backbone still gives float32
-    logits. Params: ``{"pooler": ..., "head": ...}`` (``pooler`` absent when it has none)."""
+    Its modules cast the hidden states to float32 first, so a bfloat16 backbone still gives
+    float32 logits. Params: ``{"pooler": ..., "head": ...}`` (``pooler`` absent when it has none)."""
 
     pooler: Pooler
     head: Head
 
-    def __call__(self, hidden, mask, deterministic: bool = True):
-        hidden = hidden.astype(jnp.float32)
-        return self.head(self.pooler(hidden, mask, deterministic), deterministic)
+    def __post_init__(self):
+        if not isinstance(self.pooler, Pooler):
+            raise ConfigError("SequenceHead's pooler must be a pooler config (fh.make_pooler(...)), "
+                              f"got {self.pooler!r}")
+        if not isinstance(self.head, Head):
+            raise ConfigError(f"SequenceHead's head must be a head config (fh.make_head(...)), got {self.head!r}")
 
 
 HEAD_NAMES = {"linear": LinearHead, "mlp": MLPHead, "projection": ProjectionHead, "identity": IdentityHead}
 
 
 def make_head(spec: str | Head, **options) -> Head:
-    """A head from a name (``linear``, ``mlp``, ``projection``, ``identity``) and options,
-    or an already-built head module."""
+    """A head config from a name (``linear``, ``mlp``, ``projection``, ``identity``) and options,
+    or an already-made head config."""
     if isinstance(spec, Head):
         if options:
-            raise ConfigError(f"head options {sorted(options)} given with an already-built head {spec!r}")
+            raise ConfigError(f"head options {sorted(options)} given with an already-made head {spec!r}")
         return spec
     if spec not in HEAD_NAMES:
         raise ConfigError(f"unknown head {spec!r}; valid heads: {sorted(HEAD_NAMES)} "

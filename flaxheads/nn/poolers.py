@@ -1,23 +1,27 @@
 """Poolers: functions of (hidden states [B, T, H], mask [B, T]) -> vector [B, H'].
 
-The parameter-free poolers are plain functions (``mean``, ``max``, ...); every pooler is
-also a Flax linen module whose dataclass fields are its JSON config. Build one from a
-name (or a list of names to concatenate) with :func:`make_pooler`.
+The parameter-free poolers are plain functions (``mean``, ``max``, ...). Every pooler's
+*config* is a plain frozen dataclass here (:class:`Pool`, :class:`DensePooler`, ...): the one
+place of its fields, defaults and validation, its JSON form (``flaxheads.config``) and what it
+computes in words and widths (``steps``, ``out_features``, ``position``). Modules are built
+from a config: the Linen form in :mod:`flaxheads.nn.linen` (the functional path), the NNX
+form in :mod:`flaxheads.nnx.layers`. Make a config from a name (or a list of names to
+concatenate) with :func:`make_pooler`.
 
 Masks may be bool, int or float; a row that is all padding never produces NaN
 (mean/max/weighted give zeros, token pickers give position 0).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Sequence
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from ..config import register
 from ..errors import ConfigError
-from ..layers.activations import get_activation, head_activation
+from ..layers.activations import get_activation
 
 _EPS = 1e-9  # sentence-transformers clamps token counts to this
 
@@ -133,7 +137,7 @@ _POOL_TEXT = {
 
 def attention_pool(hidden: jax.Array, mask: jax.Array, query: jax.Array) -> jax.Array:
     """Masked softmax of ``hidden . query / sqrt(H)`` over the tokens, then the weighted sum
-    (:class:`AttentionPool`'s computation, shared by its Linen and NNX forms)."""
+    (:class:`AttentionPool`'s computation, shared by its Linen and NNX modules)."""
     h = hidden.shape[-1]
     scores = jnp.einsum("bth,h->bt", hidden, query.astype(hidden.dtype)) / jnp.sqrt(h).astype(hidden.dtype)
     m = mask.astype(bool)
@@ -142,14 +146,19 @@ def attention_pool(hidden: jax.Array, mask: jax.Array, query: jax.Array) -> jax.
     w = w / jnp.maximum(jnp.sum(w, axis=-1, keepdims=True), _EPS)
     return jnp.einsum("bt,bth->bh", w, hidden)
 
-
 def _check_choice(what: str, value, valid) -> None:
     if value not in valid:
         raise ConfigError(f"unknown {what} {value!r}; valid values: {sorted(valid)}")
 
 
-class Pooler(nn.Module):
-    """Base class: ``__call__(hidden, mask, deterministic=True) -> [B, H']``."""
+def config_class(cls):
+    """A config class: a frozen, hashable dataclass (static data: a jit static argument, an NNX static field)."""
+    return dataclasses.dataclass(frozen=True)(cls)
+
+
+@config_class
+class Pooler:
+    """Base of the pooler configs; a module built from one maps ``(hidden [B, T, H], mask [B, T]) -> [B, H']``."""
 
     def out_features(self, hidden_size: int) -> int:
         return hidden_size
@@ -167,6 +176,7 @@ class Pooler(nn.Module):
 
 
 @register("pool")
+@config_class
 class Pool(Pooler):
     """A parameter-free pooler: one of ``POOL_FUNCTIONS``."""
 
@@ -174,10 +184,6 @@ class Pool(Pooler):
 
     def __post_init__(self):
         _check_choice("pooling mode", self.mode, POOL_FUNCTIONS)
-        super().__post_init__()
-
-    def __call__(self, hidden, mask, deterministic: bool = True):
-        return POOL_FUNCTIONS[self.mode](hidden, mask)
 
     def position(self, mask):
         at = POOL_POSITIONS.get(self.mode)
@@ -188,15 +194,10 @@ class Pool(Pooler):
 
 
 @register("attention")
+@config_class
 class AttentionPool(Pooler):
-    """Learned attention pooling: a query vector scores each token, masked softmax, weighted sum.
-
-    The query starts at zero, so an untrained pooler is exactly the masked mean."""
-
-    @nn.compact
-    def __call__(self, hidden, mask, deterministic: bool = True):
-        q = self.param("query", nn.initializers.zeros_init(), (hidden.shape[-1],), jnp.float32)
-        return attention_pool(hidden, mask, q)
+    """Learned attention pooling: a query vector (``query`` [H]) scores each token, masked softmax,
+    weighted sum. The query starts at zero, so an untrained pooler is exactly the masked mean."""
 
     def steps(self, hidden_size):
         return [f"attention pooling: softmax(h . query / sqrt({hidden_size})) over unmasked tokens, "
@@ -204,8 +205,9 @@ class AttentionPool(Pooler):
 
 
 @register("dense")
+@config_class
 class DensePooler(Pooler):
-    """Pick a token (``source``), dropout, dense, activation.
+    """Pick a token (``source``), dropout, dense (``dense``), activation.
 
     BERT/ALBERT pooler: source=cls, activation=tanh, dropout=0.
     DeBERTa-v2 ContextPooler: source=cls, dropout=pooler_dropout, activation=pooler_hidden_act."""
@@ -219,15 +221,6 @@ class DensePooler(Pooler):
     def __post_init__(self):
         _check_choice("dense pooler source", self.source, POOL_FUNCTIONS)
         get_activation(self.activation)
-        super().__post_init__()
-
-    @nn.compact
-    def __call__(self, hidden, mask, deterministic: bool = True):
-        x = POOL_FUNCTIONS[self.source](hidden, mask)
-        x = nn.Dropout(self.dropout)(x, deterministic=deterministic)
-        x = nn.Dense(self.features or hidden.shape[-1], kernel_init=nn.initializers.normal(self.init_std),
-                     name="dense")(x)
-        return head_activation(self.activation)(x)
 
     def out_features(self, hidden_size):
         return self.features or hidden_size
@@ -263,8 +256,9 @@ def summary_token(hidden: jax.Array, summary_type: str, cls_index: jax.Array | N
 
 
 @register("sequence_summary")
+@config_class
 class SequenceSummary(Pooler):
-    """XLNet's sequence summary, exactly as Hugging Face computes it.
+    """XLNet's sequence summary (projection ``summary``), exactly as Hugging Face computes it.
 
     HF quirks kept for parity: ``last``/``first``/``mean``/``cls_index`` ignore the mask
     (``mean`` averages padding too; ``last`` is position -1, right for XLNet's left
@@ -286,20 +280,6 @@ class SequenceSummary(Pooler):
                              f"use one of {SUMMARY_TYPES} or the 'attention' pooler")
         _check_choice("summary_type", self.summary_type, SUMMARY_TYPES)
         get_activation(self.activation)
-        super().__post_init__()
-
-    @nn.compact
-    def __call__(self, hidden, mask, deterministic: bool = True, cls_index: jax.Array | None = None):
-        x = summary_token(hidden, self.summary_type, cls_index)
-        if self.first_dropout > 0:
-            x = nn.Dropout(self.first_dropout)(x, deterministic=deterministic)
-        if self.use_proj:
-            x = nn.Dense(self.out_features(hidden.shape[-1]),
-                         kernel_init=nn.initializers.normal(self.init_std), name="summary")(x)
-        x = head_activation(self.activation)(x)
-        if self.last_dropout > 0:
-            x = nn.Dropout(self.last_dropout)(x, deterministic=deterministic)
-        return x
 
     def position(self, mask):
         if self.summary_type == "first":
@@ -329,18 +309,19 @@ class SequenceSummary(Pooler):
 
 
 @register("concat")
+@config_class
 class Concat(Pooler):
-    """Concatenation of several poolers' outputs, in the order given."""
+    """Concatenation of several poolers' outputs, in the order given (modules ``parts_0``, ``parts_1``, ...)."""
 
     parts: tuple[Pooler, ...] = ()
 
     def __post_init__(self):
+        object.__setattr__(self, "parts", tuple(self.parts))  # a list would make the config unhashable
         if not self.parts:
             raise ConfigError("Concat needs at least one pooler in `parts`")
-        super().__post_init__()
-
-    def __call__(self, hidden, mask, deterministic: bool = True):
-        return jnp.concatenate([p(hidden, mask, deterministic) for p in self.parts], axis=-1)
+        for p in self.parts:
+            if not isinstance(p, Pooler):
+                raise ConfigError(f"Concat parts must be pooler configs (fh.make_pooler(...)), got {p!r}")
 
     def out_features(self, hidden_size):
         return sum(p.out_features(hidden_size) for p in self.parts)
@@ -368,12 +349,12 @@ POOLER_NAMES: dict[str, Callable[..., Pooler]] = {
 
 
 def make_pooler(spec: str | Sequence[str] | Pooler, **options) -> Pooler:
-    """A pooler from a name, a list of names (concatenated) or a pooler module.
+    """A pooler config from a name, a list of names (concatenated) or a pooler config.
 
     ``options`` go to the parametric pooler (``bert``, ``deberta``, ``xlnet``, ``dense``)."""
     if isinstance(spec, Pooler):
         if options:
-            raise ConfigError(f"pooler options {sorted(options)} given with an already-built pooler {spec!r}")
+            raise ConfigError(f"pooler options {sorted(options)} given with an already-made pooler {spec!r}")
         return spec
     if isinstance(spec, str):
         if spec not in POOLER_NAMES:

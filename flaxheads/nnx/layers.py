@@ -1,5 +1,6 @@
-"""Every pooler and head as an ``nnx.Module``, built from its config (the Linen module of
-:mod:`flaxheads.nn`, which is also what ``to_json`` writes).
+"""Every pooler and head as an ``nnx.Module``, built from its config (the plain dataclass of
+:mod:`flaxheads.nn.poolers` / :mod:`flaxheads.nn.heads` that ``to_json`` writes), as the Linen
+modules of :mod:`flaxheads.nn.linen` are.
 
 Parameter names and shapes are the Linen ones (``dense``, ``summary``, ``query``, ``parts_0``,
 ``classifier``, ``dense_0``, ``norm_0``, ``out_proj``), so :func:`head_params` of an NNX head is
@@ -21,6 +22,7 @@ from ..errors import ConfigError
 from ..layers.activations import head_activation
 from ..nn import heads as H
 from ..nn import poolers as P
+from ..nn.linen import l2_normalise as _l2_normalise
 
 
 def _linear(n_in: int, n_out: int, std: float, rngs: nnx.Rngs, use_bias: bool = True) -> nnx.Linear:
@@ -28,7 +30,7 @@ def _linear(n_in: int, n_out: int, std: float, rngs: nnx.Rngs, use_bias: bool = 
 
 
 class _Configured(nnx.Module):
-    """Holds its config (a frozen, hashable Linen module: static in ``nnx.split``)."""
+    """Holds its config (a frozen, hashable dataclass: static in ``nnx.split``)."""
 
     def out_features(self, *args) -> int:
         return self.config.out_features(*args)
@@ -157,10 +159,6 @@ class MLPHead(_Configured):
                 x = getattr(self, f"norm_{i}")(x)
             x = self.drop(x, deterministic=deterministic)
         return self.out_proj(x)
-
-
-def _l2_normalise(x: jax.Array) -> jax.Array:
-    return x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
 
 
 class ProjectionHead(_Configured):

@@ -11,6 +11,7 @@ import numpy as np
 
 from ..batching import make_buckets
 from ..errors import UsageError
+from ..interop.sentence_transformers import Prompts, read_prompts
 from ..interop.tokenizers import Tokenizer, load_tokenizer, model_max_positions
 from ..losses import MULTI_LABEL, SINGLE_LABEL
 from ..model import SequenceModel
@@ -45,13 +46,15 @@ class Classifier:
     buckets: tuple[int, ...]
     threshold: float = 0.5
     source: str = ""
+    #: the sentence-transformers prompts of the source folder (the server's ``prompt_name``)
+    prompts: Prompts = dataclasses.field(default_factory=Prompts)
     _runner: Runner | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     # ---- construction -----------------------------------------------------------------------
     @classmethod
     def from_model(cls, model: SequenceModel, tokenizer: Tokenizer | str | os.PathLike, *, params: dict | None = None,
                    threshold: float = 0.5, max_length: int | None = None, buckets: Sequence[int] | None = None,
-                   bucket_step: int = 32, source: str = "") -> "Classifier":
+                   bucket_step: int = 32, source: str = "", prompts: Prompts | None = None) -> "Classifier":
         """Wrap ``model`` (and ``params``, default ``model.params``) with a tokenizer or its folder.
         ``max_length`` defaults to what the tokenizer / model config allows."""
         tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
@@ -67,7 +70,7 @@ class Classifier:
         b = short_buckets(b)
         labels = model.id2label or {i: f"LABEL_{i}" for i in range(model.num_labels)}
         return cls(model, tok, model.params if params is None else params, dict(labels), model.problem_type, n, b,
-                   float(threshold), source or model.name_or_path)
+                   float(threshold), source or model.name_or_path, prompts or Prompts())
 
     @classmethod
     def from_pretrained(cls, source: str | os.PathLike, *, step: int | str | None = None,
@@ -84,7 +87,7 @@ class Classifier:
         return cls.from_model(got.model, tok, threshold=threshold if threshold is not None else got.threshold or 0.5,
                               max_length=max_length or got.max_length,
                               buckets=None if max_length else got.buckets, bucket_step=bucket_step,
-                              source=os.fspath(source))
+                              source=os.fspath(source), prompts=read_prompts(got.tokenizer_folder))
 
     # ---- what it is -------------------------------------------------------------------------
     @property

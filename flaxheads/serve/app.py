@@ -30,8 +30,8 @@ from .._version import __version__
 from ..predict import Classifier
 from .batcher import Batcher, Closed, Job, QueueFull
 from .metrics import Metrics
-from .payloads import (PayloadError, bool_field, embed_body, json_object, kind_of, predict_body, refuse_options,
-                       rerank_body, text_value, texts_field, tokenize)
+from .payloads import (PayloadError, bool_field, dimensions_field, embed_body, encoding_field, json_object, kind_of,
+                       predict_body, prompt_field, rerank_body, text_value, texts_field, tokenize, truncation_side)
 
 
 #: Requests of at most this many texts and characters are tokenised on the event loop itself.
@@ -83,8 +83,9 @@ def create_app(clf: Classifier, settings: ServeSettings | None = None, *, warm_u
             state["ready"] = False
             await asyncio.to_thread(batcher.close)
 
-    async def outputs(request: Request, inputs, truncate: bool, name: str = "inputs") -> np.ndarray:
-        work = functools.partial(tokenize, clf, inputs, truncate=truncate, token_types=batcher.token_types, name=name)
+    async def outputs(request: Request, inputs, body: dict, name: str = "inputs") -> np.ndarray:
+        work = functools.partial(tokenize, clf, inputs, truncate=bool_field(body, "truncate", False),
+                                 token_types=batcher.token_types, name=name, side=truncation_side(body))
         # a few short texts tokenise in ~0.1 ms: a hop to a thread and back costs more than that on a busy CPU
         small = len(inputs) <= INLINE_TEXTS and sum(len(t) if isinstance(t, str) else len(t[0]) + len(t[1])
                                                     for t in inputs) <= INLINE_CHARS
@@ -111,29 +112,27 @@ def create_app(clf: Classifier, settings: ServeSettings | None = None, *, warm_u
 
     async def predict(request: Request, body: dict) -> Any:
         need("classifier|reranker", "/predict")
-        refuse_options(body, ())
         inputs, single = texts_field(body, "inputs", max_texts=settings.max_client_batch_size)
-        logits = await outputs(request, inputs, bool_field(body, "truncate", False))
+        logits = await outputs(request, inputs, body)
         return predict_body(clf, logits, raw_scores=bool_field(body, "raw_scores", False), single=single)
 
     async def rerank(request: Request, body: dict) -> Any:
         need("reranker", "/rerank")
-        refuse_options(body, ())
         query = text_value(body.get("query"), "query")
         texts, _ = texts_field(body, "texts", pairs=False, max_texts=settings.max_client_batch_size)
         query = [query]
-        scores = await outputs(request, [(query[0], t) for t in texts], bool_field(body, "truncate", False), "texts")
+        scores = await outputs(request, [(query[0], t) for t in texts], body, "texts")
         return rerank_body(scores[:, 0], texts, raw_scores=bool_field(body, "raw_scores", False),
                            return_text=bool_field(body, "return_text", False))
 
     async def embed(request: Request, body: dict) -> Any:
         need("embedding", "/embed")
-        refuse_options(body, ("prompt_name", "dimensions"))
-        if body.get("encoding_format") not in (None, "float"):
-            raise PayloadError(422, "encoding_format: only \"float\" is supported")
         inputs, _ = texts_field(body, "inputs", pairs=False, max_texts=settings.max_client_batch_size)
-        emb = await outputs(request, inputs, bool_field(body, "truncate", False))
-        return embed_body(emb, normalize=bool_field(body, "normalize", True))
+        prompt, dims = prompt_field(body, clf.prompts), dimensions_field(body, clf.model.num_labels)
+        normalize, encoding = bool_field(body, "normalize", True), encoding_field(body)
+        emb = await outputs(request, [prompt + t for t in inputs], body)
+        return embed_body(emb, normalize=normalize, dimensions=dims, encoding=encoding,
+                          model_normalizes=bool(getattr(clf.model.head.head, "normalize", False)))
 
     async def default(request: Request, body: dict) -> Any:
         return await {"embedding": embed, "reranker": rerank, "classifier": predict}[kind](request, body)

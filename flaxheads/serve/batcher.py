@@ -38,9 +38,10 @@ def _pow2_floor(n: int) -> int:
 @dataclasses.dataclass(frozen=True)
 class Shapes:
     """The padded ``(rows, length)`` shapes of every batch: lengths are the classifier's buckets,
-    rows a power of two at most ``max_batch_size`` and with ``rows * length <= max_batch_tokens``
-    (at least one row). Powers of two keep the count of programs at ~log2(rows) per bucket and
-    the padding rows of a batch under half of it."""
+    rows one of :meth:`sizes` (powers of two, and 12, 24, 48, ... in between from 8 up) at most
+    ``max_batch_size`` and with ``rows * length <= max_batch_tokens`` (at least one row). The
+    sizes keep the count of programs at ~1.5 log2(rows) per bucket and the padding rows of a
+    batch of 8 texts or more under a quarter of it (powers of two alone: under half)."""
 
     buckets: tuple[int, ...]
     max_batch_tokens: int
@@ -51,20 +52,44 @@ class Shapes:
         """The most texts one batch of padded ``length`` takes."""
         return max(1, min(_pow2_floor(self.max_batch_size), _pow2_floor(self.max_batch_tokens // length)))
 
+    def sizes(self, length: int) -> list[int]:
+        """The row counts of batches of padded ``length`` (before rounding to the width)."""
+        out, p = [], 1
+        while p <= self.cap(length):
+            out.append(p)
+            if p >= 8 and p + p // 2 <= self.cap(length):
+                out.append(p + p // 2)
+            p *= 2
+        return out
+
     def rows(self, n: int, length: int) -> int:
-        """Padded rows of a batch of ``n`` texts (the next power of two, a multiple of the width)."""
-        rows = min(self.cap(length), 1 << max(n - 1, 0).bit_length())
+        """Padded rows of a batch of ``n`` texts (the next of :meth:`sizes`, a multiple of the width)."""
+        sizes = self.sizes(length)
+        rows = next((s for s in sizes if s >= n), sizes[-1])
         return -(-rows // self.width) * self.width
 
     def all(self) -> list[tuple[int, int]]:
         """Every ``(rows, length)``: what the warm-up compiles."""
-        out = []
-        for length in self.buckets:
-            r = 1
-            while r <= self.cap(length):
-                out.append((self.rows(r, length), length))
-                r *= 2
-        return sorted(set(out))
+        return sorted({(self.rows(r, length), length) for length in self.buckets for r in self.sizes(length)})
+
+
+def pick(lengths: Sequence[int], shapes: Shapes) -> tuple[int, set[int]]:
+    """The next batch of a queue of padded ``lengths`` (oldest first): its length and which texts.
+
+    The oldest text is always in it. The batch's length is one of the buckets from the oldest
+    text's up; each takes the texts no longer than it, oldest first, up to its row cap, and the one
+    with the fewest padded tokens per text wins (ties: more texts). Short texts then do not pad to
+    a long one's length when there are enough of them to fill a batch of their own; a text left
+    out goes in a later batch, at the latest the one it leads."""
+    lead = lengths[0]
+    best, best_cost = lead, None
+    for length in (b for b in shapes.buckets if b >= lead):
+        n = min(shapes.cap(length), sum(1 for x in lengths if x <= length))
+        cost = (shapes.rows(n, length) * length / n, -n)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = length, cost
+    take = [i for i, x in enumerate(lengths) if x <= best][:shapes.cap(best)]
+    return best, set(take)
 
 
 @dataclasses.dataclass(eq=False)
@@ -193,16 +218,11 @@ class Batcher:
                     self._cond.wait()
 
     def _select(self) -> list[_Item]:
-        """Oldest first, every queued text that keeps the batch within its budget (a text that
-        would not fit is left for the next batch, which it then leads)."""
-        chosen, rest, length = [], collections.deque(), 0
-        for it in self._queue:
-            longest = max(length, it.length)
-            if len(chosen) < self.shapes.cap(longest):
-                chosen.append(it)
-                length = longest
-            else:
-                rest.append(it)
+        """Take the next batch out of the queue (:func:`pick`)."""
+        length, take = pick([it.length for it in self._queue], self.shapes)
+        chosen, rest = [], collections.deque()
+        for i, it in enumerate(self._queue):
+            (chosen if i in take else rest).append(it)
         self._queue = rest
         return chosen
 

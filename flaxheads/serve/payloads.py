@@ -9,6 +9,7 @@ texts is one pair, as TEI reads it), or a list of texts and pairs. Errors are
 """
 from __future__ import annotations
 
+import base64
 import json
 from typing import Any, Sequence, Union
 
@@ -95,21 +96,66 @@ def bool_field(body: dict, name: str, default: bool) -> bool:
     return value
 
 
-def refuse_options(body: dict, names: Sequence[str]) -> None:
-    """422 for TEI options this server does not compute (rather than ignore them silently)."""
-    for name in names:
-        if body.get(name) is not None:
-            raise PayloadError(422, f"{name}: not supported by this server; leave it out")
-    direction = body.get("truncation_direction")
-    if direction not in (None, "right", "Right"):
-        raise PayloadError(422, f"truncation_direction: only \"right\" is supported, got {json.dumps(direction)}")
+def truncation_side(body: dict) -> str:
+    """TEI's ``truncation_direction`` (``"Right"``, the default, or ``"Left"``; either case) as
+    ``"right"`` / ``"left"``: which end of a text ``truncate`` cuts."""
+    value = body.get("truncation_direction")
+    if value is None:
+        return "right"
+    if not isinstance(value, str) or value.lower() not in ("left", "right"):
+        raise PayloadError(422, f"truncation_direction: expected \"Left\" or \"Right\", got {json.dumps(value)}")
+    return value.lower()
+
+
+def prompt_field(body: dict, prompts) -> str:
+    """The text put before every input: the model's prompt named by ``prompt_name`` (else its
+    default prompt, as sentence-transformers' ``encode`` does; else none). ``prompts``: a
+    :class:`~flaxheads.interop.sentence_transformers.Prompts`."""
+    name = body.get("prompt_name")
+    if name is None:
+        return prompts.prompts.get(prompts.default_prompt_name, "") if prompts.default_prompt_name else ""
+    if not isinstance(name, str):
+        raise PayloadError(422, f"prompt_name: expected a prompt's name (a JSON string), got {_kind(name)}")
+    if name not in prompts.prompts:
+        have = ", ".join(sorted(prompts.prompts)) or "none"
+        raise PayloadError(422, f"prompt_name: {json.dumps(name)} is not one of the model's prompts ({have}; "
+                                "config_sentence_transformers.json's \"prompts\")")
+    if not prompts.include_prompt:
+        raise PayloadError(422, "prompt_name: this model's pooling leaves the prompt's tokens out "
+                                "(include_prompt: false), which this server does not compute; leave it out")
+    return prompts.prompts[name]
+
+
+def dimensions_field(body: dict, width: int) -> int | None:
+    """TEI's ``dimensions``: how many leading values of each embedding to keep (Matryoshka), at most ``width``."""
+    value = body.get("dimensions")
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= width:
+        raise PayloadError(422, f"dimensions: expected a whole number from 1 to the model's {width}, "
+                                f"got {json.dumps(value)}")
+    return value
+
+
+ENCODINGS = ("float", "base64")
+
+
+def encoding_field(body: dict) -> str:
+    """TEI's / OpenAI's ``encoding_format``: ``"float"`` (JSON numbers, the default) or ``"base64"``."""
+    value = body.get("encoding_format")
+    if value is None:
+        return "float"
+    if value not in ENCODINGS:
+        raise PayloadError(422, f"encoding_format: expected \"float\" or \"base64\", got {json.dumps(value)}")
+    return value
 
 
 # ---- texts -> token ids ----------------------------------------------------------------------
 def tokenize(clf: Classifier, inputs: Sequence[Text], *, truncate: bool, token_types: bool,
-             name: str = "inputs") -> tuple[list[np.ndarray], list[np.ndarray] | None]:
-    """Token ids (and token types) per input, cut to the classifier's maximum length when
-    ``truncate``, else a 413 naming the first input past it."""
+             name: str = "inputs", side: str = "right") -> tuple[list[np.ndarray], list[np.ndarray] | None]:
+    """Token ids (and token types) per input, cut at ``side`` to the classifier's maximum length
+    when ``truncate`` (special tokens kept, as transformers' ``truncation_side``), else a 413
+    naming the first input past it."""
     n = clf.max_length
     ids: list[Any] = [None] * len(inputs)
     types: list[Any] | None = [None] * len(inputs) if token_types else None
@@ -128,7 +174,7 @@ def tokenize(clf: Classifier, inputs: Sequence[Text], *, truncate: bool, token_t
                                     "input(s) are); shorten it, or send \"truncate\": true to cut it")
         if over:
             cut = clf.tokenizer([first[j] for j in over], None if second is None else [second[j] for j in over],
-                                truncation=True, max_length=n, padding=False)
+                                truncation=True, max_length=n, padding=False, truncation_side=side)
             for k, j in enumerate(over):
                 for key in out:
                     out[key][j] = cut[key][k]
@@ -169,11 +215,19 @@ def rerank_body(scores: np.ndarray, texts: Sequence[str], *, raw_scores: bool, r
     return out
 
 
-def embed_body(emb: np.ndarray, *, normalize: bool) -> list:
-    """TEI's ``/embed`` answer: one vector per input (L2-normalised with ``normalize``, TEI's default)."""
+def embed_body(emb: np.ndarray, *, normalize: bool, dimensions: int | None = None, model_normalizes: bool = False,
+               encoding: str = "float") -> list:
+    """TEI's ``/embed`` answer: one vector per input, its first ``dimensions`` values (Matryoshka
+    truncation), L2-normalised with ``normalize`` (TEI's default) or, once truncated, when the model's
+    own output is normalised (sentence-transformers' ``truncate_dim`` with ``normalize_embeddings``).
+    ``encoding="base64"``: each vector as base64 of its little-endian float32 bytes (OpenAI's, TEI's)."""
     e = np.asarray(emb, np.float32)
-    if normalize:
+    if dimensions is not None:
+        e = e[:, :dimensions]
+    if normalize or (dimensions is not None and model_normalizes):
         e = e / np.maximum(np.linalg.norm(e, axis=-1, keepdims=True), 1e-12)
+    if encoding == "base64":
+        return [base64.b64encode(row.astype("<f4").tobytes()).decode("ascii") for row in e]
     return e.tolist()
 
 

@@ -13,8 +13,16 @@ from starlette.applications import Starlette
 GRACEFUL_SHUTDOWN_S = 30
 
 
+#: Connections the kernel holds for the server before it accepts them (while it warms up, too).
+BACKLOG = 2048
+
+
 def bind(host: str = "127.0.0.1", port: int = 8080) -> socket.socket:
-    """A listening-ready TCP socket on ``host:port`` (port 0: a free one)."""
+    """A listening TCP socket on ``host:port`` (port 0: a free one).
+
+    It listens from here on, not from when uvicorn starts: a client that connects once the
+    server says it is ready (its ``serving ...`` line comes from the app's startup, before uvicorn
+    takes the socket) waits in the backlog for its answer instead of being refused."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -23,6 +31,7 @@ def bind(host: str = "127.0.0.1", port: int = 8080) -> socket.socket:
     except OSError:
         sock.close()
         raise
+    sock.listen(BACKLOG)
     sock.set_inheritable(True)
     return sock
 

@@ -19,6 +19,7 @@ from ..batching import extra_inputs
 from ..errors import TrainingError
 from ..losses import check_problem_type, infer_problem_type, loss_fn
 from ..model import build_head
+from ..nn import linen
 from ..nn.heads import SequenceHead
 
 _HEAD_KEYS = ("pooler", "head", "pooler_options", "head_options")
@@ -65,8 +66,8 @@ class MultiTaskModel:
         for i, t in enumerate(self.tasks):
             key = None if dropout_rng is None else jax.random.fold_in(dropout_rng, i)
             rngs = {"dropout": key} if train else {}
-            out[t.name] = t.head.apply({"params": heads_params[t.name]}, hidden, mask, deterministic=not train,
-                                       rngs=rngs)
+            out[t.name] = linen.module(t.head).apply({"params": heads_params[t.name]}, hidden, mask,
+                                                     deterministic=not train, rngs=rngs)
         return out
 
     def apply(self, params: dict, input_ids, attention_mask=None, *, train: bool = False,
@@ -131,7 +132,7 @@ def multitask(model, tasks: Sequence[dict], *, seed: int = 0) -> MultiTaskModel:
         else:
             head, _ = build_head(model.backbone.config, n, pooler=spec.get("pooler"), head=spec.get("head"),
                                  pooler_options=spec.get("pooler_options"), head_options=spec.get("head_options"))
-            hp = head.init(jax.random.PRNGKey(seed + i), jnp.zeros((1, 1, h)), jnp.ones((1, 1), jnp.int32))["params"]
+            hp = linen.init_head(head, h, jax.random.PRNGKey(seed + i))
         out.append(Task(name, head, n, ptype, weight, lopts, id2label))
         heads[name] = hp
     return MultiTaskModel(model, out, {"backbone": model.params["backbone"], "heads": heads})

@@ -28,6 +28,7 @@ import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 
 from ..errors import TrainingError
+from ..nn import linen
 from ..nn.heads import SequenceHead
 from ..nn.poolers import DensePooler, Pool
 from ..parallel import Parallel
@@ -67,7 +68,7 @@ def head_with_reduction(head: SequenceHead, reduction: str | None) -> SequenceHe
     if isinstance(p, Pool):
         return SequenceHead(Pool(reduction), head.head)
     if isinstance(p, DensePooler):
-        return SequenceHead(p.clone(source=reduction, parent=None), head.head.clone(parent=None))
+        return SequenceHead(dataclasses.replace(p, source=reduction), head.head)
     raise TrainingError(f"{type(p).__name__} has no fixed reduction to vary; sweep poolers only for Pool or "
                         "DensePooler")
 
@@ -94,8 +95,7 @@ def init_heads(model, variants: Sequence[Variant]) -> dict:
     start = flatten_dict(jax.device_get(model.params["head"]), sep="/")
     heads = []
     for v in variants:
-        fresh = flatten_dict(jax.device_get(model.head.init(jax.random.PRNGKey(v.seed), jnp.zeros((1, 1, h)),
-                                                            jnp.ones((1, 1), jnp.int32))["params"]), sep="/")
+        fresh = flatten_dict(jax.device_get(linen.init_head(model.head, h, jax.random.PRNGKey(v.seed))), sep="/")
         heads.append({k: (start[k] if any(k.startswith(p + "/") for p in keep) else x) for k, x in fresh.items()})
     stacked = {k: np.stack([np.asarray(hd[k]) for hd in heads]) for k in heads[0]}
     return jax.tree.map(jnp.asarray, unflatten_dict(stacked, sep="/"))

@@ -26,6 +26,7 @@ from flaxheads.errors import FlaxheadsError
 from flaxheads.nn.heads import IdentityHead, LinearHead, MLPHead, ProjectionHead, SequenceHead
 from flaxheads.nn.poolers import AttentionPool, Concat, DensePooler, Pool, SequenceSummary
 from flaxheads.presets import PRESETS
+from flaxheads.nn import linen
 
 pytestmark = pytest.mark.full
 
@@ -70,7 +71,7 @@ def _perturb(tree, seed=0):
 
 
 def _with_head(model, head: SequenceHead, seed=0, dtype=jnp.float32, num_labels=None):
-    v = head.init(jax.random.PRNGKey(seed), jnp.zeros((1, 1, H)), jnp.ones((1, 1), jnp.int32))
+    v = linen.module(head).init(jax.random.PRNGKey(seed), jnp.zeros((1, 1, H)), jnp.ones((1, 1), jnp.int32))
     hp = jax.tree.map(lambda x: x.astype(dtype), _perturb(v.get("params", {}), seed))
     n = num_labels or head.head.out_features() or H
     return dataclasses.replace(model, head=head, params={"backbone": model.params["backbone"], "head": hp},
@@ -380,7 +381,7 @@ def _stub_model(seed=0):
     backbone = types.SimpleNamespace(config=types.SimpleNamespace(hidden_size=H, model_type="stub"),
                                      dtype=jnp.float32)
     head = SequenceHead(DensePooler(), LinearHead(3))
-    hp = _perturb(head.init(jax.random.PRNGKey(seed), jnp.zeros((1, 1, H)), jnp.ones((1, 1)))["params"], seed)
+    hp = _perturb(linen.init_head(head, H, jax.random.PRNGKey(seed)), seed)
     bp = {"w": jax.random.normal(jax.random.PRNGKey(seed + 1), (256, 256))}
     return fh.SequenceModel(backbone=backbone, head=head, num_labels=3, problem_type="single_label_classification",
                             params={"backbone": bp, "head": hp}, name_or_path="stub")

@@ -15,6 +15,7 @@ from transformers import AutoModelForSequenceClassification  # noqa: E402
 
 import flaxheads as fh  # noqa: E402
 from flaxheads.interop.head_files import load_head_export  # noqa: E402
+from flaxheads.nn import linen  # noqa: E402
 from flaxheads.backbones.registry import family_for  # noqa: E402
 from flaxheads.interop.transformers import ExportError  # noqa: E402
 from hf_tiny import padded_batch, tiny_torch_model  # noqa: E402
@@ -160,7 +161,7 @@ def test_head_only_export_loads_into_pytorch_head(arch, over, tmp_path):
     rng = np.random.default_rng(2)
     hidden = rng.normal(size=(3, 7, pt.config.hidden_size)).astype(np.float32)
     mask = np.array([[1] * 7, [1] * 4 + [0] * 3, [1] * 2 + [0] * 5])
-    params = head.init(jax.random.PRNGKey(3), jnp.asarray(hidden), jnp.asarray(mask))["params"]
+    params = linen.module(head).init(jax.random.PRNGKey(3), jnp.asarray(hidden), jnp.asarray(mask))["params"]
     params = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.PRNGKey(4), x.shape), params)
     fh.export_head(head, tmp_path / "head", params=params, hf_names=preset.hf_names,
                    meta={"arch": arch, "num_labels": pt.config.num_labels})
@@ -170,7 +171,7 @@ def test_head_only_export_loads_into_pytorch_head(arch, over, tmp_path):
     assert res.unexpected_keys == []
     head_modules = {name for _, name in preset.hf_names}
     assert not [k for k in res.missing_keys if k.rsplit(".", 1)[0] in head_modules]
-    got = np.asarray(head.apply({"params": params}, jnp.asarray(hidden), jnp.asarray(mask)))
+    got = np.asarray(linen.module(head).apply({"params": params}, jnp.asarray(hidden), jnp.asarray(mask)))
     np.testing.assert_allclose(got, _run_torch_head(pt, arch, hidden, mask), atol=1e-5, rtol=0)
 
 

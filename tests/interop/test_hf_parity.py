@@ -8,6 +8,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import flaxheads as fh  # noqa: E402
 from flaxheads.backbones.weights import head_from_hf  # noqa: E402
+from flaxheads.nn import linen
 from hf_tiny import padded_batch, tiny_torch_model  # noqa: E402
 
 pytestmark = pytest.mark.legacy
@@ -67,11 +68,11 @@ def test_head_on_hidden_states_matches_pytorch(arch, over):
     hidden = rng.normal(size=(3, 7, pt.config.hidden_size)).astype(np.float32)
     mask = np.array([[1] * 7, [1] * 4 + [0] * 3, [1] * 2 + [0] * 5])
     import jax
-    init = head.init(jax.random.PRNGKey(0), jnp.asarray(hidden), jnp.asarray(mask))["params"]
+    init = linen.module(head).init(jax.random.PRNGKey(0), jnp.asarray(hidden), jnp.asarray(mask))["params"]
     state = {k: v.numpy() for k, v in pt.state_dict().items()}
     params, loaded, new = head_from_hf(init, preset.hf_names, state)
     assert new == [] and len(loaded) == len([p for p, _ in preset.hf_names if _has(init, p)])
-    got = np.asarray(head.apply({"params": params}, jnp.asarray(hidden), jnp.asarray(mask)))
+    got = np.asarray(linen.module(head).apply({"params": params}, jnp.asarray(hidden), jnp.asarray(mask)))
     ref = _run_torch_head(pt, arch, hidden, mask)
     np.testing.assert_allclose(got, ref, atol=1e-5, rtol=0)
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import flaxheads as fh
+from flaxheads.nn import linen
 from hf_tiny import head_specs, pooler_specs, tiny_config
 
 ALL_POOLERS, ALL_HEADS = pooler_specs(), head_specs()
@@ -31,13 +32,13 @@ def test_every_combination_runs_and_round_trips(pooler, head):
     json.loads(text)  # plain JSON
     h = jnp.asarray(np.random.default_rng(0).normal(size=(2, 5, 8)), jnp.float32)
     m = jnp.array([[1, 1, 1, 0, 0], [1] * 5])
-    params = seq.init(jax.random.PRNGKey(0), h, m)
-    out = seq.apply(params, h, m)
+    params = linen.module(seq).init(jax.random.PRNGKey(0), h, m)
+    out = linen.module(seq).apply(params, h, m)
     assert out.dtype == jnp.float32 and np.isfinite(np.asarray(out)).all()
     width = head.out_features() or seq.pooler.out_features(8)
     assert out.shape == (2, width)
     # dropout is active in training mode and needs an rng
-    seq.apply(params, h, m, deterministic=False, rngs={"dropout": jax.random.PRNGKey(1)})
+    linen.module(seq).apply(params, h, m, deterministic=False, rngs={"dropout": jax.random.PRNGKey(1)})
 
 
 def test_every_preset_round_trips():
@@ -48,13 +49,13 @@ def test_every_preset_round_trips():
 def test_projection_head_normalises():
     head = fh.ProjectionHead(features=4, normalize=True)
     x = jnp.asarray(np.random.default_rng(0).normal(size=(3, 8)), jnp.float32)
-    params = head.init(jax.random.PRNGKey(0), x)
-    np.testing.assert_allclose(np.linalg.norm(np.asarray(head.apply(params, x)), axis=-1), 1.0, rtol=1e-6)
+    params = linen.module(head).init(jax.random.PRNGKey(0), x)
+    np.testing.assert_allclose(np.linalg.norm(np.asarray(linen.module(head).apply(params, x)), axis=-1), 1.0, rtol=1e-6)
 
 
 def test_mlp_head_structure():
     head = fh.MLPHead(5, hidden_dims=(16, None), layer_norm=True)
-    params = head.init(jax.random.PRNGKey(0), jnp.ones((1, 8)))["params"]
+    params = linen.module(head).init(jax.random.PRNGKey(0), jnp.ones((1, 8)))["params"]
     assert params["dense_0"]["kernel"].shape == (8, 16)
     assert params["dense_1"]["kernel"].shape == (16, 16)  # None = input width
     assert params["out_proj"]["kernel"].shape == (16, 5) and "norm_1" in params

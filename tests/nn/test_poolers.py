@@ -6,6 +6,7 @@ import pytest
 
 import flaxheads as fh
 from flaxheads.nn import poolers as P
+from flaxheads.nn import linen
 
 # one row, T=4, H=2; positions 0..2 real, 3 padding
 H1 = np.array([[[1.0, -2.0], [3.0, 0.0], [5.0, 4.0], [100.0, 100.0]]], np.float32)
@@ -51,13 +52,13 @@ def test_all_padding_row_is_finite(name):
     pooler = fh.make_pooler(name)
     h = jnp.asarray(np.random.default_rng(0).normal(size=(2, 5, 4)), jnp.float32)
     m = jnp.array([[1, 1, 0, 0, 0], [0, 0, 0, 0, 0]])
-    params = pooler.init(jax.random.PRNGKey(0), h, m)
-    out = np.asarray(pooler.apply(params, h, m))
+    params = linen.module(pooler).init(jax.random.PRNGKey(0), h, m)
+    out = np.asarray(linen.module(pooler).apply(params, h, m))
     assert np.isfinite(out).all()
     if name in ("mean", "max", "mean_sqrt_len", "weighted_mean", "attention"):
         np.testing.assert_array_equal(out[1], 0.0)
     # the gradient through an all-padding row is finite too (no 0/0 inside)
-    g = jax.grad(lambda x: pooler.apply(params, x, m).sum())(h)
+    g = jax.grad(lambda x: linen.module(pooler).apply(params, x, m).sum())(h)
     assert np.isfinite(np.asarray(g)).all()
 
 
@@ -76,10 +77,10 @@ def test_attention_pool_starts_as_mean_and_learns_weights():
     pooler = fh.AttentionPool()
     h = jnp.asarray(np.random.default_rng(0).normal(size=(2, 5, 4)), jnp.float32)
     m = jnp.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
-    params = pooler.init(jax.random.PRNGKey(0), h, m)
-    np.testing.assert_allclose(pooler.apply(params, h, m), P.mean(h, m), atol=1e-6)
+    params = linen.module(pooler).init(jax.random.PRNGKey(0), h, m)
+    np.testing.assert_allclose(linen.module(pooler).apply(params, h, m), P.mean(h, m), atol=1e-6)
     q = jnp.array([10.0, 0, 0, 0])  # a strong query picks the unmasked token with the largest feature 0
-    out = pooler.apply({"params": {"query": q}}, h, m)
+    out = linen.module(pooler).apply({"params": {"query": q}}, h, m)
     for i in range(2):
         n = int(m[i].sum())
         best = int(np.argmax(np.asarray(h)[i, :n, 0]))
@@ -88,7 +89,7 @@ def test_attention_pool_starts_as_mean_and_learns_weights():
 
 def test_concat_order_and_width():
     pooler = fh.make_pooler(["max", "cls", "mean"])
-    out = pooler.apply({}, jnp.asarray(H1), jnp.asarray(M1))
+    out = linen.module(pooler).apply({}, jnp.asarray(H1), jnp.asarray(M1))
     np.testing.assert_allclose(out[0], [5.0, 4.0, 1.0, -2.0, 3.0, 2.0 / 3.0], rtol=1e-6)
     assert pooler.out_features(2) == 6
 
@@ -114,8 +115,8 @@ def test_dense_pooler_and_summary_shapes():
                           (fh.make_pooler("dense", features=5, source="mean"), 5),
                           (fh.SequenceSummary(proj_to_labels=True, num_labels=3), 3),
                           (fh.SequenceSummary(use_proj=False), 8)]:
-        params = pooler.init(jax.random.PRNGKey(0), h, m)
-        assert pooler.apply(params, h, m).shape == (2, width) and pooler.out_features(8) == width
+        params = linen.module(pooler).init(jax.random.PRNGKey(0), h, m)
+        assert linen.module(pooler).apply(params, h, m).shape == (2, width) and pooler.out_features(8) == width
 
 
 # ---- sentence-transformers' Pooling as the reference --------------------------------------

@@ -10,6 +10,7 @@ from flax import nnx
 import flaxheads as fh
 from flaxheads import nnx as fnnx
 from flaxheads.errors import ConfigError
+from flaxheads.nn import linen
 from hf_tiny import H, head_specs, padded_batch, pooler_specs, save_tiny, tiny_config
 
 POOLERS, HEADS = pooler_specs(), head_specs()
@@ -27,7 +28,7 @@ def bert_hidden(tmp_path_factory):
 
 def _perturbed(seq, hidden, mask, seed=0):
     """Head params of Linen's shapes with random values (numpy: no per-shape init programs to compile)."""
-    shapes = jax.eval_shape(seq.init, jax.random.PRNGKey(seed), hidden, mask).get("params", {})
+    shapes = jax.eval_shape(linen.module(seq).init, jax.random.PRNGKey(seed), hidden, mask).get("params", {})
     rng = np.random.default_rng(seed)
     return jax.tree.map(lambda x: jnp.asarray(0.3 * rng.normal(size=x.shape), jnp.float32), shapes)
 
@@ -43,12 +44,12 @@ def check_same(seq, hidden, mask):
     mod = nnx.eval_shape(lambda: fnnx.SequenceHead(seq, hidden.shape[-1]))  # deterministic: no rng state used
     fnnx.load_head_params(mod, params)
     assert jax.tree.all(jax.tree.map(np.array_equal, fnnx.head_params(mod), params))  # one tree serves both
-    want = seq.apply({"params": params}, hidden, mask)
+    want = linen.module(seq).apply({"params": params}, hidden, mask)
     got = mod(hidden, mask)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     w = jnp.asarray(np.random.default_rng(0).normal(size=want.shape), jnp.float32)
-    g_params, g_hidden = jax.grad(lambda p, h: jnp.sum(seq.apply({"params": p}, h, mask) * w), argnums=(0, 1))(
-        params, hidden)
+    g_params, g_hidden = jax.grad(lambda p, h: jnp.sum(linen.module(seq).apply({"params": p}, h, mask) * w),
+                                  argnums=(0, 1))(params, hidden)
     n_params, n_hidden = nnx.grad(lambda m, h: jnp.sum(m(h, mask) * w), argnums=(0, 1))(mod, hidden)
     np.testing.assert_array_equal(np.asarray(n_hidden), np.asarray(g_hidden))
     n_params = _drop_empty(nnx.to_pure_dict(n_params))

@@ -189,8 +189,9 @@ def test_batch_shapes_stay_within_the_token_budget():
 
     shapes = Shapes((8, 16, 64), max_batch_tokens=256, max_batch_size=24)
     assert [shapes.cap(n) for n in (8, 16, 64)] == [16, 16, 4]  # 24 texts -> 16 (a power of two); 256 // 64
-    assert shapes.rows(3, 16) == 4 and shapes.rows(9, 8) == 16 and shapes.rows(1, 64) == 1
-    assert shapes.all() == sorted({(r, n) for n, cap in ((8, 16), (16, 16), (64, 4)) for r in (1, 2, 4, 8, 16)
+    assert shapes.sizes(8) == [1, 2, 4, 8, 12, 16] and shapes.sizes(64) == [1, 2, 4]  # 12: between 8 and 16
+    assert shapes.rows(3, 16) == 4 and shapes.rows(9, 8) == 12 and shapes.rows(13, 8) == 16 and shapes.rows(1, 64) == 1
+    assert shapes.all() == sorted({(r, n) for n, cap in ((8, 16), (16, 16), (64, 4)) for r in (1, 2, 4, 8, 12, 16)
                                    if r <= cap})
     assert Shapes((8, 16), 256, 8, width=4).all() == [(4, 8), (4, 16), (8, 8), (8, 16)]  # rows split over 4 devices
 

@@ -18,6 +18,7 @@ from flaxheads.checkpoint import RunCheckpointer  # noqa: E402
 from flaxheads.training.loop import FitCheckpointing, TrainConfig, Trainer, fit  # noqa: E402
 from flaxheads.training.optim import OptimConfig  # noqa: E402
 from flaxheads.sharding import abstract  # noqa: E402
+from flaxheads.nn import linen  # noqa: E402
 from train_helpers import random_split  # noqa: E402
 
 N_TRAIN, BATCH, STEPS = 21, 8, 3  # 21 = 8 + 8 + 5: the last batch has 3 padding rows
@@ -96,8 +97,6 @@ LLAMA_1B = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096, "in
 
 def abstract_model(config: dict):
     """A SequenceModel whose params are ``jax.eval_shape`` shapes (mean pooler, linear head)."""
-    import jax.numpy as jnp
-
     from flaxheads.backbones.base import HFConfig
     from flaxheads.backbones.registry import family_for
     from flaxheads.model import SequenceModel, build_head
@@ -107,9 +106,9 @@ def abstract_model(config: dict):
     shapes = fam.param_shapes(cfg)
     head, _ = build_head(cfg, 2, pooler="mean", head="linear")
     hidden = int(cfg.hidden_size)
-    hp = jax.eval_shape(lambda: head.init(jax.random.PRNGKey(0), jnp.zeros((1, 1, hidden)), jnp.ones((1, 1), jnp.int32)))
+    hp = jax.eval_shape(lambda: linen.init_head(head, hidden))
     return SequenceModel(fam(cfg, shapes), head, 2, "single_label_classification",
-                         {"backbone": shapes, "head": hp["params"]})
+                         {"backbone": shapes, "head": hp})
 
 
 def memory(folder, out):
