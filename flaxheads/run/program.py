@@ -229,13 +229,10 @@ def resolve_pack(want: bool | None, model: SequenceModel, train: Split, tcfg: lo
     (``training.packing.packed_slot_share``; None where nothing would pack).
 
     ``pack`` True / False as given; None: packed when the backbone keeps packed texts apart, the
-    backbone is not cached, and the share is at most ``AUTO_PACK_SHARE``. Packing changes no batch
+    backbone is not cached, the training split is in memory and the share is at most ``AUTO_PACK_SHARE``. Packing changes no batch
     and no loss, only the token slots a step computes."""
-    if isinstance(train, StreamSplit):
-        if want:
-            raise UsageError("--pack needs the training split in memory; streamed data trains unpacked (drop "
-                             "--pack, or --no-stream for a table that fits in memory)")
-        return False, None
+    if isinstance(train, StreamSplit):  # packed only when asked: the share needs every text tokenized
+        return bool(want), None
     packable = not cached and "packing" in getattr(model.backbone, "features", ())
     if want is False or (want is None and not packable):
         return False, None
@@ -398,9 +395,10 @@ def _stream_note(job: Job) -> str:
 
 
 def _packing_note(job: Job) -> str:
-    if not job.train.pack or job.pack_share is None:
+    if not job.train.pack:
         return ""
-    return f", short texts packed ({job.pack_share:.0%} of the padded token slots; --no-pack to turn off)"
+    share = "" if job.pack_share is None else f"{job.pack_share:.0%} of the padded token slots; "
+    return f", short texts packed ({share}--no-pack to turn off)"
 
 
 def _training_kind(job: Job) -> str:

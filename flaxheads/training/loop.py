@@ -232,19 +232,15 @@ def train_batches(trainer: Trainer, train: Split | StreamSplit | None = None) ->
     own = trainer.task.train_batches()
     if own is not None:
         return own
-    if isinstance(train, StreamSplit):
-        if trainer.cfg.pack:
-            raise TrainingError("packing needs the training split in memory; streamed data trains unpacked "
-                                "(drop --pack, or --no-stream for a table that fits in memory)")
-        return stream_batches
+    streamed = isinstance(train, StreamSplit)
     if not trainer.cfg.pack:
-        return iterate_batches
+        return stream_batches if streamed else iterate_batches
     backbone = trainer.model.backbone
     if "packing" not in getattr(backbone, "features", ()):
         raise TrainingError(f"packing needs a backbone that keeps packed texts apart; the "
                             f"{trainer.model.model_type} backbone does not: train without packing")
-    return partial(iterate_packed_batches, first_position=backbone.first_position(),
-                   row_multiple=trainer.parallel.width)
+    packed = partial(stream_batches, pack=True) if streamed else iterate_packed_batches
+    return partial(packed, first_position=backbone.first_position(), row_multiple=trainer.parallel.width)
 
 
 def fit(trainer: Trainer, train: Split, *, evals: Mapping[str, Split] | None = None,

@@ -221,6 +221,50 @@ def test_each_process_tokenizes_and_holds_only_its_rows(big, tok, monkeypatch):
     monkeypatch.undo()
 
 
+def _examples(batch) -> list:
+    """(tokens, label) of every real example of a batch, packed or not, sorted."""
+    if "segment_ids" not in batch:
+        return sorted((tuple(x[m > 0].tolist()), int(y)) for x, m, w, y in
+                      zip(batch["input_ids"], batch["attention_mask"], batch["weights"], batch["labels"]) if w > 0)
+    rows, slots, _ = batch["segment_index"].shape
+    return sorted((tuple(batch["input_ids"][r, batch["segment_index"][r, s][batch["segment_mask"][r, s] > 0]].tolist()),
+                   int(batch["labels"][r, s])) for r in range(rows) for s in range(slots) if batch["weights"][r, s] > 0)
+
+
+def test_packed_stream_holds_the_unpacked_batches_and_resumes(tmp_path, tok, monkeypatch):
+    path = _csv(tmp_path / "short.csv", _rows(300))
+    train = S.open_stream(_cfg(path, split=(1.0, 0.0, 0.0))).splits(tok, 16)["train"]
+    train.window_batches = 4
+    plain = _epoch(train, seed=3, epoch=0)
+    packed = _epoch(train, seed=3, epoch=0, pack=True, row_multiple=2)
+    assert len(packed) == len(plain)
+    for p, q in zip(packed, plain):
+        assert _examples(p) == _examples(q) and len(p["input_ids"]) % 2 == 0
+    assert sum(b["input_ids"].size for b in packed) < sum(b["input_ids"].size for b in plain)
+    tail = _epoch(train, seed=3, epoch=0, start=6, pack=True, row_multiple=2)  # mid-window: same shapes too
+    for x, y in zip(packed[6:], tail):
+        assert x.keys() == y.keys() and all(np.array_equal(x[k], y[k]) for k in x)
+
+    # two processes: each packs its rows of a batch into its block of rows, in the shape both agree on
+    own: dict[int, list] = {0: [], 1: []}
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    for p in (0, 1):
+        monkeypatch.setattr(jax, "process_index", lambda p=p: p)
+        monkeypatch.setattr(S.batches, "agreed_shape", lambda shape, p=p: own[p].append(shape) or shape)
+        _epoch(train, seed=3, epoch=0, pack=True, row_multiple=2)
+    halves = []
+    for p in (0, 1):
+        agreed = iter([tuple(map(max, a, b)) for a, b in zip(own[0], own[1])])
+        monkeypatch.setattr(jax, "process_index", lambda p=p: p)
+        monkeypatch.setattr(S.batches, "agreed_shape", lambda shape: next(agreed))
+        halves.append(_epoch(train, seed=3, epoch=0, pack=True, row_multiple=2))
+    for a, b, whole in zip(*halves, plain):
+        assert a["input_ids"].shape == b["input_ids"].shape
+        k = len(a["input_ids"]) // 2
+        assert not a["weights"][k:].any() and not b["weights"][:k].any()  # each fills only its own block
+        assert sorted(_examples(a) + _examples(b)) == _examples(whole)
+
+
 def test_shards_glob_and_file_order_per_epoch(tmp_path, tok):
     rows = _rows(600)
     d = tmp_path / "shards"

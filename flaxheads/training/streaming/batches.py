@@ -13,6 +13,7 @@ from ...batching import bucket_length
 from ...errors import UsageError
 from ...tables import LabelSpace, TextTable, encode_labels
 from ..data import Split, batch_plan, collate, iterate_batches, tokenize
+from ..packing import merge_rare_shapes, packed_batch, packed_shape
 from .files import PREFETCH_BATCHES, WINDOW_BATCHES
 from .splits import StreamSource, char_lengths, column_values, source_rows
 
@@ -120,38 +121,51 @@ def _epoch_order(n_files: int, seed: int, epoch: int, shuffle: bool) -> list[int
 
 def agreed_length(local_max: int) -> int:
     """The longest text of a global batch, from each process's longest (one all-gather)."""
+    return agreed_shape((local_max,))[0]
+
+
+def agreed_shape(local: Sequence[int]) -> tuple[int, ...]:
+    """The element-wise largest of every process's ``local`` sizes (one all-gather)."""
     import jax
 
     if jax.process_count() == 1:
-        return local_max
+        return tuple(int(x) for x in local)
     from jax.experimental import multihost_utils
 
-    return int(np.max(multihost_utils.process_allgather(np.asarray([local_max], np.int32))))
+    got = multihost_utils.process_allgather(np.asarray(local, np.int32))
+    return tuple(int(x) for x in np.max(np.asarray(got).reshape(-1, len(local)), axis=0))
 
 
-def _global_rows(local: dict, batch_size: int, process: int, processes: int) -> dict:
-    """A global batch of ``batch_size`` rows holding this process's rows in its slice (the rows
-    :meth:`Parallel.put_rows` places from it); the other rows are weight-0 padding."""
+def _global_rows(local: dict, process: int, processes: int) -> dict:
+    """A global batch of ``processes`` times this process's rows, holding them in its slice (the
+    rows :meth:`Parallel.put_rows` places from it); the other rows are weight-0 padding that
+    attends to (and, packed, pools over) one position."""
     if processes == 1:
         return local
-    k = batch_size // processes
+    k = len(local["input_ids"])
     out = {}
     for key, v in local.items():
-        full = np.zeros((batch_size, *v.shape[1:]), v.dtype)
+        full = np.zeros((k * processes, *v.shape[1:]), v.dtype)
         if key == "attention_mask":
             full[:, 0] = 1
+        if key == "segment_mask":
+            full[:, :, 0] = 1
         full[process * k:(process + 1) * k] = v
         out[key] = full
     return out
 
 
 def stream_batches(split: StreamSplit, batch_size: int, buckets: Sequence[int], *, seed: int = 0, epoch: int = 0,
-                   shuffle: bool = True, start: int = 0, pad_id: int = 0,
-                   group_by_length: bool = True) -> Iterator[dict]:
+                   shuffle: bool = True, start: int = 0, pad_id: int = 0, group_by_length: bool = True,
+                   pack: bool = False, first_position: int = 0, row_multiple: int = 1) -> Iterator[dict]:
     """The training batches of one epoch of a streamed split from batch ``start`` on, as
     :func:`~flaxheads.training.data.iterate_batches` gives them (global batches, padded to a
     bucket, weight-0 padding rows), a pure function of ``(seed, epoch, start)``. In a multi-process
-    run each process reads and tokenizes only the rows of each batch it places on its devices."""
+    run each process reads and tokenizes only the rows of each batch it places on its devices.
+
+    ``pack``: each batch's texts packed into shared rows (:mod:`~flaxheads.training.packing`; the
+    same examples, weights and loss), a shape few batches of a window need padded to a larger one
+    in use, and the shape agreed by every process; ``row_multiple`` is the data-parallel width."""
     import jax
 
     procs, me = jax.process_count(), jax.process_index()
@@ -171,23 +185,31 @@ def stream_batches(split: StreamSplit, batch_size: int, buckets: Sequence[int], 
             chars = char_lengths(chunk, split.source.text_column)
             plan = batch_plan(chars, batch_size, key=(seed, epoch, w), shuffle=shuffle,
                               group_by_length=group_by_length, group_batches=None)
-            plan = plan[skip:] if w == first_window else plan
+            if w == first_window and not pack:
+                plan = plan[skip:]
             mine = [idx[me * local:(me + 1) * local] for idx in plan]
             flat = np.concatenate(mine) if mine else np.zeros(0, np.int64)
             toks = split.tokenized(where, chunk, flat) if len(flat) else None
-            at = 0
-            for idx in mine:
-                rows = np.arange(at, at + len(idx))
-                at += len(idx)
-                yield toks, rows
+            if toks is None:
+                toks = Split(split.name, [], np.zeros((0,), np.int32))
+            bounds = np.cumsum([0] + [len(idx) for idx in mine])
+            rows = [np.arange(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+            shapes = merge_rare_shapes([packed_shape(toks, r, local, buckets, row_multiple=local_rows)
+                                        for r in rows]) if pack else [None] * len(rows)
+            # packed shapes are merged over the whole window, so a resumed window reads all of it
+            first = skip if w == first_window and pack else 0
+            for r, shape in zip(rows[first:], shapes[first:]):
+                yield toks, r, shape
 
-    for toks, rows in _background(produce, PREFETCH_BATCHES):
-        longest = max([len(toks.input_ids[i]) for i in rows] + [1]) if toks is not None else 1
-        t = bucket_length(agreed_length(longest), buckets)
-        if toks is None:
-            toks = Split(split.name, [], np.zeros((0,), np.int32))
-        batch = collate(toks, rows, local, (t,), pad_id)
-        yield _global_rows(batch, batch_size, me, procs)
+    local_rows = max(row_multiple // procs, 1)
+    for toks, rows, shape in _background(produce, PREFETCH_BATCHES):
+        if pack:
+            batch = packed_batch(toks, rows, local, buckets, pad_id=pad_id, first_position=first_position,
+                                 row_multiple=local_rows, shape=agreed_shape(shape))
+        else:
+            t = bucket_length(agreed_length(max([len(toks.input_ids[i]) for i in rows] + [1])), buckets)
+            batch = collate(toks, rows, local, (t,), pad_id)
+        yield _global_rows(batch, me, procs)
 
 
 def ordered_batches(split, batch_size: int, buckets: Sequence[int], *, pad_id: int = 0) -> Iterator[dict]:
