@@ -35,12 +35,15 @@ from ..training.memory import memory_report
 from ..training.optim import OptimConfig, count_params
 from ..training.packing import AUTO_PACK_SHARE, packed_slot_share
 from ..training.preemption import SignalWatch, StopOnSignal
+from ..training.profiling import ProfileWindow, parse_steps
 from ..training.streaming import StreamSplit, ordered_batches
 from ..training.task import Classification, Task
 from .checkpoints import open_checkpoints
 from .checks import check_spec
 from .data import RunData, load_data
 from .folder import RunFolder, scalars
+from .reporters import resolve_report_to
+from .report_data import ReportPage, label_counts, throughput_note, worst_examples
 from .spec import DEFAULT_HEAD_LR, DEFAULT_LR, LORA_LR, PROBE_LR, RunSpec
 
 
@@ -262,6 +265,7 @@ def run_config(job: Job, trainer: loop.Trainer | None = None, argv: Sequence[str
             "bf16": job.precision.name == "bfloat16", "precision": dataclasses.asdict(job.precision),
             "compute_plan": model.plan.describe(), "max_length": job.max_length, "buckets": list(job.buckets),
             "data": job.data.config, "sizes": {n: len(s) for n, s in job.splits.items()},
+            "label_counts": label_counts(job.data), "headline": job.task.headline,
             "train": dataclasses.asdict(job.train), "optimizer": dataclasses.asdict(job.optim),
             "checkpoints": {"keep": spec.checkpoints.keep, "best_metric": job.best_metric,
                             "every": spec.checkpoints.checkpoint_every},
@@ -336,11 +340,16 @@ def _fine_tune(job: Job, callbacks: list, *, progress: bool, argv, started, comp
         report = memory_report(trainer, _largest_batch(job))
         if lead:
             print("\n".join(report.lines()), flush=True)
-    log = folder.logger(job.optim, total, job.train.log_every, job.task.headline)
+    log = folder.logger(job.optim, total, job.train.log_every, job.task.headline,
+                        report_to=resolve_report_to(job.spec.checkpoints.report_to),
+                        resumed_at=None if state0 is None else int(state0.step))
     evals = {"validation": job.splits["validation"]} if "validation" in job.splits else {}
+    window = job.spec.checkpoints.profile_steps
+    profile = ProfileWindow(job.out / "profile", *parse_steps(window)) if window and lead else None
+    extra = ([ReportPage(job.out)] if lead else []) + ([profile] if profile is not None else [])
     fit_called = time.perf_counter()
-    res = fit_until_signal(trainer, job.splits["train"], ckpt, [log, *callbacks], evals=evals, buckets=job.buckets,
-                           pad_id=job.pad_id, progress=lead and progress, state=state0)
+    res = fit_until_signal(trainer, job.splits["train"], ckpt, [log, *callbacks, *extra], evals=evals,
+                           buckets=job.buckets, pad_id=job.pad_id, progress=lead and progress, state=state0)
     final, predictions = {}, {}
     if "test" in job.splits:
         final["test"], predictions["test"] = trainer.final(res.state.params, job.splits["test"], buckets=job.buckets,
@@ -351,16 +360,19 @@ def _fine_tune(job: Job, callbacks: list, *, progress: bool, argv, started, comp
                "resumed_from": None if state0 is None else int(state0.step),
                "checkpoints": None if ckpt is None else ckpt.ckr.root, "seconds": round(res.seconds, 1),
                "eval_seconds": round(res.eval_seconds, 1), **_startup(started, res, fit_called),
-               "train_compiles": res.train_compiles, "eval_compiles": res.eval_compiles,
+               "train_compiles": res.train_compiles, "eval_compiles": res.eval_compiles, "throughput": res.throughput,
+               **({"profile": {"steps": list(parse_steps(window)), "folder": str(job.out / "profile"),
+                               "files": [str(p) for p in profile.traces()]}} if profile is not None else {}),
                "buckets": list(job.buckets), "metrics": {n: scalars(r) for n, r in final.items()},
                "run_folder": str(job.out)}
     if compile_cache is not None:
         summary["compile_cache"] = {"folder": str(compile_cache.folder), "loaded": compile_cache.hits,
                                     "compiled": compile_cache.compiled, "stored": compile_cache.stored}
+    worst = worst_examples(job, predictions.get("test"))
     folder.finish(summary, final, predictions, job.model.id2label, history=res.history, metric=job.task.headline,
-                  tail=f"{res.step} steps in {res.seconds:.0f} s"
+                  worst=worst, tail=f"{res.step} steps in {res.seconds:.0f} s"
                        + (f" (first step done {summary['seconds_to_first_step']:.0f} s after the start)"
-                          if "seconds_to_first_step" in summary else "")
+                          if "seconds_to_first_step" in summary else "") + throughput_note(res.throughput)
                        + f"; compiles: {res.train_compiles} train, "
                        f"{res.eval_compiles} eval (buckets {list(job.buckets)})"
                        + (f"; {compile_cache.summary()}" if compile_cache is not None else ""))
