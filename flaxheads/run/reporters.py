@@ -5,12 +5,14 @@ tensorboardX's ``SummaryWriter``. Only process 0 of a multi-process run writes.
 One log entry (a line of ``metrics.jsonl``) becomes these TensorBoard scalars (:func:`scalars_of`):
 a training line's keys as ``train/<key>`` (``loss``, ``grad_norm``, ``lr_head``, ``lr_backbone``,
 ``padding``, ``examples_per_s``, ``tokens_per_s``, ``step_seconds``, ``model_tflops_per_s``, ``mfu``,
-``epoch``...), an evaluation's as ``<split>/<metric>``, the final metrics as ``final/<split>/<metric>``.
+``epoch``...), an evaluation's as ``<split>/<metric>``, the final metrics as ``final/<split>/<metric>``;
+characters TensorBoard refuses in a tag become ``_`` (``ndcg@10`` is ``ndcg_10``).
 """
 from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -44,13 +46,19 @@ def resolve_report_to(value: str | Sequence[str] | None) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
+#: What TensorBoard allows in a tag (its writers replace anything else with ``_``).
+_NOT_IN_TAGS = re.compile(r"[^-/\w.]")
+
+
 def scalars_of(entry: dict) -> list[tuple[str, float]]:
     """The TensorBoard (tag, value) pairs of one ``metrics.jsonl`` entry (see the module docstring)."""
     if "eval" in entry:
-        return [(f"{split}/{k}", float(v)) for split, r in entry["eval"].items() for k, v in r.items()]
-    if "final" in entry:
-        return [(f"final/{split}/{k}", float(v)) for split, r in entry["final"].items() for k, v in r.items()]
-    return [(f"train/{k}", float(v)) for k, v in entry.items() if k != "step" and isinstance(v, (int, float))]
+        pairs = [(f"{split}/{k}", v) for split, r in entry["eval"].items() for k, v in r.items()]
+    elif "final" in entry:
+        pairs = [(f"final/{split}/{k}", v) for split, r in entry["final"].items() for k, v in r.items()]
+    else:
+        pairs = [(f"train/{k}", v) for k, v in entry.items() if k != "step"]
+    return [(_NOT_IN_TAGS.sub("_", tag), float(v)) for tag, v in pairs if isinstance(v, (int, float))]
 
 
 class EventWriter:
