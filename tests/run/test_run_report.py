@@ -37,7 +37,7 @@ def _words(rng, topic, n):
 
 @pytest.fixture(scope="module")
 def runs(tiny_bert, tmp_path_factory):
-    """Four run folders: single-label (profiled at steps 3:4), ranking (pairwise), multi-label
+    """Four run folders: single-label (profiled at steps 2:3), ranking (pairwise), multi-label
     (``report_to`` jsonl only) and regression."""
     d = tmp_path_factory.mktemp("observed")
     rng = np.random.default_rng(0)
@@ -60,9 +60,8 @@ def runs(tiny_bert, tmp_path_factory):
         w.writerow(["text", "score"])
         w.writerows([[_words(rng, int(rng.integers(3)), 5), f"{rng.normal():.3f}"] for _ in range(30)])
     specs = {
-        "single": dict(data=str(d / "news.csv"), max_steps=6, eval_every=3, profile_steps="3:4"),
-        "ranking": dict(data=str(d / "pref.csv"), objective="pairwise", max_steps=4, eval_every=2,
-                        split=(0.5, 0.25, 0.25)),
+        "single": dict(data=str(d / "news.csv"), max_steps=4, eval_every=2, profile_steps="2:3"),
+        "ranking": dict(data=str(d / "pref.csv"), objective="pairwise", max_steps=2, split=(0.5, 0.25, 0.25)),
         "multi": dict(data=str(d / "tags.jsonl"), max_steps=2, report_to="jsonl"),
         "regression": dict(data=str(d / "score.csv"), label_column="score", max_steps=2),
     }
@@ -99,7 +98,8 @@ def _jsonl_scalars(log: list[dict]) -> set[tuple[str, int, float]]:
 
 @pytest.mark.parametrize("name", ["single", "ranking", "regression"])
 def test_tensorboard_reads_back_exactly_the_jsonl_values(runs, name):
-    pytest.importorskip("tensorboard")
+    pytest.importorskip("tensorboard")  # the reader
+    pytest.importorskip("tensorboardX")  # the writer (report_to's default writes events only with it)
     run = runs[name]
     log = _log(run)
     got, want = _event_scalars(run.folder / "tensorboard"), _jsonl_scalars(log)
@@ -120,7 +120,7 @@ def test_report_to_jsonl_writes_no_event_files(runs):
 def test_throughput_and_model_flops_in_the_summary_and_the_log(runs, tiny_bert):
     run = runs["single"]
     t = run.summary["throughput"]
-    assert t["steps_timed"] == 5 and t["examples_per_s"] > 0
+    assert t["steps_timed"] == 3 and t["examples_per_s"] > 0
     # every row is padded to the one 16-token bucket: 16 token slots per row, 4 rows per step
     assert t["tokens_per_s"] == pytest.approx(16 * 4 / t["step_seconds"], rel=1e-3)
     cfg = json.loads((Path(tiny_bert) / "config.json").read_text())
@@ -138,12 +138,12 @@ def test_throughput_and_model_flops_in_the_summary_and_the_log(runs, tiny_bert):
 def test_the_profile_holds_the_requested_steps_only(runs):
     run = runs["single"]
     prof = run.summary["profile"]
-    assert prof["steps"] == [3, 4]
+    assert prof["steps"] == [2, 3]
     [trace] = [p for p in prof["files"] if p.endswith("perfetto_trace.json.gz")]
     data = json.load(gzip.open(trace))
     events = data["traceEvents"] if isinstance(data, dict) else data
     steps = sorted(int(e["args"]["step_num"]) for e in events if e.get("name") == "train" and e.get("ph") == "X")
-    assert steps == [3, 4]
+    assert steps == [2, 3]
     assert any(p.endswith(".xplane.pb") for p in prof["files"])  # TensorBoard's profile plugin reads this one
 
 
@@ -258,13 +258,12 @@ def test_chromium_renders_the_pages_offline_with_the_summary_numbers(runs, tmp_p
 
     for name, run in runs.items():
         page = run.folder / "report.html"
-        dom, err = _browse(page, "--dump-dom")
+        shot = tmp_path / f"{name}.png"
+        dom, err = _browse(page, "--dump-dom", f"--screenshot={shot}", "--window-size=1200,1600")
         assert not _console_errors(err), (name, _console_errors(err))
         rendered = _page(dom)
         assert rendered.body.get("data-ready") == "1", name  # the page's script ran to its end
         _check_numbers(rendered, run.summary)
-        shot = tmp_path / f"{name}.png"
-        _browse(page, f"--screenshot={shot}", "--window-size=1200,1600")
         pixels = imread(shot)
         assert pixels.shape[:2] == (1600, 1200), name
         assert pixels[:40].mean() < 0.3 < pixels[200:].mean(), name  # the dark header above a light page
