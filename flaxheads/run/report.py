@@ -53,7 +53,7 @@ def fmt(v: Any) -> str:
         return f"{v:,}"
     if not math.isfinite(v):
         return str(v)
-    return f"{v:.4g}" if abs(v) < 1e6 else f"{v:,.0f}"
+    return f"{v:.4g}" if abs(v) < 1000 else f"{v:,.0f}"
 
 
 def _num(key: str, v: Any) -> str:
@@ -104,9 +104,9 @@ def svg_curve(series: dict[str, list[tuple[float, float]]], *, title: str, ylabe
            f'<line x1="{left}" y1="{top}" x2="{left}" y2="{top + h}" class="axis"/>']
     for i in range(5):
         yv = y0 + (y1 - y0) * i / 4
-        xv = x0 + (x1 - x0) * i / 4
         out.append(f'<text x="{left - 6}" y="{sy(yv) + 4:.1f}" class="tick" text-anchor="end">{fmt(yv)}</text>')
-        out.append(f'<text x="{sx(xv):.1f}" y="{top + h + 16}" class="tick" text-anchor="middle">{xv:.0f}</text>')
+    for xv in sorted({round(x0 + (x1 - x0) * i / 4) for i in range(5)}):  # whole steps, each once
+        out.append(f'<text x="{sx(xv):.1f}" y="{top + h + 16}" class="tick" text-anchor="middle">{xv}</text>')
     out.append(f'<text x="{left + w / 2}" y="{height - 4}" class="tick" text-anchor="middle">step</text>')
     out.append(f'<text x="12" y="{top + h / 2}" class="tick" transform="rotate(-90 12 {top + h / 2})" '
                f'text-anchor="middle">{_e(ylabel)}</text>')

@@ -9,9 +9,11 @@ recomputation not counted, as MFU defines it), per training row of ``T`` token s
 ``P_layer`` = the matmul weights of one layer (q, k, v, output; two FFN matrices, three when the FFN
 is gated), ``A`` = the attention width (heads x head size; ``4 T A`` per token forward: ``QK^T`` and
 ``PV``), ``P_head`` = the matrices of the pooler and head. ``k`` is 6 when the backbone trains
-(forward 2, gradients of inputs 2 and of weights 2), 4 with LoRA (its weights get no gradients),
-2 when frozen; ``a`` = ``k / 2``. For BERT this is ``6 N_matmul B T + 12 L T^2 H B + 6 (H^2 + H
-labels) B``, ``bench/mfu.py``'s formula.
+(forward 2, gradients of inputs 2 and of weights 2), 4 with LoRA (the base's weights get no
+gradients), 2 when frozen (forward only). The attention products have no weights: ``a`` is 3
+(forward + the gradients of both operands) whenever gradients flow through the backbone, 1 when
+frozen. For BERT this is ``6 N_matmul B T + 12 L T^2 H B + 6 (H^2 + H labels) B``, ``bench/mfu.py``'s
+formula.
 """
 from __future__ import annotations
 
@@ -93,7 +95,10 @@ class StepFlops:
 
     def __call__(self, rows: int, seq: int) -> float:
         """Model FLOPs of a step on ``rows`` rows of ``seq`` token slots."""
-        return self.per_param / 2 * forward_flops(self.dims, rows, seq) + 6.0 * rows * self.head_params
+        d = self.dims
+        matmuls = self.per_param * d.layers * d.layer_matmul_params
+        attention = (3.0 if self.per_param > 2 else 1.0) * 4 * d.layers * seq * d.attention
+        return rows * seq * (matmuls + attention) + 6.0 * rows * self.head_params
 
     def of_batch(self, batch: Mapping[str, Any]) -> float:
         """Model FLOPs of a step on ``batch`` (its ``input_ids``' slots, padding included: what runs)."""

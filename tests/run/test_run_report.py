@@ -179,7 +179,8 @@ def _page(html_text: str) -> _Page:
 
 
 def _shown(v) -> str:
-    return f"{v:,}" if isinstance(v, int) else f"{v:.4g}"
+    """How the page shows a number: integers in full, else 4 significant digits below 1000."""
+    return f"{v:,}" if isinstance(v, int) else f"{v:.4g}" if abs(v) < 1000 else f"{v:,.0f}"
 
 
 def _check_numbers(page: _Page, summary: dict) -> None:

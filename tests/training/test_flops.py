@@ -49,7 +49,7 @@ def test_a_gated_grouped_query_decoder_equals_the_hand_count():
     head = h * 1  # a one-output score head
     hand = 6 * L * per_layer * B * T + 12 * L * T * T * h * B + 6 * head * B
     assert StepFlops(dims, head)(B, T) == pytest.approx(hand, rel=1e-12)
-    lora = 4 * L * per_layer * B * T + 8 * L * T * T * h * B + 6 * head * B  # no weight gradients in the base
+    lora = 4 * L * per_layer * B * T + 12 * L * T * T * h * B + 6 * head * B  # no weight gradients in the base
     assert StepFlops(dims, head, per_param=4.0)(B, T) == pytest.approx(lora, rel=1e-12)
     frozen = 2 * L * per_layer * B * T + 4 * L * T * T * h * B + 6 * head * B  # the base runs forward only
     assert StepFlops(dims, head, per_param=2.0)(B, T) == pytest.approx(frozen, rel=1e-12)
