@@ -336,10 +336,11 @@ def _fine_tune(job: Job, callbacks: list, *, progress: bool, argv, started, comp
     folder.start(config, _intro(job, trainer, total))
     if lead:
         print(job.model.plan.describe(), flush=True)
+    memory = None
     if job.train.mesh:  # every process compiles the same program; the first one reports
-        report = memory_report(trainer, _largest_batch(job))
+        memory = memory_report(trainer, _largest_batch(job)).lines()
         if lead:
-            print("\n".join(report.lines()), flush=True)
+            print("\n".join(memory), flush=True)
     log = folder.logger(job.optim, total, job.train.log_every, job.task.headline,
                         report_to=resolve_report_to(job.spec.checkpoints.report_to),
                         resumed_at=None if state0 is None else int(state0.step))
@@ -363,12 +364,13 @@ def _fine_tune(job: Job, callbacks: list, *, progress: bool, argv, started, comp
                "train_compiles": res.train_compiles, "eval_compiles": res.eval_compiles, "throughput": res.throughput,
                **({"profile": {"steps": list(parse_steps(window)), "folder": str(job.out / "profile"),
                                "files": [str(p) for p in profile.traces()]}} if profile is not None else {}),
-               "buckets": list(job.buckets), "metrics": {n: scalars(r) for n, r in final.items()},
+               "buckets": list(job.buckets), **({"memory_plan": memory} if memory else {}),
+               "metrics": {n: scalars(r) for n, r in final.items()},
                "run_folder": str(job.out)}
     if compile_cache is not None:
         summary["compile_cache"] = {"folder": str(compile_cache.folder), "loaded": compile_cache.hits,
                                     "compiled": compile_cache.compiled, "stored": compile_cache.stored}
-    worst = worst_examples(job, predictions.get("test"))
+    worst = worst_examples(job, *_worst_source(job, trainer, res.state.params, predictions))
     folder.finish(summary, final, predictions, job.model.id2label, history=res.history, metric=job.task.headline,
                   worst=worst, tail=f"{res.step} steps in {res.seconds:.0f} s"
                        + (f" (first step done {summary['seconds_to_first_step']:.0f} s after the start)"
@@ -378,6 +380,16 @@ def _fine_tune(job: Job, callbacks: list, *, progress: bool, argv, started, comp
                        + (f"; {compile_cache.summary()}" if compile_cache is not None else ""))
     state = trainer.parallel.get_state(res.state) if trainer.parallel.mode == "pmap" else res.state
     return Run(job.spec, summary, dataclasses.replace(job.model, params=state.params), job.out)
+
+
+def _worst_source(job: Job, trainer: loop.Trainer, params, predictions: dict) -> tuple[str, dict | None]:
+    """The split whose worst-classified rows the report shows, and its predictions: validation
+    (predicted once more by the trained model) where it is in memory, else the test split's."""
+    val = job.splits.get("validation")
+    if job.spec.ranking or not isinstance(val, Split) or getattr(job.data.tables.get("validation"), "texts", None) \
+            is None:
+        return "test", predictions.get("test")
+    return "validation", trainer.final(params, val, buckets=job.buckets, pad_id=job.pad_id)[1]
 
 
 def _startup(started: float | None, res: loop.FitResult, fit_called: float) -> dict:

@@ -243,9 +243,10 @@ def _throughput_section(summary: dict | None, log: list[dict]) -> str:
     return f"<p class=\"muted\">{_e(note)}</p>" + _table(["", "value"], rows) + extra
 
 
-def _memory_section(config: dict) -> str:
+def _memory_section(config: dict, summary: dict | None) -> str:
     rows = {k: config[k] for k in ("compute_plan", "precision", "params", "devices", "buckets") if k in config}
-    return _kv(rows) if rows else ""
+    plan = (summary or {}).get("memory_plan")  # per-device memory of a mesh run's compiled step
+    return (_kv(rows) if rows else "") + (f"<pre>{_e(chr(10).join(plan))}</pre>" if plan else "")
 
 
 def _checkpoint_section(run: Path, config: dict, summary: dict | None) -> str:
@@ -328,11 +329,11 @@ def render(run: str | Path, *, live: dict | None = None) -> str:
                  "(report_to without jsonl) or empty.</p>", "curves"),
         _section("Per class and confusion matrix" if objective == "classification" else "Ranking metrics",
                  _per_class_section(evaluation, labels) or "<p class=\"muted\">See Metrics.</p>", "classes"),
-        _section("Worst-classified examples", _worst_section(worst) or "<p class=\"muted\">None recorded (a run "
-                 "without a test split, a ranking run, or still training).</p>", "worst"),
+        _section("Worst-classified examples", _worst_section(worst) or "<p class=\"muted\">None recorded (a ranking "
+                 "run, a run without texts in memory, or still training).</p>", "worst"),
         _section("Throughput", _throughput_section(summary, log), "throughput"),
         _section("Data", _data_section(config), "data"),
-        _section("Memory plan and devices", _memory_section(config), "memory"),
+        _section("Memory plan and devices", _memory_section(config, summary), "memory"),
         _section("Checkpoints, resume and export", _checkpoint_section(run, config, summary), "checkpoints"),
         _section("Profile", _profile_section(run, summary) or "<p class=\"muted\">No profile (--profile-steps A:B "
                  "records one).</p>", "profile"),

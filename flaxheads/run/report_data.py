@@ -1,5 +1,5 @@
 """What the report page shows that a run knows while it runs: the label counts of its splits, its
-worst-classified test examples (with their text), the page rewritten at each evaluation, and the
+worst-classified validation (else test) examples (with their text), the page rewritten at each evaluation, and the
 throughput line of the run's last printed line."""
 from __future__ import annotations
 
@@ -49,12 +49,13 @@ def _texts(job, split: str) -> list[str] | None:
     return [t if pairs is None else f"{t} | {p}" for t, p in zip(texts, pairs if pairs is not None else texts)]
 
 
-def worst_examples(job, arrays: dict | None, k: int = WORST) -> dict | None:
-    """The ``k`` test examples the trained model gets most wrong (by their loss), with their text:
-    ``{"note", "columns", "rows"}``; None for ranking, a run without a test split or without texts."""
+def worst_examples(job, split: str, arrays: dict | None, k: int = WORST) -> dict | None:
+    """The ``k`` examples of ``split`` the trained model gets most wrong (by their loss), with their
+    text: ``{"split", "note", "columns", "rows"}``; None for ranking, or a split without predictions
+    or texts."""
     if arrays is None or job.spec.ranking or "logits" not in arrays:
         return None
-    texts = _texts(job, "test")
+    texts = _texts(job, split)
     if texts is None or len(texts) != len(arrays["logits"]):
         return None
     logits, y = np.asarray(arrays["logits"], np.float64), np.asarray(arrays["labels"])
@@ -85,8 +86,8 @@ def worst_examples(job, arrays: dict | None, k: int = WORST) -> dict | None:
         rows = [{"row": int(i), "text": texts[i], "true": float(np.asarray(y).reshape(-1)[i]),
                  "predicted": float(pred[i]), "abs error": float(err[i])} for i in order]
         cols = ["row", "text", "true", "predicted", "abs error"]
-    return {"note": f"the {len(rows)} test examples with the largest loss (row: the test split's row)",
-            "columns": cols, "rows": rows}
+    return {"split": split, "note": f"the {len(rows)} {split} examples with the largest loss (row: the {split} "
+                                    "split's row)", "columns": cols, "rows": rows}
 
 
 def throughput_note(t: dict) -> str:

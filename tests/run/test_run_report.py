@@ -207,8 +207,14 @@ def test_the_report_page_holds_the_summary_and_no_address(runs, name):
         assert "plugins/profile" in html_text and "confusion matrix" in html_text
         worst = json.loads((run.folder / "worst_examples.json").read_text())
         sizes = json.loads((run.folder / "config.json").read_text())["sizes"]
-        assert len(worst["rows"]) == min(10, sizes["test"])
-        assert all(html_text.count(r["text"]) >= 1 for r in worst["rows"])
+        assert worst["split"] == "validation" and len(worst["rows"]) == min(10, sizes["validation"])
+        with open(run.spec.data.data) as f:
+            labelled = {(r["text"], r["label"]) for r in csv.DictReader(f)}
+        losses = [r["loss"] for r in worst["rows"]]
+        assert losses == sorted(losses, reverse=True)
+        for r in worst["rows"]:
+            assert (r["text"], r["true"]) in labelled and r["text"] in html_text
+            assert r["p(true)"] == pytest.approx(np.exp(-r["loss"]), rel=1e-9)
 
 
 def test_flaxheads_report_rebuilds_the_page(runs, tmp_path, capsys):
