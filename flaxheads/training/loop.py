@@ -218,7 +218,8 @@ class _Log:
             if progress and jax.process_index() == 0 else None
         self.last = time.perf_counter()
         self.window = self._zero()
-        self.run, self.run_from = self._zero(), None
+        self.run, self.run_seconds = self._zero(), 0.0
+        self.prev: float | None = None  # when the previous step ended (pauses added)
         self.losses: list[float] = []
 
     @staticmethod
@@ -228,8 +229,8 @@ class _Log:
     def pause(self, seconds: float) -> None:
         """Leave ``seconds`` (an evaluation) out of the rates."""
         self.last += seconds
-        if self.run_from is not None:
-            self.run_from += seconds
+        if self.prev is not None:
+            self.prev += seconds
 
     def rates(self, totals: dict, seconds: float) -> dict:
         """examples / tokens / model TFLOP/s, seconds per step and MFU (where the peak is known)."""
@@ -245,13 +246,15 @@ class _Log:
     def step(self, m: dict, step: int) -> dict | None:
         """Adds the window's rates and ``loss_avg`` to ``m`` on a log step; returns the history entry."""
         now = time.perf_counter()
-        for totals in (self.window, self.run):
+        # the first step of the call (its compile) is left out of the run's rates
+        for totals in (self.window, self.run) if self.prev is not None else (self.window,):
             totals["examples"] += m["weight"]
             totals["tokens"] += m.get("tokens", 0)
             totals["flops"] += m.get("flops", 0.0)
             totals["steps"] += 1
-        if self.run_from is None:  # the first step of the call (compile): not in the run's rates
-            self.run, self.run_from = self._zero(), now
+        if self.prev is not None:
+            self.run_seconds += now - self.prev
+        self.prev = now
         self.losses.append(m["loss"])
         entry = None
         if step % self.every == 0 or step == self.total:
@@ -270,9 +273,9 @@ class _Log:
 
     def summary(self) -> dict:
         """The rates of the steps after the first of this call ({} when there were none)."""
-        if not self.run["steps"] or self.run_from is None:
+        if not self.run["steps"]:
             return {}
-        out = {k: float(f"{v:.6g}") for k, v in self.rates(self.run, time.perf_counter() - self.run_from).items()}
+        out = {k: float(f"{v:.6g}") for k, v in self.rates(self.run, self.run_seconds).items()}
         out["steps_timed"] = self.run["steps"]
         if self.run["flops"] and self.run["tokens"]:
             out["model_flops_per_token"] = round(self.run["flops"] / self.run["tokens"])
