@@ -305,8 +305,10 @@ def train(spec: RunSpec | None = None, *, callbacks: Sequence[loop.Callback] = (
           argv: Sequence[str] | None = None, started: float | None = None, compile_cache=None,
           **settings: Any) -> Run:
     """Run ``spec`` (or ``RunSpec.from_kwargs(**settings)``; both: the spec with those settings
-    changed): the run folder with ``config.json``, ``metrics.jsonl``, checkpoints (resumed when the
-    folder has them), the final metrics, ``summary.json`` and the plots.
+    changed): the run folder with ``config.json``, ``metrics.jsonl`` and TensorBoard events
+    (``report_to``), checkpoints (resumed when the folder has them), the final metrics,
+    ``summary.json`` (with the throughput), the plots, ``report.html`` and, with ``profile_steps``, a
+    ``jax.profiler`` trace.
 
     ``callbacks`` are :class:`~flaxheads.training.loop.Callback` objects given to ``fit``. A
     SIGTERM or Ctrl-C saves the step reached and raises
