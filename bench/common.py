@@ -120,12 +120,13 @@ def token_batch(batch: int, seq: int, seed: int = 0):
 
 
 def bert_forward_flops(cfg, batch: int, seq: int, num_labels: int = 0) -> float:
-    """Multiply-add FLOPs (2 per MAC) of a BERT encoder forward + pooler/classifier."""
+    """Multiply-add FLOPs (2 per MAC) of a BERT encoder forward + pooler/classifier: the library's
+    count (``flaxheads.training.flops``), the one the runs' MFU uses."""
+    from flaxheads.training.flops import Dims, forward_flops
+
     h, i, n = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
-    tokens = batch * seq
-    per_layer = 2 * tokens * (4 * h * h + 2 * h * i) + 2 * 2 * batch * seq * seq * h  # dense + QK^T + PV
-    head = 2 * batch * (h * h + h * num_labels) if num_labels else 0
-    return float(n * per_layer + head)
+    head = h * h + h * num_labels if num_labels else 0
+    return forward_flops(Dims(h, n, i, h, h), batch, seq, head)
 
 
 def train_flops(forward_flops: float) -> float:

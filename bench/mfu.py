@@ -24,7 +24,8 @@ softmax and the optimizer not counted; remat's recomputation not counted, as MFU
 
 with ``N_matmul = L x (4 H^2 + 2 H x FFN)`` (q, k, v, output, the two FFN matrices), the middle
 term the score and context products (``QK^T`` and ``PV``: ``4 T^2 H`` per layer forward), the
-last the pooler and classifier. MFU = model FLOPs / step time / peak.
+last the pooler and classifier. MFU = model FLOPs / step time / peak. The count is the library's
+(``flaxheads.training.flops``), the one a run's logged MFU uses.
 
 Peak: ``--peak-tflops``; without it, measured: on CPU the fp32 GEMM roof of
 :func:`bench.common.matmul_roof` (2048^3, JAX or PyTorch, whichever is faster), elsewhere a JAX

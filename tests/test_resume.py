@@ -14,6 +14,8 @@ import jax
 import numpy as np
 import pytest
 
+from flaxheads.training.loop import TIMED
+
 pytestmark = [pytest.mark.full, pytest.mark.serial]
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -74,7 +76,8 @@ def _log(run):
     out = []
     for line in open(os.path.join(run, "metrics.jsonl")):
         e = json.loads(line)
-        e.pop("examples_per_s", None)
+        for k in TIMED:
+            e.pop(k, None)
         out.append(e)
     return out
 

@@ -41,3 +41,12 @@ def add_checkpoints_command(sub: argparse._SubParsersAction) -> None:
                    help="read every array of every step (finds truncated files); exit 1 if a step is damaged")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run_checkpoints)
+
+
+def add_report_command(sub: argparse._SubParsersAction) -> None:
+    """Register ``flaxheads report RUN``: write the run folder's report.html again from its files."""
+    from ..run.report import report_run
+
+    p = sub.add_parser("report", help="write a run folder's report.html again, from the folder's files (any run)")
+    p.add_argument("run", help="a run folder")
+    p.set_defaults(func=lambda args, program=None: print(report_run(args.run)) or 0)

@@ -25,7 +25,7 @@ from ..host.compile_cache import enable_compile_cache
 from ..host.malloc import configure_malloc
 from ..host.xla_flags import configure_xla
 from ..training.preemption import Interrupted, exit_code
-from .checkpoints import add_checkpoints_command
+from .checkpoints import add_checkpoints_command, add_report_command
 from .export import add_export_command
 from .flags import Parser, Program
 from .predict import add_predict_commands
@@ -38,7 +38,7 @@ REFUSED_WRITES = (errno.ENOSPC, errno.EFBIG, errno.EROFS, errno.EDQUOT)
 
 SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     add_train_command, add_export_command, add_checkpoints_command, add_predict_commands, add_rank_command,
-    add_serve_command)
+    add_serve_command, add_report_command)
 
 
 def build_parser() -> Parser:

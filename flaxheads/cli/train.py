@@ -16,10 +16,10 @@ trains, in bounded memory (split by a hash of each row; --eval-limit N evaluates
 Labels: class names or integer ids (single-label), lists of names (multi-label), floats
 (regression); --problem-type overrides the guess.
 
-Output: a run folder (--output-dir) with config.json (every resolved setting), metrics.jsonl
-(one JSON object per log line / evaluation), curve.png (loss and validation metric),
-confusion_matrix.png (single-label), eval.txt (per-class table), predictions.npz (test logits
-and labels) and summary.json.
+Output: a run folder (--output-dir) with config.json (every resolved setting), metrics.jsonl and
+TensorBoard events (one entry per log line / evaluation), curve.png, confusion_matrix.png, eval.txt
+(per-class table), predictions.npz (test logits and labels), summary.json (with the throughput) and
+report.html (everything on one page, no network; `flaxheads report RUN` rebuilds it).
 """
 from __future__ import annotations
 
@@ -195,6 +195,10 @@ def _output_flags(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--keep-best-by", default="auto",
                    help="also keep the best checkpoint by this validation metric, e.g. validation/macro_f1 (lowest "
                         "for mse, else highest; default: the validation headline metric; `none`: off)")
+    g.add_argument("--report-to", help="where the log goes: jsonl, tensorboard (event files in <run folder>/"
+                   "tensorboard), both joined by a comma, or none (default: both, tensorboard if installed)")
+    g.add_argument("--profile-steps", default=None, metavar="A:B",
+                   help="write a jax.profiler trace of steps A to B (both included) to <run folder>/profile")
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:

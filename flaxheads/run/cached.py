@@ -5,7 +5,6 @@ write ``sweep.md``, ``eval.txt`` and ``summary.json``."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from typing import TYPE_CHECKING
 
@@ -14,6 +13,8 @@ from ..training.features import FeatureCache, cache_features, choose_level, make
 from ..training.metrics import compute_metrics, headline
 from ..training.sweep import SweepResult, steps_per_epoch, sweep, sweep_variants
 from .folder import RunFolder, scalars
+from .report import write_report
+from .reporters import Reporters, resolve_report_to
 
 if TYPE_CHECKING:  # annotation only: the program imports this module
     from .program import Job, Run
@@ -46,16 +47,18 @@ def train_heads(job: Job, caches: dict[str, FeatureCache]) -> tuple[SweepResult,
     return res, epochs
 
 
-def _log(folder: RunFolder, res: SweepResult, spe: int, final: dict) -> None:
-    """``metrics.jsonl`` as other runs write it: the best head's training loss per epoch, its
-    validation, and the final metrics."""
-    with open(folder.path / "metrics.jsonl", "w") as f:
-        for e, losses in enumerate(res.losses):
-            step = min((e + 1) * spe, res.steps)
-            f.write(json.dumps({"step": step, "epoch": step / spe, "loss": float(losses[res.best])}) + "\n")
-        if "validation" in final:
-            f.write(json.dumps({"step": res.steps, "eval": {"validation": scalars(final["validation"])}}) + "\n")
-        f.write(json.dumps({"step": res.steps, "final": {n: scalars(r) for n, r in final.items()}}) + "\n")
+def _log(folder: RunFolder, res: SweepResult, spe: int, final: dict, report_to) -> None:
+    """``metrics.jsonl`` and the event files as other runs write them: the best head's training loss
+    per epoch, its validation, and the final metrics."""
+    (folder.path / "metrics.jsonl").unlink(missing_ok=True)
+    sinks = Reporters(folder.path, report_to)
+    for e, losses in enumerate(res.losses):
+        step = min((e + 1) * spe, res.steps)
+        sinks.write({"step": step, "epoch": step / spe, "loss": float(losses[res.best])})
+    if "validation" in final:
+        sinks.write({"step": res.steps, "eval": {"validation": scalars(final["validation"])}})
+    sinks.write({"step": res.steps, "final": {n: scalars(r) for n, r in final.items()}})
+    sinks.close()
 
 
 def run_cached(job: Job, argv=None) -> Run:
@@ -76,13 +79,15 @@ def run_cached(job: Job, argv=None) -> Run:
                                    caches[name].labels, best.num_labels, threshold=job.train.threshold)
              for name in ("validation", "test") if name in caches}
     (job.out / "sweep.md").write_text(res.table() + "\n")
-    _log(folder, res, steps_per_epoch(caches["train"], o.batch_size), final)
+    _log(folder, res, steps_per_epoch(caches["train"], o.batch_size), final,
+         resolve_report_to(job.spec.checkpoints.report_to))
     summary = {"mode": "cached-features" + (f" sweep K={k}" if k > 1 else ""), "encode_seconds": round(encode_s, 1),
                "head_seconds": round(res.seconds, 2), "steps": res.steps, "epochs": epochs,
                "best": dataclasses.asdict(res.variants[res.best]), "checkpoint": str(ckpt),
                "cache_bytes": {n: c.nbytes for n, c in caches.items()},
                "metrics": {n: scalars(r) for n, r in final.items()}, "run_folder": str(job.out)}
     text = folder.write_results(summary, final, best.id2label)
+    write_report(folder.path)
     h = headline(best.problem_type)
     print(f"encoded {sum(len(c) for c in caches.values())} examples once in {encode_s:.1f} s; trained {k} head(s) "
           f"x {epochs} epochs in {res.seconds:.1f} s\n{res.table()}\n\n{text}\n\nbest head "

@@ -33,11 +33,26 @@ def check_spec(spec: RunSpec) -> RunSpec:
             parse_mesh(d.mesh)
         except TrainingError as e:
             raise UsageError(f"--mesh: {e}") from None
+    _check_run_folder_settings(spec)
     _check_lora(spec)
     _check_distributed(spec)
     if spec.ranking:
         _check_ranking(spec)
     return spec.replace(precision=settle_precision(spec.model.precision))
+
+
+def _check_run_folder_settings(spec: RunSpec) -> None:
+    """``report_to`` names known reporters (tensorboard installed); ``profile_steps`` is ``A:B``."""
+    from ..training.profiling import parse_steps
+    from .reporters import resolve_report_to
+
+    c = spec.checkpoints
+    resolve_report_to(c.report_to)
+    if c.profile_steps is not None:
+        if spec.cached:
+            raise UsageError("--profile-steps profiles fine-tuning steps; heads on cached features "
+                             "(--cache-features/--sweep) have none: drop one of them")
+        parse_steps(c.profile_steps)
 
 
 def _check_values(spec: RunSpec) -> None:

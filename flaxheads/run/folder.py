@@ -1,11 +1,12 @@
-"""The files of a run folder: ``config.json``, ``metrics.jsonl`` (written
-while training, by a ``fit`` callback), ``eval.txt``, ``summary.json``, ``predictions.npz``,
-``curve.png`` and ``confusion_matrix.png``. Only process 0 of a multi-process run writes."""
+"""The files of a run folder: ``config.json``, ``metrics.jsonl`` and TensorBoard event files
+(written while training, by a ``fit`` callback; ``report_to``), ``eval.txt``, ``summary.json``,
+``evaluation.json``, ``predictions.npz``, ``curve.png``, ``confusion_matrix.png`` and ``report.html``.
+Only process 0 of a multi-process run writes."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import IO
+from typing import Iterable
 
 import numpy as np
 
@@ -13,9 +14,10 @@ from ..interop.files import write_marker
 from ..training import loop
 from ..training.metrics import format_table
 from ..training.optim import OptimConfig, learning_rates
+from .reporters import Reporters
 
-#: Keys of fit's step metrics that go to metrics.jsonl.
-LOGGED = ("epoch", "loss", "loss_avg", "grad_norm", "examples_per_s", "padding")
+#: Keys of fit's step metrics that go to metrics.jsonl (``loop.TIMED``: the wall-clock ones).
+LOGGED = ("epoch", "loss", "loss_avg", "grad_norm", "padding", *loop.TIMED)
 
 
 def scalars(results: dict) -> dict:
@@ -24,16 +26,16 @@ def scalars(results: dict) -> dict:
 
 
 class RunLog(loop.Callback):
-    """``metrics.jsonl``: a line every ``log_every`` steps (loss, throughput, learning rates) and
-    one per evaluation; evaluations are also printed."""
+    """The run's log (``metrics.jsonl``, event files): an entry every ``log_every`` steps (loss,
+    throughput, learning rates) and one per evaluation; evaluations are also printed (``lead``)."""
 
-    def __init__(self, file: IO[str] | None, optim: OptimConfig, total: int, log_every: int, metric: str):
-        self.file, self.optim, self.total, self.log_every, self.metric = file, optim, total, log_every, metric
+    def __init__(self, sinks: Reporters, optim: OptimConfig, total: int, log_every: int, metric: str,
+                 lead: bool = True):
+        self.sinks, self.optim, self.total, self.log_every, self.metric = sinks, optim, total, log_every, metric
+        self.lead = lead
 
     def write(self, entry: dict) -> None:
-        if self.file is not None:
-            self.file.write(json.dumps(entry) + "\n")
-            self.file.flush()
+        self.sinks.write(entry)
 
     def on_step_end(self, state, step: int, metrics: dict) -> None:
         if step % self.log_every == 0 or step == self.total:
@@ -43,7 +45,8 @@ class RunLog(loop.Callback):
 
     def on_evaluate(self, state, step: int, results: dict) -> None:
         self.write({"step": step, "eval": {n: scalars(r) for n, r in results.items()}})
-        if self.file is not None:
+        self.sinks.flush()
+        if self.lead:
             line = ", ".join(f"{n} {self.metric} {r[self.metric]:.4f}" for n, r in results.items())
             print(f"step {step}: {line}", flush=True)
 
@@ -64,10 +67,13 @@ class RunFolder:
         (self.path / "config.json").write_text(json.dumps(config, indent=2, default=str))
         print(f"run folder: {self.path}\n{intro}", flush=True)
 
-    def logger(self, optim: OptimConfig, total: int, log_every: int, metric: str) -> RunLog:
-        """The ``fit`` callback that appends to ``metrics.jsonl`` (``metric``: the one printed per evaluation)."""
-        file = open(self.path / "metrics.jsonl", "a") if self.lead else None
-        self.log = RunLog(file, optim, total, log_every, metric)
+    def logger(self, optim: OptimConfig, total: int, log_every: int, metric: str, *,
+               report_to: Iterable[str] = ("jsonl",), resumed_at: int | None = None) -> RunLog:
+        """The ``fit`` callback that appends to ``metrics.jsonl`` and the event files (``report_to``;
+        ``metric``: the one printed per evaluation; ``resumed_at``: the step a resumed run starts from)."""
+        sinks = Reporters(self.path if self.lead else None, report_to,
+                          purge_step=None if resumed_at is None else resumed_at + 1)
+        self.log = RunLog(sinks, optim, total, log_every, metric, self.lead)
         return self.log
 
     def write_results(self, summary: dict, final: dict, id2label: dict | None,
@@ -78,27 +84,38 @@ class RunFolder:
             return text
         (self.path / "eval.txt").write_text(text + "\n")
         (self.path / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+        (self.path / "evaluation.json").write_text(json.dumps(final, default=_plain))
         if predictions:
             np.savez(self.path / "predictions.npz",
                      **{f"{split}_{k}": v for split, arrays in predictions.items() for k, v in arrays.items()})
         return text
 
     def finish(self, summary: dict, final: dict, predictions: dict, id2label: dict | None, *, history: list[dict],
-               metric: str, tail: str) -> None:
-        """The final log line, the result files and plots (``metric``: the curve's validation metric),
-        and the printed report."""
-        if self.log is not None and self.log.file is not None:
+               metric: str, tail: str, worst: dict | None = None) -> None:
+        """The final log line, the result files, plots and ``report.html`` (``metric``: the curve's
+        validation metric; ``worst``: the worst-classified examples' table), and the printed report."""
+        if self.log is not None:
             self.log.write({"step": summary["steps"], "final": summary["metrics"]})
-            self.log.file.close()
+            self.log.sinks.close()
         text = self.write_results(summary, final, id2label, predictions)
         if not self.lead:
             return
         from .plots import plot_confusion_matrix, plot_curve  # matplotlib: loaded when a run ends, not on import
 
+        from .report import write_report
+
+        if worst is not None:
+            (self.path / "worst_examples.json").write_text(json.dumps(worst, default=_plain))
         plot_curve(self.path / "curve.png", history, metric)
         for name in ("test", "validation"):
             if "confusion_matrix" in final.get(name, {}):
                 plot_confusion_matrix(self.path / "confusion_matrix.png", final[name]["confusion_matrix"],
                                       id2label, name)
                 break
-        print(f"\n{text}\n\n{tail}; run folder: {self.path}", flush=True)
+        page = write_report(self.path)
+        print(f"\n{text}\n\n{tail}; run folder: {self.path}; report: {page}", flush=True)
+
+
+def _plain(x):
+    """numpy values in an evaluation's tables, as JSON."""
+    return x.tolist() if hasattr(x, "tolist") else str(x)

@@ -35,12 +35,15 @@ from ..training.memory import memory_report
 from ..training.optim import OptimConfig, count_params
 from ..training.packing import AUTO_PACK_SHARE, packed_slot_share
 from ..training.preemption import SignalWatch, StopOnSignal
+from ..training.profiling import ProfileWindow, parse_steps
 from ..training.streaming import StreamSplit, ordered_batches
 from ..training.task import Classification, Task
 from .checkpoints import open_checkpoints
 from .checks import check_spec
 from .data import RunData, load_data
 from .folder import RunFolder, scalars
+from .reporters import resolve_report_to
+from .report_data import ReportPage, label_counts, throughput_note, worst_examples
 from .spec import DEFAULT_HEAD_LR, DEFAULT_LR, LORA_LR, PROBE_LR, RunSpec
 
 
@@ -259,6 +262,7 @@ def run_config(job: Job, trainer: loop.Trainer | None = None, argv: Sequence[str
             "bf16": job.precision.name == "bfloat16", "precision": dataclasses.asdict(job.precision),
             "compute_plan": model.plan.describe(), "max_length": job.max_length, "buckets": list(job.buckets),
             "data": job.data.config, "sizes": {n: len(s) for n, s in job.splits.items()},
+            "label_counts": label_counts(job.data), "headline": job.task.headline,
             "train": dataclasses.asdict(job.train), "optimizer": dataclasses.asdict(job.optim),
             "checkpoints": {"keep": spec.checkpoints.keep, "best_metric": job.best_metric,
                             "every": spec.checkpoints.checkpoint_every},
@@ -298,8 +302,10 @@ def train(spec: RunSpec | None = None, *, callbacks: Sequence[loop.Callback] = (
           argv: Sequence[str] | None = None, started: float | None = None, compile_cache=None,
           **settings: Any) -> Run:
     """Run ``spec`` (or ``RunSpec.from_kwargs(**settings)``; both: the spec with those settings
-    changed): the run folder with ``config.json``, ``metrics.jsonl``, checkpoints (resumed when the
-    folder has them), the final metrics, ``summary.json`` and the plots.
+    changed): the run folder with ``config.json``, ``metrics.jsonl`` and TensorBoard events
+    (``report_to``), checkpoints (resumed when the folder has them), the final metrics,
+    ``summary.json`` (with the throughput), the plots, ``report.html`` and, with ``profile_steps``, a
+    ``jax.profiler`` trace.
 
     ``callbacks`` are :class:`~flaxheads.training.loop.Callback` objects given to ``fit``. A
     SIGTERM or Ctrl-C saves the step reached and raises
@@ -329,15 +335,21 @@ def _fine_tune(job: Job, callbacks: list, *, progress: bool, argv, started, comp
     folder.start(config, _intro(job, trainer, total))
     if lead:
         print(job.model.plan.describe(), flush=True)
+    memory = None
     if job.train.mesh:  # every process compiles the same program; the first one reports
-        report = memory_report(trainer, _largest_batch(job))
+        memory = memory_report(trainer, _largest_batch(job)).lines()
         if lead:
-            print("\n".join(report.lines()), flush=True)
-    log = folder.logger(job.optim, total, job.train.log_every, job.task.headline)
+            print("\n".join(memory), flush=True)
+    log = folder.logger(job.optim, total, job.train.log_every, job.task.headline,
+                        report_to=resolve_report_to(job.spec.checkpoints.report_to),
+                        resumed_at=None if state0 is None else int(state0.step))
     evals = {"validation": job.splits["validation"]} if "validation" in job.splits else {}
+    window = job.spec.checkpoints.profile_steps
+    profile = ProfileWindow(job.out / "profile", *parse_steps(window)) if window and lead else None
+    extra = ([ReportPage(job.out)] if lead else []) + ([profile] if profile is not None else [])
     fit_called = time.perf_counter()
-    res = fit_until_signal(trainer, job.splits["train"], ckpt, [log, *callbacks], evals=evals, buckets=job.buckets,
-                           pad_id=job.pad_id, progress=lead and progress, state=state0)
+    res = fit_until_signal(trainer, job.splits["train"], ckpt, [log, *callbacks, *extra], evals=evals,
+                           buckets=job.buckets, pad_id=job.pad_id, progress=lead and progress, state=state0)
     final, predictions = {}, {}
     if "test" in job.splits:
         final["test"], predictions["test"] = trainer.final(res.state.params, job.splits["test"], buckets=job.buckets,
@@ -348,21 +360,35 @@ def _fine_tune(job: Job, callbacks: list, *, progress: bool, argv, started, comp
                "resumed_from": None if state0 is None else int(state0.step),
                "checkpoints": None if ckpt is None else ckpt.ckr.root, "seconds": round(res.seconds, 1),
                "eval_seconds": round(res.eval_seconds, 1), **_startup(started, res, fit_called),
-               "train_compiles": res.train_compiles, "eval_compiles": res.eval_compiles,
-               "buckets": list(job.buckets), "metrics": {n: scalars(r) for n, r in final.items()},
+               "train_compiles": res.train_compiles, "eval_compiles": res.eval_compiles, "throughput": res.throughput,
+               **({"profile": {"steps": list(parse_steps(window)), "folder": str(job.out / "profile"),
+                               "files": [str(p) for p in profile.traces()]}} if profile is not None else {}),
+               "buckets": list(job.buckets), **({"memory_plan": memory} if memory else {}),
+               "metrics": {n: scalars(r) for n, r in final.items()},
                "run_folder": str(job.out)}
     if compile_cache is not None:
         summary["compile_cache"] = {"folder": str(compile_cache.folder), "loaded": compile_cache.hits,
                                     "compiled": compile_cache.compiled, "stored": compile_cache.stored}
+    worst = worst_examples(job, *_worst_source(job, trainer, res.state.params, predictions))
     folder.finish(summary, final, predictions, job.model.id2label, history=res.history, metric=job.task.headline,
-                  tail=f"{res.step} steps in {res.seconds:.0f} s"
+                  worst=worst, tail=f"{res.step} steps in {res.seconds:.0f} s"
                        + (f" (first step done {summary['seconds_to_first_step']:.0f} s after the start)"
-                          if "seconds_to_first_step" in summary else "")
+                          if "seconds_to_first_step" in summary else "") + throughput_note(res.throughput)
                        + f"; compiles: {res.train_compiles} train, "
                        f"{res.eval_compiles} eval (buckets {list(job.buckets)})"
                        + (f"; {compile_cache.summary()}" if compile_cache is not None else ""))
     state = trainer.parallel.get_state(res.state) if trainer.parallel.mode == "pmap" else res.state
     return Run(job.spec, summary, dataclasses.replace(job.model, params=state.params), job.out)
+
+
+def _worst_source(job: Job, trainer: loop.Trainer, params, predictions: dict) -> tuple[str, dict | None]:
+    """The split whose worst-classified rows the report shows, and its predictions: validation
+    (predicted once more by the trained model) where it is in memory, else the test split's."""
+    val = job.splits.get("validation")
+    if job.spec.ranking or not isinstance(val, Split) or getattr(job.data.tables.get("validation"), "texts", None) \
+            is None:
+        return "test", predictions.get("test")
+    return "validation", trainer.final(params, val, buckets=job.buckets, pad_id=job.pad_id)[1]
 
 
 def _startup(started: float | None, res: loop.FitResult, fit_called: float) -> dict:

@@ -105,13 +105,15 @@ class OptimSpec:
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointSpec:
-    """The run folder and its checkpoints."""
+    """The run folder: its checkpoints, where its log goes, a profiled window of steps."""
 
     output_dir: str | None = None  # None: runs/<time>-<data name>
     resume: str | int = "auto"  # auto (latest checkpoint, if any) | never | a step number
     checkpoint_every: int | None = None  # None: at each evaluation and the last step; 0: never
     keep: int = 3
     keep_best_by: str = "auto"  # validation/<metric>, auto (the headline metric) or none
+    report_to: tuple[str, ...] | None = None  # jsonl, tensorboard, or none (None: both where tensorboardX is installed)
+    profile_steps: str | None = None  # "A:B": a jax.profiler trace of steps A to B (both included) in <run>/profile
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +131,7 @@ GROUPS: dict[str, type] = {"model": ModelSpec, "data": DataSpec, "task": TaskSpe
                            "checkpoints": CheckpointSpec, "devices": DeviceSpec}
 #: field name -> its group
 FIELD_GROUP: dict[str, str] = {f.name: g for g, cls in GROUPS.items() for f in dataclasses.fields(cls)}
-_TUPLES = {"head_hidden", "lora_targets", "labels", "split"}
+_TUPLES = {"head_hidden", "lora_targets", "labels", "split", "report_to"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,6 +163,8 @@ class RunSpec:
             if group is None:
                 raise UsageError(f"{name!r} is not a run setting; the settings are: seed, "
                                  + ", ".join(sorted(FIELD_GROUP)))
+            if name == "report_to" and isinstance(value, str):  # "tensorboard,jsonl", as the flag spells it
+                value = tuple(v.strip() for v in value.split(",") if v.strip())
             groups.setdefault(group, {})[name] = tuple(value) if name in _TUPLES and value is not None \
                 and not isinstance(value, str) else value
         return dataclasses.replace(self, **top, **{g: dataclasses.replace(getattr(self, g), **v)

@@ -26,6 +26,7 @@ from ..errors import TrainingError
 from ..parallel import DATA_AXIS, Parallel
 from ..programs import TraceCounter, make_eval_step
 from .data import Split, iterate_batches
+from .flops import StepFlops, peak_flops
 from .optim import OptimConfig, make_optimizer
 from .packing import iterate_packed_batches, padding_fraction
 from .steps import TrainState, create_state, make_train_step
@@ -86,6 +87,7 @@ class Trainer:
     train_traces: TraceCounter
     eval_traces: TraceCounter
     task: Task
+    flops: StepFlops | None = None  # model FLOPs of a step (None: the backbone's config has no sizes to count)
 
     @classmethod
     def build(cls, model, optim: OptimConfig, cfg: TrainConfig, parallel: Parallel | None = None, *,
@@ -102,7 +104,13 @@ class Trainer:
         like = abstract_state(model, tx, optim, cfg)
         return cls(model, optim, cfg, parallel, tx, parallel.compile(tt.wrap(step), like=like,
                                                                      options=model.plan.compiler_options(gradients=True)),
-                   parallel.compile(et.wrap(make_eval_step(model)), donate=False, like=like.params), tt, et, task)
+                   parallel.compile(et.wrap(make_eval_step(model)), donate=False, like=like.params), tt, et, task,
+                   _step_flops(model, optim))
+
+    def peak_flops(self) -> float | None:
+        """The dense peak FLOP/s of the devices the step runs on (None: unknown, e.g. CPUs)."""
+        one = peak_flops(jax.devices()[0].device_kind, self.model.plan.precision.name)
+        return None if one is None else one * self.parallel.width
 
     def init_state(self, params: dict | None = None) -> TrainState:
         return create_state(self.model.params if params is None else params, self.tx,
@@ -137,10 +145,20 @@ class Trainer:
         return self.task.final(self, params, split, buckets=buckets, pad_id=pad_id)
 
 
+def _step_flops(model, optim: OptimConfig) -> StepFlops | None:
+    try:
+        return StepFlops.of(model, frozen=optim.freeze_backbone)
+    except (KeyError, AttributeError, TypeError, ValueError):  # a config without the sizes: no MFU
+        return None
+
+
 class Callback:
-    """What :func:`fit` calls; override any of the three (the defaults do nothing). ``state`` is
+    """What :func:`fit` calls; override any of these (the defaults do nothing). ``state`` is
     placed for the parallel mode (``trainer.parallel.get_state`` gives host arrays); ``step`` is
     the number of steps done."""
+
+    def on_begin(self, state, step: int) -> None:
+        """Before the first step this call of fit runs (``step`` steps are done already)."""
 
     def on_evaluate(self, state, step: int, results: dict[str, dict]) -> None:
         """After an evaluation: ``results`` is ``{split name: metrics}``."""
@@ -186,38 +204,92 @@ class FitResult:
     seconds: float  # the whole loop: steps, evaluations, callbacks (checkpoint saves)
     first_step_seconds: float | None = None  # from the call to the end of its first step (compile included)
     eval_seconds: float = 0.0  # of ``seconds``, spent evaluating
+    throughput: dict = dataclasses.field(default_factory=dict)  # of the steps after the first (``_Log.summary``)
 
 
 class _Log:
-    """Throughput and mean loss over the steps since the last log line, and the progress bar."""
+    """Throughput (examples, tokens, model FLOPs per second, MFU) and mean loss over the steps since
+    the last log line, the whole run's throughput, and the progress bar. Evaluation time is left
+    out of both; the run's totals also leave out the first step of the call (its compile)."""
 
-    def __init__(self, every: int, total: int, start: int, progress: bool):
-        self.every, self.total = every, total
+    def __init__(self, every: int, total: int, start: int, progress: bool, peak: float | None = None):
+        self.every, self.total, self.peak = every, total, peak
         self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, smoothing=0.1) \
             if progress and jax.process_index() == 0 else None
-        self.last, self.seen, self.window = time.perf_counter(), 0.0, []
+        self.last = time.perf_counter()
+        self.window = self._zero()
+        self.run, self.run_seconds = self._zero(), 0.0
+        self.prev: float | None = None  # when the previous step ended (pauses added)
+        self.losses: list[float] = []
+
+    @staticmethod
+    def _zero() -> dict:
+        return {"examples": 0.0, "tokens": 0.0, "flops": 0.0, "steps": 0}
+
+    def pause(self, seconds: float) -> None:
+        """Leave ``seconds`` (an evaluation) out of the rates."""
+        self.last += seconds
+        if self.prev is not None:
+            self.prev += seconds
+
+    def rates(self, totals: dict, seconds: float) -> dict:
+        """examples / tokens / model TFLOP/s, seconds per step and MFU (where the peak is known)."""
+        s = max(seconds, 1e-9)
+        out = {"examples_per_s": totals["examples"] / s, "tokens_per_s": totals["tokens"] / s,
+               "step_seconds": s / max(totals["steps"], 1)}
+        if totals["flops"]:
+            out["model_tflops_per_s"] = totals["flops"] / s / 1e12
+            if self.peak:
+                out["mfu"] = totals["flops"] / s / self.peak
+        return out
 
     def step(self, m: dict, step: int) -> dict | None:
-        """Adds ``examples_per_s`` and ``loss_avg`` to ``m`` on a log step; returns the history entry."""
-        self.seen += m["weight"]
-        self.window.append(m["loss"])
+        """Adds the window's rates and ``loss_avg`` to ``m`` on a log step; returns the history entry."""
+        now = time.perf_counter()
+        # the first step of the call (its compile) is left out of the run's rates
+        for totals in (self.window, self.run) if self.prev is not None else (self.window,):
+            totals["examples"] += m["weight"]
+            totals["tokens"] += m.get("tokens", 0)
+            totals["flops"] += m.get("flops", 0.0)
+            totals["steps"] += 1
+        if self.prev is not None:
+            self.run_seconds += now - self.prev
+        self.prev = now
+        self.losses.append(m["loss"])
         entry = None
         if step % self.every == 0 or step == self.total:
-            now = time.perf_counter()
-            m["examples_per_s"] = self.seen / max(now - self.last, 1e-9)
-            m["loss_avg"] = float(np.mean(self.window))
-            self.last, self.seen, self.window = now, 0.0, []
+            m.update(self.rates(self.window, now - self.last))
+            m["loss_avg"] = float(np.mean(self.losses))
+            self.last, self.window, self.losses = now, self._zero(), []
             entry = {"step": step, "epoch": m["epoch"], "loss": m["loss_avg"], "step_loss": m["loss"],
-                     "grad_norm": m["grad_norm"], "examples_per_s": m["examples_per_s"]}
+                     "grad_norm": m["grad_norm"], **{k: m[k] for k in TIMED if k in m}}
             if self.bar is not None:
-                self.bar.set_postfix(loss=f"{m['loss']:.4f}", ex_s=f"{m['examples_per_s']:.1f}", ep=f"{m['epoch']:.2f}")
+                extra = {"tok_s": f"{m['tokens_per_s']:.0f}"} | ({"mfu": f"{m['mfu']:.1%}"} if "mfu" in m else {})
+                self.bar.set_postfix(loss=f"{m['loss']:.4f}", ex_s=f"{m['examples_per_s']:.1f}", **extra,
+                                     ep=f"{m['epoch']:.2f}")
         if self.bar is not None:
             self.bar.update(1)
         return entry
 
+    def summary(self) -> dict:
+        """The rates of the steps after the first of this call ({} when there were none)."""
+        if not self.run["steps"]:
+            return {}
+        out = {k: float(f"{v:.6g}") for k, v in self.rates(self.run, self.run_seconds).items()}
+        out["steps_timed"] = self.run["steps"]
+        if self.run["flops"] and self.run["tokens"]:
+            out["model_flops_per_token"] = round(self.run["flops"] / self.run["tokens"])
+        if self.peak:
+            out["peak_tflops"] = self.peak / 1e12
+        return out
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+#: The wall-clock keys of a log entry (they differ between two runs of the same settings).
+TIMED = ("examples_per_s", "tokens_per_s", "step_seconds", "model_tflops_per_s", "mfu")
 
 
 def _check_batch_sizes(cfg: TrainConfig, par: Parallel) -> None:
@@ -264,7 +336,7 @@ def fit(trainer: Trainer, train: Split, *, evals: Mapping[str, Split] | None = N
     step = int(np.asarray(jax.device_get(host_state.step))) if start_step is None else int(start_step)
     placed = par.put_state(host_state)
     history: list[dict] = []
-    log = _Log(cfg.log_every, total, step, progress)
+    log = _Log(cfg.log_every, total, step, progress, trainer.peak_flops())
 
     timing = {"eval": 0.0, "first": None}
 
@@ -273,6 +345,7 @@ def fit(trainer: Trainer, train: Split, *, evals: Mapping[str, Split] | None = N
         results = {name: trainer.evaluate(placed.params, split, buckets=buckets, pad_id=pad_id)
                    for name, split in (evals or {}).items()}
         timing["eval"] += time.perf_counter() - t
+        log.pause(time.perf_counter() - t)
         if results:
             history.append({"step": s, "eval": results})
             for cb in callbacks:
@@ -280,15 +353,20 @@ def fit(trainer: Trainer, train: Split, *, evals: Mapping[str, Split] | None = N
 
     t0 = time.perf_counter()
     evaluated = None
+    for cb in callbacks:
+        cb.on_begin(placed, step)
     while step < total:
         epoch, offset = divmod(step, spe)
         for batch in batches(train, cfg.batch_size, buckets, seed=cfg.seed, epoch=epoch, start=offset,
                              pad_id=pad_id, group_by_length=group_by_length):
-            placed, m = trainer.step(placed, batch)  # m holds host values: the step has finished
+            with jax.profiler.StepTraceAnnotation("train", step_num=step + 1):  # a profile's step markers
+                placed, m = trainer.step(placed, batch)  # m holds host values: the step has finished
             if timing["first"] is None:
                 timing["first"] = time.perf_counter() - entered
             step, offset = step + 1, offset + 1
-            m.update(step=step, epoch=epoch + offset / spe, padding=padding_fraction(batch))
+            m.update(step=step, epoch=epoch + offset / spe, padding=padding_fraction(batch),
+                     tokens=int(np.size(batch["input_ids"])),
+                     flops=trainer.flops.of_batch(batch) if trainer.flops is not None else 0.0)
             entry = log.step(m, step)
             if entry is not None:
                 history.append(entry)
@@ -305,7 +383,7 @@ def fit(trainer: Trainer, train: Split, *, evals: Mapping[str, Split] | None = N
     for cb in callbacks:
         cb.on_end(placed, step)
     return FitResult(placed, step, history, trainer.train_traces.count, trainer.eval_traces.count,
-                     time.perf_counter() - t0, timing["first"], timing["eval"])
+                     time.perf_counter() - t0, timing["first"], timing["eval"], log.summary())
 
 
 # ---- checkpoints during fit ------------------------------------------------------------------

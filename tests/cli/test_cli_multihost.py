@@ -9,6 +9,7 @@ import pytest
 
 from cli_helpers import SMALL, bert_folder, two_processes, write_csv  # noqa: F401
 from flaxheads.cli.main import main
+from flaxheads.run.reporters import tensorboard_available
 
 pytestmark = [pytest.mark.full, pytest.mark.serial]
 
@@ -34,6 +35,14 @@ def test_two_processes_train_the_single_process_run(bert_folder, tmp_path):
         return [json.loads(x)["loss"] for x in open(os.path.join(folder, "metrics.jsonl")) if '"loss"' in x]
 
     np.testing.assert_allclose(losses(multi), losses(tmp_path / "single"), rtol=1e-5, atol=1e-6)
+    if tensorboard_available():  # process 0 alone writes the event files: one file, the log's losses
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        assert len(os.listdir(os.path.join(multi, "tensorboard"))) == 1
+        acc = EventAccumulator(os.path.join(multi, "tensorboard"))
+        acc.Reload()
+        np.testing.assert_array_equal([e.value for e in acc.Scalars("train/loss")],
+                                      np.float32(losses(multi)))
     got = np.load(os.path.join(multi, "predictions.npz"))["test_logits"]
     want = np.load(tmp_path / "single" / "predictions.npz")["test_logits"]
     np.testing.assert_allclose(got, want, atol=1e-5)

@@ -16,6 +16,7 @@ import pytest
 import flaxheads as fh
 from flaxheads.errors import UsageError
 from flaxheads.training.preemption import Interrupted
+from flaxheads.training.loop import TIMED
 from train_helpers import WORDS, tiny_bert_folder
 
 pytestmark = pytest.mark.full
@@ -35,7 +36,8 @@ def _rows(path) -> list[dict]:
     out = []
     for line in open(path):
         e = json.loads(line)
-        e.pop("examples_per_s", None)
+        for k in TIMED:
+            e.pop(k, None)
         out.append(e)
     return out
 
