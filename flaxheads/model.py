@@ -17,6 +17,7 @@ import numpy as np
 
 from . import config as _config
 from .nn.heads import Head, IdentityHead, LinearHead, ProjectionHead, SequenceHead, make_head
+from .backbones.base import HFConfig
 from .backbones.registry import load_backbone
 from .backbones.weights import head_from_hf, read_state_dict
 from .losses import REGRESSION, check_problem_type, infer_problem_type, loss_fn
@@ -131,6 +132,17 @@ class SequenceModel:
             backbone.params = backbone_params  # the backbone's own reference would keep the old copy alive
         return dataclasses.replace(self, backbone=backbone, params={**self.params, "backbone": backbone_params})
 
+    def with_quantized_base(self, qtype: str) -> "SequenceModel":
+        """This model with its base's layer kernels quantised to ``qtype`` (``int8 | int4 | nf4``;
+        :mod:`flaxheads.quantize`): a frozen base for QLoRA or a frozen backbone."""
+        from .quantize import quantize_params
+
+        backbone_params = quantize_params(self.params["backbone"], qtype, self.model_type)
+        backbone = copy.copy(self.backbone)
+        if getattr(backbone, "params", None) is self.params["backbone"]:
+            backbone.params = backbone_params
+        return dataclasses.replace(self, backbone=backbone, params={**self.params, "backbone": backbone_params})
+
     def with_lora(self, config: LoraConfig | None = None, *, seed: int = 0, **options) -> "SequenceModel":
         """This model with fresh LoRA adapters (see :func:`flaxheads.lora.with_lora`)."""
         return with_lora(self, config, seed=seed, **options)
@@ -240,7 +252,8 @@ def from_pretrained(path: str | os.PathLike, *, pooler: str | Sequence[str] | Po
                     dtype=jnp.float32, seed: int = 0, ignore_mismatched_sizes: bool = False,
                     pooler_options: dict | None = None, head_options: dict | None = None,
                     pool_mask: str | None = None, implementation: str = "auto",
-                    remat: bool | str = False, plan: ComputePlan | None = None, base_dtype=None) -> SequenceModel:
+                    remat: bool | str = False, plan: ComputePlan | None = None, base_dtype=None,
+                    quantize: str | None = None) -> SequenceModel:
     """Load a local HF model folder as backbone and attach a pooler + head.
 
     Defaults to the HF-exact preset for the backbone's ``model_type`` (and copies its
@@ -253,7 +266,12 @@ def from_pretrained(path: str | os.PathLike, *, pooler: str | Sequence[str] | Po
     (``True``: ``full``, each layer recomputed; see :mod:`flaxheads.layers.remat`).
     ``plan``: how the programs compute on this host (default :meth:`ComputePlan.for_host`).
     ``base_dtype``: the storage dtype of the backbone's params (default float32; ``jnp.bfloat16``
-    halves a base that stays frozen: :meth:`SequenceModel.with_base_dtype`)."""
+    halves a base that stays frozen: :meth:`SequenceModel.with_base_dtype`). ``quantize``: ``int8 |
+    int4 | nf4`` layer kernels of a frozen base (:meth:`SequenceModel.with_quantized_base`)."""
+    if quantize is not None:
+        from .quantize import check_family
+
+        check_family(HFConfig.from_folder(path).get("model_type"))  # before any weight is read
     path = os.fspath(path)
     state = _read_state_if_any(path)  # read once: the backbone's weights and the head's
     backbone = load_backbone(path, dtype=dtype, state=state or None, remat=remat, implementation=implementation,
@@ -288,7 +306,8 @@ def from_pretrained(path: str | os.PathLike, *, pooler: str | Sequence[str] | Po
     model = SequenceModel(backbone=backbone, head=seq_head, num_labels=n, problem_type=ptype, params=params,
                           id2label=labels, pool_mask=match.pool_mask, pad_token_id=pad, eos_token_id=eos,
                           arch=match.arch, hf_names=match.hf_names, name_or_path=path, report=report)
-    return model if base_dtype is None else model.with_base_dtype(base_dtype)
+    model = model if base_dtype is None else model.with_base_dtype(base_dtype)
+    return model if quantize is None else model.with_quantized_base(quantize)
 
 
 def _init_head(seq_head: SequenceHead, hidden_size: int, seed: int, names, state, **load) -> tuple[dict, LoadReport]:

@@ -1,4 +1,4 @@
-"""The ``flaxheads`` command: ``flaxheads train | export | checkpoints | predict | embed | evaluate | rank | serve``
+"""The ``flaxheads`` command: ``flaxheads train | plan | export | checkpoints | predict | embed | evaluate | rank | serve``
 (also ``python -m flaxheads``).
 
 Each subcommand module has an ``add_<name>_command(subparsers)`` that registers its parser and
@@ -28,6 +28,7 @@ from ..training.preemption import Interrupted, exit_code
 from .checkpoints import add_checkpoints_command
 from .export import add_export_command
 from .flags import Parser, Program
+from .plan import add_plan_command
 from .predict import add_predict_commands
 from .rank import add_rank_command
 from .serve import add_serve_command
@@ -38,7 +39,7 @@ REFUSED_WRITES = (errno.ENOSPC, errno.EFBIG, errno.EROFS, errno.EDQUOT)
 
 SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     add_train_command, add_export_command, add_checkpoints_command, add_predict_commands, add_rank_command,
-    add_serve_command)
+    add_serve_command, add_plan_command)
 
 
 def build_parser() -> Parser:

@@ -29,6 +29,7 @@ import sys
 from typing import Sequence
 
 from ..base_dtype import BASE_DTYPES
+from ..quantize import QUANTIZATIONS
 from ..errors import TrainingError, UsageError
 from ..layers.remat import REMAT_POLICIES
 from ..nn.poolers import POOLER_NAMES
@@ -69,6 +70,8 @@ def _model_flags(ap: argparse.ArgumentParser) -> None:
                    help="how a base that does not train (--freeze-backbone, --cache-features, LoRA) is stored: "
                         "bfloat16 halves its memory; head, adapters and optimizer state stay float32. auto "
                         "(default): bfloat16 when the base is frozen and the precision is bfloat16, else float32")
+    g.add_argument("--quantize", choices=QUANTIZATIONS, default=None,
+                   help="store the frozen base's matmul kernels in int8, int4 or nf4 (QLoRA with --lora-rank)")
 
 
 def _data_flags(ap: argparse.ArgumentParser) -> None:

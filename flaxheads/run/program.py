@@ -142,12 +142,13 @@ def build_model(spec: RunSpec, path: str, space: LabelSpace | None, plan: Comput
         if model.num_labels != num_labels:
             raise UsageError(f"--lora-from {m.lora_from}: the adapter's classifier has {model.num_labels} outputs but "
                              f"the data has {num_labels} labels; continue it on data with the same labels")
-        return model.with_base_dtype(base_dtype(spec, plan))
+        model = model.with_base_dtype(base_dtype(spec, plan))
+        return model if m.quantize is None else model.with_quantized_base(m.quantize)
     pooler = None if m.pooler == "preset" else m.pooler.split(",") if "," in m.pooler else m.pooler
     model = from_pretrained(path, pooler=pooler, head=None if m.head == "preset" else m.head, id2label=id2label,
                             num_labels=num_labels, problem_type=problem_type, dtype=plan.precision.dtype, plan=plan,
                             seed=spec.seed, ignore_mismatched_sizes=True, base_dtype=base_dtype(spec, plan),
-                            remat=m.remat,
+                            remat=m.remat, quantize=m.quantize,
                             head_options={"hidden_dims": tuple(m.head_hidden)} if m.head_hidden else None)
     cfg = lora_config(spec)
     return model if cfg is None else model.with_lora(cfg, seed=spec.seed)
