@@ -193,22 +193,26 @@ def plan_memory(model, *, batch_size: int, max_length: int, mesh: str | Mapping[
                                lambda m: _report(m, cfg, freeze_backbone, batch))
         notes.append(f"XLA's figures compiled at 1 and 2 of the {layers} layers and extended linearly")
     else:
-        report = memory_report(trainer, batch, compile=compile)
-    state = trainer.abstract_state()
-    par = trainer.parallel
-    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    shardings = par.shardings(state.params) if par.mode == "mesh" else jax.tree.map(lambda _: one, state.params)
+            report = memory_report(trainer, batch, compile=compile)
+    return plan_of(trainer, report, batch_size, max_length, notes)
+
+
+def plan_of(trainer, report, batch_size: int, max_length: int, notes: Sequence[str] = ()) -> MemoryPlan:
+    """The :class:`MemoryPlan` of ``trainer``'s step from its :func:`~flaxheads.training.memory.memory_report`."""
     from .sharding import shard_bytes
 
-    part = {k: shard_bytes(state.params[k], shardings[k]) if k in state.params else 0
-            for k in ("backbone", LORA, "head")}
-    peak = report.xla_total
-    if report.xla_arguments is None and compile:
-        notes.append(f"the {jax.default_backend()} backend reports no memory analysis: state only")
+    model, par = trainer.model, trainer.parallel
+    params = trainer.abstract_state().params
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    shardings = par.shardings(params) if par.mode == "mesh" else jax.tree.map(lambda _: one, params)
+    part = {k: shard_bytes(params[k], shardings[k]) if k in params else 0 for k in ("backbone", LORA, "head")}
+    notes = list(notes)
+    if report.xla_arguments is None:
+        notes.append("state only: the train step was not compiled for the plan")
     return MemoryPlan(model=os.path.basename(model.name_or_path.rstrip("/")) or model.model_type,
                       layout=report.layout, batch=(batch_size, max_length), base=part["backbone"],
                       adapters=part[LORA], head=part["head"], opt_state=report.opt_state, activations=report.xla_temp,
-                      peak=peak, backend=jax.default_backend(), notes=tuple(notes))
+                      peak=report.xla_total, backend=jax.default_backend(), notes=tuple(notes))
 
 
 def lora_from_flags(rank: int | None, alpha: float | None = None, targets=None) -> LoraConfig | None:

@@ -31,6 +31,7 @@ from ..ranking.task import Ranking
 from ..tables import LabelSpace
 from ..training import loop
 from ..training.data import SPLITS, Split
+from ..memory_plan import plan_of
 from ..training.memory import memory_report
 from ..training.optim import OptimConfig, count_params
 from ..training.packing import AUTO_PACK_SHARE, packed_slot_share
@@ -333,10 +334,13 @@ def _fine_tune(job: Job, callbacks: list, *, progress: bool, argv, started, comp
     folder.start(config, _intro(job, trainer, total))
     if lead:
         print(job.model.plan.describe(), flush=True)
-    if job.train.mesh:  # every process compiles the same program; the first one reports
-        report = memory_report(trainer, _largest_batch(job))
+    if trainer.parallel.mode != "pmap":  # every process compiles the same program; the first one reports
+        # XLA's analysis costs a compile: on a CPU host with one device the plan is the state alone
+        compile = bool(job.train.mesh) or jax.default_backend() != "cpu"
+        batch = _largest_batch(job)
+        plan = plan_of(trainer, memory_report(trainer, batch, compile=compile), *np.shape(batch["input_ids"]))
         if lead:
-            print("\n".join(report.lines()), flush=True)
+            print("\n".join(plan.lines()), flush=True)
     log = folder.logger(job.optim, total, job.train.log_every, job.task.headline)
     evals = {"validation": job.splits["validation"]} if "validation" in job.splits else {}
     fit_called = time.perf_counter()
