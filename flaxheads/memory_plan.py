@@ -167,7 +167,7 @@ def plan_memory(model, *, batch_size: int, max_length: int, mesh: str | Mapping[
         if precision not in ("float32", "bfloat16"):
             raise UsageError(f"precision {precision!r} is not float32 or bfloat16")
         dtype = jnp.dtype(precision)
-        frozen = freeze_backbone or lora is not None or quantize is not None
+        frozen = freeze_backbone or lora is not None
         stored = resolve_base_dtype(base_dtype, frozen=frozen, compute_dtype=dtype)
         if quantize is not None and not frozen:
             raise UsageError("a quantised base cannot be fine-tuned: add LoRA adapters (--lora) or freeze it")

@@ -197,7 +197,8 @@ def replicated_layout(mesh: Mesh, rules: Mapping[str, Any] | None = None) -> Lay
 def shard_bytes(tree, shardings) -> int:
     """Bytes one device holds of ``tree`` (arrays or ShapeDtypeStructs) under ``shardings``."""
     leaves, shards = jax.tree.leaves(tree), jax.tree.leaves(shardings)
-    return int(sum(math.prod(s.shard_shape(tuple(np.shape(x)))) * np.dtype(x.dtype).itemsize
+    # bits, so that 4-bit codes count half a byte (as XLA stores them)
+    return int(sum(math.prod(s.shard_shape(tuple(np.shape(x)))) * jax.dtypes.itemsize_bits(x.dtype) // 8
                    for x, s in zip(leaves, shards, strict=True)))
 
 
