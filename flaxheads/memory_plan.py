@@ -191,7 +191,7 @@ def plan_memory(model, *, batch_size: int, max_length: int, mesh: str | Mapping[
     if compile and folder is not None and layers > EXTRAPOLATE_ABOVE:
         report = _extrapolated(memory_report(trainer, batch, compile=False), folder, build, layers,
                                lambda m: _report(m, cfg, freeze_backbone, batch))
-        notes.append(f"XLA's figures compiled at 1 and 2 of the {layers} layers and extended linearly")
+        notes.append(f"XLA's figures compiled at 2 and 3 of the {layers} layers and extended linearly")
     else:
             report = memory_report(trainer, batch, compile=compile)
     return plan_of(trainer, report, batch_size, max_length, notes)
@@ -220,7 +220,7 @@ def lora_from_flags(rank: int | None, alpha: float | None = None, targets=None) 
     return None if rank is None else LoraConfig(rank=rank, alpha=alpha or 2.0 * rank, targets=targets)
 
 
-#: Deeper models are compiled at 1 and 2 layers and XLA's figures extended linearly to all of them
+#: Deeper models are compiled at 2 and 3 layers and XLA's figures extended linearly to all of them
 #: (every layer adds the same buffers; compiling 80 unrolled layers on a CPU takes many minutes).
 EXTRAPOLATE_ABOVE = 4
 
@@ -237,14 +237,16 @@ def _report(model, cfg, freeze_backbone: bool, batch):
 
 
 def _extrapolated(base, folder, build: dict, layers: int, report_of):
-    """``base`` (the full model's state bytes) with XLA's figures of 1 and 2 layers extended to ``layers``."""
-    one, two = (report_of(abstract_model(folder, config_changes={"num_hidden_layers": n}, **build)) for n in (1, 2))
-    if one.xla_arguments is None:
+    """``base`` (the full model's state bytes) with XLA's figures of 2 and 3 layers extended to ``layers``
+    (not 1: the last layer of a one-token pooler runs at that token alone, so a 1-layer model is no
+    layer of the deep one)."""
+    two, three = (report_of(abstract_model(folder, config_changes={"num_hidden_layers": n}, **build)) for n in (2, 3))
+    if two.xla_arguments is None:
         return base
 
     def at(name):
-        a, b = getattr(one, name), getattr(two, name)
-        return int(a + (layers - 1) * (b - a))
+        a, b = getattr(two, name), getattr(three, name)
+        return int(a + (layers - 2) * (b - a))
 
     return dataclasses.replace(base, **{n: at(n) for n in ("xla_arguments", "xla_outputs", "xla_temp", "xla_aliased")})
 

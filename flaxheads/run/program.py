@@ -25,6 +25,7 @@ from ..interop.tokenizers import load_tokenizer, model_max_positions
 from ..lora import LoraConfig
 from ..model import SequenceModel, from_pretrained
 from ..parallel import Parallel
+from ..sharding import parse_mesh
 from ..preflight import check_run_folder
 from ..ranking.data import collate_groups
 from ..ranking.task import Ranking
@@ -149,10 +150,19 @@ def build_model(spec: RunSpec, path: str, space: LabelSpace | None, plan: Comput
     model = from_pretrained(path, pooler=pooler, head=None if m.head == "preset" else m.head, id2label=id2label,
                             num_labels=num_labels, problem_type=problem_type, dtype=plan.precision.dtype, plan=plan,
                             seed=spec.seed, ignore_mismatched_sizes=True, base_dtype=base_dtype(spec, plan),
-                            remat=m.remat, quantize=m.quantize,
+                            remat=m.remat, quantize=m.quantize, mesh=_param_mesh(spec),
                             head_options={"hidden_dims": tuple(m.head_hidden)} if m.head_hidden else None)
     cfg = lora_config(spec)
     return model if cfg is None else model.with_lora(cfg, seed=spec.seed)
+
+
+def _param_mesh(spec: RunSpec) -> str | None:
+    """The run's mesh where it splits params (fsdp or tensor > 1): the backbone is read straight onto it."""
+    shape = spec.devices.mesh
+    if not shape:
+        return None
+    sizes = parse_mesh(shape)
+    return shape if sizes.get("fsdp", 1) > 1 or sizes.get("tensor", 1) > 1 else None
 
 
 def usable_max_length(requested: int, tok, model: SequenceModel, path: str) -> int:
