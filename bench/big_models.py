@@ -33,13 +33,14 @@ def cpu_name() -> str:
 
 
 def base_bytes(tmp: str) -> None:
-    """A Llama-shaped base of ~60M params (hidden 512, 8 layers, vocab 32000)."""
+    """A Llama-shaped base of 29M params (hidden 512, 8 layers, vocab 4000: the embeddings 7% of the
+    params, as in Llama-3.1-8B), the arrays' own bytes; then Llama-3.1-8B's shapes (bench/configs)."""
     path, _ = save_tiny(os.path.join(tmp, "bytes"), "llama", seed=0, hidden_size=512, num_hidden_layers=8,
-                        intermediate_size=1536, vocab_size=32000, num_attention_heads=8, head_dim=64,
+                        intermediate_size=1536, vocab_size=4000, num_attention_heads=8, head_dim=64,
                         max_position_embeddings=512)
     f32 = fh.from_pretrained(path)
     ref = device_bytes(f32.params["backbone"])
-    print("\n| frozen base (Llama-shaped, 60M params) | device MiB | x float32 |\n| --- | --- | --- |")
+    print("\n| frozen base (Llama-shaped, 29M params; arrays) | device MiB | x float32 |\n| --- | --- | --- |")
     print(f"| float32 | {ref / 2**20:.1f} | 1.00 |")
     for store in ("bfloat16",):
         b = device_bytes(f32.with_base_dtype(jnp.bfloat16).params["backbone"])
@@ -49,6 +50,19 @@ def base_bytes(tmp: str) -> None:
             m = f32.with_base_dtype(emb).with_quantized_base(q)
             b = device_bytes(m.params["backbone"])
             print(f"| {q} (layer kernels; embeddings, norms {jnp.dtype(emb).name}) | {b / 2**20:.1f} | {b / ref:.3f} |")
+    from flaxheads.memory_plan import abstract_model
+    from flaxheads.sharding import shard_bytes
+
+    def shape_bytes(tree):
+        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        return shard_bytes(tree, jax.tree.map(lambda _: one, tree))
+
+    cfg = os.path.join(HERE, "configs", "llama-3.1-8b")
+    ref = shape_bytes(abstract_model(cfg).params["backbone"])
+    print(f"\n| Llama-3.1-8B base (shapes) | GiB | x float32 |\n| --- | --- | --- |\n| float32 | {ref / 2**30:.2f} | 1.00 |")
+    for q in (None,) + SCHEMES[1:]:
+        b = shape_bytes(abstract_model(cfg, base_dtype=jnp.bfloat16, quantize=q).params["backbone"])
+        print(f"| {q or 'bfloat16'} (embeddings, norms bfloat16) | {b / 2**30:.2f} | {b / ref:.3f} |")
 
 
 def logits_error(tmp: str) -> None:
@@ -96,10 +110,11 @@ def qlora_curves(tmp: str, steps: int = 50) -> None:
 
 def main() -> None:
     print(f"CPU: {cpu_name()}; jax {jax.__version__}")
+    parts = sys.argv[1:] or ["bytes", "error", "qlora"]
     with tempfile.TemporaryDirectory() as tmp:
-        base_bytes(tmp)
-        logits_error(tmp)
-        qlora_curves(tmp)
+        for name, part in (("bytes", base_bytes), ("error", logits_error), ("qlora", qlora_curves)):
+            if name in parts:
+                part(tmp)
 
 
 if __name__ == "__main__":

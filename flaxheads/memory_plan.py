@@ -164,8 +164,8 @@ def plan_memory(model, *, batch_size: int, max_length: int, mesh: str | Mapping[
     notes = []
     folder = model if isinstance(model, (str, os.PathLike)) else None
     if isinstance(model, (str, os.PathLike)):
-        if precision not in ("float32", "bfloat16"):
-            raise UsageError(f"precision {precision!r} is not float32 or bfloat16")
+        if precision not in ("float32", "bfloat16"):  # auto: this host's choice
+            precision = jnp.dtype(ComputePlan.for_host(precision=precision).precision.dtype).name
         dtype = jnp.dtype(precision)
         frozen = freeze_backbone or lora is not None
         stored = resolve_base_dtype(base_dtype, frozen=frozen, compute_dtype=dtype)
@@ -273,6 +273,20 @@ def _mesh_devices(mesh: str | Mapping[str, int] | None) -> int:
     if not mesh:
         return 1
     return math.prod(s for s in parse_mesh(mesh).values() if s > 0)
+
+
+def plan_from_flags(*, model: str, mesh: str | None, batch_size: int, max_length: int, lora_rank: int | None,
+                    lora_alpha: float | None, lora_targets, base_dtype: str, precision: str | None, bf16: bool,
+                    remat: str, quantize: str | None, freeze_backbone: bool, json: bool, **_ignored) -> str:
+    """``flaxheads plan``: the plan of the flags (the mesh's host devices forced first), as text or JSON."""
+    import json as _json
+
+    force_host_devices(_mesh_devices(mesh))
+    plan = plan_memory(model, batch_size=batch_size, max_length=max_length, mesh=mesh,
+                       lora=lora_from_flags(lora_rank, lora_alpha, lora_targets), base_dtype=base_dtype,
+                       precision="bfloat16" if bf16 else precision or "float32", remat=remat, quantize=quantize,
+                       freeze_backbone=freeze_backbone)
+    return _json.dumps(plan.to_dict()) if json else "\n".join(plan.lines())
 
 
 def force_host_devices(n: int) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import logging
 import os
 import signal
 import sys
@@ -22,6 +21,7 @@ from typing import Callable, Sequence
 
 from ..errors import FlaxheadsError, WriteFailedError
 from ..host.compile_cache import enable_compile_cache
+from ..host.logs import quiet_background_saves
 from ..host.malloc import configure_malloc
 from ..host.xla_flags import configure_xla
 from ..training.preemption import Interrupted, exit_code
@@ -61,24 +61,6 @@ def one_line(error: BaseException) -> str:
     return text or type(error).__name__
 
 
-def _quiet_background_saves() -> None:
-    """A failed asynchronous save is reported by the command in one line
-    (:class:`~flaxheads.errors.WriteFailedError`); without this, Orbax logs it from each of its
-    threads, asyncio logs its unretrieved tasks, and tensorstore's pending writes report the closed
-    event loop they call back into: hundreds of lines of tracebacks."""
-    # filters, not levels: importing orbax or jax may reset the absl logger's level
-    logging.getLogger("absl").addFilter(lambda record: record.levelno >= logging.CRITICAL)
-    logging.getLogger("asyncio").addFilter(lambda record: "orbax" not in record.getMessage())
-    default = sys.unraisablehook
-
-    def unraisable(u) -> None:
-        if "Event loop is closed" in str(u.exc_value) or "orbax" in repr(u.object):
-            return
-        default(u)
-
-    sys.unraisablehook = unraisable
-
-
 def _prepare_process() -> None:
     """Process settings every subcommand wants, before JAX or transformers start."""
     # table files are read locally; model hub ids are fetched only by flaxheads.hub (HF_HUB_OFFLINE=1: cache only)
@@ -86,7 +68,7 @@ def _prepare_process() -> None:
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     warnings.filterwarnings("ignore", message=".*TensorFlow and JAX classes are deprecated.*")
-    _quiet_background_saves()
+    quiet_background_saves()
     configure_malloc()  # before JAX starts its threads; reasons in flaxheads/host/malloc.py
     configure_xla()
 

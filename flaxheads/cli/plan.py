@@ -1,5 +1,4 @@
-"""flaxheads plan: per-device memory of a training run, from the model folder's config.json alone
-(no weights read), and which devices it fits (:func:`flaxheads.memory_plan.plan_memory`)."""
+"""flaxheads plan: per-device memory of a training run from the model folder's config.json alone."""
 from __future__ import annotations
 
 import argparse
@@ -17,18 +16,10 @@ def add_plan_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-length", type=flags.positive_int, default=128)
     p.add_argument("--freeze-backbone", action="store_true")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    p.set_defaults(func=run_plan)
+    p.set_defaults(func=lambda args, program=None: print(plan_command(vars(args))) or 0)
 
 
-def run_plan(args: argparse.Namespace, program=None) -> int:
-    from ..memory_plan import _mesh_devices, force_host_devices
+def plan_command(a: dict) -> str:
+    from ..memory_plan import plan_from_flags  # imported here: the mesh's host devices are forced first
 
-    force_host_devices(_mesh_devices(args.mesh))  # before JAX's backend starts
-    from ..memory_plan import lora_from_flags, plan_memory
-
-    plan = plan_memory(args.model, batch_size=args.batch_size, max_length=args.max_length, mesh=args.mesh,
-                       lora=lora_from_flags(args.lora_rank, args.lora_alpha, args.lora_targets),
-                       base_dtype=args.base_dtype, precision="bfloat16" if args.bf16 else args.precision or "float32",
-                       remat=args.remat, quantize=args.quantize, freeze_backbone=args.freeze_backbone)
-    print(json.dumps(plan.to_dict()) if args.json else "\n".join(plan.lines()))
-    return 0
+    return plan_from_flags(**{k: a[k] for k in a if k not in ("func", "command")})
