@@ -143,7 +143,9 @@ def model_param_axes(model) -> dict[tuple[str, ...], Axes]:
     for path, x in jax.tree_util.tree_leaves_with_path(model.params):
         names = path_names(path)
         rule = fam if names[:1] == ("backbone",) and fam is not None else generic_param_axes
-        out[names] = tuple(rule(names[1:], tuple(np.shape(x))))
+        # a quantised kernel's codes and block scales (flaxheads.quantize) are split like the kernel
+        of = names[1:-1] if names[-2:-1] == ("kernel",) and names[-1] in ("qvalue", "scale") else names[1:]
+        out[names] = tuple(rule(of, tuple(np.shape(x))))
     return out
 
 
