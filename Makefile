@@ -35,7 +35,7 @@ $(BASE): pyproject.toml
 
 $(TESTS): $(BASE)
 	$(BIN)/pip install -q torch==$(call torch_for,$(BIN)/python)
-	$(BIN)/pip install -q -e ".[examples,torch,dev,serve]" peft
+	$(BIN)/pip install -q -e ".[examples,torch,dev,serve,quantize]" peft
 	touch $(TESTS)
 
 setup: $(TESTS)

@@ -36,6 +36,7 @@ from .config import from_dict, from_json, to_dict, to_json
 from .presets import PRESETS, PoolMaskError, Preset, PresetMatch, match_preset, preset_for
 from . import lora
 from .lora import LoraConfig, merge_model
+from .memory_plan import MemoryPlan, plan_memory
 
 # training pieces
 from .training.loop import Callback, TrainConfig, Trainer, fit
@@ -66,7 +67,7 @@ __all__ = [
     "AttentionPool", "Concat", "DensePooler", "Pool", "Pooler", "SequenceSummary", "make_pooler",
     "Head", "IdentityHead", "LinearHead", "MLPHead", "ProjectionHead", "SequenceHead", "make_head",
     "from_dict", "from_json", "to_dict", "to_json", "PRESETS", "PoolMaskError", "Preset", "PresetMatch",
-    "match_preset", "preset_for", "lora", "LoraConfig", "merge_model",
+    "match_preset", "preset_for", "lora", "LoraConfig", "merge_model", "MemoryPlan", "plan_memory",
     # training pieces
     "Callback", "TrainConfig", "Trainer", "fit", "OptimConfig", "Classification", "Task", "Ranking", "ranking",
     "MULTI_LABEL", "REGRESSION", "SINGLE_LABEL", "infer_problem_type", "loss_fn", "mean_squared_error",

@@ -49,8 +49,9 @@ def cast_tree(tree: Any, dtype: Any) -> Any:
 
 def base_dtype_of(backbone_params: Any) -> str | None:
     """The dtype name of the base's floating-point leaves (None: no such leaf; ``"mixed"``)."""
-    names = {jnp.dtype(x.dtype).name for x in jax.tree.leaves(backbone_params)
-             if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)}
+    leaves = jax.tree.leaves(backbone_params, is_leaf=lambda x: hasattr(x, "qvalue"))  # quantised kernels: not stored floats
+    names = {jnp.dtype(x.dtype).name for x in leaves
+             if hasattr(x, "dtype") and not hasattr(x, "qvalue") and jnp.issubdtype(x.dtype, jnp.floating)}
     return None if not names else names.pop() if len(names) == 1 else "mixed"
 
 

@@ -61,3 +61,13 @@ def os_error_cause(err: BaseException) -> str | None:
                 return known
         todo += [e.__cause__, e.__context__, *getattr(e, "exceptions", ())]
     return None
+
+
+def one_line(error: BaseException) -> str:
+    """The message of ``error`` on one line (what the command line prints): its lines joined with
+    ``; `` (a space after a ``:``)."""
+    text = ""
+    for line in (x.strip() for x in str(error).splitlines()):
+        if line:
+            text += line if not text else (" " if text.endswith(":") else "; ") + line
+    return text or type(error).__name__

@@ -176,6 +176,11 @@ def merge_lora(backbone_params, lora_params, config: LoraConfig, model_type: str
     out_in = kernels_out_in(model_type)
     for m, ab in adapter_modules(lora_params).items():
         w = flat[m + ("kernel",)]
+        if hasattr(w, "qvalue"):  # a quantised kernel keeps its codes: the adapter runs beside it (QLoRA)
+            from .quantize import LoraKernel
+
+            flat[m + ("kernel",)] = LoraKernel(w, ab[A], ab[B], config.scaling)
+            continue
         d = delta(ab[A], ab[B], config.scaling, out_in)
         # a 16-bit base is merged in float32: its rounding would swallow a small delta (float32: unchanged)
         dt = jnp.promote_types(w.dtype, d.dtype)
@@ -225,7 +230,9 @@ def with_lora(model, config: LoraConfig | None = None, *, seed: int = 0, params:
 def merged_params(model, params: Mapping | None = None) -> dict:
     """``{"backbone": merged, "head": ...}``: the adapters folded into the backbone kernels."""
     params = model.params if params is None else params
-    return {"backbone": model.backbone_params(params), "head": params["head"]}
+    from .quantize import dequantize_tree
+
+    return {"backbone": dequantize_tree(model.backbone_params(params)), "head": params["head"]}
 
 
 def merge_model(model, params: Mapping | None = None):

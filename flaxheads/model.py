@@ -18,6 +18,7 @@ import numpy as np
 from . import config as _config
 from .nn.heads import Head, IdentityHead, LinearHead, ProjectionHead, SequenceHead, make_head
 from .nn import linen
+from .backbones.base import HFConfig
 from .backbones.registry import load_backbone
 from .backbones.weights import head_from_hf, read_state_dict
 from .losses import REGRESSION, check_problem_type, infer_problem_type, loss_fn
@@ -132,6 +133,17 @@ class SequenceModel:
             backbone.params = backbone_params  # the backbone's own reference would keep the old copy alive
         return dataclasses.replace(self, backbone=backbone, params={**self.params, "backbone": backbone_params})
 
+    def with_quantized_base(self, qtype: str) -> "SequenceModel":
+        """This model with its base's layer kernels quantised to ``qtype`` (``int8 | int4 | nf4``;
+        :mod:`flaxheads.quantize`): a frozen base for QLoRA or a frozen backbone."""
+        from .quantize import quantize_params
+
+        backbone_params = quantize_params(self.params["backbone"], qtype, self.model_type)
+        backbone = copy.copy(self.backbone)
+        if getattr(backbone, "params", None) is self.params["backbone"]:
+            backbone.params = backbone_params
+        return dataclasses.replace(self, backbone=backbone, params={**self.params, "backbone": backbone_params})
+
     def with_lora(self, config: LoraConfig | None = None, *, seed: int = 0, **options) -> "SequenceModel":
         """This model with fresh LoRA adapters (see :func:`flaxheads.lora.with_lora`)."""
         return with_lora(self, config, seed=seed, **options)
@@ -242,7 +254,8 @@ def from_pretrained(path: str | os.PathLike, *, pooler: str | Sequence[str] | Po
                     dtype=jnp.float32, seed: int = 0, ignore_mismatched_sizes: bool = False,
                     pooler_options: dict | None = None, head_options: dict | None = None,
                     pool_mask: str | None = None, implementation: str = "auto",
-                    remat: bool | str = False, plan: ComputePlan | None = None, base_dtype=None) -> SequenceModel:
+                    remat: bool | str = False, plan: ComputePlan | None = None, base_dtype=None,
+                    quantize: str | None = None, mesh=None) -> SequenceModel:
     """Load a local HF model folder as backbone and attach a pooler + head.
 
     Defaults to the HF-exact preset for the backbone's ``model_type`` (and copies its
@@ -255,11 +268,26 @@ def from_pretrained(path: str | os.PathLike, *, pooler: str | Sequence[str] | Po
     (``True``: ``full``, each layer recomputed; see :mod:`flaxheads.layers.remat`).
     ``plan``: how the programs compute on this host (default :meth:`ComputePlan.for_host`).
     ``base_dtype``: the storage dtype of the backbone's params (default float32; ``jnp.bfloat16``
-    halves a base that stays frozen: :meth:`SequenceModel.with_base_dtype`)."""
+    halves a base that stays frozen: :meth:`SequenceModel.with_base_dtype`). ``quantize``: ``int8 |
+    int4 | nf4`` layer kernels of a frozen base (:meth:`SequenceModel.with_quantized_base`).
+    ``mesh``: a :class:`jax.sharding.Mesh` (or its shape, ``"fsdp=8"``) to read the backbone onto:
+    each param is read from the safetensors slice by slice straight onto its sharding under the
+    default layout (:func:`flaxheads.backbones.lazy.load_sharded`), in ``base_dtype``; no host
+    copy of the whole model."""
+    if quantize is not None:
+        from .quantize import check_family
+
+        check_family(HFConfig.from_folder(path).get("model_type"))  # before any weight is read
     path = os.fspath(path)
-    state = _read_state_if_any(path)  # read once: the backbone's weights and the head's
-    backbone = load_backbone(path, dtype=dtype, state=state or None, remat=remat, implementation=implementation,
-                             plan=plan)
+    loaded = None
+    if mesh is not None:
+        loaded = _load_onto_mesh(path, mesh, dtype=dtype, remat=remat, plan=plan, base_dtype=base_dtype)
+    if loaded is not None:
+        backbone, state = loaded
+    else:
+        state = _read_state_if_any(path)  # read once: the backbone's weights and the head's
+        backbone = load_backbone(path, dtype=dtype, state=state or None, remat=remat, implementation=implementation,
+                                 plan=plan)
     cfg = backbone.config
     labels = _labels(id2label, num_labels, cfg)
     n = len(labels) if labels else int(num_labels or getattr(cfg, "num_labels", 2))
@@ -290,7 +318,41 @@ def from_pretrained(path: str | os.PathLike, *, pooler: str | Sequence[str] | Po
     model = SequenceModel(backbone=backbone, head=seq_head, num_labels=n, problem_type=ptype, params=params,
                           id2label=labels, pool_mask=match.pool_mask, pad_token_id=pad, eos_token_id=eos,
                           arch=match.arch, hf_names=match.hf_names, name_or_path=path, report=report)
-    return model if base_dtype is None else model.with_base_dtype(base_dtype)
+    model = model if base_dtype is None else model.with_base_dtype(base_dtype)
+    return model if quantize is None else model.with_quantized_base(quantize)
+
+
+def _load_onto_mesh(path: str, mesh, *, dtype, remat, plan, base_dtype):
+    """The native backbone of ``path`` read onto ``mesh`` (its default layout) and the folder's other
+    tensors; None where the folder has no safetensors or the family's params are not stored tensors
+    (then it loads eagerly and is placed by the run)."""
+    from jax.sharding import Mesh, NamedSharding
+
+    from .backbones.base import BackboneError, check_params
+    from .backbones.lazy import NotLazyLoadable, load_sharded, safetensors_files
+    from .backbones.weights import WeightsNotFoundError
+    from .backbones.registry import family_for
+    from .memory_plan import abstract_model
+    from .sharding import Layout, make_mesh
+
+    mesh = mesh if isinstance(mesh, Mesh) else make_mesh(mesh)
+    config = HFConfig.from_folder(path)
+    fam = family_for(config.get("model_type"))
+    if fam is None:
+        raise BackboneError(f"{path}: model_type {config.get('model_type')!r} has no native backbone to read onto a "
+                            "mesh; load it without mesh=")
+    config = fam.complete_config(config)
+    fam.check_config(config)
+    layout = Layout.for_model(mesh, abstract_model(path, remat=remat, plan=plan))
+    try:
+        safetensors_files(path)
+        params, rest = load_sharded(path, fam, config,
+                                    lambda p, s: NamedSharding(mesh, layout.spec_of(("backbone",) + p, s)),
+                                    dtype=jnp.float32 if base_dtype is None else base_dtype)
+    except (WeightsNotFoundError, NotLazyLoadable):
+        return None
+    check_params(fam.param_shapes(config), params, source=path, model_type=config.get("model_type"))
+    return fam(config, params, dtype=dtype, remat=remat, plan=plan), rest
 
 
 def _init_head(seq_head: SequenceHead, hidden_size: int, seed: int, names, state, **load) -> tuple[dict, LoadReport]:

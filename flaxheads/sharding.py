@@ -143,7 +143,9 @@ def model_param_axes(model) -> dict[tuple[str, ...], Axes]:
     for path, x in jax.tree_util.tree_leaves_with_path(model.params):
         names = path_names(path)
         rule = fam if names[:1] == ("backbone",) and fam is not None else generic_param_axes
-        out[names] = tuple(rule(names[1:], tuple(np.shape(x))))
+        # a quantised kernel's codes and block scales (flaxheads.quantize) are split like the kernel
+        of = names[1:-1] if names[-2:-1] == ("kernel",) and names[-1] in ("qvalue", "scale") else names[1:]
+        out[names] = tuple(rule(of, tuple(np.shape(x))))
     return out
 
 
@@ -197,7 +199,8 @@ def replicated_layout(mesh: Mesh, rules: Mapping[str, Any] | None = None) -> Lay
 def shard_bytes(tree, shardings) -> int:
     """Bytes one device holds of ``tree`` (arrays or ShapeDtypeStructs) under ``shardings``."""
     leaves, shards = jax.tree.leaves(tree), jax.tree.leaves(shardings)
-    return int(sum(math.prod(s.shard_shape(tuple(np.shape(x)))) * np.dtype(x.dtype).itemsize
+    # bits, so that 4-bit codes count half a byte (as XLA stores them)
+    return int(sum(math.prod(s.shard_shape(tuple(np.shape(x)))) * jax.dtypes.itemsize_bits(x.dtype) // 8
                    for x, s in zip(leaves, shards, strict=True)))
 
 

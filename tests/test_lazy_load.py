@@ -1,6 +1,7 @@
 """Params read slice by slice onto a mesh of 4 CPU devices (tests/conftest.py makes them): equal to
 the eager loader's, on the layout's shardings (really split), in the asked dtype, and the host
-holds about one tensor at a time, not the model (tracemalloc, which numpy reports to)."""
+holds about one tensor at a time, not the model (tracemalloc, which numpy reports to); the same
+through ``from_pretrained(mesh=...)``, head included."""
 import tracemalloc
 
 import numpy as np
@@ -89,3 +90,23 @@ def test_a_param_computed_from_several_tensors_is_refused():
 
     with pytest.raises(BackboneError, match="computed from several tensors"):
         param_sources(Fused, HFConfig({"model_type": "fused"}), {"q.weight": (4, 4), "k.weight": (4, 4)})
+
+
+def test_from_pretrained_onto_a_mesh_reads_slices_not_the_model(tmp_path):
+    path, _ = save_tiny(tmp_path / "llama", "llama", seed=2, vocab_size=2048, hidden_size=128, intermediate_size=512,
+                        head_dim=32)
+    eager = fh.from_pretrained(path, num_labels=3, ignore_mismatched_sizes=True)
+    size = sum(x.nbytes for x in jax.tree.leaves(eager.params["backbone"]))
+    tracemalloc.start()
+    try:
+        lazy = fh.from_pretrained(path, num_labels=3, ignore_mismatched_sizes=True, mesh="fsdp=4",
+                                  base_dtype=jnp.bfloat16)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 0.5 * size, (peak, size)
+    split = 0
+    for a, b in zip(jax.tree.leaves(lazy.params), jax.tree.leaves(eager.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b.astype(a.dtype)))
+        split += len(a.sharding.device_set) == 4 and any(s is not None for s in a.sharding.spec)
+    assert split > 4 and lazy.params["backbone"]["norm"]["scale"].dtype == jnp.bfloat16

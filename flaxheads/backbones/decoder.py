@@ -188,7 +188,7 @@ class DecoderBackbone(Backbone):
     lora_targets = ("q_proj", "v_proj")
     tokenizer_token_types = False
     top_level = TOP_LEVEL
-    features = frozenset({"position_ids", "remat", "bf16", "causal", "only_at"})
+    features = frozenset({"position_ids", "remat", "bf16", "causal", "only_at", "quantize"})
     extra_inputs = ("position_ids", "only_at")
 
     def __init__(self, config, params: dict, dtype=jnp.float32, remat: bool = False,

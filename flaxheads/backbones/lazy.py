@@ -27,6 +27,10 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 from .base import Backbone, BackboneError, HFConfig, strip_prefix
 from .weights import SAFE, SAFE_INDEX, WeightsNotFoundError
 
+class NotLazyLoadable(BackboneError):
+    """A family whose params are not each one stored tensor (or its transpose): it loads eagerly."""
+
+
 #: ``shardings(path, shape) -> jax.sharding.Sharding`` for a backbone param (path without "backbone")
 ShardingFn = Callable[[tuple[str, ...], tuple[int, ...]], jax.sharding.Sharding]
 
@@ -80,7 +84,7 @@ def param_sources(family: type[Backbone], config: HFConfig,
     for path, leaf in by_number.items():
         leaf = np.asarray(leaf)
         if leaf.size == 0 or any(leaf.strides):
-            raise BackboneError(f"{family.__name__}: param {'/'.join(path)} is computed from several tensors; the "
+            raise NotLazyLoadable(f"{family.__name__}: param {'/'.join(path)} is computed from several tensors; the "
                                 "sharded loader reads params that are single tensors (or their transposes): load "
                                 "this family eagerly")
         name = names[int(leaf.flat[0])]
@@ -91,7 +95,7 @@ def param_sources(family: type[Backbone], config: HFConfig,
         elif len(shape) == 2 and shape == src[::-1]:
             out[path] = (prefix + name, True)
         else:
-            raise BackboneError(f"{family.__name__}: param {'/'.join(path)} {shape} is a reshaped {name} {src}; the "
+            raise NotLazyLoadable(f"{family.__name__}: param {'/'.join(path)} {shape} is a reshaped {name} {src}; the "
                                 "sharded loader reads tensors as they are or transposed: load this family eagerly")
     return out
 
@@ -125,3 +129,25 @@ def read_params_sharded(folder: str | os.PathLike, family: type[Backbone], confi
     finally:
         handles.clear()
     return unflatten_dict(flat)
+
+
+def read_other_tensors(folder: str | os.PathLike, used: set[str]) -> dict[str, np.ndarray]:
+    """Every tensor of the folder's safetensors not in ``used`` (the head's weights beside a lazily read
+    backbone: small), as numpy."""
+    from safetensors import safe_open
+
+    out = {}
+    for path in safetensors_files(os.fspath(folder)):
+        with safe_open(path, framework="numpy") as f:
+            out.update({n: f.get_tensor(n) for n in f.keys() if n not in used})
+    return out
+
+
+def load_sharded(folder: str | os.PathLike, family: type[Backbone], config: HFConfig, shardings: ShardingFn,
+                 dtype: Any = jnp.float32) -> tuple[dict, dict[str, np.ndarray]]:
+    """``(backbone params read slice by slice onto shardings, the folder's other tensors)``: what
+    :func:`~flaxheads.model.from_pretrained` reads for a model placed on a mesh."""
+    folder = os.fspath(folder)
+    found = tensor_shapes(safetensors_files(folder))
+    used = {name for name, _ in param_sources(family, config, {n: s for n, (_, s) in found.items()}).values()}
+    return read_params_sharded(folder, family, config, shardings, dtype), read_other_tensors(folder, used)

@@ -19,6 +19,7 @@ import numpy as np
 from .. import config as _config
 from .._version import __version__
 from ..base_dtype import base_dtype_of
+from ..quantize import quantization_of
 from ..errors import FlaxheadsError, WriteFailedError
 from ..lora import adapters_diff, adapters_meta
 from ..model import SequenceModel
@@ -36,7 +37,7 @@ OWN_KEYS = frozenset({
     "format", "library", "library_version", "created", "head_config", "problem_type", "num_labels", "id2label",
     "hidden_size", "backbone_model_type", "backbone_name_or_path", "backbone_saved", "dtype", "param_dtype",
     "pool_mask", "pad_token_id", "eos_token_id", "arch", "hf_names", "head_shapes", "head_shapes_hash",
-    "jax_version", "lora", "base_dtype"})
+    "jax_version", "lora", "base_dtype", "quantize"})
 
 
 class CheckpointError(FlaxheadsError):
@@ -155,6 +156,7 @@ def make_meta(model: SequenceModel, head_params, *, backbone_saved: bool = False
         "jax_version": jax.__version__,
         "lora": adapters_meta(model),
         "base_dtype": base_dtype_of(model.params["backbone"]),  # a frozen base is loaded again in it
+        "quantize": quantization_of(model.params["backbone"]),  # and quantised again (the codes are not saved)
     }
     if extra:
         clash = set(extra) & OWN_KEYS

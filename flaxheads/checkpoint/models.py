@@ -35,6 +35,7 @@ def model_from_checkpoint(directory: str | os.PathLike, step: int | str | None =
     stored = meta.get("base_dtype")  # a frozen base kept in bfloat16 is loaded as the head was trained on it
     base = from_pretrained(path, num_labels=int(meta["num_labels"]), ignore_mismatched_sizes=True,
                            base_dtype=stored if stored in ("bfloat16", "float16") else None,
+                           quantize=meta.get("quantize"),
                            **({} if dtype is None else {"dtype": dtype}))
     if base.model_type != meta.get("backbone_model_type", base.model_type):
         raise CheckpointError(f"{ckpt.path}: the head was trained on a {meta['backbone_model_type']} backbone, "

@@ -1,4 +1,4 @@
-"""The ``flaxheads`` command: ``flaxheads train | export | checkpoints | predict | embed | evaluate | rank | serve``
+"""The ``flaxheads`` command: ``flaxheads train | plan | export | checkpoints | predict | embed | evaluate | rank | serve``
 (also ``python -m flaxheads``).
 
 Each subcommand module has an ``add_<name>_command(subparsers)`` that registers its parser and
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import logging
 import os
 import signal
 import sys
@@ -20,14 +19,16 @@ import time
 import warnings
 from typing import Callable, Sequence
 
-from ..errors import FlaxheadsError, WriteFailedError
+from ..errors import FlaxheadsError, WriteFailedError, one_line
 from ..host.compile_cache import enable_compile_cache
+from ..host.logs import quiet_background_saves
 from ..host.malloc import configure_malloc
 from ..host.xla_flags import configure_xla
 from ..training.preemption import Interrupted, exit_code
 from .checkpoints import add_checkpoints_command, add_report_command
 from .export import add_export_command
 from .flags import Parser, Program
+from .plan import add_plan_command
 from .predict import add_predict_commands
 from .rank import add_rank_command
 from .serve import add_serve_command
@@ -38,7 +39,7 @@ REFUSED_WRITES = (errno.ENOSPC, errno.EFBIG, errno.EROFS, errno.EDQUOT)
 
 SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     add_train_command, add_export_command, add_checkpoints_command, add_predict_commands, add_rank_command,
-    add_serve_command, add_report_command)
+    add_serve_command, add_report_command, add_plan_command)
 
 
 def build_parser() -> Parser:
@@ -51,33 +52,6 @@ def build_parser() -> Parser:
     return parser
 
 
-def one_line(error: BaseException) -> str:
-    """The message of ``error`` on one line: its lines joined with ``; `` (a space after a ``:``)."""
-    text = ""
-    for line in (x.strip() for x in str(error).splitlines()):
-        if line:
-            text += line if not text else (" " if text.endswith(":") else "; ") + line
-    return text or type(error).__name__
-
-
-def _quiet_background_saves() -> None:
-    """A failed asynchronous save is reported by the command in one line
-    (:class:`~flaxheads.errors.WriteFailedError`); without this, Orbax logs it from each of its
-    threads, asyncio logs its unretrieved tasks, and tensorstore's pending writes report the closed
-    event loop they call back into: hundreds of lines of tracebacks."""
-    # filters, not levels: importing orbax or jax may reset the absl logger's level
-    logging.getLogger("absl").addFilter(lambda record: record.levelno >= logging.CRITICAL)
-    logging.getLogger("asyncio").addFilter(lambda record: "orbax" not in record.getMessage())
-    default = sys.unraisablehook
-
-    def unraisable(u) -> None:
-        if "Event loop is closed" in str(u.exc_value) or "orbax" in repr(u.object):
-            return
-        default(u)
-
-    sys.unraisablehook = unraisable
-
-
 def _prepare_process() -> None:
     """Process settings every subcommand wants, before JAX or transformers start."""
     # table files are read locally; model hub ids are fetched only by flaxheads.hub (HF_HUB_OFFLINE=1: cache only)
@@ -85,7 +59,7 @@ def _prepare_process() -> None:
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     warnings.filterwarnings("ignore", message=".*TensorFlow and JAX classes are deprecated.*")
-    _quiet_background_saves()
+    quiet_background_saves()
     configure_malloc()  # before JAX starts its threads; reasons in flaxheads/host/malloc.py
     configure_xla()
 

@@ -29,6 +29,7 @@ import sys
 from typing import Sequence
 
 from ..base_dtype import BASE_DTYPES
+from ..quantize import QUANTIZATIONS
 from ..errors import TrainingError, UsageError
 from ..layers.remat import REMAT_POLICIES
 from ..nn.poolers import POOLER_NAMES
@@ -69,6 +70,8 @@ def _model_flags(ap: argparse.ArgumentParser) -> None:
                    help="how a base that does not train (--freeze-backbone, --cache-features, LoRA) is stored: "
                         "bfloat16 halves its memory; head, adapters and optimizer state stay float32. auto "
                         "(default): bfloat16 when the base is frozen and the precision is bfloat16, else float32")
+    g.add_argument("--quantize", choices=QUANTIZATIONS, default=None,
+                   help="store the frozen base's matmul kernels in int8, int4 or nf4 (QLoRA with --lora-rank)")
 
 
 def _data_flags(ap: argparse.ArgumentParser) -> None:
@@ -245,15 +248,11 @@ def mesh_flag(text: str) -> str:
     return text
 
 
-def run(args: argparse.Namespace, program: Program | None = None) -> dict:
-    """Everything ``flaxheads train`` does; returns the run's summary."""
-    return train(spec_from_args(args), progress=not args.no_progress, argv=sys.argv[1:],
-                 started=None if program is None else program.started,
-                 compile_cache=None if program is None else program.compile_cache).summary
-
-
 def run_command(args: argparse.Namespace, program: Program | None = None) -> int:
-    run(args, program)
+    """Everything ``flaxheads train`` does: the flags' spec, run."""
+    train(spec_from_args(args), progress=not args.no_progress, argv=sys.argv[1:],
+          started=None if program is None else program.started,
+          compile_cache=None if program is None else program.compile_cache)
     return 0
 
 
@@ -263,6 +262,3 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     return flaxheads_main(["train", *(sys.argv[1:] if argv is None else argv)])
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -63,7 +63,13 @@ def matmul(x: jax.Array, kernel: jax.Array, plan: ComputePlan) -> jax.Array:
     """``x [..., in] @ kernel [in, out]`` in ``x``'s dtype (the kernel is cast: float32 master
     weights, bf16 compute). The one place a backbone's dense layers multiply: where ``plan`` runs
     on the CPU, bfloat16 activations get the backward pass of :func:`_matmul_cpu16` (forward-mode
-    differentiation, ``jax.jvp``, is not defined there); elsewhere it is the plain product."""
+    differentiation, ``jax.jvp``, is not defined there); elsewhere it is the plain product. A
+    quantised kernel (with or without LoRA beside it) is dequantised inside the product
+    (:func:`flaxheads.quantize.qmatmul`)."""
+    if hasattr(kernel, "qvalue") or not hasattr(kernel, "dtype"):  # a qwix QArray or a quantize.LoraKernel
+        from ..quantize import qmatmul
+
+        return qmatmul(x, kernel)
     if x.dtype == jnp.bfloat16 and plan.cpu_matmul:
         return _matmul_cpu16(x, kernel, plan.float32_products)
     return _matmul(x, kernel)

@@ -7,6 +7,7 @@ import math
 import os
 
 from ..base_dtype import BASE_DTYPES
+from ..quantize import QUANTIZATIONS
 from ..errors import TrainingError, UsageError
 from ..layers.remat import REMAT_POLICIES
 from ..nn.poolers import POOLER_NAMES
@@ -96,6 +97,9 @@ def _check_model(spec: RunSpec) -> None:
         raise UsageError(f"--remat {m.remat!r} is not one of {', '.join(REMAT_POLICIES)}")
     if m.base_dtype not in BASE_DTYPES:
         raise UsageError(f"--base-dtype {m.base_dtype!r} is not one of {', '.join(BASE_DTYPES)}")
+    if m.quantize is not None and (m.quantize not in QUANTIZATIONS or not spec.base_frozen):
+        raise UsageError(f"--quantize {m.quantize}: expected one of {', '.join(QUANTIZATIONS)} on a base that does not "
+                         "train: add --lora-rank (QLoRA) or --freeze-backbone")
     if m.base_dtype == "bfloat16" and not spec.base_frozen:
         raise UsageError("--base-dtype bfloat16 stores a base that does not train; this run fine-tunes the backbone, "
                          "whose small updates would round away in bfloat16: add --freeze-backbone, "

@@ -25,12 +25,14 @@ from ..interop.tokenizers import load_tokenizer, model_max_positions
 from ..lora import LoraConfig
 from ..model import SequenceModel, from_pretrained
 from ..parallel import Parallel
+from ..sharding import parse_mesh
 from ..preflight import check_run_folder
 from ..ranking.data import collate_groups
 from ..ranking.task import Ranking
 from ..tables import LabelSpace
 from ..training import loop
 from ..training.data import SPLITS, Split
+from ..memory_plan import plan_of
 from ..training.memory import memory_report
 from ..training.optim import OptimConfig, count_params
 from ..training.packing import AUTO_PACK_SHARE, packed_slot_share
@@ -145,15 +147,25 @@ def build_model(spec: RunSpec, path: str, space: LabelSpace | None, plan: Comput
         if model.num_labels != num_labels:
             raise UsageError(f"--lora-from {m.lora_from}: the adapter's classifier has {model.num_labels} outputs but "
                              f"the data has {num_labels} labels; continue it on data with the same labels")
-        return model.with_base_dtype(base_dtype(spec, plan))
+        model = model.with_base_dtype(base_dtype(spec, plan))
+        return model if m.quantize is None else model.with_quantized_base(m.quantize)
     pooler = None if m.pooler == "preset" else m.pooler.split(",") if "," in m.pooler else m.pooler
     model = from_pretrained(path, pooler=pooler, head=None if m.head == "preset" else m.head, id2label=id2label,
                             num_labels=num_labels, problem_type=problem_type, dtype=plan.precision.dtype, plan=plan,
                             seed=spec.seed, ignore_mismatched_sizes=True, base_dtype=base_dtype(spec, plan),
-                            remat=m.remat,
+                            remat=m.remat, quantize=m.quantize, mesh=_param_mesh(spec),
                             head_options={"hidden_dims": tuple(m.head_hidden)} if m.head_hidden else None)
     cfg = lora_config(spec)
     return model if cfg is None else model.with_lora(cfg, seed=spec.seed)
+
+
+def _param_mesh(spec: RunSpec) -> str | None:
+    """The run's mesh where it splits params (fsdp or tensor > 1): the backbone is read straight onto it."""
+    shape = spec.devices.mesh
+    if not shape:
+        return None
+    sizes = parse_mesh(shape)
+    return shape if sizes.get("fsdp", 1) > 1 or sizes.get("tensor", 1) > 1 else None
 
 
 def usable_max_length(requested: int, tok, model: SequenceModel, path: str) -> int:
@@ -336,8 +348,11 @@ def _fine_tune(job: Job, callbacks: list, *, progress: bool, argv, started, comp
     if lead:
         print(job.model.plan.describe(), flush=True)
     memory = None
-    if job.train.mesh:  # every process compiles the same program; the first one reports
-        memory = memory_report(trainer, _largest_batch(job)).lines()
+    if trainer.parallel.mode != "pmap":  # every process compiles the same program; the first one reports
+        # XLA's analysis costs a compile: on a CPU host with one device the plan is the state alone
+        compile = bool(job.train.mesh) or jax.default_backend() != "cpu"
+        batch = _largest_batch(job)
+        memory = plan_of(trainer, memory_report(trainer, batch, compile=compile), *np.shape(batch["input_ids"])).lines()
         if lead:
             print("\n".join(memory), flush=True)
     log = folder.logger(job.optim, total, job.train.log_every, job.task.headline,

@@ -43,6 +43,7 @@ class ModelSpec:
     head_hidden: tuple[int, ...] | None = None  # hidden widths of an mlp head
     precision: str | None = None  # auto | float32 | bfloat16 (None: $FLAXHEADS_PRECISION, else auto)
     base_dtype: str = "auto"  # a frozen base's storage: auto (bfloat16 if frozen and precision is) | float32 | bfloat16
+    quantize: str | None = None  # a frozen base's matmul kernels in int8 | int4 | nf4 (flaxheads.quantize)
     remat: str = "none"  # what the backward pass keeps of each layer: none | full | save-dots | save-named
     lora_rank: int | None = None
     lora_alpha: float | None = None  # default 2 x rank

@@ -34,7 +34,7 @@ def test_mesh_run_is_the_single_device_run_and_resumes_on_another_mesh(bert_fold
     assert run_cli(capsys, *train_args(bert_folder, data, single, *STEPS))[0] == 0
     code, out, err = run_cli(capsys, *train_args(bert_folder, data, mesh, *STEPS, "--mesh", "fsdp=2,tensor=2"))
     assert code == 0, err
-    assert "memory per device (data=1, fsdp=2, tensor=2): params" in out and "XLA train step" in out
+    assert "memory plan per device (" in out and "data=1, fsdp=2, tensor=2, batch" in out and ", peak " in out
     cfg = json.loads((mesh / "config.json").read_text())
     assert cfg["devices"]["mesh"] == {"data": 1, "fsdp": 2, "tensor": 2} and cfg["devices"]["width"] == 2
     np.testing.assert_allclose(_losses(mesh), _losses(single), rtol=1e-5, atol=1e-6)
