@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from . import checksums
 from .checkpoint import is_checkpoint_folder
 from .checkpoint.models import model_from_checkpoint
 from .errors import UsageError
@@ -26,12 +27,14 @@ FORMATS = ("transformers", "sentence-transformers", "head", "onnx", "cross-encod
 
 
 def load(source: str | os.PathLike, *, step: int | str | None = None, backbone: str | os.PathLike | None = None,
-         dtype: Any = None, revision: str | None = None) -> SequenceModel:
+         dtype: Any = None, revision: str | None = None, verify: bool = False) -> SequenceModel:
     """The model in ``source``: a run folder (``step``: ``"latest"``, ``"best"`` or a number), a
     checkpoint folder, a transformers classifier, a sentence-transformers folder, a PEFT LoRA
     adapter or a head export (on ``backbone``, default: the folder it names), or a hub id found in
-    the local cache."""
-    return load_source(source, step=step, backbone=backbone, dtype=dtype, revision=revision).model
+    the local cache. Files flaxheads wrote are checked against their recorded checksums (size and
+    sampled bytes; ``verify=True``: every byte); a difference raises :class:`~flaxheads.checksums.ChecksumError`."""
+    with checksums.full(verify):
+        return load_source(source, step=step, backbone=backbone, dtype=dtype, revision=revision).model
 
 
 def export(model: SequenceModel, dest: str | os.PathLike, format: str = "transformers",  # noqa: A002

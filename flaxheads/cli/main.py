@@ -104,9 +104,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stdout.flush()  # save would print their own failures while Python shuts down; end here
             os._exit(e.exit_code)
         return e.exit_code
-    except FlaxheadsError as e:
+    except FlaxheadsError as e:  # a damaged file (checksum) is not the command's mistake: exit 1
         print(f"error: {one_line(e)}", file=sys.stderr, flush=True)
-        return 2
+        return getattr(e, "exit_code", 2)
     except OSError as e:
         if e.errno not in REFUSED_WRITES:
             raise

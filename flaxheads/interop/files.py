@@ -11,6 +11,7 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 
+from ..checksums import write_manifest
 from ..errors import FlaxheadsError, WriteFailedError, os_error_cause
 
 #: Files a tokenizer may consist of (a fast ``tokenizer.json``, its configs, or slow-tokenizer vocabularies).
@@ -89,6 +90,7 @@ def atomic_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterator[str]
         yield tmp
         write_marker(tmp, "export")
         _umask_modes(tmp)
+        write_manifest(tmp)  # last: it records every file above
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         cause = os_error_cause(e) if isinstance(e, Exception) and not isinstance(e, FlaxheadsError) else None

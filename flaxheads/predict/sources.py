@@ -12,6 +12,7 @@ import os
 
 import jax.numpy as jnp
 
+from .. import checksums
 from ..checkpoint import attach_head, is_checkpoint_folder, model_from_checkpoint, resolve_root
 from ..checkpoint.heads import HeadCheckpoint
 from ..checkpoint.meta import CHECKPOINTS_SUBDIR
@@ -89,6 +90,8 @@ def load_source(source: str | os.PathLike, *, step=None, backbone: str | os.Path
     if not os.path.isdir(path):
         raise UsageError(f"{path!r} is a file; expected a run folder, a checkpoint folder, a transformers or "
                          "sentence-transformers model folder, or a head export")
+    if not is_checkpoint_folder(path):  # a checkpoint step checks its own files as they are read
+        checksums.verify_folder(path)
     if step not in (None, "latest") and not is_checkpoint_folder(path):
         raise UsageError(f"a checkpoint step ({step!r}) was given, but {path} is not a run or checkpoint folder")
     if is_adapter_folder(path):
