@@ -176,16 +176,20 @@ def check_file(folder: str, rel: str, record: dict, *, whole: bool | None = None
     _CHECKED[key] = True
 
 
-def verify_folder(folder: str | os.PathLike, *, whole: bool | None = None) -> int | None:
-    """Check every file ``folder``'s manifest lists; returns how many (None: no manifest there).
-    ``whole``: hash whole files (default: :func:`full_requested`)."""
+def verify_folder(folder: str | os.PathLike, *, whole: bool | None = None,
+                  only: tuple[str, ...] | None = None) -> int | None:
+    """Check every file ``folder``'s manifest lists (``only``: those under these subfolders, and the
+    files beside them); returns how many (None: no manifest there). ``whole``: hash whole files
+    (default: :func:`full_requested`)."""
     folder = os.path.abspath(os.fspath(folder))
     manifest = read_manifest(folder)
     if manifest is None:
         return None
-    for rel, record in manifest["files"].items():
+    files = {rel: rec for rel, rec in manifest["files"].items()
+             if only is None or "/" not in rel or rel.split("/", 1)[0] in only}
+    for rel, record in files.items():
         check_file(folder, rel, record, whole=whole)
-    return len(manifest["files"])
+    return len(files)
 
 
 def verify_file(path: str | os.PathLike) -> bool:

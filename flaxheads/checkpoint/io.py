@@ -222,11 +222,12 @@ def seal_step(root: str, step: int) -> None:
         checksums.write_manifest(d)
 
 
-def check_step(mgr, root: str, step: int) -> None:
-    """:class:`DamagedCheckpointError` when a file of ``step`` differs from its recorded checksum
-    (a step saved without checksums, by an older flaxheads, is read as it is)."""
+def check_step(mgr, root: str, step: int, items: tuple[str, ...] | None = None) -> None:
+    """:class:`DamagedCheckpointError` when a file of ``step`` (of its ``items``: a head is read
+    without the backbone) differs from its recorded checksum (a step saved without checksums, by an
+    older flaxheads, is read as it is)."""
     try:
-        checksums.verify_folder(os.path.join(root, str(step)))
+        checksums.verify_folder(os.path.join(root, str(step)), only=items)
     except checksums.ChecksumError as e:
         raise DamagedCheckpointError(f"checkpoint step {step} is damaged: {e}.{fallback_hint(root, step, mgr.all_steps())}"
                                      ) from None
@@ -242,7 +243,7 @@ def require_item(mgr, root: str, step: int, item: str) -> None:
 def read_json(mgr, root: str, step: int, item: str) -> dict:
     """A JSON item (``meta``, ``step``) of ``step``; :class:`CorruptCheckpointError` when unreadable."""
     require_item(mgr, root, step, item)
-    check_step(mgr, root, step)
+    check_step(mgr, root, step, (item,))
     try:
         out = mgr.restore(step, args=ocp.args.Composite(**{item: ocp.args.JsonRestore()}))[item]
     except Exception as e:  # orbax/json raise many types for damaged files
@@ -257,7 +258,7 @@ def restore_arrays(mgr, root: str, step: int, items: dict) -> dict:
     want = {k: v for k, v in items.items() if not is_empty(v)}
     for k in want:
         require_item(mgr, root, step, k)
-    check_step(mgr, root, step)
+    check_step(mgr, root, step, tuple(want))
     out = {k: v for k, v in items.items() if is_empty(v)}
     if want:
         try:

@@ -85,14 +85,16 @@ def atomic_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterator[str]
                                 "this one yourself")
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=parent)
+    tmp = None
     try:
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=parent)
         yield tmp
         write_marker(tmp, "export")
         _umask_modes(tmp)
         write_manifest(tmp)  # last: it records every file above
     except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         cause = os_error_cause(e) if isinstance(e, Exception) and not isinstance(e, FlaxheadsError) else None
         if cause is not None:
             kept = f"the existing {out} is unchanged" if os.path.exists(out) else f"nothing was written to {out}"

@@ -3,6 +3,7 @@ while training, by a ``fit`` callback), ``eval.txt``, ``summary.json``, ``predic
 ``curve.png`` and ``confusion_matrix.png``. Only process 0 of a multi-process run writes."""
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import IO
@@ -31,9 +32,16 @@ class RunLog(loop.Callback):
         self.file, self.optim, self.total, self.log_every, self.metric = file, optim, total, log_every, metric
 
     def write(self, entry: dict) -> None:
-        if self.file is not None:
+        if self.file is None:
+            return
+        try:
             self.file.write(json.dumps(entry) + "\n")
             self.file.flush()
+        except OSError as e:  # a full disk or a quota: name the file; close it now, so no second report at exit
+            with contextlib.suppress(OSError):
+                self.file.close()
+            name, self.file = self.file.name, None
+            raise OSError(e.errno, e.strerror, name) from e
 
     def on_step_end(self, state, step: int, metrics: dict) -> None:
         if step % self.log_every == 0 or step == self.total:

@@ -37,7 +37,7 @@ from ..training.packing import AUTO_PACK_SHARE, packed_slot_share
 from ..training.preemption import SignalWatch, StopOnSignal
 from ..training.streaming import StreamSplit, ordered_batches
 from ..training.task import Classification, Task
-from .checkpoints import open_checkpoints
+from .checkpoints import check_resume_model, open_checkpoints
 from .checks import check_spec
 from .data import RunData, load_data
 from .folder import RunFolder, scalars
@@ -176,6 +176,7 @@ def checked_run_folder(spec: RunSpec, model_path: str) -> Path:
     c = spec.checkpoints
     check_run_folder(out, model_path, trains_backbone=not spec.base_frozen, keep=c.keep,
                      keep_best=c.keep_best_by != "none", checkpoints=c.checkpoint_every != 0)
+    check_resume_model(out, model_path, c.resume)
     return out
 
 
