@@ -24,6 +24,7 @@ from ..errors import FlaxheadsError, WriteFailedError
 from ..host.compile_cache import enable_compile_cache
 from ..host.malloc import configure_malloc
 from ..host.xla_flags import configure_xla
+from ..phases import watch_signals
 from ..training.preemption import Interrupted, exit_code
 from .checkpoints import add_checkpoints_command
 from .export import add_export_command
@@ -93,6 +94,8 @@ def _prepare_process() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``flaxheads <subcommand> ...``; returns the exit code (2 for a user's mistake)."""
     started = time.perf_counter()
+    if argv is None:  # the process's own command: a signal in any phase ends it in one line (phases.py)
+        watch_signals()
     try:
         _prepare_process()
         args = build_parser().parse_args(sys.argv[1:] if argv is None else list(argv))

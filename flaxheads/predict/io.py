@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import phases
 from ..errors import UsageError
 from ..interop.files import umask_mode
 from ..tables import TABLE_FORMATS, DataError, TextTable, check_utf8, load_source, load_table, read_table
@@ -182,10 +183,12 @@ def _atomic_write(path: str, data: bytes) -> None:
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=folder)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, umask_mode())  # mkstemp's 0600 would keep the output from other users
-        os.replace(tmp, path)
+        with phases.temporary(tmp):  # a signal removes it, or waits for the rename
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.chmod(tmp, umask_mode())  # mkstemp's 0600 would keep the output from other users
+            with phases.committing():
+                os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.remove(tmp)

@@ -25,6 +25,7 @@ from ..interop.tokenizers import load_tokenizer, model_max_positions
 from ..lora import LoraConfig
 from ..model import SequenceModel, from_pretrained
 from ..parallel import Parallel
+from ..phases import phase
 from ..preflight import check_run_folder
 from ..ranking.data import collate_groups
 from ..ranking.task import Ranking
@@ -205,15 +206,18 @@ def prepare(spec: RunSpec) -> Job:
     path = resolve_model_source(spec.model.model, what="--model")
     out = checked_run_folder(spec, path)
     init_distributed(spec)
-    data = load_data(spec)
+    with phase("reading the data"):
+        data = load_data(spec)
     _require_validation(spec, data.has_validation)
     task = task_for(spec, data)
     best = task.best_metric(spec.checkpoints.keep_best_by, has_validation=data.has_validation)
     plan = ComputePlan.for_host(precision=spec.model.precision)  # the one plan of this run
-    model = build_model(spec, path, data.space, plan)
-    tok = load_tokenizer(path)
+    with phase(f"loading the model {path}"):
+        model = build_model(spec, path, data.space, plan)
+        tok = load_tokenizer(path)
     max_length = usable_max_length(spec.data.max_length, tok, model, path)
-    splits = data.tokenize(tok, max_length)
+    with phase("tokenising"):
+        splits = data.tokenize(tok, max_length)
     buckets = make_buckets(max_length, min(spec.data.bucket_step, max_length))
     tcfg = train_config(spec)
     pack, share = (False, None) if spec.ranking else resolve_pack(spec.data.pack, model, splits["train"], tcfg,
@@ -334,7 +338,8 @@ def _fine_tune(job: Job, callbacks: list, *, progress: bool, argv, started, comp
     if lead:
         print(job.model.plan.describe(), flush=True)
     if job.train.mesh:  # every process compiles the same program; the first one reports
-        report = memory_report(trainer, _largest_batch(job))
+        with phase("compiling"):
+            report = memory_report(trainer, _largest_batch(job))
         if lead:
             print("\n".join(report.lines()), flush=True)
     log = folder.logger(job.optim, total, job.train.log_every, job.task.headline)
@@ -344,7 +349,8 @@ def _fine_tune(job: Job, callbacks: list, *, progress: bool, argv, started, comp
                            pad_id=job.pad_id, progress=lead and progress, state=state0)
     final, predictions = {}, {}
     if "test" in job.splits:
-        final["test"], predictions["test"] = trainer.final(res.state.params, job.splits["test"], buckets=job.buckets,
+        with phase("evaluating the test split"):
+            final["test"], predictions["test"] = trainer.final(res.state.params, job.splits["test"], buckets=job.buckets,
                                                            pad_id=job.pad_id)
     last = next((e["eval"] for e in reversed(res.history) if "eval" in e), {})
     final = {**last, **final}

@@ -1,6 +1,6 @@
-"""`flaxheads checkpoints`: a truncated array file is found by the listing (its size differs from the
-recorded one) and fails verification, which reads every array and hashes every file; a folder that
-is not a run is named in one line (exit 2), and `--verify` checks its files instead."""
+"""`flaxheads checkpoints`: a truncated array file passes the plain listing (which reads, and checks
+the checksums of, the JSON items only) and fails verification, which reads every array and hashes
+every file; a folder that is not a run is named in one line (exit 2), and `--verify` checks its files."""
 import json
 import os
 
@@ -31,8 +31,7 @@ def test_verify_finds_a_truncated_array(bert_folder, tmp_path, capsys):
             fp.truncate(os.path.getsize(f) // 2)
 
     code, out, _ = run_cli(capsys, "checkpoints", tmp_path, "--json")
-    rows = json.loads(out)
-    assert code == 0 and rows[0]["status"] == "ok" and "step 2 is damaged" in rows[1]["status"], rows
+    assert code == 0 and [r["status"] for r in json.loads(out)] == ["ok", "ok"]
     code, out, _ = run_cli(capsys, "checkpoints", tmp_path, "--json", "--verify")
     rows = json.loads(out)
     assert code == 1
