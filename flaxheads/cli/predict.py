@@ -30,6 +30,7 @@ from ..training.metrics import compute_metrics, format_table, headline
 from . import flags
 from .flags import Program
 from ..preflight import check_file, check_folder
+from ..predict.ranking import evaluate_groups, format_ranking, ranking_groups
 from ..predict.io import (INPUT_FORMATS, OUTPUT_FORMATS, STDIO, check_new_columns, output_format, read_input,
                          read_labelled_input, write_embeddings, write_rows)
 from ..run.folder import RunFolder, scalars
@@ -145,6 +146,10 @@ def run_evaluate(args: argparse.Namespace, program: Program | None = None) -> in
     clf = load_classifier(args)
     if clf.is_embedding:
         raise UsageError(f"{args.source} gives embeddings, not predictions to score against labels")
+    groups = ranking_groups(clf.source, split=args.split, input=args.input)
+    if groups is not None:  # a ranking run: its groups scored and ranked
+        print(format_ranking(evaluate_groups(clf, groups, batch_size=args.batch_size)[0], args.split, args.json))
+        return 0
     name, table, labels = _evaluation_data(args, clf)
     names = [f"{table.source}: {r}" for r in table.rows]
     pred = _run(clf, "predict", args, table.texts, table.pairs, names)
