@@ -62,6 +62,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=1_000_000)
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--eval-limit", type=int, default=512, help="rows of each evaluation split scored")
     ap.add_argument("--model", default="all-MiniLM-L6-v2")
     ap.add_argument("--table", default=None, help="where the CSV goes (default: a temp folder)")
     ap.add_argument("--settings", default="flaxheads,glibc")
@@ -82,7 +83,7 @@ def main() -> None:
             out = os.path.join(work, f"run-{setting}-{run}")
             argv = [sys.executable, "-m", "flaxheads", "train", "--model", args.model, "--data", table, "--stream",
                     "--max-steps", str(args.steps), "--batch-size", "32", "--max-length", "32", "--no-progress",
-                    "--checkpoint-every", "0", "--output-dir", out]
+                    "--checkpoint-every", "0", "--eval-limit", str(args.eval_limit), "--output-dir", out]
             rss, secs, code = peak_rss(argv, env)
             peaks.setdefault(setting, []).append(rss)
             print(f"run {run} heap={setting:<9} peak RSS {rss / 2**30:.2f} GiB in {secs:.0f} s (exit {code})",

@@ -208,7 +208,8 @@ def verify_file(path: str | os.PathLike) -> bool:
 
 # ---- folders without a manifest: header bounds and finite values --------------------------------
 _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
-           "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_, "BF16": None}
+           "I16": np.int16, "I8": np.int8, "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8,
+           "BOOL": np.bool_, "BF16": None}  # others (float8 kinds) are one byte, not checked for NaN
 
 
 def _damaged(path: str, what: str) -> DamagedWeightsError:

@@ -85,13 +85,12 @@ def folder_kind(path: str | os.PathLike) -> str | None:
     path = os.fspath(path)
     if io.is_checkpoint_folder(path) or not os.path.isdir(path):
         return None
-    marker = os.path.join(path, ".flaxheads")
-    if os.path.isfile(marker) and '"run"' in open(marker).read():
+    if os.path.isfile(os.path.join(path, "metrics.jsonl")):
         return None  # a run that saved no checkpoint: an empty listing
     return next((kind for name, kind in _KINDS if os.path.isfile(os.path.join(path, name))), None)
 
 
-def verify_folder(path: str | os.PathLike) -> str:
+def verify_model_folder(path: str | os.PathLike) -> str:
     """Check every byte of a model or export folder: against its recorded checksums, or (a folder
     written elsewhere) each safetensors header's bounds and every tensor for NaN / Inf. Returns one
     line saying what was checked; :class:`~flaxheads.checksums.ChecksumError` names a damaged file."""

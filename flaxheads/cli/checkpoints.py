@@ -6,7 +6,7 @@ import json
 import os
 
 from ..checkpoint import format_listing, format_meta, list_checkpoints, read_meta
-from ..checkpoint.inspect import folder_kind, verify_folder
+from ..checkpoint.inspect import folder_kind, verify_model_folder
 from . import flags
 from .flags import Program
 
@@ -22,7 +22,7 @@ def run_checkpoints(args: argparse.Namespace, program: Program | None = None) ->
             print(f"{where} (step {step})\n{format_meta(meta)}")
         return 0
     if args.verify and folder_kind(args.path):  # an export or a model folder: its files, not steps
-        print(verify_folder(args.path))
+        print(verify_model_folder(args.path))
         return 0
     rows = list_checkpoints(args.path, verify=args.verify)
     print(json.dumps(rows, indent=2) if args.json else format_listing(rows))
