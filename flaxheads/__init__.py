@@ -9,6 +9,9 @@ The public names, by concept:
 * training pieces: :class:`Trainer`, :func:`fit`, :class:`TrainConfig`, :class:`OptimConfig`, tasks, losses
 * checkpoints: heads saved apart from backbones, run checkpoints
 """
+from .phases import guard_command_import
+
+guard_command_import()  # Ctrl-C while the flaxheads command imports its libraries: one line, not a traceback
 from ._version import __version__
 from .errors import FlaxheadsError
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from . import checksums, phases
 from .checkpoint import is_checkpoint_folder
 from .checkpoint.models import model_from_checkpoint
 from .errors import UsageError
@@ -26,12 +27,14 @@ FORMATS = ("transformers", "sentence-transformers", "head", "onnx", "cross-encod
 
 
 def load(source: str | os.PathLike, *, step: int | str | None = None, backbone: str | os.PathLike | None = None,
-         dtype: Any = None, revision: str | None = None) -> SequenceModel:
+         dtype: Any = None, revision: str | None = None, verify: bool = False) -> SequenceModel:
     """The model in ``source``: a run folder (``step``: ``"latest"``, ``"best"`` or a number), a
     checkpoint folder, a transformers classifier, a sentence-transformers folder, a PEFT LoRA
     adapter or a head export (on ``backbone``, default: the folder it names), or a hub id found in
-    the local cache."""
-    return load_source(source, step=step, backbone=backbone, dtype=dtype, revision=revision).model
+    the local cache. Files flaxheads wrote are checked against their recorded checksums (size and
+    sampled bytes; ``verify=True``: every byte); a difference raises :class:`~flaxheads.checksums.ChecksumError`."""
+    with checksums.full(verify):
+        return load_source(source, step=step, backbone=backbone, dtype=dtype, revision=revision).model
 
 
 def export(model: SequenceModel, dest: str | os.PathLike, format: str = "transformers",  # noqa: A002
@@ -71,6 +74,22 @@ def export_folder(src: str | os.PathLike, out: str | os.PathLike, format: str, *
     if peft and format != "transformers":
         raise UsageError(f"--peft writes adapters for a transformers classifier; use it with --format transformers "
                          f"(got --format {format})")
+    with phases.phase(f"loading {src}"):
+        source = _load_for_export(src, out, format, step, backbone, peft, overwrite)
+    if isinstance(source, str):  # a head export, re-exported
+        return source
+    fmt = "peft" if peft else format
+    options = {"transformers": {"tokenizer_from": tokenizer, "threshold": _run_threshold(src)},
+               "onnx": {"tokenizer_from": tokenizer, "threshold": _run_threshold(src)},
+               # a transformers classifier + the activation CrossEncoder.predict applies
+               "cross-encoder": {"tokenizer_from": tokenizer, "max_length": max_seq_length},
+               "sentence-transformers": {"tokenizer_from": tokenizer, "pooling_format": pooling_format,
+                                         "max_seq_length": max_seq_length}}.get(fmt, {})
+    return export(_with_adapters(source, src) if peft else source, out, format=fmt, **options, overwrite=overwrite)
+
+
+def _load_for_export(src: str, out: str, format: str, step, backbone, peft: bool, overwrite: bool):  # noqa: A002
+    """The model to export (a head export is re-exported here, and its folder returned)."""
     if os.path.isfile(os.path.join(src, HEAD_CONFIG)):
         if format != "head":
             raise UsageError(f"{src} is a head-only export (no backbone weights); it can only be re-exported with "
@@ -81,17 +100,8 @@ def export_folder(src: str | os.PathLike, out: str | os.PathLike, format: str, *
                            overwrite=overwrite)
     if _is_model_folder(src):
         # a PEFT adapter folder loads on its base: backbone, else the one it names
-        source = import_model(src, **({"backbone": backbone} if is_adapter_folder(src) and backbone else {}))
-    else:
-        source = _from_checkpoint(src, step, backbone, format)
-    fmt = "peft" if peft else format
-    options = {"transformers": {"tokenizer_from": tokenizer, "threshold": _run_threshold(src)},
-               "onnx": {"tokenizer_from": tokenizer, "threshold": _run_threshold(src)},
-               # a transformers classifier + the activation CrossEncoder.predict applies
-               "cross-encoder": {"tokenizer_from": tokenizer, "max_length": max_seq_length},
-               "sentence-transformers": {"tokenizer_from": tokenizer, "pooling_format": pooling_format,
-                                         "max_seq_length": max_seq_length}}.get(fmt, {})
-    return export(_with_adapters(source, src) if peft else source, out, format=fmt, **options, overwrite=overwrite)
+        return import_model(src, **({"backbone": backbone} if is_adapter_folder(src) and backbone else {}))
+    return _from_checkpoint(src, step, backbone, format)
 
 
 #: Keys of a head export's config that describe the file, not the head (dropped when re-exporting).

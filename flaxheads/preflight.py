@@ -168,15 +168,28 @@ def checkpoints_bytes(params: int | None, *, trains_backbone: bool, keep: int, k
     return with_margin(max(total - existing, per))
 
 
+#: The files a run writes into its folder (besides checkpoints/), replaced when it runs again.
+RUN_OUTPUTS = ("config.json", "metrics.jsonl", "eval.txt", "summary.json", "predictions.npz", "curve.png",
+               "confusion_matrix.png", "sweep.md")
+
+
 def check_run_folder(out: str | os.PathLike, model_path: str | os.PathLike, *, trains_backbone: bool, keep: int,
                      keep_best: bool, checkpoints: bool) -> None:
     """``train``'s run folder: writable, with room for its checkpoints (``checkpoints=False``: the
     run saves none, only its small result files)."""
     _check_own_folder(out)
-    existing = folder_bytes([os.path.join(os.fspath(out), "checkpoints")])
+    ckpts = os.path.join(os.fspath(out), "checkpoints")
+    existing = folder_bytes([ckpts])
     need = checkpoints_bytes(weight_elements(model_path), trains_backbone=trains_backbone, keep=keep,
                              keep_best=keep_best, existing=existing) if checkpoints else with_margin(0)
     check_folder(out, what="--output-dir", need_bytes=need)
+    # a resumed run writes into what is already there: a read-only checkpoints/ (another mount, another
+    # owner) would fail at the first save, after the compute; a read-only result file at the end
+    if checkpoints and os.path.lexists(ckpts):
+        check_folder(ckpts, what="--output-dir's checkpoints folder", need_bytes=need)
+    for name in RUN_OUTPUTS:
+        if os.path.lexists(os.path.join(os.fspath(out), name)):
+            check_file(os.path.join(os.fspath(out), name), what=f"--output-dir's {name}")
 
 
 def export_bytes(src: str | os.PathLike, backbone: str | os.PathLike | None = None) -> int:

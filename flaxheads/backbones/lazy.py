@@ -25,6 +25,7 @@ import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 
 from .base import Backbone, BackboneError, HFConfig, strip_prefix
+from ..checksums import verify_file
 from .weights import SAFE, SAFE_INDEX, WeightsNotFoundError
 
 class NotLazyLoadable(BackboneError):
@@ -107,7 +108,10 @@ def read_params_sharded(folder: str | os.PathLike, family: type[Backbone], confi
     from safetensors import safe_open
 
     folder = os.fspath(folder)
-    found = tensor_shapes(safetensors_files(folder))
+    files = safetensors_files(folder)
+    for file in files:  # the sampled checksum; verify=True hashes them whole
+        verify_file(file)
+    found = tensor_shapes(files)
     sources = param_sources(family, config, {n: s for n, (_, s) in found.items()})
     handles: dict[str, Any] = {}
     flat = {}

@@ -12,6 +12,7 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
+from ..checksums import verify_file
 from ..errors import FlaxheadsError
 
 SAFE = "model.safetensors"
@@ -42,6 +43,7 @@ def read_safetensors(path: str) -> dict[str, np.ndarray]:
 
     if not os.path.isfile(path):
         raise WeightsNotFoundError(f"{path} is missing (listed in the folder's index): download the model again")
+    verify_file(path)  # a folder flaxheads wrote records the file's checksum
     try:
         return dict(load_file(path))
     except Exception as e:  # safetensors raises its own SafetensorError, or OSError / ValueError

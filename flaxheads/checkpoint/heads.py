@@ -65,6 +65,7 @@ def save_head(directory: str | os.PathLike, model: SequenceModel, params=None, *
         args = io.save_args(arrays, {META: meta, STEP: {"step": int(step), "metrics": None}})
         mgr.save(int(step), args=args, force=True)
         mgr.wait_until_finished()
+        io.seal_step(root, int(step))
     finally:
         mgr.close()
     return os.path.join(root, str(int(step)))

@@ -7,6 +7,8 @@ import os
 
 import numpy as np
 
+from .. import checksums
+from ..errors import UsageError
 from ..preflight import folder_bytes
 from . import io
 from .meta import ARRAY_ITEMS, JSON_ITEMS, META, OWN_KEYS, STEP, CheckpointError, CheckpointNotFoundError
@@ -57,6 +59,8 @@ def _step_row(mgr, root: str, step: int, latest: bool, verify: bool) -> tuple[di
             best_by = (info["best_metric"], info.get("mode", "max"))
         io.read_json(mgr, root, step, META)
         if verify:
+            with checksums.full():
+                io.check_step(mgr, root, step)
             _verify_step(mgr, root, step)
     except CheckpointError as e:
         row["status"] = f"corrupt: {str(e)[:120]}"
@@ -69,13 +73,48 @@ def _unfinished_rows(root: str) -> list[dict]:
             for name in sorted(os.listdir(root)) if ".orbax-checkpoint-tmp" in name]
 
 
+#: What a folder that is not a run holds, by the file that tells (the first found).
+_KINDS = (("head_config.json", "a head export"), ("adapter_config.json", "a PEFT adapter folder"),
+          ("model.onnx", "an ONNX export"), ("modules.json", "a sentence-transformers model folder"),
+          ("config.json", "a transformers model folder"))
+
+
+def folder_kind(path: str | os.PathLike) -> str | None:
+    """What a folder that is not a run holds ("a head export", ...), or None when it is a run
+    folder (or a checkpoint folder) or nothing flaxheads knows."""
+    path = os.fspath(path)
+    if io.is_checkpoint_folder(path) or not os.path.isdir(path):
+        return None
+    if os.path.isfile(os.path.join(path, "metrics.jsonl")):
+        return None  # a run that saved no checkpoint: an empty listing
+    return next((kind for name, kind in _KINDS if os.path.isfile(os.path.join(path, name))), None)
+
+
+def verify_model_folder(path: str | os.PathLike) -> str:
+    """Check every byte of a model or export folder: against its recorded checksums, or (a folder
+    written elsewhere) each safetensors header's bounds and every tensor for NaN / Inf. Returns one
+    line saying what was checked; :class:`~flaxheads.checksums.ChecksumError` names a damaged file."""
+    how, n = checksums.verify_any(path)
+    if how == "checksums":
+        return f"{path}: ok, {n} files match the SHA-256 recorded when flaxheads wrote them"
+    if n == 0:
+        return f"{path}: no recorded checksums and no safetensors file: nothing to check"
+    return (f"{path}: ok, {n} safetensors files (no checksums recorded): headers in bounds, every tensor finite")
+
+
 def list_checkpoints(directory: str | os.PathLike, *, verify: bool = False) -> list[dict]:
     """One dict per step folder of a run: step, items, metrics, size, latest/best flags,
     and ``status`` ("ok", or what is wrong); unfinished saves show as ``"incomplete"``.
-    The JSON items are always read; ``verify=True`` reads every array too."""
+    The JSON items are always read and the files checked against their checksums (sampled);
+    ``verify=True`` reads every array and hashes every byte."""
     root, _ = io.resolve_root(directory)
     if not os.path.isdir(root):
         raise CheckpointNotFoundError(f"checkpoint folder {root} does not exist")
+    kind = folder_kind(directory)
+    if kind is not None:
+        raise UsageError(f"{os.fspath(directory)} is {kind}, not a run: `flaxheads checkpoints` lists a run's "
+                         "checkpoint steps (pass a run folder, its checkpoints/ folder or one step's folder); add "
+                         "--verify to check this folder's files instead")
     mgr = io.manager(root, read_only=True)
     try:
         steps = sorted(mgr.all_steps())

@@ -13,9 +13,10 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from .. import checksums
 from ..errors import os_error_cause
 from .meta import (ARRAY_ITEMS, CHECKPOINTS_SUBDIR, JSON_ITEMS, META, STEP, CheckpointError, CheckpointNotFoundError,
-                   CheckpointWriteError, CorruptCheckpointError)
+                   CheckpointWriteError, CorruptCheckpointError, DamagedCheckpointError)
 
 
 def _handlers() -> dict:
@@ -197,16 +198,39 @@ def open_step(directory: str | os.PathLike, step: int | str | None) -> Iterator[
 
 def corrupt(root: str, step: int, item: str, steps: list[int], err: BaseException) -> CorruptCheckpointError:
     """The error for an unreadable ``item`` of ``step``, naming the other steps to fall back on."""
-    others = sorted(s for s in steps if s != step)
-    earlier = [s for s in others if s < step]
-    pick = earlier[-1] if earlier else (others[-1] if others else None)
-    hint = (f" Other steps in this folder: {others}; restore one with step={pick} "
-            f"(train: --resume-step {pick}), or delete {os.path.join(root, str(step))}."
-            if others else " There is no other step in this folder.")
+    hint = fallback_hint(root, step, steps)
     return CorruptCheckpointError(
         f"checkpoint step {step} at {os.path.join(root, str(step))} is corrupt: its '{item}' item could not be "
         f"read ({type(err).__name__}: {str(err).strip()[:300]}). Its files are missing, truncated or damaged."
         + hint)
+
+
+def fallback_hint(root: str, step: int, steps: list[int]) -> str:
+    """Which other step to restore instead of a damaged ``step``."""
+    others = sorted(s for s in steps if s != step)
+    earlier = [s for s in others if s < step]
+    pick = earlier[-1] if earlier else (others[-1] if others else None)
+    return (f" Other steps in this folder: {others}; restore one with step={pick} "
+            f"(train: --resume-step {pick}), or delete {os.path.join(root, str(step))}."
+            if others else " There is no other step in this folder.")
+
+
+def seal_step(root: str, step: int) -> None:
+    """Record the checksums of a finished step's files (process 0 only; once)."""
+    d = os.path.join(root, str(step))
+    if jax.process_index() == 0 and os.path.isdir(d) and not os.path.isfile(os.path.join(d, checksums.MANIFEST)):
+        checksums.write_manifest(d)
+
+
+def check_step(mgr, root: str, step: int, items: tuple[str, ...] | None = None) -> None:
+    """:class:`DamagedCheckpointError` when a file of ``step`` (of its ``items``: a head is read
+    without the backbone) differs from its recorded checksum (a step saved without checksums, by an
+    older flaxheads, is read as it is)."""
+    try:
+        checksums.verify_folder(os.path.join(root, str(step)), only=items)
+    except checksums.ChecksumError as e:
+        raise DamagedCheckpointError(f"checkpoint step {step} is damaged: {e}.{fallback_hint(root, step, mgr.all_steps())}"
+                                     ) from None
 
 
 def require_item(mgr, root: str, step: int, item: str) -> None:
@@ -219,6 +243,7 @@ def require_item(mgr, root: str, step: int, item: str) -> None:
 def read_json(mgr, root: str, step: int, item: str) -> dict:
     """A JSON item (``meta``, ``step``) of ``step``; :class:`CorruptCheckpointError` when unreadable."""
     require_item(mgr, root, step, item)
+    check_step(mgr, root, step, (item,))
     try:
         out = mgr.restore(step, args=ocp.args.Composite(**{item: ocp.args.JsonRestore()}))[item]
     except Exception as e:  # orbax/json raise many types for damaged files
@@ -233,6 +258,7 @@ def restore_arrays(mgr, root: str, step: int, items: dict) -> dict:
     want = {k: v for k, v in items.items() if not is_empty(v)}
     for k in want:
         require_item(mgr, root, step, k)
+    check_step(mgr, root, step, tuple(want))
     out = {k: v for k, v in items.items() if is_empty(v)}
     if want:
         try:

@@ -20,6 +20,7 @@ from .. import config as _config
 from .._version import __version__
 from ..base_dtype import base_dtype_of
 from ..quantize import quantization_of
+from ..checksums import ChecksumError
 from ..errors import FlaxheadsError, WriteFailedError
 from ..lora import adapters_diff, adapters_meta
 from ..model import SequenceModel
@@ -46,6 +47,10 @@ class CheckpointError(FlaxheadsError):
 
 class CorruptCheckpointError(CheckpointError):
     """A checkpoint step whose files are missing, truncated or unreadable."""
+
+
+class DamagedCheckpointError(CorruptCheckpointError, ChecksumError):
+    """A checkpoint step whose files differ from the checksums recorded when it was saved (exit 1)."""
 
 
 class IncompatibleCheckpointError(CheckpointError):

@@ -121,6 +121,13 @@ class RunCheckpointer:
         """Wait for the save in flight; :class:`CheckpointWriteError` if it failed."""
         with self._writing(self._pending):
             self._mgr.wait_until_finished()
+            self._seal()
+
+    def _seal(self) -> None:
+        """Record the checksums of the save that just finished (inside :meth:`_writing`: a disk that
+        refuses them fails that step's save)."""
+        if self._pending is not None:
+            io.seal_step(self.root, self._pending)
         self._pending = None
 
     @contextlib.contextmanager
@@ -181,6 +188,7 @@ class RunCheckpointer:
         args = io.save_args(arrays, {META: self._meta(params), STEP: info})
         with self._writing(self._pending if self._pending is not None else int(step)):
             self._mgr.wait_until_finished()  # a failure of the save in flight is reported as that step's
+            self._seal()
         with self._writing(int(step)):
             saved = self._mgr.save(int(step), args=args, metrics=metrics, force=force)
         self._pending = int(step) if saved else None

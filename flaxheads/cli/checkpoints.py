@@ -6,6 +6,7 @@ import json
 import os
 
 from ..checkpoint import format_listing, format_meta, list_checkpoints, read_meta
+from ..checkpoint.inspect import folder_kind, verify_model_folder
 from . import flags
 from .flags import Program
 
@@ -19,6 +20,9 @@ def run_checkpoints(args: argparse.Namespace, program: Program | None = None) ->
             print(json.dumps({"path": where, "step": step, "meta": meta}, indent=2))
         else:
             print(f"{where} (step {step})\n{format_meta(meta)}")
+        return 0
+    if args.verify and folder_kind(args.path):  # an export or a model folder: its files, not steps
+        print(verify_model_folder(args.path))
         return 0
     rows = list_checkpoints(args.path, verify=args.verify)
     print(json.dumps(rows, indent=2) if args.json else format_listing(rows))
@@ -38,7 +42,8 @@ def add_checkpoints_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--step", type=flags.step_spec, default=None,
                    help="with --meta: an integer, 'latest' (default) or 'best'")
     p.add_argument("--verify", action="store_true",
-                   help="read every array of every step (finds truncated files); exit 1 if a step is damaged")
+                   help="read every array and hash every file (an export or model folder: its checksums, else NaN/Inf "
+                        "and header bounds); exit 1 if anything is damaged")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run_checkpoints)
 

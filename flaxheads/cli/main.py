@@ -24,6 +24,7 @@ from ..host.compile_cache import enable_compile_cache
 from ..host.logs import quiet_background_saves
 from ..host.malloc import configure_malloc
 from ..host.xla_flags import configure_xla
+from ..phases import watch_signals
 from ..training.preemption import Interrupted, exit_code
 from .checkpoints import add_checkpoints_command, add_report_command
 from .export import add_export_command
@@ -67,6 +68,8 @@ def _prepare_process() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``flaxheads <subcommand> ...``; returns the exit code (2 for a user's mistake)."""
     started = time.perf_counter()
+    if argv is None:  # the process's own command: a signal in any phase ends it in one line (phases.py)
+        watch_signals()
     try:
         _prepare_process()
         args = build_parser().parse_args(sys.argv[1:] if argv is None else list(argv))
@@ -78,9 +81,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stdout.flush()  # save would print their own failures while Python shuts down; end here
             os._exit(e.exit_code)
         return e.exit_code
-    except FlaxheadsError as e:
+    except FlaxheadsError as e:  # a damaged file (checksum) is not the command's mistake: exit 1
         print(f"error: {one_line(e)}", file=sys.stderr, flush=True)
-        return 2
+        return getattr(e, "exit_code", 2)
     except OSError as e:
         if e.errno not in REFUSED_WRITES:
             raise

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import UsageError
-from ..losses import MULTI_LABEL, REGRESSION, SINGLE_LABEL
+from ..losses import REGRESSION
 from ..predict import Classifier
 from ..tables import LabelSpace, encode_labels
 from ..run.data import run_split
@@ -30,8 +30,9 @@ from ..training.metrics import compute_metrics, format_table, headline
 from . import flags
 from .flags import Program
 from ..preflight import check_file, check_folder
+from ..predict.ranking import evaluate_groups, format_ranking, ranking_groups
 from ..predict.io import (INPUT_FORMATS, OUTPUT_FORMATS, STDIO, check_new_columns, output_format, read_input,
-                         read_labelled_input, write_embeddings, write_rows)
+                         prediction_columns, read_labelled_input, write_embeddings, write_rows)
 from ..run.folder import RunFolder, scalars
 
 
@@ -76,18 +77,6 @@ def _run(clf: Classifier, method: str, args, texts, pairs, names, **kw):
     return out
 
 
-def prediction_columns(pred, clf: Classifier) -> tuple[list[str], list[dict]]:
-    """Output columns and one row of them per text."""
-    if pred.problem_type == SINGLE_LABEL:
-        cols = ["prediction", "score"] + (["top_labels", "top_scores"] if pred.top_k else [])
-        return cols, [{"prediction": r["label"], "score": r["score"], **{k: r[k] for k in cols[2:]}} for r in pred]
-    if pred.problem_type == MULTI_LABEL:
-        names = pred.label_names
-        cols = ["prediction"] + [f"score_{n}" for n in names]
-        return cols, [{"prediction": r["labels"], **{f"score_{n}": r["scores"][n] for n in names}} for r in pred]
-    return ["prediction"], [{"prediction": r["value"]} for r in pred]
-
-
 def run_predict(args: argparse.Namespace, program: Program | None = None) -> int:
     if args.top_k is not None and args.top_k < 1:
         raise UsageError("--top-k must be at least 1")
@@ -98,7 +87,7 @@ def run_predict(args: argparse.Namespace, program: Program | None = None) -> int
         check_file(args.output, what="--output")
     clf = load_classifier(args)
     pred = _run(clf, "predict", args, table.texts, table.pairs, table.names, top_k=args.top_k)
-    cols, new = prediction_columns(pred, clf)
+    cols, new = prediction_columns(pred)
     check_new_columns(table, cols)
     write_rows(args.output, fmt, [{**r, **n} for r, n in zip(table.rows, new)], table.columns + cols)
     if args.output != STDIO:
@@ -145,6 +134,10 @@ def run_evaluate(args: argparse.Namespace, program: Program | None = None) -> in
     clf = load_classifier(args)
     if clf.is_embedding:
         raise UsageError(f"{args.source} gives embeddings, not predictions to score against labels")
+    groups = ranking_groups(clf.source, split=args.split, input=args.input)
+    if groups is not None:  # a ranking run: its groups scored and ranked
+        print(format_ranking(evaluate_groups(clf, groups, batch_size=args.batch_size)[0], args.split, args.json))
+        return 0
     name, table, labels = _evaluation_data(args, clf)
     names = [f"{table.source}: {r}" for r in table.rows]
     pred = _run(clf, "predict", args, table.texts, table.pairs, names)

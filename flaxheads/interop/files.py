@@ -11,6 +11,8 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 
+from .. import phases
+from ..checksums import write_manifest
 from ..errors import FlaxheadsError, WriteFailedError, os_error_cause
 
 #: Files a tokenizer may consist of (a fast ``tokenizer.json``, its configs, or slow-tokenizer vocabularies).
@@ -84,13 +86,17 @@ def atomic_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterator[str]
                                 "this one yourself")
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=parent)
+    tmp = None
     try:
-        yield tmp
-        write_marker(tmp, "export")
-        _umask_modes(tmp)
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=parent)
+        with phases.temporary(tmp), phases.phase(f"exporting to {out}"):
+            yield tmp
+            write_marker(tmp, "export")
+            _umask_modes(tmp)
+            write_manifest(tmp)  # last: it records every file above
     except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         cause = os_error_cause(e) if isinstance(e, Exception) and not isinstance(e, FlaxheadsError) else None
         if cause is not None:
             kept = f"the existing {out} is unchanged" if os.path.exists(out) else f"nothing was written to {out}"
@@ -98,11 +104,12 @@ def atomic_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterator[str]
                                    "disk and export again") from e
         raise
     old = None
-    if os.path.exists(out):
-        old = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.old-", dir=parent)
-        os.rmdir(old)
-        os.rename(out, old)
-    os.rename(tmp, out)
+    with phases.temporary(tmp), phases.committing():  # a signal waits for both renames, or comes before them
+        if os.path.exists(out):
+            old = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.old-", dir=parent)
+            os.rmdir(old)
+            os.rename(out, old)
+        os.rename(tmp, out)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True) if os.path.isdir(old) else os.remove(old)
 

@@ -36,6 +36,7 @@ from ..backbones.weights import head_from_hf, head_to_hf, read_torch_bin
 from ..errors import FlaxheadsError
 from ..lora import A, B, LORA, LoraConfig, adapter_modules, check_adapters, kernel_modules, kernels_out_in
 from ..presets import preset_for
+from ..checksums import verify_file
 from .files import (ExportError, ModelImportError, TOKENIZER_FILES, atomic_dir, np_tree, read_json, save_safetensors,
                     write_json)
 from .transformers import backbone_state_dict, check_transformers_exportable, exportable_family, read_config
@@ -175,6 +176,7 @@ def _adapter_state(folder: str) -> dict[str, np.ndarray]:
 
     safe, binary = os.path.join(folder, ADAPTER_WEIGHTS), os.path.join(folder, ADAPTER_BIN)
     if os.path.isfile(safe):
+        verify_file(safe)
         state = dict(load_file(safe))
     elif os.path.isfile(binary):
         state = read_torch_bin(binary)

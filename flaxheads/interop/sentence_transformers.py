@@ -331,6 +331,42 @@ def _hidden_size(folder: str, backbone_dir: str, pool_cfg: dict) -> int:
     return int(h if h is not None else dim)
 
 
+def is_cross_encoder(folder: str | os.PathLike) -> bool:
+    """A sentence-transformers 6 modular CrossEncoder (its last Dense layer writes ``scores``)."""
+    path = os.path.join(os.fspath(folder), "config_sentence_transformers.json")
+    return os.path.isfile(path) and read_json(path).get("model_type") == "CrossEncoder"
+
+
+def _load_cross_encoder(folder: str, backbone_dir: str, pooler, dense: list, dtype) -> SequenceModel:
+    """A modular CrossEncoder as a classifier or scorer: its last Dense layer (no activation) is the
+    output layer; one Dense is a linear head, more an MLP head whose hidden layers share an activation."""
+    acts = [_TORCH_TO_ACT.get(cfg.get("activation_function", "torch.nn.modules.activation.Tanh"), "?")
+            for cfg, _, _ in dense]
+    if not dense or acts[-1] is not None or len(set(acts[:-1])) > 1 or "?" in acts or \
+            len({b is not None for _, _, b in dense[:-1]}) > 1 or dense[-1][2] is None and len(dense) > 1:
+        raise ModelImportError(f"{folder}: a CrossEncoder whose Dense layers ({acts}) are not hidden layers of "
+                               "one activation then an output layer without one: flaxheads imports linear and MLP "
+                               "heads")
+    n = int(dense[-1][1].shape[0])
+    if len(dense) == 1:
+        head, names = LinearHead(num_labels=n, dropout=0.0, use_bias=dense[0][2] is not None), ["classifier"]
+    else:
+        head = MLPHead(num_labels=n, hidden_dims=tuple(int(w.shape[0]) for _, w, _ in dense[:-1]), activation=acts[0],
+                       dropout=0.0, dense_bias=dense[0][2] is not None)
+        names = [f"dense_{i}" for i in range(len(dense) - 1)] + ["out_proj"]
+    model = from_pretrained(backbone_dir, pooler=pooler, head=head, num_labels=n, dtype=dtype,
+                            problem_type="regression" if n == 1 else "single_label_classification",
+                            pool_mask="attention_mask", ignore_mismatched_sizes=True)
+    layers = {name: {"kernel": jnp.asarray(w.T), **({"bias": jnp.asarray(b)} if b is not None else {})}
+              for name, (_, w, b) in zip(names, dense)}
+    expect = {k: {p: np.shape(v) for p, v in d.items()} for k, d in model.params["head"]["head"].items()}
+    got = {k: {p: np.shape(v) for p, v in d.items()} for k, d in layers.items()}
+    if expect != got:
+        raise ModelImportError(f"{folder}: the CrossEncoder's Dense layers {got} do not fit a {type(head).__name__} "
+                               f"{expect}")
+    return dataclasses.replace(model, params={**model.params, "head": {**model.params["head"], "head": layers}})
+
+
 def load_sentence_transformers(folder: str | os.PathLike, *, dtype=jnp.float32) -> SequenceModel:
     """A sentence-transformers folder as backbone + pooler + projection head with the same embeddings.
 
@@ -346,6 +382,8 @@ def load_sentence_transformers(folder: str | os.PathLike, *, dtype=jnp.float32) 
     pooler = pools[0] if len(pools) == 1 else Concat(tuple(pools))
     dense = [_st_dense(where[i]) for i, k in enumerate(kinds) if k == "Dense"]
     width = pooler.out_features(_hidden_size(folder, where[0], pool_cfg))
+    if is_cross_encoder(folder):
+        return _load_cross_encoder(folder, where[0], pooler, dense, dtype)
     head = _st_head(folder, dense, kinds[-1] == "Normalize", width)
     model = from_pretrained(where[0], pooler=pooler, head=head, dtype=dtype, pool_mask="attention_mask")
     head_params = dict(model.params["head"])

@@ -9,6 +9,7 @@ from typing import Sequence
 
 import numpy as np
 
+from .. import phases
 from ..batching import make_buckets
 from ..errors import UsageError
 from ..interop.sentence_transformers import Prompts, read_prompts
@@ -123,8 +124,10 @@ class Classifier:
             pairs = check_texts(text_pairs, "text_pairs", None if rows is None else [f"{r} (pair)" for r in rows])
             if len(pairs) != len(texts):
                 raise UsageError(f"{len(texts)} texts but {len(pairs)} text pairs; give one pair per text")
-        enc = encode(self.tokenizer, texts, pairs, self.max_length, truncate=truncate, rows=rows)
-        out = self.runner()(enc, batch_size=int(batch_size), buckets=self.buckets, pad_id=self.pad_id,
+        with phases.phase("tokenising", unless_named=True):
+            enc = encode(self.tokenizer, texts, pairs, self.max_length, truncate=truncate, rows=rows)
+        with phases.phase("predicting", unless_named=True):
+            out = self.runner()(enc, batch_size=int(batch_size), buckets=self.buckets, pad_id=self.pad_id,
                             progress=progress)
         return out, len(enc.truncated)
 

@@ -16,8 +16,10 @@ from typing import Any
 
 import numpy as np
 
+from .. import phases
 from ..errors import UsageError
 from ..interop.files import umask_mode
+from ..losses import MULTI_LABEL, SINGLE_LABEL
 from ..tables import TABLE_FORMATS, DataError, TextTable, check_utf8, load_source, load_table, read_table
 
 #: ``--input-format`` values and the extension each reads as.
@@ -182,10 +184,12 @@ def _atomic_write(path: str, data: bytes) -> None:
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=folder)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, umask_mode())  # mkstemp's 0600 would keep the output from other users
-        os.replace(tmp, path)
+        with phases.temporary(tmp):  # a signal removes it, or waits for the rename
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.chmod(tmp, umask_mode())  # mkstemp's 0600 would keep the output from other users
+            with phases.committing():
+                os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.remove(tmp)
@@ -213,3 +217,15 @@ def write_embeddings(path: str, table: InputTable, emb: np.ndarray) -> None:
     buf = io.BytesIO()
     pq.write_table(pt, buf)
     _atomic_write(path, buf.getvalue())
+
+
+def prediction_columns(pred) -> tuple[list[str], list[dict]]:
+    """The output columns of a :class:`~flaxheads.predict.Predictions` and one row of them per text."""
+    if pred.problem_type == SINGLE_LABEL:
+        cols = ["prediction", "score"] + (["top_labels", "top_scores"] if pred.top_k else [])
+        return cols, [{"prediction": r["label"], "score": r["score"], **{k: r[k] for k in cols[2:]}} for r in pred]
+    if pred.problem_type == MULTI_LABEL:
+        names = pred.label_names
+        cols = ["prediction"] + [f"score_{n}" for n in names]
+        return cols, [{"prediction": r["labels"], **{f"score_{n}": r["scores"][n] for n in names}} for r in pred]
+    return ["prediction"], [{"prediction": r["value"]} for r in pred]

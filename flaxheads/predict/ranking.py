@@ -2,6 +2,7 @@
 reranker or reward model): the batched, bucketed forward of :class:`~flaxheads.predict.Classifier`."""
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
@@ -77,3 +78,55 @@ def ranks_within(scores: np.ndarray, groups: Sequence) -> np.ndarray:
         rows = np.asarray(rows)
         ranks[rows[ranks_order(scores[rows])]] = np.arange(1, len(rows) + 1)
     return ranks
+
+
+def ranking_groups(source: str, *, split: str | None = None, input: str | None = None):  # noqa: A002
+    """The groups to evaluate the ranking run that saved ``source`` on: its split ``split``, rebuilt
+    from its recorded spec as it trained on them, or the table ``input`` (read as the run read its
+    data); None when ``source`` is not a ranking run."""
+    from ..checkpoint import is_checkpoint_folder, resolve_root
+    from ..ranking.data import load_groups
+    from ..run.data import _groups
+    from ..run.spec import RunSpec
+    from .sources import run_config
+
+    if not is_checkpoint_folder(source) or run_config(source).get("objective") in (None, "classification"):
+        return None
+    if bool(split) == bool(input):
+        raise UsageError("give --input (a ranking table: query, passage, label or prompt, chosen, rejected) or "
+                         "--split (the run's own split), one of them")
+    root, _ = resolve_root(source)
+    spec = RunSpec.from_run(os.path.dirname(root) if os.path.basename(root) == "checkpoints" else root)
+    if input:
+        return load_groups(input, query_column=spec.data.query_column)
+    tables = _groups(spec).tables
+    if split not in tables:
+        raise UsageError(f"the ranking run {source} has no {split} split (it has {sorted(tables)})")
+    return tables[split]
+
+
+def evaluate_groups(clf: "Classifier", table, *, batch_size: int = 32, truncate: bool = True,
+                    progress: bool | None = None) -> tuple[dict, dict]:
+    """Ranking metrics (:func:`~flaxheads.ranking.metrics.ranking_metrics`) of ``clf``'s scores on
+    the groups of ``table`` (a :class:`~flaxheads.ranking.data.GroupTable`), and the flat
+    ``{"scores", "labels", "groups"}`` they were computed from."""
+    from ..ranking.metrics import ranking_metrics
+
+    check_scorer(clf)
+    pairs, labels, groups, rows = [], [], [], []
+    for g, (q, cands, ys) in enumerate(zip(table.queries, table.candidates, table.labels)):
+        pairs += [(q, c) for c in cands]
+        labels += list(ys)
+        groups += [g] * len(cands)
+        rows += [f"{table.source}: {table.rows[g]}"] * len(cands)
+    scores = score_pairs(clf, pairs, batch_size=batch_size, truncate=truncate, progress=progress, rows=rows)
+    flat = {"scores": scores, "labels": np.asarray(labels, np.float32), "groups": np.asarray(groups)}
+    return ranking_metrics(scores, flat["labels"], flat["groups"]), flat
+
+
+def format_ranking(metrics: dict, split: str | None = None, as_json: bool = False) -> str:
+    """Ranking metrics one per line (``as_json``: followed by one JSON line ``{split: metrics}``)."""
+    import json
+
+    text = "\n".join(f"{k:<18} {v:.4f}" if isinstance(v, float) else f"{k:<18} {v}" for k, v in metrics.items())
+    return text + ("\n" + json.dumps({split or "evaluation": metrics}) if as_json else "")

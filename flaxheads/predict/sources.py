@@ -12,6 +12,8 @@ import os
 
 import jax.numpy as jnp
 
+from .. import checksums
+from ..phases import phase
 from ..checkpoint import attach_head, is_checkpoint_folder, model_from_checkpoint, resolve_root
 from ..checkpoint.heads import HeadCheckpoint
 from ..checkpoint.meta import CHECKPOINTS_SUBDIR
@@ -86,9 +88,16 @@ def load_source(source: str | os.PathLike, *, step=None, backbone: str | os.Path
     backbone folder of a head export or of a PEFT adapter, or of a run whose recorded backbone moved."""
     path = resolve_model_source(source, revision=revision)
     backbone = None if backbone is None else resolve_model_source(backbone, what="backbone")
+    with phase(f"loading the model {path}"):
+        return _load(path, step, backbone, dtype)
+
+
+def _load(path: str, step, backbone: str | None, dtype) -> Loaded:
     if not os.path.isdir(path):
         raise UsageError(f"{path!r} is a file; expected a run folder, a checkpoint folder, a transformers or "
                          "sentence-transformers model folder, or a head export")
+    if not is_checkpoint_folder(path):  # a checkpoint step checks its own files as they are read
+        checksums.verify_folder(path)
     if step not in (None, "latest") and not is_checkpoint_folder(path):
         raise UsageError(f"a checkpoint step ({step!r}) was given, but {path} is not a run or checkpoint folder")
     if is_adapter_folder(path):

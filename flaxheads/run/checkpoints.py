@@ -3,11 +3,14 @@ dropout key and data position), and the callback that saves as it trains."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..checkpoint import CheckpointError, RunCheckpointer
+from ..checkpoint import CheckpointError, RunCheckpointer, read_meta
+from ..checkpoint.meta import CHECKPOINTS_SUBDIR
+from ..errors import UsageError
 from ..sharding import abstract
 from ..training import loop
 
@@ -59,14 +62,31 @@ def _restore(resume: str | int, every: int | None, ckr: RunCheckpointer, trainer
         return None
     step = latest if resume == "auto" else int(resume)
     changed = loop.changed_settings(ckr.read_meta(step).get("run"), settings)
-    if changed and lead:
+    state = ckr.restore(step, target_state=restore_target(trainer, ckr))
+    if changed and lead:  # after the restore: a setting that cannot resume is its one error line, not a warning too
         print("warning: resuming with other settings than the checkpoint's (the run will not repeat an "
               "uninterrupted one): " + "; ".join(changed[:8]), file=sys.stderr)
-    state = ckr.restore(step, target_state=restore_target(trainer, ckr))
     if lead:
         print(f"resuming from step {step} ({ckr.root})", flush=True)
         _trim_log(Path(ckr.run_dir) / "metrics.jsonl", step)
     return state
+
+
+def check_resume_model(out: Path, model_path: str, resume: str | int) -> None:
+    """Before any model loads: a run folder whose checkpoints were trained from another ``--model``
+    (a folder that is still there) is not resumed with this one (one line, exit 2)."""
+    root = Path(out) / CHECKPOINTS_SUBDIR
+    if resume == "never" or not root.is_dir() or not any(p.name.isdigit() for p in root.iterdir()):
+        return
+    try:
+        meta, step, _ = read_meta(root, None if resume == "auto" else int(resume))
+    except CheckpointError:
+        return  # no finished step, or a damaged one: the restore reports it
+    before = (meta.get("run") or {}).get("model")
+    if before and os.path.isdir(before) and os.path.realpath(before) != os.path.realpath(model_path):
+        raise UsageError(f"--output-dir {out} holds a run trained from --model {before} (checkpoint step {step}), "
+                         f"not {model_path}: resume it with --model {before}, or start this one in a new "
+                         "--output-dir")
 
 
 def open_checkpoints(job: Job, trainer: loop.Trainer, config: dict, lead: bool):

@@ -14,6 +14,7 @@ from ..ranking.data import check_unit_relevance, load_groups, split_groups, toke
 from ..ranking.objectives import MARGIN_OBJECTIVES
 from ..tables import DataError, LabelSpace, TextTable
 from ..training.data import DataConfig, TableSources, load_splits, tokenize_shared
+from .. import phases
 from ..training.streaming import open_stream, split_table, streams
 from .spec import RunSpec
 
@@ -67,7 +68,8 @@ def load_data(spec: RunSpec) -> RunData:
             raise UsageError("--cache-features/--sweep encode the whole training split once, in memory; streamed "
                              "data cannot: train the head with --freeze-backbone, or use --no-stream for a table "
                              "that fits")
-        stream = open_stream(cfg)
+        with phases.phase("scanning the data stream"):
+            stream = open_stream(cfg)
         return RunData(stream.sources, stream.space, "rows", dataclasses.asdict(cfg), stream=stream)
     tables, space, labels = load_splits(cfg)
     return RunData(tables, space, "rows", dataclasses.asdict(cfg), labels)

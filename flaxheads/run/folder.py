@@ -10,6 +10,7 @@ from typing import Iterable
 
 import numpy as np
 
+from .. import phases
 from ..interop.files import write_marker
 from ..training import loop
 from ..training.metrics import format_table
@@ -83,11 +84,16 @@ class RunFolder:
         if not self.lead:
             return text
         (self.path / "eval.txt").write_text(text + "\n")
-        (self.path / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
         (self.path / "evaluation.json").write_text(json.dumps(final, default=_plain))
         if predictions:
             np.savez(self.path / "predictions.npz",
                      **{f"{split}_{k}": v for split, arrays in predictions.items() for k, v in arrays.items()})
+        # last and whole (renamed into place): a run with a summary.json is a finished run
+        tmp = self.path / ".summary.json.tmp"
+        with phases.temporary(str(tmp)):
+            tmp.write_text(json.dumps(summary, indent=2, default=str))
+            with phases.committing():
+                tmp.replace(self.path / "summary.json")
         return text
 
     def finish(self, summary: dict, final: dict, predictions: dict, id2label: dict | None, *, history: list[dict],

@@ -25,6 +25,7 @@ from ..interop.tokenizers import load_tokenizer, model_max_positions
 from ..lora import LoraConfig
 from ..model import SequenceModel, from_pretrained
 from ..parallel import Parallel
+from ..phases import phase
 from ..sharding import parse_mesh
 from ..preflight import check_run_folder
 from ..ranking.data import collate_groups
@@ -40,7 +41,7 @@ from ..training.preemption import SignalWatch, StopOnSignal
 from ..training.profiling import ProfileWindow, parse_steps
 from ..training.streaming import StreamSplit, ordered_batches
 from ..training.task import Classification, Task
-from .checkpoints import open_checkpoints
+from .checkpoints import check_resume_model, open_checkpoints
 from .checks import check_spec
 from .data import RunData, load_data
 from .folder import RunFolder, scalars
@@ -191,6 +192,7 @@ def checked_run_folder(spec: RunSpec, model_path: str) -> Path:
     c = spec.checkpoints
     check_run_folder(out, model_path, trains_backbone=not spec.base_frozen, keep=c.keep,
                      keep_best=c.keep_best_by != "none", checkpoints=c.checkpoint_every != 0)
+    check_resume_model(out, model_path, c.resume)
     return out
 
 
@@ -219,15 +221,18 @@ def prepare(spec: RunSpec) -> Job:
     path = resolve_model_source(spec.model.model, what="--model")
     out = checked_run_folder(spec, path)
     init_distributed(spec)
-    data = load_data(spec)
+    with phase("reading the data"):
+        data = load_data(spec)
     _require_validation(spec, data.has_validation)
     task = task_for(spec, data)
     best = task.best_metric(spec.checkpoints.keep_best_by, has_validation=data.has_validation)
     plan = ComputePlan.for_host(precision=spec.model.precision)  # the one plan of this run
-    model = build_model(spec, path, data.space, plan)
-    tok = load_tokenizer(path)
+    with phase(f"loading the model {path}"):
+        model = build_model(spec, path, data.space, plan)
+        tok = load_tokenizer(path)
     max_length = usable_max_length(spec.data.max_length, tok, model, path)
-    splits = data.tokenize(tok, max_length)
+    with phase("tokenising"):
+        splits = data.tokenize(tok, max_length)
     buckets = make_buckets(max_length, min(spec.data.bucket_step, max_length))
     tcfg = train_config(spec)
     pack, share = (False, None) if spec.ranking else resolve_pack(spec.data.pack, model, splits["train"], tcfg,
@@ -352,7 +357,9 @@ def _fine_tune(job: Job, callbacks: list, *, progress: bool, argv, started, comp
         # XLA's analysis costs a compile: on a CPU host with one device the plan is the state alone
         compile = bool(job.train.mesh) or jax.default_backend() != "cpu"
         batch = _largest_batch(job)
-        memory = plan_of(trainer, memory_report(trainer, batch, compile=compile), *np.shape(batch["input_ids"])).lines()
+        with phase("compiling"):
+            memory = plan_of(trainer, memory_report(trainer, batch, compile=compile),
+                             *np.shape(batch["input_ids"])).lines()
         if lead:
             print("\n".join(memory), flush=True)
     log = folder.logger(job.optim, total, job.train.log_every, job.task.headline,
@@ -367,7 +374,8 @@ def _fine_tune(job: Job, callbacks: list, *, progress: bool, argv, started, comp
                            buckets=job.buckets, pad_id=job.pad_id, progress=lead and progress, state=state0)
     final, predictions = {}, {}
     if "test" in job.splits:
-        final["test"], predictions["test"] = trainer.final(res.state.params, job.splits["test"], buckets=job.buckets,
+        with phase("evaluating the test split"):
+            final["test"], predictions["test"] = trainer.final(res.state.params, job.splits["test"], buckets=job.buckets,
                                                            pad_id=job.pad_id)
     last = next((e["eval"] for e in reversed(res.history) if "eval" in e), {})
     final = {**last, **final}

@@ -11,6 +11,7 @@ characters TensorBoard refuses in a tag become ``_`` (``ndcg@10`` is ``ndcg_10``
 from __future__ import annotations
 
 import importlib.util
+import contextlib
 import json
 import re
 from pathlib import Path
@@ -96,8 +97,14 @@ class Reporters:
 
     def write(self, entry: dict) -> None:
         if self.jsonl is not None:
-            self.jsonl.write(json.dumps(entry) + "\n")
-            self.jsonl.flush()
+            try:
+                self.jsonl.write(json.dumps(entry) + "\n")
+                self.jsonl.flush()
+            except OSError as e:  # a full disk or a quota: name the file; close it now, so no second report at exit
+                with contextlib.suppress(OSError):
+                    self.jsonl.close()
+                name, self.jsonl = self.jsonl.name, None
+                raise OSError(e.errno, e.strerror, name) from e
         if self.events is not None:
             self.events.write(entry)
 

@@ -520,6 +520,9 @@ def test_incompatible_head_config_is_reported(tmp_path, bert):
     meta = json.loads(meta_file.read_text())
     meta["head_config"]["head"]["num_labels"] = 5
     meta_file.write_text(json.dumps(meta))
+    with pytest.raises(fh.CorruptCheckpointError, match=r"step 2 is damaged.*meta/metadata: its SHA-256 differs"):
+        fh.load_head(tmp_path)  # the step's checksums see the edit
+    (tmp_path / "checkpoints" / "2" / "checksums.json").unlink()  # as a step saved before checksums
     with pytest.raises(fh.IncompatibleCheckpointError, match=r"other shapes.*head/classifier/kernel"):
         fh.load_head(tmp_path)
     meta["head_config"]["head"]["type"] = "no_such_head"

@@ -176,10 +176,17 @@ def test_bad_ranking_input_is_one_line_naming_the_row(rows, needle, bert_folder,
     assert not os.path.exists(tmp_path / "run")
 
 
-def test_evaluate_split_of_a_ranking_run_says_where_its_metrics_are(pairwise_run, capsys):
+def test_evaluate_computes_a_ranking_runs_metrics_on_a_split_or_a_file(pairwise_run, preference_files, capsys):
     out, _ = pairwise_run
-    code, _, err = run_cli(capsys, "evaluate", out, "--split", "test", "--no-progress")
-    assert code == 2 and "is a ranking run" in err and err.count("\n") == 1
+    summary = json.load(open(out / "summary.json"))["metrics"]["test"]
+    code, text, err = run_cli(capsys, "evaluate", out, "--split", "test", "--json", "--no-progress")
+    assert code == 0, err
+    got = json.loads(text.strip().splitlines()[-1])["test"]
+    assert set(summary) <= set(got) and "ndcg@10" in got and "pairwise_accuracy" in got
+    for k, v in summary.items():  # the run's own test metrics, from the split rebuilt from its spec
+        assert got[k] == pytest.approx(v, abs=1e-5), (k, got[k], v)
+    code, text, err = run_cli(capsys, "evaluate", out, "--input", preference_files["test"], "--json", "--no-progress")
+    assert code == 0 and json.loads(text.strip().splitlines()[-1])["evaluation"] == got, err
 
 
 def test_rank_refuses_a_classifier(bert_folder, tmp_path, capsys):  # noqa: F811

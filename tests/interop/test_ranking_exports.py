@@ -125,3 +125,9 @@ def test_non_preset_heads_export_as_modular_cross_encoder(bert_folder, tmp_path,
     ours = Classifier.from_model(model, bert_folder).score(PAIRS)
     got = CrossEncoder(out, device="cpu").predict(PAIRS, convert_to_numpy=True)
     np.testing.assert_allclose(np.asarray(got, np.float64).reshape(-1), ours, atol=1e-5)
+    # and flaxheads reads the folder back: the same head kind, the same scores
+    import flaxheads as fh
+
+    back = fh.load(out)
+    assert type(back.head.head) is type(model.head.head) and back.num_labels == 1
+    np.testing.assert_allclose(Classifier.from_model(back, out).score(PAIRS), ours, atol=1e-5)

@@ -1,0 +1,153 @@
+"""Checksums: every folder flaxheads writes (exports, checkpoint steps) records each file's SHA-256,
+and a byte flipped inside tensor data afterwards is found on load (never a silent load); a folder
+written elsewhere is checked with --verify for impossible headers and NaN / Inf."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import struct
+import subprocess
+
+import jax
+import numpy as np
+import pytest
+
+import flaxheads as fh
+from flaxheads import checksums
+from flaxheads.checkpoint.meta import CorruptCheckpointError
+
+
+@pytest.fixture(scope="module")
+def model(tiny_bert):
+    return fh.from_pretrained(tiny_bert, pooler="mean", head="linear", num_labels=3)
+
+
+def _flip(path: str, at: float | int = 0.5) -> None:
+    """Flip one bit of ``path`` at a fraction of its size (or a byte offset)."""
+    with open(path, "r+b") as f:
+        size = os.fstat(f.fileno()).st_size
+        pos = int(size * at) if isinstance(at, float) else at
+        f.seek(pos)
+        b = f.read(1)
+        f.seek(pos)
+        f.write(bytes([b[0] ^ 0x10]))
+
+
+def _tensor_offset(path: str, name: str | None = None) -> int:
+    """A byte inside the data of a tensor of a safetensors file (the largest, or ``name``)."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    name = name or max(header, key=lambda k: np.subtract(*header[k]["data_offsets"][::-1]))
+    start, end = header[name]["data_offsets"]
+    return 8 + n + (start + end) // 2
+
+
+def test_manifest_matches_coreutils_sha256sum(model, tmp_path):
+    out = fh.export(model, tmp_path / "exp", "transformers")
+    manifest = json.load(open(os.path.join(out, checksums.MANIFEST)))
+    files = sorted(manifest["files"])
+    assert "model.safetensors" in files and "config.json" in files
+    if shutil.which("sha256sum") is None:
+        pytest.skip("coreutils sha256sum is not installed")
+    got = subprocess.run(["sha256sum", *files], cwd=out, capture_output=True, text=True, check=True).stdout
+    ref = {line.split()[1]: line.split()[0] for line in got.splitlines()}
+    assert {f: manifest["files"][f]["sha256"] for f in files} == ref
+    assert all(manifest["files"][f]["size"] == os.path.getsize(os.path.join(out, f)) for f in files)
+
+
+@pytest.mark.parametrize("fmt,weights", [("transformers", "model.safetensors"), ("head", "head.safetensors"),
+                                         ("sentence-transformers", "model.safetensors")])
+def test_a_flipped_byte_in_tensor_data_fails_the_load(model, tiny_bert, tmp_path, fmt, weights):
+    out = fh.export(model, tmp_path / fmt, fmt, **({"tokenizer_from": tiny_bert} if fmt != "head" else {}))
+    load = (lambda: fh.load(out, backbone=tiny_bert)) if fmt == "head" else (lambda: fh.load(out))
+    load()  # intact: loads
+    path = os.path.join(out, weights)
+    _flip(path, _tensor_offset(path))
+    with pytest.raises(checksums.ChecksumError, match=weights) as e:
+        load()
+    assert e.value.exit_code == 1 and "restore it" in str(e.value)
+
+
+def test_a_config_edited_after_writing_fails_the_load(model, tmp_path):
+    out = fh.export(model, tmp_path / "exp", "transformers")
+    cfg = os.path.join(out, "config.json")
+    with open(cfg, "a") as f:
+        f.write(" ")
+    with pytest.raises(checksums.ChecksumError, match="config.json"):
+        fh.load(out)
+
+
+def test_large_files_sample_on_load_and_hash_whole_with_verify(model, tmp_path, monkeypatch):
+    monkeypatch.setattr(checksums, "WHOLE_LIMIT", 4096)
+    monkeypatch.setattr(checksums, "HEAD_BYTES", 4096)
+    monkeypatch.setattr(checksums, "BLOCK", 64)
+    out = fh.export(model, tmp_path / "exp", "transformers")
+    path = os.path.join(out, "model.safetensors")
+    record = json.load(open(os.path.join(out, checksums.MANIFEST)))["files"]["model.safetensors"]
+    assert "sample_sha256" in record
+    sampled = {o + i for o, n in checksums._sample_offsets(record["size"]) for i in range(n)}
+    unsampled = next(i for i in range(_tensor_offset(path), record["size"]) if i not in sampled)
+    _flip(path, unsampled)
+    fh.load(out)  # the fast path reads the sample only
+    with pytest.raises(checksums.ChecksumError, match="SHA-256"):
+        fh.load(out, verify=True)
+    _flip(path, unsampled)
+    _flip(path, 100)  # inside the header: in the sample
+    with pytest.raises(checksums.ChecksumError, match="sampled bytes"):
+        fh.load(out)
+
+
+def _orbax_data(step_dir: str, item: str) -> list[str]:
+    return [os.path.join(d, f) for d, _, names in os.walk(os.path.join(step_dir, item)) for f in names
+            if os.path.basename(d) == "d"]
+
+
+def test_a_flipped_byte_in_a_checkpoint_fails_its_load_and_names_the_earlier_step(model, tmp_path):
+    with fh.RunCheckpointer(tmp_path, model, keep=None) as ckr:
+        for step in (1, 2):
+            ckr.save(step, {"step": step, "params": model.params, "opt_state": {}})
+    step2 = tmp_path / "checkpoints" / "2"
+    manifest = json.load(open(step2 / checksums.MANIFEST))["files"]
+    data = _orbax_data(str(step2), "backbone")
+    assert data and all(os.path.relpath(p, step2) in manifest for p in data)
+    before = fh.load(tmp_path).params
+    big = max(data, key=os.path.getsize)
+    _flip(big, 0.6)
+    with pytest.raises(CorruptCheckpointError, match=r"step 2 is damaged.*step=1") as e:
+        fh.load(tmp_path)
+    assert isinstance(e.value, checksums.ChecksumError) and os.path.basename(big) in str(e.value)
+    one = fh.load(tmp_path, step=1).params  # the earlier step still loads, equal to what was saved
+    for a, b in zip(jax.tree.leaves(one["head"]), jax.tree.leaves(before["head"])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _safetensors(path, tensors: dict) -> str:
+    from safetensors.numpy import save_file
+
+    save_file(tensors, path)
+    return path
+
+
+def test_scan_of_a_folder_without_checksums(tmp_path):
+    w = np.arange(12, dtype=np.float32).reshape(3, 4)
+    ok = _safetensors(str(tmp_path / "ok.safetensors"), {"a": w, "b": np.ones(2, np.int64)})
+    assert checksums.scan_safetensors(ok) == 2
+    nan = w.copy()
+    nan[1, 2] = np.nan
+    bad = _safetensors(str(tmp_path / "nan.safetensors"), {"a": nan})
+    with pytest.raises(checksums.DamagedWeightsError, match="'a' holds 1 NaN or Inf"):
+        checksums.scan_safetensors(bad)
+    cut = str(tmp_path / "cut.safetensors")
+    with open(ok, "rb") as f:
+        raw = f.read()
+    with open(cut, "wb") as f:
+        f.write(raw[:-8])
+    with pytest.raises(checksums.DamagedWeightsError, match="outside"):
+        checksums.scan_safetensors(cut)
+    os.remove(bad)
+    os.remove(cut)
+    assert checksums.verify_any(tmp_path) == ("scanned", 1)
