@@ -28,6 +28,7 @@ import numpy as np
 from .base_dtype import resolve_base_dtype
 from .errors import UsageError
 from .lora import LORA, LoraConfig, default_targets, init_lora
+from .nn.linen import init_head
 
 #: Device memory in bytes of the devices a plan is checked against (the vendors' figures; an
 #: accelerator's usable memory is a little less: the runtime and its libraries take some).
@@ -128,8 +129,7 @@ def abstract_model(path: str | os.PathLike, *, num_labels: int | None = None, dt
                    plan=plan if plan is not None else ComputePlan.for_host())
     n = int(num_labels or getattr(config, "num_labels", 2) or 2)
     seq_head, _ = build_head(config, n, pooler=pooler, head=head)
-    head_shapes = jax.eval_shape(lambda: seq_head.init(jax.random.PRNGKey(0), jnp.zeros((1, 1, config.hidden_size)),
-                                                       jnp.ones((1, 1), jnp.int32)))["params"]
+    head_shapes = jax.eval_shape(lambda: init_head(seq_head, config.hidden_size))
     ptype = infer_problem_type(n)
     check_problem_type(ptype, n)
     params = {"backbone": shapes, "head": head_shapes}
