@@ -159,9 +159,12 @@ def test_a_disk_that_stops_taking_checkpoints_ends_the_run_in_one_line(setup, un
     run, code, out, err = _signalled(setup, "full-disk", [], limit=20_000)
     assert code == 1, out[-2000:] + err[-3000:]
     path = os.path.join(run, "checkpoints")
-    assert err.strip().splitlines() == [
+    *warnings, last = err.strip().splitlines()
+    assert last == (
         f"error: could not write checkpoint {path}/8: File too large; the latest complete checkpoint is step 4 "
-        f"({path}/4), intact; raise the file size limit and rerun the same command to resume"], err[-3000:]
+        f"({path}/4), intact; raise the file size limit and rerun the same command to resume"), err[-3000:]
+    # the report page (rewritten at each evaluation, larger than the limit) is said once, not fatal
+    assert all(w.startswith(f"warning: could not write {run}/report.html") for w in warnings), err[-3000:]
     assert _steps(run) == [4]  # the half-written step 8 is never listed as a step
     _resumes_to_the_same_end(setup, run, 4, uninterrupted)
 

@@ -192,7 +192,6 @@ def checked_run_folder(spec: RunSpec, model_path: str) -> Path:
     c = spec.checkpoints
     check_run_folder(out, model_path, trains_backbone=not spec.base_frozen, keep=c.keep,
                      keep_best=c.keep_best_by != "none", checkpoints=c.checkpoint_every != 0)
-    check_resume_model(out, model_path, c.resume)
     return out
 
 
@@ -220,7 +219,8 @@ def prepare(spec: RunSpec) -> Job:
     """Data, tokenizer, model and task for a checked spec."""
     path = resolve_model_source(spec.model.model, what="--model")
     out = checked_run_folder(spec, path)
-    init_distributed(spec)
+    init_distributed(spec)  # before anything starts JAX's backend (reading a checkpoint's meta does)
+    check_resume_model(out, path, spec.checkpoints.resume)
     with phase("reading the data"):
         data = load_data(spec)
     _require_validation(spec, data.has_validation)

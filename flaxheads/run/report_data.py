@@ -3,6 +3,7 @@ worst-classified validation (else test) examples (with their text), the page rew
 throughput line of the run's last printed line."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,9 +22,19 @@ class ReportPage(loop.Callback):
 
     def __init__(self, run_dir: str | Path):
         self.run_dir = Path(run_dir)
+        self.failed = False
 
     def on_evaluate(self, state, step: int, results: dict) -> None:
-        write_report(self.run_dir, live=results)
+        # the page is a view of files the run keeps (`flaxheads report` rebuilds it): a disk that
+        # refuses it mid-run is said once and training goes on to its checkpoint, which reports the disk
+        if self.failed:
+            return
+        try:
+            write_report(self.run_dir, live=results)
+        except OSError as e:
+            self.failed = True
+            print(f"warning: could not write {self.run_dir / 'report.html'}: {e.strerror or e}; training goes on "
+                  "(`flaxheads report` writes it again)", file=sys.stderr, flush=True)
 
 
 def label_counts(data) -> dict[str, dict[str, int]] | None:
