@@ -1,14 +1,15 @@
 import os
 
 # Before jax is imported anywhere: 4 fake CPU devices for the data-parallel tests
-# (8 on 2 cores can time out in XLA's collectives under load), and fail fast on a hang.
+# (8 on 2 cores can time out in XLA's collectives under load), fail fast on a hang, and LLVM at -O1:
+# the suite's tiny programs spend most of their time compiling, and -O1 compiles them in about half
+# the time of the default -O2 for ~10% more run time on the real-model tests (docs/performance.md).
 os.environ.setdefault(
     "XLA_FLAGS",
-    "--xla_force_host_platform_device_count=4 --xla_cpu_collective_call_terminate_timeout_seconds=6",
+    "--xla_force_host_platform_device_count=4 --xla_cpu_collective_call_terminate_timeout_seconds=6"
+    " --xla_backend_optimization_level=1",
 )
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# programs run by tests compile afresh unless a test gives them a cache folder of its own
-os.environ.setdefault("FLAXHEADS_COMPILE_CACHE", "0")
 # programs compare against float32 references on every CPU kind (auto would pick bfloat16 on AMX hosts)
 os.environ.setdefault("FLAXHEADS_PRECISION", "float32")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
@@ -17,6 +18,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import warnings  # noqa: E402
 
 import pytest  # noqa: E402
+
+from flaxheads.host.compile_cache import CACHE_ENV, default_cache_dir  # noqa: E402  (imports jax, starts no backend)
+
+# One persistent compilation cache for the command-line programs of a test run (``flaxheads ...`` in
+# the test's process or in a subprocess, which enable it through this variable): the tiny models' train
+# and eval steps recur across files and processes, and each costs seconds to compile. It lives in the
+# checkout's .pytest_cache, so a fresh clone starts it empty; the tests of the cache give their own folder.
+os.environ.setdefault(CACHE_ENV, str(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                  ".pytest_cache", "xla", default_cache_dir().name)))
 
 warnings.filterwarnings("ignore", message=".*TensorFlow and JAX classes are deprecated.*")
 
@@ -51,6 +61,10 @@ def _needs_hf_flax(item) -> bool:
 
 def pytest_collection_modifyitems(config, items):
     root = str(config.rootpath) + os.sep
+    # pytest-xdist hands out whole files in this order: the files with slow tests go first, so that the
+    # pass does not end waiting on a long file that started last
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)
     for item in items:
         rel = str(item.path).replace(root, "").replace(os.sep, "/")
         if item.get_closest_marker("slow") and not item.get_closest_marker("timeout"):

@@ -56,49 +56,56 @@ def _torch_hidden(pt, ids, mask):
         return pt.base_model(torch.tensor(ids), attention_mask=torch.tensor(mask)).last_hidden_state.numpy()
 
 
+# Each test pads on the right and on the left: the shapes are the same, so one compiled program serves both.
+SIDES = ("right", "left")
+
+
 @pytest.mark.parametrize("arch", ["bert", "roberta", "distilbert"])
-@pytest.mark.parametrize("side", ["right", "left"])
 @pytest.mark.parametrize("pooler,options", ONE_TOKEN, ids=lambda v: str(v))
-def test_one_token_poolers_give_the_full_encoders_logits(tiny, arch, side, pooler, options):
+def test_one_token_poolers_give_the_full_encoders_logits(tiny, arch, pooler, options):
     """Reference: the pooler and head on PyTorch's whole last hidden state."""
     path, pt = tiny[arch]
     m = _model(path, pooler, options)
-    ids, mask = padded_batch(arch, pt.config, side)
-    hidden, pmask = m.pooler_inputs(m.params["backbone"], jnp.asarray(ids), jnp.asarray(mask))
-    assert hidden.shape == (3, 1, m.hidden_size) and np.asarray(pmask).tolist() == [[1]] * 3
-    ref = np.asarray(m.head_apply(m.params["head"], jnp.asarray(_torch_hidden(pt, ids, mask)), jnp.asarray(mask)))
-    got = np.asarray(jax.jit(m.apply)(m.params, ids, mask))
-    np.testing.assert_allclose(got, ref, atol=1e-5, rtol=0)
-    assert np.abs(ref).max() > 1e-2
+    forward = jax.jit(m.apply)
+    for side in SIDES:
+        ids, mask = padded_batch(arch, pt.config, side)
+        hidden, pmask = m.pooler_inputs(m.params["backbone"], jnp.asarray(ids), jnp.asarray(mask))
+        assert hidden.shape == (3, 1, m.hidden_size) and np.asarray(pmask).tolist() == [[1]] * 3
+        ref = np.asarray(m.head_apply(m.params["head"], jnp.asarray(_torch_hidden(pt, ids, mask)), jnp.asarray(mask)))
+        got = np.asarray(forward(m.params, ids, mask))
+        np.testing.assert_allclose(got, ref, atol=1e-5, rtol=0, err_msg=side)
+        assert np.abs(ref).max() > 1e-2
 
 
 @pytest.mark.parametrize("variant", sorted(DEBERTA))
-@pytest.mark.parametrize("side", ["right", "left"])
 @pytest.mark.parametrize("pooler", ["deberta", "last", "first_non_pad"])
-def test_deberta_relative_attention_at_one_token(tiny, variant, side, pooler):
+def test_deberta_relative_attention_at_one_token(tiny, variant, pooler):
     path, pt = tiny["deberta_" + variant]
     m = _model(path, pooler, {})
-    ids, mask = padded_batch("deberta-v2", pt.config, side)
-    hidden, _ = m.pooler_inputs(m.params["backbone"], jnp.asarray(ids), jnp.asarray(mask))
-    assert hidden.shape == (3, 1, m.hidden_size)
-    ref = np.asarray(m.head_apply(m.params["head"], jnp.asarray(_torch_hidden(pt, ids, mask)), jnp.asarray(mask)))
-    np.testing.assert_allclose(np.asarray(jax.jit(m.apply)(m.params, ids, mask)), ref, atol=1e-5, rtol=0)
+    forward = jax.jit(m.apply)
+    for side in SIDES:
+        ids, mask = padded_batch("deberta-v2", pt.config, side)
+        hidden, _ = m.pooler_inputs(m.params["backbone"], jnp.asarray(ids), jnp.asarray(mask))
+        assert hidden.shape == (3, 1, m.hidden_size)
+        ref = np.asarray(m.head_apply(m.params["head"], jnp.asarray(_torch_hidden(pt, ids, mask)), jnp.asarray(mask)))
+        np.testing.assert_allclose(np.asarray(forward(m.params, ids, mask)), ref, atol=1e-5, rtol=0, err_msg=side)
 
 
 @pytest.mark.parametrize("arch", DECODERS)
-@pytest.mark.parametrize("side", ["right", "left"])
-def test_decoder_classifiers_at_the_last_token(arch, side, tmp_path):
+def test_decoder_classifiers_at_the_last_token(arch, tmp_path):
     """The HF preset (last non-pad token, ``input_ids != pad``): grouped-query attention, sliding
     windows, soft-capping and sandwich norms at one query, against PyTorch's whole last hidden state."""
     path, pt = save_tiny(tmp_path, arch)
     m = fh.from_pretrained(path)
-    ids, mask = padded_batch(arch, pt.config, side)
-    pmask = m.pooling_mask(jnp.asarray(ids), jnp.asarray(mask))
-    hidden, _ = m.pooler_inputs(m.params["backbone"], jnp.asarray(ids), jnp.asarray(mask))
-    assert hidden.shape == (3, 1, m.hidden_size)
-    ref = np.asarray(m.head_apply(m.params["head"], jnp.asarray(_torch_hidden(pt, ids, mask)), pmask))
-    np.testing.assert_allclose(np.asarray(jax.jit(m.apply)(m.params, ids, mask)), ref, atol=2e-5, rtol=0)
-    assert np.abs(ref).max() > 1e-2
+    forward = jax.jit(m.apply)
+    for side in SIDES:
+        ids, mask = padded_batch(arch, pt.config, side)
+        pmask = m.pooling_mask(jnp.asarray(ids), jnp.asarray(mask))
+        hidden, _ = m.pooler_inputs(m.params["backbone"], jnp.asarray(ids), jnp.asarray(mask))
+        assert hidden.shape == (3, 1, m.hidden_size)
+        ref = np.asarray(m.head_apply(m.params["head"], jnp.asarray(_torch_hidden(pt, ids, mask)), pmask))
+        np.testing.assert_allclose(np.asarray(forward(m.params, ids, mask)), ref, atol=2e-5, rtol=0, err_msg=side)
+        assert np.abs(ref).max() > 1e-2
 
 
 @pytest.mark.parametrize("pooler,options", EVERY_TOKEN, ids=lambda v: str(v))

@@ -19,10 +19,14 @@ import pytest
 
 import jax
 
+from flaxheads.host.cpu import CpuInfo
 from flaxheads.host.xla_flags import ONEDNN_FLAGS
 from tests.hf_tiny import save_tiny
 
-pytestmark = pytest.mark.full
+#: flaxheads chooses these flags only on CPUs with AMX (``host.xla_flags.cpu_xla_flags``): elsewhere no
+#: program of its runs oneDNN's dots, and the check would spend minutes on flags nobody gets
+pytestmark = [pytest.mark.full,
+              pytest.mark.skipif(not CpuInfo.read().amx, reason="oneDNN's dots are chosen only on CPUs with AMX")]
 
 #: hidden 128, feed-forward 512, 4 heads: at 8 x 64 tokens every dense product is >= 2^24 flops
 SIZES = {
