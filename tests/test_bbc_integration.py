@@ -14,13 +14,13 @@ def test_minilm_linear_probe_on_bbc_news_subset(tmp_path):
 
     out = tmp_path / "run"
     rc = main(["--data", "bbc_news", "--limit", "500", "--max-length", "64", "--freeze-backbone",
-               "--epochs", "6", "--lr", "1e-2", "--batch-size", "16", "--eval-every", "1000",
+               "--epochs", "3", "--lr", "2e-2", "--batch-size", "16", "--eval-every", "1000",
                "--output-dir", str(out), "--no-progress", "--checkpoint-every", "0"])
     assert rc == 0
     summary = json.loads((out / "summary.json").read_text())
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["labels"] == ["business", "entertainment", "politics", "sports", "tech"]
-    assert summary["steps"] >= 140  # 6 epochs of 25 batches
+    assert summary["steps"] >= 70  # 3 epochs of 25 batches
     assert summary["train_compiles"] <= len(cfg["buckets"])
     # chance is ~0.23 (largest class); a linear probe on MiniLM features is far above it
     assert summary["metrics"]["test"]["accuracy"] >= 0.85, summary["metrics"]

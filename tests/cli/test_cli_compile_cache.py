@@ -30,8 +30,18 @@ def test_second_identical_run_compiles_nothing(bert_folder, tmp_path):
         assert 0 <= r["eval_seconds"] <= r["seconds"], r
     assert second["compiled"] == 0 and second["loaded"] >= first["compiled"], (first, second)
     assert any(cache.iterdir())
-    off = _train(bert_folder, data, tmp_path / "run3", "0")
-    assert "compile_cache" not in off
+
+
+@pytest.mark.parametrize("value", ["0", "off"])
+def test_cache_turned_off_by_the_variable(monkeypatch, value):
+    import jax
+
+    from flaxheads.host.compile_cache import CACHE_ENV, enable_compile_cache
+
+    before = jax.config.jax_compilation_cache_dir
+    monkeypatch.setenv(CACHE_ENV, value)
+    assert enable_compile_cache() is None
+    assert jax.config.jax_compilation_cache_dir == before
 
 
 def test_cache_folder_is_per_jax_version_and_cpu():
