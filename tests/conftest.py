@@ -19,14 +19,17 @@ import warnings  # noqa: E402
 
 import pytest  # noqa: E402
 
-from flaxheads.host.compile_cache import CACHE_ENV, default_cache_dir  # noqa: E402  (imports jax, starts no backend)
+from flaxheads.host.compile_cache import (CACHE_ENV, default_cache_dir,  # noqa: E402  (imports jax, starts no backend)
+                                          enable_compile_cache)
 
-# One persistent compilation cache for the command-line programs of a test run (``flaxheads ...`` in
-# the test's process or in a subprocess, which enable it through this variable): the tiny models' train
-# and eval steps recur across files and processes, and each costs seconds to compile. It lives in the
-# checkout's .pytest_cache, so a fresh clone starts it empty; the tests of the cache give their own folder.
+# One persistent compilation cache for a test run: the test processes' own programs and the command-line
+# programs (``flaxheads ...`` in the test's process or in a subprocess, which enable it through this
+# variable). The tiny models' train and eval steps recur across files and processes, and each costs
+# seconds to compile. It lives in the checkout's .pytest_cache, so a fresh clone starts it empty; the
+# tests of the cache give their own folder.
 os.environ.setdefault(CACHE_ENV, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                              ".pytest_cache", "xla", default_cache_dir().name))
+enable_compile_cache()
 
 warnings.filterwarnings("ignore", message=".*TensorFlow and JAX classes are deprecated.*")
 
@@ -57,6 +60,15 @@ def tiny_bert(tmp_path_factory) -> str:
 def _needs_hf_flax(item) -> bool:
     """Skipped without HF's Flax models (transformers < 5): only the legacy stack runs it."""
     return any("transformers < 5" in str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif"))
+
+
+def pytest_ignore_collect(collection_path, config):
+    """``-m serial`` (the pass after the parallel one) imports only the test files that mark tests
+    serial: collecting every file imports torch, transformers and sentence-transformers (~20 s)."""
+    if config.option.markexpr == "serial" and collection_path.name.startswith("test_") \
+            and collection_path.suffix == ".py" and "serial" not in collection_path.read_text():
+        return True
+    return None
 
 
 def pytest_collection_modifyitems(config, items):
