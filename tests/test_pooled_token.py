@@ -60,8 +60,13 @@ def _torch_hidden(pt, ids, mask):
 SIDES = ("right", "left")
 
 
-@pytest.mark.parametrize("arch", ["bert", "roberta", "distilbert"])
-@pytest.mark.parametrize("pooler,options", ONE_TOKEN, ids=lambda v: str(v))
+# Every one-token pooler on BERT; on the other encoders the first position and the last non-pad one
+# (the backbone's one-query path is the same whichever pooler names the position).
+ONE_TOKEN_CASES = [("bert", p, o) for p, o in ONE_TOKEN] + [
+    (arch, p, o) for arch in ("roberta", "distilbert") for p, o in ONE_TOKEN if p in ("cls", "last")]
+
+
+@pytest.mark.parametrize("arch,pooler,options", ONE_TOKEN_CASES, ids=lambda v: str(v))
 def test_one_token_poolers_give_the_full_encoders_logits(tiny, arch, pooler, options):
     """Reference: the pooler and head on PyTorch's whole last hidden state."""
     path, pt = tiny[arch]
@@ -77,8 +82,13 @@ def test_one_token_poolers_give_the_full_encoders_logits(tiny, arch, pooler, opt
         assert np.abs(ref).max() > 1e-2
 
 
-@pytest.mark.parametrize("variant", sorted(DEBERTA))
-@pytest.mark.parametrize("pooler", ["deberta", "last", "first_non_pad"])
+# Every arrangement at the last non-pad token (an offset that moves with the padding side); the first
+# token and the first non-pad one on v3 and the convolution layer.
+DEBERTA_CASES = [(v, "last") for v in sorted(DEBERTA)] + [(v, p) for v in ("v3", "conv")
+                                                          for p in ("deberta", "first_non_pad")]
+
+
+@pytest.mark.parametrize("variant,pooler", DEBERTA_CASES)
 def test_deberta_relative_attention_at_one_token(tiny, variant, pooler):
     path, pt = tiny["deberta_" + variant]
     m = _model(path, pooler, {})
