@@ -23,7 +23,6 @@ from .backbones.registry import load_backbone
 from .backbones.weights import head_from_hf, read_state_dict
 from .losses import REGRESSION, check_problem_type, infer_problem_type, loss_fn
 from .nn.poolers import Pool, Pooler, make_pooler
-from .programs import compiled_method, outside_traces
 from .presets import Preset, check_pool_mask, match_preset, preset_for
 from .errors import ConfigError
 from .host.plan import ComputePlan
@@ -185,17 +184,7 @@ class SequenceModel:
 
     def apply(self, params, input_ids, attention_mask=None, *, train: bool = False,
               dropout_rng: jax.Array | None = None, **extra) -> jax.Array:
-        """Logits [B, num_labels] in float32 (embeddings for projection heads).
-
-        Called outside ``jit``/``grad``/``vmap`` (a notebook, a script), it runs as one compiled
-        program per input shape instead of operation by operation."""
-        if outside_traces(params, input_ids, attention_mask, dropout_rng=dropout_rng, **extra):
-            return compiled_method(self, "_apply", static_argnames=("train",))(
-                params, jnp.asarray(input_ids), attention_mask, train=train, dropout_rng=dropout_rng, **extra)
-        return self._apply(params, input_ids, attention_mask, train=train, dropout_rng=dropout_rng, **extra)
-
-    def _apply(self, params, input_ids, attention_mask=None, *, train: bool = False,
-               dropout_rng: jax.Array | None = None, **extra) -> jax.Array:
+        """Logits [B, num_labels] in float32 (embeddings for projection heads)."""
         if attention_mask is None:
             attention_mask = jnp.ones_like(input_ids)
         rb, rh = _dropout_keys(train, dropout_rng)

@@ -1,14 +1,12 @@
 """Compiled programs shared by training and prediction: the inference-mode forward of a model
-(:func:`make_eval_step`), a forward with its parameters compiled in as constants, the compiled
-form of a method called outside a trace (:func:`compiled_method`), and counts of how many programs
-a jitted function compiled (one per padded shape it has seen).
+(:func:`make_eval_step`), a forward with its parameters compiled in as constants, and counts of
+how many programs a jitted function compiled (one per padded shape it has seen).
 
 Training's steps are in :mod:`flaxheads.training.steps`, how a program runs on devices in
 :mod:`flaxheads.parallel`.
 """
 from __future__ import annotations
 
-import weakref
 from typing import Callable
 
 import jax
@@ -34,43 +32,6 @@ def constants_program(fn: Callable, params, plan: ComputePlan, dtype=jnp.float32
     ``force``: True or False instead of asking); None where they should stay an argument."""
     use = force if force is not None else plan.constant_weights(sum(x.nbytes for x in jax.tree.leaves(params)), dtype)
     return jax.jit(lambda batch: fn(params, batch)) if use else None
-
-
-def outside_traces(*args, **kwargs) -> bool:
-    """Whether a call with these arguments runs eagerly: no leaf is a tracer (the call is not inside
-    ``jit``, ``grad`` or ``vmap``) and every keyword is an array or None (what ``jax.jit`` can take)."""
-    if not all(v is None or isinstance(v, (np.ndarray, jax.Array)) for v in kwargs.values()):
-        return False
-    return not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((args, kwargs)))
-
-
-class _Held:
-    """A compiled method kept on its object. A shallow copy of the object keeps the entry but does
-    not use it: its ``owner`` id differs, and it holds the original only weakly, so a copy with new
-    params does not keep the old ones alive."""
-
-    __slots__ = ("owner", "fn")
-
-    def __init__(self, owner: int, fn: Callable):
-        self.owner, self.fn = owner, fn
-
-
-def compiled_method(owner, method: str, **jit_kwargs) -> Callable:
-    """``jax.jit(owner.<method>, **jit_kwargs)``, made once per object (kept in its ``__dict__``), for
-    the methods that would otherwise run op by op when called outside a trace: on XLA:CPU each new
-    operation compiles its own program (~50-100 ms), so an eager forward of a small encoder compiles
-    a hundred programs where one jitted call compiles one."""
-    name = f"_compiled_{method}"
-    held = owner.__dict__.get(name)
-    if held is None or held.owner != id(owner):
-        ref = weakref.ref(owner)
-
-        def call(*args, **kwargs):
-            return getattr(ref(), method)(*args, **kwargs)
-
-        held = _Held(id(owner), jax.jit(call, **jit_kwargs))
-        owner.__dict__[name] = held
-    return held.fn
 
 
 def jit_count(fn: Callable) -> int:

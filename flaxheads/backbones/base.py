@@ -38,7 +38,6 @@ import numpy as np
 
 from ..errors import ConfigError, FlaxheadsError
 from ..host.plan import ComputePlan
-from ..programs import compiled_method, outside_traces
 from ..layers.activations import get_activation
 from ..layers.remat import remat_policy
 from .axes import Axes, generic_param_axes
@@ -292,13 +291,8 @@ class Backbone:
             attention_mask = jnp.ones_like(jnp.asarray(input_ids))
         if train and dropout_rng is None:
             raise ValueError("train=True needs a dropout_rng (dropout is active in training)")
-        params = self.params if params is None else params
-        encode = self.encode
-        if outside_traces(params, input_ids, attention_mask, rng=dropout_rng, **extra):
-            # one compiled program per input shape instead of one per operation
-            encode = compiled_method(self, "encode", static_argnames=("train",))
-        return (encode(params, jnp.asarray(input_ids), jnp.asarray(attention_mask), train=train, rng=dropout_rng,
-                       **extra),)
+        return (self.encode(self.params if params is None else params, jnp.asarray(input_ids),
+                            jnp.asarray(attention_mask), train=train, rng=dropout_rng, **extra),)
 
     # ---- facts --------------------------------------------------------------------------------
     @property
