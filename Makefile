@@ -80,7 +80,7 @@ bench: $(TESTS)
 
 # End to end against HF Trainer (tens of minutes): BBC News, then the VADER lexicon (short texts).
 bench-e2e: $(TESTS)
-	$(BIN)/pip install -q --no-deps vaderSentiment
+	$(call install,$(VENV)) --no-deps vaderSentiment
 	$(BIN)/python bench/e2e.py
 	$(BIN)/python bench/e2e.py --data lexicon
 

@@ -11,7 +11,6 @@ does. Where uv cannot be installed (no registry, an unsupported platform), pip d
 from __future__ import annotations
 
 import os
-import shlex
 import subprocess
 import sys
 
@@ -27,9 +26,8 @@ def pip_settings(python: str) -> list[str]:
     for line in out.splitlines():
         key, _, value = line.partition("=")
         flag = CARRIED.get(key.rsplit(".", 1)[-1])
-        for item in shlex.split(value.strip()) if flag else []:
-            for part in item.split():
-                pairs[(flag, part)] = None
+        for item in value.strip().strip("'\"").split() if flag else []:  # pip lists several values in one
+            pairs[(flag, item)] = None
     return [x for pair in pairs for x in pair]
 
 
