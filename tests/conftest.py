@@ -9,12 +9,18 @@ os.environ.setdefault(
     "--xla_force_host_platform_device_count=4 --xla_cpu_collective_call_terminate_timeout_seconds=6"
     " --xla_backend_optimization_level=1",
 )
+# ...and most of XLA's optimizations off (LLVM at -O0, no expensive passes; processes the tests start
+# inherit it): the suite's tiny programs compile for far longer than they run (the DeBERTa and checkpoint
+# files: 288 s of test time at -O1, 212 s at -O0, 183 s with this). Tests marked `optimized` (real models
+# whose run time outweighs their compiles) compile at the -O1 above.
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # programs compare against float32 references on every CPU kind (auto would pick bfloat16 on AMX hosts)
 os.environ.setdefault("FLAXHEADS_PRECISION", "float32")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import signal  # noqa: E402
 import warnings  # noqa: E402
 
 import pytest  # noqa: E402
@@ -33,6 +39,12 @@ enable_compile_cache()
 
 warnings.filterwarnings("ignore", message=".*TensorFlow and JAX classes are deprecated.*")
 
+# A test run started as a shell's background job inherits SIGINT ignored, as would every process it starts
+# (and flaxheads rightly leaves an ignored SIGINT ignored): the Ctrl-C tests need Python's own handler, as
+# in a terminal.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 #: Per-test limits (pytest-timeout): a hang fails its test, not the run. Slow tests load real
 #: models or start processes; on a busy 2-core machine they need minutes.
 SLOW_TIMEOUT_S = 1800
@@ -46,6 +58,22 @@ SLOW_TIMEOUT_S = 1800
 #: ``LEGACY_BACKBONE_TESTS``) are legacy, and every other test of a family (gradients, dropout, bf16,
 #: remat, export round trips) is full.
 LEGACY_BACKBONE_TESTS = ("hf_flax", "hidden_states", "logits_match", "forward_match")
+
+
+@pytest.fixture(autouse=True)
+def _optimized_programs(request):
+    """Tests marked ``optimized`` compile their programs with XLA's optimizations on (the -O1 above)."""
+    if request.node.get_closest_marker("optimized") is None:
+        yield
+        return
+    import jax
+
+    before = jax.config.jax_disable_most_optimizations
+    jax.config.update("jax_disable_most_optimizations", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_disable_most_optimizations", before)
 
 
 @pytest.fixture(scope="session")

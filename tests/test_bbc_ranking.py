@@ -40,6 +40,7 @@ def bm25_scores(queries, candidates, k1: float = 1.5, b: float = 0.75) -> list[l
 
 
 @pytest.mark.slow
+@pytest.mark.optimized
 def test_minilm_reranker_beats_bm25_on_bbc_news(tmp_path):
     from flaxheads.cli.train import main
     from flaxheads.ranking.data import bbc_news_groups, split_groups
