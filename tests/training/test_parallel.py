@@ -53,6 +53,7 @@ def _close(a, b, tol=1e-5):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=tol, rtol=tol)
 
 
+@pytest.mark.full  # three runs of a train step: beyond make test-fast
 def test_single_pmap_mesh_agree(folder, single):
     assert jax.device_count() == 4, "conftest sets 4 fake CPU devices"
     p1, l1, e1, g1 = single
@@ -71,6 +72,7 @@ def test_single_pmap_mesh_agree(folder, single):
                            .params["head"]["head"]["classifier"]["kernel"])
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("mode", ["single", "mesh"])
 def test_train_steps_compile_with_the_gradient_options(folder, mode):
     """The trainer compiles its train step with the plan's gradient options and hands them to XLA;
