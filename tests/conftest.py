@@ -68,7 +68,7 @@ def _optimized_programs(request):
         return
     import jax
 
-    before = jax.config.jax_disable_most_optimizations
+    before = jax.config.values["jax_disable_most_optimizations"]
     jax.config.update("jax_disable_most_optimizations", False)
     try:
         yield
