@@ -109,6 +109,7 @@ def _train(model, steps=3, lr=5e-2, seed=0):
     return state, ids, mask
 
 
+@pytest.mark.full  # a training run
 def test_training_updates_adapters_and_head_only(folders):
     path, _ = folders("bert")
     model = fh.from_pretrained(path).with_lora(rank=4, alpha=8)
@@ -127,6 +128,7 @@ def test_training_updates_adapters_and_head_only(folders):
     assert n(state.opt_state) < n(model.params["backbone"]) / 4  # a full fine-tune would hold 2x the base
 
 
+@pytest.mark.full  # a training run and two exports
 @pytest.mark.parametrize("arch,targets", CASES)
 def test_trained_adapters_export_merged_and_as_peft(folders, tmp_path, arch, targets):
     path, _ = folders(arch)
@@ -209,6 +211,7 @@ def test_targets_and_settings_are_checked(folders):
         make_train_step(one, make_optimizer(OptimConfig()), freeze_backbone=True)
 
 
+@pytest.mark.full  # a training run
 def test_checkpoints_store_adapters_apart(folders, tmp_path):
     path, _ = folders("bert")
     model = fh.from_pretrained(path).with_lora(rank=4, alpha=8)

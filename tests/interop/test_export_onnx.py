@@ -33,6 +33,7 @@ def _run(folder, names, ids, mask):
     return sess.run(["logits"], {n: feed[n] for n in names})[0]
 
 
+@pytest.mark.full  # export round trips through onnxruntime
 @pytest.mark.parametrize("arch,side,pooler,head,options", CASES, ids=[f"{c[0]}-{c[3] or 'preset'}" for c in CASES])
 def test_onnxruntime_logits_equal_flaxheads(arch, side, pooler, head, options, tmp_path):
     over = {"pooler_hidden_act": "gelu"} if arch == "deberta-v2" else {}
