@@ -1,9 +1,8 @@
 import os
 
 # Before jax is imported anywhere: 4 fake CPU devices for the data-parallel tests
-# (8 on 2 cores can time out in XLA's collectives under load), fail fast on a hang, and LLVM at -O1:
-# the suite's tiny programs spend most of their time compiling (test_train_steps.py: 78 s at the default
-# -O2, 58 s at -O1), for ~10% more run time on the real-model tests (docs/performance.md).
+# (8 on 2 cores can time out in XLA's collectives under load), fail fast on a hang, and LLVM at -O1 for
+# the programs compiled with optimizations on (test_train_steps.py: 78 s at the default -O2, 58 s at -O1).
 os.environ.setdefault(
     "XLA_FLAGS",
     "--xla_force_host_platform_device_count=4 --xla_cpu_collective_call_terminate_timeout_seconds=6"

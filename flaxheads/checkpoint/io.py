@@ -74,6 +74,12 @@ def quiet() -> Iterator[None]:
         absl.setLevel(level)
 
 
+def drop_unawaited_writes() -> None:
+    """After a failed save: Orbax leaves some of its write coroutines never awaited, and each would
+    print a RuntimeWarning when collected (usually at exit, after the run's one-line error)."""
+    warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
+
+
 # ---- abstract trees ----------------------------------------------------------------------------
 
 def first_device() -> jax.sharding.Sharding:
@@ -301,9 +307,6 @@ def item_targets(mgr, root: str, step: int, items: list[str]) -> dict:
 
 def write_failed(root: str, step: int | None, err: BaseException, kept: list[int]) -> CheckpointWriteError:
     """The error for a save of ``step`` under ``root`` that failed, naming what is kept."""
-    # the failed save leaves some of Orbax's write coroutines never awaited; each would print a
-    # RuntimeWarning when collected, usually at exit, after the one line this error becomes
-    warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
     where = os.path.join(root, str(step)) if step is not None else root
     keep = (f"the latest complete checkpoint is step {kept[-1]} ({os.path.join(root, str(kept[-1]))}), intact"
             if kept else "no earlier checkpoint exists")

@@ -141,6 +141,7 @@ class RunCheckpointer:
             raise
         except Exception as e:
             self._pending = None
+            io.drop_unawaited_writes()
             step = self._pending_failed(step, e)
             raise io.write_failed(self.root, step, e, self.all_steps()) from e
 
