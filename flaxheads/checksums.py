@@ -194,7 +194,8 @@ def verify_folder(folder: str | os.PathLike, *, whole: bool | None = None,
 
 def verify_file(path: str | os.PathLike) -> bool:
     """Check one file against the manifest of its folder or of the folder above (a
-    sentence-transformers module folder); False when neither records it."""
+    sentence-transformers module folder); False when neither records it. An unrecorded
+    safetensors file is scanned (:func:`scan_safetensors`) when every byte is to be checked."""
     path = os.path.abspath(os.fspath(path))
     folder = os.path.dirname(path)
     for base in (folder, os.path.dirname(folder)):
@@ -203,6 +204,12 @@ def verify_file(path: str | os.PathLike) -> bool:
         if manifest is not None and rel in manifest["files"]:
             check_file(base, rel, manifest["files"][rel])
             return True
+    if full_requested() and path.endswith(".safetensors"):
+        st = os.stat(path)
+        key = (path, st.st_size, st.st_mtime_ns, "scanned")
+        if not _CHECKED.get(key):
+            scan_safetensors(path)
+            _CHECKED[key] = True
     return False
 
 

@@ -101,6 +101,45 @@ def test_large_files_sample_on_load_and_hash_whole_with_verify(model, tmp_path, 
         fh.load(out)
 
 
+def test_verify_flag_of_the_commands_hashes_whole_files(model, tiny_bert, tmp_path, monkeypatch, capsys):
+    from flaxheads.cli.main import main
+
+    monkeypatch.setattr(checksums, "WHOLE_LIMIT", 4096)
+    monkeypatch.setattr(checksums, "HEAD_BYTES", 4096)
+    monkeypatch.setattr(checksums, "BLOCK", 64)
+    out = fh.export(model, tmp_path / "exp", "transformers", tokenizer_from=tiny_bert)
+    path = os.path.join(out, "model.safetensors")
+    size = os.path.getsize(path)
+    sampled = {o + i for o, n in checksums._sample_offsets(size) for i in range(n)}
+    _flip(path, next(i for i in range(_tensor_offset(path), size) if i not in sampled))
+    texts = tmp_path / "texts.txt"
+    texts.write_text("sport news\nmarkets fell\n")
+    for command in (lambda to: ["predict", out, "--input", str(texts), "--output", str(tmp_path / f"{to}.jsonl")],
+                    lambda to: ["export", "--from", out, "--format", "head", "--out", str(tmp_path / to)]):
+        capsys.readouterr()
+        assert main(command("fast")) == 0, capsys.readouterr().err  # the fast path does not read that byte
+        capsys.readouterr()
+        assert main([*command("verified"), "--verify"]) == 1
+        assert not os.path.exists(tmp_path / "verified") and not os.path.exists(tmp_path / "verified.jsonl")
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "model.safetensors" in err[0] and "SHA-256" in err[0], err
+
+
+def test_verify_scans_the_tensors_of_a_folder_written_elsewhere(model, tiny_bert, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    out = fh.export(model, tmp_path / "exp", "transformers", tokenizer_from=tiny_bert)
+    os.remove(os.path.join(out, checksums.MANIFEST))  # as if another tool wrote the folder
+    path = os.path.join(out, "model.safetensors")
+    tensors = load_file(path)
+    name = next(k for k, v in tensors.items() if v.dtype == np.float32 and v.ndim == 2)
+    tensors[name][0, 0] = np.inf
+    save_file(tensors, path, metadata={"format": "pt"})
+    fh.load(out)  # no record to check, and the fast path does not read every tensor
+    with pytest.raises(checksums.DamagedWeightsError, match=f"{name}.*NaN or Inf"):
+        fh.load(out, verify=True)
+
+
 def _orbax_data(step_dir: str, item: str) -> list[str]:
     return [os.path.join(d, f) for d, _, names in os.walk(os.path.join(step_dir, item)) for f in names
             if os.path.basename(d) == "d"]

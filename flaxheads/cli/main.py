@@ -19,6 +19,7 @@ import time
 import warnings
 from typing import Callable, Sequence
 
+from .. import checksums
 from ..errors import FlaxheadsError, WriteFailedError, one_line
 from ..host.compile_cache import enable_compile_cache
 from ..host.logs import quiet_background_saves
@@ -41,6 +42,8 @@ REFUSED_WRITES = (errno.ENOSPC, errno.EFBIG, errno.EROFS, errno.EDQUOT)
 SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     add_train_command, add_export_command, add_checkpoints_command, add_predict_commands, add_rank_command,
     add_serve_command, add_report_command, add_plan_command)
+#: The subcommands that read model folders or checkpoints, and take ``--verify``.
+READERS = ("train", "export", "predict", "embed", "evaluate", "rank", "serve")
 
 
 def build_parser() -> Parser:
@@ -50,6 +53,12 @@ def build_parser() -> Parser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)
     for add in SUBCOMMANDS:
         add(sub)
+    for name in READERS:
+        sub.choices[name].add_argument(
+            "--verify", action="store_true", help="hash every byte of every file flaxheads wrote that this reads "
+            "(default: sizes, small files whole and samples of large ones), and scan the tensors of folders written "
+            "elsewhere for NaN/Inf; a damaged file is one line, exit 1")
+    parser.set_defaults(verify=False)
     return parser
 
 
@@ -74,7 +83,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         _prepare_process()
         args = build_parser().parse_args(sys.argv[1:] if argv is None else list(argv))
         # a second identical run loads its programs from the compile cache
-        return int(args.func(args, Program(started, enable_compile_cache())) or 0)
+        with checksums.full(args.verify):
+            return int(args.func(args, Program(started, enable_compile_cache())) or 0)
     except WriteFailedError as e:
         print(f"error: {one_line(e)}", file=sys.stderr, flush=True)
         if argv is None:  # the process's own command: Orbax's and tensorstore's writer threads of the failed
