@@ -17,7 +17,7 @@ import pytest
 
 from test_resume import REPO, _assert_bitwise, _data_csv, _env, _items, _log, _train_args
 
-pytestmark = [pytest.mark.full, pytest.mark.serial]
+pytestmark = pytest.mark.full
 
 #: The signal is sent once the run has finished this step (steps of 4 of 24 examples; evaluations
 #: and their checkpoints at steps 4, 8, ...), so the run stops after step WAIT_AT + 1 = 6.
@@ -170,6 +170,7 @@ def test_a_disk_that_stops_taking_checkpoints_ends_the_run_in_one_line(setup, un
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_two_processes_stop_at_the_same_step(setup):
     """SIGINT to one process of a two-process run: JAX's preemption service picks a step both reach;
     both checkpoint it (one Orbax save across the processes) and stop there."""

@@ -16,7 +16,7 @@ import pytest
 
 from flaxheads.training.loop import TIMED
 
-pytestmark = [pytest.mark.full, pytest.mark.serial]
+pytestmark = pytest.mark.full
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

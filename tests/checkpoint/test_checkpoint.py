@@ -421,7 +421,6 @@ _KILLER = textwrap.dedent("""
 """)
 
 
-@pytest.mark.serial
 def test_killed_during_save_leaves_previous_checkpoint(tmp_path):
     """SIGKILL at two points of an async save of step 2 (both processes run side by side)."""
     script = tmp_path / "killer.py"

@@ -9,7 +9,7 @@ import pytest
 
 from cli_helpers import assert_one_line_error, bert_folder, run_cli, train_args, write_csv  # noqa: F401
 
-pytestmark = [pytest.mark.full, pytest.mark.serial]
+pytestmark = pytest.mark.full
 
 STEPS = ["--max-steps", "4", "--batch-size", "4", "--eval-batch-size", "4", "--log-every", "1", "--lr", "1e-3",
          "--head-lr", "1e-2", "--checkpoint-every", "2", "--keep", "5"]

@@ -14,7 +14,7 @@ import pytest
 
 from cli_helpers import REPO
 
-pytestmark = [pytest.mark.full, pytest.mark.serial]
+pytestmark = pytest.mark.full
 
 # `flaxheads ARGV` whose function FUNC (module.attr) says "ready" and then sleeps, for the signal
 _WAITER = textwrap.dedent("""

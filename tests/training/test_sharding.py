@@ -238,8 +238,7 @@ def test_restore_onto_another_mesh_continues_the_run(gpt2, tmp_path):
     _assert_params_close(out + ".resumed.npz", out + ".whole.npz")
 
 
-@pytest.mark.slow
-@pytest.mark.serial
+@pytest.mark.slow  # not serial: it compiles and runs nothing, so no collective can time out
 def test_fsdp8_holds_an_eighth_of_a_1b_llama_per_device(tmp_path):
     """A ~1B-parameter Llama sized with jax.eval_shape and XLA's memory analysis of the compiled
     train step (nothing allocated): under fsdp=8 each device holds ~1/8 of the params and
