@@ -12,15 +12,17 @@ WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu 
          "phone computer software internet game").split()
 
 
-def tiny_bert_folder(path, num_labels: int = 3, dropout: float = 0.0, seed: int = 0) -> str:
-    """Random tiny BERT (hf_tiny sizes) + a word-level fast tokenizer, saved as an HF folder."""
+def tiny_bert_folder(path, num_labels: int = 3, dropout: float = 0.0, seed: int = 0, layers: int = 1) -> str:
+    """Random tiny BERT (hf_tiny sizes, one layer unless told) + a word-level fast tokenizer, saved as an
+    HF folder. One layer: the tests of runs, checkpoints and exports need no second, and each layer
+    adds about as much to every train step's compile as the rest of the model."""
     from transformers import BertTokenizerFast
 
     from hf_tiny import V, tiny_torch_model
 
     path = os.fspath(path)
     model = tiny_torch_model("bert", num_labels=num_labels, seed=seed, hidden_dropout_prob=dropout,
-                             attention_probs_dropout_prob=dropout)
+                             attention_probs_dropout_prob=dropout, num_hidden_layers=layers)
     model.save_pretrained(path, safe_serialization=True)
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + list(WORDS)
     vocab += [f"w{i}" for i in range(V - len(vocab))]
