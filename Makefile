@@ -53,7 +53,7 @@ demo: $(BASE)
 
 # Tests run on every core (pytest-xdist; one file per worker, so a module's fixtures and compiled
 # programs are made once), then the tests marked serial alone (tests/conftest.py says which and why).
-PYTEST_PARALLEL := -n auto --dist loadfile
+PYTEST_PARALLEL := -n auto --dist loadfile --no-loadscope-reorder
 
 test: $(TESTS)
 	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL) -m "not serial" --durations=25 tests

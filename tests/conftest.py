@@ -1,3 +1,4 @@
+import collections
 import os
 
 # Before jax is imported anywhere: 4 fake CPU devices for the data-parallel tests
@@ -49,10 +50,11 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
 SLOW_TIMEOUT_S = 1800
 #: Tiers are declared where the tests are: ``pytestmark = pytest.mark.full`` (left out of ``make
 #: test-fast``: end to end through the command line, subprocesses, whole training runs and
-#: checkpoints), ``serial`` (``make test`` runs them alone after the parallel pass: several processes
-#: in collectives whose rendezvous would time out on a loaded machine, kills timed against a save,
-#: page-fault counts) and ``legacy`` (also run by ``make test-legacy``: Python 3.11, jax 0.10,
-#: transformers 4.57). Two rules add to them, for the backbone families' test files: the tests that
+#: checkpoints), ``serial`` (``make test`` runs them alone after the parallel pass: several processes,
+#: or 8 fake devices, in collectives whose rendezvous would time out on a loaded machine, and page-fault
+#: counts; the kill and signal tests are not: they signal at a line the process prints) and ``legacy``
+#: (also run by ``make test-legacy``: Python 3.11, jax 0.10, transformers 4.57). Two rules add to
+#: them, for the backbone families' test files: the tests that
 #: compare against HF's Flax models or 4.57's PyTorch classes (names containing one of
 #: ``LEGACY_BACKBONE_TESTS``) are legacy, and every other test of a family (gradients, dropout, bf16,
 #: remat, export round trips) is full.
@@ -100,10 +102,13 @@ def pytest_ignore_collect(collection_path, config):
 
 def pytest_collection_modifyitems(config, items):
     root = str(config.rootpath) + os.sep
-    # pytest-xdist hands out whole files in this order: the files with slow tests go first, so that the
-    # pass does not end waiting on a long file that started last
+    # pytest-xdist hands out whole files in this order (`--dist loadfile --no-loadscope-reorder`): the files
+    # with slow tests first, then the rest by their number of tests, so that the pass does not end with
+    # one worker waiting on a long file that started last (xdist's own order, by number of tests alone,
+    # left the one-test minute-long files to the end)
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow_files)
+    per_file = collections.Counter(item.path for item in items)
+    items.sort(key=lambda item: (item.path not in slow_files, -per_file[item.path], str(item.path)))
     for item in items:
         rel = str(item.path).replace(root, "").replace(os.sep, "/")
         if item.get_closest_marker("slow") and not item.get_closest_marker("timeout"):

@@ -21,7 +21,7 @@ import re
 
 import pytest
 
-pytestmark = pytest.mark.full
+pytestmark = [pytest.mark.full, pytest.mark.slow]  # every README example: a minute on 2 cores
 
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
 NEW_NAMESPACE = "import flaxheads as fh"
