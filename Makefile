@@ -52,12 +52,13 @@ demo: $(BASE)
 	$(BIN)/python examples/demo.py
 
 # Tests run on every core (pytest-xdist; one file per worker, so a module's fixtures and compiled
-# programs are made once), then the tests marked serial alone (tests/conftest.py says which and why).
+# programs are made once), then the tests marked serial in a pass of their own (tests/conftest.py says
+# which and why).
 PYTEST_PARALLEL := -n auto --dist loadfile --no-loadscope-reorder
 
 test: $(TESTS)
 	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL) -m "not serial" --durations=25 tests
-	$(BIN)/python -m pytest -q -m serial tests
+	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL) -m serial tests
 
 test-fast: $(TESTS)
 	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL) -m "not slow and not serial and not full" tests

@@ -50,9 +50,10 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
 SLOW_TIMEOUT_S = 1800
 #: Tiers are declared where the tests are: ``pytestmark = pytest.mark.full`` (left out of ``make
 #: test-fast``: end to end through the command line, subprocesses, whole training runs and
-#: checkpoints), ``serial`` (``make test`` runs them alone after the parallel pass: several processes,
-#: or 8 fake devices, in collectives whose rendezvous would time out on a loaded machine, and page-fault
-#: counts; the kill and signal tests are not: they signal at a line the process prints) and ``legacy``
+#: checkpoints), ``serial`` (``make test`` runs them in a pass of their own after the main one, a file per
+#: core, away from its compile-heavy tests: several processes, or 8 fake devices, in collectives whose
+#: rendezvous needs each process on a core in time, and a page-fault count; their collective timeouts are
+#: a minute; the kill and signal tests are not serial: they signal at a line the process prints) and ``legacy``
 #: (also run by ``make test-legacy``: Python 3.11, jax 0.10, transformers 4.57). Two rules add to
 #: them, for the backbone families' test files: the tests that
 #: compare against HF's Flax models or 4.57's PyTorch classes (names containing one of

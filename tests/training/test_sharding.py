@@ -171,10 +171,13 @@ def test_make_mesh_sizes():
 # ---- 8 devices, in a subprocess ---------------------------------------------------------------------
 
 def _eight_devices_env() -> dict:
-    # the conftest's flags (collective timeout included), with 8 devices instead of 4
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    # the conftest's flags with 8 devices instead of 4, and a collective timeout of a minute, not the
+    # conftest's 6 s: 8 device threads on 2 cores beside another test can leave one that long
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if "device_count" not in f and "terminate_timeout" not in f]
     return {**os.environ, "JAX_PLATFORMS": "cpu",
-            "XLA_FLAGS": " ".join(["--xla_force_host_platform_device_count=8", *flags])}
+            "XLA_FLAGS": " ".join(["--xla_force_host_platform_device_count=8",
+                                   "--xla_cpu_collective_call_terminate_timeout_seconds=60", *flags])}
 
 
 def _worker(folder, out, case):
