@@ -27,6 +27,10 @@ from .errors import FlaxheadsError
 
 MANIFEST = "checksums.json"
 FORMAT = "flaxheads-checksums/1"
+#: What ``--verify`` does, for the commands that take it.
+VERIFY_HELP = ("read every array and hash every byte of every file flaxheads wrote that the command reads (default: "
+               "sizes, small files whole, samples of large ones); folders written elsewhere: every tensor checked for "
+               "NaN/Inf and the headers' bounds; anything damaged is one line, exit 1")
 #: Files up to this size are hashed whole on every load (a head, configs, a tokenizer).
 WHOLE_LIMIT = 8 << 20
 HEAD_BYTES = 1 << 20  # a safetensors header (names, shapes, offsets) lies in its first bytes

@@ -41,9 +41,6 @@ def add_checkpoints_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--meta", action="store_true", help="print the meta of one step (default: the latest)")
     p.add_argument("--step", type=flags.step_spec, default=None,
                    help="with --meta: an integer, 'latest' (default) or 'best'")
-    p.add_argument("--verify", action="store_true",
-                   help="read every array and hash every file (an export or model folder: its checksums, else NaN/Inf "
-                        "and header bounds); exit 1 if anything is damaged")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run_checkpoints)
 

@@ -43,7 +43,7 @@ SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     add_train_command, add_export_command, add_checkpoints_command, add_predict_commands, add_rank_command,
     add_serve_command, add_report_command, add_plan_command)
 #: The subcommands that read model folders or checkpoints, and take ``--verify``.
-READERS = ("train", "export", "predict", "embed", "evaluate", "rank", "serve")
+READERS = ("train", "export", "checkpoints", "predict", "embed", "evaluate", "rank", "serve")
 
 
 def build_parser() -> Parser:
@@ -54,10 +54,7 @@ def build_parser() -> Parser:
     for add in SUBCOMMANDS:
         add(sub)
     for name in READERS:
-        sub.choices[name].add_argument(
-            "--verify", action="store_true", help="hash every byte of every file flaxheads wrote that this reads "
-            "(default: sizes, small files whole and samples of large ones), and scan the tensors of folders written "
-            "elsewhere for NaN/Inf; a damaged file is one line, exit 1")
+        sub.choices[name].add_argument("--verify", action="store_true", help=checksums.VERIFY_HELP)
     parser.set_defaults(verify=False)
     return parser
 
