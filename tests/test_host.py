@@ -281,6 +281,7 @@ def test_asked_precision_is_kept_and_unknown_refused():
         choose_precision("fp16")
 
 
+@pytest.mark.full  # a fresh process
 def test_importing_flaxheads_changes_nothing_and_the_flag_reaches_xla():
     """In a fresh process: import leaves XLA_FLAGS alone; configure_xla's flags, set before the
     first computation, really turn YNNPACK fusions off in the compiled program (the flags are
@@ -418,6 +419,7 @@ print(json.dumps({**out, "onednn": "__onednn$matmul" in f.lower(x).compile().as_
 """
 
 
+@pytest.mark.full  # a fresh process per flag set
 @pytest.mark.parametrize("flags", [" ".join(ONEDNN_FLAGS), "--xla_cpu_experimental_ynn_fusion_type="])
 def test_compile_cache_reports_what_it_could_not_store(tmp_path, flags):
     """jaxlib 0.12 cannot serialize a program with oneDNN's matmul calls: the run goes on without

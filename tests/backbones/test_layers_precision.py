@@ -179,6 +179,7 @@ print(json.dumps({"impl": plan.attention, "calls": calls, "dots": dots, "err": e
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="oneDNN's dots are XLA:CPU's")
+@pytest.mark.full  # a fresh process per flag set
 @pytest.mark.parametrize("flags", ["ONEDNN_ALONE_FLAGS", "ONEDNN_FLAGS"])
 def test_onednn_dots_keep_bf16_outputs_and_the_gradients(flags):
     """With oneDNN's dots every product of a bf16 dense layer's and attention's forward and backward

@@ -188,6 +188,7 @@ assert not [k for k in sys.modules if k.startswith("torch.")]
 """
 
 
+@pytest.mark.full  # a fresh process
 def test_export_needs_no_torch(tmp_path):
     import subprocess
     import sys
