@@ -81,16 +81,27 @@ def test_a_config_edited_after_writing_fails_the_load(model, tmp_path):
         fh.load(out)
 
 
-def test_large_files_sample_on_load_and_hash_whole_with_verify(model, tmp_path, monkeypatch):
+@pytest.fixture
+def small_samples(monkeypatch):
+    """Sampling sizes small enough that a tiny model's weights file is sampled, not hashed whole."""
     monkeypatch.setattr(checksums, "WHOLE_LIMIT", 4096)
     monkeypatch.setattr(checksums, "HEAD_BYTES", 4096)
     monkeypatch.setattr(checksums, "BLOCK", 64)
+
+
+def _unsampled_tensor_byte(path: str) -> int:
+    """An offset inside tensor data of ``path`` that the fast path's sample does not read."""
+    size = os.path.getsize(path)
+    sampled = {o + i for o, n in checksums._sample_offsets(size) for i in range(n)}
+    return next(i for i in range(_tensor_offset(path), size) if i not in sampled)
+
+
+def test_large_files_sample_on_load_and_hash_whole_with_verify(model, tmp_path, small_samples):
     out = fh.export(model, tmp_path / "exp", "transformers")
     path = os.path.join(out, "model.safetensors")
     record = json.load(open(os.path.join(out, checksums.MANIFEST)))["files"]["model.safetensors"]
     assert "sample_sha256" in record
-    sampled = {o + i for o, n in checksums._sample_offsets(record["size"]) for i in range(n)}
-    unsampled = next(i for i in range(_tensor_offset(path), record["size"]) if i not in sampled)
+    unsampled = _unsampled_tensor_byte(path)
     _flip(path, unsampled)
     fh.load(out)  # the fast path reads the sample only
     with pytest.raises(checksums.ChecksumError, match="SHA-256"):
@@ -101,17 +112,12 @@ def test_large_files_sample_on_load_and_hash_whole_with_verify(model, tmp_path, 
         fh.load(out)
 
 
-def test_verify_flag_of_the_commands_hashes_whole_files(model, tiny_bert, tmp_path, monkeypatch, capsys):
+def test_verify_flag_of_the_commands_hashes_whole_files(model, tiny_bert, tmp_path, small_samples, capsys):
     from flaxheads.cli.main import main
 
-    monkeypatch.setattr(checksums, "WHOLE_LIMIT", 4096)
-    monkeypatch.setattr(checksums, "HEAD_BYTES", 4096)
-    monkeypatch.setattr(checksums, "BLOCK", 64)
     out = fh.export(model, tmp_path / "exp", "transformers", tokenizer_from=tiny_bert)
     path = os.path.join(out, "model.safetensors")
-    size = os.path.getsize(path)
-    sampled = {o + i for o, n in checksums._sample_offsets(size) for i in range(n)}
-    _flip(path, next(i for i in range(_tensor_offset(path), size) if i not in sampled))
+    _flip(path, _unsampled_tensor_byte(path))
     texts = tmp_path / "texts.txt"
     texts.write_text("sport news\nmarkets fell\n")
     for command in (lambda to: ["predict", out, "--input", str(texts), "--output", str(tmp_path / f"{to}.jsonl")],
