@@ -360,8 +360,6 @@ def test_malloc_opt_out_started_backend_and_other_libcs(fake_libc):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or os.uname().machine not in ("x86_64", "aarch64"),
                     reason="glibc on Linux only")
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's heap only")
 @pytest.mark.serial

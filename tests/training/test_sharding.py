@@ -211,8 +211,10 @@ def llama(tmp_path_factory):
     return save_tiny(tmp_path_factory.mktemp("shard_llama"), "llama")[0]
 
 
+# GPT-2 (fused query/key/value kernels) is the next test's: its data=2,fsdp=4 and fsdp=2,tensor=4 runs
+# against the single-device one
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["bert", "gpt2", "llama"])
+@pytest.mark.parametrize("family", ["bert", "llama"])
 @pytest.mark.serial
 def test_meshes_train_the_single_device_run(family, request, tmp_path):
     out = str(tmp_path / "res")
