@@ -138,13 +138,24 @@ def dropout_spread_torch(base, ids, mask, copies: int = 32, seed: int = 0) -> fl
     return _spread(out, ref, mask, copies)
 
 
+def last_hidden(backbone, ids, mask, dropout_rng=None, **inputs) -> np.ndarray:
+    """``backbone(ids, mask, **inputs)[0]`` as one compiled program; with a ``dropout_rng``, in train
+    mode. Called eagerly, each operation compiles on its own (a hundred programs, seconds, for a
+    model whose shapes no other test shares, such as a 32-copy batch)."""
+    import jax
+
+    train = dropout_rng is not None
+    forward = jax.jit(lambda i, m, rng, extra: backbone(i, m, train=train, dropout_rng=rng, **extra)[0])
+    return np.asarray(forward(ids, mask, dropout_rng, inputs))
+
+
 def dropout_spread_flax(backbone, ids, mask, copies: int = 32, seed: int = 0) -> float:
     """:func:`dropout_spread_torch` for a flaxheads backbone (``train=True`` with a dropout key)."""
     import jax
 
     rep_ids, rep_mask = np.tile(ids, (copies, 1)), np.tile(mask, (copies, 1))
-    ref = np.asarray(backbone(ids, mask)[0])
-    out = np.asarray(backbone(rep_ids, rep_mask, train=True, dropout_rng=jax.random.PRNGKey(seed))[0])
+    ref = last_hidden(backbone, ids, mask)
+    out = last_hidden(backbone, rep_ids, rep_mask, jax.random.PRNGKey(seed))
     return _spread(out, ref, mask, copies)
 
 
@@ -202,10 +213,9 @@ def flax_train_outputs(backbone, ids, mask, copies: int = 32, seed: int = 0):
     """:func:`torch_train_outputs` for a flaxheads backbone."""
     import jax
 
-    ref = np.asarray(backbone(ids, mask)[0])
-    out = backbone(np.tile(ids, (copies, 1)), np.tile(mask, (copies, 1)), train=True,
-                   dropout_rng=jax.random.PRNGKey(seed))[0]
-    return ref, np.asarray(out)
+    ref = last_hidden(backbone, ids, mask)
+    out = last_hidden(backbone, np.tile(ids, (copies, 1)), np.tile(mask, (copies, 1)), jax.random.PRNGKey(seed))
+    return ref, out
 
 
 def train_and_export(src, out, ids, mask, steps: int = 3, lr: float = 3e-3):
@@ -283,7 +293,7 @@ def check_hidden_states(path, pt, arch: str, side: str = "right", atol: float = 
     with torch.no_grad():
         ref = pt.base_model(torch.tensor(ids), attention_mask=torch.tensor(mask),
                             **{k: torch.tensor(v) for k, v in inputs.items()}).last_hidden_state.numpy()
-    ours = np.asarray(bb(ids, mask, **inputs)[0])
+    ours = np.asarray(bb(ids, mask, **inputs)[0])  # eagerly: its operations' programs serve every family
     valid = mask.astype(bool)
     np.testing.assert_allclose(ours[valid], ref[valid], atol=atol, rtol=0)
     return bb

@@ -23,8 +23,8 @@ from flaxheads.backbones.modernbert import ModernBertBackbone  # noqa: E402
 from flaxheads.backbones.registry import load_backbone  # noqa: E402
 from flaxheads.host.plan import ComputePlan  # noqa: E402
 from hf_tiny import (V, assert_grads_match, check_bf16_and_remat, check_export, check_logits,  # noqa: E402
-                     check_train_needs_key, dropout_spread_flax, dropout_spread_torch, edited_copy, save_tiny,
-                     scale_matrices, torch_hidden_grads)
+                     check_train_needs_key, dropout_spread_flax, dropout_spread_torch, edited_copy, last_hidden,
+                     save_tiny, scale_matrices, torch_hidden_grads)
 
 KINDS = ["full_attention", "sliding_attention", "full_attention"]
 
@@ -71,7 +71,7 @@ def test_hidden_states_match_pytorch_on_long_padded_batches(tiny, impl):
     ids, mask = long_batch()
     ref = torch_hidden(pt, ids, mask, impl)
     for local_impl in ("auto", "dense", "blocked"):
-        ours = ModernBertBackbone(bb.config, bb.params, local_impl=local_impl)(ids, mask)[0]
+        ours = last_hidden(ModernBertBackbone(bb.config, bb.params, local_impl=local_impl), ids, mask)
         assert_real_tokens_close(ours, ref, mask)
 
 
@@ -101,7 +101,7 @@ def test_other_rope_bases_and_every_bias_match_pytorch(tmp_path):
     assert dict(bb.settings.thetas) == thetas and bb.settings.window_half == 2
     assert "bias" in bb.params["layers"]["1"]["attn"]["Wqkv"] and "bias" in bb.params["final_norm"]
     ids, mask = long_batch(t=23, lengths=(23, 17, 5))
-    assert_real_tokens_close(bb(ids, mask)[0], torch_hidden(pt, ids, mask), mask)
+    assert_real_tokens_close(last_hidden(bb, ids, mask), torch_hidden(pt, ids, mask), mask)
 
 
 def test_transformers_4_config_format(tiny, tmp_path):
@@ -122,7 +122,7 @@ def test_transformers_4_config_format(tiny, tmp_path):
     assert bb.settings.kinds == tuple(KINDS) and dict(bb.settings.thetas) == {
         "full_attention": 160000.0, "sliding_attention": 10000.0}
     ids, mask = long_batch()
-    assert_real_tokens_close(bb(ids, mask)[0], torch_hidden(pt, ids, mask), mask)
+    assert_real_tokens_close(last_hidden(bb, ids, mask), torch_hidden(pt, ids, mask), mask)
 
 
 def test_position_ids_match_pytorch(tiny):
