@@ -202,8 +202,8 @@ def test_train_needs_a_dropout_key(tiny):
 
 
 @pytest.mark.parametrize("variant", ["conv", "v2"])
-def test_export_after_training_loads_in_pytorch(tiny, variant, tmp_path):
-    """Trained (backbone included), exported, loaded strictly by DebertaV2ForSequenceClassification:
+def test_export_of_changed_weights_loads_in_pytorch(tiny, variant, tmp_path):
+    """Every weight changed, exported, loaded strictly by DebertaV2ForSequenceClassification:
     the convolution kernel goes back to PyTorch's layout, the position projections by name."""
     check_export(*tiny(variant), ARCH, tmp_path / "out")
 

@@ -70,7 +70,7 @@ def test_train_needs_a_dropout_key(distilbert):
     check_train_needs_key(*distilbert, "distilbert")
 
 
-def test_trained_model_exports_to_pytorch(distilbert, tmp_path):
+def test_changed_weights_export_to_pytorch(distilbert, tmp_path):
     check_export(*distilbert, "distilbert", tmp_path / "out")
 
 

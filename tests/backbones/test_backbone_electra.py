@@ -78,7 +78,7 @@ def test_train_needs_a_dropout_key(electra):
     check_train_needs_key(*electra, "electra")
 
 
-def test_trained_model_exports_to_pytorch(electra, tmp_path):
+def test_changed_weights_export_to_pytorch(electra, tmp_path):
     check_export(*electra, "electra", tmp_path / "out")
 
 

@@ -260,7 +260,7 @@ def test_train_needs_a_dropout_key(tiny):
     check_train_needs_key(*tiny, "modernbert")
 
 
-def test_export_after_training_loads_in_pytorch(tiny, tmp_path):
+def test_export_of_changed_weights_loads_in_pytorch(tiny, tmp_path):
     check_export(*tiny, "modernbert", tmp_path / "out")
 
 

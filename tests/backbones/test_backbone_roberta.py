@@ -74,7 +74,7 @@ def test_train_needs_a_dropout_key(roberta):
     check_train_needs_key(*roberta, "roberta")
 
 
-def test_trained_model_exports_to_pytorch(roberta, tmp_path):
+def test_changed_weights_export_to_pytorch(roberta, tmp_path):
     check_export(*roberta, "roberta", tmp_path / "out")
 
 
