@@ -167,12 +167,13 @@ def test_remat_and_training_mode(tiny):
     ids, mask = padded_batch("bert", pt.config)
     plain, remat = _model(path, "cls", {}), _model(path, "cls", {}, remat=True)
 
-    def grads(model):
-        return jax.grad(lambda p: jnp.sum(model.apply(p, ids, mask) ** 2))(model.params)
+    def grads(model):  # jitted: eagerly, each operation of the backward pass compiles on its own
+        return jax.jit(jax.grad(lambda p: jnp.sum(model.apply(p, ids, mask) ** 2)))(model.params)
 
     for a, b in zip(jax.tree.leaves(grads(plain)), jax.tree.leaves(grads(remat))):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=0)
-    train = plain.apply(plain.params, ids, mask, train=True, dropout_rng=jax.random.PRNGKey(0))
+    train = jax.jit(lambda p, k: plain.apply(p, ids, mask, train=True, dropout_rng=k))(plain.params,
+                                                                                      jax.random.PRNGKey(0))
     assert train.shape == (3, 3) and np.isfinite(np.asarray(train)).all()
     assert not np.allclose(np.asarray(train), np.asarray(plain.apply(plain.params, ids, mask)))
 
