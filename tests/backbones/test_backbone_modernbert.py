@@ -187,10 +187,11 @@ def test_blocked_sliding_window_equals_dense_and_numpy(half, block):
         return lambda q, k, v: mb.sliding_window_attention(q, k, v, jnp.asarray(valid), half, impl=impl,
                                                            block=block)
 
-    dense, blocked = run("dense")(q, k, v), run("blocked")(q, k, v)
+    # jitted: eagerly each operation compiles on its own (~60 programs a case)
+    dense, blocked = jax.jit(run("dense"))(q, k, v), jax.jit(run("blocked"))(q, k, v)
     np.testing.assert_allclose(np.asarray(blocked)[seen], np.asarray(dense)[seen], atol=1e-6, rtol=1e-6)
     w = jax.random.normal(jax.random.PRNGKey(5), q.shape) * seen[..., None, None]
-    grads = [jax.grad(lambda *a, f=run(i): jnp.sum(f(*a) * w), argnums=(0, 1, 2))(q, k, v)
+    grads = [jax.jit(jax.grad(lambda *a, f=run(i): jnp.sum(f(*a) * w), argnums=(0, 1, 2)))(q, k, v)
              for i in ("dense", "blocked")]
     for a, b in zip(*grads):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
