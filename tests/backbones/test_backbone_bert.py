@@ -80,8 +80,10 @@ def test_chunks_do_not_change_the_result(tiny_bert, chunks):
     hf = _native(path)
     params = hf.params
     ids, mask = padded_batch("bert", tm.config)
-    a = encode(params, ids, mask, config=hf.config, plan=hf.plan.replace(attention_chunks=1))
-    b = encode(params, ids, mask, config=hf.config, plan=hf.plan.replace(attention_chunks=chunks), ffn_chunks=3)
+    # jitted here and below: eagerly each operation compiles on its own (~80 programs a call)
+    a = jax.jit(lambda p: encode(p, ids, mask, config=hf.config, plan=hf.plan.replace(attention_chunks=1)))(params)
+    b = jax.jit(lambda p: encode(p, ids, mask, config=hf.config, plan=hf.plan.replace(attention_chunks=chunks),
+                                 ffn_chunks=3))(params)
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=0)
 
 
@@ -96,7 +98,7 @@ def test_chunked_attention_gradients_equal_unchunked(tiny_bert):
     def grads(chunks):
         plan = hf.plan.replace(attention_chunks=chunks)
         f = lambda p: jnp.sum(encode(p, ids, mask, config=hf.config, plan=plan, ffn_chunks=1) * w)
-        return jax.grad(f)(params)
+        return jax.jit(jax.grad(f))(params)
 
     for a, b in zip(jax.tree_util.tree_leaves(grads(1)), jax.tree_util.tree_leaves(grads(3))):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
@@ -114,12 +116,12 @@ def test_cpu_attention_equals_textbook_attention(rate):
     mask[1, 4:] = 0
     bias = jnp.where(jnp.asarray(mask)[:, None, None, :] > 0, 0.0, jnp.finfo(jnp.float32).min)
     rng = ks[3] if rate else None
-    f = lambda fn: lambda q, k, v: fn(q, k, v, bias, rate, rng)
+    f = lambda fn: jax.jit(lambda q, k, v: fn(q, k, v, bias, rate, rng))
     ours, ref = f(_attend)(q, k, v), f(_attend_plain)(q, k, v)
     np.testing.assert_allclose(np.asarray(ours), np.asarray(ref), atol=1e-6, rtol=1e-6)
     w = jax.random.normal(ks[3], ours.shape)
-    g_ours = jax.grad(lambda *a: jnp.sum(f(_attend)(*a) * w), argnums=(0, 1, 2))(q, k, v)
-    g_ref = jax.grad(lambda *a: jnp.sum(f(_attend_plain)(*a) * w), argnums=(0, 1, 2))(q, k, v)
+    g_ours = jax.jit(jax.grad(lambda *a: jnp.sum(f(_attend)(*a) * w), argnums=(0, 1, 2)))(q, k, v)
+    g_ref = jax.jit(jax.grad(lambda *a: jnp.sum(f(_attend_plain)(*a) * w), argnums=(0, 1, 2)))(q, k, v)
     for a, b in zip(g_ours, g_ref):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
     if rate:  # dropout really acted
@@ -160,8 +162,8 @@ def test_forward_mode_matches_reverse_mode(tiny_bert):
     tangent = jax.tree_util.tree_map(lambda x: jax.random.normal(jax.random.PRNGKey(1), x.shape), params)
     w = jax.random.normal(jax.random.PRNGKey(0), (3, 9, hf.config.hidden_size))
     f = lambda p: jnp.sum(encode(p, ids, mask, config=hf.config, plan=hf.plan) * w)
-    _, fwd = jax.jvp(f, (params,), (tangent,))
-    g = jax.grad(f)(params)
+    _, fwd = jax.jit(lambda p, t: jax.jvp(f, (p,), (t,)))(params, tangent)
+    g = jax.jit(jax.grad(f))(params)
     rev = sum(jnp.vdot(a, b) for a, b in zip(jax.tree_util.tree_leaves(g), jax.tree_util.tree_leaves(tangent)))
     np.testing.assert_allclose(float(fwd), float(rev), rtol=1e-4)
 
