@@ -113,9 +113,13 @@ def test_padded_packed_batch_gives_the_same_logits(bert):
     own = packed_shape(split, idx, len(idx), BUCKETS)
     big = (own[0] * 2, 64, own[2] * 2, 64)
 
+    @jax.jit  # eagerly each operation compiles on its own (~150 programs)
+    def forward(p, b):
+        return model.apply_packed(p, b["input_ids"], b["segment_ids"], b["position_ids"], b["segment_index"],
+                                  b["segment_mask"])
+
     def logits(b):
-        return np.asarray(model.apply_packed(model.params, b["input_ids"], b["segment_ids"], b["position_ids"],
-                                             b["segment_index"], b["segment_mask"]))
+        return np.asarray(forward(model.params, b))
 
     small, padded = packed_batch(split, idx, len(idx), BUCKETS), packed_batch(split, idx, len(idx), BUCKETS, shape=big)
     s_slots, p_slots = small["weights"].reshape(-1) > 0, padded["weights"].reshape(-1) > 0
@@ -130,7 +134,7 @@ def _packed_vs_plain(model, split, first_position, atol=1e-5):
     got = np.asarray(jax.jit(lambda p, b: model.apply_packed(
         p, b["input_ids"], b["segment_ids"], b["position_ids"], b["segment_index"], b["segment_mask"]))(
         model.params, packed))
-    want = np.asarray(model.apply(model.params, plain["input_ids"], plain["attention_mask"]))
+    want = np.asarray(jax.jit(model.apply)(model.params, plain["input_ids"], plain["attention_mask"]))
     slots = packed["weights"].reshape(-1) > 0
     # which example each real slot holds: read its tokens back through segment_index
     texts = {tuple(x.tolist()): i for i, x in enumerate(split.input_ids)}
