@@ -218,6 +218,18 @@ def flax_train_outputs(backbone, ids, mask, copies: int = 32, seed: int = 0):
     return ref, out
 
 
+def perturbed(tree, scale: float, seed: int = 0):
+    """``tree`` with every floating leaf moved by its own ``scale``-sized normal noise (integer leaves kept)."""
+    import jax
+    import jax.numpy as jnp
+
+    leaves, treedef = jax.tree.flatten(tree)
+    keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
+    return jax.tree.unflatten(treedef, [x + scale * jax.random.normal(k, x.shape, x.dtype)
+                                        if jnp.issubdtype(x.dtype, jnp.floating) else x
+                                        for x, k in zip(leaves, keys)])
+
+
 def perturb_and_export(src, out, ids, mask, scale: float = 0.01):
     """``fh.from_pretrained(src)`` (HF preset head) with every parameter moved by its own random
     amount, then ``fh.export_transformers`` to ``out`` and loaded back by PyTorch. (Each family's
@@ -233,11 +245,7 @@ def perturb_and_export(src, out, ids, mask, scale: float = 0.01):
     import flaxheads as fh
 
     model = fh.from_pretrained(src)
-    leaves, tree = jax.tree.flatten(model.params)
-    keys = jax.random.split(jax.random.PRNGKey(0), len(leaves))
-    params = jax.tree.unflatten(tree, [x + scale * jax.random.normal(k, x.shape, x.dtype)
-                                       if jnp.issubdtype(x.dtype, jnp.floating) else x
-                                       for x, k in zip(leaves, keys)])
+    params = perturbed(model.params, scale)
     fh.export_transformers(model, out, params=params)
     pt, info = AutoModelForSequenceClassification.from_pretrained(out, output_loading_info=True)
     with torch.no_grad():

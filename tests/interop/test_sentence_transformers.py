@@ -15,7 +15,7 @@ from sentence_transformers import SentenceTransformer  # noqa: E402
 
 import flaxheads as fh  # noqa: E402
 from flaxheads.interop.files import ExportError  # noqa: E402
-from hf_tiny import V, tiny_torch_model  # noqa: E402
+from hf_tiny import V, perturbed, tiny_torch_model  # noqa: E402
 
 pytestmark = pytest.mark.legacy
 
@@ -36,12 +36,6 @@ def _tiny_bert_folder(path, seed=0):
 @pytest.fixture(scope="module")
 def bert_dir(tmp_path_factory):
     return _tiny_bert_folder(tmp_path_factory.mktemp("st") / "bert")
-
-
-def _perturb(params, seed):
-    leaves, tree = jax.tree.flatten(params)
-    keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
-    return jax.tree.unflatten(tree, [x + 0.2 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
 
 
 def _st_and_flax(model, folder, texts=TEXTS):
@@ -65,7 +59,7 @@ def _assert_same(ref, got):
 def test_mean_pool_projection_normalize_roundtrip(bert_dir, tmp_path):
     model = fh.from_pretrained(bert_dir, pooler="mean", head="projection",
                                head_options={"features": (24, 16), "activation": "tanh", "normalize": True})
-    model.params = {"backbone": model.params["backbone"], "head": _perturb(model.params["head"], 0)}
+    model.params = {"backbone": model.params["backbone"], "head": perturbed(model.params["head"], 0.2, 0)}
     out = tmp_path / "st"
     fh.export_sentence_transformers(model, out)
     modules = json.loads((out / "modules.json").read_text())
@@ -101,7 +95,7 @@ def test_every_pooling_mode_concatenated(bert_dir, tmp_path):
 def test_legacy_keys_reorder_concatenation_through_dense(bert_dir, tmp_path):
     model = fh.from_pretrained(bert_dir, pooler=["mean", "cls", "max"], head="projection",
                                head_options={"features": 8, "activation": "gelu"})
-    model.params = {"backbone": model.params["backbone"], "head": _perturb(model.params["head"], 1)}
+    model.params = {"backbone": model.params["backbone"], "head": perturbed(model.params["head"], 0.2, 1)}
     fh.export_sentence_transformers(model, tmp_path / "st")
     cfg = json.loads((tmp_path / "st" / "1_Pooling" / "config.json").read_text())
     assert cfg["pooling_mode_mean_tokens"] and cfg["pooling_mode_cls_token"] and cfg["pooling_mode_max_tokens"]
@@ -116,7 +110,7 @@ def test_legacy_keys_reorder_concatenation_through_dense(bert_dir, tmp_path):
 def test_bert_preset_head_as_sentence_transformer(bert_dir, tmp_path):
     """BERT's pooler (cls -> dense -> tanh) and classifier become two Dense modules: ST gives the logits."""
     model = fh.from_pretrained(bert_dir, num_labels=3)
-    model.params = {"backbone": model.params["backbone"], "head": _perturb(model.params["head"], 2)}
+    model.params = {"backbone": model.params["backbone"], "head": perturbed(model.params["head"], 0.2, 2)}
     fh.export_sentence_transformers(model, tmp_path / "st")
     ref, got = _st_and_flax(model, tmp_path / "st")
     _assert_same(ref, got)

@@ -106,6 +106,12 @@ def test_packed_slot_share_counts_both_layouts():
     long = _split(40, seed=5, lengths=(40, 60))
     assert packed_slot_share(long, 8, BUCKETS) > AUTO_PACK_SHARE  # one text per row: nothing to gain
 
+def _packed_forward(model):
+    """``model.apply_packed`` on a packed batch dict, jitted (eagerly each operation compiles on its own)."""
+    return jax.jit(lambda p, b: model.apply_packed(p, b["input_ids"], b["segment_ids"], b["position_ids"],
+                                                   b["segment_index"], b["segment_mask"]))
+
+
 def test_padded_packed_batch_gives_the_same_logits(bert):
     model = fh.from_pretrained(bert, pooler="mean", head="mlp", num_labels=3)
     split = _split()
@@ -113,10 +119,7 @@ def test_padded_packed_batch_gives_the_same_logits(bert):
     own = packed_shape(split, idx, len(idx), BUCKETS)
     big = (own[0] * 2, 64, own[2] * 2, 64)
 
-    @jax.jit  # eagerly each operation compiles on its own (~150 programs)
-    def forward(p, b):
-        return model.apply_packed(p, b["input_ids"], b["segment_ids"], b["position_ids"], b["segment_index"],
-                                  b["segment_mask"])
+    forward = _packed_forward(model)
 
     def logits(b):
         return np.asarray(forward(model.params, b))
@@ -131,9 +134,7 @@ def _packed_vs_plain(model, split, first_position, atol=1e-5):
                           first_position=first_position)
     plain = collate(split, idx, len(idx), BUCKETS, pad_id=model.pad_token_id or 0)
     assert packed["input_ids"].size < plain["input_ids"].size / 2  # the point of packing
-    got = np.asarray(jax.jit(lambda p, b: model.apply_packed(
-        p, b["input_ids"], b["segment_ids"], b["position_ids"], b["segment_index"], b["segment_mask"]))(
-        model.params, packed))
+    got = np.asarray(_packed_forward(model)(model.params, packed))
     want = np.asarray(jax.jit(model.apply)(model.params, plain["input_ids"], plain["attention_mask"]))
     slots = packed["weights"].reshape(-1) > 0
     # which example each real slot holds: read its tokens back through segment_index
