@@ -46,3 +46,13 @@ def random_split(n: int, num_labels: int = 3, lengths=(5, 20), seed: int = 0, vo
         k = int(rng.integers(lengths[0], lengths[1] + 1))
         ids.append(np.concatenate([[2], rng.integers(5, vocab, size=k - 2), [3]]).astype(np.int32))
     return Split(name, ids, rng.integers(0, num_labels, size=n).astype(np.int32))
+
+
+def event_scalars(folder) -> set[tuple[str, int, float]]:
+    """Every (tag, step, value) TensorBoard's own reader finds in a folder's event files (after its
+    purge of the steps a resumed run logs again)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(folder), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {(tag, e.step, e.value) for tag in acc.Tags()["scalars"] for e in acc.Scalars(tag)}

@@ -199,7 +199,7 @@ def _output_flags(ap: argparse.ArgumentParser) -> None:
                    help="also keep the best checkpoint by this validation metric, e.g. validation/macro_f1 (lowest "
                         "for mse, else highest; default: the validation headline metric; `none`: off)")
     g.add_argument("--report-to", help="where the log goes: jsonl, tensorboard (event files in <run folder>/"
-                   "tensorboard), both joined by a comma, or none (default: both, tensorboard if installed)")
+                   "tensorboard), both joined by a comma, or none (default: both)")
     g.add_argument("--profile-steps", default=None, metavar="A:B",
                    help="write a jax.profiler trace of steps A to B (both included) to <run folder>/profile")
 

@@ -1,6 +1,7 @@
 """Where a run's log entries go (``report_to``): ``metrics.jsonl`` (the format the library reads
-back: resume, the report page) and TensorBoard event files (``<run>/tensorboard/``), written with
-tensorboardX's ``SummaryWriter``. Only process 0 of a multi-process run writes.
+back: resume, the report page) and TensorBoard event files (``<run>/tensorboard/``, written by
+:mod:`flaxheads.run.tfevents`: no TensorFlow, protobuf or torch). Only process 0 of a multi-process
+run writes.
 
 One log entry (a line of ``metrics.jsonl``) becomes these TensorBoard scalars (:func:`scalars_of`):
 a training line's keys as ``train/<key>`` (``loss``, ``grad_norm``, ``lr_head``, ``lr_backbone``,
@@ -10,14 +11,15 @@ characters TensorBoard refuses in a tag become ``_`` (``ndcg@10`` is ``ndcg_10``
 """
 from __future__ import annotations
 
-import importlib.util
 import contextlib
 import json
 import re
+import sys
 from pathlib import Path
 from typing import Iterable, Sequence
 
 from ..errors import UsageError
+from .tfevents import EventFile
 
 #: The values ``report_to`` takes (several joined by commas), besides ``none``.
 REPORTERS = ("jsonl", "tensorboard")
@@ -25,15 +27,11 @@ REPORTERS = ("jsonl", "tensorboard")
 EVENTS_DIR = "tensorboard"
 
 
-def tensorboard_available() -> bool:
-    return importlib.util.find_spec("tensorboardX") is not None
-
-
 def resolve_report_to(value: str | Sequence[str] | None) -> tuple[str, ...]:
-    """``report_to`` as the reporters to use: None: ``jsonl`` and, where tensorboardX is
-    installed, ``tensorboard``; ``none``: nothing; else the names given (checked)."""
+    """``report_to`` as the reporters to use: None: both; ``none``: nothing; else the names given
+    (checked)."""
     if value is None:
-        return ("jsonl", "tensorboard") if tensorboard_available() else ("jsonl",)
+        return REPORTERS
     names = [v.strip() for v in (value.split(",") if isinstance(value, str) else value) if v.strip()]
     if names == ["none"]:
         return ()
@@ -41,9 +39,6 @@ def resolve_report_to(value: str | Sequence[str] | None) -> tuple[str, ...]:
     if bad or not names:
         raise UsageError(f"--report-to {','.join(names)!s}: expected one or more of {', '.join(REPORTERS)} joined "
                          "by commas, or none")
-    if "tensorboard" in names and not tensorboard_available():
-        raise UsageError("--report-to tensorboard needs tensorboardX: pip install 'flaxheads[tensorboard]' "
-                         "(or leave tensorboard out of --report-to)")
     return tuple(dict.fromkeys(names))
 
 
@@ -64,23 +59,37 @@ def scalars_of(entry: dict) -> list[tuple[str, float]]:
 
 class EventWriter:
     """TensorBoard event files of a run (``<run>/tensorboard``). ``purge_step``: a resumed run's first
-    new step; TensorBoard drops the events an interrupted run wrote from there on."""
+    new step; TensorBoard drops the events an interrupted run wrote from there on. The events are a
+    view of ``metrics.jsonl``: a disk that refuses them is said once and the run goes on."""
 
     def __init__(self, run_dir: str | Path, purge_step: int | None = None):
-        from tensorboardX import SummaryWriter
+        self.folder = Path(run_dir) / EVENTS_DIR
+        self.file: EventFile | None = None
+        self._guarded(lambda: setattr(self, "file", EventFile(self.folder, purge_step)))
 
-        self.writer = SummaryWriter(logdir=str(Path(run_dir) / EVENTS_DIR), purge_step=purge_step,
-                                    flush_secs=10)
+    def _guarded(self, write) -> None:
+        try:
+            write()
+        except OSError as e:
+            if self.file is not None:
+                with contextlib.suppress(OSError):
+                    self.file.close()
+            self.file = None
+            print(f"warning: could not write TensorBoard events in {self.folder}: {e.strerror or e}; training goes "
+                  "on (metrics.jsonl keeps every entry)", file=sys.stderr, flush=True)
 
     def write(self, entry: dict) -> None:
-        for tag, value in scalars_of(entry):
-            self.writer.add_scalar(tag, value, global_step=int(entry["step"]))
+        if self.file is not None:  # flushed at once: TensorBoard shows a run as it goes
+            self._guarded(lambda: (self.file.add_scalars(int(entry["step"]), scalars_of(entry)), self.file.flush()))
 
     def flush(self) -> None:
-        self.writer.flush()
+        if self.file is not None:
+            self._guarded(self.file.flush)
 
     def close(self) -> None:
-        self.writer.close()
+        if self.file is not None:
+            self._guarded(self.file.close)
+            self.file = None
 
 
 class Reporters:

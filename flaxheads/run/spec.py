@@ -113,7 +113,7 @@ class CheckpointSpec:
     checkpoint_every: int | None = None  # None: at each evaluation and the last step; 0: never
     keep: int = 3
     keep_best_by: str = "auto"  # validation/<metric>, auto (the headline metric) or none
-    report_to: tuple[str, ...] | None = None  # jsonl, tensorboard, or none (None: both where tensorboardX is installed)
+    report_to: tuple[str, ...] | None = None  # jsonl, tensorboard, or none (None: both)
     profile_steps: str | None = None  # "A:B": a jax.profiler trace of steps A to B (both included) in <run>/profile
 
 

@@ -1,6 +1,7 @@
 """`flaxheads train --coordinator-address/--num-processes/--process-id`: two processes with one
 CPU device each, joined by jax.distributed over loopback, train one run together. It is the same
 run as one process trains on one device (each process feeds its half of every global batch)."""
+import importlib.util
 import json
 import os
 
@@ -9,7 +10,6 @@ import pytest
 
 from cli_helpers import SMALL, bert_folder, two_processes, write_csv  # noqa: F401
 from flaxheads.cli.main import main
-from flaxheads.run.reporters import tensorboard_available
 
 pytestmark = [pytest.mark.full, pytest.mark.serial]
 
@@ -35,10 +35,11 @@ def test_two_processes_train_the_single_process_run(bert_folder, tmp_path):
         return [json.loads(x)["loss"] for x in open(os.path.join(folder, "metrics.jsonl")) if '"loss"' in x]
 
     np.testing.assert_allclose(losses(multi), losses(tmp_path / "single"), rtol=1e-5, atol=1e-6)
-    if tensorboard_available():  # process 0 alone writes the event files: one file, the log's losses
+    # process 0 alone writes the event files: one file, the log's losses
+    assert len(os.listdir(os.path.join(multi, "tensorboard"))) == 1
+    if importlib.util.find_spec("tensorboard") is not None:  # the reader (a dev dependency of the newest stack)
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-        assert len(os.listdir(os.path.join(multi, "tensorboard"))) == 1
         acc = EventAccumulator(os.path.join(multi, "tensorboard"))
         acc.Reload()
         np.testing.assert_array_equal([e.value for e in acc.Scalars("train/loss")],

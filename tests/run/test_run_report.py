@@ -23,7 +23,7 @@ import pytest
 
 import flaxheads as fh
 from flaxheads.cli.main import main
-from train_helpers import WORDS
+from train_helpers import WORDS, event_scalars
 
 pytestmark = pytest.mark.full
 
@@ -73,15 +73,6 @@ def _log(run) -> list[dict]:
     return [json.loads(x) for x in (run.folder / "metrics.jsonl").read_text().splitlines()]
 
 
-def _event_scalars(folder: Path) -> set[tuple[str, int, float]]:
-    """Every (tag, step, value) TensorBoard's own reader finds in the folder's event files."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(folder), size_guidance={"scalars": 0})
-    acc.Reload()
-    return {(tag, e.step, e.value) for tag in acc.Tags()["scalars"] for e in acc.Scalars(tag)}
-
-
 def _jsonl_scalars(log: list[dict]) -> set[tuple[str, int, float]]:
     """metrics.jsonl's values as float32 (what an event file stores), tagged as the docs say."""
     out = set()
@@ -99,10 +90,9 @@ def _jsonl_scalars(log: list[dict]) -> set[tuple[str, int, float]]:
 @pytest.mark.parametrize("name", ["single", "ranking", "regression"])
 def test_tensorboard_reads_back_exactly_the_jsonl_values(runs, name):
     pytest.importorskip("tensorboard")  # the reader
-    pytest.importorskip("tensorboardX")  # the writer (report_to's default writes events only with it)
     run = runs[name]
     log = _log(run)
-    got, want = _event_scalars(run.folder / "tensorboard"), _jsonl_scalars(log)
+    got, want = event_scalars(run.folder / "tensorboard"), _jsonl_scalars(log)
     assert got == want
     tags = {t for t, _, _ in got}
     assert {"train/loss", "train/grad_norm", "train/lr_head", "train/padding", "train/examples_per_s",
