@@ -75,6 +75,7 @@ class Sizes:
 
     smoke: bool
     check_len: int = 32           # correctness batch length (ModernBERT's window is 8)
+    check_layers: int = 2         # correctness models' layers (ModernBERT keeps 2: a global and a local one)
     bert: tuple = (768, 12, 12, 3072)         # hidden, layers, heads, ffn
     modernbert: tuple = (768, 22, 12, 1152)
     llama: tuple = (2048, 22, 32, 4, 5632)    # hidden, layers, heads, kv heads, ffn (TinyLlama 1.1B)
@@ -97,7 +98,7 @@ def sizes_for(smoke: bool) -> Sizes:
     if not smoke:
         return Sizes(smoke=False)
     # one layer where a second adds only compile time; ModernBERT keeps two (a global and a local one)
-    return Sizes(smoke=True, bert=(32, 1, 4, 37), modernbert=(32, 2, 4, 48), llama=(32, 1, 4, 2, 48),
+    return Sizes(smoke=True, check_layers=1, bert=(32, 1, 4, 37), modernbert=(32, 2, 4, 48), llama=(32, 1, 4, 2, 48),
                  runs=(("bert-base", 16, 2), ("llama-1b+lora", 16, 2), ("modernbert-base", 32, 2)), vocab=512,
                  repeats=3, warmup=1, matmul_n=256, texts=24, predict_repeats=2, predict_batch=8, predict_len=32,
                  settle=0.02)
@@ -270,7 +271,8 @@ def check_family(family: str, sz: Sizes, tmp: str) -> list[dict]:
     rows: list[dict] = []
     dev = torch_device()
     t, vocab = sz.check_len, 99
-    dims = (32, 2, 4, 2, 37) if family == "llama" else (32, 2, 4, 37)  # hidden 32, 2 layers, 4 heads (d=8)
+    layers = 2 if family == "modernbert" else sz.check_layers
+    dims = (32, layers, 4, 2, 37) if family == "llama" else (32, layers, 4, 37)  # hidden 32, 4 heads (d=8)
     over = {"local_attention": 8} if family == "modernbert" else {}
     box: dict = {}
 
