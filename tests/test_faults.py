@@ -206,4 +206,6 @@ def test_two_processes_stop_at_the_same_step(setup):
              for x in logs]
     assert stops[0] == stops[1] and len(stops[0]) == 1, logs
     step = int(stops[0][0])
-    assert 8 < step < 400 and _steps(out)[-1] == step
+    # process 0 prints step 8's evaluation before it asks the service about step 8: a signal that
+    # reaches process 1 before both have asked can stop the run at step 8 itself
+    assert 8 <= step < 400 and _steps(out)[-1] == step
