@@ -44,7 +44,8 @@ def _backbone(root: str, **kw):
 
 
 def _logits(model, ids, mask, params=None) -> np.ndarray:
-    return np.asarray(model.apply(model.params if params is None else params, ids, mask))
+    # jitted: eagerly each operation compiles on its own (~100 programs a model)
+    return np.asarray(jax.jit(model.apply)(model.params if params is None else params, ids, mask))
 
 
 def test_head_checkpoint_attaches_with_old_logits(fix, batch):

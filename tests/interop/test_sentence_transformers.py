@@ -42,7 +42,9 @@ def _st_and_flax(model, folder, texts=TEXTS):
     st = SentenceTransformer(str(folder), device="cpu")
     ref = st.encode(texts, convert_to_numpy=True, batch_size=len(texts))
     enc = st.tokenizer(texts, padding=True, return_tensors="np")
-    got = np.asarray(model(jnp.asarray(enc["input_ids"]), jnp.asarray(enc["attention_mask"])))
+    # jitted: eagerly each operation compiles on its own (~100 programs a model)
+    ids, mask = jnp.asarray(enc["input_ids"]), jnp.asarray(enc["attention_mask"])
+    got = np.asarray(jax.jit(model.apply)(model.params, ids, mask))
     return ref, got
 
 
