@@ -2,13 +2,13 @@
 
     python tools/install.py VENV [pip install arguments...]
 
-uv installs the same wheels several times faster than pip (downloads, unpacking and bytecode
-compiling run in parallel: the test stack's ~7 GB took 213 s with pip, 97 s with uv, on 2 cores).
+uv installs the same wheels several times faster than pip (downloads and unpacking run in parallel:
+the test stack's ~7 GB took 213 s with pip, 97 s with uv, on 2 cores, bytecode included).
 uv does not read pip's configuration, so the index URLs, find-links and constraints pip is set up
 with on this machine are handed to it, and uv picks the best version across all of them, as pip
 does. Where uv cannot be installed (no registry, an unsupported platform), pip does the work.
 
-The installed modules are compiled to bytecode once, here (as pip does): where
+After uv, the installed modules are compiled to bytecode once, on every core (as pip does): where
 ``PYTHONDONTWRITEBYTECODE`` is set, Python would otherwise compile every module it imports from
 source in every process. The packages' own test suites (``test/`` and ``tests/`` folders, a
 quarter of the files: pandas', sympy's, scipy's...) are left out; nothing imports them.

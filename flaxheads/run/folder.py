@@ -46,7 +46,6 @@ class RunLog(loop.Callback):
 
     def on_evaluate(self, state, step: int, results: dict) -> None:
         self.write({"step": step, "eval": {n: scalars(r) for n, r in results.items()}})
-        self.sinks.flush()
         if self.lead:
             line = ", ".join(f"{n} {self.metric} {r[self.metric]:.4f}" for n, r in results.items())
             print(f"step {step}: {line}", flush=True)

@@ -65,30 +65,32 @@ class EventWriter:
     def __init__(self, run_dir: str | Path, purge_step: int | None = None):
         self.folder = Path(run_dir) / EVENTS_DIR
         self.file: EventFile | None = None
-        self._guarded(lambda: setattr(self, "file", EventFile(self.folder, purge_step)))
-
-    def _guarded(self, write) -> None:
         try:
-            write()
+            self.file = EventFile(self.folder, purge_step)
         except OSError as e:
-            if self.file is not None:
-                with contextlib.suppress(OSError):
-                    self.file.close()
+            self._refused(e)
+
+    def _refused(self, e: OSError) -> None:
+        if self.file is not None:
+            with contextlib.suppress(OSError):
+                self.file.close()
             self.file = None
-            print(f"warning: could not write TensorBoard events in {self.folder}: {e.strerror or e}; training goes "
-                  "on (metrics.jsonl keeps every entry)", file=sys.stderr, flush=True)
+        print(f"warning: could not write TensorBoard events in {self.folder}: {e.strerror or e}; training goes "
+              "on (metrics.jsonl keeps every entry)", file=sys.stderr, flush=True)
 
     def write(self, entry: dict) -> None:
-        if self.file is not None:  # flushed at once: TensorBoard shows a run as it goes
-            self._guarded(lambda: (self.file.add_scalars(int(entry["step"]), scalars_of(entry)), self.file.flush()))
-
-    def flush(self) -> None:
         if self.file is not None:
-            self._guarded(self.file.flush)
+            try:
+                self.file.add_scalars(int(entry["step"]), scalars_of(entry))
+            except OSError as e:
+                self._refused(e)
 
     def close(self) -> None:
         if self.file is not None:
-            self._guarded(self.file.close)
+            try:
+                self.file.close()
+            except OSError as e:
+                self._refused(e)
             self.file = None
 
 
@@ -116,10 +118,6 @@ class Reporters:
                 raise OSError(e.errno, e.strerror, name) from e
         if self.events is not None:
             self.events.write(entry)
-
-    def flush(self) -> None:
-        if self.events is not None:
-            self.events.flush()
 
     def close(self) -> None:
         if self.jsonl is not None:

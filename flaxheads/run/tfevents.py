@@ -16,17 +16,21 @@ import time
 from pathlib import Path
 from typing import Iterable
 
-_CRC_TABLE: list[int] = []
+def _crc_table() -> tuple[int, ...]:
+    table = []
+    for n in range(256):
+        c = n
+        for _ in range(8):
+            c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
+        table.append(c)
+    return tuple(table)
+
+
+_CRC_TABLE = _crc_table()
 
 
 def _crc32c(data: bytes) -> int:
     """CRC-32C (Castagnoli, reflected polynomial 0x82F63B78), which TFRecords use."""
-    if not _CRC_TABLE:
-        for n in range(256):
-            c = n
-            for _ in range(8):
-                c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
-            _CRC_TABLE.append(c)
     crc = 0xFFFFFFFF
     for b in data:
         crc = _CRC_TABLE[(crc ^ b) & 0xFF] ^ (crc >> 8)
@@ -78,7 +82,7 @@ def event(step: int, *, wall_time: float | None = None, file_version: str | None
 
 
 class EventFile:
-    """A new ``events.out.tfevents.<time>.<host>`` file in ``folder``, appended one event at a time.
+    """A new ``events.out.tfevents.<time>.<host>.<pid>`` file in ``folder``, appended one event at a time.
     ``purge_step``: the first step of a resumed run (see the module docstring)."""
 
     def __init__(self, folder: str | os.PathLike, purge_step: int | None = None):
@@ -92,13 +96,12 @@ class EventFile:
         self._file.flush()
 
     def add_scalars(self, step: int, scalars: Iterable[tuple[str, float]]) -> None:
-        """One event with every ``(tag, value)`` of ``step``."""
+        """One event with every ``(tag, value)`` of ``step``, flushed at once: TensorBoard shows a
+        run as it goes, and a killed run loses nothing it logged."""
         scalars = list(scalars)
         if scalars:
             self._file.write(record(event(step, scalars=scalars)))
-
-    def flush(self) -> None:
-        self._file.flush()
+            self._file.flush()
 
     def close(self) -> None:
         if not self._file.closed:
