@@ -98,8 +98,9 @@ def sizes_for(smoke: bool) -> Sizes:
     if not smoke:
         return Sizes(smoke=False)
     # one layer where a second adds only compile time; ModernBERT keeps two (a global and a local one)
-    return Sizes(smoke=True, check_layers=1, bert=(32, 1, 4, 37), modernbert=(32, 2, 4, 48), llama=(32, 1, 4, 2, 48),
-                 runs=(("bert-base", 16, 2), ("llama-1b+lora", 16, 2), ("modernbert-base", 32, 2)), vocab=512,
+    return Sizes(smoke=True, check_layers=1, bert=(32, 1, 4, 37), modernbert=(32, 2, 4, 48),
+                 llama=(32, 1, 4, 2, 48), vocab=512,
+                 runs=(("bert-base", 16, 2), ("llama-1b+lora", 16, 2), ("modernbert-base", 32, 2)),
                  repeats=3, warmup=1, matmul_n=256, texts=24, predict_repeats=2, predict_batch=8, predict_len=32,
                  settle=0.02)
 
