@@ -1,11 +1,13 @@
-"""Params read from safetensors straight onto their shardings, one tensor slice at a time.
+"""Params read from safetensors straight onto their shardings, one tensor at a time.
 
 :func:`~flaxheads.backbones.weights.read_state_dict` reads every tensor into host memory before
 anything is placed; for a model near the host's memory that is the whole model twice (numpy, then
-the device copies). :func:`read_params_sharded` instead builds each param with
-``jax.make_array_from_callback``: for every device shard this process holds it reads just that
-slice of the tensor (``safetensors.safe_open(...).get_slice``), converts it to the target dtype
-and hands it over, so the host holds about one slice at a time.
+the device copies). :func:`read_params_sharded` instead reads each param's box, the part of the
+stored tensor that this process's devices hold (the union of their shards' index boxes), with
+``pread`` into a fresh buffer (:mod:`~flaxheads.backbones.safetensors_file`: nothing is memory-mapped),
+converts it to the target dtype, hands every device its slice (``jax.make_array_from_callback``),
+optionally transforms the placed param (``transform``: a quantised kernel) and drops the buffer before
+the next tensor. The host holds about one tensor at a time; each process reads its own boxes only.
 
 Which tensor becomes which param, and whether it is transposed, is not written down a second
 time: the family's own :meth:`~flaxheads.backbones.base.Backbone.params_from_state` is run on
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +28,7 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 
 from .base import Backbone, BackboneError, HFConfig, strip_prefix
 from ..checksums import verify_file
+from .safetensors_file import SafetensorsFile
 from .weights import SAFE, SAFE_INDEX, WeightsNotFoundError
 
 class NotLazyLoadable(BackboneError):
@@ -34,6 +37,8 @@ class NotLazyLoadable(BackboneError):
 
 #: ``shardings(path, shape) -> jax.sharding.Sharding`` for a backbone param (path without "backbone")
 ShardingFn = Callable[[tuple[str, ...], tuple[int, ...]], jax.sharding.Sharding]
+#: ``transform(path, param) -> leaf``: applied to each backbone param once it is placed (e.g. quantised)
+Transform = Callable[[tuple[str, ...], jax.Array], Any]
 
 
 def safetensors_files(folder: str) -> list[str]:
@@ -50,13 +55,10 @@ def safetensors_files(folder: str) -> list[str]:
 
 def tensor_shapes(files: list[str]) -> dict[str, tuple[str, tuple[int, ...]]]:
     """``{name: (file, shape)}`` from the files' headers (no tensor is read)."""
-    from safetensors import safe_open
-
     out = {}
     for path in files:
-        with safe_open(path, framework="numpy") as f:
-            for name in f.keys():
-                out[name] = (path, tuple(f.get_slice(name).get_shape()))
+        with SafetensorsFile(path) as f:
+            out.update((name, (path, t.shape)) for name, t in f.tensors.items())
     return out
 
 
@@ -101,57 +103,118 @@ def param_sources(family: type[Backbone], config: HFConfig,
     return out
 
 
-def read_params_sharded(folder: str | os.PathLike, family: type[Backbone], config: HFConfig,
-                        shardings: ShardingFn, dtype: Any = jnp.float32) -> dict:
-    """The family's params tree of ``folder``, each param a ``jax.Array`` on ``shardings(path, shape)``
-    in ``dtype``, read slice by slice (each process reads only the slices of its own devices)."""
-    from safetensors import safe_open
+def param_shapes(folder: str | os.PathLike, family: type[Backbone], config: HFConfig) -> dict:
+    """The family's params tree of ``folder`` as ``jax.ShapeDtypeStruct`` leaves in the stored dtypes,
+    from the files' headers alone (to check a folder against its config before anything is read)."""
+    dtypes, found = {}, {}
+    for path in safetensors_files(os.fspath(folder)):
+        with SafetensorsFile(path) as f:
+            for name, t in f.tensors.items():
+                dtypes[name], found[name] = t.dtype, t.shape
+    sources = param_sources(family, config, found)
+    return unflatten_dict({p: jax.ShapeDtypeStruct(found[n][::-1] if t else found[n], dtypes[n])
+                           for p, (n, t) in sources.items()})
 
+
+def _box(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...] | None:
+    """``(start, stop)`` per axis of the union of the index boxes of this process's devices (None: it holds
+    no part); a box, not the exact union, so that it reads in few runs (a process's shards are neighbours)."""
+    boxes = list(sharding.addressable_devices_indices_map(shape).values())
+    if not boxes:
+        return None
+    out = []
+    for axis, n in enumerate(shape):
+        spans = [(index[axis].indices(n)[:2] if axis < len(index) else (0, n)) for index in boxes]
+        out.append((min(a for a, _ in spans), max(b for _, b in spans)))
+    return tuple(out)
+
+
+def _read_param(file: SafetensorsFile, name: str, shape: tuple[int, ...], transposed: bool,
+                sharding: jax.sharding.Sharding, dtype: Any) -> jax.Array:
+    """One param on ``sharding``: this process's box of tensor ``name`` read (in the stored axes), converted
+    to ``dtype`` when floating, and sliced for each device; the buffer goes when this returns."""
+    box = _box(sharding, shape)
+    if box is None:
+        part, origin = np.empty((0,) * len(shape)), (0,) * len(shape)
+    else:
+        part = file.read(name, [slice(a, b) for a, b in (box[::-1] if transposed else box)])
+        part, origin = (part.T if transposed else part), tuple(a for a, _ in box)
+        if jnp.issubdtype(part.dtype, jnp.floating) and part.dtype != np.dtype(dtype):
+            part = part.astype(dtype)  # rebinding drops the stored-dtype buffer before the devices copy
+
+    def piece(index: tuple[slice, ...]) -> np.ndarray:
+        index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+        return part[tuple(slice(*(i - o for i in s.indices(n)[:2])) for s, n, o in zip(index, shape, origin))]
+
+    return jax.make_array_from_callback(shape, sharding, piece)
+
+
+def read_params_sharded(folder: str | os.PathLike, family: type[Backbone], config: HFConfig,
+                        shardings: ShardingFn, dtype: Any = jnp.float32, transform: Transform | None = None) -> dict:
+    """The family's params tree of ``folder``, each param a ``jax.Array`` on ``shardings(path, shape)``
+    in ``dtype`` (floating params; others as stored), read tensor by tensor: each process reads only the
+    box its devices hold. ``transform(path, param)``, when given, replaces each param right after it is
+    placed (the untransformed param is dropped before the next tensor is read)."""
     folder = os.fspath(folder)
     files = safetensors_files(folder)
     for file in files:  # the sampled checksum; verify=True hashes them whole
         verify_file(file)
     found = tensor_shapes(files)
     sources = param_sources(family, config, {n: s for n, (_, s) in found.items()})
-    handles: dict[str, Any] = {}
+    opened: dict[str, SafetensorsFile] = {}
     flat = {}
     try:
         for path, (name, transposed) in sources.items():
             file, shape = found[name]
-            if file not in handles:
-                handles[file] = safe_open(file, framework="numpy")
-            tensor = handles[file].get_slice(name)
+            if file not in opened:
+                opened[file] = SafetensorsFile(file)
             want = shape[::-1] if transposed else shape
-
-            def read(index, tensor=tensor, transposed=transposed, ndim=len(shape)):
-                index = tuple(index) + (slice(None),) * (ndim - len(index))
-                part = np.asarray(tensor[index[::-1] if transposed else index])
-                part = part.T if transposed else part
-                return part.astype(dtype, copy=False) if np.issubdtype(part.dtype, np.floating) else part
-
-            flat[path] = jax.make_array_from_callback(want, shardings(path, want), read)
+            leaf = _read_param(opened[file], name, want, transposed, shardings(path, want), dtype)
+            if transform is not None:
+                leaf = transform(path, leaf)
+            # done before the next read: the host buffers and an untransformed param are freed one at a time
+            flat[path] = jax.block_until_ready(leaf)
+            del leaf
     finally:
-        handles.clear()
+        for f in opened.values():
+            f.close()
     return unflatten_dict(flat)
 
 
-def read_other_tensors(folder: str | os.PathLike, used: set[str]) -> dict[str, np.ndarray]:
-    """Every tensor of the folder's safetensors not in ``used`` (the head's weights beside a lazily read
-    backbone: small), as numpy."""
-    from safetensors import safe_open
+class StoredTensors(Mapping[str, np.ndarray]):
+    """Tensors of safetensors files by name, each read whole (as stored) when it is looked up, not kept."""
 
-    out = {}
-    for path in safetensors_files(os.fspath(folder)):
-        with safe_open(path, framework="numpy") as f:
-            out.update({n: f.get_tensor(n) for n in f.keys() if n not in used})
-    return out
+    def __init__(self, where: Mapping[str, str]):
+        self._where = dict(where)  # name -> file
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        with SafetensorsFile(self._where[name]) as f:
+            return f.read(name)
+
+    def __contains__(self, name: object) -> bool:  # Mapping's own would read the tensor to answer
+        return name in self._where
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+def read_other_tensors(folder: str | os.PathLike, used: set[str]) -> Mapping[str, np.ndarray]:
+    """Every tensor of the folder's safetensors not in ``used`` (the head's weights beside a lazily read
+    backbone), as numpy; each is read when looked up, so the ones no head uses (an LM head) are never read."""
+    found = tensor_shapes(safetensors_files(os.fspath(folder)))
+    return StoredTensors({n: file for n, (file, _) in found.items() if n not in used})
 
 
 def load_sharded(folder: str | os.PathLike, family: type[Backbone], config: HFConfig, shardings: ShardingFn,
-                 dtype: Any = jnp.float32) -> tuple[dict, dict[str, np.ndarray]]:
-    """``(backbone params read slice by slice onto shardings, the folder's other tensors)``: what
+                 dtype: Any = jnp.float32,
+                 transform: Transform | None = None) -> tuple[dict, Mapping[str, np.ndarray]]:
+    """``(backbone params read tensor by tensor onto shardings, the folder's other tensors)``: what
     :func:`~flaxheads.model.from_pretrained` reads for a model placed on a mesh."""
     folder = os.fspath(folder)
     found = tensor_shapes(safetensors_files(folder))
     used = {name for name, _ in param_sources(family, config, {n: s for n, (_, s) in found.items()}).values()}
-    return read_params_sharded(folder, family, config, shardings, dtype), read_other_tensors(folder, used)
+    return (read_params_sharded(folder, family, config, shardings, dtype, transform=transform),
+            read_other_tensors(folder, used))

@@ -1,0 +1,189 @@
+"""A small safetensors reader that reads boxes of tensors with ``os.pread`` into fresh numpy buffers.
+
+The format: 8 bytes (little-endian ``u64``) giving the header's length ``N``, a JSON header of ``N``
+bytes, ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}``, then the
+data, offsets counted from byte ``8 + N``, every tensor row-major and little-endian.
+
+``safetensors.safe_open`` memory-maps the file: the pages a read touches count in the process's
+resident memory for as long as the file is open, and a column slice of a row-major tensor touches
+every page of it. Here a box (a slice per axis) is read as its contiguous runs: one read when only
+the leading axis is cut, one per row segment otherwise, into a buffer that belongs to the caller and
+is freed with it; nothing is mapped. The bytes of tensor data read by this process are counted
+(:func:`bytes_read`), so a loader's reads can be checked.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import struct
+from typing import Sequence
+
+import ml_dtypes
+import numpy as np
+
+from .weights import WeightsError
+
+#: safetensors dtype names -> numpy dtypes (little-endian, as stored)
+DTYPES: dict[str, np.dtype] = {
+    "F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn), "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "I16": np.dtype("<i2"), "I8": np.dtype("i1"),
+    "U64": np.dtype("<u8"), "U32": np.dtype("<u4"), "U16": np.dtype("<u2"), "U8": np.dtype("u1"),
+    "BOOL": np.dtype(np.bool_),
+}
+#: a header larger than this is not a safetensors header (the format's own reader refuses 100 MB)
+MAX_HEADER = 100 << 20
+_PREADV = hasattr(os, "preadv")
+_READ = [0]  # tensor bytes read by this process (a list: mutable without a global statement)
+
+
+def bytes_read() -> int:
+    """Bytes of tensor data this process has read through :class:`SafetensorsFile` so far."""
+    return _READ[0]
+
+
+def damaged(path: str, what: str) -> WeightsError:
+    """The one error of an unreadable file: it names the file and what is wrong with it."""
+    return WeightsError(f"{path}: {what}; the file is truncated or corrupt, as a download that stopped part-way "
+                        "leaves it: download the model again (or re-save it with save_pretrained)")
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of a file: its dtype, shape and the absolute byte offset of its data."""
+
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def _box(box: Sequence[slice] | None, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """``(start, stop)`` per axis of a box of unit-step slices (missing trailing axes are whole)."""
+    box = tuple(box or ()) + (slice(None),) * (len(shape) - len(box or ()))
+    if len(box) != len(shape):
+        raise ValueError(f"a box of {len(box)} slices for a tensor of shape {shape}")
+    out = []
+    for s, n in zip(box, shape):
+        start, stop, step = s.indices(n)
+        if step != 1:
+            raise ValueError(f"boxes are read with unit steps, not {s}")
+        out.append((start, max(start, stop)))
+    return tuple(out)
+
+
+class SafetensorsFile:
+    """One safetensors file, its header parsed and bounds-checked on open; :meth:`read` reads a box of
+    a tensor. Use as a context manager (or :meth:`close`): the open descriptor is its only resource."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            self.tensors, self.metadata = self._header()
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def _header(self) -> tuple[dict[str, TensorInfo], dict]:
+        size = os.fstat(self._fd).st_size
+        raw = os.pread(self._fd, 8, 0)
+        if len(raw) < 8:
+            raise damaged(self.path, f"{size} bytes, shorter than a safetensors header")
+        (n,) = struct.unpack("<Q", raw)
+        if n > size - 8:
+            raise damaged(self.path, f"its header claims {n} bytes, past the end of the file ({size} bytes)")
+        if n > MAX_HEADER:
+            raise damaged(self.path, f"its header claims {n} bytes, more than a safetensors header holds")
+        try:
+            header = json.loads(os.pread(self._fd, n, 8))
+            if not isinstance(header, dict):
+                raise ValueError("not a JSON object")
+        except (ValueError, UnicodeDecodeError) as e:
+            raise damaged(self.path, f"its header is not JSON ({str(e)[:120]})") from None
+        data, available = 8 + n, size - 8 - n
+        tensors = {}
+        for name, t in header.items():
+            if name == "__metadata__":
+                continue
+            try:
+                dtype, shape, (begin, end) = DTYPES[t["dtype"]], tuple(int(d) for d in t["shape"]), t["data_offsets"]
+            except (KeyError, TypeError, ValueError):
+                raise damaged(self.path, f"tensor {name!r} has no readable dtype, shape and data_offsets in the "
+                              f"header ({str(t)[:120]})") from None
+            if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end <= available):
+                raise damaged(self.path, f"tensor {name!r} lies at bytes {begin}..{end}, outside the {available} "
+                              "bytes of data")
+            info = TensorInfo(dtype, shape, data + begin)
+            if min(shape, default=0) < 0 or end - begin != info.nbytes:
+                raise damaged(self.path, f"tensor {name!r} has {end - begin} bytes for shape {list(shape)} "
+                              f"{t['dtype']}")
+            tensors[name] = info
+        meta = header.get("__metadata__") or {}
+        return tensors, meta if isinstance(meta, dict) else {}
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> "SafetensorsFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except (OSError, AttributeError):
+            pass
+
+    def keys(self) -> list[str]:
+        return list(self.tensors)
+
+    def read(self, name: str, box: Sequence[slice] | None = None) -> np.ndarray:
+        """The part ``box`` (a unit-step slice per leading axis; default the whole tensor) of tensor
+        ``name``, in its stored dtype, as a fresh array. Each contiguous run of the box in the file is
+        one read, straight into the array's memory."""
+        if name not in self.tensors:
+            raise KeyError(f"{self.path} has no tensor {name!r}")
+        info = self.tensors[name]
+        spans = _box(box, info.shape)
+        lens = tuple(b - a for a, b in spans)
+        out = np.empty(lens, info.dtype)
+        if out.size == 0:
+            return out
+        # axes after the last cut one are whole, so each run covers the cut axis' span and all of them
+        cut = [a for a, (span, n) in enumerate(zip(lens, info.shape)) if span != n]
+        k = cut[-1] if cut else 0
+        strides = [math.prod(info.shape[a + 1:]) for a in range(len(info.shape))]  # in elements
+        run = math.prod(lens[k:]) * info.dtype.itemsize
+        first = info.offset + sum(spans[a][0] * strides[a] for a in range(k, len(spans))) * info.dtype.itemsize
+        starts = np.zeros((), np.int64) + first
+        for a in range(k):  # every combination of the outer axes' indices, in row-major order
+            steps = (np.arange(spans[a][0], spans[a][1], dtype=np.int64) * strides[a] * info.dtype.itemsize)
+            starts = starts[..., None] + steps
+        dest = memoryview(out.reshape(-1).view(np.uint8))
+        for j, at in enumerate(starts.reshape(-1).tolist()):
+            self._read_into(dest[j * run:(j + 1) * run], at, name)
+        _READ[0] += out.nbytes
+        return out
+
+    def _read_into(self, dest: memoryview, offset: int, name: str) -> None:
+        done = 0
+        while done < len(dest):  # a read may return less (signals, the kernel's ~2 GiB cap per call)
+            if _PREADV:
+                got = os.preadv(self._fd, [dest[done:]], offset + done)
+            else:  # no preadv (some platforms): a copy through bytes
+                chunk = os.pread(self._fd, len(dest) - done, offset + done)
+                dest[done:done + len(chunk)] = chunk
+                got = len(chunk)
+            if got == 0:
+                raise damaged(self.path, f"tensor {name!r} ends past the end of the file")
+            done += got
