@@ -271,9 +271,10 @@ def from_pretrained(path: str | os.PathLike, *, pooler: str | Sequence[str] | Po
     halves a base that stays frozen: :meth:`SequenceModel.with_base_dtype`). ``quantize``: ``int8 |
     int4 | nf4`` layer kernels of a frozen base (:meth:`SequenceModel.with_quantized_base`).
     ``mesh``: a :class:`jax.sharding.Mesh` (or its shape, ``"fsdp=8"``) to read the backbone onto:
-    each param is read from the safetensors slice by slice straight onto its sharding under the
-    default layout (:func:`flaxheads.backbones.lazy.load_sharded`), in ``base_dtype``; no host
-    copy of the whole model."""
+    each param is read from the safetensors tensor by tensor, each process reading only the part its
+    devices hold, straight onto its sharding under the default layout
+    (:func:`flaxheads.backbones.lazy.load_sharded`), in ``base_dtype`` and, with ``quantize``, each
+    layer kernel quantised as soon as it is read; no host copy of the whole model."""
     if quantize is not None:
         from .quantize import check_family
 
@@ -281,7 +282,8 @@ def from_pretrained(path: str | os.PathLike, *, pooler: str | Sequence[str] | Po
     path = os.fspath(path)
     loaded = None
     if mesh is not None:
-        loaded = _load_onto_mesh(path, mesh, dtype=dtype, remat=remat, plan=plan, base_dtype=base_dtype)
+        loaded = _load_onto_mesh(path, mesh, dtype=dtype, remat=remat, plan=plan, base_dtype=base_dtype,
+                                 quantize=quantize)
     if loaded is not None:
         backbone, state = loaded
     else:
@@ -318,18 +320,21 @@ def from_pretrained(path: str | os.PathLike, *, pooler: str | Sequence[str] | Po
     model = SequenceModel(backbone=backbone, head=seq_head, num_labels=n, problem_type=ptype, params=params,
                           id2label=labels, pool_mask=match.pool_mask, pad_token_id=pad, eos_token_id=eos,
                           arch=match.arch, hf_names=match.hf_names, name_or_path=path, report=report)
+    if loaded is not None:  # read in base_dtype, and quantised tensor by tensor, already
+        return model
     model = model if base_dtype is None else model.with_base_dtype(base_dtype)
     return model if quantize is None else model.with_quantized_base(quantize)
 
 
-def _load_onto_mesh(path: str, mesh, *, dtype, remat, plan, base_dtype):
-    """The native backbone of ``path`` read onto ``mesh`` (its default layout) and the folder's other
-    tensors; None where the folder has no safetensors or the family's params are not stored tensors
-    (then it loads eagerly and is placed by the run)."""
+def _load_onto_mesh(path: str, mesh, *, dtype, remat, plan, base_dtype, quantize=None):
+    """The native backbone of ``path`` read onto ``mesh`` (its default layout) in ``base_dtype``, each
+    :func:`~flaxheads.quantize.quantizable` kernel quantised right after it is read when ``quantize`` is
+    set, and the folder's other tensors; None where the folder has no safetensors or the family's params
+    are not stored tensors (then it loads eagerly and is placed by the run)."""
     from jax.sharding import Mesh, NamedSharding
 
     from .backbones.base import BackboneError, check_params
-    from .backbones.lazy import NotLazyLoadable, load_sharded, safetensors_files
+    from .backbones.lazy import NotLazyLoadable, load_sharded, param_shapes, safetensors_files
     from .backbones.weights import WeightsNotFoundError
     from .backbones.registry import family_for
     from .memory_plan import abstract_model
@@ -343,15 +348,33 @@ def _load_onto_mesh(path: str, mesh, *, dtype, remat, plan, base_dtype):
                             "mesh; load it without mesh=")
     config = fam.complete_config(config)
     fam.check_config(config)
-    layout = Layout.for_model(mesh, abstract_model(path, remat=remat, plan=plan))
+    from .quantize import quantizable, quantize_onto
+
+    layout = Layout.for_model(mesh, abstract_model(path, remat=remat, plan=plan, base_dtype=base_dtype,
+                                                   quantize=quantize))
+
+    def on_layout(names: tuple[str, ...], shape: tuple[int, ...]) -> NamedSharding:
+        return NamedSharding(mesh, layout.spec_of(("backbone",) + names, shape))
+
+    def sharding(p: tuple[str, ...], shape: tuple[int, ...]) -> NamedSharding:
+        # a kernel to quantise is read where its codes will lie, so the quantisation moves nothing
+        return on_layout(p + ("qvalue",) if quantize is not None and quantizable(p, shape) else p, shape)
+
+    def quantized(p: tuple[str, ...], x: jax.Array):
+        if not quantizable(p, x.shape):
+            return x
+        return quantize_onto(x, quantize, lambda part, shape: on_layout(p + (part,), shape))
+
     try:
         safetensors_files(path)
-        params, rest = load_sharded(path, fam, config,
-                                    lambda p, s: NamedSharding(mesh, layout.spec_of(("backbone",) + p, s)),
-                                    dtype=jnp.float32 if base_dtype is None else base_dtype)
+        # from the headers, before anything is read
+        check_params(fam.param_shapes(config), param_shapes(path, fam, config), source=path,
+                     model_type=config.get("model_type"))
+        params, rest = load_sharded(path, fam, config, sharding,
+                                    dtype=jnp.float32 if base_dtype is None else base_dtype,
+                                    transform=None if quantize is None else quantized)
     except (WeightsNotFoundError, NotLazyLoadable):
         return None
-    check_params(fam.param_shapes(config), params, source=path, model_type=config.get("model_type"))
     return fam(config, params, dtype=dtype, remat=remat, plan=plan), rest
 
 

@@ -29,8 +29,8 @@ decoder LLMs); the others fuse or rescale kernels before multiplying and are ref
 from __future__ import annotations
 
 import dataclasses
-from functools import partial
-from typing import Any
+from functools import lru_cache, partial
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +38,7 @@ import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 
 from .errors import UsageError
+from .sharding import path_names
 
 #: ``quantize`` settings (``flaxheads train --quantize``)
 QUANTIZATIONS = ("int8", "int4", "nf4")
@@ -81,13 +82,36 @@ def check_family(model_type: str) -> None:
                          "(llama, mistral, qwen2, qwen3, gemma*). Load it in bfloat16 (--base-dtype bfloat16) instead")
 
 
+def quantizable(path: tuple[str, ...], shape: tuple[int, ...]) -> bool:
+    """Whether the backbone param at ``path`` (without ``"backbone"``) of ``shape`` is quantised: a 2-D
+    ``kernel`` of a transformer layer (not the embeddings, norms or biases)."""
+    return path[-1:] == ("kernel",) and "layers" in path and len(shape) == 2
+
+
 def quantize_params(backbone_params, qtype: str, model_type: str) -> dict:
-    """``backbone_params`` with every 2-D ``kernel`` of a transformer layer (not the embeddings) quantised."""
+    """``backbone_params`` with every :func:`quantizable` kernel quantised."""
     check_family(model_type)
     flat = flatten_dict(backbone_params)
-    out = {k: quantize_kernel(v, qtype) if k[-1] == "kernel" and "layers" in k and np.ndim(v) == 2 else v
-           for k, v in flat.items()}
-    return unflatten_dict(out)
+    return unflatten_dict({k: quantize_kernel(v, qtype) if quantizable(k, np.shape(v)) else v
+                           for k, v in flat.items()})
+
+
+@lru_cache(maxsize=64)
+def _quantizer(qtype: str, tree: Any, out_shardings: tuple):
+    # one jitted function per scheme and output placement: the layers' kernels of one shape share a compile
+    return jax.jit(partial(quantize_kernel, qtype=qtype),
+                   out_shardings=jax.tree.unflatten(tree, out_shardings))
+
+
+def quantize_onto(kernel: jax.Array, qtype: str, shardings: Callable[[str, tuple[int, ...]], Any]):
+    """:func:`quantize_kernel` of a placed ``kernel``, computed where it lies, with the codes and the scales
+    on ``shardings(part, shape)`` (``part``: ``"qvalue"`` or ``"scale"``). The same values as the
+    eager :func:`quantize_kernel`: a quantised base read onto a mesh tensor by tensor equals one
+    quantised after loading."""
+    shapes = jax.eval_shape(partial(quantize_kernel, qtype=qtype), kernel)
+    leaves, tree = jax.tree_util.tree_flatten_with_path(shapes)
+    outs = tuple(shardings(path_names(p)[-1], tuple(x.shape)) for p, x in leaves)
+    return _quantizer(qtype, tree, outs)(kernel)
 
 
 def quantization_of(backbone_params) -> str | None:

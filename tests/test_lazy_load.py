@@ -24,6 +24,8 @@ from flaxheads.backbones.lazy import _box, param_sources, read_params_sharded  #
 from flaxheads.backbones.registry import family_for  # noqa: E402
 from flaxheads.backbones.safetensors_file import SafetensorsFile, bytes_read  # noqa: E402
 from flaxheads.backbones.weights import WeightsError, read_state_dict  # noqa: E402
+from flaxheads.memory_plan import abstract_model  # noqa: E402
+from flaxheads.quantize import is_quantized  # noqa: E402
 from flaxheads.sharding import Layout, make_mesh  # noqa: E402
 from hf_tiny import save_tiny  # noqa: E402
 
@@ -215,3 +217,37 @@ def test_a_damaged_file_is_one_error_naming_it(tmp_path, how):
     with pytest.raises(WeightsError, match="truncated or corrupt") as err:
         fh.from_pretrained(path, mesh="fsdp=4")
     assert str(err.value).startswith(file) and "\n" not in str(err.value)
+
+
+# ---- quantised while reading -----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def llama_folder(tmp_path_factory):
+    # hidden 128: the 4-bit schemes' blocks of 64 inputs are used, not one block per channel
+    path, _ = save_tiny(tmp_path_factory.mktemp("q") / "llama", "llama", seed=3, vocab_size=512, hidden_size=128,
+                        intermediate_size=256, head_dim=32, num_hidden_layers=1, num_key_value_heads=4)
+    return path
+
+
+@pytest.mark.parametrize("qtype, base_dtype", [("int8", None), ("nf4", jnp.bfloat16)])
+def test_quantised_while_reading_is_the_eager_quantised_model(llama_folder, qtype, base_dtype):
+    eager = fh.from_pretrained(llama_folder, quantize=qtype, base_dtype=base_dtype)
+    lazy = fh.from_pretrained(llama_folder, quantize=qtype, base_dtype=base_dtype, mesh="fsdp=4")
+    want = jax.tree_util.tree_leaves_with_path(eager.params)
+    got = jax.tree_util.tree_leaves_with_path(lazy.params)
+    assert [p for p, _ in got] == [p for p, _ in want]
+    for (p, a), (_, b) in zip(got, want):
+        assert a.dtype == b.dtype, p
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(p))
+    layout = Layout.for_model(make_mesh("fsdp=4"), abstract_model(llama_folder, base_dtype=base_dtype,
+                                                                   quantize=qtype))
+    kernels = [(p, k) for p, k in jax.tree_util.tree_leaves_with_path(lazy.params["backbone"], is_leaf=is_quantized)
+               if is_quantized(k)]
+    assert len(kernels) == 7  # q, k, v, o, gate, up, down of the one layer
+    split = 0
+    for p, k in kernels:
+        names = ("backbone",) + tuple(str(x.key) for x in p)
+        for part in ("qvalue", "scale"):
+            x = getattr(k, part)
+            assert x.sharding.spec == layout.spec_of(names + (part,), x.shape), (names, part)
+        split += "fsdp" in str(k.qvalue.sharding.spec)
+    assert split == 7
