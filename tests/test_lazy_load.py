@@ -222,7 +222,9 @@ def test_a_damaged_file_is_one_error_naming_it(tmp_path, how):
 # ---- quantised while reading -----------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def llama_folder(tmp_path_factory):
-    # hidden 128: the 4-bit schemes' blocks of 64 inputs are used, not one block per channel
+    # hidden 128: the 4-bit schemes' blocks of 64 inputs are used, not one block per channel. On fsdp=4
+    # o_proj and down_proj (split by outputs) are quantised shard by shard, the others (inputs split
+    # in 32s, less than a block) as one program: both ways are compared with the eager model
     path, _ = save_tiny(tmp_path_factory.mktemp("q") / "llama", "llama", seed=3, vocab_size=512, hidden_size=128,
                         intermediate_size=256, head_dim=32, num_hidden_layers=1, num_key_value_heads=4)
     return path

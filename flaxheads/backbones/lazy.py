@@ -28,6 +28,7 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 
 from .base import Backbone, BackboneError, HFConfig, strip_prefix
 from ..checksums import verify_file
+from ..host.malloc import release_free_memory
 from .safetensors_file import SafetensorsFile
 from .weights import SAFE, SAFE_INDEX, WeightsNotFoundError
 
@@ -175,6 +176,8 @@ def read_params_sharded(folder: str | os.PathLike, family: type[Backbone], confi
             # done before the next read: the host buffers and an untransformed param are freed one at a time
             flat[path] = jax.block_until_ready(leaf)
             del leaf
+            if transform is not None:
+                release_free_memory()
     finally:
         for f in opened.values():
             f.close()

@@ -55,3 +55,16 @@ def configure_malloc() -> list[str]:
             os.environ[name] = str(value)  # child processes start with the same heap; a second call keeps it
             applied.append(f"{name}={value}")
     return applied
+
+
+def release_free_memory() -> None:
+    """Give the pages of freed heap blocks back to the system (glibc's ``malloc_trim``; elsewhere a
+    no-op). For a one-off phase that frees what it allocated, block after block (a lazy load that
+    quantises each kernel as it reads it): glibc keeps freed heap memory mapped, and the holes the
+    float kernels left between the codes that stay held its RSS near the float base's size."""
+    if platform.libc_ver()[0] != "glibc":
+        return
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # pragma: no cover - a glibc without malloc_trim
+        pass
