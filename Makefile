@@ -18,6 +18,10 @@ LVENV  := .venv-legacy
 export MALLOC_MMAP_THRESHOLD_ ?= 33554432
 export MALLOC_TRIM_THRESHOLD_ ?= 4294967296
 export HF_HUB_OFFLINE := 1
+# Bytecode is written as modules are first imported (a machine may set PYTHONDONTWRITEBYTECODE): without
+# it every process compiles torch, transformers and jax from source again (~1 min each on 2 cores), and
+# compiling at install time would do all 19k modules of the test stack where a test process imports ~5k.
+unexport PYTHONDONTWRITEBYTECODE
 export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
 # torch on disk / from the registry for this Python: other specs pull gigabytes of CUDA wheels.
 torch_for = $(shell $(1) -c 'import sys; print("2.13.0" if sys.version_info < (3, 12) else "2.14.1")')

@@ -8,10 +8,9 @@ uv does not read pip's configuration, so the index URLs, find-links and constrai
 with on this machine are handed to it, and uv picks the best version across all of them, as pip
 does. Where uv cannot be installed (no registry, an unsupported platform), pip does the work.
 
-After uv, the installed modules are compiled to bytecode once, on every core (as pip does): where
-``PYTHONDONTWRITEBYTECODE`` is set, Python would otherwise compile every module it imports from
-source in every process. The packages' own test suites (``test/`` and ``tests/`` folders, a
-quarter of the files: pandas', sympy's, scipy's...) are left out; nothing imports them.
+uv writes no bytecode (``--compile-bytecode`` would compile all ~19k modules of the test stack,
+most of the install's time, where a test process imports ~5k): Python writes it as each module is first
+imported, which the Makefile allows even where ``PYTHONDONTWRITEBYTECODE`` is set.
 """
 from __future__ import annotations
 
@@ -47,20 +46,8 @@ def main(argv: list[str]) -> int:
                        stderr=subprocess.DEVNULL)
     if not os.path.exists(uv):
         return subprocess.run([python, "-m", "pip", "install", "-q", *args]).returncode
-    code = subprocess.run([uv, "pip", "install", "-q", "--python", python, "--index-strategy", "unsafe-best-match",
+    return subprocess.run([uv, "pip", "install", "-q", "--python", python, "--index-strategy", "unsafe-best-match",
                            *pip_settings(python), *args]).returncode
-    if code == 0:
-        compile_bytecode(python)
-    return code
-
-
-def compile_bytecode(python: str) -> None:
-    """Bytecode for the venv's modules that have none yet, test folders left out, on every core. A
-    file that does not compile (a template, another Python's syntax) is skipped, as pip and uv do."""
-    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          capture_output=True, text=True, check=True).stdout.strip()
-    subprocess.run([python, "-m", "compileall", "-q", "-j", "0", "-x", r"[/\\]tests?[/\\]", site],
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 if __name__ == "__main__":
