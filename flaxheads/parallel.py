@@ -155,15 +155,26 @@ class Parallel:
         return jax.jit(step_fn, in_shardings=(first, self.layout.batch()), out_shardings=out,
                        donate_argnums=donate_argnums, compiler_options=options)
 
-    def put_state(self, tree):
+    def put_state(self, tree, *, reuse: bool = False):
         """Place a pytree (state or params; host arrays, or arrays placed elsewhere, such as
-        restored on another mesh) for this mode: a copy."""
+        restored on another mesh) for this mode: a copy. ``reuse``: device arrays already where
+        this mode puts them are taken as they are, not copied (the caller gives them up: a step
+        that donates the state deletes them)."""
+        seen: set[int] = set()  # an array in two places is copied for the second: a step cannot donate it twice
+
+        def keep(x, where) -> bool:
+            if not (reuse and _on(x, where)) or id(x) in seen:
+                return False
+            seen.add(id(x))
+            return True
+
         if self.mode == "single":
-            return jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
+            one = jax.devices()[0]
+            return jax.tree.map(lambda x: x if keep(x, one) else jnp.array(x, copy=True), tree)
         if self.mode == "pmap":
             rep = NamedSharding(local_data_mesh(), P())
-            return jax.tree.map(lambda x: _place(x, rep), tree)
-        return jax.tree.map(_place, tree, self.shardings(tree))
+            return jax.tree.map(lambda x: x if keep(x, rep) else _place(x, rep), tree)
+        return jax.tree.map(lambda x, s: x if keep(x, s) else _place(x, s), tree, self.shardings(tree))
 
     def get_state(self, tree):
         """One copy of a placed state as host numpy arrays (inverse of :meth:`put_state`)."""
@@ -192,6 +203,15 @@ class Parallel:
     def get_rows(self, x) -> np.ndarray:
         """Host value of a per-example output (logits) in global batch order."""
         return host_leaf(x)
+
+
+def _on(x, where) -> bool:
+    """Whether ``x`` is a live device array placed exactly as ``where`` (a device or a sharding) says."""
+    if not isinstance(x, jax.Array) or x.is_deleted():
+        return False
+    if isinstance(where, jax.Device):
+        return x.sharding.device_set == {where}
+    return x.sharding.is_equivalent_to(where, x.ndim)
 
 
 def _place(x, sharding: NamedSharding):

@@ -347,6 +347,7 @@ def _fine_tune(job: Job, callbacks: list, *, progress: bool, argv, started, comp
     config = run_config(job, trainer, argv)
     lead = jax.process_index() == 0
     ckpt, state0 = open_checkpoints(job, trainer, config, lead)
+    resumed = None if state0 is None else int(state0.step)  # fit consumes state0's arrays
     folder = RunFolder(job.out, lead)
     total = loop.total_steps(len(job.splits["train"]), job.train)
     folder.start(config, _intro(job, trainer, total))
@@ -364,14 +365,15 @@ def _fine_tune(job: Job, callbacks: list, *, progress: bool, argv, started, comp
             print("\n".join(memory), flush=True)
     log = folder.logger(job.optim, total, job.train.log_every, job.task.headline,
                         report_to=resolve_report_to(job.spec.checkpoints.report_to),
-                        resumed_at=None if state0 is None else int(state0.step))
+                        resumed_at=resumed)
     evals = {"validation": job.splits["validation"]} if "validation" in job.splits else {}
     window = job.spec.checkpoints.profile_steps
     profile = ProfileWindow(job.out / "profile", *parse_steps(window)) if window and lead else None
     extra = ([ReportPage(job.out)] if lead else []) + ([profile] if profile is not None else [])
     fit_called = time.perf_counter()
     res = fit_until_signal(trainer, job.splits["train"], ckpt, [log, *callbacks, *extra], evals=evals,
-                           buckets=job.buckets, pad_id=job.pad_id, progress=lead and progress, state=state0)
+                           buckets=job.buckets, pad_id=job.pad_id, progress=lead and progress, state=state0,
+                           consume_model=True)  # the run's model is rebuilt from the state below
     final, predictions = {}, {}
     if "test" in job.splits:
         with phase("evaluating the test split"):
@@ -380,7 +382,7 @@ def _fine_tune(job: Job, callbacks: list, *, progress: bool, argv, started, comp
     last = next((e["eval"] for e in reversed(res.history) if "eval" in e), {})
     final = {**last, **final}
     summary = {**({"objective": job.spec.task.objective} if job.spec.ranking else {}), "steps": res.step,
-               "resumed_from": None if state0 is None else int(state0.step),
+               "resumed_from": resumed,
                "checkpoints": None if ckpt is None else ckpt.ckr.root, "seconds": round(res.seconds, 1),
                "eval_seconds": round(res.eval_seconds, 1), **_startup(started, res, fit_called),
                "train_compiles": res.train_compiles, "eval_compiles": res.eval_compiles, "throughput": res.throughput,

@@ -318,10 +318,14 @@ def train_batches(trainer: Trainer, train: Split | StreamSplit | None = None) ->
 def fit(trainer: Trainer, train: Split, *, evals: Mapping[str, Split] | None = None,
         buckets: Sequence[int] = (128,), pad_id: int = 0, state: TrainState | None = None,
         start_step: int | None = None, callbacks: Sequence[Callback] = (), progress: bool = True,
-        group_by_length: bool = True) -> FitResult:
+        group_by_length: bool = True, consume_model: bool = False) -> FitResult:
     """Train ``trainer.model`` on ``train``; evaluate ``evals`` ({name: Split}) every
     ``cfg.eval_every`` steps (default: each epoch) and at the end.
 
+    ``consume_model``: the state takes the model's device arrays as they are instead of a copy of
+    them, so the devices hold the params once (a base near the device's size fits); the steps
+    donate the state, so ``trainer.model.params`` are deleted by the first step: use the returned
+    state's params.
     Resuming: pass the restored (host) ``state``; training continues at ``state.step`` (or
     ``start_step``) with exactly the batches and dropout keys an uninterrupted run would use.
     ``callbacks``: :class:`Callback` objects (see the module docstring for when each is called)."""
@@ -334,7 +338,7 @@ def fit(trainer: Trainer, train: Split, *, evals: Mapping[str, Split] | None = N
     eval_every = cfg.eval_every or spe
     host_state = trainer.init_state() if state is None else state
     step = int(np.asarray(jax.device_get(host_state.step))) if start_step is None else int(start_step)
-    placed = par.put_state(host_state)
+    placed = par.put_state(host_state, reuse=consume_model)
     history: list[dict] = []
     log = _Log(cfg.log_every, total, step, progress, trainer.peak_flops())
 

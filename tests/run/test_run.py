@@ -80,12 +80,30 @@ def classification(files):
     d = files["dir"]
     base = dict(SETTINGS, model=files["bert"], data=files["news"])
     assert main(["train", *_argv(base), "--no-progress", "--output-dir", str(d / "cli")]) == 0
-    run = fh.train(**base, output_dir=str(d / "lib"), progress=False)
-    return d / "cli", d / "lib", run, base
+    live = {}
+
+    def after_first_step(state, step, metrics):
+        if step == 1:
+            live.update(params=_bytes(state.params), state=_bytes(state), all=_bytes(jax.live_arrays()))
+
+    run = fh.train(**base, output_dir=str(d / "lib"), progress=False,
+                   callbacks=[fh.training.loop.hooks(on_step_end=after_first_step)])
+    return d / "cli", d / "lib", run, base, live
+
+
+def _bytes(tree) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(tree) if not x.is_deleted())
+
+
+def test_a_run_holds_its_params_once(classification):
+    """The state takes the loaded model's device arrays instead of copying them: after the first step
+    the devices hold the state and small buffers (batch, metrics), not a second copy of the params."""
+    live = classification[-1]
+    assert live["params"] > 0 and live["all"] - live["state"] < 0.25 * live["params"], live
 
 
 def test_a_python_run_equals_the_command(classification):
-    cli, lib, run, _ = classification
+    cli, lib, run, *_ = classification
     assert _rows(cli / "metrics.jsonl") == _rows(lib / "metrics.jsonl")
     assert _config(cli) == _config(lib)
     for name in ("summary.json", "eval.txt", "predictions.npz", "curve.png", "confusion_matrix.png"):
@@ -98,7 +116,7 @@ def test_a_python_run_equals_the_command(classification):
 
 
 def test_the_spec_round_trips_through_the_run_folder(classification):
-    _, lib, run, base = classification
+    _, lib, run, base, _ = classification
     spec = fh.RunSpec.from_run(lib)
     assert spec == run.spec.replace(output_dir=str(lib))
     assert spec.optim.max_steps == 6 and spec.data.max_length == 16 and spec.model.model == base["model"]
@@ -107,7 +125,7 @@ def test_the_spec_round_trips_through_the_run_folder(classification):
 
 
 def test_interrupted_from_python_and_called_again_resumes_bitwise(classification, files):
-    _, lib, _, base = classification
+    _, lib, _, base, _ = classification
     out = files["dir"] / "interrupted"
 
     def interrupt(state, step, metrics):
@@ -123,7 +141,7 @@ def test_interrupted_from_python_and_called_again_resumes_bitwise(classification
 
 
 def test_load_and_export_what_the_run_saved(classification, tmp_path):
-    _, lib, run, _ = classification
+    _, lib, run, *_ = classification
     ids = np.array([[101, 40, 41, 42, 102, 0]], np.int32)
     mask = (ids != 0).astype(np.int32)
 
