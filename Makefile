@@ -57,12 +57,16 @@ demo: $(BASE)
 
 # Tests run on every core (pytest-xdist; one file per worker, so a module's fixtures and compiled
 # programs are made once), then the tests marked serial in a pass of their own (tests/conftest.py says
-# which and why).
+# which and why). `make test WITH_LEGACY=1` also runs the legacy stack's tests (test-legacy), beside the
+# serial pass, whose few multi-process tests leave part of the cores idle; its output follows.
 PYTEST_PARALLEL := -n auto --dist loadfile --no-loadscope-reorder
 
-test: $(TESTS)
+test: $(TESTS) $(if $(WITH_LEGACY),$(LVENV)/.installed)
 	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL) -m "not serial" --durations=25 tests
-	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL) -m serial tests
+	$(if $(WITH_LEGACY),$(MAKE) --no-print-directory test-legacy > $(LVENV)/test.log 2>&1 & legacy=$$!;) \
+	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL) -m serial tests; code=$$?; \
+	$(if $(WITH_LEGACY),wait $$legacy; legacy_code=$$?; echo "legacy stack (test-legacy):"; cat $(LVENV)/test.log; \
+		[ $$legacy_code = 0 ] || code=$$legacy_code;) exit $$code
 
 test-fast: $(TESTS)
 	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL) -m "not slow and not serial and not full" tests
