@@ -219,6 +219,21 @@ def test_a_damaged_file_is_one_error_naming_it(tmp_path, how):
     assert str(err.value).startswith(file) and "\n" not in str(err.value)
 
 
+def test_a_damaged_file_closes_its_descriptor_once(stored, tmp_path):
+    """The refused file's half-made reader, collected later, must not close a descriptor number that
+    another file has taken since (a later read would fail with EBADF)."""
+    import gc
+
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\xff" * 16)
+    with pytest.raises(WeightsError) as err:  # keeps the half-made reader alive until the other opens
+        SafetensorsFile(bad)
+    with SafetensorsFile(stored[0]) as good:
+        del err
+        gc.collect()
+        assert good.read("F32").tobytes() == stored[1]["F32"].tobytes()
+
+
 # ---- quantised while reading -----------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def llama_folder(tmp_path_factory):

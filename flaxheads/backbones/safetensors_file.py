@@ -87,8 +87,8 @@ class SafetensorsFile:
         try:
             self.tensors, self.metadata = self._header()
         except BaseException:
-            os.close(self._fd)
-            raise
+            self.close()  # and forget the number: __del__ runs on this half-made object too, and by then the
+            raise         # number may be another file's
 
     def _header(self) -> tuple[dict[str, TensorInfo], dict]:
         size = os.fstat(self._fd).st_size
