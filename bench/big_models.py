@@ -45,14 +45,15 @@ def cpu_name() -> str:
 
 
 def base_bytes(tmp: str) -> None:
-    """A Llama-shaped base of 29M params (hidden 512, 8 layers, vocab 4000: the embeddings 7% of the
-    params, as in Llama-3.1-8B), the arrays' own bytes; then Llama-3.1-8B's shapes (bench/configs)."""
+    """A Llama-shaped base of 26M params (hidden 512, 8 layers, 2 key/value heads, vocab 4000: the
+    embeddings 7.8% of the params, 6.5% in Llama-3.1-8B), the arrays' own bytes; then Llama-3.1-8B's
+    shapes (bench/configs)."""
     path, _ = save_tiny(os.path.join(tmp, "bytes"), "llama", seed=0, hidden_size=512, num_hidden_layers=8,
                         intermediate_size=1536, vocab_size=4000, num_attention_heads=8, head_dim=64,
                         max_position_embeddings=512)
     f32 = fh.from_pretrained(path)
     ref = device_bytes(f32.params["backbone"])
-    print("\n| frozen base (Llama-shaped, 29M params; arrays) | device MiB | x float32 |\n| --- | --- | --- |")
+    print("\n| frozen base (Llama-shaped, 26M params; arrays) | device MiB | x float32 |\n| --- | --- | --- |")
     print(f"| float32 | {ref / 2**20:.1f} | 1.00 |")
     for store in ("bfloat16",):
         b = device_bytes(f32.with_base_dtype(jnp.bfloat16).params["backbone"])

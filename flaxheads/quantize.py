@@ -2,7 +2,7 @@
 nf4 and dequantised inside the jitted matmul (weight-only quantisation; QLoRA with LoRA on top).
 
 The arrays are Qwix's (``qwix.quantize`` -> ``qwix.QArray``: the values in ``int8`` / ``int4`` /
-``uint4`` codes and a float32 scale per block), so their device bytes are what XLA stores: int4
+``uint4`` codes and a scale per block), so their device bytes are what XLA stores: int4
 and nf4 codes are packed two to a byte (``on_device_size_in_bytes``). The schemes:
 
 * ``int8``: symmetric absmax per output channel (one scale per column of a ``[in, out]`` kernel);
@@ -11,7 +11,9 @@ and nf4 codes are packed two to a byte (``on_device_size_in_bytes``). The scheme
   ``create_normal_map``): each block of :data:`BLOCK` inputs of an output channel scaled by its
   absmax, every value replaced by the nearest of 16 code values. The blocks are bitsandbytes'
   blocks of its ``[out, in]`` weight (64 consecutive inputs of one output); its second
-  quantisation of the scales (double quantisation) is not done: the scales stay float32.
+  quantisation of the scales (double quantisation, 8-bit scales) is not done: the scales are stored
+  in the kernel's dtype where it is a 16-bit float (a base stored in bfloat16: 4.25 bits a weight
+  against bitsandbytes' 4.13), else float32; the codes are computed in float32 either way.
 
 A kernel whose input width is not a multiple of :data:`BLOCK` gets one block per output channel.
 
@@ -62,8 +64,10 @@ def _tiles(rows: int, qtype: str) -> dict[int, int] | None:
 def _quantize(kernel: jax.Array, qtype: str, tiles: dict[int, int] | None):
     import qwix
 
+    dtype = jnp.result_type(kernel)
+    scale = dtype if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits == 16 else jnp.float32
     return qwix.quantize(jnp.asarray(kernel, jnp.float32), _QTYPES[qtype], channelwise_axes=(1,), tiled_axes=tiles,
-                         scale_dtype=jnp.float32)
+                         scale_dtype=scale)
 
 
 def quantize_kernel(kernel: jax.Array, qtype: str):

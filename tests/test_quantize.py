@@ -80,6 +80,19 @@ def test_device_bytes_are_packed_codes_plus_scales():
         assert device_bytes(quantize_kernel(w, q)) / f32 <= 0.16
 
 
+@pytest.mark.parametrize("q", ["int8", "int4", "nf4"])
+def test_a_bfloat16_kernel_keeps_its_scales_in_bfloat16(q):
+    """A base stored in bfloat16 keeps its block scales in bfloat16: the same codes as the float32
+    scheme on the same values, the float32 scales rounded, 4.25 bits a weight for the 4-bit schemes."""
+    w = jnp.asarray(_kernel((1024, 512))).astype(jnp.bfloat16)
+    ref, got = quantize_kernel(w.astype(jnp.float32), q), quantize_kernel(w, q)
+    assert ref.scale.dtype == jnp.float32 and got.scale.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got.qvalue.astype(jnp.int8)), np.asarray(ref.qvalue.astype(jnp.int8)))
+    np.testing.assert_array_equal(np.asarray(got.scale), np.asarray(ref.scale.astype(jnp.bfloat16)))
+    bits = 8 * device_bytes(got) / w.size
+    assert bits == (8 + 16 / 1024 if q == "int8" else 4 + 16 / BLOCK), bits
+
+
 def test_quantised_matmul_gradient_is_the_dequantised_kernels():
     w, x = _kernel((128, 64)), jnp.asarray(np.random.RandomState(1).standard_normal((5, 128)), jnp.float32)
     q = quantize_kernel(w, "nf4")
