@@ -57,16 +57,12 @@ demo: $(BASE)
 
 # Tests run on every core (pytest-xdist; one file per worker, so a module's fixtures and compiled
 # programs are made once), then the tests marked serial in a pass of their own (tests/conftest.py says
-# which and why). `make test WITH_LEGACY=1` also runs the legacy stack's tests (test-legacy), beside the
-# serial pass, whose few multi-process tests leave part of the cores idle; its output follows.
+# which and why).
 PYTEST_PARALLEL := -n auto --dist loadfile --no-loadscope-reorder
 
-test: $(TESTS) $(if $(WITH_LEGACY),$(LVENV)/.installed)
+test: $(TESTS)
 	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL) -m "not serial" --durations=25 tests
-	$(if $(WITH_LEGACY),$(MAKE) --no-print-directory test-legacy > $(LVENV)/test.log 2>&1 & legacy=$$!;) \
-	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL) -m serial tests; code=$$?; \
-	$(if $(WITH_LEGACY),wait $$legacy; legacy_code=$$?; echo "legacy stack (test-legacy):"; cat $(LVENV)/test.log; \
-		[ $$legacy_code = 0 ] || code=$$legacy_code;) exit $$code
+	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL) -m serial tests
 
 test-fast: $(TESTS)
 	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL) -m "not slow and not serial and not full" tests
