@@ -334,7 +334,7 @@ def _load_onto_mesh(path: str, mesh, *, dtype, remat, plan, base_dtype, quantize
     from jax.sharding import Mesh, NamedSharding
 
     from .backbones.base import BackboneError, check_params
-    from .backbones.lazy import NotLazyLoadable, load_sharded, param_shapes, safetensors_files
+    from .backbones.lazy import NotLazyLoadable, load_sharded
     from .backbones.weights import WeightsNotFoundError
     from .backbones.registry import family_for
     from .memory_plan import abstract_model
@@ -366,13 +366,11 @@ def _load_onto_mesh(path: str, mesh, *, dtype, remat, plan, base_dtype, quantize
         return quantize_onto(x, quantize, lambda part, shape: on_layout(p + (part,), shape))
 
     try:
-        safetensors_files(path)
-        # from the headers, before anything is read
-        check_params(fam.param_shapes(config), param_shapes(path, fam, config), source=path,
-                     model_type=config.get("model_type"))
         params, rest = load_sharded(path, fam, config, sharding,
                                     dtype=jnp.float32 if base_dtype is None else base_dtype,
-                                    transform=None if quantize is None else quantized)
+                                    transform=None if quantize is None else quantized,
+                                    check=lambda shapes: check_params(fam.param_shapes(config), shapes, source=path,
+                                                                      model_type=config.get("model_type")))
     except (WeightsNotFoundError, NotLazyLoadable):
         return None
     return fam(config, params, dtype=dtype, remat=remat, plan=plan), rest

@@ -55,6 +55,11 @@ def is_quantized(x: Any) -> bool:
     return hasattr(x, "qvalue") and hasattr(x, "scale")
 
 
+def _check_qtype(qtype: str) -> None:
+    if qtype not in QUANTIZATIONS:
+        raise UsageError(f"quantize {qtype!r} is not one of {', '.join(QUANTIZATIONS)}")
+
+
 def _tiles(rows: int, qtype: str) -> dict[int, int] | None:
     """The input blocks of a kernel with ``rows`` inputs: :data:`BLOCK` rows (4-bit schemes, where they
     divide it), else None (one block per output channel)."""
@@ -72,8 +77,7 @@ def _quantize(kernel: jax.Array, qtype: str, tiles: dict[int, int] | None):
 
 def quantize_kernel(kernel: jax.Array, qtype: str):
     """A ``[in, out]`` kernel as a ``qwix.QArray`` of ``qtype`` (see the module docstring for the blocks)."""
-    if qtype not in QUANTIZATIONS:
-        raise UsageError(f"quantize {qtype!r} is not one of {', '.join(QUANTIZATIONS)}")
+    _check_qtype(qtype)
     return _quantize(kernel, qtype, _tiles(np.shape(kernel)[0], qtype))
 
 
@@ -135,8 +139,7 @@ def quantize_onto(kernel: jax.Array, qtype: str, shardings: Callable[[str, tuple
     block) each device quantises its own shard. One program over the whole array would do the same
     arithmetic, but nf4's code lookup flattens the kernel, which gathers a kernel split by columns
     onto every device (192 MiB of temporaries per device for an 8192 x 2048 kernel on 8)."""
-    if qtype not in QUANTIZATIONS:
-        raise UsageError(f"quantize {qtype!r} is not one of {', '.join(QUANTIZATIONS)}")
+    _check_qtype(qtype)
     shapes = jax.eval_shape(partial(quantize_kernel, qtype=qtype), kernel)
     leaves, tree = jax.tree_util.tree_flatten_with_path(shapes)
     outs = tuple(shardings(path_names(p)[-1], tuple(x.shape)) for p, x in leaves)

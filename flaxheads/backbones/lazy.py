@@ -17,6 +17,7 @@ tensors (concatenations, splits, arithmetic) is refused by name; it loads with t
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Any, Callable, Iterator, Mapping
@@ -29,7 +30,7 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 from .base import Backbone, BackboneError, HFConfig, strip_prefix
 from ..checksums import verify_file
 from ..host.malloc import release_free_memory
-from .safetensors_file import SafetensorsFile
+from .safetensors_file import SafetensorsFile, TensorInfo
 from .weights import SAFE, SAFE_INDEX, WeightsNotFoundError
 
 class NotLazyLoadable(BackboneError):
@@ -54,13 +55,18 @@ def safetensors_files(folder: str) -> list[str]:
                                "only; load it eagerly (from_pretrained) or re-save it with safe_serialization=True")
 
 
-def tensor_shapes(files: list[str]) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """``{name: (file, shape)}`` from the files' headers (no tensor is read)."""
+def _headers(files: list[str]) -> dict[str, tuple[str, TensorInfo]]:
+    """``{name: (file, its header entry)}`` of every tensor of ``files`` (no tensor data is read)."""
     out = {}
     for path in files:
         with SafetensorsFile(path) as f:
-            out.update((name, (path, t.shape)) for name, t in f.tensors.items())
+            out.update((name, (path, t)) for name, t in f.tensors.items())
     return out
+
+
+def tensor_shapes(files: list[str]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """``{name: (file, shape)}`` from the files' headers (no tensor is read)."""
+    return {name: (path, t.shape) for name, (path, t) in _headers(files).items()}
 
 
 def _stand_ins(shapes: dict[str, tuple[int, ...]], rows: bool) -> dict[str, np.ndarray]:
@@ -104,17 +110,35 @@ def param_sources(family: type[Backbone], config: HFConfig,
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class _Index:
+    """A folder's safetensors, read once from their headers: the files, every tensor's entry, and which
+    tensor each backbone param is (and whether transposed)."""
+
+    files: list[str]
+    stored: dict[str, tuple[str, TensorInfo]]
+    sources: dict[tuple[str, ...], tuple[str, bool]]
+
+    @classmethod
+    def of(cls, folder: str | os.PathLike, family: type[Backbone], config: HFConfig) -> "_Index":
+        files = safetensors_files(os.fspath(folder))
+        stored = _headers(files)
+        return cls(files, stored, param_sources(family, config, {n: t.shape for n, (_, t) in stored.items()}))
+
+    def param_shapes(self) -> dict:
+        shape = {n: t.shape for n, (_, t) in self.stored.items()}
+        return unflatten_dict({p: jax.ShapeDtypeStruct(shape[n][::-1] if tr else shape[n], self.stored[n][1].dtype)
+                               for p, (n, tr) in self.sources.items()})
+
+    def others(self) -> "StoredTensors":
+        used = {name for name, _ in self.sources.values()}
+        return StoredTensors({n: file for n, (file, _) in self.stored.items() if n not in used})
+
+
 def param_shapes(folder: str | os.PathLike, family: type[Backbone], config: HFConfig) -> dict:
     """The family's params tree of ``folder`` as ``jax.ShapeDtypeStruct`` leaves in the stored dtypes,
     from the files' headers alone (to check a folder against its config before anything is read)."""
-    dtypes, found = {}, {}
-    for path in safetensors_files(os.fspath(folder)):
-        with SafetensorsFile(path) as f:
-            for name, t in f.tensors.items():
-                dtypes[name], found[name] = t.dtype, t.shape
-    sources = param_sources(family, config, found)
-    return unflatten_dict({p: jax.ShapeDtypeStruct(found[n][::-1] if t else found[n], dtypes[n])
-                           for p, (n, t) in sources.items()})
+    return _Index.of(folder, family, config).param_shapes()
 
 
 def _box(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...] | None:
@@ -156,20 +180,20 @@ def read_params_sharded(folder: str | os.PathLike, family: type[Backbone], confi
     in ``dtype`` (floating params; others as stored), read tensor by tensor: each process reads only the
     box its devices hold. ``transform(path, param)``, when given, replaces each param right after it is
     placed (the untransformed param is dropped before the next tensor is read)."""
-    folder = os.fspath(folder)
-    files = safetensors_files(folder)
-    for file in files:  # the sampled checksum; verify=True hashes them whole
+    return _read_params(_Index.of(folder, family, config), shardings, dtype, transform)
+
+
+def _read_params(index: _Index, shardings: ShardingFn, dtype: Any, transform: Transform | None) -> dict:
+    for file in index.files:  # the sampled checksum; verify=True hashes them whole
         verify_file(file)
-    found = tensor_shapes(files)
-    sources = param_sources(family, config, {n: s for n, (_, s) in found.items()})
     opened: dict[str, SafetensorsFile] = {}
     flat = {}
     try:
-        for path, (name, transposed) in sources.items():
-            file, shape = found[name]
+        for path, (name, transposed) in index.sources.items():
+            file, info = index.stored[name]
             if file not in opened:
                 opened[file] = SafetensorsFile(file)
-            want = shape[::-1] if transposed else shape
+            want = info.shape[::-1] if transposed else info.shape
             leaf = _read_param(opened[file], name, want, transposed, shardings(path, want), dtype)
             if transform is not None:
                 leaf = transform(path, leaf)
@@ -207,17 +231,17 @@ class StoredTensors(Mapping[str, np.ndarray]):
 def read_other_tensors(folder: str | os.PathLike, used: set[str]) -> Mapping[str, np.ndarray]:
     """Every tensor of the folder's safetensors not in ``used`` (the head's weights beside a lazily read
     backbone), as numpy; each is read when looked up, so the ones no head uses (an LM head) are never read."""
-    found = tensor_shapes(safetensors_files(os.fspath(folder)))
-    return StoredTensors({n: file for n, (file, _) in found.items() if n not in used})
+    stored = _headers(safetensors_files(os.fspath(folder)))
+    return StoredTensors({n: file for n, (file, _) in stored.items() if n not in used})
 
 
 def load_sharded(folder: str | os.PathLike, family: type[Backbone], config: HFConfig, shardings: ShardingFn,
-                 dtype: Any = jnp.float32,
-                 transform: Transform | None = None) -> tuple[dict, Mapping[str, np.ndarray]]:
+                 dtype: Any = jnp.float32, transform: Transform | None = None,
+                 check: Callable[[dict], None] | None = None) -> tuple[dict, Mapping[str, np.ndarray]]:
     """``(backbone params read tensor by tensor onto shardings, the folder's other tensors)``: what
-    :func:`~flaxheads.model.from_pretrained` reads for a model placed on a mesh."""
-    folder = os.fspath(folder)
-    found = tensor_shapes(safetensors_files(folder))
-    used = {name for name, _ in param_sources(family, config, {n: s for n, (_, s) in found.items()}).values()}
-    return (read_params_sharded(folder, family, config, shardings, dtype, transform=transform),
-            read_other_tensors(folder, used))
+    :func:`~flaxheads.model.from_pretrained` reads for a model placed on a mesh. ``check``, when given, sees
+    the params' shapes and stored dtypes (:func:`param_shapes`) before any tensor is read."""
+    index = _Index.of(folder, family, config)  # the headers, read once
+    if check is not None:
+        check(index.param_shapes())
+    return _read_params(index, shardings, dtype, transform), index.others()
