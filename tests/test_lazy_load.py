@@ -19,7 +19,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
 import flaxheads as fh  # noqa: E402
-from flaxheads.backbones.base import HFConfig  # noqa: E402
+from flaxheads.backbones.base import BackboneError, HFConfig  # noqa: E402
 from flaxheads.backbones.lazy import _box, param_sources, read_params_sharded  # noqa: E402
 from flaxheads.backbones.registry import family_for  # noqa: E402
 from flaxheads.backbones.safetensors_file import SafetensorsFile, bytes_read  # noqa: E402
@@ -268,3 +268,16 @@ def test_quantised_while_reading_is_the_eager_quantised_model(llama_folder, qtyp
             assert x.sharding.spec == layout.spec_of(names + (part,), x.shape), (names, part)
         split += "fsdp" in str(k.qvalue.sharding.spec)
     assert split == 7
+
+
+def test_a_folder_unlike_its_config_is_refused_before_any_tensor_is_read(tmp_path):
+    import json
+
+    path, _ = save_tiny(tmp_path / "llama", "llama", seed=0)
+    cfg = json.loads(open(os.path.join(path, "config.json")).read())
+    cfg["intermediate_size"] += 8  # the stored MLP kernels no longer have the config's shapes
+    open(os.path.join(path, "config.json"), "w").write(json.dumps(cfg))
+    before = bytes_read()
+    with pytest.raises(BackboneError, match="mismatched shapes: .*mlp.* config.json") as err:
+        fh.from_pretrained(path, mesh="fsdp=4")
+    assert bytes_read() == before and str(err.value).startswith(path)
