@@ -358,6 +358,23 @@ def test_malloc_opt_out_started_backend_and_other_libcs(fake_libc):
     assert not any(name in os.environ for name, _, _ in malloc.MALLOC_SETTINGS)
 
 
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's heap only")
+def test_released_heap_pages_leave_the_resident_memory():
+    """Blocks freed below one still held stay resident under glibc (only the heap's top is trimmed)
+    until :func:`~flaxheads.host.malloc.release_free_memory` gives their pages back."""
+    import numpy as np
+
+    def rss() -> int:
+        return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    blocks = [np.ones(8192) for _ in range(2000)]  # 64 KiB each (on the heap under any mmap threshold): 125 MiB
+    held = np.ones(8192)  # noqa: F841 - keeps the freed blocks below the heap's top
+    del blocks
+    before = rss()
+    malloc.release_free_memory()
+    assert before - rss() > 100 * 2**20
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux") or os.uname().machine not in ("x86_64", "aarch64"),
                     reason="glibc on Linux only")
 @pytest.mark.slow
