@@ -25,7 +25,9 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+sys.path.insert(0, os.path.join(HERE, ".."))
 
+from bench import common  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -37,11 +39,6 @@ from flaxheads.training.optim import OptimConfig  # noqa: E402
 from hf_tiny import save_tiny  # noqa: E402
 
 SCHEMES = (None, "int8", "int4", "nf4")
-
-
-def cpu_name() -> str:
-    with open("/proc/cpuinfo") as f:
-        return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?")
 
 
 def base_bytes(tmp: str) -> None:
@@ -174,11 +171,6 @@ def write_big(root: str) -> dict[str, str]:
     return folders
 
 
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
-
-
 def _rchar() -> int:
     with open("/proc/self/io") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
@@ -201,7 +193,7 @@ def load_worker(args: dict) -> None:
 
     jax.devices()
     gc.collect()
-    rss0, read0, t0 = _status_kb("VmRSS") << 10, _rchar(), time.perf_counter()
+    rss0, read0, t0 = common.proc_status_bytes("VmRSS"), _rchar(), time.perf_counter()
     dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[args["dtype"]]
     model = fh.from_pretrained(args["folder"], mesh=args.get("mesh"), base_dtype=dtype, quantize=args.get("quantize"))
     jax.block_until_ready(model.params)
@@ -210,7 +202,7 @@ def load_worker(args: dict) -> None:
                for s in x.addressable_shards)
     # VmHWM, this process's own high-water mark: ru_maxrss of a process that subprocess started (vfork, then
     # exec) starts at its parent's peak, here the one that wrote the files
-    print(json.dumps({"rss_before": rss0, "peak_rss": _status_kb("VmHWM") << 10,
+    print(json.dumps({"rss_before": rss0, "peak_rss": common.proc_status_bytes("VmHWM"),
                       "ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10,
                       "read": read, "seconds": seconds, "device_bytes": held,
                       "processes": jax.process_count(), "devices": jax.local_device_count()}), flush=True)
@@ -281,7 +273,7 @@ def big_loading(tmp: str) -> None:
 def main() -> None:
     if sys.argv[1:2] == ["_load-worker"]:
         return load_worker(json.loads(sys.argv[2]))
-    print(f"CPU: {cpu_name()}; jax {jax.__version__}")
+    print(f"CPU: {common.cpu_name()}; jax {jax.__version__}")
     parts = sys.argv[1:] or ["bytes", "error", "qlora"]
     with tempfile.TemporaryDirectory() as tmp:
         for name, part in (("bytes", base_bytes), ("error", logits_error), ("qlora", qlora_curves),

@@ -27,6 +27,21 @@ import warnings  # noqa: E402
 warnings.filterwarnings("ignore", message=".*TensorFlow and JAX classes are deprecated.*")
 
 
+def cpu_name() -> str:
+    """The CPU's model name, as ``/proc/cpuinfo`` (``lscpu``) gives it."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "unknown CPU"
+
+
+def proc_status_bytes(field: str) -> int:
+    """A ``/proc/self/status`` memory field of this process (``VmRSS``, ``VmHWM``: its own peak) in bytes."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
 def parser(doc: str, *, repeats: int | None = None, systems: str | None = None):
     """The benches' argument parser: ``--xla-flags`` always; with ``repeats``/``systems``, the
     options every model-step bench takes (batch, seq, repeats, labels, model, systems)."""

@@ -15,23 +15,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+from bench import common  # noqa: E402
 WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
          "upsilon phi chi psi omega").split()
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or "unknown CPU"
 
 
 def write_table(path: str, rows: int) -> None:
@@ -74,7 +67,7 @@ def main() -> None:
         write_table(table, args.rows)
         print(f"wrote {table} ({os.path.getsize(table) / 2**20:.0f} MiB) in {time.perf_counter() - t:.0f} s",
               flush=True)
-    print(f"CPU: {cpu_name()}, {os.cpu_count()} cores; {args.rows:,} rows streamed, {args.steps} steps, "
+    print(f"CPU: {common.cpu_name()}, {os.cpu_count()} cores; {args.rows:,} rows streamed, {args.steps} steps, "
           f"model {args.model}", flush=True)
     peaks: dict[str, list[int]] = {}
     for run in range(args.runs):

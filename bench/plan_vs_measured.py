@@ -18,6 +18,8 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+from bench import common  # noqa: E402
 CONFIGS = {
     "llama H512 L4, full fine-tune f32, 8 x 256": dict(arch="llama", over=dict(hidden_size=512, num_hidden_layers=4,
         intermediate_size=1376, vocab_size=8000, num_attention_heads=8, head_dim=64, max_position_embeddings=512),
@@ -30,11 +32,6 @@ CONFIGS = {
         intermediate_size=1536, vocab_size=8000, num_attention_heads=6, max_position_embeddings=256),
         plan=dict(batch_size=16, max_length=128, remat="full")),
 }
-
-
-def rss(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
 
 
 def worker(name: str, folder: str) -> dict:
@@ -72,25 +69,20 @@ def worker(name: str, folder: str) -> dict:
              jnp.ones(s.shape, s.dtype) if k != "labels" else jnp.zeros(s.shape, s.dtype) for k, s in shapes.items()}
     resident = device_bytes(model.params) + device_bytes(batch)
     gc.collect()
-    before = rss("VmRSS")
+    before = common.proc_status_bytes("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     state = trainer.init_state()
     out = compiled(state, batch)
     jax.block_until_ready(out)
-    measured = rss("VmHWM") - before + resident
+    measured = common.proc_status_bytes("VmHWM") - before + resident
     return {"name": name, "plan": plan.total, "measured": measured, "lines": plan.lines()}
-
-
-def cpu_name() -> str:
-    with open("/proc/cpuinfo") as f:
-        return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?")
 
 
 def main() -> None:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": os.path.join(HERE, "..") + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    print(f"CPU: {cpu_name()}\n\n| configuration | plan (MiB) | measured peak (MiB) | plan / measured |\n| --- | --- | --- | --- |")
+    print(f"CPU: {common.cpu_name()}\n\n| configuration | plan (MiB) | measured peak (MiB) | plan / measured |\n| --- | --- | --- | --- |")
     for name in CONFIGS:
         with tempfile.TemporaryDirectory() as tmp:
             out = subprocess.run([sys.executable, __file__, "--worker", name, tmp], env=env, capture_output=True,
