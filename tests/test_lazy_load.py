@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 
 import flaxheads as fh  # noqa: E402
 from flaxheads.backbones.base import BackboneError, HFConfig  # noqa: E402
-from flaxheads.backbones.lazy import _box, param_sources, read_params_sharded  # noqa: E402
+from flaxheads.backbones.lazy import _box, param_shapes, param_sources, read_params_sharded  # noqa: E402
 from flaxheads.backbones.registry import family_for  # noqa: E402
 from flaxheads.backbones.safetensors_file import SafetensorsFile, bytes_read  # noqa: E402
 from flaxheads.backbones.weights import WeightsError, read_state_dict  # noqa: E402
@@ -69,6 +69,9 @@ def test_sharded_params_equal_the_eager_loaders(tmp_path, arch):
     for a, b in zip(jax.tree.leaves(bf16), jax.tree.leaves(eager), strict=True):
         assert a.dtype == jnp.bfloat16
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b.astype(jnp.bfloat16)))
+    # the same tree from the headers alone: shapes as loaded, dtypes as stored
+    shapes = param_shapes(path, family_for(arch), HFConfig.from_folder(path))
+    assert jax.tree.map(lambda x: (x.shape, x.dtype), shapes) == jax.tree.map(lambda x: (x.shape, x.dtype), eager)
 
 
 def test_host_memory_is_one_tensor_not_the_model(tmp_path):
