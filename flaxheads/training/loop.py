@@ -205,6 +205,9 @@ class FitResult:
     first_step_seconds: float | None = None  # from the call to the end of its first step (compile included)
     eval_seconds: float = 0.0  # of ``seconds``, spent evaluating
     throughput: dict = dataclasses.field(default_factory=dict)  # of the steps after the first (``_Log.summary``)
+    #: the arrays behind the evaluation at ``step`` ({split: arrays}, as ``Trainer.final`` gives): the
+    #: trained params' predictions, so the caller need not predict those splits once more
+    final_arrays: dict = dataclasses.field(default_factory=dict)
 
 
 class _Log:
@@ -343,11 +346,18 @@ def fit(trainer: Trainer, train: Split, *, evals: Mapping[str, Split] | None = N
     log = _Log(cfg.log_every, total, step, progress, trainer.peak_flops())
 
     timing = {"eval": 0.0, "first": None}
+    arrays: dict = {}
 
     def evaluate(s: int) -> None:
         t = time.perf_counter()
-        results = {name: trainer.evaluate(placed.params, split, buckets=buckets, pad_id=pad_id)
-                   for name, split in (evals or {}).items()}
+        if s == total:  # the last evaluation keeps its arrays (FitResult.final_arrays)
+            both = {name: trainer.final(placed.params, split, buckets=buckets, pad_id=pad_id)
+                    for name, split in (evals or {}).items()}
+            results = {name: r for name, (r, _) in both.items()}
+            arrays.update({name: a for name, (_, a) in both.items()})
+        else:
+            results = {name: trainer.evaluate(placed.params, split, buckets=buckets, pad_id=pad_id)
+                       for name, split in (evals or {}).items()}
         timing["eval"] += time.perf_counter() - t
         log.pause(time.perf_counter() - t)
         if results:
@@ -387,7 +397,7 @@ def fit(trainer: Trainer, train: Split, *, evals: Mapping[str, Split] | None = N
     for cb in callbacks:
         cb.on_end(placed, step)
     return FitResult(placed, step, history, trainer.train_traces.count, trainer.eval_traces.count,
-                     time.perf_counter() - t0, timing["first"], timing["eval"], log.summary())
+                     time.perf_counter() - t0, timing["first"], timing["eval"], log.summary(), arrays)
 
 
 # ---- checkpoints during fit ------------------------------------------------------------------

@@ -205,6 +205,14 @@ def test_the_report_page_holds_the_summary_and_no_address(runs, name):
         for r in worst["rows"]:
             assert (r["text"], r["true"]) in labelled and r["text"] in html_text
             assert r["p(true)"] == pytest.approx(np.exp(-r["loss"]), rel=1e-9)
+        # the trained model's own probabilities (the run takes them from its last evaluation)
+        clf = fh.Classifier.from_model(run.model, run.spec.model.model, max_length=16)
+        logits = clf.predict([r["text"] for r in worst["rows"]]).logits
+        p = np.exp(logits - logits.max(1, keepdims=True))
+        p /= p.sum(1, keepdims=True)
+        ids = {v: k for k, v in run.model.id2label.items()}
+        np.testing.assert_allclose([r["p(true)"] for r in worst["rows"]],
+                                   [p[i, ids[r["true"]]] for i, r in enumerate(worst["rows"])], rtol=1e-4)
 
 
 def test_flaxheads_report_rebuilds_the_page(runs, tmp_path, capsys):
