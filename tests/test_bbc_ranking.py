@@ -47,7 +47,7 @@ def test_minilm_reranker_beats_bm25_on_bbc_news(tmp_path):
     from flaxheads.ranking.metrics import ranking_metrics
 
     out = tmp_path / "run"
-    rc = main(["--objective", "listwise", *ARGS, "--max-length", "48", "--bucket-step", "48", "--epochs", "1",
+    rc = main(["--objective", "listwise", *ARGS, "--max-length", "32", "--bucket-step", "32", "--epochs", "1",
                "--batch-size", "8",
                "--output-dir", str(out), "--no-progress", "--checkpoint-every", "0"])
     assert rc == 0
