@@ -3,15 +3,21 @@ from __future__ import annotations
 
 import numpy as np
 
-V, H, L, NH, FF, P = 99, 32, 2, 4, 37, 64
+V, H, NH, FF, P = 99, 32, 4, 37, 64
+#: the families whose tiny models keep a second layer: a pattern over the layers (ModernBERT's global and
+#: local attention, Gemma 2/3's and Qwen2's sliding windows), ALBERT's shared layer group and DeBERTa's
+#: first-layer convolution. The others have one (compiling is most of these tests' time).
+TWO_LAYERS = ("modernbert", "gemma2", "gemma3_text", "qwen2", "qwen3", "albert", "deberta-v2")
 #: decoder-only LLM families served by one native backbone (``model_type`` values)
 DECODERS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
 
 
-def tiny_config(arch: str, num_labels: int = 3, **over):
+def tiny_config(arch: str, num_labels: int = 3, layers: int | None = None, **over):
+    """``layers``: the encoder's (and BART's decoder's) layers; default 2 for :data:`TWO_LAYERS`, else 1."""
     import transformers as tf
 
     common = dict(num_labels=num_labels, attn_implementation="eager")
+    L = layers or (2 if arch in TWO_LAYERS else 1)
     if arch == "bert":
         c = tf.BertConfig(vocab_size=V, hidden_size=H, num_hidden_layers=L, num_attention_heads=NH,
                           intermediate_size=FF, max_position_embeddings=P, **common)

@@ -75,7 +75,8 @@ def test_sharded_params_equal_the_eager_loaders(tmp_path, arch):
 
 
 def test_host_memory_is_one_tensor_not_the_model(tmp_path):
-    path, _ = save_tiny(tmp_path / "bert", "bert", seed=0, vocab_size=4096, hidden_size=256, intermediate_size=1024)
+    path, _ = save_tiny(tmp_path / "bert", "bert", seed=0, layers=2, vocab_size=4096, hidden_size=256,
+                         intermediate_size=1024)
     model, _, lazy, peak = _load(path)
     sizes = [x.nbytes for x in jax.tree.leaves(model.params["backbone"])]
     tracemalloc.start()

@@ -48,7 +48,7 @@ def folders(tmp_path_factory):
 
     def get(arch):
         if arch not in made:
-            made[arch] = save_tiny(tmp_path_factory.mktemp(arch) / "model", arch, seed=3)
+            made[arch] = save_tiny(tmp_path_factory.mktemp(arch) / "model", arch, seed=3, layers=2)  # targets pick a layer
         return made[arch]
 
     return get
@@ -183,7 +183,7 @@ def test_every_family_has_default_targets():
     for fam in FAMILIES:
         for model_type in fam.model_types:
             try:
-                cfg = fam.complete_config(HFConfig(tiny_config(model_type).to_dict()))
+                cfg = fam.complete_config(HFConfig(tiny_config(model_type, layers=2).to_dict()))
             except KeyError:  # no tiny config for this alias (e.g. a decoder variant)
                 continue
             assert fam.lora_targets, model_type
@@ -254,7 +254,7 @@ def test_adapters_saved_with_head_load_on_their_base_only(folders, tmp_path):
     np.testing.assert_allclose(np.asarray(loaded(ids, mask)), np.asarray(model.apply(state.params, ids, mask)),
                                atol=1e-6)
     # another base of the same architecture and shapes: refused (adapters only fit their base weights)
-    other_path, _ = save_tiny(tmp_path / "other", "bert", seed=9)
+    other_path, _ = save_tiny(tmp_path / "other", "bert", seed=9, layers=2)
     with pytest.raises(IncompatibleCheckpointError, match="other base weights"):
         load_adapters(tmp_path / "adapters", fh.from_pretrained(other_path))
     # a backbone of another family

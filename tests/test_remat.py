@@ -26,7 +26,7 @@ pytestmark = pytest.mark.full
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    return {arch: save_tiny(tmp_path_factory.mktemp(arch) / "model", arch, seed=2) for arch in ("bert", "qwen3")}
+    return {arch: save_tiny(tmp_path_factory.mktemp(arch) / "model", arch, seed=2, layers=2) for arch in ("bert", "qwen3")}
 
 
 def _grad_fn(backbone, ids, mask):

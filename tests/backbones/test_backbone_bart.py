@@ -150,8 +150,8 @@ def test_changed_weights_export_to_pytorch(tiny, tmp_path):
     # lists in transformers 4, sets in 5
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     np.testing.assert_allclose(pt_logits, logits, atol=1e-4, rtol=0)
-    before = model.params["backbone"]["decoder"]["layers"]["1"]["fc2"]["kernel"]
-    assert np.abs(np.asarray(params["backbone"]["decoder"]["layers"]["1"]["fc2"]["kernel"] - before)).max() > 1e-4
+    before = model.params["backbone"]["decoder"]["layers"]["0"]["fc2"]["kernel"]
+    assert np.abs(np.asarray(params["backbone"]["decoder"]["layers"]["0"]["fc2"]["kernel"] - before)).max() > 1e-4
     with torch.no_grad():
         before_logits = tm(torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()
     assert np.abs(pt_logits - before_logits).max() > 1e-3  # the changed weights were exported
@@ -185,7 +185,7 @@ def test_remat_same_gradients(tiny):
         # float32 rounding only: the recomputed forward may be fused differently
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
     jaxpr = str(jax.make_jaxpr(ckpt)(params))
-    assert jaxpr.count("checkpoint") + jaxpr.count("remat") >= 4  # one per layer
+    assert jaxpr.count("checkpoint") + jaxpr.count("remat") >= 2  # one per layer (an encoder and a decoder layer)
 
 
 def test_old_checkpoints_with_tied_copies_load(tiny):

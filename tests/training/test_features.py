@@ -135,7 +135,7 @@ def test_constant_weights_are_prepacked_for_onednn_and_change_no_feature(tmp_pat
     from flaxheads.host.xla_flags import ONEDNN_FLAGS
     from tests.hf_tiny import save_tiny
 
-    path = save_tiny(tmp_path / "bert", "bert", hidden_size=128, intermediate_size=512)[0]
+    path = save_tiny(tmp_path / "bert", "bert", layers=2, hidden_size=128, intermediate_size=512)[0]
     env = {**os.environ, "XLA_FLAGS": " ".join(ONEDNN_FLAGS), "FLAXHEADS_XLA_DEFAULTS": "0",
            "JAX_PLATFORMS": "cpu"}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
