@@ -25,7 +25,7 @@ def tiny_bert_classifier(folder, num_labels: int = 3, problem_type: str | None =
     import transformers as tf
 
     folder = os.fspath(folder)
-    cfg = tf.BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+    cfg = tf.BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
                         intermediate_size=37, max_position_embeddings=512, num_labels=num_labels,
                         attn_implementation="eager")
     if problem_type:
