@@ -36,7 +36,7 @@ V3 = dict(relative_attention=True, position_buckets=8, pos_att_type=["p2c", "c2p
 VARIANTS = {
     "v3": V3,
     "v2": dict(relative_attention=True, pos_att_type=["p2c", "c2p"], share_att_key=False, max_relative_positions=6),
-    "conv": dict(V3, conv_kernel_size=3, conv_groups=2, conv_act="gelu"),
+    "conv": dict(V3, conv_kernel_size=3, conv_groups=2, conv_act="gelu", layers=2),  # the first layer's alone
     "c2p": dict(relative_attention=True, pos_att_type=["c2p"], max_relative_positions=5),
     "p2c": dict(V3, pos_att_type=["p2c"]),
     # the score scale still counts pos_att_type's terms without relative attention, as in PyTorch
