@@ -21,7 +21,8 @@ from flaxheads.interop.files import ExportError  # noqa: E402
 from flaxheads.interop.remote_code import CODE_FILE  # noqa: E402
 from hf_tiny import padded_batch, tiny_torch_model  # noqa: E402
 
-pytestmark = pytest.mark.legacy
+# on the legacy stack (transformers 4.57) too: all but the pooler and head sweeps (they exercise the
+# exported PyTorch code, the same file on both stacks)
 
 #: every pooler flaxheads names (parametric ones with non-default options), concatenations included
 POOLERS = {
@@ -116,12 +117,14 @@ def test_every_head(folders, tmp_path, name):
     _check(folders, tmp_path, "roberta", "right", "mean", head, head_options=options)
 
 
+@pytest.mark.legacy
 @pytest.mark.parametrize("arch", sorted(FAMILIES))
 def test_one_combination_per_family(folders, tmp_path, arch):
     side, pooler, head, options = FAMILIES[arch]
     _check(folders, tmp_path, arch, side, pooler, head, head_options=options)
 
 
+@pytest.mark.legacy
 def test_folder_contents_and_import_without_its_code(folders, tmp_path):
     """config.json names the code and the labels; PyTorch trains the folder with transformers' loss;
     flaxheads reads it back with the Python file gone (it never runs it); the multi-label threshold
@@ -155,6 +158,7 @@ def test_folder_contents_and_import_without_its_code(folders, tmp_path):
     assert back.id2label == {0: "a", 1: "b", 2: "c"} and back.problem_type == fh.MULTI_LABEL
 
 
+@pytest.mark.legacy
 def test_lora_model_exports_merged(folders, tmp_path):
     src, cfg = folders("bert")
     model = fh.from_pretrained(src, pooler="mean", head="linear").with_lora(rank=2)
@@ -165,6 +169,7 @@ def test_lora_model_exports_merged(folders, tmp_path):
                                np.asarray(model.apply(model.params, ids, mask)), atol=1e-5, rtol=0)
 
 
+@pytest.mark.legacy
 def test_broken_folders_say_what_is_wrong(folders, tmp_path):
     src, _ = folders("bert")
     fh.export_transformers(_perturbed(fh.from_pretrained(src, pooler="attention", head="linear")), tmp_path / "out")
@@ -175,6 +180,7 @@ def test_broken_folders_say_what_is_wrong(folders, tmp_path):
         fh.load_transformers(tmp_path / "out")
 
 
+@pytest.mark.legacy
 def test_head_only_source_cannot_be_a_transformers_folder(folders, tmp_path):
     src, _ = folders("bert")
     model = fh.from_pretrained(src, pooler="attention", head="linear")
@@ -185,6 +191,7 @@ def test_head_only_source_cannot_be_a_transformers_folder(folders, tmp_path):
 
 @pytest.mark.skipif(not __import__("flaxheads.backbones.hf_flax", fromlist=["available"]).available(),
                     reason="HF Flax models need transformers < 5")
+@pytest.mark.legacy
 def test_backbone_without_native_family_is_refused(tmp_path):
     """A backbone on HF's Flax code: no transformers folder (nothing checks it against PyTorch's AutoModel)."""
     tiny_torch_model("bert").save_pretrained(tmp_path / "src", safe_serialization=True)
