@@ -22,7 +22,7 @@ def tiny_bert_folder(path, num_labels: int = 3, dropout: float = 0.0, seed: int 
 
     path = os.fspath(path)
     model = tiny_torch_model("bert", num_labels=num_labels, seed=seed, hidden_dropout_prob=dropout,
-                             attention_probs_dropout_prob=dropout, num_hidden_layers=layers)
+                             attention_probs_dropout_prob=dropout, layers=layers)
     model.save_pretrained(path, safe_serialization=True)
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + list(WORDS)
     vocab += [f"w{i}" for i in range(V - len(vocab))]

@@ -64,11 +64,6 @@ def _headers(files: list[str]) -> dict[str, tuple[str, TensorInfo]]:
     return out
 
 
-def tensor_shapes(files: list[str]) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """``{name: (file, shape)}`` from the files' headers (no tensor is read)."""
-    return {name: (path, t.shape) for name, (path, t) in _headers(files).items()}
-
-
 def _stand_ins(shapes: dict[str, tuple[int, ...]], rows: bool) -> dict[str, np.ndarray]:
     """Zero-stride arrays of each tensor's shape: its number (``rows=False``) or its row index."""
     out = {}
@@ -131,6 +126,7 @@ class _Index:
                                for p, (n, tr) in self.sources.items()})
 
     def others(self) -> "StoredTensors":
+        """The tensors no backbone param is (the head's weights), each read only when looked up."""
         used = {name for name, _ in self.sources.values()}
         return StoredTensors({n: file for n, (file, _) in self.stored.items() if n not in used})
 
@@ -226,13 +222,6 @@ class StoredTensors(Mapping[str, np.ndarray]):
 
     def __len__(self) -> int:
         return len(self._where)
-
-
-def read_other_tensors(folder: str | os.PathLike, used: set[str]) -> Mapping[str, np.ndarray]:
-    """Every tensor of the folder's safetensors not in ``used`` (the head's weights beside a lazily read
-    backbone), as numpy; each is read when looked up, so the ones no head uses (an LM head) are never read."""
-    stored = _headers(safetensors_files(os.fspath(folder)))
-    return StoredTensors({n: file for n, (file, _) in stored.items() if n not in used})
 
 
 def load_sharded(folder: str | os.PathLike, family: type[Backbone], config: HFConfig, shardings: ShardingFn,

@@ -394,7 +394,7 @@ def _fine_tune(job: Job, callbacks: list, *, progress: bool, argv, started, comp
     if compile_cache is not None:
         summary["compile_cache"] = {"folder": str(compile_cache.folder), "loaded": compile_cache.hits,
                                     "compiled": compile_cache.compiled, "stored": compile_cache.stored}
-    worst = worst_examples(job, *_worst_source(job, trainer, res, predictions))
+    worst = worst_examples(job, *_worst_source(job, res, predictions))
     folder.finish(summary, final, predictions, job.model.id2label, history=res.history, metric=job.task.headline,
                   worst=worst, tail=f"{res.step} steps in {res.seconds:.0f} s"
                        + (f" (first step done {summary['seconds_to_first_step']:.0f} s after the start)"
@@ -406,17 +406,14 @@ def _fine_tune(job: Job, callbacks: list, *, progress: bool, argv, started, comp
     return Run(job.spec, summary, dataclasses.replace(job.model, params=state.params), job.out)
 
 
-def _worst_source(job: Job, trainer: loop.Trainer, res: loop.FitResult, predictions: dict) -> tuple[str, dict | None]:
-    """The split whose worst-classified rows the report shows, and its predictions: validation
-    (the trained model's, from fit's last evaluation) where it is in memory, else the test split's."""
+def _worst_source(job: Job, res: loop.FitResult, predictions: dict) -> tuple[str, dict | None]:
+    """The split whose worst-classified rows the report shows, and its predictions: validation (the
+    trained model's, from fit's evaluation at the last step) where it is in memory, else the test split's."""
     val = job.splits.get("validation")
     if job.spec.ranking or not isinstance(val, Split) or getattr(job.data.tables.get("validation"), "texts", None) \
             is None:
         return "test", predictions.get("test")
-    arrays = res.final_arrays.get("validation")
-    if arrays is None:
-        arrays = trainer.final(res.state.params, val, buckets=job.buckets, pad_id=job.pad_id)[1]
-    return "validation", arrays
+    return "validation", res.final_arrays.get("validation")
 
 
 def _startup(started: float | None, res: loop.FitResult, fit_called: float) -> dict:
