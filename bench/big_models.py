@@ -33,7 +33,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import flaxheads as fh  # noqa: E402
-from flaxheads.quantize import device_bytes  # noqa: E402
+from flaxheads.model.quantize import device_bytes  # noqa: E402
 from flaxheads.training.loop import TrainConfig, Trainer  # noqa: E402
 from flaxheads.training.optim import OptimConfig  # noqa: E402
 from hf_tiny import save_tiny  # noqa: E402
@@ -60,8 +60,8 @@ def base_bytes(tmp: str) -> None:
             m = f32.with_base_dtype(emb).with_quantized_base(q)
             b = device_bytes(m.params["backbone"])
             print(f"| {q} (layer kernels; embeddings, norms {jnp.dtype(emb).name}) | {b / 2**20:.1f} | {b / ref:.3f} |")
-    from flaxheads.memory_plan import abstract_model
-    from flaxheads.sharding import shard_bytes
+    from flaxheads.training.memory_plan import abstract_model
+    from flaxheads.runtime.sharding import shard_bytes
 
     def shape_bytes(tree):
         one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -187,8 +187,8 @@ def load_worker(args: dict) -> None:
                                    process_id=args["process_id"])
     # the loader's own modules imported before the measure, so that rchar counts the weights' bytes
     import flaxheads.backbones.lazy  # noqa: F401
-    import flaxheads.memory_plan  # noqa: F401
-    import flaxheads.quantize  # noqa: F401
+    import flaxheads.training.memory_plan  # noqa: F401
+    import flaxheads.model.quantize  # noqa: F401
     import qwix  # noqa: F401
 
     jax.devices()

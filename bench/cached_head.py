@@ -55,9 +55,9 @@ def main(argv=None):
     from transformers import AutoModel, AutoTokenizer
 
     import flaxheads as fh
-    from flaxheads.batching import make_buckets
-    from flaxheads.tables import bbc_news_path, load_class_folder
-    from flaxheads.training.data import split_indices, tokenize
+    from flaxheads.data.batching import make_buckets
+    from flaxheads.data.tables import bbc_news_path, load_class_folder
+    from flaxheads.data.splits import split_indices, tokenize
     from flaxheads.training.features import cache_features, encode_groups
     from flaxheads.training.optim import OptimConfig, make_optimizer
     from flaxheads.training.sweep import Variant, grid, sweep
@@ -137,7 +137,7 @@ def main(argv=None):
     probe_warm = enc_times[-1] + head.seconds
 
     # an epoch recomputing the backbone (frozen): time a few real batches, scale to the epoch
-    from flaxheads.training.data import iterate_batches
+    from flaxheads.data.splits import iterate_batches
 
     fstate = create_state(jax.tree.map(jnp.copy, model.params), tx, freeze_backbone=True)  # donated below
     fstep = common.jit_train_step(make_train_step(model, tx, freeze_backbone=True), model.plan)

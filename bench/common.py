@@ -76,13 +76,13 @@ POOLED_TOKEN_NOTE = ("flaxheads runs the last layer at the pooled [CLS] token al
 
 def configure_xla(extra: str | None = None) -> list[str]:
     """``--xla-flags`` from the command line, then flaxheads' program defaults
-    (:func:`flaxheads.host.malloc.configure_malloc` and :func:`flaxheads.host.xla_flags.configure_xla`),
+    (:func:`flaxheads.runtime.malloc.configure_malloc` and :func:`flaxheads.runtime.xla_flags.configure_xla`),
     before JAX starts. Every system in a bench runs in this one process, so the peers get the
     same heap and XLA settings as flaxheads."""
     if extra:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + extra).strip()
-    from flaxheads.host.malloc import configure_malloc
-    from flaxheads.host.xla_flags import configure_xla as apply
+    from flaxheads.runtime.malloc import configure_malloc
+    from flaxheads.runtime.xla_flags import configure_xla as apply
 
     configure_malloc()
     return apply()
@@ -98,7 +98,7 @@ def add_precision(ap) -> None:
 def bf16_hardware() -> bool:
     """The CPU multiplies bfloat16 natively (AVX512-BF16 or AMX). Without it PyTorch's bf16 matmul
     falls to a reference kernel: 1.3 vs 154 GFLOP/s fp32 (512^3, AMD EPYC, torch 2.14.1)."""
-    from flaxheads.host.cpu import CpuInfo
+    from flaxheads.runtime.cpu import CpuInfo
 
     return CpuInfo.read().bf16
 
@@ -184,9 +184,9 @@ class PeakRSS:
 def jit_train_step(step, plan=None):
     """``step(state, batch)`` jitted as flaxheads jits its train steps on one device: state donated,
     the train steps' compiler options of ``plan`` (default this process's
-    :meth:`~flaxheads.host.plan.ComputePlan.for_host`); a JAX peer in the same bench gets the same."""
-    from flaxheads.host import ComputePlan
-    from flaxheads.parallel import Parallel
+    :meth:`~flaxheads.runtime.plan.ComputePlan.for_host`); a JAX peer in the same bench gets the same."""
+    from flaxheads.runtime import ComputePlan
+    from flaxheads.runtime.parallel import Parallel
 
     plan = plan or ComputePlan.for_host()
     return Parallel().compile(step, options=plan.compiler_options(gradients=True))
@@ -287,7 +287,7 @@ def environment() -> str:
     import jax
     import torch
 
-    from flaxheads.host.cpu import CpuInfo
+    from flaxheads.runtime.cpu import CpuInfo
 
     cpu = CpuInfo.read()
     load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3

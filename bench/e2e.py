@@ -22,7 +22,7 @@ evaluation cadence and the checkpoint policy as flaxheads' own code resolves the
 command line, and the exact train / validation / test examples and label ids.
 
 Each run is a fresh process (environment as ``make`` sets it, plus the heap settings that
-``flaxheads`` applies to itself, ``flaxheads.host.malloc.malloc_env``, so the Trainer gets the same
+``flaxheads`` applies to itself, ``flaxheads.runtime.malloc.malloc_env``, so the Trainer gets the same
 heap), one at a time; flaxheads gets an
 empty compile cache per run, so each run compiles as a first run does. Per run: wall time of the
 whole process (timed from outside: imports, data, tokenisation, compile, training, evaluation,
@@ -130,12 +130,12 @@ def resolve(argv: list[str], workdir: Path) -> dict:
     """What ``flaxheads train argv`` resolves to, by flaxheads' own code: the split (written to a
     file for the Trainer side), the optimizer, the head, the checkpoint policy, the batch order."""
     from flaxheads.cli.train import build_parser, spec_from_args
-    from flaxheads.hub import resolve_model_source
-    from flaxheads.nn.heads import make_head
+    from flaxheads.model.hub import resolve_model_source
+    from flaxheads.heads.heads import make_head
     from flaxheads.run.data import data_config
     from flaxheads.run.program import optim_config, train_config
     from flaxheads.training import loop
-    from flaxheads.training.data import load_splits
+    from flaxheads.data.splits import load_splits
 
     args = build_parser().parse_args(argv)
     spec = spec_from_args(args)
@@ -161,7 +161,7 @@ def apply_make_env(xla_flags: str | None) -> None:
     """Make's settings in this process's environment, which every run inherits (the malloc ones as
     make's ``?=``: a value already set is kept), flaxheads' heap settings for every system alike,
     plus ``--xla-flags``."""
-    from flaxheads.host.malloc import malloc_env
+    from flaxheads.runtime.malloc import malloc_env
 
     for k, v in {**malloc_env(), **MAKE_ENV}.items():
         if k.startswith("MALLOC_"):
@@ -184,7 +184,7 @@ def step_examples(spec: dict, total: int) -> list[int]:
     """Real examples in each of flaxheads' training steps (its batch plan; a short batch per epoch)."""
     import numpy as np
 
-    from flaxheads.training.data import batch_plan
+    from flaxheads.data.splits import batch_plan
     from flaxheads.training.loop import steps_per_epoch
 
     n, bs = spec["sizes"]["train"], spec["batch_size"]
@@ -248,7 +248,7 @@ def run_hf(spec: dict, precision: str, folder: Path) -> dict:
     import numpy as np
 
     from flaxheads.losses import SINGLE_LABEL
-    from flaxheads.training.metrics import compute_metrics
+    from flaxheads.tasks.metrics import compute_metrics
 
     folder.mkdir(parents=True)
     job = {**spec, "precision": precision, "output_dir": str(folder / "run"), "result": str(folder / "result.json")}
@@ -277,7 +277,7 @@ def _tail(log: Path) -> str:
 # ---- report --------------------------------------------------------------------------------
 def cpu_info() -> dict:
     """The CPU's model name and whether it multiplies bfloat16 natively (AVX512-BF16, AMX)."""
-    from flaxheads.host.cpu import CpuInfo
+    from flaxheads.runtime.cpu import CpuInfo
 
     cpu = CpuInfo.read()
     return {"model": cpu.model or "unknown", "avx512_bf16": "avx512_bf16" in cpu.flags, "amx_bf16": cpu.amx,

@@ -54,7 +54,7 @@ RECIPE = ["--max-length", "64", "--batch-size", "32", "--split", "0.998,0.001,0.
 
 def sentences() -> list[tuple[str, str]]:
     """(sentence, class) of BBC News, 20-200 characters, in corpus order."""
-    from flaxheads.tables import bbc_news_path
+    from flaxheads.data.tables import bbc_news_path
 
     root, out = bbc_news_path(), []
     for c in sorted(p.name for p in root.iterdir() if p.is_dir()):
@@ -108,8 +108,8 @@ def pipeline_alone(data: str, batches: int) -> dict:
     """In this process (no model): the scan, ``batches`` training batches and the whole test split
     through the pipeline; RSS after the imports, its peak, and the seconds of the scan."""
     from flaxheads.interop.tokenizers import load_tokenizer
-    from flaxheads.training.data import DataConfig
-    from flaxheads.training import streaming as S
+    from flaxheads.data.splits import DataConfig
+    from flaxheads.data import streaming as S
 
     import datasets  # noqa: F401  (imported before the baseline: a fixed cost, not the pipeline's)
     import pyarrow  # noqa: F401

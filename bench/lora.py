@@ -51,8 +51,8 @@ def build_model(a):
     import jax.numpy as jnp
 
     from flaxheads.backbones.base import HFConfig
-    from flaxheads.backbones.decoder import DecoderBackbone
-    from flaxheads.model import SequenceModel, _init_head, build_head
+    from flaxheads.backbones.families.decoder import DecoderBackbone
+    from flaxheads.model.sequence import SequenceModel, _init_head, build_head
 
     cfg = DecoderBackbone.complete_config(HFConfig(_config(a)))
     backbone = DecoderBackbone(cfg, jax.jit(DecoderBackbone.init_params, static_argnums=0)(cfg, jax.random.key(0)),

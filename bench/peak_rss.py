@@ -3,7 +3,7 @@
 Each run is a fresh `python -m flaxheads train` process; its peak resident set is the kernel's
 (``wait4`` rusage ``ru_maxrss``), the whole process over its whole life (imports, the stream's scan,
 compiles, steps, evaluation, checkpoints), not a sampled delta. Heap settings compared, interleaved
-run by run: flaxheads' own (``FLAXHEADS_MALLOC=1``: one arena, no mmap, no trim; flaxheads/host/malloc.py)
+run by run: flaxheads' own (``FLAXHEADS_MALLOC=1``: one arena, no mmap, no trim; flaxheads/runtime/malloc.py)
 and glibc's defaults (``FLAXHEADS_MALLOC=0``).
 
     python bench/peak_rss.py --rows 10000000 --runs 5 --steps 30

@@ -1,7 +1,7 @@
 """The memory plan table of docs/performance.md: Llama-3.1-8B and -70B shapes (configs written from
 the published values in bench/configs; no weights) on 1x H100, 8x H100, v5e-8 and v5p-8, for a full
 fine-tune, LoRA on a bfloat16 base and QLoRA nf4. Each plan is XLA:CPU's compile of the real train step
-on 1 or 8 forced host devices (see flaxheads/memory_plan.py).
+on 1 or 8 forced host devices (see flaxheads/training/memory_plan.py).
 
     python bench/plan_table.py [batch] [length]      # prints a markdown table
 """
@@ -15,8 +15,8 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import flaxheads as fh  # noqa: E402
-from flaxheads.lora import LoraConfig  # noqa: E402
-from flaxheads.memory_plan import plan_table  # noqa: E402
+from flaxheads.model.lora import LoraConfig  # noqa: E402
+from flaxheads.training.memory_plan import plan_table  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RUNS = {"full fine-tune": dict(precision="bfloat16", base_dtype="float32"),

@@ -43,9 +43,9 @@ def worker(name: str, folder: str) -> dict:
     import numpy as np
 
     import flaxheads as fh
-    from flaxheads.host import ComputePlan
-    from flaxheads.memory_plan import lora_from_flags, plan_batch
-    from flaxheads.quantize import device_bytes
+    from flaxheads.runtime import ComputePlan
+    from flaxheads.training.memory_plan import lora_from_flags, plan_batch
+    from flaxheads.model.quantize import device_bytes
     from flaxheads.training.loop import TrainConfig, Trainer
     from flaxheads.training.optim import OptimConfig
     from hf_tiny import save_tiny

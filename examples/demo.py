@@ -32,7 +32,7 @@ def main(argv=None) -> None:
     ap.add_argument("--head", default=None, help="linear | mlp | projection (default: HF preset)")
     ap.add_argument("--num-labels", type=int, default=5)
     args = ap.parse_args(argv)
-    from flaxheads.host.xla_flags import configure_xla
+    from flaxheads.runtime.xla_flags import configure_xla
 
     configure_xla()  # before JAX starts a backend
     import jax.numpy as jnp

@@ -19,7 +19,7 @@ from flax import nnx
 
 import flaxheads as fh
 from flaxheads import nnx as fnnx
-from flaxheads.nn import linen
+from flaxheads.heads import linen
 
 VOCAB, WIDTH, LABELS = 50, 16, 3
 

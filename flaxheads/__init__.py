@@ -9,52 +9,52 @@ The public names, by concept:
 * training pieces: :class:`Trainer`, :func:`fit`, :class:`TrainConfig`, :class:`OptimConfig`, tasks, losses
 * checkpoints: heads saved apart from backbones, run checkpoints
 """
-from .phases import guard_command_import
+from flaxheads.runtime.phases import guard_command_import
 
 guard_command_import()  # Ctrl-C while the flaxheads command imports its libraries: one line, not a traceback
-from ._version import __version__
-from .errors import FlaxheadsError
+from flaxheads._version import __version__
+from flaxheads.errors import FlaxheadsError
 
 # a run
-from .run import Run, RunSpec, train
+from flaxheads.run import Run, RunSpec, train
 
 # models, loading and exporting
-from .model import LoadReport, SequenceModel, build_head, from_pretrained, load_backbone
-from .formats import FORMATS, export, load
-from .predict import Classifier, Predictions
-from .describe import describe
-from .host import ComputePlan
-from . import interop
-from .interop import (ExportError, ModelImportError, export_head, export_sentence_transformers, export_transformers,
+from flaxheads.model.sequence import LoadReport, SequenceModel, build_head, from_pretrained, load_backbone
+from flaxheads.formats import FORMATS, export, load
+from flaxheads.predict import Classifier, Predictions
+from flaxheads.heads.describe import describe
+from flaxheads.runtime import ComputePlan
+from flaxheads import interop
+from flaxheads.interop import (ExportError, ModelImportError, export_head, export_sentence_transformers, export_transformers,
                       import_model, load_head_export, load_sentence_transformers, load_transformers)
-from .interop.cross_encoder import export_cross_encoder
-from .interop.onnx import export_onnx
-from .interop.peft import export_peft, load_peft
-from .interop.tokenizers import Tokenizer, TokenizerError, load_tokenizer
+from flaxheads.interop.cross_encoder import export_cross_encoder
+from flaxheads.interop.onnx import export_onnx
+from flaxheads.interop.peft import export_peft, load_peft
+from flaxheads.interop.tokenizers import Tokenizer, TokenizerError, load_tokenizer
 
 # poolers, heads, presets, LoRA
-from .nn.poolers import AttentionPool, Concat, DensePooler, Pool, Pooler, SequenceSummary, make_pooler
-from .nn.heads import Head, IdentityHead, LinearHead, MLPHead, ProjectionHead, SequenceHead, make_head
-from .config import from_dict, from_json, to_dict, to_json
-from .presets import PRESETS, PoolMaskError, Preset, PresetMatch, match_preset, preset_for
-from . import lora
-from .lora import LoraConfig, merge_model
-from .memory_plan import MemoryPlan, plan_memory
+from flaxheads.heads.poolers import AttentionPool, Concat, DensePooler, Pool, Pooler, SequenceSummary, make_pooler
+from flaxheads.heads.heads import Head, IdentityHead, LinearHead, MLPHead, ProjectionHead, SequenceHead, make_head
+from flaxheads.config import from_dict, from_json, to_dict, to_json
+from flaxheads.heads.presets import PRESETS, PoolMaskError, Preset, PresetMatch, match_preset, preset_for
+from flaxheads.model import lora
+from flaxheads.model.lora import LoraConfig, merge_model
+from flaxheads.training.memory_plan import MemoryPlan, plan_memory
 
 # training pieces
-from .training.loop import Callback, TrainConfig, Trainer, fit
-from .training.optim import OptimConfig
-from .training.task import Classification, Task
-from .ranking.task import Ranking
-from . import ranking
-from .losses import (MULTI_LABEL, REGRESSION, SINGLE_LABEL, infer_problem_type, loss_fn, mean_squared_error,
+from flaxheads.training.loop import Callback, TrainConfig, Trainer, fit
+from flaxheads.training.optim import OptimConfig
+from flaxheads.tasks.task import Classification, Task
+from flaxheads.tasks.ranking.task import Ranking
+from flaxheads.tasks import ranking
+from flaxheads.losses import (MULTI_LABEL, REGRESSION, SINGLE_LABEL, infer_problem_type, loss_fn, mean_squared_error,
                      sigmoid_binary_cross_entropy, softmax_cross_entropy, validate_labels)
 
 # checkpoints
-from .checkpoint import (CheckpointError, CorruptCheckpointError, HeadCheckpoint, HeadMismatchError,
+from flaxheads.checkpoint import (CheckpointError, CorruptCheckpointError, HeadCheckpoint, HeadMismatchError,
                          IncompatibleCheckpointError, RunCheckpointer, attach_head, load_head, save_head)
-from .checkpoint.models import model_from_checkpoint
-from .checkpoint.adapters import load_adapters
+from flaxheads.checkpoint.models import model_from_checkpoint
+from flaxheads.checkpoint.adapters import load_adapters
 
 __all__ = [
     "__version__", "FlaxheadsError",

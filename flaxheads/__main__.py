@@ -2,7 +2,7 @@
 import sys
 
 try:
-    from .cli.main import main
+    from flaxheads.cli.main import main
 except KeyboardInterrupt:  # Ctrl-C while the libraries load: nothing started, nothing to keep
     print("interrupted; nothing was being saved", file=sys.stderr, flush=True)
     sys.exit(130)

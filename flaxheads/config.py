@@ -1,6 +1,6 @@
 """JSON round trip for the pooler and head configs.
 
-A config is a plain frozen dataclass (``flaxheads.nn.poolers`` / ``flaxheads.nn.heads``); its
+A config is a plain frozen dataclass (``flaxheads.heads.poolers`` / ``flaxheads.heads.heads``); its
 fields, in their order, are the JSON object's keys after ``"type"``, the ``kind`` string its class
 registers here. Its Linen and NNX modules are built from it and are not serialised themselves.
 """

@@ -26,7 +26,7 @@ class ConfigError(FlaxheadsError):
 class TrainingError(FlaxheadsError):
     """A training or device-placement setting or input that cannot work (parallel mode, mesh,
     optimizer, packing, ...); the message says which and how to fix it. Bad data has its own,
-    :class:`flaxheads.tables.DataError`."""
+    :class:`flaxheads.data.tables.DataError`."""
 
 
 class WriteFailedError(FlaxheadsError):

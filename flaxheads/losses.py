@@ -15,7 +15,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from .errors import ConfigError
+from flaxheads.errors import ConfigError
 
 SINGLE_LABEL = "single_label_classification"
 MULTI_LABEL = "multi_label_classification"

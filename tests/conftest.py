@@ -25,7 +25,7 @@ import warnings  # noqa: E402
 
 import pytest  # noqa: E402
 
-from flaxheads.host.compile_cache import (CACHE_ENV, default_cache_dir,  # noqa: E402  (imports jax, starts no backend)
+from flaxheads.runtime.compile_cache import (CACHE_ENV, default_cache_dir,  # noqa: E402  (imports jax, starts no backend)
                                           enable_compile_cache)
 
 # One persistent compilation cache for a test run: the test processes' own programs and the command-line

@@ -15,11 +15,11 @@ from safetensors.numpy import load_file  # noqa: E402
 from transformers import AutoModelForSequenceClassification  # noqa: E402
 
 import flaxheads as fh  # noqa: E402
-from flaxheads.base_dtype import base_dtype_of, resolve_base_dtype  # noqa: E402
+from flaxheads.model.base_dtype import base_dtype_of, resolve_base_dtype  # noqa: E402
 from flaxheads.checkpoint import RunCheckpointer  # noqa: E402
 from flaxheads.errors import TrainingError, UsageError  # noqa: E402
 from flaxheads.interop.peft import export_peft  # noqa: E402
-from flaxheads.lora import delta, merge_model  # noqa: E402
+from flaxheads.model.lora import delta, merge_model  # noqa: E402
 from flaxheads.training.optim import OptimConfig, make_optimizer  # noqa: E402
 from flaxheads.training.steps import create_state, make_train_step  # noqa: E402
 from hf_tiny import padded_batch, save_tiny  # noqa: E402
@@ -151,7 +151,7 @@ def test_frozen_bf16_base_head_only_and_fine_tune_refused(bert):
 
 def test_run_spec_and_flag(bert):
     from flaxheads.cli.train import build_parser, spec_from_args
-    from flaxheads.host import ComputePlan
+    from flaxheads.runtime import ComputePlan
     from flaxheads.run.checks import check_spec
     from flaxheads.run.program import base_dtype, build_model
     from flaxheads.run.spec import RunSpec

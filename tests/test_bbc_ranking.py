@@ -43,8 +43,8 @@ def bm25_scores(queries, candidates, k1: float = 1.5, b: float = 0.75) -> list[l
 @pytest.mark.optimized
 def test_minilm_reranker_beats_bm25_on_bbc_news(tmp_path):
     from flaxheads.cli.train import main
-    from flaxheads.ranking.data import bbc_news_groups, split_groups
-    from flaxheads.ranking.metrics import ranking_metrics
+    from flaxheads.data.groups import bbc_news_groups, split_groups
+    from flaxheads.tasks.ranking.metrics import ranking_metrics
 
     out = tmp_path / "run"
     rc = main(["--objective", "listwise", *ARGS, "--max-length", "32", "--bucket-step", "32", "--epochs", "1",

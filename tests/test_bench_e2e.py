@@ -102,7 +102,7 @@ def test_best_runs_and_ratios():
 def test_resolve_gives_flaxheads_split_and_steps(tmp_path):
     """The Trainer side's examples are flaxheads' split of the same command line, and the step
     count its schedule is built for is the one flaxheads trains."""
-    from flaxheads.training.data import DataConfig, load_splits
+    from flaxheads.data.splits import DataConfig, load_splits
 
     a = e2e.parse_args(["--limit", "60", "--epochs", "2"])
     spec = e2e.resolve(e2e.recipe_argv(a, "bbc_news"), tmp_path)
@@ -121,7 +121,7 @@ def test_lexicon_csv_reads_back_verbatim(tmp_path):
     pytest.importorskip("vaderSentiment")
     import csv
 
-    from flaxheads.tables import load_table
+    from flaxheads.data.tables import load_table
 
     path = e2e.lexicon_csv(tmp_path)
     with open(path, newline="", encoding="utf-8") as f:

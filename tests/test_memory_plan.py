@@ -13,7 +13,7 @@ import jax  # noqa: E402
 
 import flaxheads as fh  # noqa: E402
 from flaxheads.cli.main import main  # noqa: E402
-from flaxheads.memory_plan import EXTRAPOLATE_ABOVE, plan_batch  # noqa: E402
+from flaxheads.training.memory_plan import EXTRAPOLATE_ABOVE, plan_batch  # noqa: E402
 from flaxheads.training.loop import TrainConfig, Trainer  # noqa: E402
 from flaxheads.training.memory import memory_report  # noqa: E402
 from flaxheads.training.optim import OptimConfig  # noqa: E402

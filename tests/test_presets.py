@@ -2,9 +2,9 @@
 import pytest
 
 from flaxheads.backbones.base import HFConfig
-from flaxheads.nn.heads import LinearHead, MLPHead
-from flaxheads.nn.poolers import DensePooler, Pool
-from flaxheads.presets import PoolMaskError, check_pool_mask, match_preset, preset_for, same_structure
+from flaxheads.heads.heads import LinearHead, MLPHead
+from flaxheads.heads.poolers import DensePooler, Pool
+from flaxheads.heads.presets import PoolMaskError, check_pool_mask, match_preset, preset_for, same_structure
 
 GPT2 = HFConfig({"model_type": "gpt2", "n_embd": 32, "pad_token_id": 0})
 BERT = HFConfig({"model_type": "bert", "hidden_size": 32, "hidden_dropout_prob": 0.1})

@@ -1,4 +1,4 @@
-"""Quantised frozen bases (flaxheads.quantize on Qwix): the NF4 code book is QLoRA's (built here from
+"""Quantised frozen bases (flaxheads.model.quantize on Qwix): the NF4 code book is QLoRA's (built here from
 its published construction, bitsandbytes' ``create_normal_map``, with scipy's normal quantiles), nf4
 blocks and int8 channels dequantise to what the published schemes give (numpy), the arrays' device
 bytes are the packed codes plus scales, the quantised matmul's backward equals the dequantised
@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 import flaxheads as fh
 from flaxheads.errors import UsageError
-from flaxheads.quantize import BLOCK, dequantize, device_bytes, qmatmul, quantization_of, quantize_kernel
+from flaxheads.model.quantize import BLOCK, dequantize, device_bytes, qmatmul, quantization_of, quantize_kernel
 
 qwix = pytest.importorskip("qwix")
 

@@ -93,7 +93,7 @@ def test_compiled_memory_orders_the_policies(folders):
 
 def test_names_and_flags(folders):
     from flaxheads.cli.train import build_parser, spec_from_args
-    from flaxheads.host import ComputePlan
+    from flaxheads.runtime import ComputePlan
     from flaxheads.run.checks import check_spec
     from flaxheads.run.program import build_model
     from flaxheads.run.spec import RunSpec

@@ -38,7 +38,7 @@ def tiny_bert_folder(path, num_labels: int = 3, dropout: float = 0.0, seed: int 
 
 def random_split(n: int, num_labels: int = 3, lengths=(5, 20), seed: int = 0, vocab: int = 99, name="train"):
     """A tokenised Split of random token ids with [CLS] ... [SEP] and random labels."""
-    from flaxheads.training.data import Split
+    from flaxheads.data.splits import Split
 
     rng = np.random.default_rng(seed)
     ids = []

@@ -36,12 +36,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..errors import ConfigError, FlaxheadsError
-from ..host.plan import ComputePlan
-from ..layers.activations import get_activation
-from ..layers.remat import remat_policy
-from .axes import Axes, generic_param_axes
-from .weights import pick, torch_from_tree, tree_from_torch
+from flaxheads.errors import ConfigError, FlaxheadsError
+from flaxheads.runtime.plan import ComputePlan
+from flaxheads.layers.activations import get_activation
+from flaxheads.layers.remat import remat_policy
+from flaxheads.runtime.axes import Axes, generic_param_axes
+from flaxheads.backbones.weights import pick, torch_from_tree, tree_from_torch
 
 
 class BackboneError(FlaxheadsError):
@@ -263,7 +263,7 @@ class Backbone:
     def param_axes(cls, path: tuple[str, ...], shape: tuple[int, ...]) -> Axes:
         """Logical axis names (``embed``, ``heads``, ``kv``, ``mlp``, ``vocab`` or None) of each
         dimension of the param at ``path`` in this family's tree; used to shard it over a device
-        mesh. The default is the generic rule of :mod:`flaxheads.backbones.axes`, reversed on the
+        mesh. The default is the generic rule of :mod:`flaxheads.runtime.axes`, reversed on the
         ``[out, in]`` kernels of a family with :attr:`kernels_out_in`; a family whose tree departs
         further from the Flax conventions overrides this, and only this."""
         axes = generic_param_axes(path, shape)

@@ -12,10 +12,10 @@ from typing import Any, Mapping
 import jax.numpy as jnp
 import numpy as np
 
-from ..host.plan import ComputePlan
-from ..layers.remat import remat_policy
-from .base import BackboneError, HFConfig
-from .weights import read_state_dict
+from flaxheads.runtime.plan import ComputePlan
+from flaxheads.layers.remat import remat_policy
+from flaxheads.backbones.base import BackboneError, HFConfig
+from flaxheads.backbones.weights import read_state_dict
 
 # HF Flax models that build a pooler we never use (the head owns pooling): skip it.
 _HAS_UNUSED_POOLER = {"bert", "roberta", "xlm-roberta", "albert", "big_bird", "roberta-prelayernorm"}
@@ -39,7 +39,7 @@ def _import(model_type: str | None = None):
             from transformers import AutoConfig, FlaxAutoModel
             from transformers.modeling_flax_pytorch_utils import convert_pytorch_state_dict_to_flax
     except ImportError:
-        from .registry import native_model_types
+        from flaxheads.backbones.registry import native_model_types
 
         what = f"model_type {model_type!r} has no native flaxheads backbone and" if model_type else "this backbone"
         raise BackboneError(f"{what} needs HF's Flax models, which transformers 5 removed: install "
@@ -56,7 +56,7 @@ def load(path: str | os.PathLike, config: HFConfig | None = None, dtype: Any = j
     raises instead of leaving random weights behind a warning (HF's Flax loader does the
     latter, e.g. for XLM-R, whose Flax and PyTorch classes disagree on the weight prefix).
     The architecture's built-in pooler is skipped where the head owns pooling. The model carries
-    ``plan`` (default :meth:`~flaxheads.host.plan.ComputePlan.for_host`) for the programs built around it."""
+    ``plan`` (default :meth:`~flaxheads.runtime.plan.ComputePlan.for_host`) for the programs built around it."""
     from flax.traverse_util import flatten_dict, unflatten_dict
 
     AutoConfig, FlaxAutoModel, convert = _import((config or HFConfig.from_folder(path)).get("model_type"))
@@ -72,7 +72,7 @@ def load(path: str | os.PathLike, config: HFConfig | None = None, dtype: Any = j
         if "Unrecognized configuration class" in str(e):
             raise BackboneError(f"model_type {cfg.model_type!r} has no Flax backbone in transformers "
                                 f"(FlaxAutoModel cannot build it). Its head presets still work on hidden states: "
-                                f"see flaxheads.presets.PRESETS.") from None
+                                f"see flaxheads.heads.presets.PRESETS.") from None
         raise
     state = read_state_dict(path) if state is None else state
     top = set(model.params)
@@ -111,7 +111,7 @@ def _with_remat(model, remat: bool | str, plan: ComputePlan | None):
 
 def to_native(model):
     """A native flaxheads backbone computing what the loaded HF Flax ``model`` computes, on the same params."""
-    from .registry import family_for
+    from flaxheads.backbones.registry import family_for
 
     fam = family_for(model.config.model_type)
     if fam is None:

@@ -27,11 +27,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 
-from .base import Backbone, BackboneError, HFConfig, strip_prefix
-from ..checksums import verify_file
-from ..host.malloc import release_free_memory
-from .safetensors_file import SafetensorsFile, TensorInfo
-from .weights import SAFE, SAFE_INDEX, WeightsNotFoundError
+from flaxheads.backbones.base import Backbone, BackboneError, HFConfig, strip_prefix
+from flaxheads.disk.checksums import verify_file
+from flaxheads.runtime.malloc import release_free_memory
+from flaxheads.backbones.safetensors_file import SafetensorsFile, TensorInfo
+from flaxheads.backbones.weights import SAFE, SAFE_INDEX, WeightsNotFoundError
 
 class NotLazyLoadable(BackboneError):
     """A family whose params are not each one stored tensor (or its transpose): it loads eagerly."""
@@ -228,7 +228,7 @@ def load_sharded(folder: str | os.PathLike, family: type[Backbone], config: HFCo
                  dtype: Any = jnp.float32, transform: Transform | None = None,
                  check: Callable[[dict], None] | None = None) -> tuple[dict, Mapping[str, np.ndarray]]:
     """``(backbone params read tensor by tensor onto shardings, the folder's other tensors)``: what
-    :func:`~flaxheads.model.from_pretrained` reads for a model placed on a mesh. ``check``, when given, sees
+    :func:`~flaxheads.model.sequence.from_pretrained` reads for a model placed on a mesh. ``check``, when given, sees
     the params' shapes and stored dtypes (:func:`param_shapes`) before any tensor is read."""
     index = _Index.of(folder, family, config)  # the headers, read once
     if check is not None:

@@ -11,19 +11,19 @@ from typing import Any, Mapping
 import jax.numpy as jnp
 import numpy as np
 
-from ..host.plan import ComputePlan
-from .base import Backbone, BackboneError, BackboneNotFoundError, HFConfig, MissingConfigKey, missing_key_error
-from .albert import AlbertBackbone
-from .bart import BartBackbone
-from .bert import BertBackbone
-from .decoder import DecoderBackbone
-from .deberta import DebertaV2Backbone
-from .distilbert import DistilBertBackbone
-from .electra import ElectraBackbone
-from .gpt2 import GPT2Backbone
-from .modernbert import ModernBertBackbone
-from .roberta import RobertaBackbone
-from .weights import read_state_dict
+from flaxheads.runtime.plan import ComputePlan
+from flaxheads.backbones.base import Backbone, BackboneError, BackboneNotFoundError, HFConfig, MissingConfigKey, missing_key_error
+from flaxheads.backbones.families.albert import AlbertBackbone
+from flaxheads.backbones.families.bart import BartBackbone
+from flaxheads.backbones.families.bert import BertBackbone
+from flaxheads.backbones.families.decoder import DecoderBackbone
+from flaxheads.backbones.families.deberta import DebertaV2Backbone
+from flaxheads.backbones.families.distilbert import DistilBertBackbone
+from flaxheads.backbones.families.electra import ElectraBackbone
+from flaxheads.backbones.families.gpt2 import GPT2Backbone
+from flaxheads.backbones.families.modernbert import ModernBertBackbone
+from flaxheads.backbones.families.roberta import RobertaBackbone
+from flaxheads.backbones.weights import read_state_dict
 
 #: Every native family, in the order their ``model_types`` are looked up.
 FAMILIES: tuple[type[Backbone], ...] = (BertBackbone, RobertaBackbone, ElectraBackbone, DistilBertBackbone,
@@ -61,7 +61,7 @@ def load_backbone(path: str | os.PathLike, dtype: Any = jnp.float32, *, state: M
     ``implementation``: ``"native"`` (flaxheads' own JAX code; an error when the family has
     none), ``"hf_flax"`` (transformers 4.x ``FlaxAutoModel``, the ``flaxheads[hf-flax]`` extra),
     ``"auto"`` (native when there is one, else HF's Flax wrapper if installed). ``plan``: how its
-    programs compute (default :meth:`~flaxheads.host.plan.ComputePlan.for_host`)."""
+    programs compute (default :meth:`~flaxheads.runtime.plan.ComputePlan.for_host`)."""
     if implementation not in IMPLEMENTATIONS:
         raise BackboneError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     path = os.fspath(path)
@@ -89,6 +89,6 @@ def load_backbone(path: str | os.PathLike, dtype: Any = jnp.float32, *, state: M
             if path in str(e):
                 raise
             raise _in_file(e, config, fam) from None
-    from . import hf_flax
+    from flaxheads.backbones import hf_flax
 
     return hf_flax.load(path, config, dtype=dtype, state=state, remat=remat, plan=plan)

@@ -23,7 +23,7 @@ from typing import Sequence
 import ml_dtypes
 import numpy as np
 
-from .weights import WeightsError
+from flaxheads.backbones.weights import WeightsError
 
 #: safetensors dtype names -> numpy dtypes (little-endian, as stored)
 DTYPES: dict[str, np.dtype] = {

@@ -12,8 +12,8 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from ..checksums import verify_file
-from ..errors import FlaxheadsError
+from flaxheads.disk.checksums import verify_file
+from flaxheads.errors import FlaxheadsError
 
 SAFE = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"

@@ -19,15 +19,15 @@ Modules: :mod:`.meta` (format, meta, errors), :mod:`.io` (Orbax plumbing), :mod:
 (head checkpoints), :mod:`.runs` (training runs), :mod:`.inspect` (verify, list, print),
 :mod:`.models` (whole models from checkpoints).
 """
-from .heads import HeadCheckpoint, attach_head, load_backbone_params, load_head, read_meta, save_head
-from .inspect import format_listing, format_meta, list_checkpoints, verify_checkpoint
-from .io import is_checkpoint_folder, resolve_root
-from .meta import (FORMAT, CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CheckpointWriteError,
+from flaxheads.checkpoint.heads import HeadCheckpoint, attach_head, load_backbone_params, load_head, read_meta, save_head
+from flaxheads.checkpoint.inspect import format_listing, format_meta, list_checkpoints, verify_checkpoint
+from flaxheads.checkpoint.io import is_checkpoint_folder, resolve_root
+from flaxheads.checkpoint.meta import (FORMAT, CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CheckpointWriteError,
                    CorruptCheckpointError,
                    HeadMismatchError, IncompatibleCheckpointError, backbone_checksum, expected_head_shapes,
                    head_shapes, head_shapes_hash, make_meta)
-from .models import model_from_checkpoint
-from .runs import RunCheckpointer
+from flaxheads.checkpoint.models import model_from_checkpoint
+from flaxheads.checkpoint.runs import RunCheckpointer
 
 __all__ = [
     "FORMAT", "CheckpointError", "CheckpointExistsError", "CheckpointNotFoundError", "CheckpointWriteError",

@@ -1,5 +1,5 @@
 """LoRA adapters in checkpoints: the ``lora`` item beside the ``head``, and its config in ``meta``
-(:func:`flaxheads.lora.adapters_meta`). A run's checkpoints and :func:`~.heads.save_head` write
+(:func:`flaxheads.model.lora.adapters_meta`). A run's checkpoints and :func:`~.heads.save_head` write
 them; :func:`load_adapters` puts them back on a model of the same base backbone, checked."""
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import os
 
 import numpy as np
 
-from . import io
-from .meta import LORA, META, IncompatibleCheckpointError, backbone_checksum, check_adapters
-from ..lora import LoraConfig, adapters_meta, with_lora
-from ..model import SequenceModel
+from flaxheads.checkpoint import io
+from flaxheads.checkpoint.meta import LORA, META, IncompatibleCheckpointError, backbone_checksum, check_adapters
+from flaxheads.model.lora import LoraConfig, adapters_meta, with_lora
+from flaxheads.model.sequence import SequenceModel
 
 
 def load_adapters(directory: str | os.PathLike, model: SequenceModel, step: int | str | None = None, *,

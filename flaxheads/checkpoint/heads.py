@@ -9,13 +9,13 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 
-from . import io
-from .meta import (BACKBONE, HEAD, LORA, META, STEP, CheckpointExistsError, CheckpointNotFoundError, HeadMismatchError,
+from flaxheads.checkpoint import io
+from flaxheads.checkpoint.meta import (BACKBONE, HEAD, LORA, META, STEP, CheckpointExistsError, CheckpointNotFoundError, HeadMismatchError,
                    backbone_checksum, build_head, check_format, check_params_fit, check_saved_shapes,
                    expected_head_shapes, int_keys, make_meta, path_str)
-from ..model import LoadReport, SequenceModel, _module_paths
-from ..nn.heads import SequenceHead
-from ..presets import check_pool_mask, match_preset
+from flaxheads.model.sequence import LoadReport, SequenceModel, _module_paths
+from flaxheads.heads.heads import SequenceHead
+from flaxheads.heads.presets import check_pool_mask, match_preset
 
 
 @dataclasses.dataclass

@@ -7,11 +7,11 @@ import os
 
 import numpy as np
 
-from .. import checksums
-from ..errors import UsageError
-from ..preflight import folder_bytes
-from . import io
-from .meta import ARRAY_ITEMS, JSON_ITEMS, META, OWN_KEYS, STEP, CheckpointError, CheckpointNotFoundError
+from flaxheads.disk import checksums
+from flaxheads.errors import UsageError
+from flaxheads.disk.preflight import folder_bytes
+from flaxheads.checkpoint import io
+from flaxheads.checkpoint.meta import ARRAY_ITEMS, JSON_ITEMS, META, OWN_KEYS, STEP, CheckpointError, CheckpointNotFoundError
 
 
 def _written_items(mgr, root: str, step: int) -> list[str]:
@@ -93,7 +93,7 @@ def folder_kind(path: str | os.PathLike) -> str | None:
 def verify_model_folder(path: str | os.PathLike) -> str:
     """Check every byte of a model or export folder: against its recorded checksums, or (a folder
     written elsewhere) each safetensors header's bounds and every tensor for NaN / Inf. Returns one
-    line saying what was checked; :class:`~flaxheads.checksums.ChecksumError` names a damaged file."""
+    line saying what was checked; :class:`~flaxheads.disk.checksums.ChecksumError` names a damaged file."""
     how, n = checksums.verify_any(path)
     if how == "checksums":
         return f"{path}: ok, {n} files match the SHA-256 recorded when flaxheads wrote them"

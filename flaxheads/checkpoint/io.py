@@ -13,9 +13,9 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from .. import checksums
-from ..errors import os_error_cause
-from .meta import (ARRAY_ITEMS, CHECKPOINTS_SUBDIR, JSON_ITEMS, META, STEP, CheckpointError, CheckpointNotFoundError,
+from flaxheads.disk import checksums
+from flaxheads.errors import os_error_cause
+from flaxheads.checkpoint.meta import (ARRAY_ITEMS, CHECKPOINTS_SUBDIR, JSON_ITEMS, META, STEP, CheckpointError, CheckpointNotFoundError,
                    CheckpointWriteError, CorruptCheckpointError, DamagedCheckpointError)
 
 

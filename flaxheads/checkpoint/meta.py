@@ -16,20 +16,20 @@ import jax.numpy as jnp
 from jax.experimental import multihost_utils
 import numpy as np
 
-from .. import config as _config
-from .._version import __version__
-from ..base_dtype import base_dtype_of
-from ..quantize import quantization_of
-from ..checksums import ChecksumError
-from ..errors import FlaxheadsError, WriteFailedError
-from ..lora import adapters_diff, adapters_meta
-from ..model import SequenceModel
-from ..nn import linen
-from ..nn.heads import SequenceHead
+from flaxheads import config as _config
+from flaxheads._version import __version__
+from flaxheads.model.base_dtype import base_dtype_of
+from flaxheads.model.quantize import quantization_of
+from flaxheads.disk.checksums import ChecksumError
+from flaxheads.errors import FlaxheadsError, WriteFailedError
+from flaxheads.model.lora import adapters_diff, adapters_meta
+from flaxheads.model.sequence import SequenceModel
+from flaxheads.heads import linen
+from flaxheads.heads.heads import SequenceHead
 
 FORMAT = "flaxheads-checkpoint/1"
 HEAD, BACKBONE, OPT_STATE, EXTRA, STEP, META = "head", "backbone", "opt_state", "extra", "step", "meta"
-LORA = "lora"  # LoRA adapters (flaxheads.lora), only for models that have them
+LORA = "lora"  # LoRA adapters (flaxheads.model.lora), only for models that have them
 ARRAY_ITEMS = (HEAD, BACKBONE, OPT_STATE, EXTRA, LORA)
 JSON_ITEMS = (STEP, META)
 CHECKPOINTS_SUBDIR = "checkpoints"
@@ -272,7 +272,7 @@ def check_resumable(meta: dict, where: str, params: Mapping, model: SequenceMode
 
 def check_adapters(meta: dict, have: dict | None, where: str) -> None:
     """The LoRA adapters ``meta`` records are those of the target (``have``: its
-    :func:`~flaxheads.lora.adapters_meta`): same config, same modules and kernel shapes."""
+    :func:`~flaxheads.model.lora.adapters_meta`): same config, same modules and kernel shapes."""
     diff = adapters_diff(meta.get("lora"), have)
     if diff:
         raise IncompatibleCheckpointError(

@@ -5,10 +5,10 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from .adapters import load_adapters
-from .heads import HeadCheckpoint, attach_head, load_backbone_params, load_head
-from .meta import CheckpointError, CheckpointNotFoundError
-from ..model import SequenceModel, from_pretrained
+from flaxheads.checkpoint.adapters import load_adapters
+from flaxheads.checkpoint.heads import HeadCheckpoint, attach_head, load_backbone_params, load_head
+from flaxheads.checkpoint.meta import CheckpointError, CheckpointNotFoundError
+from flaxheads.model.sequence import SequenceModel, from_pretrained
 
 
 def model_from_checkpoint(directory: str | os.PathLike, step: int | str | None = None, *,

@@ -11,10 +11,10 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 
-from . import io
-from .meta import (BACKBONE, CHECKPOINTS_SUBDIR, EXTRA, HEAD, LORA, META, OPT_STATE, STEP, CheckpointError,
+from flaxheads.checkpoint import io
+from flaxheads.checkpoint.meta import (BACKBONE, CHECKPOINTS_SUBDIR, EXTRA, HEAD, LORA, META, OPT_STATE, STEP, CheckpointError,
                    CheckpointNotFoundError, backbone_checksum, check_format, check_resumable, make_meta)
-from ..model import SequenceModel
+from flaxheads.model.sequence import SequenceModel
 
 
 def _metric_getter(name: str):

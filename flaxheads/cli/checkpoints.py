@@ -5,10 +5,10 @@ import argparse
 import json
 import os
 
-from ..checkpoint import format_listing, format_meta, list_checkpoints, read_meta
-from ..checkpoint.inspect import folder_kind, verify_model_folder
-from . import flags
-from .flags import Program
+from flaxheads.checkpoint import format_listing, format_meta, list_checkpoints, read_meta
+from flaxheads.checkpoint.inspect import folder_kind, verify_model_folder
+from flaxheads.cli import flags
+from flaxheads.cli.flags import Program
 
 
 def run_checkpoints(args: argparse.Namespace, program: Program | None = None) -> int:
@@ -47,7 +47,7 @@ def add_checkpoints_command(sub: argparse._SubParsersAction) -> None:
 
 def add_report_command(sub: argparse._SubParsersAction) -> None:
     """Register ``flaxheads report RUN``: write the run folder's report.html again from its files."""
-    from ..run.report import report_run
+    from flaxheads.run.report import report_run
 
     p = sub.add_parser("report", help="write a run folder's report.html again, from the folder's files (any run)")
     p.add_argument("run", help="a run folder")

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import argparse
 
-from ..formats import export_folder
-from . import flags
-from .flags import Program
+from flaxheads.formats import export_folder
+from flaxheads.cli import flags
+from flaxheads.cli.flags import Program
 
 
 def run_export(args: argparse.Namespace, program: Program | None = None) -> int:

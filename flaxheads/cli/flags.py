@@ -8,13 +8,13 @@ import dataclasses
 import math
 from typing import Any, Callable
 
-from ..errors import UsageError
+from flaxheads.errors import UsageError
 
 
 @dataclasses.dataclass(frozen=True)
 class Program:
     """What the ``flaxheads`` process knows of itself, handed to each subcommand with its flags:
-    when it started and its compile cache (``flaxheads.host.compile_cache``)."""
+    when it started and its compile cache (``flaxheads.runtime.compile_cache``)."""
 
     started: float
     compile_cache: Any = None

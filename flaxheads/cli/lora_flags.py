@@ -1,12 +1,12 @@
 """The LoRA flags of ``flaxheads train``: adapters of ``--lora-rank`` on the kernels
 ``--lora-targets`` names (default: the backbone's attention query/value projections), or the
 adapters and head of a PEFT adapter folder (``--lora-from``) to train on; the base stays frozen,
-the adapters and the head train (see :mod:`flaxheads.lora`; checked by :mod:`flaxheads.run.checks`)."""
+the adapters and the head train (see :mod:`flaxheads.model.lora`; checked by :mod:`flaxheads.run.checks`)."""
 from __future__ import annotations
 
 import argparse
 
-from . import flags
+from flaxheads.cli import flags
 
 
 def targets_list(text: str) -> tuple[str, ...]:

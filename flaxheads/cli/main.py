@@ -19,22 +19,22 @@ import time
 import warnings
 from typing import Callable, Sequence
 
-from .. import checksums
-from ..errors import FlaxheadsError, WriteFailedError, one_line
-from ..host.compile_cache import enable_compile_cache
-from ..host.logs import quiet_background_saves
-from ..host.malloc import configure_malloc
-from ..host.xla_flags import configure_xla
-from ..phases import watch_signals
-from ..training.preemption import Interrupted, exit_code
-from .checkpoints import add_checkpoints_command, add_report_command
-from .export import add_export_command
-from .flags import Parser, Program
-from .plan import add_plan_command
-from .predict import add_predict_commands
-from .rank import add_rank_command
-from .serve import add_serve_command
-from .train import add_train_command
+from flaxheads.disk import checksums
+from flaxheads.errors import FlaxheadsError, WriteFailedError, one_line
+from flaxheads.runtime.compile_cache import enable_compile_cache
+from flaxheads.runtime.logs import quiet_background_saves
+from flaxheads.runtime.malloc import configure_malloc
+from flaxheads.runtime.xla_flags import configure_xla
+from flaxheads.runtime.phases import watch_signals
+from flaxheads.training.preemption import Interrupted, exit_code
+from flaxheads.cli.checkpoints import add_checkpoints_command, add_report_command
+from flaxheads.cli.export import add_export_command
+from flaxheads.cli.flags import Parser, Program
+from flaxheads.cli.plan import add_plan_command
+from flaxheads.cli.predict import add_predict_commands
+from flaxheads.cli.rank import add_rank_command
+from flaxheads.cli.serve import add_serve_command
+from flaxheads.cli.train import add_train_command
 
 #: Errors only a write meets (a full or read-only disk, a quota or file size limit): one line, exit 1.
 REFUSED_WRITES = (errno.ENOSPC, errno.EFBIG, errno.EROFS, errno.EDQUOT)
@@ -61,13 +61,13 @@ def build_parser() -> Parser:
 
 def _prepare_process() -> None:
     """Process settings every subcommand wants, before JAX or transformers start."""
-    # table files are read locally; model hub ids are fetched only by flaxheads.hub (HF_HUB_OFFLINE=1: cache only)
+    # table files are read locally; model hub ids are fetched only by flaxheads.model.hub (HF_HUB_OFFLINE=1: cache only)
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     warnings.filterwarnings("ignore", message=".*TensorFlow and JAX classes are deprecated.*")
     quiet_background_saves()
-    configure_malloc()  # before JAX starts its threads; reasons in flaxheads/host/malloc.py
+    configure_malloc()  # before JAX starts its threads; reasons in flaxheads/runtime/malloc.py
     configure_xla()
 
 

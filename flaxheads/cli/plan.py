@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from .train import _model_flags, add_lora_flags, flags, mesh_flag
+from flaxheads.cli.train import _model_flags, add_lora_flags, flags, mesh_flag
 
 
 def add_plan_command(sub: argparse._SubParsersAction) -> None:
@@ -19,6 +19,6 @@ def add_plan_command(sub: argparse._SubParsersAction) -> None:
 
 
 def plan_command(a: dict) -> str:
-    from ..memory_plan import plan_from_flags  # imported here: the mesh's host devices are forced first
+    from flaxheads.training.memory_plan import plan_from_flags  # imported here: the mesh's host devices are forced first
 
     return plan_from_flags(**{k: a[k] for k in a if k not in ("func", "command")})

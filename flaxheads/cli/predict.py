@@ -21,19 +21,19 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import UsageError
-from ..losses import REGRESSION
-from ..predict import Classifier
-from ..tables import LabelSpace, encode_labels
-from ..run.data import run_split
-from ..training.metrics import compute_metrics, format_table, headline
-from . import flags
-from .flags import Program
-from ..preflight import check_file, check_folder
-from ..predict.ranking import evaluate_groups, format_ranking, ranking_groups
-from ..predict.io import (INPUT_FORMATS, OUTPUT_FORMATS, STDIO, check_new_columns, output_format, read_input,
+from flaxheads.errors import UsageError
+from flaxheads.losses import REGRESSION
+from flaxheads.predict import Classifier
+from flaxheads.data.tables import LabelSpace, encode_labels
+from flaxheads.run.data import run_split
+from flaxheads.tasks.metrics import compute_metrics, format_table, headline
+from flaxheads.cli import flags
+from flaxheads.cli.flags import Program
+from flaxheads.disk.preflight import check_file, check_folder
+from flaxheads.predict.ranking import evaluate_groups, format_ranking, ranking_groups
+from flaxheads.predict.io import (INPUT_FORMATS, OUTPUT_FORMATS, STDIO, check_new_columns, output_format, read_input,
                          prediction_columns, read_labelled_input, write_embeddings, write_rows)
-from ..run.folder import RunFolder, scalars
+from flaxheads.run.folder import RunFolder, scalars
 
 
 def _source_flags(p: argparse.ArgumentParser) -> None:
@@ -151,7 +151,7 @@ def run_evaluate(args: argparse.Namespace, program: Program | None = None) -> in
         text = RunFolder(out).write_results(summary, final, clf.id2label,
                                             {name: {"logits": pred.logits, "labels": np.asarray(labels)}})
         if "confusion_matrix" in metrics:
-            from ..run.plots import plot_confusion_matrix  # matplotlib only when there is a matrix to draw
+            from flaxheads.run.plots import plot_confusion_matrix  # matplotlib only when there is a matrix to draw
 
             plot_confusion_matrix(out / "confusion_matrix.png", metrics["confusion_matrix"], clf.id2label, name)
     else:

@@ -18,11 +18,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..predict.ranking import check_scorer, ranks_within
-from ..tables import DataError
-from .flags import Program
-from .predict import _run, _source_flags, load_classifier
-from ..predict.io import INPUT_FORMATS, OUTPUT_FORMATS, STDIO, check_new_columns, output_format, read_input, write_rows
+from flaxheads.predict.ranking import check_scorer, ranks_within
+from flaxheads.data.tables import DataError
+from flaxheads.cli.flags import Program
+from flaxheads.cli.predict import _run, _source_flags, load_classifier
+from flaxheads.predict.io import INPUT_FORMATS, OUTPUT_FORMATS, STDIO, check_new_columns, output_format, read_input, write_rows
 
 
 def run_rank(args: argparse.Namespace, program: Program | None = None) -> int:

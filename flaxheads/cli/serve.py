@@ -13,15 +13,15 @@ import errno
 import sys
 import time
 
-from ..errors import UsageError
-from . import flags
-from .flags import Program
-from .predict import load_classifier
+from flaxheads.errors import UsageError
+from flaxheads.cli import flags
+from flaxheads.cli.flags import Program
+from flaxheads.cli.predict import load_classifier
 
 
 def run_serve(args: argparse.Namespace, program: Program | None = None) -> int:
     try:
-        from .. import serve
+        from flaxheads import serve
     except ImportError as e:
         raise UsageError(f"flaxheads serve needs the serve extra ({e.name} is missing): "
                          "pip install 'flaxheads[serve]'") from None

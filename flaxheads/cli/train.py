@@ -28,18 +28,18 @@ import os
 import sys
 from typing import Sequence
 
-from ..base_dtype import BASE_DTYPES
-from ..quantize import QUANTIZATIONS
-from ..errors import TrainingError, UsageError
-from ..layers.remat import REMAT_POLICIES
-from ..nn.poolers import POOLER_NAMES
-from ..host.precision import PRECISIONS
-from ..run import RunSpec, train
-from ..run.spec import DEFAULT_HEAD_LR, DEFAULT_LR, FIELD_GROUP, PROBE_LR, PROBLEM_TYPES, RANKING_OBJECTIVES
-from ..sharding import parse_mesh
-from . import flags
-from .flags import Program
-from .lora_flags import add_lora_flags
+from flaxheads.model.base_dtype import BASE_DTYPES
+from flaxheads.model.quantize import QUANTIZATIONS
+from flaxheads.errors import TrainingError, UsageError
+from flaxheads.layers.remat import REMAT_POLICIES
+from flaxheads.heads.poolers import POOLER_NAMES
+from flaxheads.runtime.precision import PRECISIONS
+from flaxheads.run import RunSpec, train
+from flaxheads.run.spec import DEFAULT_HEAD_LR, DEFAULT_LR, FIELD_GROUP, PROBE_LR, PROBLEM_TYPES, RANKING_OBJECTIVES
+from flaxheads.runtime.sharding import parse_mesh
+from flaxheads.cli import flags
+from flaxheads.cli.flags import Program
+from flaxheads.cli.lora_flags import add_lora_flags
 
 #: The defaults of every flag: the spec's own.
 D = RunSpec().flat()
@@ -258,7 +258,7 @@ def run_command(args: argparse.Namespace, program: Program | None = None) -> int
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``flaxheads train ARGS``: the same as ``flaxheads.cli.main.main(["train", *ARGS])``."""
-    from .main import main as flaxheads_main
+    from flaxheads.cli.main import main as flaxheads_main
 
     return flaxheads_main(["train", *(sys.argv[1:] if argv is None else argv)])
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import os
 
-from ..model import SequenceModel
-from .files import ExportError, ModelImportError
-from .head_files import HEAD_CONFIG, export_head, load_head_export
-from .sentence_transformers import export_sentence_transformers, load_sentence_transformers
-from .transformers import export_transformers, load_transformers
+from flaxheads.model.sequence import SequenceModel
+from flaxheads.interop.files import ExportError, ModelImportError
+from flaxheads.interop.head_files import HEAD_CONFIG, export_head, load_head_export
+from flaxheads.interop.sentence_transformers import export_sentence_transformers, load_sentence_transformers
+from flaxheads.interop.transformers import export_transformers, load_transformers
 
 def import_model(folder: str | os.PathLike, **options) -> SequenceModel:
     """Import a sentence-transformers folder (it has ``modules.json``) or a transformers classifier."""

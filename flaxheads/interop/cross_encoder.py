@@ -19,11 +19,11 @@ from __future__ import annotations
 import os
 from typing import Mapping
 
-from ..presets import match_preset
-from .files import (ExportError, atomic_dir, backbone_config_dict, copy_tokenizer, save_safetensors,
+from flaxheads.heads.presets import match_preset
+from flaxheads.interop.files import (ExportError, atomic_dir, backbone_config_dict, copy_tokenizer, save_safetensors,
                     transformers_version, write_json)
-from .sentence_transformers import _unused_pooler_tensors, _write_modules, sentence_transformers_modules
-from .transformers import SAFE, backbone_state_dict, transformers_config, transformers_state_dict
+from flaxheads.interop.sentence_transformers import _unused_pooler_tensors, _write_modules, sentence_transformers_modules
+from flaxheads.interop.transformers import SAFE, backbone_state_dict, transformers_config, transformers_state_dict
 
 #: ``activation`` -> the class path sentence-transformers imports (torch.* paths need no trust flag).
 ACTIVATIONS = {"identity": "torch.nn.modules.linear.Identity", "sigmoid": "torch.nn.modules.activation.Sigmoid"}

@@ -11,9 +11,9 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 
-from .. import phases
-from ..checksums import write_manifest
-from ..errors import FlaxheadsError, WriteFailedError, os_error_cause
+from flaxheads.runtime import phases
+from flaxheads.disk.checksums import write_manifest
+from flaxheads.errors import FlaxheadsError, WriteFailedError, os_error_cause
 
 #: Files a tokenizer may consist of (a fast ``tokenizer.json``, its configs, or slow-tokenizer vocabularies).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -51,7 +51,7 @@ MARKER = ".flaxheads"
 
 def write_marker(folder: str | os.PathLike, kind: str) -> None:
     """Mark ``folder`` as a flaxheads ``kind`` ("export", "run")."""
-    from .._version import __version__
+    from flaxheads._version import __version__
 
     write_json(os.path.join(os.fspath(folder), MARKER), {"kind": kind, "flaxheads_version": __version__})
 

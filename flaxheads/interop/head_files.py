@@ -12,12 +12,12 @@ from typing import Mapping
 
 import numpy as np
 
-from .. import config as _config
-from .._version import __version__
-from ..backbones.weights import head_to_hf
-from ..nn.heads import SequenceHead
-from ..presets import match_preset
-from .files import (ExportError, ImportNotFoundError, ModelImportError, atomic_dir, flatten, flax_to_pytorch_names, np_tree, pytorch_to_flax_leaf,
+from flaxheads import config as _config
+from flaxheads._version import __version__
+from flaxheads.backbones.weights import head_to_hf
+from flaxheads.heads.heads import SequenceHead
+from flaxheads.heads.presets import match_preset
+from flaxheads.interop.files import (ExportError, ImportNotFoundError, ModelImportError, atomic_dir, flatten, flax_to_pytorch_names, np_tree, pytorch_to_flax_leaf,
                     read_json, save_safetensors, write_json)
 
 HEAD_WEIGHTS = "head.safetensors"
@@ -99,7 +99,7 @@ def export_head(source, out: str | os.PathLike, *, params: Mapping | None = None
 
 def load_head_export(folder: str | os.PathLike) -> tuple[SequenceHead, dict, dict]:
     """Read a head-only export back: ``(SequenceHead, head params, config)``."""
-    from ..backbones.weights import read_safetensors
+    from flaxheads.backbones.weights import read_safetensors
 
     folder = os.fspath(folder)
     cfg_path = os.path.join(folder, HEAD_CONFIG)

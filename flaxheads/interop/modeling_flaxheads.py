@@ -126,7 +126,7 @@ POOL_FUNCTIONS = {
 }
 
 
-# ---- poolers (flaxheads.nn.poolers, same parameter names) -----------------------------------------
+# ---- poolers (flaxheads.heads.poolers, same parameter names) -----------------------------------------
 class Pool(nn.Module):
     def __init__(self, spec, hidden_size):
         super().__init__()
@@ -219,7 +219,7 @@ def make_pooler(spec, hidden_size):
     return POOLERS[spec["type"]](spec, hidden_size)
 
 
-# ---- heads (flaxheads.nn.heads, same parameter names) ---------------------------------------------
+# ---- heads (flaxheads.heads.heads, same parameter names) ---------------------------------------------
 class LinearHead(nn.Module):
     def __init__(self, spec, in_features):
         super().__init__()

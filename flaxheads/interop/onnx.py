@@ -16,8 +16,8 @@ from typing import Mapping
 
 import numpy as np
 
-from .files import ExportError, TOKENIZER_FILES, atomic_dir, read_json, write_json
-from .transformers import export_transformers
+from flaxheads.interop.files import ExportError, TOKENIZER_FILES, atomic_dir, read_json, write_json
+from flaxheads.interop.transformers import export_transformers
 
 ONNX_FILE = "model.onnx"
 #: ONNX operator set of the graph (onnxruntime 1.17+ runs it)
@@ -37,11 +37,11 @@ def _torch():
 def torch_model(folder: str):
     """The PyTorch model of a transformers export folder, in eval mode with eager attention (which traces
     to plain ONNX operators); flaxheads' own code is imported from the package, not from the folder."""
-    from .remote_code import is_flaxheads_config
+    from flaxheads.interop.remote_code import is_flaxheads_config
 
     options = {"attn_implementation": "eager"}
     if is_flaxheads_config(read_json(os.path.join(folder, "config.json"))):
-        from .modeling_flaxheads import FlaxheadsForSequenceClassification
+        from flaxheads.interop.modeling_flaxheads import FlaxheadsForSequenceClassification
 
         return FlaxheadsForSequenceClassification.from_pretrained(folder, **options).eval()
     from transformers import AutoModelForSequenceClassification

@@ -32,14 +32,14 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from ..backbones.weights import head_from_hf, head_to_hf, read_torch_bin
-from ..errors import FlaxheadsError
-from ..lora import A, B, LORA, LoraConfig, adapter_modules, check_adapters, kernel_modules, kernels_out_in
-from ..presets import preset_for
-from ..checksums import verify_file
-from .files import (ExportError, ModelImportError, TOKENIZER_FILES, atomic_dir, np_tree, read_json, save_safetensors,
+from flaxheads.backbones.weights import head_from_hf, head_to_hf, read_torch_bin
+from flaxheads.errors import FlaxheadsError
+from flaxheads.model.lora import A, B, LORA, LoraConfig, adapter_modules, check_adapters, kernel_modules, kernels_out_in
+from flaxheads.heads.presets import preset_for
+from flaxheads.disk.checksums import verify_file
+from flaxheads.interop.files import (ExportError, ModelImportError, TOKENIZER_FILES, atomic_dir, np_tree, read_json, save_safetensors,
                     write_json)
-from .transformers import backbone_state_dict, check_transformers_exportable, exportable_family, read_config
+from flaxheads.interop.transformers import backbone_state_dict, check_transformers_exportable, exportable_family, read_config
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -157,7 +157,7 @@ def adapter_config_of(folder: str) -> dict:
 
 def adapter_base(folder: str, raw: dict, backbone: str | os.PathLike | None = None) -> str:
     """The base model folder of an adapter: ``backbone`` when given, else ``base_model_name_or_path``."""
-    from ..hub import resolve_model_source
+    from flaxheads.model.hub import resolve_model_source
 
     name = os.fspath(backbone) if backbone is not None else raw.get("base_model_name_or_path")
     if not name:
@@ -226,7 +226,7 @@ def load_peft(folder: str | os.PathLike, *, backbone: str | os.PathLike | None =
     ``backbone``: the base folder (default: ``base_model_name_or_path`` of ``adapter_config.json``).
     The model keeps the adapters (``model.lora``), so it trains on and exports back with
     :func:`export_peft`. Adapter dropout is left out (it changes no logits; training continues without it)."""
-    from ..model import from_pretrained
+    from flaxheads.model.sequence import from_pretrained
 
     del ignored
     folder = os.fspath(folder)

@@ -19,16 +19,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import config as _config
-from .._version import __version__
-from ..backbones.base import Backbone, BackboneError, HFConfig
-from ..backbones.registry import family_for, native_model_types
-from ..backbones.weights import read_state_dict
-from ..errors import ConfigError
-from ..nn import linen
-from ..losses import infer_problem_type
-from ..model import LoadReport, SequenceModel, _module_paths
-from .files import (ExportError, ModelImportError, backbone_config_dict, flatten, flax_to_pytorch_names, np_tree,
+from flaxheads import config as _config
+from flaxheads._version import __version__
+from flaxheads.backbones.base import Backbone, BackboneError, HFConfig
+from flaxheads.backbones.registry import family_for, native_model_types
+from flaxheads.backbones.weights import read_state_dict
+from flaxheads.errors import ConfigError
+from flaxheads.heads import linen
+from flaxheads.losses import infer_problem_type
+from flaxheads.model.sequence import LoadReport, SequenceModel, _module_paths
+from flaxheads.interop.files import (ExportError, ModelImportError, backbone_config_dict, flatten, flax_to_pytorch_names, np_tree,
                     pytorch_to_flax_leaf, save_safetensors, write_json)
 
 MODEL_TYPE = "flaxheads"
@@ -78,7 +78,7 @@ def config_dict(model, *, threshold: float = 0.5) -> dict:
 
 def state_dict(model, params: Mapping | None = None) -> dict[str, np.ndarray]:
     """``backbone.*`` (the family's PyTorch names, LoRA merged) + the head's ``pooler.*`` / ``head.*``."""
-    from .transformers import backbone_state_dict
+    from flaxheads.interop.transformers import backbone_state_dict
 
     params = params or model.params
     state = backbone_state_dict(model, params, prefix=BACKBONE)

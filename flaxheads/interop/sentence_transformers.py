@@ -17,14 +17,14 @@ from typing import Mapping
 import jax.numpy as jnp
 import numpy as np
 
-from ..backbones.weights import BIN, SAFE, head_to_hf, read_torch_bin
-from ..model import SequenceModel, from_pretrained
-from ..nn.heads import IdentityHead, LinearHead, MLPHead, ProjectionHead
-from ..nn.poolers import Concat, DensePooler, Pool
-from ..presets import match_preset
-from .files import (TOKENIZER_FILES, ExportError, ModelImportError, atomic_dir, backbone_config_dict,
+from flaxheads.backbones.weights import BIN, SAFE, head_to_hf, read_torch_bin
+from flaxheads.model.sequence import SequenceModel, from_pretrained
+from flaxheads.heads.heads import IdentityHead, LinearHead, MLPHead, ProjectionHead
+from flaxheads.heads.poolers import Concat, DensePooler, Pool
+from flaxheads.heads.presets import match_preset
+from flaxheads.interop.files import (TOKENIZER_FILES, ExportError, ModelImportError, atomic_dir, backbone_config_dict,
                     copy_tokenizer, np_tree, read_json, save_safetensors, transformers_version, write_json)
-from .transformers import backbone_state_dict, check_weights_present, read_config
+from flaxheads.interop.transformers import backbone_state_dict, check_weights_present, read_config
 
 # flaxheads pool mode -> sentence-transformers pooling mode.
 ST_POOL_MODES = {"cls": "cls", "first_non_pad": "cls", "max": "max", "mean": "mean",
@@ -263,7 +263,7 @@ def _st_dense(path: str) -> tuple[dict, np.ndarray, np.ndarray | None]:
     """(config, weight [out, in], bias or None) of a ``k_Dense`` folder, checked against its config."""
     cfg = read_json(os.path.join(path, "config.json"))
     if os.path.isfile(os.path.join(path, SAFE)):
-        from ..backbones.weights import read_safetensors
+        from flaxheads.backbones.weights import read_safetensors
 
         state = read_safetensors(os.path.join(path, SAFE))
     elif os.path.isfile(os.path.join(path, BIN)):

@@ -16,9 +16,9 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from ..backbones.registry import family_for
-from ..errors import FlaxheadsError
-from .files import TOKENIZER_FILES
+from flaxheads.backbones.registry import family_for
+from flaxheads.errors import FlaxheadsError
+from flaxheads.interop.files import TOKENIZER_FILES
 
 TOKENIZER_JSON = "tokenizer.json"
 #: transformers' "no maximum length" (``model_max_length`` of a tokenizer config that sets none).

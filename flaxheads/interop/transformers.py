@@ -3,7 +3,7 @@ sequence classifier, both ways, with numpy only (no torch, no transformers class
 
 Export writes a folder ``AutoModelForSequenceClassification.from_pretrained`` loads with no
 missing or unexpected keys. A model whose pooler + head + pool mask is exactly an HF preset
-(:func:`flaxheads.presets.match_preset`) becomes that preset's ``XForSequenceClassification``;
+(:func:`flaxheads.heads.presets.match_preset`) becomes that preset's ``XForSequenceClassification``;
 any other pooler + head on a native backbone becomes a folder with flaxheads' own PyTorch code
 (:mod:`.remote_code`, loaded with ``trust_remote_code=True``). Import reads both back with the
 same logits (never running a folder's Python file); weights come from safetensors, or
@@ -16,13 +16,13 @@ from typing import Mapping
 
 import numpy as np
 
-from ..backbones.base import Backbone, BackboneError, HFConfig
-from ..backbones.registry import family_for
-from ..backbones.weights import BIN, BIN_INDEX, SAFE, SAFE_INDEX, head_to_hf
-from ..model import SequenceModel, from_pretrained
-from ..presets import PRESETS, PresetMatch, match_preset, preset_for
-from . import remote_code
-from .files import (ExportError, ImportNotFoundError, ModelImportError, atomic_dir, backbone_config_dict, copy_tokenizer, flatten,
+from flaxheads.backbones.base import Backbone, BackboneError, HFConfig
+from flaxheads.backbones.registry import family_for
+from flaxheads.backbones.weights import BIN, BIN_INDEX, SAFE, SAFE_INDEX, head_to_hf
+from flaxheads.model.sequence import SequenceModel, from_pretrained
+from flaxheads.heads.presets import PRESETS, PresetMatch, match_preset, preset_for
+from flaxheads.interop import remote_code
+from flaxheads.interop.files import (ExportError, ImportNotFoundError, ModelImportError, atomic_dir, backbone_config_dict, copy_tokenizer, flatten,
                     flax_to_pytorch_names, np_tree, read_json, save_safetensors, write_json)
 
 WEIGHT_FILES = (SAFE, SAFE_INDEX, BIN, BIN_INDEX)
@@ -225,7 +225,7 @@ def load_transformers(folder: str | os.PathLike, *, allow_new_head: bool = False
     :func:`flaxheads.from_pretrained` (``dtype``, ``ignore_mismatched_sizes``, ...)."""
     folder = os.fspath(folder)
     if os.path.isfile(os.path.join(folder, "adapter_config.json")):
-        from .peft import load_peft  # a PEFT adapter on its base folder
+        from flaxheads.interop.peft import load_peft  # a PEFT adapter on its base folder
 
         return load_peft(folder, **options)
     if os.path.isfile(os.path.join(folder, "model.onnx")) and not any(

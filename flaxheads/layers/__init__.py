@@ -12,6 +12,6 @@
 * :mod:`.activations`: activations by their Hugging Face names.
 
 Import from the concern module (``from flaxheads.layers.attention import attend``); nothing is
-re-exported here. This package imports :mod:`flaxheads.errors` and :mod:`flaxheads.host` only; every
-host-dependent choice comes in as a :class:`~flaxheads.host.plan.ComputePlan` argument.
+re-exported here. This package imports :mod:`flaxheads.errors` and :mod:`flaxheads.runtime` only; every
+host-dependent choice comes in as a :class:`~flaxheads.runtime.plan.ComputePlan` argument.
 """

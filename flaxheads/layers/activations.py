@@ -9,7 +9,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
-from ..errors import ConfigError
+from flaxheads.errors import ConfigError
 
 
 def _identity(x):

@@ -14,10 +14,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ..host.plan import ComputePlan
-from .dense import matmul
-from .dropout import dropout
-from .remat import attention_out
+from flaxheads.runtime.plan import ComputePlan
+from flaxheads.layers.dense import matmul
+from flaxheads.layers.dropout import dropout
+from flaxheads.layers.remat import attention_out
 
 
 #: Target size of one attention chunk's score tensor. Chunks that fit in cache cost less
@@ -60,7 +60,7 @@ _GROUP_BYTES = 8 << 20
 
 def attention_groups(batch: int, num_heads: int, seq_q: int, seq_k: int, dtype, plan: ComputePlan) -> int:
     """How many sequential batch groups :func:`attend_chunked` runs (``lax.map``): 1, except for
-    float32 activations where ``plan`` runs oneDNN's dots (:attr:`~flaxheads.host.plan.ComputePlan.attention_groups`)
+    float32 activations where ``plan`` runs oneDNN's dots (:attr:`~flaxheads.runtime.plan.ComputePlan.attention_groups`)
     when the layer's scores pass 32 MiB; then the smallest divisor of ``batch`` that brings a
     group's scores to about 8 MiB."""
     scores = batch * num_heads * seq_q * seq_k * 4
@@ -223,7 +223,7 @@ def _attend_ynn_jvp(causal, float32_products, primals, tangents):
                    primals, tangents)
 
 
-#: Every arrangement of one attention, by the names a :class:`~flaxheads.host.plan.ComputePlan`
+#: Every arrangement of one attention, by the names a :class:`~flaxheads.runtime.plan.ComputePlan`
 #: chooses among: each ``(q, k, v, bias, rate, rng, causal, plan) -> context``. ``fused`` and ``ynn``
 #: have no dropout (the plan never picks them for attention with dropout).
 IMPLEMENTATIONS = {
@@ -239,7 +239,7 @@ IMPLEMENTATIONS = {
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, rate: float, rng: jax.Array | None,
            causal: bool = False, *, plan: ComputePlan, impl: str | None = None) -> jax.Array:
     """softmax(q k^T + bias) v (``q, k, v [B, T, nh, d]``, ``bias [B, 1, 1, T]`` or ``[B, 1, Tq, Tk]``)
-    in the arrangement ``plan`` picks (:meth:`~flaxheads.host.plan.ComputePlan.attention_for`;
+    in the arrangement ``plan`` picks (:meth:`~flaxheads.runtime.plan.ComputePlan.attention_for`;
     ``impl`` names one instead): :func:`attend_fused` on GPU, :func:`attend_cpu` or :func:`attend_ynn`
     on CPU, :func:`attend_plain` elsewhere; with attention dropout always an unfused one."""
     how = plan.attention_for(rate > 0.0 and rng is not None, impl)

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ..host.plan import ComputePlan
+from flaxheads.runtime.plan import ComputePlan
 
 
 def _matmul(x: jax.Array, kernel: jax.Array) -> jax.Array:
@@ -36,7 +36,7 @@ def _matmul_cpu16(x: jax.Array, kernel: jax.Array, f32_out: bool) -> jax.Array:
     ``dx`` 11.4 ms, ``dW`` 12.2 ms). Asking for float32 outputs (as the accumulators are anyway)
     and giving ``dW`` a physically transposed ``x`` keeps them in bf16: ``dx`` 6.0 ms, ``dW``
     5.6 ms. With oneDNN's dots (``f32_out=False``,
-    :attr:`~flaxheads.host.plan.ComputePlan.float32_products`) the products keep
+    :attr:`~flaxheads.runtime.plan.ComputePlan.float32_products`) the products keep
     bf16 outputs and ``dW`` still gets the transposed copy (Intel Xeon with AMX: ``dW`` 4.6 ->
     3.0 ms). ``dW`` is returned in the kernel's own dtype (float32 master weights)."""
     return _matmul(x, kernel)
@@ -65,9 +65,9 @@ def matmul(x: jax.Array, kernel: jax.Array, plan: ComputePlan) -> jax.Array:
     on the CPU, bfloat16 activations get the backward pass of :func:`_matmul_cpu16` (forward-mode
     differentiation, ``jax.jvp``, is not defined there); elsewhere it is the plain product. A
     quantised kernel (with or without LoRA beside it) is dequantised inside the product
-    (:func:`flaxheads.quantize.qmatmul`)."""
+    (:func:`flaxheads.model.quantize.qmatmul`)."""
     if hasattr(kernel, "qvalue") or not hasattr(kernel, "dtype"):  # a qwix QArray or a quantize.LoraKernel
-        from ..quantize import qmatmul
+        from flaxheads.model.quantize import qmatmul
 
         return qmatmul(x, kernel)
     if x.dtype == jnp.bfloat16 and plan.cpu_matmul:

@@ -21,7 +21,7 @@ from typing import Callable
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
-from ..errors import ConfigError
+from flaxheads.errors import ConfigError
 
 REMAT_POLICIES = ("none", "full", "save-dots", "save-named")
 #: the names :func:`attention_out` and :func:`mlp_out` give their tensors (kept by ``save-named``)

@@ -1,12 +1,12 @@
 """Every pooler and head as an ``nnx.Module``, built from its config (the plain dataclass of
-:mod:`flaxheads.nn.poolers` / :mod:`flaxheads.nn.heads` that ``to_json`` writes), as the Linen
-modules of :mod:`flaxheads.nn.linen` are.
+:mod:`flaxheads.heads.poolers` / :mod:`flaxheads.heads.heads` that ``to_json`` writes), as the Linen
+modules of :mod:`flaxheads.heads.linen` are.
 
 Parameter names and shapes are the Linen ones (``dense``, ``summary``, ``query``, ``parts_0``,
 ``classifier``, ``dense_0``, ``norm_0``, ``out_proj``), so :func:`head_params` of an NNX head is
 a ``params["head"]`` subtree the functional path applies as is, and :func:`load_head_params`
 puts such a subtree into an NNX head. The computations are the Linen ones (shared functions
-of :mod:`flaxheads.nn.poolers`, ``nnx.Linear``/``nnx.LayerNorm``, which compute as
+of :mod:`flaxheads.heads.poolers`, ``nnx.Linear``/``nnx.LayerNorm``, which compute as
 ``nn.Dense``/``nn.LayerNorm``): the same params give the same outputs, bit for bit in float32.
 
 Dropout draws its masks from the module's ``nnx.Rngs`` (``dropout`` stream), not from the
@@ -18,11 +18,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ..errors import ConfigError
-from ..layers.activations import head_activation
-from ..nn import heads as H
-from ..nn import poolers as P
-from ..nn.linen import l2_normalise as _l2_normalise
+from flaxheads.errors import ConfigError
+from flaxheads.layers.activations import head_activation
+from flaxheads.heads import heads as H
+from flaxheads.heads import poolers as P
+from flaxheads.heads.linen import l2_normalise as _l2_normalise
 
 
 def _linear(n_in: int, n_out: int, std: float, rngs: nnx.Rngs, use_bias: bool = True) -> nnx.Linear:

@@ -23,10 +23,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from ..errors import ConfigError
-from ..lora import LORA
-from ..sharding import DEFAULT_RULES, Layout, model_param_axes
-from .layers import SequenceHead, head_params, load_head_params
+from flaxheads.errors import ConfigError
+from flaxheads.model.lora import LORA
+from flaxheads.runtime.sharding import DEFAULT_RULES, Layout, model_param_axes
+from flaxheads.nnx.layers import SequenceHead, head_params, load_head_params
 
 
 class FrozenBase(nnx.Variable):
@@ -148,7 +148,7 @@ def to_nnx(model, params: Mapping | None = None, *, freeze_backbone: bool | None
 
 def shardings(model: NNXSequenceModel, mesh: Mesh, rules: Mapping[str, Any] | None = None):
     """NamedShardings of ``nnx.state(model)`` on ``mesh``: each variable's logical axes through
-    ``rules`` (default :data:`flaxheads.sharding.DEFAULT_RULES`), as :class:`flaxheads.sharding.Layout`
+    ``rules`` (default :data:`flaxheads.runtime.sharding.DEFAULT_RULES`), as :class:`flaxheads.runtime.sharding.Layout`
     places the functional params; everything else (rng state) replicated."""
     layout = Layout.for_model(mesh, model.to_functional(), dict(DEFAULT_RULES if rules is None else rules))
     state = nnx.state(model)

@@ -2,8 +2,8 @@
 count, batches grouped by length into the training buckets (one compile per bucket), and a
 forward over all local devices.
 
-Batches come from :mod:`flaxheads.batching` (``bucket_length``, ``token_batch``, ``pad_rows``)
-and outputs are gathered by :func:`flaxheads.batching.predict_batches`, the pieces training's
+Batches come from :mod:`flaxheads.data.batching` (``bucket_length``, ``token_batch``, ``pad_rows``)
+and outputs are gathered by :func:`flaxheads.data.batching.predict_batches`, the pieces training's
 evaluation uses, so a text is padded and computed here as it was there.
 """
 from __future__ import annotations
@@ -19,10 +19,10 @@ import numpy as np
 
 from jax.sharding import Mesh
 
-from ..batching import bucket_length, pad_rows, predict_batches, token_batch
-from ..parallel import DATA_AXIS, Parallel
-from ..programs import constants_program, make_eval_step
-from ..tables import DataError
+from flaxheads.data.batching import bucket_length, pad_rows, predict_batches, token_batch
+from flaxheads.runtime.parallel import DATA_AXIS, Parallel
+from flaxheads.training.programs import constants_program, make_eval_step
+from flaxheads.data.tables import DataError
 
 #: Above this many batches a call shows a progress bar (when tqdm is installed).
 PROGRESS_BATCHES = 8
@@ -125,7 +125,7 @@ def batch_rows(n: int, batch_size: int, width: int) -> int:
 class Runner:
     """A model's forward, compiled once per padded shape and placed on the local devices (a
     1-D mesh, batch sharded, params replicated, when there are several). On one device where
-    :meth:`~flaxheads.host.plan.ComputePlan.constant_weights` says so, the parameters are compiled into the
+    :meth:`~flaxheads.runtime.plan.ComputePlan.constant_weights` says so, the parameters are compiled into the
     program (oneDNN's products then take weights reordered once)."""
 
     def __init__(self, model, params, devices=None):

@@ -9,19 +9,19 @@ from typing import Sequence
 
 import numpy as np
 
-from .. import phases
-from ..batching import make_buckets
-from ..errors import UsageError
-from ..interop.sentence_transformers import Prompts, read_prompts
-from ..interop.tokenizers import Tokenizer, load_tokenizer, model_max_positions
-from ..losses import MULTI_LABEL, SINGLE_LABEL
-from ..model import SequenceModel
-from ..nn.heads import IdentityHead, ProjectionHead
-from ..programs import jit_count
-from .batches import Runner, check_texts, encode, short_buckets
-from .ranking import rank_candidates, score_pairs
-from .results import Predictions
-from .sources import load_source
+from flaxheads.runtime import phases
+from flaxheads.data.batching import make_buckets
+from flaxheads.errors import UsageError
+from flaxheads.interop.sentence_transformers import Prompts, read_prompts
+from flaxheads.interop.tokenizers import Tokenizer, load_tokenizer, model_max_positions
+from flaxheads.losses import MULTI_LABEL, SINGLE_LABEL
+from flaxheads.model.sequence import SequenceModel
+from flaxheads.heads.heads import IdentityHead, ProjectionHead
+from flaxheads.training.programs import jit_count
+from flaxheads.predict.batches import Runner, check_texts, encode, short_buckets
+from flaxheads.predict.ranking import rank_candidates, score_pairs
+from flaxheads.predict.results import Predictions
+from flaxheads.formats.sources import load_source
 
 #: Tokens per text when neither the source nor the tokenizer / config states a maximum.
 FALLBACK_MAX_LENGTH = 512

@@ -1,5 +1,5 @@
 """Files in and out of ``flaxheads predict`` / ``embed``: a table (CSV / TSV / JSON Lines /
-Parquet, read by :func:`flaxheads.tables.read_table`) or plain text, one text per line,
+Parquet, read by :func:`flaxheads.data.tables.read_table`) or plain text, one text per line,
 from a file or stdin; predictions out as CSV or JSON Lines with the input's columns kept;
 embeddings as ``.npy`` or Parquet."""
 from __future__ import annotations
@@ -16,11 +16,11 @@ from typing import Any
 
 import numpy as np
 
-from .. import phases
-from ..errors import UsageError
-from ..interop.files import umask_mode
-from ..losses import MULTI_LABEL, SINGLE_LABEL
-from ..tables import TABLE_FORMATS, DataError, TextTable, check_utf8, load_source, load_table, read_table
+from flaxheads.runtime import phases
+from flaxheads.errors import UsageError
+from flaxheads.interop.files import umask_mode
+from flaxheads.losses import MULTI_LABEL, SINGLE_LABEL
+from flaxheads.data.tables import TABLE_FORMATS, DataError, TextTable, check_utf8, load_source, load_table, read_table
 
 #: ``--input-format`` values and the extension each reads as.
 INPUT_FORMATS = {"csv": ".csv", "tsv": ".tsv", "jsonl": ".jsonl", "json": ".json", "parquet": ".parquet",

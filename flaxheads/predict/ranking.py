@@ -7,11 +7,11 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from ..errors import UsageError
-from ..tables import DataError
+from flaxheads.errors import UsageError
+from flaxheads.data.tables import DataError
 
 if TYPE_CHECKING:
-    from .classifier import Classifier
+    from flaxheads.predict.classifier import Classifier
 
 
 def check_scorer(clf: "Classifier") -> None:
@@ -84,11 +84,11 @@ def ranking_groups(source: str, *, split: str | None = None, input: str | None =
     """The groups to evaluate the ranking run that saved ``source`` on: its split ``split``, rebuilt
     from its recorded spec as it trained on them, or the table ``input`` (read as the run read its
     data); None when ``source`` is not a ranking run."""
-    from ..checkpoint import is_checkpoint_folder, resolve_root
-    from ..ranking.data import load_groups
-    from ..run.data import _groups
-    from ..run.spec import RunSpec
-    from .sources import run_config
+    from flaxheads.checkpoint import is_checkpoint_folder, resolve_root
+    from flaxheads.data.groups import load_groups
+    from flaxheads.run.data import _groups
+    from flaxheads.run.spec import RunSpec
+    from flaxheads.formats.sources import run_config
 
     if not is_checkpoint_folder(source) or run_config(source).get("objective") in (None, "classification"):
         return None
@@ -107,10 +107,10 @@ def ranking_groups(source: str, *, split: str | None = None, input: str | None =
 
 def evaluate_groups(clf: "Classifier", table, *, batch_size: int = 32, truncate: bool = True,
                     progress: bool | None = None) -> tuple[dict, dict]:
-    """Ranking metrics (:func:`~flaxheads.ranking.metrics.ranking_metrics`) of ``clf``'s scores on
-    the groups of ``table`` (a :class:`~flaxheads.ranking.data.GroupTable`), and the flat
+    """Ranking metrics (:func:`~flaxheads.tasks.ranking.metrics.ranking_metrics`) of ``clf``'s scores on
+    the groups of ``table`` (a :class:`~flaxheads.data.groups.GroupTable`), and the flat
     ``{"scores", "labels", "groups"}`` they were computed from."""
-    from ..ranking.metrics import ranking_metrics
+    from flaxheads.tasks.ranking.metrics import ranking_metrics
 
     check_scorer(clf)
     pairs, labels, groups, rows = [], [], [], []

@@ -8,7 +8,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from ..losses import MULTI_LABEL, REGRESSION, SINGLE_LABEL
+from flaxheads.losses import MULTI_LABEL, REGRESSION, SINGLE_LABEL
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:

@@ -7,8 +7,8 @@ keep-best), :mod:`~flaxheads.run.folder` (the run folder's files) and :mod:`~fla
 (heads on cached features, the sweep). The ``flaxheads train`` command parses its flags into a
 spec and calls :func:`train`.
 """
-from .program import Run, train
-from .spec import CheckpointSpec, DataSpec, DeviceSpec, ModelSpec, OptimSpec, RunSpec, TaskSpec
+from flaxheads.run.program import Run, train
+from flaxheads.run.spec import CheckpointSpec, DataSpec, DeviceSpec, ModelSpec, OptimSpec, RunSpec, TaskSpec
 
 __all__ = ["Run", "RunSpec", "ModelSpec", "DataSpec", "TaskSpec", "OptimSpec", "CheckpointSpec", "DeviceSpec",
            "train"]

@@ -8,16 +8,16 @@ import dataclasses
 import time
 from typing import TYPE_CHECKING
 
-from ..checkpoint import save_head
-from ..training.features import FeatureCache, cache_features, choose_level, make_encoder, predict_cached, reduction
-from ..training.metrics import compute_metrics, headline
-from ..training.sweep import SweepResult, steps_per_epoch, sweep, sweep_variants
-from .folder import RunFolder, scalars
-from .report import write_report
-from .reporters import Reporters, resolve_report_to
+from flaxheads.checkpoint import save_head
+from flaxheads.training.features import FeatureCache, cache_features, choose_level, make_encoder, predict_cached, reduction
+from flaxheads.tasks.metrics import compute_metrics, headline
+from flaxheads.training.sweep import SweepResult, steps_per_epoch, sweep, sweep_variants
+from flaxheads.run.folder import RunFolder, scalars
+from flaxheads.run.report import write_report
+from flaxheads.run.reporters import Reporters, resolve_report_to
 
 if TYPE_CHECKING:  # annotation only: the program imports this module
-    from .program import Job, Run
+    from flaxheads.run.program import Job, Run
 
 
 def encode_splits(job: Job, batch_size: int) -> tuple[dict[str, FeatureCache], float]:
@@ -63,7 +63,7 @@ def _log(folder: RunFolder, res: SweepResult, spe: int, final: dict, report_to) 
 
 def run_cached(job: Job, argv=None) -> Run:
     """The cached-features program; returns the run."""
-    from .program import Run, run_config, split_counts
+    from flaxheads.run.program import Run, run_config, split_counts
 
     folder = RunFolder(job.out)
     o = job.spec.optim

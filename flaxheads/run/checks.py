@@ -6,14 +6,14 @@ from __future__ import annotations
 import math
 import os
 
-from ..base_dtype import BASE_DTYPES
-from ..quantize import QUANTIZATIONS
-from ..errors import TrainingError, UsageError
-from ..layers.remat import REMAT_POLICIES
-from ..nn.poolers import POOLER_NAMES
-from ..ranking.objectives import OBJECTIVES
-from ..sharding import parse_mesh
-from .spec import PROBLEM_TYPES, RunSpec, settle_precision
+from flaxheads.model.base_dtype import BASE_DTYPES
+from flaxheads.model.quantize import QUANTIZATIONS
+from flaxheads.errors import TrainingError, UsageError
+from flaxheads.layers.remat import REMAT_POLICIES
+from flaxheads.heads.poolers import POOLER_NAMES
+from flaxheads.tasks.ranking.objectives import OBJECTIVES
+from flaxheads.runtime.sharding import parse_mesh
+from flaxheads.run.spec import PROBLEM_TYPES, RunSpec, settle_precision
 
 
 def check_spec(spec: RunSpec) -> RunSpec:
@@ -44,8 +44,8 @@ def check_spec(spec: RunSpec) -> RunSpec:
 
 def _check_run_folder_settings(spec: RunSpec) -> None:
     """``report_to`` names known reporters (tensorboard installed); ``profile_steps`` is ``A:B``."""
-    from ..training.profiling import parse_steps
-    from .reporters import resolve_report_to
+    from flaxheads.training.profiling import parse_steps
+    from flaxheads.run.reporters import resolve_report_to
 
     c = spec.checkpoints
     resolve_report_to(c.report_to)

@@ -9,14 +9,14 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import UsageError
-from ..ranking.data import check_unit_relevance, load_groups, split_groups, tokenize_groups
-from ..ranking.objectives import MARGIN_OBJECTIVES
-from ..tables import DataError, LabelSpace, TextTable
-from ..training.data import DataConfig, TableSources, load_splits, tokenize_shared
-from .. import phases
-from ..training.streaming import open_stream, split_table, streams
-from .spec import RunSpec
+from flaxheads.errors import UsageError
+from flaxheads.data.groups import check_unit_relevance, load_groups, split_groups, tokenize_groups
+from flaxheads.tasks.ranking.objectives import MARGIN_OBJECTIVES
+from flaxheads.data.tables import DataError, LabelSpace, TextTable
+from flaxheads.data.splits import DataConfig, TableSources, load_splits, tokenize_shared
+from flaxheads.runtime import phases
+from flaxheads.data.streaming import open_stream, split_table, streams
+from flaxheads.run.spec import RunSpec
 
 
 @dataclasses.dataclass
@@ -78,7 +78,7 @@ def load_data(spec: RunSpec) -> RunData:
 def run_split(source: str | os.PathLike, name: str) -> TextTable:
     """The rows of split ``name`` of the run that saved ``source`` (a run or checkpoint folder), as it
     trained on them: a streamed run's hash split, an in-memory run's stratified one."""
-    from ..predict.sources import run_config
+    from flaxheads.formats.sources import run_config
 
     cfg = run_config(os.fspath(source))
     if not cfg.get("data"):

@@ -10,12 +10,12 @@ from typing import Iterable
 
 import numpy as np
 
-from .. import phases
-from ..interop.files import write_marker
-from ..training import loop
-from ..training.metrics import format_table
-from ..training.optim import OptimConfig, learning_rates
-from .reporters import Reporters
+from flaxheads.runtime import phases
+from flaxheads.interop.files import write_marker
+from flaxheads.training import loop
+from flaxheads.tasks.metrics import format_table
+from flaxheads.training.optim import OptimConfig, learning_rates
+from flaxheads.run.reporters import Reporters
 
 #: Keys of fit's step metrics that go to metrics.jsonl (``loop.TIMED``: the wall-clock ones).
 LOGGED = ("epoch", "loss", "loss_avg", "grad_norm", "padding", *loop.TIMED)
@@ -105,9 +105,9 @@ class RunFolder:
         text = self.write_results(summary, final, id2label, predictions)
         if not self.lead:
             return
-        from .plots import plot_confusion_matrix, plot_curve  # matplotlib: loaded when a run ends, not on import
+        from flaxheads.run.plots import plot_confusion_matrix, plot_curve  # matplotlib: loaded when a run ends, not on import
 
-        from .report import write_report
+        from flaxheads.run.report import write_report
 
         if worst is not None:
             (self.path / "worst_examples.json").write_text(json.dumps(worst, default=_plain))

@@ -13,41 +13,41 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-from .._version import __version__
-from ..base_dtype import base_dtype_of, resolve_base_dtype
-from ..batching import make_buckets
-from ..errors import UsageError
-from ..host import ComputePlan
-from ..host.precision import Precision
-from ..hub import resolve_model_source
-from ..interop.peft import load_peft
-from ..interop.tokenizers import load_tokenizer, model_max_positions
-from ..lora import LoraConfig
-from ..model import SequenceModel, from_pretrained
-from ..parallel import Parallel
-from ..phases import phase
-from ..sharding import parse_mesh
-from ..preflight import check_run_folder
-from ..ranking.data import collate_groups
-from ..ranking.task import Ranking
-from ..tables import LabelSpace
-from ..training import loop
-from ..training.data import SPLITS, Split
-from ..memory_plan import plan_of
-from ..training.memory import memory_report
-from ..training.optim import OptimConfig, count_params
-from ..training.packing import AUTO_PACK_SHARE, packed_slot_share
-from ..training.preemption import SignalWatch, StopOnSignal
-from ..training.profiling import ProfileWindow, parse_steps
-from ..training.streaming import StreamSplit, ordered_batches
-from ..training.task import Classification, Task
-from .checkpoints import check_resume_model, open_checkpoints
-from .checks import check_spec
-from .data import RunData, load_data
-from .folder import RunFolder, scalars
-from .reporters import resolve_report_to
-from .report_data import ReportPage, label_counts, throughput_note, worst_examples
-from .spec import DEFAULT_HEAD_LR, DEFAULT_LR, LORA_LR, PROBE_LR, RunSpec
+from flaxheads._version import __version__
+from flaxheads.model.base_dtype import base_dtype_of, resolve_base_dtype
+from flaxheads.data.batching import make_buckets
+from flaxheads.errors import UsageError
+from flaxheads.runtime import ComputePlan
+from flaxheads.runtime.precision import Precision
+from flaxheads.model.hub import resolve_model_source
+from flaxheads.interop.peft import load_peft
+from flaxheads.interop.tokenizers import load_tokenizer, model_max_positions
+from flaxheads.model.lora import LoraConfig
+from flaxheads.model.sequence import SequenceModel, from_pretrained
+from flaxheads.runtime.parallel import Parallel
+from flaxheads.runtime.phases import phase
+from flaxheads.runtime.sharding import parse_mesh
+from flaxheads.disk.preflight import check_run_folder
+from flaxheads.data.groups import collate_groups
+from flaxheads.tasks.ranking.task import Ranking
+from flaxheads.data.tables import LabelSpace
+from flaxheads.training import loop
+from flaxheads.data.splits import SPLITS, Split
+from flaxheads.training.memory_plan import plan_of
+from flaxheads.training.memory import memory_report
+from flaxheads.training.optim import OptimConfig, count_params
+from flaxheads.data.packing import AUTO_PACK_SHARE, packed_slot_share
+from flaxheads.training.preemption import SignalWatch, StopOnSignal
+from flaxheads.training.profiling import ProfileWindow, parse_steps
+from flaxheads.data.streaming import StreamSplit, ordered_batches
+from flaxheads.tasks.task import Classification, Task
+from flaxheads.run.checkpoints import check_resume_model, open_checkpoints
+from flaxheads.run.checks import check_spec
+from flaxheads.run.data import RunData, load_data
+from flaxheads.run.folder import RunFolder, scalars
+from flaxheads.run.reporters import resolve_report_to
+from flaxheads.run.report_data import ReportPage, label_counts, throughput_note, worst_examples
+from flaxheads.run.spec import DEFAULT_HEAD_LR, DEFAULT_LR, LORA_LR, PROBE_LR, RunSpec
 
 
 @dataclasses.dataclass
@@ -332,7 +332,7 @@ def train(spec: RunSpec | None = None, *, callbacks: Sequence[loop.Callback] = (
     spec = check_spec((spec or RunSpec()).replace(**settings))
     job = prepare(spec)
     if spec.cached:
-        from .cached import run_cached
+        from flaxheads.run.cached import run_cached
 
         return run_cached(job, argv=argv)
     return _fine_tune(job, list(callbacks), progress=progress, argv=argv, started=started, compile_cache=compile_cache)

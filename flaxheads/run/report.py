@@ -370,7 +370,7 @@ def report_run(run: str | Path) -> Path:
     """Rebuild ``report.html`` of an existing run folder (``flaxheads report RUN``)."""
     run = Path(run)
     if not (run / "config.json").is_file():
-        from ..errors import UsageError
+        from flaxheads.errors import UsageError
 
         raise UsageError(f"{run} has no config.json: not a flaxheads run folder (give the folder a training run "
                          "wrote, e.g. runs/<time>-<data>)")

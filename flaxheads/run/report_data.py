@@ -8,9 +8,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..losses import MULTI_LABEL, REGRESSION, SINGLE_LABEL
-from ..training import loop
-from .report import write_report
+from flaxheads.losses import MULTI_LABEL, REGRESSION, SINGLE_LABEL
+from flaxheads.training import loop
+from flaxheads.run.report import write_report
 
 #: Rows of the worst-classified table.
 WORST = 10

@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from ..errors import UsageError
-from .tfevents import EventFile
+from flaxheads.errors import UsageError
+from flaxheads.run.tfevents import EventFile
 
 #: The values ``report_to`` takes (several joined by commas), besides ``none``.
 REPORTERS = ("jsonl", "tensorboard")

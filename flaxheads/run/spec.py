@@ -17,12 +17,12 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..errors import UsageError
-from ..hub import PACKAGED_MODEL
-from ..host.precision import PRECISION_ENV, PRECISIONS
-from ..losses import MULTI_LABEL, REGRESSION, SINGLE_LABEL
-from ..ranking.objectives import OBJECTIVES
-from ..training.data import TableSources
+from flaxheads.errors import UsageError
+from flaxheads.model.hub import PACKAGED_MODEL
+from flaxheads.runtime.precision import PRECISION_ENV, PRECISIONS
+from flaxheads.losses import MULTI_LABEL, REGRESSION, SINGLE_LABEL
+from flaxheads.tasks.ranking.objectives import OBJECTIVES
+from flaxheads.data.splits import TableSources
 
 #: The problem types a classification run can be given (default: guessed from the labels).
 PROBLEM_TYPES = (SINGLE_LABEL, MULTI_LABEL, REGRESSION)
@@ -43,7 +43,7 @@ class ModelSpec:
     head_hidden: tuple[int, ...] | None = None  # hidden widths of an mlp head
     precision: str | None = None  # auto | float32 | bfloat16 (None: $FLAXHEADS_PRECISION, else auto)
     base_dtype: str = "auto"  # a frozen base's storage: auto (bfloat16 if frozen and precision is) | float32 | bfloat16
-    quantize: str | None = None  # a frozen base's matmul kernels in int8 | int4 | nf4 (flaxheads.quantize)
+    quantize: str | None = None  # a frozen base's matmul kernels in int8 | int4 | nf4 (flaxheads.model.quantize)
     remat: str = "none"  # what the backward pass keeps of each layer: none | full | save-dots | save-named
     lora_rank: int | None = None
     lora_alpha: float | None = None  # default 2 x rank
@@ -54,7 +54,7 @@ class ModelSpec:
 
 @dataclasses.dataclass(frozen=True)
 class DataSpec(TableSources):
-    """Where the examples come from (the fields of :class:`~flaxheads.training.data.TableSources`),
+    """Where the examples come from (the fields of :class:`~flaxheads.data.splits.TableSources`),
     how they split, and how they become token batches."""
 
     query_column: str | None = None  # ranking tables: the query / prompt column

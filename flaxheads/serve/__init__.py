@@ -4,8 +4,8 @@
 
 Needs the ``serve`` extra: ``pip install "flaxheads[serve]"``.
 """
-from .app import ServeSettings, create_app
-from .batcher import Batcher, Shapes
-from .server import bind, run
+from flaxheads.serve.app import ServeSettings, create_app
+from flaxheads.serve.batcher import Batcher, Shapes
+from flaxheads.serve.server import bind, run
 
 __all__ = ["Batcher", "ServeSettings", "Shapes", "bind", "create_app", "run"]

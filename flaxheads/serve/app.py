@@ -26,11 +26,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from .._version import __version__
-from ..predict import Classifier
-from .batcher import Batcher, Closed, Job, QueueFull
-from .metrics import Metrics
-from .payloads import (PayloadError, bool_field, dimensions_field, embed_body, encoding_field, json_object, kind_of,
+from flaxheads._version import __version__
+from flaxheads.predict import Classifier
+from flaxheads.serve.batcher import Batcher, Closed, Job, QueueFull
+from flaxheads.serve.metrics import Metrics
+from flaxheads.serve.payloads import (PayloadError, bool_field, dimensions_field, embed_body, encoding_field, json_object, kind_of,
                        predict_body, prompt_field, rerank_body, text_value, texts_field, tokenize, truncation_side)
 
 

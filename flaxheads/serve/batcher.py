@@ -17,10 +17,10 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..batching import bucket_length
-from ..predict import Classifier
-from ..predict.batches import Encoded, Runner
-from ..programs import jit_count
+from flaxheads.data.batching import bucket_length
+from flaxheads.predict import Classifier
+from flaxheads.predict.batches import Encoded, Runner
+from flaxheads.training.programs import jit_count
 
 
 class QueueFull(Exception):

@@ -15,8 +15,8 @@ from typing import Any, Sequence, Union
 
 import numpy as np
 
-from ..losses import MULTI_LABEL
-from ..predict import Classifier, Predictions
+from flaxheads.losses import MULTI_LABEL
+from flaxheads.predict import Classifier, Predictions
 
 Text = Union[str, tuple[str, str]]
 

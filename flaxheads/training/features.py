@@ -30,12 +30,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..batching import bucket_length, extra_inputs, pad_mask, pad_rows, predict_batches, token_batch
-from ..errors import TrainingError
-from ..host.plan import ComputePlan
-from ..nn.poolers import POOL_FUNCTIONS, POOL_POSITIONS, DensePooler, Pool
-from ..programs import constants_program, jit_count
-from .data import labelled_rows
+from flaxheads.data.batching import bucket_length, extra_inputs, pad_mask, pad_rows, predict_batches, token_batch
+from flaxheads.errors import TrainingError
+from flaxheads.runtime.plan import ComputePlan
+from flaxheads.heads.poolers import POOL_FUNCTIONS, POOL_POSITIONS, DensePooler, Pool
+from flaxheads.training.programs import constants_program, jit_count
+from flaxheads.data.splits import labelled_rows
 
 LEVELS = ("auto", "pooled", "token")
 
@@ -313,7 +313,7 @@ def cache_features(model, backbone_params, split, *, batch_size: int = 32,
                    labels: np.ndarray | None = None, progress: Callable[[int, int], None] | None = None,
                    reductions: Sequence[str] | None = None, encoder: Callable | None = None) -> FeatureCache:
     """Encode ``split`` (``.input_ids``: list of 1-D token arrays, optional ``.token_type_ids``,
-    ``.labels``; e.g. ``flaxheads.training.data.Split``) once with ``model``'s backbone.
+    ``.labels``; e.g. ``flaxheads.data.splits.Split``) once with ``model``'s backbone.
 
     ``level``: ``"auto"`` (pooled when the pooler allows, else token), ``"pooled"`` or ``"token"``.
     ``dtype``: storage dtype (float32 exact; float16 halves memory). Texts longer than the

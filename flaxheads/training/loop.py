@@ -21,20 +21,20 @@ import numpy as np
 import optax
 from tqdm.auto import tqdm
 
-from ..batching import predict_batches
-from ..errors import TrainingError
-from ..parallel import DATA_AXIS, Parallel
-from ..programs import TraceCounter, make_eval_step
-from .data import Split, iterate_batches
-from .flops import StepFlops, peak_flops
-from .optim import OptimConfig, make_optimizer
-from .packing import iterate_packed_batches, padding_fraction
-from .steps import TrainState, create_state, make_train_step
-from .task import Classification, Task
-from .streaming import StreamSplit, stream_batches
+from flaxheads.data.batching import predict_batches
+from flaxheads.errors import TrainingError
+from flaxheads.runtime.parallel import DATA_AXIS, Parallel
+from flaxheads.training.programs import TraceCounter, make_eval_step
+from flaxheads.data.splits import Split, iterate_batches
+from flaxheads.training.flops import StepFlops, peak_flops
+from flaxheads.training.optim import OptimConfig, make_optimizer
+from flaxheads.data.packing import iterate_packed_batches, padding_fraction
+from flaxheads.training.steps import TrainState, create_state, make_train_step
+from flaxheads.tasks.task import Classification, Task
+from flaxheads.data.streaming import StreamSplit, stream_batches
 
 if TYPE_CHECKING:  # annotation only: the checkpoint package does not depend on training
-    from ..checkpoint import RunCheckpointer
+    from flaxheads.checkpoint import RunCheckpointer
 
 
 @dataclasses.dataclass
@@ -74,7 +74,7 @@ def total_steps(n: int, cfg: TrainConfig) -> int:
 
 @dataclasses.dataclass
 class Trainer:
-    """Compiled steps for one model/optimizer/parallel mode and one :class:`~flaxheads.training.task.Task`
+    """Compiled steps for one model/optimizer/parallel mode and one :class:`~flaxheads.tasks.task.Task`
     (build once, reuse)."""
 
     model: Any
@@ -302,7 +302,7 @@ def _check_batch_sizes(cfg: TrainConfig, par: Parallel) -> None:
 
 
 def train_batches(trainer: Trainer, train: Split | StreamSplit | None = None) -> Callable[..., Iterable[dict]]:
-    """The training batch iterator: the task's own (grouped data: ``flaxheads.ranking``), a streamed
+    """The training batch iterator: the task's own (grouped data: ``flaxheads.tasks.ranking``), a streamed
     split's (``training.streaming``), ordinary bucketed batches, or the same batches packed (``cfg.pack``)."""
     own = trainer.task.train_batches()
     if own is not None:

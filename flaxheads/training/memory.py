@@ -10,9 +10,9 @@ from typing import Mapping
 import jax
 import numpy as np
 
-from ..errors import TrainingError
-from ..sharding import abstract, mesh_shape, shard_bytes
-from .steps import make_train_step
+from flaxheads.errors import TrainingError
+from flaxheads.runtime.sharding import abstract, mesh_shape, shard_bytes
+from flaxheads.training.steps import make_train_step
 
 
 @dataclasses.dataclass(frozen=True)

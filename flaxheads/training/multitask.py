@@ -15,12 +15,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ..batching import extra_inputs
-from ..errors import TrainingError
-from ..losses import check_problem_type, infer_problem_type, loss_fn
-from ..model import build_head
-from ..nn import linen
-from ..nn.heads import SequenceHead
+from flaxheads.data.batching import extra_inputs
+from flaxheads.errors import TrainingError
+from flaxheads.losses import check_problem_type, infer_problem_type, loss_fn
+from flaxheads.model.sequence import build_head
+from flaxheads.heads import linen
+from flaxheads.heads.heads import SequenceHead
 
 _HEAD_KEYS = ("pooler", "head", "pooler_options", "head_options")
 

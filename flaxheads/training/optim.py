@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import optax
 from flax.traverse_util import flatten_dict, unflatten_dict
 
-from ..base_dtype import check_trainable_base
-from ..errors import TrainingError
+from flaxheads.model.base_dtype import check_trainable_base
+from flaxheads.errors import TrainingError
 
 SCHEDULES = ("linear", "cosine", "constant")
 

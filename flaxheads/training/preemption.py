@@ -27,7 +27,7 @@ from typing import Callable
 import jax
 from jax.experimental import multihost_utils
 
-from .loop import Callback, FitCheckpointing
+from flaxheads.training.loop import Callback, FitCheckpointing
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 

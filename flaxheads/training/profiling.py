@@ -11,8 +11,8 @@ from pathlib import Path
 
 import jax
 
-from ..errors import UsageError
-from .loop import Callback
+from flaxheads.errors import UsageError
+from flaxheads.training.loop import Callback
 
 
 def parse_steps(text: str) -> tuple[int, int]:

@@ -10,8 +10,8 @@
 * A frozen backbone is never differentiated: its features are computed in inference mode and
   only the head params are arguments of ``jax.grad``; the optimizer state covers the head only.
 
-Data parallelism is in :mod:`flaxheads.parallel`, the loop in :mod:`flaxheads.training.loop`; the
-inference-mode eval step, which prediction shares, is in :mod:`flaxheads.programs`.
+Data parallelism is in :mod:`flaxheads.runtime.parallel`, the loop in :mod:`flaxheads.training.loop`; the
+inference-mode eval step, which prediction shares, is in :mod:`flaxheads.training.programs`.
 """
 from __future__ import annotations
 
@@ -22,11 +22,11 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
-from ..batching import extra_inputs
-from ..errors import TrainingError
-from ..losses import SINGLE_LABEL
-from .optim import global_norm, merge, trainable
-from .packing import PACKED_KEYS, example_targets, is_packed
+from flaxheads.data.batching import extra_inputs
+from flaxheads.errors import TrainingError
+from flaxheads.losses import SINGLE_LABEL
+from flaxheads.training.optim import global_norm, merge, trainable
+from flaxheads.data.packing import PACKED_KEYS, example_targets, is_packed
 
 class TrainState(struct.PyTreeNode):
     """Everything a training run carries between steps (a pytree; checkpoint it as is).
@@ -112,7 +112,7 @@ def make_train_step(model, tx: optax.GradientTransformation, *, freeze_backbone:
     ``axis_name`` is the pmap axis to reduce over (None for one device or for jit over a mesh,
     where the computation is written globally and XLA inserts the collectives). ``loss``:
     ``(loss(logits, labels, weights), problem type of its normaliser)`` instead of the model's own
-    (a :class:`~flaxheads.training.task.Task`'s ``step_loss``)."""
+    (a :class:`~flaxheads.tasks.task.Task`'s ``step_loss``)."""
     if freeze_backbone and getattr(model, "lora", None) is not None:
         raise TrainingError("freeze_backbone=True trains the head alone on the base backbone's features, but this "
                             "model has LoRA adapters: train without freeze_backbone (the base stays frozen and "

@@ -27,16 +27,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 
-from ..errors import TrainingError
-from ..nn import linen
-from ..nn.heads import SequenceHead
-from ..nn.poolers import DensePooler, Pool
-from ..parallel import Parallel
-from .features import FeatureCache, predict_cache, reduction
-from .loop import steps_per_epoch as _batches_per_pass
-from .metrics import compute_metrics, headline
-from .optim import OptimConfig, make_optimizer
-from .steps import TrainState, make_head_train_step
+from flaxheads.errors import TrainingError
+from flaxheads.heads import linen
+from flaxheads.heads.heads import SequenceHead
+from flaxheads.heads.poolers import DensePooler, Pool
+from flaxheads.runtime.parallel import Parallel
+from flaxheads.training.features import FeatureCache, predict_cache, reduction
+from flaxheads.training.loop import steps_per_epoch as _batches_per_pass
+from flaxheads.tasks.metrics import compute_metrics, headline
+from flaxheads.training.optim import OptimConfig, make_optimizer
+from flaxheads.training.steps import TrainState, make_head_train_step
 
 
 @dataclasses.dataclass(frozen=True)

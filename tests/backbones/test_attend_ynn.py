@@ -12,8 +12,8 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from flaxheads.host import ComputePlan
-from flaxheads.host.xla_flags import CPU_FLAGS, ONEDNN_ALONE_FLAGS, ONEDNN_FLAGS
+from flaxheads.runtime import ComputePlan
+from flaxheads.runtime.xla_flags import CPU_FLAGS, ONEDNN_ALONE_FLAGS, ONEDNN_FLAGS
 from flaxheads.layers.attention import attend_chunked, attend_plain, attend_ynn
 from flaxheads.layers.masks import mask_bias, segment_bias
 

@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 import jax  # noqa: E402
 
 from flaxheads.backbones import hf_flax  # noqa: E402
-from flaxheads.backbones.albert import AlbertBackbone  # noqa: E402
+from flaxheads.backbones.families.albert import AlbertBackbone  # noqa: E402
 from flaxheads.backbones.base import BackboneError  # noqa: E402
 from flaxheads.backbones.registry import load_backbone  # noqa: E402
 from hf_tiny import (check_bf16_and_remat, check_export, check_gradients, check_hf_flax_tree,  # noqa: E402

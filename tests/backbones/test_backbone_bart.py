@@ -11,8 +11,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import flaxheads as fh  # noqa: E402
-from flaxheads.backbones import bart, hf_flax  # noqa: E402
-from flaxheads.backbones.bart import BartBackbone  # noqa: E402
+from flaxheads.backbones import hf_flax
+from flaxheads.backbones.families import bart
+from flaxheads.backbones.families.bart import BartBackbone  # noqa: E402
 from flaxheads.backbones.base import BackboneError  # noqa: E402
 from flaxheads.backbones.registry import load_backbone  # noqa: E402
 from flaxheads.backbones.weights import read_state_dict  # noqa: E402

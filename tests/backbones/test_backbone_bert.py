@@ -8,10 +8,10 @@ import jax
 import jax.numpy as jnp
 
 import flaxheads as fh
-from flaxheads.host import ComputePlan
-from flaxheads.host.xla_flags import CPU_FLAGS
+from flaxheads.runtime import ComputePlan
+from flaxheads.runtime.xla_flags import CPU_FLAGS
 from flaxheads.backbones import hf_flax
-from flaxheads.backbones.bert import BertBackbone, encode
+from flaxheads.backbones.families.bert import BertBackbone, encode
 from flaxheads.layers.attention import attention_chunks
 from flaxheads.backbones.registry import load_backbone
 from tests.hf_tiny import padded_batch, tiny_torch_model

@@ -20,9 +20,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import flaxheads as fh  # noqa: E402
-from flaxheads.backbones import deberta  # noqa: E402
+from flaxheads.backbones.families import deberta
 from flaxheads.backbones.base import BackboneError, HFConfig  # noqa: E402
-from flaxheads.backbones.deberta import DebertaV2Backbone  # noqa: E402
+from flaxheads.backbones.families.deberta import DebertaV2Backbone  # noqa: E402
 from flaxheads.backbones.registry import load_backbone  # noqa: E402
 from flaxheads.backbones.weights import read_state_dict  # noqa: E402
 from flaxheads.layers.positions import diagonals_to_keys  # noqa: E402

@@ -25,12 +25,12 @@ import jax.numpy as jnp  # noqa: E402
 
 import flaxheads as fh  # noqa: E402
 from flaxheads.backbones.base import BackboneError  # noqa: E402
-from flaxheads.backbones.decoder import DecoderBackbone, attend_textbook  # noqa: E402
+from flaxheads.backbones.families.decoder import DecoderBackbone, attend_textbook  # noqa: E402
 from flaxheads.layers.attention import attend_chunked  # noqa: E402
 from flaxheads.layers.masks import mask_bias  # noqa: E402
 from flaxheads.backbones.registry import load_backbone  # noqa: E402
-from flaxheads.host.plan import ComputePlan  # noqa: E402
-from flaxheads.presets import PoolMaskError  # noqa: E402
+from flaxheads.runtime.plan import ComputePlan  # noqa: E402
+from flaxheads.heads.presets import PoolMaskError  # noqa: E402
 from hf_tiny import (DECODERS, check_dropout_spread, check_export,  # noqa: E402
                      check_gradients, check_hidden_states, check_train_needs_key, edited_copy, padded_batch,
                      save_tiny)

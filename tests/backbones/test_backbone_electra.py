@@ -11,7 +11,7 @@ import jax  # noqa: E402
 
 from flaxheads.backbones import hf_flax  # noqa: E402
 from flaxheads.backbones.base import BackboneError  # noqa: E402
-from flaxheads.backbones.electra import ElectraBackbone  # noqa: E402
+from flaxheads.backbones.families.electra import ElectraBackbone  # noqa: E402
 from flaxheads.backbones.registry import load_backbone  # noqa: E402
 from hf_tiny import (DROPOUT_SITES, check_dropout_site, H, check_bf16_and_remat, check_dropout_spread,  # noqa: E402
                      check_export, check_gradients, check_hf_flax_tree, check_hidden_states, check_keep_rate,

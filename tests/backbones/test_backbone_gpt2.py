@@ -18,7 +18,7 @@ import jax.numpy as jnp  # noqa: E402
 import flaxheads as fh  # noqa: E402
 from flaxheads.backbones import hf_flax  # noqa: E402
 from flaxheads.backbones.base import BackboneError  # noqa: E402
-from flaxheads.backbones.gpt2 import GPT2Backbone  # noqa: E402
+from flaxheads.backbones.families.gpt2 import GPT2Backbone  # noqa: E402
 from flaxheads.backbones.registry import load_backbone  # noqa: E402
 from hf_tiny import (check_bf16_and_remat, check_export, check_gradients, check_hf_flax_tree,  # noqa: E402
                      check_hidden_states, check_logits, check_train_needs_key, dropout_spread_flax,

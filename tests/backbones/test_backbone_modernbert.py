@@ -17,11 +17,11 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import flaxheads as fh  # noqa: E402
-from flaxheads.backbones import modernbert as mb  # noqa: E402
+from flaxheads.backbones.families import modernbert as mb
 from flaxheads.backbones.base import BackboneError  # noqa: E402
-from flaxheads.backbones.modernbert import ModernBertBackbone  # noqa: E402
+from flaxheads.backbones.families.modernbert import ModernBertBackbone  # noqa: E402
 from flaxheads.backbones.registry import load_backbone  # noqa: E402
-from flaxheads.host.plan import ComputePlan  # noqa: E402
+from flaxheads.runtime.plan import ComputePlan  # noqa: E402
 from hf_tiny import (V, assert_grads_match, check_bf16_and_remat, check_export, check_logits,  # noqa: E402
                      check_train_needs_key, dropout_spread_flax, dropout_spread_torch, edited_copy, last_hidden,
                      save_tiny, scale_matrices, torch_hidden_grads)

@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 from flaxheads.backbones import hf_flax  # noqa: E402
 from flaxheads.backbones.base import BackboneError  # noqa: E402
 from flaxheads.backbones.registry import load_backbone  # noqa: E402
-from flaxheads.backbones.roberta import RobertaBackbone  # noqa: E402
+from flaxheads.backbones.families.roberta import RobertaBackbone  # noqa: E402
 from hf_tiny import (DROPOUT_SITES, check_dropout_site, check_bf16_and_remat, check_export, check_gradients,  # noqa: E402
                      check_hf_flax_tree, check_hidden_states, check_keep_rate, check_logits,
                      check_train_needs_key, edited_copy, padded_batch, save_tiny)

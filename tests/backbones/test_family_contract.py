@@ -3,7 +3,7 @@ import pytest
 
 from flaxheads.backbones.base import BackboneError, HFConfig
 from flaxheads.backbones.registry import FAMILIES, family_for
-from flaxheads.presets import PRESETS, preset_for
+from flaxheads.heads.presets import PRESETS, preset_for
 
 
 @pytest.mark.parametrize("fam", FAMILIES, ids=lambda f: f.__name__)

@@ -9,7 +9,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from flaxheads.host import ComputePlan
+from flaxheads.runtime import ComputePlan
 from flaxheads.layers import attention
 from flaxheads.layers.attention import attend, attend_chunked, attend_cpu, attend_fused, attend_plain
 from flaxheads.layers.masks import mask_bias, segment_bias

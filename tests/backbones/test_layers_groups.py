@@ -11,8 +11,8 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from flaxheads.host import ComputePlan
-from flaxheads.host.xla_flags import ONEDNN_ALONE_FLAGS
+from flaxheads.runtime import ComputePlan
+from flaxheads.runtime.xla_flags import ONEDNN_ALONE_FLAGS
 from flaxheads.layers import attention
 from flaxheads.layers.attention import attend_chunked, attend_plain, attention_groups
 from flaxheads.layers.masks import mask_bias, segment_bias

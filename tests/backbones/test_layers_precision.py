@@ -8,7 +8,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from flaxheads.host import ComputePlan
+from flaxheads.runtime import ComputePlan
 from flaxheads.layers.attention import attend
 from flaxheads.layers.dense import matmul
 from flaxheads.layers.masks import mask_bias
@@ -148,7 +148,7 @@ def test_bf16_matmul_backward_dots_stay_bf16_with_untransposed_lhs():
 _ONEDNN_CHECK = """
 import json
 import numpy as np, jax, jax.numpy as jnp
-from flaxheads.host import ComputePlan
+from flaxheads.runtime import ComputePlan
 from flaxheads.layers.attention import attend
 from flaxheads.layers.dense import matmul
 from flaxheads.layers.masks import mask_bias
@@ -192,8 +192,8 @@ def test_onednn_dots_keep_bf16_outputs_and_the_gradients(flags):
     import subprocess
     import sys
 
-    from flaxheads.host import xla_flags
-    from flaxheads.host.cpu import CpuInfo
+    from flaxheads.runtime import xla_flags
+    from flaxheads.runtime.cpu import CpuInfo
 
     env = {k: v for k, v in os.environ.items() if k not in (xla_flags.OPT_OUT_ENV, "FLAXHEADS_ATTENTION")}
     env["XLA_FLAGS"] = " ".join(getattr(xla_flags, flags))

@@ -19,8 +19,8 @@ import pytest
 
 import jax
 
-from flaxheads.host.cpu import CpuInfo
-from flaxheads.host.xla_flags import ONEDNN_FLAGS
+from flaxheads.runtime.cpu import CpuInfo
+from flaxheads.runtime.xla_flags import ONEDNN_FLAGS
 from tests.hf_tiny import save_tiny
 
 #: flaxheads chooses these flags only on CPUs with AMX (``host.xla_flags.cpu_xla_flags``): elsewhere no

@@ -23,10 +23,10 @@ import flaxheads as fh
 from flaxheads import checkpoint as ck
 from flaxheads.checkpoint.meta import OWN_KEYS
 from flaxheads.errors import FlaxheadsError
-from flaxheads.nn.heads import IdentityHead, LinearHead, MLPHead, ProjectionHead, SequenceHead
-from flaxheads.nn.poolers import AttentionPool, Concat, DensePooler, Pool, SequenceSummary
-from flaxheads.presets import PRESETS
-from flaxheads.nn import linen
+from flaxheads.heads.heads import IdentityHead, LinearHead, MLPHead, ProjectionHead, SequenceHead
+from flaxheads.heads.poolers import AttentionPool, Concat, DensePooler, Pool, SequenceSummary
+from flaxheads.heads.presets import PRESETS
+from flaxheads.heads import linen
 
 pytestmark = pytest.mark.full
 

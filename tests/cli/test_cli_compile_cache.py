@@ -5,8 +5,8 @@ import json
 import pytest
 
 from cli_helpers import bert_folder, run_process, train_args, write_csv  # noqa: F401
-from flaxheads.host.compile_cache import default_cache_dir
-from flaxheads.host.cpu import cpu_fingerprint
+from flaxheads.runtime.compile_cache import default_cache_dir
+from flaxheads.runtime.cpu import cpu_fingerprint
 
 pytestmark = pytest.mark.full
 
@@ -36,7 +36,7 @@ def test_second_identical_run_compiles_nothing(bert_folder, tmp_path):
 def test_cache_turned_off_by_the_variable(monkeypatch, value):
     import jax
 
-    from flaxheads.host.compile_cache import CACHE_ENV, enable_compile_cache
+    from flaxheads.runtime.compile_cache import CACHE_ENV, enable_compile_cache
 
     before = jax.config.jax_compilation_cache_dir
     monkeypatch.setenv(CACHE_ENV, value)

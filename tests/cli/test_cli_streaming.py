@@ -33,8 +33,8 @@ def test_streamed_run_from_shards(bert_folder, tmp_path, capsys):
     assert "read from disk as it trains (streamed), evaluating on a sample of 5 validation examples" in stdout
     cfg = json.loads((out / "config.json").read_text())
     summary = json.loads((out / "summary.json").read_text())
-    from flaxheads.training import data as D
-    from flaxheads.training import streaming as S
+    from flaxheads.data import splits as D
+    from flaxheads.data import streaming as S
 
     sd = S.open_stream(D.DataConfig(data=glob, split=(0.6, 0.2, 0.2), stream=True))
     counts = sd.counts

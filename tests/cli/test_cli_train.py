@@ -8,8 +8,8 @@ import pytest
 from cli_helpers import (CLASSES, SMALL, assert_one_line_error, bert_folder, run_cli, run_process,  # noqa: F401
                          train_args, write_csv, write_jsonl)
 from flaxheads.cli.main import main
-from flaxheads.host import ComputePlan
-from flaxheads.host.precision import choose_precision
+from flaxheads.runtime import ComputePlan
+from flaxheads.runtime.precision import choose_precision
 from train_helpers import WORDS
 
 pytestmark = pytest.mark.full

@@ -15,7 +15,7 @@ import sys
 import pytest
 
 import flaxheads as fh
-from flaxheads import preflight
+from flaxheads.disk import preflight
 from flaxheads.cli.main import main
 
 pytestmark = pytest.mark.full

@@ -201,7 +201,7 @@ def hub_cache(root, repo: str, folder: str, rev: str = "0123456789abcdef01234567
 
 
 def test_hub_id_from_the_local_cache_offline(run, bert_folder, tmp_path, capsys, monkeypatch):
-    from flaxheads.hub import resolve_model_source
+    from flaxheads.model.hub import resolve_model_source
 
     cache = tmp_path / "hub"
     snap = hub_cache(cache, "acme/tiny-bert", bert_folder)

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from flaxheads import preflight
+from flaxheads.disk import preflight
 from flaxheads.cli.main import main
 
 pytestmark = pytest.mark.full

@@ -15,7 +15,7 @@ from transformers import AutoModelForSequenceClassification  # noqa: E402
 
 import flaxheads as fh  # noqa: E402
 from flaxheads.interop.head_files import load_head_export  # noqa: E402
-from flaxheads.nn import linen  # noqa: E402
+from flaxheads.heads import linen  # noqa: E402
 from flaxheads.backbones.registry import family_for  # noqa: E402
 from flaxheads.interop.transformers import ExportError  # noqa: E402
 from hf_tiny import padded_batch, tiny_torch_model  # noqa: E402

@@ -8,7 +8,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import flaxheads as fh  # noqa: E402
 from flaxheads.backbones.weights import head_from_hf  # noqa: E402
-from flaxheads.nn import linen
+from flaxheads.heads import linen
 from hf_tiny import padded_batch, tiny_torch_model  # noqa: E402
 
 pytestmark = pytest.mark.legacy

@@ -12,8 +12,8 @@ from transformers import AutoTokenizer  # noqa: E402
 
 import flaxheads as fh  # noqa: E402
 from flaxheads.interop.tokenizers import Tokenizer, TokenizerError, TransformersTokenizer  # noqa: E402
-from flaxheads.tables import TextTable  # noqa: E402
-from flaxheads.training import data as D  # noqa: E402
+from flaxheads.data.tables import TextTable  # noqa: E402
+from flaxheads.data import splits as D
 from train_helpers import WORDS  # noqa: E402
 
 pytestmark = pytest.mark.legacy

@@ -13,7 +13,7 @@ import flaxheads as fh
 from flaxheads.checkpoint import read_meta
 from flaxheads.errors import ConfigError
 from flaxheads.interop.head_files import HEAD_CONFIG, HEAD_WEIGHTS, export_head, load_head_export
-from flaxheads.nn import linen
+from flaxheads.heads import linen
 from hf_tiny import head_specs, pooler_specs, tiny_config
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures")

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import flaxheads as fh
-from flaxheads.nn import linen
+from flaxheads.heads import linen
 from hf_tiny import head_specs, pooler_specs, tiny_config
 
 ALL_POOLERS, ALL_HEADS = pooler_specs(), head_specs()

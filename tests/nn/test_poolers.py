@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 import flaxheads as fh
-from flaxheads.nn import poolers as P
-from flaxheads.nn import linen
+from flaxheads.heads import poolers as P
+from flaxheads.heads import linen
 
 # one row, T=4, H=2; positions 0..2 real, 3 padding
 H1 = np.array([[[1.0, -2.0], [3.0, 0.0], [5.0, 4.0], [100.0, 100.0]]], np.float32)

@@ -10,7 +10,7 @@ from flax import nnx
 import flaxheads as fh
 from flaxheads import nnx as fnnx
 from flaxheads.errors import ConfigError
-from flaxheads.nn import linen
+from flaxheads.heads import linen
 from hf_tiny import H, head_specs, padded_batch, pooler_specs, save_tiny, tiny_config
 
 POOLERS, HEADS = pooler_specs(), head_specs()

@@ -12,7 +12,7 @@ from flax import nnx
 import flaxheads as fh
 from flaxheads import nnx as fnnx
 from flaxheads.errors import ConfigError
-from flaxheads.sharding import Layout, make_mesh, path_names
+from flaxheads.runtime.sharding import Layout, make_mesh, path_names
 from flaxheads.training.steps import create_state, make_train_step
 from hf_tiny import padded_batch, save_tiny, tiny_config
 

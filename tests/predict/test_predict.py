@@ -241,7 +241,7 @@ def test_prediction_with_constant_weights_equals_sentence_transformers():
     import subprocess
     import sys
 
-    from flaxheads.host.xla_flags import ONEDNN_FLAGS
+    from flaxheads.runtime.xla_flags import ONEDNN_FLAGS
 
     env = {**os.environ, "XLA_FLAGS": " ".join(ONEDNN_FLAGS), "FLAXHEADS_XLA_DEFAULTS": "0",
            "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.path.dirname(os.path.abspath(__file__))}

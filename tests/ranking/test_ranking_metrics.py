@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from sklearn.metrics import average_precision_score, ndcg_score
 
-from flaxheads.ranking.metrics import ranking_metrics
+from flaxheads.tasks.ranking.metrics import ranking_metrics
 
 RNG = np.random.default_rng(3)
 

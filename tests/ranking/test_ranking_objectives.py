@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxheads.ranking.objectives import (listnet, listwise_softmax, objective_loss, pairwise_hinge,
+from flaxheads.tasks.ranking.objectives import (listnet, listwise_softmax, objective_loss, pairwise_hinge,
                                           pairwise_logistic, pointwise_bce)
 
 torch = pytest.importorskip("torch")

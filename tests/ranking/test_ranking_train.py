@@ -7,9 +7,9 @@ import jax
 import numpy as np
 import pytest
 
-from flaxheads.ranking.data import GroupTable, check_groups, collate_groups, tokenize_groups
-from flaxheads.ranking.objectives import objective_fn
-from flaxheads.ranking.task import Ranking
+from flaxheads.data.groups import GroupTable, check_groups, collate_groups, tokenize_groups
+from flaxheads.tasks.ranking.objectives import objective_fn
+from flaxheads.tasks.ranking.task import Ranking
 from flaxheads.training import loop
 from flaxheads.training.optim import OptimConfig
 from train_helpers import WORDS, tiny_bert_folder
@@ -22,7 +22,7 @@ SIZES = [2, 4, 3, 4, 2, 3]  # candidates per group: ragged, padded to 4
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     from flaxheads.interop.tokenizers import load_tokenizer
-    from flaxheads.model import from_pretrained
+    from flaxheads.model.sequence import from_pretrained
 
     folder = tiny_bert_folder(tmp_path_factory.mktemp("rank_bert"), num_labels=1)
     rng = np.random.default_rng(0)

@@ -17,8 +17,8 @@ import flaxheads as fh  # noqa: E402
 from flaxheads.checkpoint import RunCheckpointer  # noqa: E402
 from flaxheads.training.loop import FitCheckpointing, TrainConfig, Trainer, fit  # noqa: E402
 from flaxheads.training.optim import OptimConfig  # noqa: E402
-from flaxheads.sharding import abstract  # noqa: E402
-from flaxheads.nn import linen  # noqa: E402
+from flaxheads.runtime.sharding import abstract  # noqa: E402
+from flaxheads.heads import linen  # noqa: E402
 from train_helpers import random_split  # noqa: E402
 
 N_TRAIN, BATCH, STEPS = 21, 8, 3  # 21 = 8 + 8 + 5: the last batch has 3 padding rows
@@ -99,7 +99,7 @@ def abstract_model(config: dict):
     """A SequenceModel whose params are ``jax.eval_shape`` shapes (mean pooler, linear head)."""
     from flaxheads.backbones.base import HFConfig
     from flaxheads.backbones.registry import family_for
-    from flaxheads.model import SequenceModel, build_head
+    from flaxheads.model.sequence import SequenceModel, build_head
 
     fam = family_for(config["model_type"])
     cfg = fam.complete_config(HFConfig(config))

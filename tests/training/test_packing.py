@@ -9,9 +9,9 @@ import pytest
 import flaxheads as fh
 from flaxheads.errors import FlaxheadsError, TrainingError
 from flaxheads.training import loop
-from flaxheads.training.data import Split, batch_plan, collate
+from flaxheads.data.splits import Split, batch_plan, collate
 from flaxheads.training.optim import OptimConfig
-from flaxheads.training.packing import (AUTO_PACK_SHARE, first_fit, iterate_packed_batches, merge_rare_shapes,
+from flaxheads.data.packing import (AUTO_PACK_SHARE, first_fit, iterate_packed_batches, merge_rare_shapes,
                                         packed_batch, packed_shape, packed_slot_share)
 from hf_tiny import save_tiny
 from train_helpers import random_split

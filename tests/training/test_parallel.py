@@ -15,7 +15,7 @@ import pytest
 import flaxheads as fh
 from flaxheads.training.optim import OptimConfig
 from flaxheads.training.loop import TrainConfig, Trainer, fit
-from flaxheads.parallel import Parallel, process_rows
+from flaxheads.runtime.parallel import Parallel, process_rows
 from train_helpers import random_split
 
 N_TRAIN, N_EVAL, BATCH, STEPS = 21, 13, 8, 3  # 21 = 8 + 8 + 5: last batch has 3 padding rows
@@ -44,7 +44,7 @@ def _run(folder, mode):
 
 
 def _eval_batches():
-    from flaxheads.training.data import iterate_batches
+    from flaxheads.data.splits import iterate_batches
     return iterate_batches(random_split(N_EVAL, seed=6), BATCH, (16, 24), shuffle=False)
 
 
@@ -78,7 +78,7 @@ def test_train_steps_compile_with_the_gradient_options(folder, mode):
     """The trainer compiles its train step with the plan's gradient options and hands them to XLA;
     other programs keep the process's settings. The options here turn YNNPACK off, which this
     process has on (XLA's defaults): its fusions leave the train step only."""
-    from flaxheads.training.data import iterate_batches
+    from flaxheads.data.splits import iterate_batches
 
     model = fh.from_pretrained(folder, pooler="mean", head="linear", num_labels=3)
     off = model.plan.replace(gradient_options=(("xla_cpu_experimental_ynn_fusion_type", ""),))

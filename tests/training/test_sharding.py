@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from flaxheads.backbones.axes import EMBED, HEADS, KV, MLP, VOCAB, generic_param_axes
-from flaxheads.backbones.gpt2 import GPT2Backbone
+from flaxheads.runtime.axes import EMBED, HEADS, KV, MLP, VOCAB, generic_param_axes
+from flaxheads.backbones.families.gpt2 import GPT2Backbone
 from flaxheads.errors import TrainingError
-from flaxheads.sharding import DEFAULT_RULES, Layout, make_mesh, parse_mesh, spec_for
+from flaxheads.runtime.sharding import DEFAULT_RULES, Layout, make_mesh, parse_mesh, spec_for
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sharding_worker.py")
 

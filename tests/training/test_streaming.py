@@ -1,4 +1,4 @@
-"""Streamed tables (flaxheads.training.streaming): hash splits, the scan's label space and bad-row
+"""Streamed tables (flaxheads.data.streaming): hash splits, the scan's label space and bad-row
 errors against the in-memory reader's, the tokens against in-memory tokenisation, epochs that see
 every row once in an order that is a pure function of (seed, epoch, step), and per-host rows."""
 import json
@@ -7,9 +7,9 @@ import jax
 import numpy as np
 import pytest
 
-from flaxheads import tables as T
-from flaxheads.training import data as D
-from flaxheads.training import streaming as S
+from flaxheads.data import tables as T
+from flaxheads.data import splits as D
+from flaxheads.data import streaming as S
 from train_helpers import WORDS
 
 CLASSES = ("business", "sport", "politics")
@@ -194,7 +194,7 @@ def test_each_process_tokenizes_and_holds_only_its_rows(big, tok, monkeypatch):
     sd = S.open_stream(_cfg(big["file"], split=(0.9, 0.1, 0.0)))
     train = sd.splits(tok, 16)["train"]
     single = _epoch(train, seed=2, epoch=1, start=5)
-    from flaxheads.parallel import process_rows
+    from flaxheads.runtime.parallel import process_rows
 
     calls = []
 

@@ -7,9 +7,9 @@ import optax
 import pytest
 
 import flaxheads as fh
-from flaxheads.batching import make_buckets
-from flaxheads.programs import make_eval_step
-from flaxheads.training.data import collate
+from flaxheads.data.batching import make_buckets
+from flaxheads.training.programs import make_eval_step
+from flaxheads.data.splits import collate
 from flaxheads.training.optim import OptimConfig, decay_mask, make_optimizer, schedule
 from flaxheads.training.loop import TrainConfig, Trainer, fit
 from flaxheads.training.steps import create_state, make_head_train_step, make_train_step

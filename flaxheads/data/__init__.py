@@ -1,0 +1,1 @@
+"""Data: tables, splits, batches and buckets, packing, ranking groups, streaming."""

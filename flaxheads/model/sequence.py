@@ -1,0 +1,417 @@
+"""A backbone composed with a pooler and a head, functionally: :class:`SequenceModel` and :func:`from_pretrained`.
+
+Backbones follow the contract of :mod:`flaxheads.backbones.base` and are called as
+``backbone(input_ids, attention_mask, params=..., dropout_rng=..., train=...)[0]`` (the last
+hidden state), extra inputs (position ids, token types) included.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flaxheads import config as _config
+from flaxheads.heads.heads import Head, IdentityHead, LinearHead, ProjectionHead, SequenceHead, make_head
+from flaxheads.heads import linen
+from flaxheads.backbones.base import HFConfig
+from flaxheads.backbones.registry import load_backbone
+from flaxheads.backbones.weights import head_from_hf, read_state_dict
+from flaxheads.losses import REGRESSION, check_problem_type, infer_problem_type, loss_fn
+from flaxheads.heads.poolers import Pool, Pooler, make_pooler
+from flaxheads.heads.presets import Preset, check_pool_mask, match_preset, preset_for
+from flaxheads.errors import ConfigError
+from flaxheads.runtime.plan import ComputePlan
+from flaxheads.model.base_dtype import cast_tree
+from flaxheads.model.lora import LORA, LoraConfig, merge_lora, with_lora
+
+@dataclasses.dataclass
+class LoadReport:
+    """Which head modules came from the checkpoint and which were freshly initialised."""
+
+    pretrained: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (our path, HF name)
+    new: list[str] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class SequenceModel:
+    """A backbone (HF Flax wrapper) + :class:`SequenceHead`, with the initial ``params``.
+
+    ``params = {"backbone": ..., "head": {"pooler": ..., "head": ...}}``, plus ``"lora"`` (the
+    adapters, see :mod:`flaxheads.model.lora`) when ``lora`` is set. All methods are pure functions of
+    the params passed in; ``self.params`` is only the starting point."""
+
+    backbone: Any
+    head: SequenceHead
+    num_labels: int
+    problem_type: str
+    params: dict
+    id2label: dict[int, str] | None = None
+    pool_mask: str = "attention_mask"
+    pad_token_id: int | None = None
+    eos_token_id: int | None = None
+    arch: str | None = None  # HF preset name when the head is exactly that preset's
+    hf_names: tuple[tuple[str, str], ...] = ()
+    name_or_path: str = ""
+    report: LoadReport = dataclasses.field(default_factory=LoadReport)
+    lora: LoraConfig | None = None  # LoRA adapters in params["lora"] (targets resolved)
+    #: a one-token pooler gets its token's hidden state alone, the last layer computed there
+    #: (:meth:`pooler_inputs`); False computes every position, as PyTorch does (for comparisons)
+    pooled_token_only: bool = True
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.backbone.config.hidden_size)
+
+    @property
+    def plan(self) -> ComputePlan:
+        """How this model's programs compute (the backbone's :class:`~flaxheads.runtime.plan.ComputePlan`)."""
+        return self.backbone.plan
+
+    @property
+    def model_type(self) -> str:
+        return self.backbone.config.model_type
+
+    # ---- pure pieces -------------------------------------------------------------------
+    def pooling_mask(self, input_ids: jax.Array, attention_mask: jax.Array) -> jax.Array:
+        """The mask the pooler sees (GPT-2: ids != pad; BART: ids == eos; else attention mask)."""
+        if self.pool_mask == "non_pad_token":
+            return input_ids != self.pad_token_id
+        if self.pool_mask == "eos_token":
+            return input_ids == self.eos_token_id
+        return attention_mask
+
+    def features(self, backbone_params, input_ids, attention_mask, *, train: bool = False,
+                 dropout_rng: jax.Array | None = None, **extra) -> tuple[jax.Array, jax.Array]:
+        """Encoder last hidden state [B, T, H] and the pooling mask [B, T]."""
+        if "token_type_ids" not in extra and _takes(self.backbone, "token_type_ids"):
+            # HF's FlaxElectraModel defaults token types to ones (PyTorch: zeros); pass zeros explicitly.
+            extra["token_type_ids"] = jnp.zeros_like(input_ids)
+        out = self.backbone(input_ids, attention_mask=attention_mask, params=backbone_params,
+                            dropout_rng=dropout_rng, train=train, **extra)
+        return out[0], self.pooling_mask(input_ids, attention_mask)
+
+    def pooler_inputs(self, backbone_params, input_ids, attention_mask, *, train: bool = False,
+                      dropout_rng: jax.Array | None = None, **extra) -> tuple[jax.Array, jax.Array]:
+        """What the pooler reads: :meth:`features`, or, when the pooler reads one token per sequence
+        (:meth:`~flaxheads.heads.poolers.Pooler.position`: first token, last non-pad, ...) and the
+        backbone can stop there (``"only_at"`` in its features), that token's last hidden state
+        ``[B, 1, H]`` with a mask of ones. The pooled vector is the same; the last layer runs at one
+        position instead of ``T`` (on a 6-layer encoder ~1/7 of the forward and backward)."""
+        pool_mask = self.pooling_mask(input_ids, attention_mask)
+        pooler = getattr(self.head, "pooler", None)
+        at = None
+        if self.pooled_token_only and pooler is not None and "only_at" in getattr(self.backbone, "features", ()):
+            at = pooler.position(pool_mask)
+        if at is None:
+            return self.features(backbone_params, input_ids, attention_mask, train=train, dropout_rng=dropout_rng,
+                                 **extra)
+        hidden, _ = self.features(backbone_params, input_ids, attention_mask, train=train, dropout_rng=dropout_rng,
+                                  only_at=at, **extra)
+        return hidden, jnp.ones(hidden.shape[:2], jnp.int32)
+
+    def backbone_params(self, params) -> dict:
+        """The backbone params the forward runs on: ``params["backbone"]``, with the LoRA adapters
+        merged into their kernels when the model has them."""
+        if self.lora is None:
+            return params["backbone"]
+        if LORA not in params:
+            raise ConfigError("this model has LoRA adapters but the params have no 'lora' subtree; pass the "
+                              "params of the model with adapters (model.params), or merge them (flaxheads.model.lora)")
+        return merge_lora(params["backbone"], params[LORA], self.lora, self.model_type)
+
+    def with_base_dtype(self, dtype) -> "SequenceModel":
+        """This model with its base (``params["backbone"]``) stored in ``dtype`` (e.g. ``jnp.bfloat16``
+        for a frozen base; see :mod:`flaxheads.model.base_dtype`); head and adapters keep their float32."""
+        backbone_params = cast_tree(self.params["backbone"], dtype)
+        backbone = copy.copy(self.backbone)
+        if getattr(backbone, "params", None) is self.params["backbone"]:
+            backbone.params = backbone_params  # the backbone's own reference would keep the old copy alive
+        return dataclasses.replace(self, backbone=backbone, params={**self.params, "backbone": backbone_params})
+
+    def with_quantized_base(self, qtype: str) -> "SequenceModel":
+        """This model with its base's layer kernels quantised to ``qtype`` (``int8 | int4 | nf4``;
+        :mod:`flaxheads.model.quantize`): a frozen base for QLoRA or a frozen backbone."""
+        from flaxheads.model.quantize import quantize_params
+
+        backbone_params = quantize_params(self.params["backbone"], qtype, self.model_type)
+        backbone = copy.copy(self.backbone)
+        if getattr(backbone, "params", None) is self.params["backbone"]:
+            backbone.params = backbone_params
+        return dataclasses.replace(self, backbone=backbone, params={**self.params, "backbone": backbone_params})
+
+    def with_lora(self, config: LoraConfig | None = None, *, seed: int = 0, **options) -> "SequenceModel":
+        """This model with fresh LoRA adapters (see :func:`flaxheads.model.lora.with_lora`)."""
+        return with_lora(self, config, seed=seed, **options)
+
+    def packed_features(self, backbone_params, input_ids, segment_ids, position_ids, segment_index, segment_mask, *,
+                        train: bool = False, dropout_rng: jax.Array | None = None,
+                        **extra) -> tuple[jax.Array, jax.Array]:
+        """Rows packing several texts (see :mod:`flaxheads.data.packing`) through the backbone, then
+        each text gathered into its own row: hidden ``[R*S, L, H]`` and pooling mask ``[R*S, L]``, as
+        the unpacked texts would give them, so every pooler and head applies unchanged."""
+        if "packing" not in getattr(self.backbone, "features", ()) or self.pool_mask != "attention_mask":
+            raise ConfigError(f"packed batches need a backbone that restarts positions and keeps attention "
+                              f"within each text (BERT-like encoders) and a pooler on the attention mask; "
+                              f"this {self.model_type} model has neither: train without packing")
+        hidden, _ = self.features(backbone_params, input_ids, (segment_ids > 0).astype(jnp.int32), train=train,
+                                  dropout_rng=dropout_rng, position_ids=position_ids, segment_ids=segment_ids,
+                                  **extra)
+        rows, segs, length = segment_index.shape
+        texts = hidden[jnp.arange(rows)[:, None, None], segment_index]  # [R, S, L, H]
+        return texts.reshape(rows * segs, length, -1), segment_mask.reshape(rows * segs, length)
+
+    def apply_packed(self, params, input_ids, segment_ids, position_ids, segment_index, segment_mask, *,
+                     train: bool = False, dropout_rng: jax.Array | None = None, **extra) -> jax.Array:
+        """Logits ``[R*S, num_labels]`` of a packed batch, one row per text slot (empty slots included)."""
+        rb, rh = _dropout_keys(train, dropout_rng)
+        hidden, mask = self.packed_features(self.backbone_params(params), input_ids, segment_ids, position_ids,
+                                            segment_index, segment_mask, train=train, dropout_rng=rb, **extra)
+        return self.head_apply(params["head"], hidden, mask, train=train, dropout_rng=rh)
+
+    def head_apply(self, head_params, hidden, mask, *, train: bool = False,
+                   dropout_rng: jax.Array | None = None) -> jax.Array:
+        """Pooler + head on hidden states: logits (or embeddings) [B, N], float32."""
+        if train and dropout_rng is None:
+            raise ConfigError("train=True needs a dropout_rng")
+        rngs = {"dropout": dropout_rng} if train else {}
+        return linen.module(self.head).apply({"params": head_params}, hidden, mask, deterministic=not train,
+                                             rngs=rngs)
+
+    def apply(self, params, input_ids, attention_mask=None, *, train: bool = False,
+              dropout_rng: jax.Array | None = None, **extra) -> jax.Array:
+        """Logits [B, num_labels] in float32 (embeddings for projection heads)."""
+        if attention_mask is None:
+            attention_mask = jnp.ones_like(input_ids)
+        rb, rh = _dropout_keys(train, dropout_rng)
+        hidden, mask = self.pooler_inputs(self.backbone_params(params), input_ids, attention_mask, train=train,
+                                          dropout_rng=rb, **extra)
+        return self.head_apply(params["head"], hidden, mask, train=train, dropout_rng=rh)
+
+    def __call__(self, input_ids, attention_mask=None, params=None, **kw) -> jax.Array:
+        return self.apply(self.params if params is None else params, input_ids, attention_mask, **kw)
+
+    def loss_fn(self, **options):
+        """``f(logits, labels, weights)`` for this model's problem type (see ``losses.loss_fn``)."""
+        return loss_fn(self.problem_type, self.num_labels, **options)
+
+    def to_nnx(self, params=None, *, freeze_backbone: bool | None = None, rngs=None):
+        """This model as a Flax NNX module on ``params`` (default ``self.params``): see
+        :func:`flaxheads.nnx.to_nnx`."""
+        from flaxheads.nnx.model import to_nnx
+
+        return to_nnx(self, params, freeze_backbone=freeze_backbone, rngs=rngs)
+
+    def head_config(self) -> dict:
+        return _config.to_dict(self.head)
+
+
+def _dropout_keys(train: bool, dropout_rng: jax.Array | None) -> tuple[jax.Array | None, jax.Array | None]:
+    """The backbone's and the head's dropout keys (None when not training)."""
+    if not train:
+        return None, None
+    if dropout_rng is None:
+        raise ConfigError("train=True needs a dropout_rng")
+    rb, rh = jax.random.split(dropout_rng)
+    return rb, rh
+
+
+def _takes(fn, name: str) -> bool:
+    import inspect
+
+    return name in inspect.signature(fn.__call__).parameters
+
+
+def build_head(hf_config, num_labels: int, *, pooler=None, head=None, pooler_options: dict | None = None,
+               head_options: dict | None = None) -> tuple[SequenceHead, Preset | None]:
+    """The HF preset for ``hf_config.model_type`` unless ``pooler``/``head`` choose otherwise."""
+    preset = preset_for(hf_config, num_labels)
+    pooler_options, head_options = dict(pooler_options or {}), dict(head_options or {})
+    if pooler is None and not pooler_options:
+        p: Pooler = preset.pooler if preset else Pool("mean")
+    else:
+        p = make_pooler(pooler if pooler is not None else "mean", **pooler_options)
+    if head is None and not head_options:
+        h: Head = preset.head if preset else LinearHead(
+            num_labels, dropout=float(getattr(hf_config, "hidden_dropout_prob", 0.1) or 0.0))
+    elif isinstance(head, Head):
+        h = make_head(head, **head_options)
+    else:
+        name = head or "linear"
+        if name in ("linear", "mlp"):
+            head_options.setdefault("num_labels", num_labels)
+        h = make_head(name, **head_options)
+    return SequenceHead(p, h), preset
+
+
+def from_pretrained(path: str | os.PathLike, *, pooler: str | Sequence[str] | Pooler | None = None,
+                    head: str | Head | None = None, num_labels: int | None = None,
+                    problem_type: str | None = None, id2label: dict | Sequence[str] | None = None,
+                    dtype=jnp.float32, seed: int = 0, ignore_mismatched_sizes: bool = False,
+                    pooler_options: dict | None = None, head_options: dict | None = None,
+                    pool_mask: str | None = None, implementation: str = "auto",
+                    remat: bool | str = False, plan: ComputePlan | None = None, base_dtype=None,
+                    quantize: str | None = None, mesh=None) -> SequenceModel:
+    """Load a local HF model folder as backbone and attach a pooler + head.
+
+    Defaults to the HF-exact preset for the backbone's ``model_type`` (and copies its
+    pretrained pooler/classifier weights when the checkpoint has them); ``pooler`` and
+    ``head`` pick any other combination. ``dtype=jnp.bfloat16`` runs the backbone in
+    bfloat16; params, head and logits stay float32. ``implementation``: ``"auto"`` (flaxheads'
+    native backbone for the folder's ``model_type``, else HF's Flax wrapper when transformers
+    < 5 is installed), ``"native"`` or ``"hf_flax"`` (see :mod:`flaxheads.backbones.registry`).
+    ``remat``: what the backward pass keeps of each layer, ``none | full | save-dots | save-named``
+    (``True``: ``full``, each layer recomputed; see :mod:`flaxheads.layers.remat`).
+    ``plan``: how the programs compute on this host (default :meth:`ComputePlan.for_host`).
+    ``base_dtype``: the storage dtype of the backbone's params (default float32; ``jnp.bfloat16``
+    halves a base that stays frozen: :meth:`SequenceModel.with_base_dtype`). ``quantize``: ``int8 |
+    int4 | nf4`` layer kernels of a frozen base (:meth:`SequenceModel.with_quantized_base`).
+    ``mesh``: a :class:`jax.sharding.Mesh` (or its shape, ``"fsdp=8"``) to read the backbone onto:
+    each param is read from the safetensors tensor by tensor, each process reading only the part its
+    devices hold, straight onto its sharding under the default layout
+    (:func:`flaxheads.backbones.lazy.load_sharded`), in ``base_dtype`` and, with ``quantize``, each
+    layer kernel quantised as soon as it is read; no host copy of the whole model."""
+    if quantize is not None:
+        from flaxheads.model.quantize import check_family
+
+        check_family(HFConfig.from_folder(path).get("model_type"))  # before any weight is read
+    path = os.fspath(path)
+    loaded = None
+    if mesh is not None:
+        loaded = _load_onto_mesh(path, mesh, dtype=dtype, remat=remat, plan=plan, base_dtype=base_dtype,
+                                 quantize=quantize)
+    if loaded is not None:
+        backbone, state = loaded
+    else:
+        state = _read_state_if_any(path)  # read once: the backbone's weights and the head's
+        backbone = load_backbone(path, dtype=dtype, state=state or None, remat=remat, implementation=implementation,
+                                 plan=plan)
+    cfg = backbone.config
+    labels = _labels(id2label, num_labels, cfg)
+    n = len(labels) if labels else int(num_labels or getattr(cfg, "num_labels", 2))
+    seq_head, _ = build_head(cfg, n, pooler=pooler, head=head, pooler_options=pooler_options,
+                                  head_options=head_options)
+    if isinstance(seq_head.head, (ProjectionHead, IdentityHead)):
+        # an embedding head: its width is the output size; MSE (e.g. distillation) is the natural loss
+        n = seq_head.head.out_features() or seq_head.pooler.out_features(cfg.hidden_size)
+        ptype = problem_type or REGRESSION
+        if labels is not None and len(labels) != n:
+            if id2label is not None:
+                raise ConfigError(f"id2label has {len(labels)} entries but the {type(seq_head.head).__name__} "
+                                 f"outputs {n} values")
+            labels = None  # the backbone config's classification labels do not describe an embedding
+    else:
+        ptype = problem_type or getattr(cfg, "problem_type", None) or infer_problem_type(n)
+    check_problem_type(ptype, n)
+    # an explicitly chosen pooler pools the attention mask unless told otherwise, even one equal to the preset's
+    match = match_preset(cfg, n, seq_head.pooler, seq_head.head,
+                         pool_mask if pool_mask is not None or pooler is None else "attention_mask")
+    pad, eos = getattr(cfg, "pad_token_id", None), getattr(cfg, "eos_token_id", None)
+    check_pool_mask(match.pool_mask, pad_token_id=pad, eos_token_id=eos, subject=f"{cfg.model_type} backbone {path!r}")
+    base = getattr(backbone, "base_model_prefix", "") or ""
+    head_params, report = _init_head(seq_head, cfg.hidden_size, seed, match.weight_names, state,
+                                     strip_prefixes=[base] if base else [],
+                                     ignore_mismatched_sizes=ignore_mismatched_sizes, source=path)
+    params = {"backbone": backbone.params, "head": jax.tree.map(jnp.asarray, head_params)}
+    model = SequenceModel(backbone=backbone, head=seq_head, num_labels=n, problem_type=ptype, params=params,
+                          id2label=labels, pool_mask=match.pool_mask, pad_token_id=pad, eos_token_id=eos,
+                          arch=match.arch, hf_names=match.hf_names, name_or_path=path, report=report)
+    if loaded is not None:  # read in base_dtype, and quantised tensor by tensor, already
+        return model
+    model = model if base_dtype is None else model.with_base_dtype(base_dtype)
+    return model if quantize is None else model.with_quantized_base(quantize)
+
+
+def _load_onto_mesh(path: str, mesh, *, dtype, remat, plan, base_dtype, quantize=None):
+    """The native backbone of ``path`` read onto ``mesh`` (its default layout) in ``base_dtype``, each
+    :func:`~flaxheads.model.quantize.quantizable` kernel quantised right after it is read when ``quantize`` is
+    set, and the folder's other tensors; None where the folder has no safetensors or the family's params
+    are not stored tensors (then it loads eagerly and is placed by the run)."""
+    from jax.sharding import Mesh, NamedSharding
+
+    from flaxheads.backbones.base import BackboneError, check_params
+    from flaxheads.backbones.lazy import NotLazyLoadable, load_sharded
+    from flaxheads.backbones.weights import WeightsNotFoundError
+    from flaxheads.backbones.registry import family_for
+    from flaxheads.training.memory_plan import abstract_model
+    from flaxheads.runtime.sharding import Layout, make_mesh
+
+    mesh = mesh if isinstance(mesh, Mesh) else make_mesh(mesh)
+    config = HFConfig.from_folder(path)
+    fam = family_for(config.get("model_type"))
+    if fam is None:
+        raise BackboneError(f"{path}: model_type {config.get('model_type')!r} has no native backbone to read onto a "
+                            "mesh; load it without mesh=")
+    config = fam.complete_config(config)
+    fam.check_config(config)
+    from flaxheads.model.quantize import quantizable, quantize_onto
+
+    layout = Layout.for_model(mesh, abstract_model(path, remat=remat, plan=plan, base_dtype=base_dtype,
+                                                   quantize=quantize))
+
+    def on_layout(names: tuple[str, ...], shape: tuple[int, ...]) -> NamedSharding:
+        return NamedSharding(mesh, layout.spec_of(("backbone",) + names, shape))
+
+    def sharding(p: tuple[str, ...], shape: tuple[int, ...]) -> NamedSharding:
+        # a kernel to quantise is read where its codes will lie, so the quantisation moves nothing
+        return on_layout(p + ("qvalue",) if quantize is not None and quantizable(p, shape) else p, shape)
+
+    def quantized(p: tuple[str, ...], x: jax.Array):
+        if not quantizable(p, x.shape):
+            return x
+        return quantize_onto(x, quantize, lambda part, shape: on_layout(p + (part,), shape))
+
+    try:
+        params, rest = load_sharded(path, fam, config, sharding,
+                                    dtype=jnp.float32 if base_dtype is None else base_dtype,
+                                    transform=None if quantize is None else quantized,
+                                    check=lambda shapes: check_params(fam.param_shapes(config), shapes, source=path,
+                                                                      model_type=config.get("model_type")))
+    except (WeightsNotFoundError, NotLazyLoadable):
+        return None
+    return fam(config, params, dtype=dtype, remat=remat, plan=plan), rest
+
+
+def _init_head(seq_head: SequenceHead, hidden_size: int, seed: int, names, state, **load) -> tuple[dict, LoadReport]:
+    """Fresh head params, with the modules named in ``names`` copied from the checkpoint ``state``
+    (``load``: :func:`~flaxheads.backbones.weights.head_from_hf`'s options)."""
+    fresh = linen.init_head(seq_head, hidden_size, jax.random.PRNGKey(seed))
+    head_params, loaded, _ = head_from_hf(jax.device_get(fresh), names, state, **load)
+    done = {p for p, _ in loaded}
+    return head_params, LoadReport(pretrained=loaded, new=[p for p in _module_paths(head_params) if p not in done])
+
+
+def _labels(id2label, num_labels, cfg) -> dict[int, str] | None:
+    if id2label is not None:
+        labels = dict(enumerate(id2label)) if not isinstance(id2label, dict) else {int(k): str(v) for k, v in id2label.items()}
+        if num_labels is not None and num_labels != len(labels):
+            raise ConfigError(f"num_labels={num_labels} but id2label has {len(labels)} entries")
+        if sorted(labels) != list(range(len(labels))):
+            raise ConfigError(f"id2label keys must be 0..{len(labels) - 1}, got {sorted(labels)}")
+        return labels
+    cfg_labels = getattr(cfg, "id2label", None)
+    if cfg_labels and (num_labels is None or len(cfg_labels) == num_labels):
+        return {int(k): str(v) for k, v in cfg_labels.items()}
+    return None
+
+
+def _read_state_if_any(path: str) -> dict[str, np.ndarray]:
+    try:
+        return read_state_dict(path)
+    except FileNotFoundError:
+        return {}
+
+
+def _module_paths(tree, prefix: str = "") -> list[str]:
+    out = []
+    for k, v in tree.items():
+        p = f"{prefix}{k}"
+        if isinstance(v, dict) and v and all(not isinstance(x, dict) for x in v.values()):
+            out.append(p)
+        elif isinstance(v, dict):
+            out.extend(_module_paths(v, p + "/"))
+    return out

@@ -1,0 +1,1 @@
+"""Tasks: what a run optimises and measures (classification, regression, ranking)."""
