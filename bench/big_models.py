@@ -60,7 +60,7 @@ def base_bytes(tmp: str) -> None:
             m = f32.with_base_dtype(emb).with_quantized_base(q)
             b = device_bytes(m.params["backbone"])
             print(f"| {q} (layer kernels; embeddings, norms {jnp.dtype(emb).name}) | {b / 2**20:.1f} | {b / ref:.3f} |")
-    from flaxheads.training.memory_plan import abstract_model
+    from flaxheads.model.abstract import abstract_model
     from flaxheads.runtime.sharding import shard_bytes
 
     def shape_bytes(tree):

@@ -19,7 +19,9 @@ from flaxheads.errors import FlaxheadsError
 from flaxheads.run import Run, RunSpec, train
 
 # models, loading and exporting
-from flaxheads.model.sequence import LoadReport, SequenceModel, build_head, from_pretrained, load_backbone
+from flaxheads.model.sequence import LoadReport, SequenceModel, build_head
+from flaxheads.backbones.registry import load_backbone
+from flaxheads.model.pretrained import from_pretrained
 from flaxheads.formats import FORMATS, export, load
 from flaxheads.predict import Classifier, Predictions
 from flaxheads.heads.describe import describe

@@ -24,8 +24,8 @@ from flaxheads.backbones.lazy import _box, param_shapes, param_sources, read_par
 from flaxheads.backbones.registry import family_for  # noqa: E402
 from flaxheads.backbones.safetensors_file import SafetensorsFile, bytes_read  # noqa: E402
 from flaxheads.backbones.weights import WeightsError, read_state_dict  # noqa: E402
-from flaxheads.training.memory_plan import abstract_model  # noqa: E402
-from flaxheads.model.quantize import is_quantized  # noqa: E402
+from flaxheads.model.abstract import abstract_model  # noqa: E402
+from flaxheads.layers.quantized import is_quantized  # noqa: E402
 from flaxheads.runtime.sharding import Layout, make_mesh  # noqa: E402
 from hf_tiny import save_tiny  # noqa: E402
 

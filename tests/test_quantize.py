@@ -11,7 +11,8 @@ import jax.numpy as jnp
 
 import flaxheads as fh
 from flaxheads.errors import UsageError
-from flaxheads.model.quantize import BLOCK, dequantize, device_bytes, qmatmul, quantization_of, quantize_kernel
+from flaxheads.layers.quantized import dequantize, qmatmul
+from flaxheads.model.quantize import BLOCK, device_bytes, quantization_of, quantize_kernel
 
 qwix = pytest.importorskip("qwix")
 

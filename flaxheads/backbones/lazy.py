@@ -228,7 +228,7 @@ def load_sharded(folder: str | os.PathLike, family: type[Backbone], config: HFCo
                  dtype: Any = jnp.float32, transform: Transform | None = None,
                  check: Callable[[dict], None] | None = None) -> tuple[dict, Mapping[str, np.ndarray]]:
     """``(backbone params read tensor by tensor onto shardings, the folder's other tensors)``: what
-    :func:`~flaxheads.model.sequence.from_pretrained` reads for a model placed on a mesh. ``check``, when given, sees
+    :func:`~flaxheads.model.pretrained.from_pretrained` reads for a model placed on a mesh. ``check``, when given, sees
     the params' shapes and stored dtypes (:func:`param_shapes`) before any tensor is read."""
     index = _Index.of(folder, family, config)  # the headers, read once
     if check is not None:

@@ -15,6 +15,7 @@ import struct
 import tempfile
 from typing import Iterable
 
+from flaxheads.disk.files import MARKER, has_marker
 from flaxheads.errors import UsageError
 
 #: Room kept beyond an estimate: run-folder files, logs, plots, and the estimate's slack.
@@ -228,8 +229,6 @@ RUN_FILES = ("checkpoints", "metrics.jsonl", "summary.json")
 def _check_own_folder(out: str | os.PathLike) -> None:
     """A run writes ``config.json`` and more into ``--output-dir``: an existing folder must be
     empty or a flaxheads run folder (its marker, or a run's own files), never one of the user's."""
-    from flaxheads.interop.files import MARKER, has_marker
-
     out = os.fspath(out)
     if not os.path.isdir(out) or not os.listdir(out) or has_marker(out):
         return

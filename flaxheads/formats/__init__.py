@@ -14,7 +14,8 @@ from flaxheads.checkpoint.models import model_from_checkpoint
 from flaxheads.errors import UsageError
 from flaxheads.interop import import_model
 from flaxheads.interop.cross_encoder import export_cross_encoder
-from flaxheads.interop.files import MARKER, OutputExistsError, has_marker
+from flaxheads.interop.files import OutputExistsError
+from flaxheads.disk.files import MARKER, has_marker
 from flaxheads.interop.head_files import HEAD_CONFIG, export_head, load_head_export
 from flaxheads.interop.peft import export_peft, is_adapter_folder
 from flaxheads.interop.sentence_transformers import export_sentence_transformers

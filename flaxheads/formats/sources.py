@@ -22,7 +22,8 @@ from flaxheads.model.hub import resolve_model_source
 from flaxheads.interop import HEAD_CONFIG, import_model, load_head_export
 from flaxheads.interop.peft import adapter_tokenizer_folder, is_adapter_folder, load_peft
 from flaxheads.interop.remote_code import threshold_of
-from flaxheads.model.sequence import SequenceModel, from_pretrained
+from flaxheads.model.sequence import SequenceModel
+from flaxheads.model.pretrained import from_pretrained
 
 
 @dataclasses.dataclass

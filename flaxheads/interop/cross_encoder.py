@@ -20,8 +20,8 @@ import os
 from typing import Mapping
 
 from flaxheads.heads.presets import match_preset
-from flaxheads.interop.files import (ExportError, atomic_dir, backbone_config_dict, copy_tokenizer, save_safetensors,
-                    transformers_version, write_json)
+from flaxheads.interop.files import ExportError, atomic_dir, backbone_config_dict, copy_tokenizer, save_safetensors, transformers_version
+from flaxheads.disk.files import write_json
 from flaxheads.interop.sentence_transformers import _unused_pooler_tensors, _write_modules, sentence_transformers_modules
 from flaxheads.interop.transformers import SAFE, backbone_state_dict, transformers_config, transformers_state_dict
 

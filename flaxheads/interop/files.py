@@ -13,6 +13,7 @@ import numpy as np
 
 from flaxheads.runtime import phases
 from flaxheads.disk.checksums import write_manifest
+from flaxheads.disk.files import MARKER, has_marker, umask_mode, write_json, write_marker
 from flaxheads.errors import FlaxheadsError, WriteFailedError, os_error_cause
 
 #: Files a tokenizer may consist of (a fast ``tokenizer.json``, its configs, or slow-tokenizer vocabularies).
@@ -42,30 +43,6 @@ class ImportNotFoundError(ModelImportError, FileNotFoundError):
 
 class OutputExistsError(ExportError, FileExistsError):
     """An output path that is taken (an :class:`ExportError`, and still a ``FileExistsError``)."""
-
-
-#: The file that marks a folder as written by flaxheads (an export or a run folder): ``--overwrite``
-#: replaces only folders that have it, never one of the user's own.
-MARKER = ".flaxheads"
-
-
-def write_marker(folder: str | os.PathLike, kind: str) -> None:
-    """Mark ``folder`` as a flaxheads ``kind`` ("export", "run")."""
-    from flaxheads._version import __version__
-
-    write_json(os.path.join(os.fspath(folder), MARKER), {"kind": kind, "flaxheads_version": __version__})
-
-
-def has_marker(folder: str | os.PathLike) -> bool:
-    return os.path.isfile(os.path.join(os.fspath(folder), MARKER))
-
-
-def umask_mode(directory: bool = False) -> int:
-    """The mode the process's umask gives a new folder (``0o777 & ~umask``) or file (``0o666``):
-    what ``mkdir`` / ``open`` would create, where ``tempfile`` creates 0700 / 0600."""
-    mask = os.umask(0)
-    os.umask(mask)
-    return (0o777 if directory else 0o666) & ~mask
 
 
 # ---- writing ---------------------------------------------------------------------------------------
@@ -124,23 +101,6 @@ def _umask_modes(folder: str) -> None:
             os.chmod(os.path.join(root, name), umask_mode(directory=True))
         for name in files:
             os.chmod(os.path.join(root, name), umask_mode())
-
-
-def jsonable(x):
-    """``x`` with numpy scalars as Python numbers and mapping keys as strings."""
-    if isinstance(x, Mapping):
-        return {str(k): jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [jsonable(v) for v in x]
-    if isinstance(x, np.generic):
-        return x.item()
-    return x
-
-
-def write_json(path: str, obj) -> None:
-    with open(path, "w") as f:
-        json.dump(jsonable(obj), f, indent=2, sort_keys=False)
-        f.write("\n")
 
 
 def read_json(path: str) -> Any:

@@ -17,8 +17,8 @@ from flaxheads._version import __version__
 from flaxheads.backbones.weights import head_to_hf
 from flaxheads.heads.heads import SequenceHead
 from flaxheads.heads.presets import match_preset
-from flaxheads.interop.files import (ExportError, ImportNotFoundError, ModelImportError, atomic_dir, flatten, flax_to_pytorch_names, np_tree, pytorch_to_flax_leaf,
-                    read_json, save_safetensors, write_json)
+from flaxheads.interop.files import ExportError, ImportNotFoundError, ModelImportError, atomic_dir, flatten, flax_to_pytorch_names, np_tree, pytorch_to_flax_leaf, read_json, save_safetensors
+from flaxheads.disk.files import write_json
 
 HEAD_WEIGHTS = "head.safetensors"
 HEAD_CONFIG = "head_config.json"

@@ -16,7 +16,8 @@ from typing import Mapping
 
 import numpy as np
 
-from flaxheads.interop.files import ExportError, TOKENIZER_FILES, atomic_dir, read_json, write_json
+from flaxheads.interop.files import ExportError, TOKENIZER_FILES, atomic_dir, read_json
+from flaxheads.disk.files import write_json
 from flaxheads.interop.transformers import export_transformers
 
 ONNX_FILE = "model.onnx"

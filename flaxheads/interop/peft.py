@@ -37,8 +37,8 @@ from flaxheads.errors import FlaxheadsError
 from flaxheads.model.lora import A, B, LORA, LoraConfig, adapter_modules, check_adapters, kernel_modules, kernels_out_in
 from flaxheads.heads.presets import preset_for
 from flaxheads.disk.checksums import verify_file
-from flaxheads.interop.files import (ExportError, ModelImportError, TOKENIZER_FILES, atomic_dir, np_tree, read_json, save_safetensors,
-                    write_json)
+from flaxheads.interop.files import ExportError, ModelImportError, TOKENIZER_FILES, atomic_dir, np_tree, read_json, save_safetensors
+from flaxheads.disk.files import write_json
 from flaxheads.interop.transformers import backbone_state_dict, check_transformers_exportable, exportable_family, read_config
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -226,7 +226,7 @@ def load_peft(folder: str | os.PathLike, *, backbone: str | os.PathLike | None =
     ``backbone``: the base folder (default: ``base_model_name_or_path`` of ``adapter_config.json``).
     The model keeps the adapters (``model.lora``), so it trains on and exports back with
     :func:`export_peft`. Adapter dropout is left out (it changes no logits; training continues without it)."""
-    from flaxheads.model.sequence import from_pretrained
+    from flaxheads.model.pretrained import from_pretrained
 
     del ignored
     folder = os.fspath(folder)

@@ -28,8 +28,8 @@ from flaxheads.errors import ConfigError
 from flaxheads.heads import linen
 from flaxheads.losses import infer_problem_type
 from flaxheads.model.sequence import LoadReport, SequenceModel, _module_paths
-from flaxheads.interop.files import (ExportError, ModelImportError, backbone_config_dict, flatten, flax_to_pytorch_names, np_tree,
-                    pytorch_to_flax_leaf, save_safetensors, write_json)
+from flaxheads.interop.files import ExportError, ModelImportError, backbone_config_dict, flatten, flax_to_pytorch_names, np_tree, pytorch_to_flax_leaf, save_safetensors
+from flaxheads.disk.files import write_json
 
 MODEL_TYPE = "flaxheads"
 CODE_FILE = "modeling_flaxheads.py"

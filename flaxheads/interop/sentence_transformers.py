@@ -18,12 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from flaxheads.backbones.weights import BIN, SAFE, head_to_hf, read_torch_bin
-from flaxheads.model.sequence import SequenceModel, from_pretrained
+from flaxheads.model.sequence import SequenceModel
+from flaxheads.model.pretrained import from_pretrained
 from flaxheads.heads.heads import IdentityHead, LinearHead, MLPHead, ProjectionHead
 from flaxheads.heads.poolers import Concat, DensePooler, Pool
 from flaxheads.heads.presets import match_preset
-from flaxheads.interop.files import (TOKENIZER_FILES, ExportError, ModelImportError, atomic_dir, backbone_config_dict,
-                    copy_tokenizer, np_tree, read_json, save_safetensors, transformers_version, write_json)
+from flaxheads.interop.files import TOKENIZER_FILES, ExportError, ModelImportError, atomic_dir, backbone_config_dict, copy_tokenizer, np_tree, read_json, save_safetensors, transformers_version
+from flaxheads.disk.files import write_json
 from flaxheads.interop.transformers import backbone_state_dict, check_weights_present, read_config
 
 # flaxheads pool mode -> sentence-transformers pooling mode.

@@ -19,11 +19,12 @@ import numpy as np
 from flaxheads.backbones.base import Backbone, BackboneError, HFConfig
 from flaxheads.backbones.registry import family_for
 from flaxheads.backbones.weights import BIN, BIN_INDEX, SAFE, SAFE_INDEX, head_to_hf
-from flaxheads.model.sequence import SequenceModel, from_pretrained
+from flaxheads.model.sequence import SequenceModel
+from flaxheads.model.pretrained import from_pretrained
 from flaxheads.heads.presets import PRESETS, PresetMatch, match_preset, preset_for
 from flaxheads.interop import remote_code
-from flaxheads.interop.files import (ExportError, ImportNotFoundError, ModelImportError, atomic_dir, backbone_config_dict, copy_tokenizer, flatten,
-                    flax_to_pytorch_names, np_tree, read_json, save_safetensors, write_json)
+from flaxheads.interop.files import ExportError, ImportNotFoundError, ModelImportError, atomic_dir, backbone_config_dict, copy_tokenizer, flatten, flax_to_pytorch_names, np_tree, read_json, save_safetensors
+from flaxheads.disk.files import write_json
 
 WEIGHT_FILES = (SAFE, SAFE_INDEX, BIN, BIN_INDEX)
 _OTHER_FORMATS = ("Export it with format='sentence-transformers' (pooling + dense layers + normalize) or "

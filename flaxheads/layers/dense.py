@@ -65,9 +65,9 @@ def matmul(x: jax.Array, kernel: jax.Array, plan: ComputePlan) -> jax.Array:
     on the CPU, bfloat16 activations get the backward pass of :func:`_matmul_cpu16` (forward-mode
     differentiation, ``jax.jvp``, is not defined there); elsewhere it is the plain product. A
     quantised kernel (with or without LoRA beside it) is dequantised inside the product
-    (:func:`flaxheads.model.quantize.qmatmul`)."""
+    (:func:`flaxheads.layers.quantized.qmatmul`)."""
     if hasattr(kernel, "qvalue") or not hasattr(kernel, "dtype"):  # a qwix QArray or a quantize.LoraKernel
-        from flaxheads.model.quantize import qmatmul
+        from flaxheads.layers.quantized import qmatmul
 
         return qmatmul(x, kernel)
     if x.dtype == jnp.bfloat16 and plan.cpu_matmul:

@@ -30,8 +30,9 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 
 from flaxheads.backbones.registry import family_for
 from flaxheads.errors import ConfigError
+from flaxheads.layers.lora import LORA, LoraKernel
+from flaxheads.layers.quantized import dequantize_tree
 
-LORA = "lora"
 A, B = "lora_A", "lora_B"
 
 
@@ -177,8 +178,6 @@ def merge_lora(backbone_params, lora_params, config: LoraConfig, model_type: str
     for m, ab in adapter_modules(lora_params).items():
         w = flat[m + ("kernel",)]
         if hasattr(w, "qvalue"):  # a quantised kernel keeps its codes: the adapter runs beside it (QLoRA)
-            from flaxheads.model.quantize import LoraKernel
-
             flat[m + ("kernel",)] = LoraKernel(w, ab[A], ab[B], config.scaling)
             continue
         d = delta(ab[A], ab[B], config.scaling, out_in)
@@ -230,8 +229,6 @@ def with_lora(model, config: LoraConfig | None = None, *, seed: int = 0, params:
 def merged_params(model, params: Mapping | None = None) -> dict:
     """``{"backbone": merged, "head": ...}``: the adapters folded into the backbone kernels."""
     params = model.params if params is None else params
-    from flaxheads.model.quantize import dequantize_tree
-
     return {"backbone": dequantize_tree(model.backbone_params(params)), "head": params["head"]}
 
 

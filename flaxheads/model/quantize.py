@@ -17,11 +17,11 @@ and nf4 codes are packed two to a byte (``on_device_size_in_bytes``). The scheme
 
 A kernel whose input width is not a multiple of :data:`BLOCK` gets one block per output channel.
 
-The forward: :func:`qmatmul` multiplies by the dequantised kernel in the activations' dtype, with a
+The forward (:mod:`flaxheads.layers.quantized`): :func:`~flaxheads.layers.quantized.qmatmul` multiplies by the dequantised kernel in the activations' dtype, with a
 backward pass that dequantises again instead of keeping the dequantised kernel as a residual, so a
 step holds the codes, not a float copy of the base. The codes get no gradient (the base is frozen).
-LoRA on a quantised kernel is applied beside it (``x W + s (x A) B``, :class:`LoraKernel`), since
-``W + s A B`` cannot be stored in the codes; :func:`dequantize_tree` turns a quantised (and
+LoRA on a quantised kernel is applied beside it (``x W + s (x A) B``, :class:`~flaxheads.layers.lora.LoraKernel`), since
+``W + s A B`` cannot be stored in the codes; :func:`~flaxheads.layers.quantized.dequantize_tree` turns a quantised (and
 adapted) base back into float32 kernels (merged exports).
 
 Families whose every matmul kernel goes through :func:`flaxheads.layers.dense.matmul` can take a
@@ -30,7 +30,6 @@ decoder LLMs); the others fuse or rescale kernels before multiplying and are ref
 """
 from __future__ import annotations
 
-import dataclasses
 from functools import lru_cache, partial
 from typing import Any, Callable
 
@@ -41,6 +40,7 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 from jax.sharding import NamedSharding
 
 from flaxheads.errors import UsageError
+from flaxheads.layers.quantized import is_quantized
 from flaxheads.runtime.sharding import path_names
 
 #: ``quantize`` settings (``flaxheads train --quantize``)
@@ -48,11 +48,6 @@ QUANTIZATIONS = ("int8", "int4", "nf4")
 #: inputs per scale of the 4-bit schemes (bitsandbytes' and QLoRA's block size)
 BLOCK = 64
 _QTYPES = {"int8": jnp.int8, "int4": jnp.int4, "nf4": "nf4"}
-
-
-def is_quantized(x: Any) -> bool:
-    """Whether ``x`` is a quantised kernel (a ``qwix.QArray``)."""
-    return hasattr(x, "qvalue") and hasattr(x, "scale")
 
 
 def _check_qtype(qtype: str) -> None:
@@ -79,13 +74,6 @@ def quantize_kernel(kernel: jax.Array, qtype: str):
     """A ``[in, out]`` kernel as a ``qwix.QArray`` of ``qtype`` (see the module docstring for the blocks)."""
     _check_qtype(qtype)
     return _quantize(kernel, qtype, _tiles(np.shape(kernel)[0], qtype))
-
-
-def dequantize(q, dtype=jnp.float32) -> jax.Array:
-    """The float kernel a ``QArray`` stands for."""
-    import qwix
-
-    return qwix.dequantize(q).astype(dtype)
 
 
 def check_family(model_type: str) -> None:
@@ -164,56 +152,3 @@ def device_bytes(tree) -> int:
     """Bytes the arrays of ``tree`` take on their devices (sub-byte codes packed, as XLA stores them)."""
     return int(sum(x.on_device_size_in_bytes() if hasattr(x, "on_device_size_in_bytes") else
                    (np.dtype(x.dtype).itemsize * x.size) for x in jax.tree.leaves(tree)))
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class LoraKernel:
-    """A quantised kernel with LoRA adapters beside it: ``x @ W + scaling * (x @ A) @ B``."""
-
-    base: Any
-    a: jax.Array
-    b: jax.Array
-    scaling: float = dataclasses.field(metadata={"static": True}, default=1.0)
-
-
-@jax.custom_vjp
-def _qmatmul(x: jax.Array, q) -> jax.Array:
-    return x @ dequantize(q, x.dtype)
-
-
-def _qmatmul_fwd(x, q):
-    return _qmatmul(x, q), q
-
-
-def _zero_cotangent(a):
-    if jnp.issubdtype(a.dtype, jnp.floating):
-        return jnp.zeros_like(a)
-    return np.zeros(a.shape, jax.dtypes.float0)
-
-
-def _qmatmul_bwd(q, g):
-    w = dequantize(q, g.dtype)
-    return g @ w.T, jax.tree.map(_zero_cotangent, q)
-
-
-_qmatmul.defvjp(_qmatmul_fwd, _qmatmul_bwd)
-
-
-def qmatmul(x: jax.Array, kernel) -> jax.Array:
-    """``x [..., in] @ kernel`` for a quantised (:func:`is_quantized`) or adapted (:class:`LoraKernel`)
-    kernel, in ``x``'s dtype; the codes are dequantised inside the program, forward and backward."""
-    if isinstance(kernel, LoraKernel):
-        a, b = kernel.a.astype(x.dtype), kernel.b.astype(x.dtype)
-        return qmatmul(x, kernel.base) + ((x @ a) @ b) * jnp.asarray(kernel.scaling, x.dtype)
-    return _qmatmul(x, kernel)
-
-
-def dequantize_tree(backbone_params, dtype=jnp.float32) -> dict:
-    """``backbone_params`` with quantised kernels dequantised and adapted ones merged (``W + s A B``)."""
-    def dense(x):
-        if isinstance(x, LoraKernel):
-            return dense(x.base) + x.scaling * jnp.matmul(x.a, x.b, precision=jax.lax.Precision.HIGHEST).astype(dtype)
-        return dequantize(x, dtype) if is_quantized(x) else x
-
-    return jax.tree.map(dense, backbone_params, is_leaf=lambda x: isinstance(x, LoraKernel) or is_quantized(x))

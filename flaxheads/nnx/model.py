@@ -24,7 +24,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from flaxheads.errors import ConfigError
-from flaxheads.model.lora import LORA
+from flaxheads.layers.lora import LORA
 from flaxheads.runtime.sharding import DEFAULT_RULES, Layout, model_param_axes
 from flaxheads.nnx.layers import SequenceHead, head_params, load_head_params
 

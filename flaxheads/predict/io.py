@@ -18,7 +18,7 @@ import numpy as np
 
 from flaxheads.runtime import phases
 from flaxheads.errors import UsageError
-from flaxheads.interop.files import umask_mode
+from flaxheads.disk.files import umask_mode
 from flaxheads.losses import MULTI_LABEL, SINGLE_LABEL
 from flaxheads.data.tables import TABLE_FORMATS, DataError, TextTable, check_utf8, load_source, load_table, read_table
 

@@ -11,7 +11,7 @@ from typing import Iterable
 import numpy as np
 
 from flaxheads.runtime import phases
-from flaxheads.interop.files import write_marker
+from flaxheads.disk.files import write_marker
 from flaxheads.training import loop
 from flaxheads.tasks.metrics import format_table
 from flaxheads.training.optim import OptimConfig, learning_rates

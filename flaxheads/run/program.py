@@ -23,7 +23,8 @@ from flaxheads.model.hub import resolve_model_source
 from flaxheads.interop.peft import load_peft
 from flaxheads.interop.tokenizers import load_tokenizer, model_max_positions
 from flaxheads.model.lora import LoraConfig
-from flaxheads.model.sequence import SequenceModel, from_pretrained
+from flaxheads.model.sequence import SequenceModel
+from flaxheads.model.pretrained import from_pretrained
 from flaxheads.runtime.parallel import Parallel
 from flaxheads.runtime.phases import phase
 from flaxheads.runtime.sharding import parse_mesh

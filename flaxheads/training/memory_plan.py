@@ -19,16 +19,22 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from typing import Any, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from flaxheads.model.base_dtype import resolve_base_dtype
 from flaxheads.errors import UsageError
-from flaxheads.model.lora import LORA, LoraConfig, default_targets, init_lora
-from flaxheads.heads.linen import init_head
+from flaxheads.losses import MULTI_LABEL, REGRESSION
+from flaxheads.model.abstract import abstract_model
+from flaxheads.model.base_dtype import resolve_base_dtype
+from flaxheads.model.lora import LORA, LoraConfig
+from flaxheads.runtime.parallel import Parallel
+from flaxheads.runtime.plan import ComputePlan
+from flaxheads.runtime.sharding import parse_mesh, shard_bytes
+from flaxheads.training.loop import TrainConfig, Trainer
+from flaxheads.training.memory import memory_report
+from flaxheads.training.optim import OptimConfig
 
 #: Device memory in bytes of the devices a plan is checked against (the vendors' figures; an
 #: accelerator's usable memory is a little less: the runtime and its libraries take some).
@@ -45,7 +51,6 @@ FIT_SHARE = 0.9
 class MemoryPlan:
     """Bytes per device of one train step. ``peak``: XLA's arguments + outputs + temporaries less the
     outputs written over donated arguments (None where the backend reports no analysis)."""
-
     model: str
     layout: str
     batch: tuple[int, int]
@@ -94,56 +99,6 @@ def gib(n: int | None) -> str:
     return "?" if n is None else f"{n / 2 ** 30:.2f} GiB" if n >= 2 ** 24 else f"{n / 2 ** 20:.2f} MiB"
 
 
-def abstract_model(path: str | os.PathLike, *, num_labels: int | None = None, dtype: Any = jnp.float32,
-                   remat: bool | str = False, lora: LoraConfig | None = None, base_dtype: Any = None,
-                   quantize: str | None = None, pooler=None, head=None, plan=None,
-                   config_changes: Mapping[str, Any] | None = None):
-    """A :class:`~flaxheads.model.sequence.SequenceModel` of the folder's ``config.json`` whose params are
-    ``jax.ShapeDtypeStruct`` leaves: nothing read but the config, nothing allocated. ``lora``:
-    adapters (shapes) on the family's targets; ``base_dtype``: the base's storage dtype;
-    ``quantize``: a quantised base (:mod:`flaxheads.model.quantize`); ``config_changes``: keys of
-    ``config.json`` replaced (a shallower copy of the model, ``num_hidden_layers=2``)."""
-    from flaxheads.backbones.base import BackboneError, HFConfig
-    from flaxheads.backbones.registry import family_for, native_model_types
-    from flaxheads.runtime.plan import ComputePlan
-    from flaxheads.losses import check_problem_type, infer_problem_type
-    from flaxheads.model.sequence import SequenceModel, build_head
-
-    config = HFConfig.from_folder(path)
-    config = config.replace(**config_changes) if config_changes else config
-    fam = family_for(config.get("model_type"))
-    if fam is None:
-        raise BackboneError(f"{os.fspath(path)}: model_type {config.get('model_type')!r} has no native flaxheads "
-                            f"backbone to plan (native: {', '.join(native_model_types())})")
-    config = fam.complete_config(config)
-    fam.check_config(config)
-    shapes = fam.param_shapes(config)
-    if base_dtype is not None:
-        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(base_dtype))
-                              if jnp.issubdtype(x.dtype, jnp.floating) else x, shapes)
-    if quantize is not None:
-        from flaxheads.model.quantize import quantize_params
-
-        shapes = jax.eval_shape(lambda p: quantize_params(p, quantize, config.get("model_type")), shapes)
-    backbone = fam(config, shapes, dtype=dtype, remat=remat,
-                   plan=plan if plan is not None else ComputePlan.for_host())
-    n = int(num_labels or getattr(config, "num_labels", 2) or 2)
-    seq_head, _ = build_head(config, n, pooler=pooler, head=head)
-    head_shapes = jax.eval_shape(lambda: init_head(seq_head, config.hidden_size))
-    ptype = infer_problem_type(n)
-    check_problem_type(ptype, n)
-    params = {"backbone": shapes, "head": head_shapes}
-    model = SequenceModel(backbone=backbone, head=seq_head, num_labels=n, problem_type=ptype, params=params,
-                          pad_token_id=getattr(config, "pad_token_id", None),
-                          eos_token_id=getattr(config, "eos_token_id", None), name_or_path=os.fspath(path))
-    if lora is not None:
-        if lora.targets is None:
-            lora = dataclasses.replace(lora, targets=default_targets(model.model_type, shapes))
-        adapters = jax.eval_shape(lambda: init_lora(lora, shapes, model.model_type, jax.random.PRNGKey(0)))
-        model = dataclasses.replace(model, lora=lora, params={**params, LORA: adapters})
-    return model
-
-
 def plan_memory(model, *, batch_size: int, max_length: int, mesh: str | Mapping[str, int] | None = None,
                 lora: LoraConfig | None = None, base_dtype: str = "auto", precision: str = "float32",
                 remat: bool | str = False, freeze_backbone: bool = False, quantize: str | None = None,
@@ -153,12 +108,6 @@ def plan_memory(model, *, batch_size: int, max_length: int, mesh: str | Mapping[
     ``max_length`` tokens over ``mesh`` (``"fsdp=8"``; None: one device). ``lora``, ``base_dtype``
     (``auto | float32 | bfloat16``), ``precision`` (the compute dtype), ``remat``, ``quantize``
     (``int8 | int4 | nf4``) and ``freeze_backbone`` are the run's settings."""
-    from flaxheads.runtime.plan import ComputePlan
-    from flaxheads.runtime.parallel import Parallel
-    from flaxheads.training.loop import TrainConfig, Trainer
-    from flaxheads.training.memory import memory_report
-    from flaxheads.training.optim import OptimConfig
-
     if batch_size < 1 or max_length < 1:
         raise UsageError(f"a plan needs a batch size and a length >= 1, got {batch_size} x {max_length}")
     notes = []
@@ -199,8 +148,6 @@ def plan_memory(model, *, batch_size: int, max_length: int, mesh: str | Mapping[
 
 def plan_of(trainer, report, batch_size: int, max_length: int, notes: Sequence[str] = ()) -> MemoryPlan:
     """The :class:`MemoryPlan` of ``trainer``'s step from its :func:`~flaxheads.training.memory.memory_report`."""
-    from flaxheads.runtime.sharding import shard_bytes
-
     model, par = trainer.model, trainer.parallel
     params = trainer.abstract_state().params
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -226,11 +173,6 @@ EXTRAPOLATE_ABOVE = 4
 
 
 def _report(model, cfg, freeze_backbone: bool, batch):
-    from flaxheads.runtime.parallel import Parallel
-    from flaxheads.training.loop import Trainer
-    from flaxheads.training.memory import memory_report
-    from flaxheads.training.optim import OptimConfig
-
     trainer = Trainer.build(model, OptimConfig(freeze_backbone=freeze_backbone), cfg,
                             Parallel.from_config(cfg.parallel, cfg.mesh))
     return memory_report(trainer, batch)
@@ -254,7 +196,6 @@ def _extrapolated(base, folder, build: dict, layers: int, report_of):
 def plan_batch(model, batch_size: int, max_length: int) -> dict[str, jax.ShapeDtypeStruct]:
     """The shapes of a training batch of ``model``'s task: ids, mask, labels and example weights."""
     rows = (batch_size, max_length)
-    from flaxheads.losses import MULTI_LABEL, REGRESSION
 
     if model.problem_type in (MULTI_LABEL, REGRESSION):
         labels = jax.ShapeDtypeStruct((batch_size, model.num_labels) if model.num_labels > 1 else (batch_size,),
@@ -268,8 +209,6 @@ def plan_batch(model, batch_size: int, max_length: int) -> dict[str, jax.ShapeDt
 
 def _mesh_devices(mesh: str | Mapping[str, int] | None) -> int:
     """Devices a mesh shape names (its sizes multiplied; a ``-1`` axis counts as 1)."""
-    from flaxheads.runtime.sharding import parse_mesh
-
     if not mesh:
         return 1
     return math.prod(s for s in parse_mesh(mesh).values() if s > 0)

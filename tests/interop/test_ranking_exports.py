@@ -31,7 +31,7 @@ def test_reward_model_exports_as_sequence_classification_with_one_label(tmp_path
     from transformers import AutoModelForSequenceClassification
 
     from flaxheads.interop.transformers import export_transformers
-    from flaxheads.model.sequence import from_pretrained
+    from flaxheads.model.pretrained import from_pretrained
 
     src = tmp_path / "src"
     tiny_torch_model("qwen2", num_labels=1).save_pretrained(src)
@@ -62,7 +62,7 @@ def bert_folder(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reranker(bert_folder):
     """BERT's preset head (pooler + classifier) with one output, every weight moved."""
-    from flaxheads.model.sequence import from_pretrained
+    from flaxheads.model.pretrained import from_pretrained
 
     model = from_pretrained(bert_folder, num_labels=1, problem_type="regression")
     return model, perturbed(model.params, 1)
@@ -90,7 +90,7 @@ def test_pair_classifier_exports_as_cross_encoder(bert_folder, tmp_path):
     from sentence_transformers import CrossEncoder
 
     from flaxheads.interop.cross_encoder import export_cross_encoder
-    from flaxheads.model.sequence import from_pretrained
+    from flaxheads.model.pretrained import from_pretrained
     from flaxheads.predict import Classifier
 
     model = from_pretrained(bert_folder, num_labels=3, ignore_mismatched_sizes=True)
@@ -115,7 +115,7 @@ def test_non_preset_heads_export_as_modular_cross_encoder(bert_folder, tmp_path,
     from sentence_transformers import CrossEncoder
 
     from flaxheads.interop.cross_encoder import export_cross_encoder, is_preset
-    from flaxheads.model.sequence import from_pretrained
+    from flaxheads.model.pretrained import from_pretrained
     from flaxheads.predict import Classifier
 
     model = from_pretrained(bert_folder, pooler=pooler, head=head, num_labels=1, problem_type="regression",

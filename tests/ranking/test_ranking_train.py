@@ -22,7 +22,7 @@ SIZES = [2, 4, 3, 4, 2, 3]  # candidates per group: ragged, padded to 4
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     from flaxheads.interop.tokenizers import load_tokenizer
-    from flaxheads.model.sequence import from_pretrained
+    from flaxheads.model.pretrained import from_pretrained
 
     folder = tiny_bert_folder(tmp_path_factory.mktemp("rank_bert"), num_labels=1)
     rng = np.random.default_rng(0)
