@@ -131,7 +131,7 @@ def pytest_collection_modifyitems(config, items):
         rel = str(item.path).replace(root, "").replace(os.sep, "/")
         if item.get_closest_marker("slow") and not item.get_closest_marker("timeout"):
             item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
-        family = rel.startswith("tests/backbones/test_backbone_")
+        family = rel.startswith("tests/backbones/families/test_backbone_")
         parity = any(n in item.name for n in LEGACY_BACKBONE_TESTS)
         if _needs_hf_flax(item) or (rel.startswith("tests/backbones/") and parity):
             item.add_marker(pytest.mark.legacy)

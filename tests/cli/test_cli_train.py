@@ -120,7 +120,7 @@ def test_mesh_equals_one_device(bert_folder, files, baseline, tmp_path):
 
 def test_pack_trains_the_same_batches_with_less_padding(bert_folder, files, baseline, tmp_path):
     """--pack: the same examples per step in fewer padded slots. The head's dropout draws follow the
-    slot layout, so losses agree to dropout noise here (tests/training/test_packing.py checks
+    slot layout, so losses agree to dropout noise here (tests/data/test_packing.py checks
     equality without dropout)."""
     out = tmp_path / "packed"
     _run(*_file_args(files, out, "--model", bert_folder, "--pack"))

@@ -1,6 +1,6 @@
 """Runs in a subprocess with 8 forced CPU devices (the test process has 4): trains a tiny model
 on one device and on several meshes, and a run checkpointed on one mesh and resumed on
-another; writes every run's losses and params for tests/training/test_sharding.py to compare.
+another; writes every run's losses and params for tests/runtime/test_sharding.py to compare.
 
 usage: python sharding_worker.py FOLDER OUT CASE   (CASE: meshes | resume)
 """
