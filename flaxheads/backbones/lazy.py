@@ -28,7 +28,6 @@ import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 
 from flaxheads.backbones.base import Backbone, BackboneError, HFConfig, strip_prefix
-from flaxheads.disk.checksums import verify_file
 from flaxheads.runtime.malloc import release_free_memory
 from flaxheads.backbones.safetensors_file import SafetensorsFile, TensorInfo
 from flaxheads.backbones.weights import SAFE, SAFE_INDEX, WeightsNotFoundError
@@ -180,12 +179,14 @@ def read_params_sharded(folder: str | os.PathLike, family: type[Backbone], confi
 
 
 def _read_params(index: _Index, shardings: ShardingFn, dtype: Any, transform: Transform | None) -> dict:
-    for file in index.files:  # the sampled checksum; verify=True hashes them whole
-        verify_file(file)
+    # a file flaxheads wrote is checked block by block as it is read (each process: the blocks of its boxes);
+    # read in file order, so that the block two tensors share is read and checked once
+    order = sorted(index.sources.items(), key=lambda item: (index.stored[item[1][0]][0],
+                                                            index.stored[item[1][0]][1].offset))
     opened: dict[str, SafetensorsFile] = {}
     flat = {}
     try:
-        for path, (name, transposed) in index.sources.items():
+        for path, (name, transposed) in order:
             file, info = index.stored[name]
             if file not in opened:
                 opened[file] = SafetensorsFile(file)

@@ -10,6 +10,11 @@ every page of it. Here a box (a slice per axis) is read as its contiguous runs: 
 the leading axis is cut, one per row segment otherwise, into a buffer that belongs to the caller and
 is freed with it; nothing is mapped. The bytes of tensor data read by this process are counted
 (:func:`bytes_read`), so a loader's reads can be checked.
+
+A file flaxheads wrote is read through :class:`~flaxheads.disk.checked_read.CheckedFile`: every
+byte handed out, the header's included, was checked against the file's block digests first (a read
+of part of a tensor reads and checks the blocks that part lies in). :meth:`SafetensorsFile.read_all`
+is the eager read: the whole file in one pass into one buffer, each tensor a view of it.
 """
 from __future__ import annotations
 
@@ -24,6 +29,8 @@ import ml_dtypes
 import numpy as np
 
 from flaxheads.backbones.weights import WeightsError
+from flaxheads.disk.checked_read import CheckedFile
+from flaxheads.disk.checksums import reader_blocks
 
 #: safetensors dtype names -> numpy dtypes (little-endian, as stored)
 DTYPES: dict[str, np.dtype] = {
@@ -31,11 +38,10 @@ DTYPES: dict[str, np.dtype] = {
     "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn), "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
     "I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "I16": np.dtype("<i2"), "I8": np.dtype("i1"),
     "U64": np.dtype("<u8"), "U32": np.dtype("<u4"), "U16": np.dtype("<u2"), "U8": np.dtype("u1"),
-    "BOOL": np.dtype(np.bool_),
+    "BOOL": np.dtype(np.bool_), "C64": np.dtype("<c8"),
 }
 #: a header larger than this is not a safetensors header (the format's own reader refuses 100 MB)
 MAX_HEADER = 100 << 20
-_PREADV = hasattr(os, "preadv")
 _READ = [0]  # tensor bytes read by this process (a list: mutable without a global statement)
 
 
@@ -79,11 +85,15 @@ def _box(box: Sequence[slice] | None, shape: tuple[int, ...]) -> tuple[tuple[int
 
 class SafetensorsFile:
     """One safetensors file, its header parsed and bounds-checked on open; :meth:`read` reads a box of
-    a tensor. Use as a context manager (or :meth:`close`): the open descriptor is its only resource."""
+    a tensor. Use as a context manager (or :meth:`close`): the open descriptor is its only resource.
+    ``check``: read a file flaxheads wrote through its block digests (its size is checked on open)."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, *, check: bool = True):
         self.path = os.fspath(path)
+        self._fd = -1
+        blocks = reader_blocks(self.path) if check else None  # before the open: a missing file says so
         self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        self._file = CheckedFile(self._fd, blocks)
         try:
             self.tensors, self.metadata = self._header()
         except BaseException:
@@ -92,7 +102,7 @@ class SafetensorsFile:
 
     def _header(self) -> tuple[dict[str, TensorInfo], dict]:
         size = os.fstat(self._fd).st_size
-        raw = os.pread(self._fd, 8, 0)
+        raw = self._file.pread(8, 0)
         if len(raw) < 8:
             raise damaged(self.path, f"{size} bytes, shorter than a safetensors header")
         (n,) = struct.unpack("<Q", raw)
@@ -101,7 +111,7 @@ class SafetensorsFile:
         if n > MAX_HEADER:
             raise damaged(self.path, f"its header claims {n} bytes, more than a safetensors header holds")
         try:
-            header = json.loads(os.pread(self._fd, n, 8))
+            header = json.loads(self._file.pread(n, 8))
             if not isinstance(header, dict):
                 raise ValueError("not a JSON object")
         except (ValueError, UnicodeDecodeError) as e:
@@ -175,15 +185,26 @@ class SafetensorsFile:
         _READ[0] += out.nbytes
         return out
 
+    def read_all(self) -> dict[str, np.ndarray]:
+        """Every tensor, in its stored dtype: the data read in one pass into one buffer, each tensor a view
+        of it (a copy where its offset does not suit its dtype's alignment)."""
+        if not self.tensors:
+            return {}
+        start = min(t.offset for t in self.tensors.values())
+        stop = max(t.offset + t.nbytes for t in self.tensors.values())
+        buf = np.empty(stop - start, np.uint8)
+        self._read_into(memoryview(buf), start, "(all)")
+        out = {}
+        for name, t in self.tensors.items():
+            raw = buf[t.offset - start:t.offset - start + t.nbytes]
+            if (t.offset - start) % t.dtype.itemsize:
+                raw = raw.copy()
+            out[name] = raw.view(t.dtype).reshape(t.shape)
+        _READ[0] += int(buf.nbytes)
+        return out
+
     def _read_into(self, dest: memoryview, offset: int, name: str) -> None:
-        done = 0
-        while done < len(dest):  # a read may return less (signals, the kernel's ~2 GiB cap per call)
-            if _PREADV:
-                got = os.preadv(self._fd, [dest[done:]], offset + done)
-            else:  # no preadv (some platforms): a copy through bytes
-                chunk = os.pread(self._fd, len(dest) - done, offset + done)
-                dest[done:done + len(chunk)] = chunk
-                got = len(chunk)
-            if got == 0:
-                raise damaged(self.path, f"tensor {name!r} ends past the end of the file")
-            done += got
+        try:
+            self._file.read_into(dest, offset)
+        except EOFError:
+            raise damaged(self.path, f"tensor {name!r} ends past the end of the file") from None

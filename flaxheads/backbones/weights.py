@@ -12,7 +12,6 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from flaxheads.disk.checksums import verify_file
 from flaxheads.errors import FlaxheadsError
 
 SAFE = "model.safetensors"
@@ -37,16 +36,20 @@ def _unreadable(path: str, err: BaseException) -> WeightsError:
                         "re-save it with save_pretrained)")
 
 
-def read_safetensors(path: str) -> dict[str, np.ndarray]:
-    """Every tensor of one safetensors file; :class:`WeightsError` for a missing, cut or damaged file."""
-    from safetensors.numpy import load_file
+def read_safetensors(path: str, *, check: bool = True) -> dict[str, np.ndarray]:
+    """Every tensor of one safetensors file, in its stored dtype (bfloat16 and float8 as ``ml_dtypes``);
+    :class:`WeightsError` for a missing, cut or damaged file. A file flaxheads wrote is checked block by
+    block as it is read (:class:`~flaxheads.disk.checksums.ChecksumError` names the byte range)."""
+    from flaxheads.backbones.safetensors_file import SafetensorsFile  # it imports this module
 
     if not os.path.isfile(path):
         raise WeightsNotFoundError(f"{path} is missing (listed in the folder's index): download the model again")
-    verify_file(path)  # a folder flaxheads wrote records the file's checksum
     try:
-        return dict(load_file(path))
-    except Exception as e:  # safetensors raises its own SafetensorError, or OSError / ValueError
+        with SafetensorsFile(path, check=check) as f:
+            return f.read_all()
+    except FlaxheadsError:
+        raise
+    except (OSError, ValueError) as e:
         raise _unreadable(path, e) from None
 
 

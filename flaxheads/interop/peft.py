@@ -32,11 +32,10 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from flaxheads.backbones.weights import head_from_hf, head_to_hf, read_torch_bin
+from flaxheads.backbones.weights import head_from_hf, head_to_hf, read_safetensors, read_torch_bin
 from flaxheads.errors import FlaxheadsError
 from flaxheads.model.lora import A, B, LORA, LoraConfig, adapter_modules, check_adapters, kernel_modules, kernels_out_in
 from flaxheads.heads.presets import preset_for
-from flaxheads.disk.checksums import verify_file
 from flaxheads.interop.files import ExportError, ModelImportError, TOKENIZER_FILES, atomic_dir, np_tree, read_json, save_safetensors
 from flaxheads.disk.files import write_json
 from flaxheads.interop.transformers import backbone_state_dict, check_transformers_exportable, exportable_family, read_config
@@ -172,12 +171,9 @@ def adapter_base(folder: str, raw: dict, backbone: str | os.PathLike | None = No
 
 
 def _adapter_state(folder: str) -> dict[str, np.ndarray]:
-    from safetensors.numpy import load_file
-
     safe, binary = os.path.join(folder, ADAPTER_WEIGHTS), os.path.join(folder, ADAPTER_BIN)
     if os.path.isfile(safe):
-        verify_file(safe)
-        state = dict(load_file(safe))
+        state = read_safetensors(safe)  # checked block by block as it is read
     elif os.path.isfile(binary):
         state = read_torch_bin(binary)
     else:

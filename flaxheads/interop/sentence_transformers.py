@@ -170,15 +170,15 @@ def _unused_pooler_tensors(model, params: Mapping | None, have: Mapping[str, np.
     src = os.path.join(model.name_or_path or "", SAFE)
     if not os.path.isfile(src):
         return {}
-    from safetensors import safe_open
+    from flaxheads.backbones.safetensors_file import SafetensorsFile  # checked as it reads
 
     out: dict[str, np.ndarray] = {}
-    with safe_open(src, "np") as f:
+    with SafetensorsFile(src) as f:
         for k in f.keys():
             parts = k.split(".")
             short = ".".join(parts[1:]) if len(parts) > 1 and parts[1] == "pooler" else k
             if short.startswith("pooler.") and short not in have:
-                out[short] = f.get_tensor(k)
+                out[short] = f.read(k)
     return out
 
 

@@ -110,4 +110,4 @@ def test_train_on_a_cut_download_is_one_line(tmp_path, tokenizer_folder, capfd):
     code = main(["train", "--model", d, "--data", str(data), "--output-dir", str(tmp_path / "run"), "--no-progress"])
     err = capfd.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
-    assert err[0].startswith(f"error: {d}/model.safetensors: the weights cannot be read") and "again" in err[0]
+    assert err[0].startswith(f"error: {d}/model.safetensors: ") and "download the model again" in err[0]

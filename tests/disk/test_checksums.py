@@ -1,11 +1,13 @@
-"""Checksums: every folder flaxheads writes (exports, checkpoint steps) records each file's SHA-256,
-and a byte flipped inside tensor data afterwards is found on load (never a silent load); a folder
-written elsewhere is checked with --verify for impossible headers and NaN / Inf."""
+"""Checksums: every folder flaxheads writes (exports, checkpoint steps) records each file's SHA-256 and
+the digests of its blocks, and a bit flipped anywhere afterwards is found on the default load (never a
+silent load), named by its byte range; a folder written elsewhere is checked with --verify for
+impossible headers and NaN / Inf."""
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -15,7 +17,7 @@ import numpy as np
 import pytest
 
 import flaxheads as fh
-from flaxheads.disk import checksums
+from flaxheads.disk import checksums, scan
 from flaxheads.checkpoint.meta import CorruptCheckpointError
 
 
@@ -82,53 +84,61 @@ def test_a_config_edited_after_writing_fails_the_load(model, tmp_path):
 
 
 @pytest.fixture
-def small_samples(monkeypatch):
-    """Sampling sizes small enough that a tiny model's weights file is sampled, not hashed whole."""
-    monkeypatch.setattr(checksums, "WHOLE_LIMIT", 4096)
-    monkeypatch.setattr(checksums, "HEAD_BYTES", 4096)
-    monkeypatch.setattr(checksums, "BLOCK", 64)
+def small_blocks(monkeypatch):
+    """Blocks small enough that a tiny model's weights file has dozens of them."""
+    monkeypatch.setattr(checksums, "BLOCK", 4096)
+    checksums.forget()
 
 
-def _unsampled_tensor_byte(path: str) -> int:
-    """An offset inside tensor data of ``path`` that the fast path's sample does not read."""
-    size = os.path.getsize(path)
-    sampled = {o + i for o, n in checksums._sample_offsets(size) for i in range(n)}
-    return next(i for i in range(_tensor_offset(path), size) if i not in sampled)
+def _range_of(err: str) -> tuple[int, int]:
+    """The byte range a mismatch names ("bytes A..B differ")."""
+    a, b = re.search(r"bytes (\d+)\.\.(\d+) differ", err).groups()
+    return int(a), int(b)
 
 
-def test_large_files_sample_on_load_and_hash_whole_with_verify(model, tmp_path, small_samples):
+@pytest.mark.parametrize("at", [20, 0.37, 0.61, 0.83, -3])  # the header, tensor data, the last bytes
+def test_a_flipped_bit_anywhere_fails_the_default_load_naming_the_byte_range(model, tmp_path, small_blocks, at):
     out = fh.export(model, tmp_path / "exp", "transformers")
     path = os.path.join(out, "model.safetensors")
     record = json.load(open(os.path.join(out, checksums.MANIFEST)))["files"]["model.safetensors"]
-    assert "sample_sha256" in record
-    unsampled = _unsampled_tensor_byte(path)
-    _flip(path, unsampled)
-    fh.load(out)  # the fast path reads the sample only
-    with pytest.raises(checksums.ChecksumError, match="SHA-256"):
-        fh.load(out, verify=True)
-    _flip(path, unsampled)
-    _flip(path, 100)  # inside the header: in the sample
-    with pytest.raises(checksums.ChecksumError, match="sampled bytes"):
+    assert len(record["blocks"]) == -(-record["size"] // 4096) > 10
+    pos = at if isinstance(at, float) else (at % record["size"])
+    pos = int(record["size"] * pos) if isinstance(pos, float) else pos
+    _flip(path, pos)
+    with pytest.raises(checksums.ChecksumError, match="model.safetensors: bytes") as e:
         fh.load(out)
+    a, b = _range_of(str(e.value))
+    assert a <= pos < b and b - a <= 4096 and "\n" not in str(e.value)
+    _flip(path, pos)  # whole again: loads
+    fh.load(out)
 
 
-def test_verify_flag_of_the_commands_hashes_whole_files(model, tiny_bert, tmp_path, small_samples, capsys):
+def test_commands_refuse_a_flipped_bit_in_one_line_and_write_nothing(model, tiny_bert, tmp_path, small_blocks,
+                                                                       capsys):
     from flaxheads.cli.main import main
 
     out = fh.export(model, tmp_path / "exp", "transformers", tokenizer_from=tiny_bert)
     path = os.path.join(out, "model.safetensors")
-    _flip(path, _unsampled_tensor_byte(path))
+    _flip(path, 0.55)
     texts = tmp_path / "texts.txt"
     texts.write_text("sport news\nmarkets fell\n")
     for command in (lambda to: ["predict", out, "--input", str(texts), "--output", str(tmp_path / f"{to}.jsonl")],
                     lambda to: ["export", "--from", out, "--format", "head", "--out", str(tmp_path / to)]):
-        capsys.readouterr()
-        assert main(command("fast")) == 0, capsys.readouterr().err  # the fast path does not read that byte
-        capsys.readouterr()
-        assert main([*command("verified"), "--verify"]) == 1
-        assert not os.path.exists(tmp_path / "verified") and not os.path.exists(tmp_path / "verified.jsonl")
-        err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and "model.safetensors" in err[0] and "SHA-256" in err[0], err
+        for extra in ([], ["--verify"]):
+            capsys.readouterr()
+            assert main([*command("o"), *extra]) == 1
+            assert not os.path.exists(tmp_path / "o") and not os.path.exists(tmp_path / "o.jsonl")
+            err = capsys.readouterr().err.strip().splitlines()
+            assert len(err) == 1 and re.search(r"model.safetensors: .*bytes \d+\.\.\d+ differ", err[0]), err
+
+
+def test_verify_hashes_whole_files_with_sha256_and_names_the_range(model, tmp_path, small_blocks):
+    out = fh.export(model, tmp_path / "exp", "transformers")
+    fh.load(out, verify=True)
+    _flip(os.path.join(out, "config.json"), 0.5)  # same size: the bytes themselves differ
+    for verify in (False, True):
+        with pytest.raises(checksums.ChecksumError, match=r"config.json: (its SHA-256 differs.*)?bytes 0\.\.\d+ differ"):
+            fh.load(out, verify=verify)
 
 
 def test_verify_scans_the_tensors_of_a_folder_written_elsewhere(model, tiny_bert, tmp_path):
@@ -180,19 +190,19 @@ def _safetensors(path, tensors: dict) -> str:
 def test_scan_of_a_folder_without_checksums(tmp_path):
     w = np.arange(12, dtype=np.float32).reshape(3, 4)
     ok = _safetensors(str(tmp_path / "ok.safetensors"), {"a": w, "b": np.ones(2, np.int64)})
-    assert checksums.scan_safetensors(ok) == 2
+    assert scan.scan_safetensors(ok) == 2
     nan = w.copy()
     nan[1, 2] = np.nan
     bad = _safetensors(str(tmp_path / "nan.safetensors"), {"a": nan})
     with pytest.raises(checksums.DamagedWeightsError, match="'a' holds 1 NaN or Inf"):
-        checksums.scan_safetensors(bad)
+        scan.scan_safetensors(bad)
     cut = str(tmp_path / "cut.safetensors")
     with open(ok, "rb") as f:
         raw = f.read()
     with open(cut, "wb") as f:
         f.write(raw[:-8])
     with pytest.raises(checksums.DamagedWeightsError, match="outside"):
-        checksums.scan_safetensors(cut)
+        scan.scan_safetensors(cut)
     os.remove(bad)
     os.remove(cut)
     assert checksums.verify_any(tmp_path) == ("scanned", 1)
