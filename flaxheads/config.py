@@ -3,6 +3,8 @@
 A config is a plain frozen dataclass (``flaxheads.heads.poolers`` / ``flaxheads.heads.heads``); its
 fields, in their order, are the JSON object's keys after ``"type"``, the ``kind`` string its class
 registers here. Its Linen and NNX modules are built from it and are not serialised themselves.
+A field declared with :data:`SINCE_FORMAT_1` metadata (added after the format was fixed) is written
+only when it differs from its default, so the JSON of every config that leaves it alone is unchanged.
 """
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ import json
 from typing import Any
 
 _KINDS: dict[str, type] = {}
+#: ``dataclasses.field(metadata=SINCE_FORMAT_1)``: omitted from the JSON while at its default
+SINCE_FORMAT_1 = {"omit_default": True}
 
 
 def register(kind: str):
@@ -34,7 +38,10 @@ def to_dict(obj) -> dict[str, Any]:
     """Serialise a registered config (recursively) to plain JSON-able data."""
     out: dict[str, Any] = {"type": type(obj).kind}
     for f in _fields(obj):
-        out[f.name] = _encode(getattr(obj, f.name))
+        value = getattr(obj, f.name)
+        if f.metadata.get("omit_default") and value == f.default:
+            continue
+        out[f.name] = _encode(value)
     return out
 
 

@@ -7,7 +7,7 @@ V, H, NH, FF, P = 99, 32, 4, 37, 64
 #: the families whose tiny models keep a second layer: a pattern over the layers (ModernBERT's global and
 #: local attention, Gemma 2/3's and Qwen2/3's sliding windows) and ALBERT's shared layer group. The others
 #: have one (compiling is most of these tests' time); DeBERTa's convolution variant asks for two.
-TWO_LAYERS = ("modernbert", "gemma2", "gemma3_text", "qwen2", "qwen3", "albert")
+TWO_LAYERS = ("modernbert", "gemma2", "gemma3_text", "qwen2", "qwen3", "albert", "modernbert-decoder")
 #: decoder-only LLM families served by one native backbone (``model_type`` values)
 DECODERS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
 
@@ -55,11 +55,26 @@ def tiny_config(arch: str, num_labels: int = 3, layers: int | None = None, **ove
                                 intermediate_size=FF, max_position_embeddings=P, pad_token_id=0,
                                 bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2, **common)
     elif arch in DECODERS:
+        # Gemma 3's bidirectional switch converts sliding_window when the config is built: both go in then
+        at_init = {k: over.pop(k) for k in ("use_bidirectional_attention", "sliding_window") if k in over} \
+            if over.get("use_bidirectional_attention") else {}
         # grouped-query attention (2 key/value heads for 4 query heads) so every family runs it
         c = tf.AutoConfig.for_model(arch, vocab_size=V, hidden_size=H, num_hidden_layers=L, num_attention_heads=NH,
                                     num_key_value_heads=2, head_dim=H // NH, intermediate_size=FF,
                                     max_position_embeddings=P, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                                    tie_word_embeddings=False, **common)
+                                    tie_word_embeddings=False, **at_init, **common)
+    elif arch == "eurobert":
+        if not hasattr(tf, "EuroBertConfig"):
+            raise KeyError(f"transformers {tf.__version__} has no EuroBERT (added in transformers 5)")
+        c = tf.EuroBertConfig(vocab_size=V, hidden_size=H, num_hidden_layers=L, num_attention_heads=NH,
+                              num_key_value_heads=2, intermediate_size=FF, max_position_embeddings=P, pad_token_id=0,
+                              bos_token_id=1, eos_token_id=2, mask_token_id=3, **common)
+    elif arch == "modernbert-decoder":
+        # the config derives its window from local_attention when it is built (default here: 4, a window of 2)
+        c = tf.ModernBertDecoderConfig(vocab_size=V, hidden_size=H, num_hidden_layers=L, num_attention_heads=NH,
+                                       intermediate_size=FF, max_position_embeddings=P, pad_token_id=0,
+                                       bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2,
+                                       local_attention=over.pop("local_attention", 4), **common)
     else:
         raise KeyError(arch)
     for k, v in over.items():
@@ -393,6 +408,42 @@ def check_export(path, pt, arch: str, out) -> None:
     with torch.no_grad():
         before = pt(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()
     assert np.abs(exported - before).max() > 1e-3  # the export carries the changed weights
+
+
+def check_lora_matches_peft(path, pt, arch: str, targets=None, rank: int = 4, alpha: float = 8.0,
+                            seed: int = 0) -> None:
+    """LoRA adapters on ``targets`` (default: the family's) with random A and B give the logits of
+    PEFT's LoRA on the PyTorch classifier with the same adapter weights (copied by module name)."""
+    import copy
+
+    import jax
+    import peft
+    import torch
+
+    import flaxheads as fh
+    from flaxheads.model.lora import adapter_modules
+
+    kw = {} if targets is None else {"targets": tuple(targets)}
+    model = fh.from_pretrained(path).with_lora(rank=rank, alpha=alpha, **kw)
+    rng = np.random.default_rng(seed)
+    lora = jax.tree.map(lambda x: np.asarray(0.3 * rng.normal(size=x.shape), np.float32), model.params["lora"])
+    modules = adapter_modules(lora)
+    assert modules, "no adapted module"
+    names = {m: f"{pt.base_model_prefix}." + ".".join(m) for m in modules}
+    pm = peft.get_peft_model(copy.deepcopy(pt), peft.LoraConfig(
+        task_type="SEQ_CLS", r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=list(names.values())))
+    with torch.no_grad():
+        for m, ab in modules.items():
+            mod = pm.base_model.model.get_submodule(names[m])
+            mod.lora_A["default"].weight.copy_(torch.tensor(np.asarray(ab["lora_A"]).T))
+            mod.lora_B["default"].weight.copy_(torch.tensor(np.asarray(ab["lora_B"]).T))
+    ids, mask = padded_batch(arch, pt.config)
+    with torch.no_grad():
+        want = pm.eval()(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()
+        base = pt(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()
+    ours = np.asarray(jax.jit(model.apply)({**model.params, "lora": lora}, ids, mask))
+    assert np.abs(want - base).max() > 1e-2  # the adapters change the logits
+    np.testing.assert_allclose(ours, want, atol=1e-5, rtol=1e-4)
 
 
 def check_bf16_and_remat(path, pt, arch: str, atol: float = 0.05) -> None:

@@ -20,15 +20,18 @@ from flaxheads.backbones.families.decoder import DecoderBackbone
 from flaxheads.backbones.families.deberta import DebertaV2Backbone
 from flaxheads.backbones.families.distilbert import DistilBertBackbone
 from flaxheads.backbones.families.electra import ElectraBackbone
+from flaxheads.backbones.families.eurobert import EuroBertBackbone
 from flaxheads.backbones.families.gpt2 import GPT2Backbone
 from flaxheads.backbones.families.modernbert import ModernBertBackbone
+from flaxheads.backbones.families.modernbert_decoder import ModernBertDecoderBackbone
 from flaxheads.backbones.families.roberta import RobertaBackbone
 from flaxheads.backbones.weights import read_state_dict
 
 #: Every native family, in the order their ``model_types`` are looked up.
 FAMILIES: tuple[type[Backbone], ...] = (BertBackbone, RobertaBackbone, ElectraBackbone, DistilBertBackbone,
                                         AlbertBackbone, GPT2Backbone, BartBackbone, ModernBertBackbone,
-                                        DebertaV2Backbone, DecoderBackbone)
+                                        DebertaV2Backbone, DecoderBackbone, EuroBertBackbone,
+                                        ModernBertDecoderBackbone)
 IMPLEMENTATIONS = ("auto", "native", "hf_flax")
 
 

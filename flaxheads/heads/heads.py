@@ -8,7 +8,9 @@ classification head is a configuration of :class:`LinearHead` or :class:`MLPHead
 """
 from __future__ import annotations
 
-from flaxheads.config import register
+import dataclasses
+
+from flaxheads.config import SINCE_FORMAT_1, register
 from flaxheads.errors import ConfigError
 from flaxheads.layers.activations import get_activation
 from flaxheads.heads.poolers import Pooler, config_class
@@ -65,7 +67,8 @@ class MLPHead(Head):
 
     ``hidden_dims`` entries of ``None`` mean "the input width". HF presets:
     RoBERTa/XLM-R/BART (input_dropout=p, tanh), ELECTRA (input_dropout=p, gelu),
-    DistilBERT (input_dropout=0, relu), ModernBERT (input_dropout=0, act, LayerNorm)."""
+    DistilBERT (input_dropout=0, relu), ModernBERT (input_dropout=0, act, LayerNorm), the
+    ModernBERT decoder (``out_bias=classifier_bias``)."""
 
     num_labels: int = 2
     hidden_dims: tuple[int | None, ...] = (None,)
@@ -77,6 +80,7 @@ class MLPHead(Head):
     norm_bias: bool = True
     dense_bias: bool = True
     init_std: float = 0.02
+    out_bias: bool = dataclasses.field(default=True, metadata=SINCE_FORMAT_1)  # ``out_proj``'s bias
 
     def __post_init__(self):
         object.__setattr__(self, "hidden_dims", tuple(self.hidden_dims))  # a list would make it unhashable
@@ -104,7 +108,7 @@ class MLPHead(Head):
             if self.dropout:
                 s.append(f"dropout({self.dropout})")
             w = o
-        return s + [f"dense {w}->{self.num_labels}"]
+        return s + [f"dense {w}->{self.num_labels}{'' if self.out_bias else ' (no bias)'}"]
 
 
 @register("projection")

@@ -56,6 +56,16 @@ class DensePooler(nn.Module):
         return head_activation(c.activation)(x)
 
 
+class LateDensePooler(nn.Module):
+    config: P.LateDensePooler
+
+    @nn.compact
+    def __call__(self, hidden, mask, deterministic: bool = True):
+        c = self.config
+        x = head_activation(c.activation)(_dense(c.out_features(hidden.shape[-1]), c.init_std, "dense")(hidden))
+        return P.POOL_FUNCTIONS[c.pool](x, mask)
+
+
 class SequenceSummary(nn.Module):
     config: P.SequenceSummary
 
@@ -105,7 +115,7 @@ class MLPHead(nn.Module):
             if c.layer_norm:
                 x = nn.LayerNorm(epsilon=c.norm_eps, use_bias=c.norm_bias, name=f"norm_{i}")(x)
             x = nn.Dropout(c.dropout)(x, deterministic=deterministic)
-        return _dense(c.num_labels, c.init_std, "out_proj")(x)
+        return _dense(c.num_labels, c.init_std, "out_proj", c.out_bias)(x)
 
 
 class ProjectionHead(nn.Module):
@@ -141,9 +151,9 @@ class SequenceHead(nn.Module):
 
 
 FORMS: dict[type, type[nn.Module]] = {
-    P.Pool: Pool, P.AttentionPool: AttentionPool, P.DensePooler: DensePooler, P.SequenceSummary: SequenceSummary,
-    P.Concat: Concat, H.LinearHead: LinearHead, H.MLPHead: MLPHead, H.ProjectionHead: ProjectionHead,
-    H.IdentityHead: IdentityHead, H.SequenceHead: SequenceHead}
+    P.Pool: Pool, P.AttentionPool: AttentionPool, P.DensePooler: DensePooler, P.LateDensePooler: LateDensePooler,
+    P.SequenceSummary: SequenceSummary, P.Concat: Concat, H.LinearHead: LinearHead, H.MLPHead: MLPHead,
+    H.ProjectionHead: ProjectionHead, H.IdentityHead: IdentityHead, H.SequenceHead: SequenceHead}
 
 
 def module(config: P.Pooler | H.Head | H.SequenceHead, name: str | None = None) -> nn.Module:

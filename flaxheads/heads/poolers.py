@@ -240,6 +240,34 @@ class DensePooler(Pooler):
         return s
 
 
+@register("late_dense")
+@config_class
+class LateDensePooler(Pooler):
+    """Dense (``dense``) and activation on every token, then pool (``pool``): EuroBERT's "late"
+    pooling. With a linear head after it this is PyTorch's mean of the per-token logits."""
+
+    features: int | None = None  # None: same width as the hidden states
+    activation: str | None = "gelu"
+    pool: str = "mean"
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        _check_choice("late dense pooler pool", self.pool, POOL_FUNCTIONS)
+        get_activation(self.activation)
+
+    def out_features(self, hidden_size):
+        return self.features or hidden_size
+
+    def position(self, mask):  # a per-token dense commutes with picking one token
+        at = POOL_POSITIONS.get(self.pool)
+        return None if at is None else at(mask)
+
+    def steps(self, hidden_size):
+        o = self.out_features(hidden_size)
+        return [f"dense {hidden_size}->{o} on every token"] + ([self.activation] if self.activation else []) + \
+            [f"{_POOL_TEXT[self.pool]} [B,T,{o}] -> [B,{o}]"]
+
+
 SUMMARY_TYPES = ("last", "first", "mean", "cls_index")
 
 
@@ -343,6 +371,7 @@ POOLER_NAMES: dict[str, Callable[..., Pooler]] = {
     "albert": lambda **kw: _dense(**{"activation": "tanh", **kw}),
     "deberta": lambda **kw: _dense(**{"activation": "gelu", **kw}),
     "dense": DensePooler,
+    "late": LateDensePooler,
     "xlnet": SequenceSummary,
     "sequence_summary": SequenceSummary,
 }

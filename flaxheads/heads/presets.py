@@ -12,9 +12,9 @@ from typing import Any, Callable
 
 from flaxheads import config as _config
 from flaxheads.backbones.families.decoder_config import HF_CLASSES as DECODER_HF_CLASSES
-from flaxheads.errors import FlaxheadsError
+from flaxheads.errors import ConfigError, FlaxheadsError
 from flaxheads.heads.heads import Head, LinearHead, MLPHead
-from flaxheads.heads.poolers import DensePooler, Pool, Pooler, SequenceSummary
+from flaxheads.heads.poolers import DensePooler, LateDensePooler, Pool, Pooler, SequenceSummary
 
 # Which mask the pooler sees: the attention mask, or one derived from input_ids.
 POOL_MASKS = ("attention_mask", "non_pad_token", "eos_token")
@@ -144,6 +144,41 @@ def _modernbert(cfg, n):
                   hf_class="ModernBertForSequenceClassification")
 
 
+def _modernbert_decoder(cfg, n):
+    # ModernBertDecoderForSequenceClassification: head (dense -> act -> LayerNorm) -> dropout -> classifier on
+    # every token, the last non-pad token's logits (as GPT-2); dense and classifier biases: classifier_bias
+    bias = bool(_get(cfg, "classifier_bias", default=False))
+    head = MLPHead(n, activation=_get(cfg, "classifier_activation", default="gelu"),
+                   dropout=float(_get(cfg, "classifier_dropout", default=0.0)), layer_norm=True,
+                   norm_eps=float(_get(cfg, "norm_eps", default=1e-5)),
+                   norm_bias=bool(_get(cfg, "norm_bias", default=False)), dense_bias=bias, out_bias=bias,
+                   init_std=_std(cfg))
+    return Preset("modernbert-decoder", Pool("last"), head, pool_mask="non_pad_token",
+                  hf_names=(("head/dense_0", "head.dense"), ("head/norm_0", "head.norm"),
+                            ("head/out_proj", "classifier")),
+                  hf_class="ModernBertDecoderForSequenceClassification")
+
+
+EUROBERT_POOLING = ("bos", "mean", "late")
+
+
+def _eurobert(cfg, n):
+    # EuroBertForSequenceClassification: dense -> GELU -> classifier, no dropout. classifier_pooling "bos"
+    # (position 0) or "mean" (masked mean) pool first; "late" runs dense -> GELU on every token and averages
+    # the per-token logits, which (the classifier being linear) is the classifier of the masked mean
+    pooling = _get(cfg, "classifier_pooling", default="late")
+    if pooling not in EUROBERT_POOLING:
+        raise ConfigError(f"EuroBERT classifier_pooling must be one of {EUROBERT_POOLING}, got {pooling!r}: "
+                          "fix config.json")
+    if pooling == "late":
+        pooler = LateDensePooler(activation="gelu", pool="mean", init_std=_std(cfg))
+    else:
+        pooler = DensePooler(activation="gelu", source="cls" if pooling == "bos" else "mean", init_std=_std(cfg))
+    return Preset("eurobert", pooler, LinearHead(n, dropout=0.0, init_std=_std(cfg)),
+                  hf_names=(("pooler/dense", "dense"), ("head/classifier", "classifier")),
+                  hf_class="EuroBertForSequenceClassification")
+
+
 PRESETS: dict[str, Callable[[Any, int], Preset]] = {
     "bert": _bert,
     "albert": _albert,
@@ -156,6 +191,8 @@ PRESETS: dict[str, Callable[[Any, int], Preset]] = {
     "xlnet": _xlnet,
     "deberta-v2": _deberta_v2,
     "modernbert": _modernbert,
+    "modernbert-decoder": _modernbert_decoder,
+    "eurobert": _eurobert,
     **{arch: _decoder(arch) for arch in DECODER_HF_CLASSES},
 }
 

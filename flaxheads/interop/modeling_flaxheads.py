@@ -169,6 +169,20 @@ class DensePooler(nn.Module):
         return self.act(self.dense(self.dropout(POOL_FUNCTIONS[self.source](hidden, mask))))
 
 
+class LateDensePooler(nn.Module):
+    """dense -> activation on every token, then pool (EuroBERT's late pooling)."""
+
+    def __init__(self, spec, hidden_size):
+        super().__init__()
+        self.pool = spec.get("pool", "mean")
+        self.out_features = spec.get("features") or hidden_size
+        self.dense = nn.Linear(hidden_size, self.out_features)
+        self.act = activation(spec.get("activation", "gelu"))
+
+    def forward(self, hidden, mask):
+        return POOL_FUNCTIONS[self.pool](self.act(self.dense(hidden)), mask)
+
+
 class SequenceSummary(nn.Module):
     """XLNet's sequence summary (ignores the mask, as Hugging Face's)."""
 
@@ -209,8 +223,8 @@ class Concat(nn.Module):
         return torch.cat([getattr(self, f"parts_{i}")(hidden, mask) for i in range(self.n)], dim=-1)
 
 
-POOLERS = {"pool": Pool, "attention": AttentionPool, "dense": DensePooler, "sequence_summary": SequenceSummary,
-           "concat": Concat}
+POOLERS = {"pool": Pool, "attention": AttentionPool, "dense": DensePooler, "late_dense": LateDensePooler,
+           "sequence_summary": SequenceSummary, "concat": Concat}
 
 
 def make_pooler(spec, hidden_size):
@@ -247,7 +261,7 @@ class MLPHead(nn.Module):
             if self.layer_norm:
                 self.add_module(f"norm_{i}", nn.LayerNorm(w, eps=spec.get("norm_eps", 1e-5),
                                                          bias=spec.get("norm_bias", True)))
-        self.out_proj = nn.Linear(w, spec["num_labels"])
+        self.out_proj = nn.Linear(w, spec["num_labels"], bias=spec.get("out_bias", True))
 
     def forward(self, x):
         x = self.input_dropout(x)

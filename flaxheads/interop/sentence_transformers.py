@@ -88,7 +88,7 @@ def _st_head_layers(head) -> tuple[list[dict], bool]:
     if isinstance(head, MLPHead) and not head.layer_norm:
         return ([dict(path=("head", f"dense_{i}"), activation=head.activation, bias=head.dense_bias)
                  for i in range(len(head.hidden_dims))]
-                + [dict(path=("head", "out_proj"), activation=None, bias=True)]), False
+                + [dict(path=("head", "out_proj"), activation=None, bias=head.out_bias)]), False
     raise ExportError(f"head {type(head).__name__}"
                       f"{' with layer_norm' if isinstance(head, MLPHead) else ''} has no sentence-transformers "
                       f"equivalent (Dense layers with one activation each, then optional Normalize). {_HEAD_ONLY}")

@@ -85,6 +85,21 @@ class DensePooler(_Configured):
         return head_activation(self.config.activation)(x)
 
 
+class LateDensePooler(_Configured):
+    """``dense`` -> activation on every token, then pool (EuroBERT's late pooling)."""
+
+    def __init__(self, config: P.LateDensePooler, hidden_size: int, *, rngs: nnx.Rngs):
+        self.config = config
+        self.dense = _linear(hidden_size, config.out_features(hidden_size), config.init_std, rngs)
+
+    def position(self, mask):
+        return self.config.position(mask)
+
+    def __call__(self, hidden, mask, deterministic: bool = True):
+        x = head_activation(self.config.activation)(self.dense(hidden))
+        return P.POOL_FUNCTIONS[self.config.pool](x, mask)
+
+
 class SequenceSummary(_Configured):
     """XLNet's sequence summary (``summary`` projection), HF's quirks included."""
 
@@ -148,7 +163,7 @@ class MLPHead(_Configured):
             if config.layer_norm:
                 setattr(self, f"norm_{i}", nnx.LayerNorm(w, epsilon=config.norm_eps, use_bias=config.norm_bias,
                                                          rngs=rngs))
-        self.out_proj = _linear(w, config.num_labels, config.init_std, rngs)
+        self.out_proj = _linear(w, config.num_labels, config.init_std, rngs, config.out_bias)
 
     def __call__(self, x, deterministic: bool = True):
         act = head_activation(self.config.activation)
@@ -212,7 +227,7 @@ class SequenceHead(nnx.Module):
 
 
 _POOLERS = {P.Pool: Pool, P.AttentionPool: AttentionPool, P.DensePooler: DensePooler,
-            P.SequenceSummary: SequenceSummary, P.Concat: Concat}
+            P.LateDensePooler: LateDensePooler, P.SequenceSummary: SequenceSummary, P.Concat: Concat}
 _HEADS = {H.LinearHead: LinearHead, H.MLPHead: MLPHead, H.ProjectionHead: ProjectionHead,
           H.IdentityHead: IdentityHead}
 

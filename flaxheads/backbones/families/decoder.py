@@ -10,7 +10,9 @@ What transformers 5's ``<Family>Model`` computes when given no cache (switches p
   embeddings on q and k (after the per-head q/k RMSNorm of Qwen3 / Gemma 3), scores times
   ``head_dim ** -0.5`` (Gemma 2/3: ``query_pre_attn_scalar ** -0.5``), Gemma 2's tanh
   soft-capping, the causal mask, the key padding mask and, on sliding layers, a window of the
-  last ``sliding_window`` positions (``kv > q - sliding_window``); softmax in float32;
+  last ``sliding_window`` positions (``kv > q - sliding_window``); softmax in float32. No causal
+  mask for EuroBERT (:mod:`~flaxheads.backbones.families.eurobert`) and Gemma 3 with
+  ``use_bidirectional_attention`` (EmbeddingGemma; windows of ``sliding_window // 2`` either side);
 * position ids are ``0..T-1`` whatever the padding when none are given (``cache_position``), so
   a left-padded text gets other hidden states than the same text right-padded, as in PyTorch.
 
@@ -65,14 +67,16 @@ def rope_cos_sin(rope: Rope, positions: jax.Array, dtype) -> tuple[jax.Array, ja
     return (jnp.cos(emb) * rope.scaling).astype(dtype), (jnp.sin(emb) * rope.scaling).astype(dtype)
 
 
-def attention_mask_for(attention_mask: jax.Array, window: int | None) -> jax.Array:
+def attention_mask_for(attention_mask: jax.Array, window: int | None, causal: bool = True) -> jax.Array:
     """Which keys each query sees, ``[B, 1, T, T]`` bool: causal, not padding, and with a window
-    only the last ``window`` positions (key index > query index - window, as transformers 5)."""
+    only the last ``window`` positions (key index > query index - window, as transformers 5).
+    ``causal=False``: every real key, and with a window those within ``window`` positions either side."""
     t = attention_mask.shape[1]
     q, k = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
-    keep = k <= q
-    if window is not None:
-        keep = keep & (k > q - window)
+    if causal:
+        keep = k <= q if window is None else (k <= q) & (k > q - window)
+    else:
+        keep = jnp.ones((t, t), bool) if window is None else jnp.abs(q - k) <= window
     return keep[None, None] & (attention_mask[:, None, None, :] > 0)
 
 
@@ -114,11 +118,11 @@ def self_attention(p: dict, x: jax.Array, cos, sin, keep, bias, *, spec: Decoder
         ctx = attend_textbook(q, k, v, jnp.take_along_axis(keep, at.reshape(b, 1, 1, 1), axis=2),
                               scaling=spec.scaling, softcap=spec.softcap, rate=rate, rng=rng)
     elif window is None and spec.softcap is None:
-        # the plain causal case: the shared CPU-tuned attention, key/value heads repeated
+        # the plain (causal or bidirectional) case: the shared CPU-tuned attention, key/value heads repeated
         rep = spec.num_heads // spec.num_kv_heads
         k, v = (jnp.repeat(a, rep, axis=2) if rep > 1 else a for a in (k, v))
         ctx = attend_chunked(q * jnp.asarray(spec.scaling, q.dtype), k, v, bias, plan=plan, rate=rate, rng=rng,
-                             causal=True)
+                             causal=spec.causal)
     else:
         ctx = attend_textbook(q, k, v, keep, scaling=spec.scaling, softcap=spec.softcap, rate=rate, rng=rng)
     return linear(attention_out(ctx).reshape(b, q.shape[1], -1), p["o_proj"], plan)
@@ -166,7 +170,7 @@ def encode(params: dict, input_ids, attention_mask=None, position_ids=None, *, s
     if spec.embed_scale is not None:
         x = x * jnp.asarray(spec.embed_scale, dtype)
     tables = {rope: rope_cos_sin(rope, positions, dtype) for rope in set(spec.ropes)}
-    keeps = {w: attention_mask_for(attention_mask, w) for w in set(spec.windows)}
+    keeps = {w: attention_mask_for(attention_mask, w, spec.causal) for w in set(spec.windows)}
     bias = mask_bias(attention_mask, dtype)
     _, rngs = dropout_keys(dropout_rng, spec.num_layers, train)
     rate = spec.attention_dropout if train else 0.0
@@ -217,7 +221,7 @@ class DecoderBackbone(Backbone):
         h, q_out, kv_out = s.hidden, s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         qkv_bias = bool(config.get("attention_bias")) or s.model_type == "qwen2"
         o_bias = bool(config.get("attention_bias")) and s.model_type != "qwen2"
-        mlp_bias = bool(config.get("mlp_bias")) if s.model_type == "llama" else False
+        mlp_bias = bool(config.get("mlp_bias")) if s.model_type in ("llama", "eurobert") else False
 
         def norm(dim):
             return {"scale": jnp.zeros(dim) if s.gemma_norm else jnp.ones(dim)}

@@ -13,7 +13,13 @@ qwen2 / qwen3   x*w      -         qwen3    -            ``layer_types``        
 gemma           x*(1+w)  sqrt(H)   -        -            none                         head_dim
 gemma2          x*(1+w)  sqrt(H)   -        yes          ``layer_types``              query_pre_attn_scalar
 gemma3_text     x*(1+w)  sqrt(H)   yes      yes          ``layer_types``              query_pre_attn_scalar
+eurobert        x*w      -         -        -            none                         head_dim
 =============== ======== ========= ======== ============ ============================ ============
+
+Attention is causal, except EuroBERT's (an encoder: every layer sees every real token) and Gemma 3's
+with ``use_bidirectional_attention`` (EmbeddingGemma): full layers see every real token, sliding
+layers the keys within ``sliding_window // 2`` positions either side (transformers turns the
+window of ``config.json`` into ``sliding_window // 2 + 1``, exclusive, and writes it back undone).
 
 RoPE: ``rope_parameters`` (transformers 5; Gemma 3 one dict per layer type) or the older
 ``rope_theta`` / ``rope_scaling`` / ``rope_local_base_freq`` keys, with the types
@@ -30,7 +36,7 @@ import numpy as np
 
 from flaxheads.backbones.base import BackboneError, HFConfig, activation_problem
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
+MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
 #: PyTorch sequence-classification class of each model type (all GenericForSequenceClassification)
 HF_CLASSES = {"llama": "LlamaForSequenceClassification", "mistral": "MistralForSequenceClassification",
               "qwen2": "Qwen2ForSequenceClassification", "qwen3": "Qwen3ForSequenceClassification",
@@ -76,6 +82,12 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                     "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2, "tie_word_embeddings": True,
                     "query_pre_attn_scalar": 256, "sliding_window": 4096, "final_logit_softcapping": None,
                     "attn_logit_softcapping": None, "use_bidirectional_attention": False},
+    # EuroBertConfig (served by flaxheads.backbones.families.eurobert, a bidirectional Llama)
+    "eurobert": {**_COMMON, "vocab_size": 128256, "hidden_size": 768, "intermediate_size": 3072,
+                 "num_hidden_layers": 12, "num_attention_heads": 12, "hidden_act": "silu",
+                 "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "mlp_bias": False, "pad_token_id": 128001,
+                 "bos_token_id": 128000, "eos_token_id": 128001, "mask_token_id": 128002,
+                 "classifier_pooling": "late"},
 }
 
 
@@ -112,6 +124,8 @@ class DecoderSpec:
     ropes: tuple[Rope, ...]  # per layer
     attention_dropout: float
     pad_token_id: int | None
+    # False: no causal mask (EuroBERT, EmbeddingGemma); a sliding window is then ``|q - k| <= window``
+    causal: bool = True
 
 
 def _fail(config: Mapping, why: str) -> BackboneError:
@@ -124,7 +138,7 @@ def layer_types(config: Mapping) -> list[str]:
     mt, n = config["model_type"], int(config["num_hidden_layers"])
     if mt == "mistral":  # MistralModel ignores layer_types: one mask for every layer
         return [SLIDING if config.get("sliding_window") is not None else FULL] * n
-    if mt in ("llama", "gemma"):
+    if mt in ("llama", "gemma", "eurobert"):
         return [FULL] * n
     given = config.get("layer_types")
     if given is not None:
@@ -242,8 +256,9 @@ def check_decoder_config(config: HFConfig) -> None:
     heads, kv = int(config.num_attention_heads), int(config.get("num_key_value_heads") or config.num_attention_heads)
     if heads % kv:
         raise _fail(config, f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
-    if config.get("use_bidirectional_attention"):
-        raise _fail(config, "use_bidirectional_attention=True (an encoder-style Gemma); only causal attention")
+    if config.get("use_bidirectional_attention") and config["model_type"] != "gemma3_text":
+        raise _fail(config, "use_bidirectional_attention=True; flaxheads computes bidirectional attention for "
+                            "gemma3_text (EmbeddingGemma) and eurobert only, other decoders causally")
     why = activation_problem(_activation(config))
     if why:
         raise _fail(config, why)
@@ -267,6 +282,9 @@ def decoder_spec(config: Mapping) -> DecoderSpec:
     window = _window(config)
     ropes = {t: make_rope(config, p, head_dim) for t, p in rope_parameters(config).items()}
     gemma_scaled = mt in ("gemma2", "gemma3_text")
+    bidirectional = mt == "gemma3_text" and bool(config.get("use_bidirectional_attention"))
+    if bidirectional and window is not None:
+        window //= 2  # keys within window // 2 positions either side (see the module docstring)
     softcap = config.get("attn_logit_softcapping") if gemma_scaled else None
     return DecoderSpec(
         model_type=mt, num_layers=int(config["num_hidden_layers"]), hidden=int(config["hidden_size"]),
@@ -280,4 +298,5 @@ def decoder_spec(config: Mapping) -> DecoderSpec:
         windows=tuple(window if t == SLIDING else None for t in types),
         ropes=tuple(ropes[t] for t in types),
         attention_dropout=float(config.get("attention_dropout") or 0.0),
-        pad_token_id=None if config.get("pad_token_id") is None else int(config["pad_token_id"]))
+        pad_token_id=None if config.get("pad_token_id") is None else int(config["pad_token_id"]),
+        causal=not bidirectional and mt != "eurobert")
