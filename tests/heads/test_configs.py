@@ -34,7 +34,7 @@ def test_every_form_writes_the_json_of_before(before):
 def test_every_preset_writes_the_json_of_before(before):
     pytest.importorskip("transformers")
     got = {}
-    for arch in sorted(fh.PRESETS):
+    for arch in sorted(a for a in fh.PRESETS if a in before["presets"]):  # presets added since have no JSON of before
         p = fh.preset_for(tiny_config(arch), 3)
         got[arch] = fh.to_json(fh.SequenceHead(p.pooler, p.head))
     assert got == before["presets"]
