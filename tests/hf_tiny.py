@@ -10,6 +10,8 @@ V, H, NH, FF, P = 99, 32, 4, 37, 64
 TWO_LAYERS = ("modernbert", "gemma2", "gemma3_text", "qwen2", "qwen3", "albert", "modernbert-decoder")
 #: decoder-only LLM families served by one native backbone (``model_type`` values)
 DECODERS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
+#: post-LayerNorm BERT encoders with rotary positions (transformers 5 only; ``model_type`` values)
+ROTARY_ENCODERS = ("nomic_bert", "gte", "jina_embeddings_v3")
 
 
 def tiny_config(arch: str, num_labels: int = 3, layers: int | None = None, **over):
@@ -54,6 +56,16 @@ def tiny_config(arch: str, num_labels: int = 3, layers: int | None = None, **ove
         c = tf.ModernBertConfig(vocab_size=V, hidden_size=H, num_hidden_layers=L, num_attention_heads=NH,
                                 intermediate_size=FF, max_position_embeddings=P, pad_token_id=0,
                                 bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2, **common)
+    elif arch in ROTARY_ENCODERS:
+        # transformers 5's rotary BERT encoders; their pad / bos / eos ids as the config classes set them
+        ids = {"nomic_bert": dict(pad_token_id=0), "gte": dict(pad_token_id=1),
+               "jina_embeddings_v3": dict(pad_token_id=1, bos_token_id=0, eos_token_id=2)}[arch]
+        try:
+            tf.AutoConfig.for_model(arch)
+        except ValueError:
+            raise KeyError(f"transformers {tf.__version__} has no {arch} (added in transformers 5)") from None
+        c = tf.AutoConfig.for_model(arch, vocab_size=V, hidden_size=H, num_hidden_layers=L, num_attention_heads=NH,
+                                    intermediate_size=FF, max_position_embeddings=P, **ids, **common)
     elif arch in DECODERS:
         # Gemma 3's bidirectional switch converts sliding_window when the config is built: both go in then
         at_init = {k: over.pop(k) for k in ("use_bidirectional_attention", "sliding_window") if k in over} \

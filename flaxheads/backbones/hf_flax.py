@@ -39,8 +39,12 @@ def _import(model_type: str | None = None):
             from transformers import AutoConfig, FlaxAutoModel
             from transformers.modeling_flax_pytorch_utils import convert_pytorch_state_dict_to_flax
     except ImportError:
-        from flaxheads.backbones.registry import native_model_types
+        from flaxheads.backbones.registry import HF_FLAX_MODEL_TYPES, native_model_types
 
+        if model_type is not None and model_type not in HF_FLAX_MODEL_TYPES:
+            raise BackboneError(f"model_type {model_type!r}: transformers never had a Flax model of it, so the "
+                                "flaxheads[hf-flax] extra cannot load it; use a model of a family flaxheads runs "
+                                f"natively ({', '.join(native_model_types())})") from None
         what = f"model_type {model_type!r} has no native flaxheads backbone and" if model_type else "this backbone"
         raise BackboneError(f"{what} needs HF's Flax models, which transformers 5 removed: install "
                             "'flaxheads[hf-flax]' (transformers < 5), or use a model of a family flaxheads runs "

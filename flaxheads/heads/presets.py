@@ -56,6 +56,17 @@ def _bert(cfg, n):
                   hf_class="BertForSequenceClassification")
 
 
+def _bert_like(arch: str, prefix: str, hf_class: str):
+    # BERT's classifier under another base prefix (nomic-bert, GTE): pooler dense + tanh -> dropout -> linear
+    def make(cfg, n):
+        p = _get(cfg, "classifier_dropout", "hidden_dropout_prob", default=0.1)
+        return Preset(arch, DensePooler(activation="tanh", init_std=_std(cfg)),
+                      LinearHead(n, dropout=p, init_std=_std(cfg)),
+                      hf_names=(("pooler/dense", f"{prefix}.pooler.dense"), ("head/classifier", "classifier")),
+                      hf_class=hf_class)
+    return make
+
+
 def _albert(cfg, n):
     p = _get(cfg, "classifier_dropout_prob", default=0.1)
     return Preset("albert", DensePooler(activation="tanh", init_std=_std(cfg)),
@@ -191,6 +202,10 @@ PRESETS: dict[str, Callable[[Any, int], Preset]] = {
     "xlnet": _xlnet,
     "deberta-v2": _deberta_v2,
     "modernbert": _modernbert,
+    "nomic_bert": _bert_like("nomic_bert", "nomic_bert", "NomicBertForSequenceClassification"),
+    "gte": _bert_like("gte", "gte", "GteForSequenceClassification"),
+    "jina_embeddings_v3": _dense_act_head("jina_embeddings_v3", "tanh", "classifier",
+                                          "JinaEmbeddingsV3ForSequenceClassification"),
     "modernbert-decoder": _modernbert_decoder,
     "eurobert": _eurobert,
     **{arch: _decoder(arch) for arch in DECODER_HF_CLASSES},
