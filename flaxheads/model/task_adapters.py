@@ -13,6 +13,10 @@ flaxheads (its adapters act on dense kernels), so both ways add their delta to t
 those of PEFT's ``PeftModel`` / jina's code with the task's adapter on the same weights. Where the
 adapters come from (jina's own layout or PEFT subfolders) is the family's business
 (:func:`flaxheads.backbones.families.jina_v3.task_adapters`).
+
+So a PEFT export of a task model whose adapters touch the embeddings holds the kernel adapters only, and
+on the folder's own base lacks the table deltas: export such a model merged (the transformers format),
+whose weights hold everything.
 """
 
 from __future__ import annotations
