@@ -6,6 +6,7 @@ while it computes, so the loop keeps accepting and tokenising), and each request
 resolved on its loop when its last text is done. Every padded shape is compiled by
 :meth:`Batcher.warm_up`, so no request compiles.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -13,7 +14,7 @@ import collections
 import dataclasses
 import threading
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -24,7 +25,7 @@ from flaxheads.training.programs import jit_count
 
 
 class QueueFull(Exception):
-    """The queue holds too many texts to take this request now (answered 503 with Retry-After)."""
+    """The queue holds too many texts to take this request now (answered 429 with Retry-After)."""
 
 
 class Closed(Exception):
@@ -88,7 +89,7 @@ def pick(lengths: Sequence[int], shapes: Shapes) -> tuple[int, set[int]]:
         cost = (shapes.rows(n, length) * length / n, -n)
         if best_cost is None or cost < best_cost:
             best, best_cost = length, cost
-    take = [i for i, x in enumerate(lengths) if x <= best][:shapes.cap(best)]
+    take = [i for i, x in enumerate(lengths) if x <= best][: shapes.cap(best)]
     return best, set(take)
 
 
@@ -104,6 +105,8 @@ class Job:
     cancelled: bool = False
     out: np.ndarray | None = None
     remaining: int = 0
+    started: float | None = None  # when the first batch with one of its texts began
+    finished: float | None = None  # when its last text was computed
 
 
 @dataclasses.dataclass
@@ -123,9 +126,17 @@ class Batcher:
     every local device). ``observe``: called as ``observe(texts, rows, length, seconds, waited)``
     after each batch (metrics)."""
 
-    def __init__(self, clf: Classifier, *, max_batch_tokens: int = 16384, max_batch_size: int = 32,
-                 max_wait_s: float = 0.002, max_queue: int = 1024, devices: Sequence | None = None,
-                 observe: Callable[[int, int, int, float, Sequence[float]], None] | None = None):
+    def __init__(
+        self,
+        clf: Classifier,
+        *,
+        max_batch_tokens: int = 16384,
+        max_batch_size: int = 32,
+        max_wait_s: float = 0.002,
+        max_queue: int = 1024,
+        devices: Sequence | None = None,
+        observe: Callable[[int, int, int, float, Sequence[float]], None] | None = None,
+    ):
         if min(max_batch_tokens, max_batch_size, max_queue) < 1 or max_wait_s < 0:
             raise ValueError("max_batch_tokens, max_batch_size and max_queue must be positive, max_wait_s >= 0")
         self.clf = clf
@@ -208,8 +219,7 @@ class Batcher:
                 if self._queue:
                     first = self._queue[0]
                     waited = time.perf_counter() - first.job.queued_at
-                    if (waited >= self.max_wait_s or self._closing
-                            or len(self._queue) >= self.shapes.cap(first.length)):
+                    if waited >= self.max_wait_s or self._closing or len(self._queue) >= self.shapes.cap(first.length):
                         return self._select()
                     self._cond.wait(self.max_wait_s - waited)
                 elif self._closing:
@@ -220,7 +230,8 @@ class Batcher:
     def _select(self) -> list[_Item]:
         """Take the next batch out of the queue (:func:`pick`)."""
         length, take = pick([it.length for it in self._queue], self.shapes)
-        chosen, rest = [], collections.deque()
+        chosen: list[_Item] = []
+        rest: collections.deque[_Item] = collections.deque()
         for i, it in enumerate(self._queue):
             (chosen if i in take else rest).append(it)
         self._queue = rest
@@ -233,18 +244,28 @@ class Batcher:
         while (batch := self._take()) is not None:
             length = max(it.length for it in batch)
             rows = self.shapes.rows(len(batch), length)
-            tt = batch[0].job.token_type_ids
-            enc = Encoded([it.job.input_ids[it.index] for it in batch],
-                          None if tt is None else [it.job.token_type_ids[it.index] for it in batch],
-                          np.zeros(0, np.int64))
+            types = [it.job.token_type_ids[it.index] for it in batch if it.job.token_type_ids is not None]
+            enc = Encoded(
+                [it.job.input_ids[it.index] for it in batch],
+                types if len(types) == len(batch) else None,
+                np.zeros(0, np.int64),
+            )
             started = time.perf_counter()
+            for it in batch:
+                if it.job.started is None:
+                    it.job.started = started
             try:
                 out, error = self._forward(enc, rows, length), None
             except Exception as e:  # a bug or a device error: the requests get it, the worker goes on
                 out, error = None, e
             if self.observe is not None:
-                self.observe(len(batch), rows, length, time.perf_counter() - started,
-                             [started - it.job.queued_at for it in batch])
+                self.observe(
+                    len(batch),
+                    rows,
+                    length,
+                    time.perf_counter() - started,
+                    [started - it.job.queued_at for it in batch],
+                )
             self._answer(batch, out, error)
 
     @staticmethod
@@ -256,12 +277,14 @@ class Batcher:
                     job.remaining = 0
                     _call(job, None, error)
                 continue
-            if job.remaining <= 0:
+            if job.remaining <= 0 or out is None:
                 continue
             if job.out is None:
                 job.out = np.empty((len(job.input_ids), out.shape[1]), np.float32)
             job.out[it.index] = out[r]
             job.remaining -= 1
+            if job.remaining == 0:
+                job.finished = time.perf_counter()
             if job.remaining == 0 and not job.cancelled:
                 _call(job, job.out, None)
 
@@ -270,8 +293,9 @@ def uses_token_types(clf: Classifier) -> bool:
     """Whether every batch carries token types: the tokenizer gives them and the backbone takes
     them. Single texts then send their zeros (what the backbone assumes without them), so texts
     and text pairs share one program per shape instead of two."""
-    return ("token_type_ids" in clf.tokenizer.model_input_names
-            and "token_type_ids" in getattr(clf.model.backbone, "features", ()))
+    return "token_type_ids" in clf.tokenizer.model_input_names and "token_type_ids" in getattr(
+        clf.model.backbone, "features", ()
+    )
 
 
 def _call(job: Job, value, error: Exception | None) -> None:

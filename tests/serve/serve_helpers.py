@@ -1,4 +1,5 @@
 """A server on 127.0.0.1 in a thread of the test process, for the tests of flaxheads.serve."""
+
 from __future__ import annotations
 
 import contextlib
@@ -23,8 +24,9 @@ def serving(app, timeout: float = 300.0):
     from flaxheads.serve import bind
 
     sock = bind("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", loop="asyncio",
-                                           http="h11"))
+    server = uvicorn.Server(
+        uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", loop="asyncio", http="h11")
+    )
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout

@@ -1,6 +1,7 @@
 """The batcher's choice of the next batch (flaxheads.serve.batcher.pick) on random queues: the oldest
 text always goes, texts go oldest first, every text goes exactly once, and a batch never pads to
 more tokens per text than padding every text to the longest (the rule before)."""
+
 import numpy as np
 import pytest
 
@@ -39,8 +40,10 @@ def test_random_queues_are_drained_oldest_first_exactly_once():
             # no text that fits is passed over for a younger one
             left = [i for i in range(len(lengths)) if i not in take and lengths[i] <= length]
             assert not left or len(take) == SHAPES.cap(length) and min(left) > max(take)
-            assert SHAPES.rows(len(take), length) * length / len(take) <= _tokens_per_text_padding_to_the_longest(
-                lengths) + 1e-9
+            assert (
+                SHAPES.rows(len(take), length) * length / len(take)
+                <= _tokens_per_text_padding_to_the_longest(lengths) + 1e-9
+            )
             seen += [queue[i][0] for i in sorted(take)]
             queue = [q for i, q in enumerate(queue) if i not in take]
         assert sorted(seen) == list(range(len(seen)))

@@ -1,6 +1,7 @@
 """flaxheads.serve.bind: the socket listens before uvicorn takes it, so a client that connects as
 soon as the server prints that it is ready (a line printed during the app's startup, before uvicorn
 listens) is held in the backlog, not refused."""
+
 import socket
 
 import pytest

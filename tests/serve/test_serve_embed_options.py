@@ -1,7 +1,9 @@
 """TEI's /embed options against sentence-transformers on the same folder (all-MiniLM-L6-v2 with
 prompts added to its config): ``prompt_name`` (and the config's default prompt), ``dimensions``
 (Matryoshka truncation, re-normalised), ``encoding_format: "base64"`` (little-endian float32), and
-``truncation_direction: "Left"``; each bad value a 422 naming its field."""
+``truncation_direction: "Left"``; each bad value a 422 naming its field. Then /embed_all against
+sentence-transformers' token embeddings and /similarity against its cosine."""
+
 from __future__ import annotations
 
 import base64
@@ -11,17 +13,17 @@ import shutil
 
 import numpy as np
 import pytest
-
 from serve_helpers import serving  # noqa: E402  (skips the module without the serve extra)
 
 httpx = pytest.importorskip("httpx", reason="httpx (the test client) is not installed")
 st = pytest.importorskip("sentence_transformers", reason="sentence-transformers (the reference) is not installed")
 
+from predict_helpers import TEXTS, minilm_path  # noqa: E402
+
 from flaxheads.interop.sentence_transformers import Prompts  # noqa: E402
 from flaxheads.predict import Classifier  # noqa: E402
 from flaxheads.serve import ServeSettings, create_app  # noqa: E402
 from flaxheads.serve.payloads import PayloadError, prompt_field  # noqa: E402
-from predict_helpers import TEXTS, minilm_path  # noqa: E402
 
 pytestmark = pytest.mark.full
 MAX_LENGTH = 16  # TEXTS[1], [3] and [6] are longer: truncation picks which end survives
@@ -64,8 +66,9 @@ def test_prompt_name_and_the_default_prompt_equal_sentence_transformers(served):
 def test_dimensions_truncate_then_renormalise(served):
     url, ref = served
     full = ref.encode(TEXTS)
-    np.testing.assert_allclose(_embed(url, dimensions=8), ref.encode(TEXTS, truncate_dim=8, normalize_embeddings=True),
-                               **TOL)
+    np.testing.assert_allclose(
+        _embed(url, dimensions=8), ref.encode(TEXTS, truncate_dim=8, normalize_embeddings=True), **TOL
+    )
     # normalize=false: the model's own output is L2-normalised (its Normalize module), so is the truncated one
     want = full[:, :8] / np.linalg.norm(full[:, :8], axis=-1, keepdims=True)
     np.testing.assert_allclose(_embed(url, dimensions=8, normalize=False), want, **TOL)
@@ -93,12 +96,40 @@ def test_left_truncation_keeps_the_end_as_sentence_transformers(served):
     np.testing.assert_allclose(_embed(url, truncation_direction="right"), right, **TOL)
 
 
-@pytest.mark.parametrize("extra, field", [
-    ({"prompt_name": "document"}, "prompt_name"), ({"prompt_name": 3}, "prompt_name"),
-    ({"dimensions": 0}, "dimensions"), ({"dimensions": 385}, "dimensions"), ({"dimensions": "8"}, "dimensions"),
-    ({"dimensions": True}, "dimensions"), ({"encoding_format": "hex"}, "encoding_format"),
-    ({"truncation_direction": "up"}, "truncation_direction"), ({"truncation_direction": 1}, "truncation_direction"),
-])
+def test_embed_all_equals_sentence_transformers_token_embeddings(served):
+    url, ref = served
+    got = httpx.post(f"{url}/embed_all", json={"inputs": TEXTS, "truncate": True}, timeout=120).json()
+    want = ref.encode(TEXTS, output_value="token_embeddings")  # with the default prompt, as the server
+    assert [len(g) for g in got] == [len(w) for w in want]
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w.numpy(), **TOL)
+
+
+def test_similarity_equals_sentence_transformers_cosine(served):
+    url, ref = served
+    body = {
+        "inputs": {"source_sentence": TEXTS[0], "sentences": TEXTS[1:]},
+        "parameters": {"prompt_name": "query", "truncate": True, "truncation_direction": "Right"},
+    }
+    got = httpx.post(f"{url}/similarity", json=body, timeout=120).json()
+    emb = ref.encode(TEXTS, prompt_name="query")
+    np.testing.assert_allclose(got, np.asarray(ref.similarity(emb[:1], emb[1:]))[0], **TOL)
+
+
+@pytest.mark.parametrize(
+    "extra, field",
+    [
+        ({"prompt_name": "document"}, "prompt_name"),
+        ({"prompt_name": 3}, "prompt_name"),
+        ({"dimensions": 0}, "dimensions"),
+        ({"dimensions": 385}, "dimensions"),
+        ({"dimensions": "8"}, "dimensions"),
+        ({"dimensions": True}, "dimensions"),
+        ({"encoding_format": "hex"}, "encoding_format"),
+        ({"truncation_direction": "up"}, "truncation_direction"),
+        ({"truncation_direction": 1}, "truncation_direction"),
+    ],
+)
 def test_bad_option_values_are_422_naming_the_field(served, extra, field):
     r = httpx.post(f"{served[0]}/embed", json={"inputs": "a text", **extra})
     assert r.status_code == 422 and r.json()["error"].startswith(f"{field}:"), r.text
