@@ -63,7 +63,7 @@ def main(out: str, steps: int = 30) -> dict:
     model = Classifier(config, rngs=nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
     ids, mask, labels = toy_batch()
-    loss_fn = fh.loss_fn("single_label_classification", LABELS)
+    loss_fn = fh.losses.loss_fn("single_label_classification", LABELS)
 
     @nnx.jit
     def train_step(model, optimizer, ids, mask, labels):
@@ -76,8 +76,8 @@ def main(out: str, steps: int = 30) -> dict:
 
     losses = [float(train_step(model, optimizer, ids, mask, labels)) for _ in range(steps)]
     # the head's params are a functional head tree: export it and read it back as Linen modules
-    fh.export_head(config, out, params=fnnx.head_params(model.head))
-    seq, params, _ = fh.load_head_export(out)
+    fh.interop.export_head(config, out, params=fnnx.head_params(model.head))
+    seq, params, _ = fh.interop.load_head_export(out)
     hidden, pool_mask = model.encoder(ids, mask)
     functional = linen.module(seq).apply({"params": params}, hidden, pool_mask)
     print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f}; head exported to {out}; functional logits equal NNX logits: "

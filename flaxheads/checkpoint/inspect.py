@@ -7,11 +7,19 @@ import os
 
 import numpy as np
 
+from flaxheads.checkpoint import io, kinds
+from flaxheads.checkpoint.meta import (
+    ARRAY_ITEMS,
+    JSON_ITEMS,
+    META,
+    OWN_KEYS,
+    STEP,
+    CheckpointError,
+    CheckpointNotFoundError,
+)
 from flaxheads.disk import checksums
-from flaxheads.errors import UsageError
 from flaxheads.disk.preflight import folder_bytes
-from flaxheads.checkpoint import io
-from flaxheads.checkpoint.meta import ARRAY_ITEMS, JSON_ITEMS, META, OWN_KEYS, STEP, CheckpointError, CheckpointNotFoundError
+from flaxheads.errors import UsageError
 
 
 def _written_items(mgr, root: str, step: int) -> list[str]:
@@ -68,26 +76,10 @@ def _step_row(mgr, root: str, step: int, latest: bool, verify: bool) -> tuple[di
 
 
 def _unfinished_rows(root: str) -> list[dict]:
-    return [{"step": None, "path": os.path.join(root, name), "items": [], "bytes": folder_bytes([os.path.join(root, name)]),
-             "latest": False, "best": False, "metrics": None, "status": "incomplete (unfinished save; ignored)"}
+    return [{"step": None, "path": os.path.join(root, name), "items": [],
+             "bytes": folder_bytes([os.path.join(root, name)]), "latest": False, "best": False, "metrics": None,
+             "status": "incomplete (unfinished save; ignored)"}
             for name in sorted(os.listdir(root)) if ".orbax-checkpoint-tmp" in name]
-
-
-#: What a folder that is not a run holds, by the file that tells (the first found).
-_KINDS = (("head_config.json", "a head export"), ("adapter_config.json", "a PEFT adapter folder"),
-          ("model.onnx", "an ONNX export"), ("modules.json", "a sentence-transformers model folder"),
-          ("config.json", "a transformers model folder"))
-
-
-def folder_kind(path: str | os.PathLike) -> str | None:
-    """What a folder that is not a run holds ("a head export", ...), or None when it is a run
-    folder (or a checkpoint folder) or nothing flaxheads knows."""
-    path = os.fspath(path)
-    if io.is_checkpoint_folder(path) or not os.path.isdir(path):
-        return None
-    if os.path.isfile(os.path.join(path, "metrics.jsonl")):
-        return None  # a run that saved no checkpoint: an empty listing
-    return next((kind for name, kind in _KINDS if os.path.isfile(os.path.join(path, name))), None)
 
 
 def verify_model_folder(path: str | os.PathLike) -> str:
@@ -110,11 +102,11 @@ def list_checkpoints(directory: str | os.PathLike, *, verify: bool = False) -> l
     root, _ = io.resolve_root(directory)
     if not os.path.isdir(root):
         raise CheckpointNotFoundError(f"checkpoint folder {root} does not exist")
-    kind = folder_kind(directory)
-    if kind is not None:
-        raise UsageError(f"{os.fspath(directory)} is {kind}, not a run: `flaxheads checkpoints` lists a run's "
-                         "checkpoint steps (pass a run folder, its checkpoints/ folder or one step's folder); add "
-                         "--verify to check this folder's files instead")
+    kind = kinds.folder_kind(directory)
+    if kind not in (None, kinds.FolderKind.RUN):
+        raise UsageError(f"{os.fspath(directory)} is {kind.described}, not a run: `flaxheads checkpoints` lists a "
+                         "run's checkpoint steps (pass a run folder, its checkpoints/ folder or one step's folder); "
+                         "add --verify to check this folder's files instead")
     mgr = io.manager(root, read_only=True)
     try:
         steps = sorted(mgr.all_steps())

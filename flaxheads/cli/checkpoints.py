@@ -6,7 +6,8 @@ import json
 import os
 
 from flaxheads.checkpoint import format_listing, format_meta, list_checkpoints, read_meta
-from flaxheads.checkpoint.inspect import folder_kind, verify_model_folder
+from flaxheads.checkpoint.inspect import verify_model_folder
+from flaxheads.checkpoint.kinds import FolderKind, folder_kind
 from flaxheads.cli import flags
 from flaxheads.cli.flags import Program
 
@@ -21,7 +22,7 @@ def run_checkpoints(args: argparse.Namespace, program: Program | None = None) ->
         else:
             print(f"{where} (step {step})\n{format_meta(meta)}")
         return 0
-    if args.verify and folder_kind(args.path):  # an export or a model folder: its files, not steps
+    if args.verify and folder_kind(args.path) not in (None, FolderKind.RUN):  # an export or a model folder: its files
         print(verify_model_folder(args.path))
         return 0
     rows = list_checkpoints(args.path, verify=args.verify)

@@ -1,28 +1,31 @@
 """One loader and one exporter for every format: :func:`load` reads anything flaxheads reads (a run
 folder or one of its steps, transformers / sentence-transformers / PEFT / head-export folders, hub
 ids in the local cache); :func:`export` writes any format; :func:`export_folder` is both, from a
-folder to a folder (``flaxheads export``). The per-format functions stay in :mod:`flaxheads.interop`."""
+folder to a folder (``flaxheads export``). What a folder is, every reader asks :func:`folder_kind`
+(:mod:`flaxheads.checkpoint.kinds`, low enough that :mod:`flaxheads.interop` asks it too).
+The per-format functions stay in :mod:`flaxheads.interop`."""
 from __future__ import annotations
 
 import os
 from typing import Any
 
-from flaxheads.disk import checksums
-from flaxheads.runtime import phases
-from flaxheads.checkpoint import is_checkpoint_folder
+from flaxheads.checkpoint.kinds import MODEL_FOLDERS, FolderKind, folder_kind
 from flaxheads.checkpoint.models import model_from_checkpoint
+from flaxheads.disk.files import MARKER, has_marker
+from flaxheads.disk.preflight import check_folder, export_bytes, with_margin
 from flaxheads.errors import UsageError
+from flaxheads.formats.sources import Loaded, load_source, run_config
 from flaxheads.interop import import_model
 from flaxheads.interop.cross_encoder import export_cross_encoder
 from flaxheads.interop.files import OutputExistsError
-from flaxheads.disk.files import MARKER, has_marker
-from flaxheads.interop.head_files import HEAD_CONFIG, export_head, load_head_export
-from flaxheads.interop.peft import export_peft, is_adapter_folder
+from flaxheads.interop.head_files import export_head, load_head_export
+from flaxheads.interop.peft import export_peft
 from flaxheads.interop.sentence_transformers import export_sentence_transformers
 from flaxheads.interop.transformers import export_transformers
 from flaxheads.model.sequence import SequenceModel
-from flaxheads.formats.sources import load_source, run_config
-from flaxheads.disk.preflight import check_folder, export_bytes, with_margin
+from flaxheads.runtime import phases
+
+__all__ = ["FORMATS", "load", "export", "export_folder", "load_source", "Loaded", "FolderKind", "folder_kind"]
 
 #: ``format=`` values of :func:`export`.
 FORMATS = ("transformers", "sentence-transformers", "head", "onnx", "cross-encoder", "peft")
@@ -34,9 +37,9 @@ def load(source: str | os.PathLike, *, step: int | str | None = None, backbone: 
     checkpoint folder, a transformers classifier, a sentence-transformers folder, a PEFT LoRA
     adapter or a head export (on ``backbone``, default: the folder it names), or a hub id found in
     the local cache. Files flaxheads wrote are checked against their recorded checksums (size and
-    sampled bytes; ``verify=True``: every byte); a difference raises :class:`~flaxheads.disk.checksums.ChecksumError`."""
-    with checksums.full(verify):
-        return load_source(source, step=step, backbone=backbone, dtype=dtype, revision=revision).model
+    sampled bytes; ``verify=True``: every byte); a difference raises
+    :class:`~flaxheads.disk.checksums.ChecksumError`."""
+    return load_source(source, step=step, backbone=backbone, dtype=dtype, revision=revision, verify=verify).model
 
 
 def export(model: SequenceModel, dest: str | os.PathLike, format: str = "transformers",  # noqa: A002
@@ -44,6 +47,7 @@ def export(model: SequenceModel, dest: str | os.PathLike, format: str = "transfo
     """Write ``model`` to the folder ``dest`` in ``format`` (one of :data:`FORMATS`); ``options``
     go to that format's exporter in :mod:`flaxheads.interop` (``overwrite``, ``tokenizer_from``,
     ``max_seq_length``, ...). Returns the folder written."""
+    model = model.to_functional() if hasattr(model, "to_functional") else model  # an NNX model: its functional form
     if format == "transformers":
         return export_transformers(model, dest, **options)
     if format == "sentence-transformers":
@@ -81,18 +85,21 @@ def export_folder(src: str | os.PathLike, out: str | os.PathLike, format: str, *
     if isinstance(source, str):  # a head export, re-exported
         return source
     fmt = "peft" if peft else format
-    options = {"transformers": {"tokenizer_from": tokenizer, "threshold": _run_threshold(src)},
-               "onnx": {"tokenizer_from": tokenizer, "threshold": _run_threshold(src)},
-               # a transformers classifier + the activation CrossEncoder.predict applies
-               "cross-encoder": {"tokenizer_from": tokenizer, "max_length": max_seq_length},
-               "sentence-transformers": {"tokenizer_from": tokenizer, "pooling_format": pooling_format,
-                                         "max_seq_length": max_seq_length}}.get(fmt, {})
+    by_format: dict[str, dict[str, Any]] = {
+        "transformers": {"tokenizer_from": tokenizer, "threshold": _run_threshold(src)},
+        "onnx": {"tokenizer_from": tokenizer, "threshold": _run_threshold(src)},
+        # a transformers classifier + the activation CrossEncoder.predict applies
+        "cross-encoder": {"tokenizer_from": tokenizer, "max_length": max_seq_length},
+        "sentence-transformers": {"tokenizer_from": tokenizer, "pooling_format": pooling_format,
+                                  "max_seq_length": max_seq_length}}
+    options = by_format.get(fmt, {})
     return export(_with_adapters(source, src) if peft else source, out, format=fmt, **options, overwrite=overwrite)
 
 
 def _load_for_export(src: str, out: str, format: str, step, backbone, peft: bool, overwrite: bool):  # noqa: A002
     """The model to export (a head export is re-exported here, and its folder returned)."""
-    if os.path.isfile(os.path.join(src, HEAD_CONFIG)):
+    kind = folder_kind(src)
+    if kind is FolderKind.HEAD_EXPORT:
         if format != "head":
             raise UsageError(f"{src} is a head-only export (no backbone weights); it can only be re-exported with "
                              "--format head")
@@ -100,19 +107,14 @@ def _load_for_export(src: str, out: str, format: str, step, backbone, peft: bool
         meta = {k: v for k, v in cfg.items() if k not in _FILE_KEYS}
         return export_head(head, out, params=params, meta=meta, hf_names=[tuple(x) for x in cfg["hf_names"]],
                            overwrite=overwrite)
-    if _is_model_folder(src):
+    if kind in MODEL_FOLDERS:
         # a PEFT adapter folder loads on its base: backbone, else the one it names
-        return import_model(src, **({"backbone": backbone} if is_adapter_folder(src) and backbone else {}))
-    return _from_checkpoint(src, step, backbone, format)
+        return import_model(src, **({"backbone": backbone} if kind is FolderKind.PEFT_ADAPTER and backbone else {}))
+    return _from_checkpoint(src, step, backbone, format)  # a run, or a folder that says what it lacks
 
 
 #: Keys of a head export's config that describe the file, not the head (dropped when re-exporting).
 _FILE_KEYS = ("format", "flaxheads_version", "sequence_head", "hf_names", "params")
-
-
-def _is_model_folder(path: str) -> bool:
-    return not is_checkpoint_folder(path) and any(os.path.isfile(os.path.join(path, f))
-                                                   for f in ("config.json", "modules.json", "adapter_config.json"))
 
 
 def _check_paths(src: str, out: str, fmt: str, backbone: str | None, overwrite: bool) -> None:
@@ -128,7 +130,7 @@ def _check_paths(src: str, out: str, fmt: str, backbone: str | None, overwrite: 
     if os.path.isdir(out) and os.listdir(out) and not has_marker(out):
         raise OutputExistsError(f"--out {out!r} holds files flaxheads did not write (no {MARKER} marker): --overwrite "
                                 "replaces only flaxheads' own exports; choose a new folder, or empty this one yourself")
-    head_only = fmt == "head" or os.path.isfile(os.path.join(src, HEAD_CONFIG))
+    head_only = fmt == "head" or folder_kind(src) is FolderKind.HEAD_EXPORT
     # written beside --out, then renamed into place: its parent folder is what must take the files
     check_folder(os.path.dirname(os.path.abspath(out)), what=f"--out {out!r}: its folder",
                  need_bytes=with_margin(0 if head_only else export_bytes(src, backbone)))
@@ -152,6 +154,6 @@ def _with_adapters(source, src: str):
 
 def _run_threshold(src: str) -> float | None:
     """The multi-label threshold the run that saved ``src`` trained with (None for other sources)."""
-    if not is_checkpoint_folder(src):
+    if folder_kind(src) is not FolderKind.RUN:
         return None
     return (run_config(src).get("train") or {}).get("threshold")

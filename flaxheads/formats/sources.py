@@ -12,18 +12,19 @@ import os
 
 import jax.numpy as jnp
 
-from flaxheads.disk import checksums
-from flaxheads.runtime.phases import phase
-from flaxheads.checkpoint import attach_head, is_checkpoint_folder, model_from_checkpoint, resolve_root
+from flaxheads.checkpoint import attach_head, model_from_checkpoint, resolve_root
 from flaxheads.checkpoint.heads import HeadCheckpoint
+from flaxheads.checkpoint.kinds import FolderKind, folder_kind
 from flaxheads.checkpoint.meta import CHECKPOINTS_SUBDIR
+from flaxheads.disk import checksums
 from flaxheads.errors import UsageError
-from flaxheads.model.hub import resolve_model_source
-from flaxheads.interop import HEAD_CONFIG, import_model, load_head_export
-from flaxheads.interop.peft import adapter_tokenizer_folder, is_adapter_folder, load_peft
+from flaxheads.interop import import_model, load_head_export
+from flaxheads.interop.peft import adapter_tokenizer_folder, load_peft
 from flaxheads.interop.remote_code import threshold_of
-from flaxheads.model.sequence import SequenceModel
+from flaxheads.model.hub import resolve_model_source
 from flaxheads.model.pretrained import from_pretrained
+from flaxheads.model.sequence import SequenceModel
+from flaxheads.runtime.phases import phase
 
 
 @dataclasses.dataclass
@@ -32,7 +33,7 @@ class Loaded:
 
     model: SequenceModel
     tokenizer_folder: str
-    kind: str  # "run", "head export", "PEFT adapter", "sentence-transformers", "transformers"
+    kind: FolderKind  # run, head export, PEFT adapter, sentence-transformers or transformers
     max_length: int | None = None
     buckets: tuple[int, ...] | None = None
     threshold: float | None = None
@@ -55,7 +56,8 @@ def _from_run(path: str, step, backbone: str | None, dtype) -> Loaded:
     if dtype is None:
         dtype = jnp.bfloat16 if cfg.get("bf16") else jnp.float32
     model = model_from_checkpoint(path, step, backbone=backbone, dtype=dtype)
-    return Loaded(model, backbone or model.name_or_path, "run", cfg.get("max_length"),
+    assert isinstance(model, SequenceModel)  # not head_only: the whole model
+    return Loaded(model, backbone or model.name_or_path, FolderKind.RUN, cfg.get("max_length"),
                   tuple(cfg["buckets"]) if cfg.get("buckets") else None, (cfg.get("train") or {}).get("threshold"))
 
 
@@ -69,7 +71,7 @@ def _from_head_export(path: str, backbone: str | None, dtype) -> Loaded:
     base = from_pretrained(backbone, num_labels=int(cfg["num_labels"]), ignore_mismatched_sizes=True,
                            dtype=dtype or jnp.float32)
     model = attach_head(base, HeadCheckpoint(head=head, params=params, meta=cfg, step=0, path=path))
-    return Loaded(model, backbone, "head export")
+    return Loaded(model, backbone, FolderKind.HEAD_EXPORT)
 
 
 def _sbert_max_length(path: str) -> int | None:
@@ -82,14 +84,16 @@ def _sbert_max_length(path: str) -> int | None:
 
 
 def load_source(source: str | os.PathLike, *, step=None, backbone: str | os.PathLike | None = None, dtype=None,
-                revision: str | None = None) -> Loaded:
-    """The model in ``source`` (a local folder or a hub id), with its tokenizer folder and settings.
+                revision: str | None = None, verify: bool = False) -> Loaded:
+    """The model in ``source`` (a local folder or a hub id), with its tokenizer folder and settings:
+    what :func:`flaxheads.load` and :meth:`flaxheads.Classifier.from_pretrained` read through.
 
     ``step``: a run's checkpoint step (an int, ``"latest"`` or ``"best"``); ``backbone``: the
-    backbone folder of a head export or of a PEFT adapter, or of a run whose recorded backbone moved."""
+    backbone folder of a head export or of a PEFT adapter, or of a run whose recorded backbone moved;
+    ``verify``: check every byte against the recorded checksums (else their size and sampled bytes)."""
     path = resolve_model_source(source, revision=revision)
     backbone = None if backbone is None else resolve_model_source(backbone, what="backbone")
-    with phase(f"loading the model {path}"):
+    with checksums.full(verify), phase(f"loading the model {path}"):
         return _load(path, step, backbone, dtype)
 
 
@@ -97,22 +101,23 @@ def _load(path: str, step, backbone: str | None, dtype) -> Loaded:
     if not os.path.isdir(path):
         raise UsageError(f"{path!r} is a file; expected a run folder, a checkpoint folder, a transformers or "
                          "sentence-transformers model folder, or a head export")
-    if not is_checkpoint_folder(path):  # a checkpoint step checks its own files as they are read
+    kind = folder_kind(path)
+    if kind is not FolderKind.RUN:  # a checkpoint step checks its own files as they are read
         checksums.verify_folder(path)
-    if step not in (None, "latest") and not is_checkpoint_folder(path):
+    if step not in (None, "latest") and kind is not FolderKind.RUN:
         raise UsageError(f"a checkpoint step ({step!r}) was given, but {path} is not a run or checkpoint folder")
-    if is_adapter_folder(path):
+    if kind is FolderKind.PEFT_ADAPTER:
         model = load_peft(path, backbone=backbone, dtype=dtype or jnp.float32)
-        return Loaded(model, adapter_tokenizer_folder(path, model.name_or_path), "PEFT adapter")
-    if os.path.isfile(os.path.join(path, HEAD_CONFIG)):
+        return Loaded(model, adapter_tokenizer_folder(path, model.name_or_path), kind)
+    if kind is FolderKind.HEAD_EXPORT:
         return _from_head_export(path, backbone, dtype)
-    if is_checkpoint_folder(path):
+    if kind is FolderKind.RUN:
         return _from_run(path, step, backbone, dtype)
     if backbone is not None:
         raise UsageError(f"a backbone folder was given, but {path} holds a whole model (backbone included); "
                          "the backbone option is for head exports and runs")
     options = {} if dtype is None else {"dtype": dtype}
-    model = import_model(path, **options)
-    if os.path.isfile(os.path.join(path, "modules.json")):
-        return Loaded(model, path, "sentence-transformers", _sbert_max_length(path))
-    return Loaded(model, path, "transformers", threshold=threshold_of(path))
+    model = import_model(path, **options)  # a transformers folder, or one that says what it lacks
+    if kind is FolderKind.SENTENCE_TRANSFORMERS:
+        return Loaded(model, path, kind, _sbert_max_length(path))
+    return Loaded(model, path, FolderKind.TRANSFORMERS, threshold=threshold_of(path))

@@ -5,23 +5,23 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
-from flaxheads.runtime import phases
 from flaxheads.data.batching import make_buckets
 from flaxheads.errors import UsageError
+from flaxheads.formats import load_source
+from flaxheads.heads.heads import IdentityHead, ProjectionHead
 from flaxheads.interop.sentence_transformers import Prompts, read_prompts
 from flaxheads.interop.tokenizers import Tokenizer, load_tokenizer, model_max_positions
 from flaxheads.losses import MULTI_LABEL, SINGLE_LABEL
 from flaxheads.model.sequence import SequenceModel
-from flaxheads.heads.heads import IdentityHead, ProjectionHead
-from flaxheads.training.programs import jit_count
 from flaxheads.predict.batches import Runner, check_texts, encode, short_buckets
 from flaxheads.predict.ranking import rank_candidates, score_pairs
 from flaxheads.predict.results import Predictions
-from flaxheads.formats.sources import load_source
+from flaxheads.runtime import phases
+from flaxheads.training.programs import jit_count
 
 #: Tokens per text when neither the source nor the tokenizer / config states a maximum.
 FALLBACK_MAX_LENGTH = 512
@@ -55,7 +55,7 @@ class Classifier:
     @classmethod
     def from_model(cls, model: SequenceModel, tokenizer: Tokenizer | str | os.PathLike, *, params: dict | None = None,
                    threshold: float = 0.5, max_length: int | None = None, buckets: Sequence[int] | None = None,
-                   bucket_step: int = 32, source: str = "", prompts: Prompts | None = None) -> "Classifier":
+                   bucket_step: int = 32, source: str = "", prompts: Prompts | None = None) -> Classifier:
         """Wrap ``model`` (and ``params``, default ``model.params``) with a tokenizer or its folder.
         ``max_length`` defaults to what the tokenizer / model config allows."""
         tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
@@ -77,13 +77,14 @@ class Classifier:
     def from_pretrained(cls, source: str | os.PathLike, *, step: int | str | None = None,
                         backbone: str | os.PathLike | None = None, threshold: float | None = None,
                         max_length: int | None = None, bucket_step: int = 32, dtype=None,
-                        revision: str | None = None) -> "Classifier":
-        """Load from a run folder (``step``: latest by default, ``"best"`` or a number), a
-        checkpoint folder, a transformers classifier folder, a sentence-transformers folder, a
-        head export (with ``backbone``, default: the folder it names), or a hub id (``org/name``;
-        the local hub cache when offline). A run's own maximum length, buckets and threshold are
-        used unless given here."""
-        got = load_source(source, step=step, backbone=backbone, dtype=dtype, revision=revision)
+                        revision: str | None = None, verify: bool = False) -> Classifier:
+        """Load what :func:`flaxheads.load` loads, the same way: a run folder (``step``: latest by
+        default, ``"best"`` or a number), a checkpoint folder, a transformers classifier folder, a
+        sentence-transformers folder, a PEFT adapter, a head export (with ``backbone``, default: the
+        folder it names), or a hub id (``org/name``; the local hub cache when offline). A run's own
+        maximum length, buckets and threshold are used unless given here; ``verify``: check every
+        byte against the recorded checksums."""
+        got = load_source(source, step=step, backbone=backbone, dtype=dtype, revision=revision, verify=verify)
         tok = load_tokenizer(got.tokenizer_folder)
         return cls.from_model(got.model, tok, threshold=threshold if threshold is not None else got.threshold or 0.5,
                               max_length=max_length or got.max_length,

@@ -9,7 +9,10 @@ handlers only between bytecodes, so the command watches a wakeup pipe from a thr
 Before it exits, the watcher removes the temporary files and folders that outputs are written
 into (:func:`temporary`) and takes the lock an output's final rename holds (:func:`committing`):
 an output is either renamed whole before the process ends, or never; nothing is left half written
-under its final name, and the previous output stays as it was."""
+under its final name, and the previous output stays as it was.
+
+Before the watcher, while the command imports its libraries, :func:`flaxheads.cli.guard_imports`
+ends it in one line: the command guards its own imports; ``import flaxheads`` reads no ``sys.argv``."""
 from __future__ import annotations
 
 import contextlib
@@ -18,7 +21,7 @@ import shutil
 import signal
 import sys
 import threading
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -103,24 +106,3 @@ def watch_signals(write: Callable[[str], None] | None = None) -> bool:
     out = write or (lambda line: (sys.stderr.write(line + "\n"), sys.stderr.flush()))
     threading.Thread(target=_watch, args=(r, out), name="flaxheads-signals", daemon=True).start()
     return True
-
-
-def guard_command_import() -> None:
-    """While ``import flaxheads`` runs for the ``flaxheads`` command itself (its console script, or
-    ``python -m flaxheads``), SIGTERM / SIGINT end it with one line, not a traceback (or nothing).
-    A program that imports flaxheads as a library keeps its own signal handling."""
-    argv = list(getattr(sys, "orig_argv", []))
-    command = os.path.basename(sys.argv[0] or "") == "flaxheads" or (
-        "-m" in argv and argv[argv.index("-m") + 1:argv.index("-m") + 2] == ["flaxheads"])
-    if not command or threading.current_thread() is not threading.main_thread():
-        return
-
-    def on_signal(signum, frame) -> None:
-        sys.stderr.write(exit_line(signum, "starting (importing its libraries)").replace(
-            "no partial output was left", "nothing was written") + "\n")
-        sys.stderr.flush()
-        os._exit(128 + signum)
-
-    for s in SIGNALS:
-        if signal.getsignal(s) in (signal.SIG_DFL, signal.default_int_handler):
-            signal.signal(s, on_signal)

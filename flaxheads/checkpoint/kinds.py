@@ -1,0 +1,68 @@
+"""What a folder is: the one answer, by the files it holds (:func:`folder_kind`).
+
+Every reader asks here and switches on the answer: :func:`flaxheads.load` and ``flaxheads export``
+(:mod:`flaxheads.formats`), :func:`flaxheads.interop.import_model` and the transformers importer,
+and ``flaxheads checkpoints``. It sits in ``checkpoint/``, the lowest folder that knows a run folder,
+so that ``interop/`` can ask it too; :mod:`flaxheads.formats` re-exports it."""
+from __future__ import annotations
+
+import enum
+import os
+
+from flaxheads.backbones.weights import BIN, BIN_INDEX, SAFE, SAFE_INDEX
+from flaxheads.checkpoint.io import is_checkpoint_folder
+
+
+class FolderKind(str, enum.Enum):
+    """What a folder holds. The value is the short name (``Loaded.kind``); :attr:`described` is
+    the phrase messages use ("a head export")."""
+
+    RUN = "run"  # a run folder, its checkpoints/ folder or one step's folder
+    HEAD_EXPORT = "head export"  # head.safetensors + head_config.json, no backbone
+    PEFT_ADAPTER = "PEFT adapter"  # adapter_config.json + adapter weights, on a base folder
+    ONNX = "ONNX export"  # model.onnx + config.json, no weights flaxheads reads
+    SENTENCE_TRANSFORMERS = "sentence-transformers"  # modules.json + the Transformer files
+    TRANSFORMERS = "transformers"  # config.json + weights
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def described(self) -> str:
+        return _DESCRIBED[self]
+
+
+_DESCRIBED = {FolderKind.RUN: "a run folder", FolderKind.HEAD_EXPORT: "a head export",
+              FolderKind.PEFT_ADAPTER: "a PEFT adapter folder", FolderKind.ONNX: "an ONNX export",
+              FolderKind.SENTENCE_TRANSFORMERS: "a sentence-transformers model folder",
+              FolderKind.TRANSFORMERS: "a transformers model folder"}
+
+#: The kinds that hold a whole model (backbone included) another tool wrote or reads.
+MODEL_FOLDERS = (FolderKind.PEFT_ADAPTER, FolderKind.ONNX, FolderKind.SENTENCE_TRANSFORMERS, FolderKind.TRANSFORMERS)
+
+#: The file that tells each kind, in the order they are asked (after the run folder's own test).
+_BY_FILE = (("head_config.json", FolderKind.HEAD_EXPORT), ("adapter_config.json", FolderKind.PEFT_ADAPTER),
+            ("model.onnx", FolderKind.ONNX), ("modules.json", FolderKind.SENTENCE_TRANSFORMERS),
+            ("config.json", FolderKind.TRANSFORMERS))
+_WEIGHTS = (SAFE, SAFE_INDEX, BIN, BIN_INDEX)
+
+
+def folder_kind(path: str | os.PathLike) -> FolderKind | None:
+    """What the folder ``path`` holds; None when it is not a folder or holds nothing flaxheads reads.
+
+    A run comes first (``checkpoints/`` or step folders inside, or a ``metrics.jsonl`` of a run that
+    saved no checkpoint: its ``config.json`` is the run's, not a model's); then the first of
+    ``head_config.json``, ``adapter_config.json``, ``model.onnx`` (with no weights beside it: a
+    folder with both is a transformers folder), ``modules.json`` and ``config.json``."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        return None
+    if is_checkpoint_folder(path) or os.path.isfile(os.path.join(path, "metrics.jsonl")):
+        return FolderKind.RUN
+    for name, kind in _BY_FILE:
+        if not os.path.isfile(os.path.join(path, name)):
+            continue
+        if kind is FolderKind.ONNX and any(os.path.isfile(os.path.join(path, w)) for w in _WEIGHTS):
+            continue
+        return kind
+    return None
