@@ -60,6 +60,59 @@ class LinearHead(Head):
         return s + [f"dense {in_features}->{self.num_labels}{'' if self.use_bias else ' (no bias)'}"]
 
 
+@register("token_logits")
+@config_class
+class TokenLogits(LinearHead):
+    """A causal LM's language-model head rows for ``tokens`` at the pooled (last) token: LLM rerankers
+    (Qwen3-Reranker: ``("no", "yes")``; mxbai-rerank-v2: ``("0", "1")``) as a linear ``classifier``.
+
+    ``two_way`` (two tokens): one output, ``logit(tokens[1]) - logit(tokens[0])``, the row difference
+    ``W[tokens[1]] - W[tokens[0]]`` (vLLM's ``from_2_way_softmax``): its sigmoid is the 2-way softmax's
+    probability of ``tokens[1]``. Otherwise one output per token, that token's logit. Tokens are
+    vocabulary entries (or ids); :func:`flaxheads.from_pretrained` fills the kernel from the LM head
+    (or the tied embeddings). ``template``: the prompt template the pairs are written in
+    (:data:`flaxheads.heads.templates.TEMPLATES`). Once loaded it is the preset's linear ``score``
+    head, so it trains, and exports as ``XForSequenceClassification``, as that head does."""
+
+    num_labels: int = 0  # 0: from the tokens (1 when two_way, else one per token)
+    dropout: float = 0.0
+    use_bias: bool = False
+    tokens: tuple[str | int, ...] = ("no", "yes")
+    two_way: bool = True
+    template: str | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "tokens", tuple(self.tokens))
+        if not self.tokens or not all(isinstance(t, (str, int)) and t != "" for t in self.tokens):
+            raise ConfigError(f"TokenLogits tokens must be non-empty strings or token ids, got {self.tokens!r}")
+        if len(set(self.tokens)) != len(self.tokens):
+            raise ConfigError(f"TokenLogits tokens repeat: {self.tokens!r}")
+        if self.two_way and len(self.tokens) != 2:
+            raise ConfigError(f"TokenLogits(two_way=True) takes two tokens (negative, positive), got {self.tokens!r}; "
+                              "pass two_way=False for one logit per token")
+        n = 1 if self.two_way else len(self.tokens)
+        if self.num_labels not in (0, n):
+            raise ConfigError(f"TokenLogits{self.tokens!r} (two_way={self.two_way}) gives {n} outputs, "
+                              f"not num_labels={self.num_labels}; leave num_labels out")
+        object.__setattr__(self, "num_labels", n)
+        if self.use_bias:
+            raise ConfigError("TokenLogits has no bias (a language-model head has none); leave use_bias out")
+        if self.template is not None:
+            from flaxheads.heads.templates import get_template
+
+            get_template(self.template)
+        super().__post_init__()
+
+    def as_linear(self) -> LinearHead:
+        """The linear head this is once its kernel is filled (what presets and exports compare)."""
+        return LinearHead(self.num_labels, dropout=self.dropout, use_bias=False, init_std=self.init_std)
+
+    def steps(self, in_features):
+        what = (f"logit({self.tokens[1]!r}) - logit({self.tokens[0]!r})" if self.two_way
+                else "logits of " + ", ".join(map(repr, self.tokens)))
+        return super().steps(in_features)[:-1] + [f"dense {in_features}->{self.num_labels} (no bias): {what}"]
+
+
 @register("mlp")
 @config_class
 class MLPHead(Head):
@@ -189,11 +242,12 @@ class SequenceHead:
             raise ConfigError(f"SequenceHead's head must be a head config (fh.make_head(...)), got {self.head!r}")
 
 
-HEAD_NAMES = {"linear": LinearHead, "mlp": MLPHead, "projection": ProjectionHead, "identity": IdentityHead}
+HEAD_NAMES = {"linear": LinearHead, "mlp": MLPHead, "projection": ProjectionHead, "identity": IdentityHead,
+              "token_logits": TokenLogits}
 
 
 def make_head(spec: str | Head, **options) -> Head:
-    """A head config from a name (``linear``, ``mlp``, ``projection``, ``identity``) and options,
+    """A head config from a name (``linear``, ``mlp``, ``projection``, ``identity``, ``token_logits``) and options,
     or an already-made head config."""
     if isinstance(spec, Head):
         if options:

@@ -153,7 +153,8 @@ class SequenceHead(nn.Module):
 FORMS: dict[type, type[nn.Module]] = {
     P.Pool: Pool, P.AttentionPool: AttentionPool, P.DensePooler: DensePooler, P.LateDensePooler: LateDensePooler,
     P.SequenceSummary: SequenceSummary, P.Concat: Concat, H.LinearHead: LinearHead, H.MLPHead: MLPHead,
-    H.ProjectionHead: ProjectionHead, H.IdentityHead: IdentityHead, H.SequenceHead: SequenceHead}
+    H.ProjectionHead: ProjectionHead, H.IdentityHead: IdentityHead, H.SequenceHead: SequenceHead,
+    H.TokenLogits: LinearHead}  # a TokenLogits head is a linear ``classifier`` whose kernel from_pretrained fills
 
 
 def module(config: P.Pooler | H.Head | H.SequenceHead, name: str | None = None) -> nn.Module:

@@ -272,7 +272,8 @@ def match_preset(hf_config, num_labels: int, pooler: Pooler, head: Head,
     can provide it is :func:`check_pool_mask`'s job."""
     preset = preset_for(hf_config, num_labels)
     same_pooler = preset is not None and same_structure(pooler, preset.pooler)
-    same_head = preset is not None and same_structure(head, preset.head)
+    as_linear = getattr(head, "as_linear", None)  # a TokenLogits head is the linear head its kernel fills
+    same_head = preset is not None and same_structure(as_linear() if as_linear else head, preset.head)
     if pool_mask is None:
         pool_mask = preset.pool_mask if same_pooler else "attention_mask"
     if pool_mask not in POOL_MASKS:

@@ -16,7 +16,8 @@ from flaxheads.backbones.registry import family_for, load_backbone
 from flaxheads.backbones.weights import WeightsNotFoundError, head_from_hf, read_state_dict
 from flaxheads.errors import ConfigError
 from flaxheads.heads import linen
-from flaxheads.heads.heads import Head, IdentityHead, ProjectionHead, SequenceHead
+from flaxheads.heads import token_logits
+from flaxheads.heads.heads import Head, IdentityHead, ProjectionHead, SequenceHead, TokenLogits
 from flaxheads.heads.poolers import Pooler
 from flaxheads.heads.presets import check_pool_mask, match_preset
 from flaxheads.losses import REGRESSION, check_problem_type, infer_problem_type
@@ -73,7 +74,14 @@ def from_pretrained(path: str | os.PathLike, *, pooler: str | Sequence[str] | Po
     n = len(labels) if labels else int(num_labels or getattr(cfg, "num_labels", 2))
     seq_head, _ = build_head(cfg, n, pooler=pooler, head=head, pooler_options=pooler_options,
                                   head_options=head_options)
-    if isinstance(seq_head.head, (ProjectionHead, IdentityHead)):
+    if isinstance(seq_head.head, TokenLogits):  # its tokens say how many outputs it has
+        n = seq_head.head.num_labels
+        if labels is not None and len(labels) != n:
+            if id2label is not None:
+                raise ConfigError(f"id2label has {len(labels)} entries but the TokenLogits head outputs {n}")
+            labels = None  # a causal LM config's default labels say nothing of this head
+        ptype = problem_type or infer_problem_type(n)
+    elif isinstance(seq_head.head, (ProjectionHead, IdentityHead)):
         # an embedding head: its width is the output size; MSE (e.g. distillation) is the natural loss
         n = seq_head.head.out_features() or seq_head.pooler.out_features(cfg.hidden_size)
         ptype = problem_type or REGRESSION
@@ -91,9 +99,14 @@ def from_pretrained(path: str | os.PathLike, *, pooler: str | Sequence[str] | Po
     pad, eos = getattr(cfg, "pad_token_id", None), getattr(cfg, "eos_token_id", None)
     check_pool_mask(match.pool_mask, pad_token_id=pad, eos_token_id=eos, subject=f"{cfg.model_type} backbone {path!r}")
     base = getattr(backbone, "base_model_prefix", "") or ""
-    head_params, report = _init_head(seq_head, cfg.hidden_size, seed, match.weight_names, state,
+    names = match.weight_names
+    if isinstance(seq_head.head, TokenLogits):  # its kernel comes from the LM head rows, never from ``score``
+        names = tuple((p, n) for p, n in names if not p.startswith("head/"))
+    head_params, report = _init_head(seq_head, cfg.hidden_size, seed, names, state,
                                      strip_prefixes=[base] if base else [],
                                      ignore_mismatched_sizes=ignore_mismatched_sizes, source=path)
+    if isinstance(seq_head.head, TokenLogits):
+        head_params, report = _token_logits(seq_head.head, cfg, state, backbone, head_params, report, path)
     params = {"backbone": backbone.params, "head": jax.tree.map(jnp.asarray, head_params)}
     model = SequenceModel(backbone=backbone, head=seq_head, num_labels=n, problem_type=ptype, params=params,
                           id2label=labels, pool_mask=match.pool_mask, pad_token_id=pad, eos_token_id=eos,
@@ -154,6 +167,20 @@ def _init_head(seq_head: SequenceHead, hidden_size: int, seed: int, names, state
     head_params, loaded, _ = head_from_hf(jax.device_get(fresh), names, state, **load)
     done = {p for p, _ in loaded}
     return head_params, LoadReport(pretrained=loaded, new=[p for p in _module_paths(head_params) if p not in done])
+
+
+def _token_logits(head: TokenLogits, cfg, state, backbone, head_params: dict, report: LoadReport,
+                  path: str) -> tuple[dict, LoadReport]:
+    """The TokenLogits kernel filled from the folder's LM head rows (:mod:`flaxheads.heads.token_logits`)."""
+    tied = getattr(cfg, "tie_word_embeddings", False)
+    embedding = (getattr(backbone, "params", None) or {}).get("embed_tokens", {}).get("embedding") if tied else None
+    w = token_logits.kernel(head, cfg, state or {}, None if embedding is None else jax.device_get(embedding), path)
+    inner = dict(head_params["head"])
+    inner["classifier"] = {**inner["classifier"], "kernel": w.astype(np.asarray(inner["classifier"]["kernel"]).dtype)}
+    report = LoadReport(pretrained=[p for p in report.pretrained if p[0] != "head/classifier"]
+                        + [("head/classifier", token_logits.describe(head))],
+                        new=[p for p in report.new if p != "head/classifier"])
+    return {**head_params, "head": inner}, report
 
 
 def _labels(id2label, num_labels, cfg) -> dict[int, str] | None:

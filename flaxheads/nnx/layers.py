@@ -229,7 +229,7 @@ class SequenceHead(nnx.Module):
 _POOLERS = {P.Pool: Pool, P.AttentionPool: AttentionPool, P.DensePooler: DensePooler,
             P.LateDensePooler: LateDensePooler, P.SequenceSummary: SequenceSummary, P.Concat: Concat}
 _HEADS = {H.LinearHead: LinearHead, H.MLPHead: MLPHead, H.ProjectionHead: ProjectionHead,
-          H.IdentityHead: IdentityHead}
+          H.IdentityHead: IdentityHead, H.TokenLogits: LinearHead}
 
 
 def _nnx_form(forms: dict, what: str, config, width: int, rngs: nnx.Rngs) -> nnx.Module:

@@ -1,0 +1,73 @@
+"""Prompt templates of LLM rerankers: how a (query, document) pair becomes the one text a
+:class:`~flaxheads.heads.heads.TokenLogits` head scores at its last token.
+
+A template is plain text with ``{instruction}``, ``{query}`` and ``{document}`` fields; only those
+three are filled (a brace elsewhere in it, or in the texts, is kept as it is). ``qwen3-reranker`` is
+the Qwen3-Reranker model card's prompt: a system turn asking for "yes" or "no", the pair as
+``<Instruct>`` / ``<Query>`` / ``<Document>`` lines in the user turn, and the assistant turn opened
+with an empty think block, so the next token is the answer.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+from flaxheads.errors import ConfigError
+
+FIELDS = ("instruction", "query", "document")
+
+
+@dataclasses.dataclass(frozen=True)
+class PairTemplate:
+    """``text`` with ``{instruction}``, ``{query}``, ``{document}``; ``instruction``: its default."""
+
+    name: str
+    text: str
+    instruction: str = ""
+    tokens: tuple[str, str] | None = None  # the (negative, positive) answer tokens the model was trained on
+
+    def render(self, query: str, document: str, instruction: str | None = None) -> str:
+        """The text of one pair (``instruction`` None: the template's default)."""
+        values = {"instruction": self.instruction if instruction is None else instruction,
+                  "query": query, "document": document}
+        out, rest = [], self.text
+        while rest:  # one pass over the template, so a field's value is never read as a field
+            at = [(rest.find("{" + f + "}"), f) for f in FIELDS if "{" + f + "}" in rest]
+            if not at:
+                out.append(rest)
+                break
+            i, f = min(at)
+            out += [rest[:i], values[f]]
+            rest = rest[i + len(f) + 2:]
+        return "".join(out)
+
+
+_QWEN3_SYSTEM = ('<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the '
+                 'Instruct provided. Note that the answer can only be "yes" or "no".<|im_end|>\n')
+
+TEMPLATES: dict[str, PairTemplate] = {
+    "qwen3-reranker": PairTemplate(
+        "qwen3-reranker",
+        _QWEN3_SYSTEM + "<|im_start|>user\n<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {document}"
+        "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n",
+        instruction="Given a web search query, retrieve relevant passages that answer the query",
+        tokens=("no", "yes")),
+}
+
+
+def get_template(name: str | PairTemplate) -> PairTemplate:
+    """The template called ``name`` (or ``name`` itself when it is one)."""
+    if isinstance(name, PairTemplate):
+        return name
+    if name not in TEMPLATES:
+        raise ConfigError(f"unknown prompt template {name!r}; templates: {sorted(TEMPLATES)} (or pass a "
+                          "flaxheads.heads.templates.PairTemplate)")
+    return TEMPLATES[name]
+
+
+def render_pairs(template: str | PairTemplate, pairs: Iterable[tuple[str, str]],
+                 instruction: str | None = None) -> list[str]:
+    """Each ``(query, document)`` of ``pairs`` written in ``template``: the texts to tokenise as single
+    sequences (no pair encoding, no special tokens added by the tokenizer)."""
+    t = get_template(template)
+    return [t.render(q, d, instruction) for q, d in pairs]

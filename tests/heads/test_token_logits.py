@@ -1,0 +1,163 @@
+"""LLM rerankers scored from two tokens' logits (TokenLogits): a tiny random Qwen3 causal LM built with
+transformers' Qwen3ForCausalLM is the reference; its seq-cls export loads in Qwen3ForSequenceClassification."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+pytest.importorskip("tokenizers")
+
+WORDS = ["<pad>", "<bos>", "<eos>", "<unk>", "no", "yes", "maybe", "<|im_start|>", "<|im_end|>", "system", "user",
+         "assistant", "<think>", "</think>"]
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def _save_tokenizer(path: str) -> None:
+    """A word-level fast tokenizer over hf_tiny's vocabulary size (:data:`WORDS`, then ``w<i>``), with a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from hf_tiny import V
+
+    vocab = {w: i for i, w in enumerate(WORDS + [f"w{i}" for i in range(V - len(WORDS))])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+
+
+def _causal_lm(path, tied: bool):
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    from hf_tiny import tiny_config
+
+    torch.manual_seed(3)
+    cfg = tiny_config("qwen3", num_labels=2, layers=1)
+    cfg.tie_word_embeddings = tied
+    pt = Qwen3ForCausalLM(cfg)
+    with torch.no_grad():
+        for p in pt.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    pt.eval().save_pretrained(path, safe_serialization=True)
+    _save_tokenizer(str(path))
+    return str(path), pt
+
+
+@pytest.fixture(scope="module", params=["untied", "tied"])
+def lm(request, tmp_path_factory):
+    return _causal_lm(tmp_path_factory.mktemp(f"qwen3_lm_{request.param}"), request.param == "tied")
+
+
+def _batch(side: str):
+    from hf_tiny import padded_batch, tiny_config
+
+    return padded_batch("qwen3", tiny_config("qwen3"), side)
+
+
+def _torch_last_logits(pt, ids, mask):
+    import torch
+
+    with torch.no_grad():
+        logits = pt(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()
+    last = np.where(mask.astype(bool), np.arange(mask.shape[1]), -1).max(axis=1)  # the last non-pad position
+    return logits[np.arange(len(ids)), last]
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_scores_are_the_two_tokens_logit_difference(lm, side):
+    import flaxheads as fh
+
+    path, pt = lm
+    model = fh.from_pretrained(path, head=fh.heads.TokenLogits(tokens=("no", "yes")))
+    assert model.num_labels == 1 and model.arch == "qwen3" and model.report.new == []
+    assert model.report.pretrained == [("head/classifier", "lm_head['yes'] - lm_head['no']")]
+    ids, mask = _batch(side)
+    ref = _torch_last_logits(pt, ids, mask)
+    yes, no = WORDS.index("yes"), WORDS.index("no")
+    ours = np.asarray(model.apply(model.params, ids, mask))[:, 0]
+    np.testing.assert_allclose(ours, ref[:, yes] - ref[:, no], atol=1e-5, rtol=0)
+    # sigmoid(score) is the 2-way softmax's "yes" (log-softmax difference of the same two logits)
+    two = ref[:, [no, yes]] - ref[:, [no, yes]].max(axis=1, keepdims=True)
+    p_yes = np.exp(two[:, 1]) / np.exp(two).sum(axis=1)
+    np.testing.assert_allclose(1 / (1 + np.exp(-ours)), p_yes, atol=1e-6, rtol=0)
+    assert np.abs(ours).max() > 1e-2
+
+
+def test_n_tokens_give_their_logits(lm):
+    import flaxheads as fh
+
+    path, pt = lm
+    head = fh.heads.TokenLogits(tokens=("no", "yes", WORDS.index("maybe")), two_way=False)
+    model = fh.from_pretrained(path, head=head)
+    ids, mask = _batch("left")
+    ref = _torch_last_logits(pt, ids, mask)[:, [WORDS.index(w) for w in ("no", "yes", "maybe")]]
+    np.testing.assert_allclose(np.asarray(model.apply(model.params, ids, mask)), ref, atol=1e-5, rtol=0)
+
+
+def test_seq_cls_export_loads_in_transformers_with_the_same_scores(lm, tmp_path):
+    import torch
+    from transformers import Qwen3ForSequenceClassification
+
+    import flaxheads as fh
+    from flaxheads.interop.transformers import export_transformers
+
+    path, _ = lm
+    model = fh.from_pretrained(path, head=fh.heads.TokenLogits(tokens=("no", "yes")))
+    out = export_transformers(model, tmp_path / "seq_cls")
+    cfg = json.load(open(os.path.join(out, "config.json")))
+    assert cfg["architectures"] == ["Qwen3ForSequenceClassification"] and cfg["num_labels"] == 1
+    pt, info = Qwen3ForSequenceClassification.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    ids, mask = _batch("right")
+    with torch.no_grad():
+        ref = pt.eval()(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(model.apply(model.params, ids, mask)), ref, atol=1e-5, rtol=0)
+    back = fh.load(out)  # flaxheads reads it back as the qwen3 preset
+    assert back.arch == "qwen3" and back.num_labels == 1
+    np.testing.assert_allclose(np.asarray(back.apply(back.params, ids, mask)), ref, atol=1e-5, rtol=0)
+
+
+def test_config_json_round_trip_and_refusals(lm, tmp_path, tiny_model):
+    import flaxheads as fh
+    from flaxheads import config
+    from flaxheads.errors import ConfigError, FlaxheadsError
+    from flaxheads.heads.token_logits import TokenLogitsError
+
+    head = fh.heads.TokenLogits(tokens=("0", "1"), template="qwen3-reranker")
+    assert config.from_json(config.to_json(head)) == head and head.num_labels == 1
+    assert config.from_json(config.to_json(fh.heads.TokenLogits(tokens=(3, 4, 5), two_way=False))).num_labels == 3
+    with pytest.raises(ConfigError, match="two tokens"):
+        fh.heads.TokenLogits(tokens=("a", "b", "c"))
+    with pytest.raises(ConfigError, match="unknown prompt template"):
+        fh.heads.TokenLogits(template="nope")
+    path, _ = lm
+    with pytest.raises(TokenLogitsError, match="not one token"):
+        fh.from_pretrained(path, head=fh.heads.TokenLogits(tokens=("no", "yes no")))
+    with pytest.raises(TokenLogitsError, match="not in this tokenizer's vocabulary"):
+        fh.from_pretrained(path, head=fh.heads.TokenLogits(tokens=("no", "zebra")))
+    with pytest.raises(TokenLogitsError, match="outside the LM head"):
+        fh.from_pretrained(path, head=fh.heads.TokenLogits(tokens=(0, 10_000)))
+    bert = tiny_model("bert").path
+    with pytest.raises(TokenLogitsError, match="not a decoder LM") as e:
+        fh.from_pretrained(bert, head=fh.heads.TokenLogits(tokens=(4, 5)))
+    assert isinstance(e.value, FlaxheadsError)
+    seq_cls = tiny_model("qwen3", layers=1).path
+    with pytest.raises(TokenLogitsError, match="sequence classifier"):
+        fh.from_pretrained(seq_cls, head=fh.heads.TokenLogits(tokens=(4, 5)))
+
+
+def test_qwen3_reranker_template():
+    from flaxheads.heads.templates import get_template, render_pairs
+
+    t = get_template("qwen3-reranker")
+    [text] = render_pairs("qwen3-reranker", [("what is {query}?", "a {document}")])
+    assert text.startswith("<|im_start|>system\nJudge whether the Document meets the requirements")
+    assert f"<Instruct>: {t.instruction}\n<Query>: what is {{query}}?\n<Document>: a {{document}}<|im_end|>" in text
+    assert text.endswith("<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert "<Instruct>: Find code\n" in t.render("q", "d", instruction="Find code") and t.tokens == ("no", "yes")
