@@ -1,0 +1,66 @@
+"""Chat-template pairs (issue 58, item 3): flaxheads' rendering equals transformers' apply_chat_template."""
+from __future__ import annotations
+
+import pytest
+
+# bos / eos variables, a system turn read apart, loop.last, a tojson of non-ASCII text, whitespace control,
+# {% generation %}, raise_exception on a role the template does not know
+TEMPLATE = """{{ bos_token }}
+{%- if messages[0]['role'] == 'system' %}
+    {%- set system = messages[0]['content'] %}{% set messages = messages[1:] %}
+{%- else %}{% set system = 'You are a judge.' %}{% endif %}
+<|system|>{{ system }}{{ eos_token }}
+{% for m in messages %}
+  {% if m['role'] not in ('user', 'assistant') %}{{ raise_exception('unknown role ' + m['role']) }}{% endif %}
+  <|{{ m['role'] }}|>
+  {%- if m['role'] == 'assistant' %}{% generation %}{{ m['content'] | trim }}{% endgeneration %}
+  {%- else %}{{ m['content'] }} {{ m['content'] | tojson }}{% endif %}{{ eos_token }}
+  {% if loop.last and add_generation_prompt %}<|assistant|>{% endif %}
+{% endfor %}"""
+
+PAIRS = [("What is 2 + 2?", " 4 "), ("Écris « bonjour »", "bonjour\nau revoir")]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({"<unk>": 0, "<s>": 1, "</s>": 2}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.chat_template = TEMPLATE
+    path = tmp_path_factory.mktemp("chat_tokenizer")
+    fast.save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("system", [None, "Rate the answer."])
+def test_chat_pairs_equal_apply_chat_template(folder, system):
+    from transformers import AutoTokenizer
+
+    from flaxheads.data.chat import chat_pairs, has_chat_template
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    head = [{"role": "system", "content": system}] if system is not None else []
+    want = [tok.apply_chat_template(head + [{"role": "user", "content": p}, {"role": "assistant", "content": r}],
+                                    tokenize=False) for p, r in PAIRS]
+    assert has_chat_template(folder)
+    assert chat_pairs(folder, PAIRS, system=system) == want
+    assert "<s><|system|>" in want[0] and "\\u00c9" not in want[1]  # the template ran, tojson kept the accent
+
+
+def test_render_chat_generation_prompt_and_errors(folder, tmp_path):
+    from transformers import AutoTokenizer
+
+    from flaxheads.data.chat import ChatTemplateError, chat_pairs, read_chat_template, render_chat
+
+    template, special = read_chat_template(folder)
+    messages = [{"role": "user", "content": "hi"}]
+    want = AutoTokenizer.from_pretrained(folder).apply_chat_template(messages, tokenize=False,
+                                                                     add_generation_prompt=True)
+    assert render_chat(messages, template, special, add_generation_prompt=True) == want
+    with pytest.raises(ChatTemplateError, match="unknown role tool"):
+        render_chat([{"role": "tool", "content": "x"}], template, special)
+    with pytest.raises(ChatTemplateError, match="no chat_template"):
+        chat_pairs(tmp_path, PAIRS)
