@@ -13,6 +13,7 @@ from flaxheads.data.batching import make_buckets
 from flaxheads.errors import UsageError
 from flaxheads.formats import load_source
 from flaxheads.heads.heads import IdentityHead, ProjectionHead
+from flaxheads.heads.templates import render_pairs
 from flaxheads.interop.sentence_transformers import Prompts, read_prompts
 from flaxheads.interop.tokenizers import Tokenizer, load_tokenizer, model_max_positions
 from flaxheads.losses import MULTI_LABEL, SINGLE_LABEL
@@ -125,6 +126,9 @@ class Classifier:
             pairs = check_texts(text_pairs, "text_pairs", None if rows is None else [f"{r} (pair)" for r in rows])
             if len(pairs) != len(texts):
                 raise UsageError(f"{len(texts)} texts but {len(pairs)} text pairs; give one pair per text")
+            template = getattr(self.model.head.head, "template", None)  # an LLM reranker's prompt (TokenLogits)
+            if template is not None:  # each (query, document) is written as one text in it
+                texts, pairs = render_pairs(template, zip(texts, pairs)), None
         with phases.phase("tokenising", unless_named=True):
             enc = encode(self.tokenizer, texts, pairs, self.max_length, truncate=truncate, rows=rows)
         with phases.phase("predicting", unless_named=True):

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from flaxheads._version import __version__
+from flaxheads.heads.templates import render_pairs
 from flaxheads.losses import MULTI_LABEL
 from flaxheads.predict import Classifier
 from flaxheads.predict.tokens import TokenOutputs, TokenView
@@ -114,6 +115,9 @@ class Service:
         used as given (checked against the vocabulary). Past the maximum length an input is cut at
         ``side`` when ``truncate`` (special tokens kept), else a 413 naming it."""
         clf, n = self.clf, self.clf.max_length
+        template = getattr(clf.model.head.head, "template", None)  # an LLM reranker's prompt (TokenLogits)
+        if template is not None:  # each (query, text) pair is written as one text in it
+            inputs = [render_pairs(template, [x])[0] if isinstance(x, tuple) else x for x in inputs]
         token_types = self.batcher.token_types
         ids: list[Any] = [None] * len(inputs)
         types: list[Any] | None = [None] * len(inputs) if token_types else None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -49,9 +50,27 @@ def _causal_lm(path, tied: bool):
     return str(path), pt
 
 
-@pytest.fixture(scope="module", params=["untied", "tied"])
-def lm(request, tmp_path_factory):
-    return _causal_lm(tmp_path_factory.mktemp(f"qwen3_lm_{request.param}"), request.param == "tied")
+@pytest.fixture(scope="module")
+def lms(tmp_path_factory):
+    """``lms(tied) -> (folder, Qwen3ForCausalLM)``, each made once."""
+    made = {}
+
+    def get(tied: bool):
+        if tied not in made:
+            made[tied] = _causal_lm(tmp_path_factory.mktemp(f"qwen3_lm_{'tied' if tied else 'untied'}"), tied)
+        return made[tied]
+
+    return get
+
+
+@pytest.fixture(params=["untied", "tied"])
+def lm(request, lms):
+    return lms(request.param == "tied")
+
+
+@pytest.fixture
+def untied(lms):
+    return lms(False)
 
 
 def _batch(side: str):
@@ -89,10 +108,10 @@ def test_scores_are_the_two_tokens_logit_difference(lm, side):
     assert np.abs(ours).max() > 1e-2
 
 
-def test_n_tokens_give_their_logits(lm):
+def test_n_tokens_give_their_logits(untied):
     import flaxheads as fh
 
-    path, pt = lm
+    path, pt = untied
     head = fh.heads.TokenLogits(tokens=("no", "yes", WORDS.index("maybe")), two_way=False)
     model = fh.from_pretrained(path, head=head)
     ids, mask = _batch("left")
@@ -123,7 +142,7 @@ def test_seq_cls_export_loads_in_transformers_with_the_same_scores(lm, tmp_path)
     np.testing.assert_allclose(np.asarray(back.apply(back.params, ids, mask)), ref, atol=1e-5, rtol=0)
 
 
-def test_config_json_round_trip_and_refusals(lm, tmp_path, tiny_model):
+def test_config_json_round_trip_and_refusals(untied, tiny_model):
     import flaxheads as fh
     from flaxheads import config
     from flaxheads.errors import ConfigError, FlaxheadsError
@@ -136,7 +155,7 @@ def test_config_json_round_trip_and_refusals(lm, tmp_path, tiny_model):
         fh.heads.TokenLogits(tokens=("a", "b", "c"))
     with pytest.raises(ConfigError, match="unknown prompt template"):
         fh.heads.TokenLogits(template="nope")
-    path, _ = lm
+    path, _ = untied
     with pytest.raises(TokenLogitsError, match="not one token"):
         fh.from_pretrained(path, head=fh.heads.TokenLogits(tokens=("no", "yes no")))
     with pytest.raises(TokenLogitsError, match="not in this tokenizer's vocabulary"):
@@ -161,3 +180,44 @@ def test_qwen3_reranker_template():
     assert f"<Instruct>: {t.instruction}\n<Query>: what is {{query}}?\n<Document>: a {{document}}<|im_end|>" in text
     assert text.endswith("<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert "<Instruct>: Find code\n" in t.render("q", "d", instruction="Find code") and t.tokens == ("no", "yes")
+
+
+def test_classifier_scores_pairs_in_the_heads_template(untied):
+    import flaxheads as fh
+    from flaxheads.heads.templates import render_pairs
+    from flaxheads.predict import Classifier
+
+    path, _ = untied
+    model = fh.from_pretrained(path, head=fh.heads.TokenLogits(tokens=("no", "yes"), template="qwen3-reranker"))
+    clf = Classifier.from_model(model, path, max_length=64, buckets=(64,))
+    pairs = [("w10 w11", "w12 w13 w14"), ("w20", "yes no w21")]
+    scores = clf.outputs([q for q, _ in pairs], [d for _, d in pairs])[0][:, 0]
+    texts = render_pairs("qwen3-reranker", pairs)
+    assert np.array_equal(clf.outputs(texts)[0][:, 0], scores)  # the pair is scored as its prompt's one text
+    from tokenizers import Tokenizer
+
+    ids = Tokenizer.from_file(os.path.join(path, "tokenizer.json")).encode(texts[1], add_special_tokens=False).ids
+    ref = np.asarray(model.apply(model.params, np.asarray([ids]), np.ones((1, len(ids)), np.int32)))[0, 0]
+    np.testing.assert_allclose(scores[1], ref, atol=1e-5, rtol=0)
+
+
+def test_serve_rerank_answers_with_the_rerankers_scores(untied):
+    pytest.importorskip("uvicorn", reason="the serve extra is not installed (pip install -e .[serve])")
+    import httpx
+
+    import flaxheads as fh
+    from flaxheads.predict import Classifier
+    from flaxheads.serve import ServeSettings, create_app
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "serve"))
+    from serve_helpers import serving
+
+    path, _ = untied
+    model = fh.from_pretrained(path, head=fh.heads.TokenLogits(tokens=("no", "yes"), template="qwen3-reranker"))
+    clf = Classifier.from_model(model, path, max_length=64, buckets=(64,))
+    query, docs = "w10 w11", ["w12 w13", "yes", "no w14 w15"]
+    ranked = clf.rank(query, docs)
+    with serving(create_app(clf, ServeSettings(max_batch_size=4, max_wait_ms=20))) as url:
+        got = httpx.post(f"{url}/rerank", json={"query": query, "texts": docs, "raw_scores": True}).json()
+    assert [d["index"] for d in got] == [d["index"] for d in ranked]
+    np.testing.assert_allclose([d["score"] for d in got], [d["score"] for d in ranked], atol=1e-5)
