@@ -15,6 +15,7 @@ import orbax.checkpoint as ocp
 
 from flaxheads.disk import checksums
 from flaxheads.errors import os_error_cause
+from flaxheads.layers.quantized import is_quantized
 from flaxheads.checkpoint.meta import (ARRAY_ITEMS, CHECKPOINTS_SUBDIR, JSON_ITEMS, META, STEP, CheckpointError, CheckpointNotFoundError,
                    CheckpointWriteError, CorruptCheckpointError, DamagedCheckpointError)
 
@@ -281,7 +282,14 @@ def restore_arrays(mgr, root: str, step: int, items: dict) -> dict:
 
 
 def save_args(arrays: Mapping[str, Any], json_items: Mapping[str, dict]) -> ocp.args.Composite:
-    """The Orbax arguments that save array items (empty trees left out) and JSON items."""
+    """The Orbax arguments that save array items (empty trees left out) and JSON items. A quantised base
+    (Qwix codes, which Orbax does not store) is refused: a frozen base is saved by its folder."""
+    for k, v in arrays.items():
+        if any(is_quantized(x) for x in jax.tree.leaves(v, is_leaf=is_quantized)):
+            raise CheckpointError(f"the checkpoint's {k!r} item holds a quantised base (int8 / int4 / nf4 codes), "
+                                  "which a checkpoint does not store: save it with save_backbone=False (as "
+                                  "flaxheads train does for a frozen or LoRA base; a restore reads the base again "
+                                  "from its folder and quantises it)")
     items = {k: ocp.args.JsonSave(v) for k, v in json_items.items()}
     items.update({k: ocp.args.StandardSave(v) for k, v in arrays.items() if not is_empty(v)})
     return ocp.args.Composite(**items)

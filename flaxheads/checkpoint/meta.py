@@ -132,9 +132,16 @@ def _dtype_name(x) -> str | None:
         return None
 
 
+def functional(model):
+    """``model``, or the functional model of an NNX one (:meth:`~flaxheads.nnx.model.NNXSequenceModel.to_functional`):
+    what a checkpoint records."""
+    return model.to_functional() if hasattr(model, "to_functional") else model
+
+
 def make_meta(model: SequenceModel, head_params, *, backbone_saved: bool = False,
               extra: Mapping[str, Any] | None = None) -> dict:
-    """The JSON ``meta`` item for ``model`` with ``head_params``."""
+    """The JSON ``meta`` item for ``model`` (an NNX model: its functional form) with ``head_params``."""
+    model = functional(model)
     dtypes = sorted({jnp.dtype(x.dtype).name for _, x in _leaves_with_paths(head_params)})
     meta = {
         "format": FORMAT,
@@ -244,6 +251,7 @@ def check_saved_shapes(meta: dict, want: dict, where: str) -> None:
 def check_resumable(meta: dict, where: str, params: Mapping, model: SequenceModel | None) -> None:
     """A run's checkpoint ``meta`` fits the target ``params`` ({"backbone", "head"}) and ``model``:
     same head shapes, same backbone width and type, and (frozen runs) the same backbone weights."""
+    model = functional(model)
     if head_shapes_hash(params["head"]) != meta.get("head_shapes_hash"):
         diff = config_diff(meta.get("head_config"), _config.to_dict(model.head)) if model else []
         raise IncompatibleCheckpointError(

@@ -157,10 +157,13 @@ def copy_tokenizer(src: str | os.PathLike | None, dst: str) -> list[str]:
 
 # ---- params <-> PyTorch names ---------------------------------------------------------------------
 def np_tree(tree):
-    """``tree`` on the host as float32 numpy arrays."""
+    """``tree`` on the host as float32 numpy arrays: quantised kernels dequantised and adapted ones
+    (a QLoRA base's) merged, so a merged export of a quantised model is a plain float32 model."""
     import jax
 
-    return jax.tree.map(lambda x: np.asarray(jax.device_get(x), dtype=np.float32), tree)
+    from flaxheads.layers.quantized import dequantize_tree
+
+    return jax.tree.map(lambda x: np.asarray(jax.device_get(x), dtype=np.float32), dequantize_tree(tree))
 
 
 def flatten(tree: Mapping, prefix: tuple = ()) -> dict[tuple, Any]:
