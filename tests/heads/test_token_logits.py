@@ -221,3 +221,20 @@ def test_serve_rerank_answers_with_the_rerankers_scores(untied):
         got = httpx.post(f"{url}/rerank", json={"query": query, "texts": docs, "raw_scores": True}).json()
     assert [d["index"] for d in got] == [d["index"] for d in ranked]
     np.testing.assert_allclose([d["score"] for d in got], [d["score"] for d in ranked], atol=1e-5)
+
+
+def test_lora_trains_the_reranker_as_the_preset(untied):
+    import jax
+    import jax.numpy as jnp
+
+    import flaxheads as fh
+
+    path, _ = untied
+    model = fh.from_pretrained(path, head=fh.heads.TokenLogits(tokens=("no", "yes"))).with_lora(rank=2)
+    ids, mask = _batch("left")
+    base = np.asarray(model.apply(model.params, ids, mask))  # LoRA's B starts at zero: the base's scores
+    plain = fh.from_pretrained(path, head=fh.heads.TokenLogits(tokens=("no", "yes")))
+    np.testing.assert_allclose(base, np.asarray(plain.apply(plain.params, ids, mask)), atol=1e-6, rtol=0)
+    g = jax.grad(lambda p: jnp.sum(model.apply(p, ids, mask)))(model.params)
+    assert any(float(jnp.abs(x).max()) > 0 for x in jax.tree.leaves(g["lora"]))
+    assert float(jnp.abs(g["head"]["head"]["classifier"]["kernel"]).max()) > 0
