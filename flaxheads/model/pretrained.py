@@ -15,8 +15,7 @@ from flaxheads.backbones.lazy import NotLazyLoadable, load_sharded
 from flaxheads.backbones.registry import family_for, load_backbone
 from flaxheads.backbones.weights import WeightsNotFoundError, head_from_hf, read_state_dict
 from flaxheads.errors import ConfigError
-from flaxheads.heads import linen
-from flaxheads.heads import token_logits
+from flaxheads.heads import linen, token_logits
 from flaxheads.heads.heads import Head, IdentityHead, ProjectionHead, SequenceHead, TokenLogits
 from flaxheads.heads.poolers import Pooler
 from flaxheads.heads.presets import check_pool_mask, match_preset

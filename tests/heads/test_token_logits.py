@@ -18,11 +18,10 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['cont
 
 
 def _save_tokenizer(path: str) -> None:
-    """A word-level fast tokenizer over hf_tiny's vocabulary size (:data:`WORDS`, then ``w<i>``), with a chat template."""
+    """A word-level fast tokenizer of hf_tiny's vocabulary size (:data:`WORDS`, then ``w<i>``), with a chat template."""
+    from hf_tiny import V
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-
-    from hf_tiny import V
 
     vocab = {w: i for i, w in enumerate(WORDS + [f"w{i}" for i in range(V - len(WORDS))])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
@@ -34,9 +33,8 @@ def _save_tokenizer(path: str) -> None:
 
 def _causal_lm(path, tied: bool):
     import torch
-    from transformers import Qwen3ForCausalLM
-
     from hf_tiny import tiny_config
+    from transformers import Qwen3ForCausalLM
 
     torch.manual_seed(3)
     cfg = tiny_config("qwen3", num_labels=2, layers=1)
