@@ -27,16 +27,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
-from bench import common  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from hf_tiny import save_tiny  # noqa: E402
 
 import flaxheads as fh  # noqa: E402
+from bench import common  # noqa: E402
 from flaxheads.model.quantize import device_bytes  # noqa: E402
 from flaxheads.training.loop import TrainConfig, Trainer  # noqa: E402
 from flaxheads.training.optim import OptimConfig  # noqa: E402
-from hf_tiny import save_tiny  # noqa: E402
 
 SCHEMES = (None, "int8", "int4", "nf4")
 
@@ -69,14 +69,16 @@ def base_bytes(tmp: str) -> None:
 
     cfg = os.path.join(HERE, "configs", "llama-3.1-8b")
     ref = shape_bytes(abstract_model(cfg).params["backbone"])
-    print(f"\n| Llama-3.1-8B base (shapes) | GiB | x float32 |\n| --- | --- | --- |\n| float32 | {ref / 2**30:.2f} | 1.00 |")
+    print("\n| Llama-3.1-8B base (shapes) | GiB | x float32 |\n| --- | --- | --- |")
+    print(f"| float32 | {ref / 2**30:.2f} | 1.00 |")
     for q in (None,) + SCHEMES[1:]:
         b = shape_bytes(abstract_model(cfg, base_dtype=jnp.bfloat16, quantize=q).params["backbone"])
         print(f"| {q or 'bfloat16'} (embeddings, norms bfloat16) | {b / 2**30:.2f} | {b / ref:.3f} |")
 
 
 def logits_error(tmp: str) -> None:
-    print("\n| family | int8 | int4 | nf4 | (max abs logit error / max abs float32 logit) |\n| --- | --- | --- | --- | --- |")
+    print("\n| family | int8 | int4 | nf4 | (max abs logit error / max abs float32 logit) |")
+    print("| --- | --- | --- | --- | --- |")
     ids = jnp.asarray(np.random.RandomState(0).randint(3, 99, (8, 24)))
     mask = jnp.ones_like(ids)
     for arch in ("llama", "qwen3"):
@@ -186,10 +188,11 @@ def load_worker(args: dict) -> None:
         jax.distributed.initialize(coordinator_address=f"127.0.0.1:{args['port']}", num_processes=2,
                                    process_id=args["process_id"])
     # the loader's own modules imported before the measure, so that rchar counts the weights' bytes
-    import flaxheads.backbones.lazy  # noqa: F401
-    import flaxheads.training.memory_plan  # noqa: F401
-    import flaxheads.model.quantize  # noqa: F401
     import qwix  # noqa: F401
+
+    import flaxheads.backbones.lazy  # noqa: F401
+    import flaxheads.model.quantize  # noqa: F401
+    import flaxheads.training.memory_plan  # noqa: F401
 
     jax.devices()
     gc.collect()

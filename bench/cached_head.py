@@ -56,12 +56,12 @@ def main(argv=None):
 
     import flaxheads as fh
     from flaxheads.data.batching import make_buckets
-    from flaxheads.data.tables import bbc_news_path, load_class_folder
     from flaxheads.data.splits import split_indices, tokenize
+    from flaxheads.data.tables import bbc_news_path, load_class_folder
     from flaxheads.training.features import cache_features, encode_groups
     from flaxheads.training.optim import OptimConfig, make_optimizer
-    from flaxheads.training.sweep import Variant, grid, sweep
     from flaxheads.training.steps import create_state, make_train_step
+    from flaxheads.training.sweep import Variant, grid, sweep
 
     path = common.minilm_path()
     table = load_class_folder(bbc_news_path())
@@ -183,8 +183,9 @@ def main(argv=None):
     print("\n".join(rows))
     print(f"# sweep best: {rk.variants[rk.best].label()} val {rk.metric} {rk.scores[rk.best]:.4f} "
           f"(K=1 head: {r1.scores[0]:.4f})")
-    print(f"# cached: probe {probe_total:.1f} s (incl. compiles) vs PyTorch encode {min(torch_times):.1f} s; head epoch "
-          f"{recompute_epoch / head_epoch:.0f}x faster on cache; K={k} sweep {rk.seconds / one:.2f}x one head")
+    print(f"# cached: probe {probe_total:.1f} s (incl. compiles) vs PyTorch encode {min(torch_times):.1f} s; "
+          f"head epoch {recompute_epoch / head_epoch:.0f}x faster on cache; "
+          f"K={k} sweep {rk.seconds / one:.2f}x one head")
 
 
 def _subset(cache, idx):

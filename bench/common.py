@@ -16,7 +16,7 @@ import statistics
 import sys
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
@@ -312,8 +312,9 @@ def table(bench: str, results: dict[str, Result], roof: float, *, torch_key: str
         vs_t = f"{r.eps / results[torch_key].eps:.2f}x" if torch_key in results else "-"
         vs_h = f"{r.eps / results[hf_key].eps:.2f}x" if hf_key in results else "-"
         xb = f" / {r.xla_bytes / 2**20:.0f}" if r.xla_bytes else ""
-        rows.append(f"| {bench} | {name} | {r.eps:.1f} | {r.spread()} | {r.gflops:.0f} | {100 * r.gflops / roof:.0f}% | "
-                    f"{r.first:.1f} | {r.peak_bytes / 2**20:.0f}{xb} | {vs_t} | {vs_h} |")
+        rows.append(f"| {bench} | {name} | {r.eps:.1f} | {r.spread()} | {r.gflops:.0f} | "
+                    f"{100 * r.gflops / roof:.0f}% | {r.first:.1f} | {r.peak_bytes / 2**20:.0f}{xb} | "
+                    f"{vs_t} | {vs_h} |")
     return "\n".join(rows)
 
 

@@ -23,8 +23,15 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from torch import nn  # noqa: E402
-from transformers import (AutoModel, AutoTokenizer, DataCollatorWithPadding, Trainer, TrainerCallback,  # noqa: E402
-                          TrainingArguments, get_linear_schedule_with_warmup)
+from transformers import (  # noqa: E402
+    AutoModel,
+    AutoTokenizer,
+    DataCollatorWithPadding,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+    get_linear_schedule_with_warmup,
+)
 from transformers.modeling_outputs import SequenceClassifierOutput  # noqa: E402
 
 T_IMPORTED = time.perf_counter()

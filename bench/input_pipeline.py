@@ -107,12 +107,12 @@ def run_train(data: Path, steps: int, out: Path, *extra: str) -> dict:
 def pipeline_alone(data: str, batches: int) -> dict:
     """In this process (no model): the scan, ``batches`` training batches and the whole test split
     through the pipeline; RSS after the imports, its peak, and the seconds of the scan."""
-    from flaxheads.interop.tokenizers import load_tokenizer
-    from flaxheads.data.splits import DataConfig
-    from flaxheads.data import streaming as S
-
     import datasets  # noqa: F401  (imported before the baseline: a fixed cost, not the pipeline's)
     import pyarrow  # noqa: F401
+
+    from flaxheads.data import streaming as S
+    from flaxheads.data.splits import DataConfig
+    from flaxheads.interop.tokenizers import load_tokenizer
 
     tok = load_tokenizer(common.minilm_path())
     with common.PeakRSS(interval=0.005) as mem:

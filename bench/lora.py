@@ -34,7 +34,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import common  # noqa: E402
 
-
 SYSTEMS = ("full", "lora", "lora-bf16")
 
 
@@ -52,8 +51,8 @@ def build_model(a):
 
     from flaxheads.backbones.base import HFConfig
     from flaxheads.backbones.families.decoder import DecoderBackbone
-    from flaxheads.model.sequence import SequenceModel, build_head
     from flaxheads.model.pretrained import _init_head
+    from flaxheads.model.sequence import SequenceModel, build_head
 
     cfg = DecoderBackbone.complete_config(HFConfig(_config(a)))
     backbone = DecoderBackbone(cfg, jax.jit(DecoderBackbone.init_params, static_argnums=0)(cfg, jax.random.key(0)),

@@ -51,7 +51,7 @@ def parse(argv=None):
     from bench import common
 
     ap = common.parser(__doc__)
-    ap.add_argument("--runs", default=DEFAULT_RUNS, help="comma-separated size:tokens (sizes: %s)" % ", ".join(SIZES))
+    ap.add_argument("--runs", default=DEFAULT_RUNS, help=f"comma-separated size:tokens (sizes: {', '.join(SIZES)})")
     ap.add_argument("--seq", type=int, default=None, help="tokens for every run (overrides --runs' lengths)")
     ap.add_argument("--layers", type=int, default=None, help="layers for every model (smoke runs)")
     ap.add_argument("--batch", type=int, default=32)
@@ -122,7 +122,6 @@ def _folder(size: str, layers: int | None, out: str) -> str:
 
 def _compiled_step(path: str, dtype, remat: bool, fused: bool, batch: dict):
     """(a blocking callable running one donated train step compiled with the attention choice, compile s)."""
-    import jax
     import optax
 
     import flaxheads as fh

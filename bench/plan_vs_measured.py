@@ -20,6 +20,7 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 from bench import common  # noqa: E402
+
 CONFIGS = {
     "llama H512 L4, full fine-tune f32, 8 x 256": dict(arch="llama", over=dict(hidden_size=512, num_hidden_layers=4,
         intermediate_size=1376, vocab_size=8000, num_attention_heads=8, head_dim=64, max_position_embeddings=512),
@@ -41,14 +42,14 @@ def worker(name: str, folder: str) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
+    from hf_tiny import save_tiny
 
     import flaxheads as fh
-    from flaxheads.runtime import ComputePlan
-    from flaxheads.training.memory_plan import lora_from_flags, plan_batch
     from flaxheads.model.quantize import device_bytes
+    from flaxheads.runtime import ComputePlan
     from flaxheads.training.loop import TrainConfig, Trainer
+    from flaxheads.training.memory_plan import lora_from_flags, plan_batch
     from flaxheads.training.optim import OptimConfig
-    from hf_tiny import save_tiny
 
     c = CONFIGS[name]
     opts = dict(c["plan"])
@@ -82,7 +83,8 @@ def worker(name: str, folder: str) -> dict:
 def main() -> None:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": os.path.join(HERE, "..") + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    print(f"CPU: {common.cpu_name()}\n\n| configuration | plan (MiB) | measured peak (MiB) | plan / measured |\n| --- | --- | --- | --- |")
+    print(f"CPU: {common.cpu_name()}\n")
+    print("| configuration | plan (MiB) | measured peak (MiB) | plan / measured |\n| --- | --- | --- | --- |")
     for name in CONFIGS:
         with tempfile.TemporaryDirectory() as tmp:
             out = subprocess.run([sys.executable, __file__, "--worker", name, tmp], env=env, capture_output=True,
@@ -91,8 +93,8 @@ def main() -> None:
                 print(out.stderr[-3000:], file=sys.stderr)
                 continue
             r = json.loads(out.stdout.strip().splitlines()[-1])
-            print(f"| {name} | {r['plan'] / 2**20:.1f} | {r['measured'] / 2**20:.1f} | {r['plan'] / r['measured']:.2f} |",
-                  flush=True)
+            print(f"| {name} | {r['plan'] / 2**20:.1f} | {r['measured'] / 2**20:.1f} | "
+                  f"{r['plan'] / r['measured']:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -45,9 +45,9 @@ def main(argv=None) -> dict:
     import optax
 
     import flaxheads as fh
+    from bench.mfu import device_name
     from flaxheads.training.flops import StepFlops
     from flaxheads.training.steps import create_state, make_train_step
-    from bench.mfu import device_name
 
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory() as tmp:

@@ -41,13 +41,13 @@ def main(argv=None):
     from bench import common
 
     common.configure_xla(args.xla_flags)
-    from bench.forward import classifier_checkpoint
-
     import jax
     import jax.numpy as jnp
     import numpy as np
     import optax
     import torch
+
+    from bench.forward import classifier_checkpoint
 
     src = args.model or common.minilm_path()
     b, t = args.batch, args.seq

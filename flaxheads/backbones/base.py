@@ -30,18 +30,19 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, ClassVar, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any, ClassVar, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flaxheads.backbones.weights import pick, torch_from_tree, tree_from_torch
 from flaxheads.errors import ConfigError, FlaxheadsError
-from flaxheads.runtime.plan import ComputePlan
 from flaxheads.layers.activations import get_activation
 from flaxheads.layers.remat import remat_policy
 from flaxheads.runtime.axes import Axes, generic_param_axes
-from flaxheads.backbones.weights import pick, torch_from_tree, tree_from_torch
+from flaxheads.runtime.plan import ComputePlan
 
 
 class BackboneError(FlaxheadsError):
@@ -82,7 +83,7 @@ class HFConfig(Mapping[str, Any]):
         object.__setattr__(self, "_source", source)
 
     @classmethod
-    def from_folder(cls, path: str | os.PathLike) -> "HFConfig":
+    def from_folder(cls, path: str | os.PathLike) -> HFConfig:
         f = os.path.join(os.fspath(path), "config.json")
         if not os.path.isfile(f):
             raise BackboneError(f"{os.fspath(path)!r} has no config.json: expected a Hugging Face model folder "
@@ -124,7 +125,7 @@ class HFConfig(Mapping[str, Any]):
     def __hash__(self):
         return hash(json.dumps(self._d, sort_keys=True, default=str))
 
-    def replace(self, **changes) -> "HFConfig":
+    def replace(self, **changes) -> HFConfig:
         return HFConfig({**self._d, **changes}, source=self._source)
 
     def to_dict(self) -> dict:
@@ -132,6 +133,13 @@ class HFConfig(Mapping[str, Any]):
 
     def __repr__(self) -> str:
         return f"HFConfig(model_type={self._d.get('model_type')!r}, hidden_size={self._d.get('hidden_size')!r})"
+
+
+class SettingsClass(Protocol):
+    """What a family's :attr:`Backbone.settings_class` is: a class built from the config."""
+
+    @classmethod
+    def from_config(cls, config: HFConfig, /) -> Any: ...
 
 
 class Backbone:
@@ -157,7 +165,9 @@ class Backbone:
     top_level: ClassVar[tuple[str, ...]] = ()
     #: what :meth:`encode` reads from the config besides the params: a dataclass with
     #: ``from_config(config)``, built once into ``self.settings`` (None: the family builds its own)
-    settings_class: ClassVar[type | None] = None
+    settings_class: ClassVar[type[SettingsClass] | None] = None
+    #: ``settings_class.from_config(config)`` (None without a settings class); a family declares its own type
+    settings: Any
     #: the config key the PyTorch ``XForSequenceClassification`` reads its classifier dropout from
     #: (None: its head has none, e.g. GPT-2's ``score``); a transformers export writes it
     classifier_dropout_key: ClassVar[str | None] = None
@@ -238,7 +248,7 @@ class Backbone:
     @classmethod
     def from_state(cls, config: Mapping[str, Any], state: Mapping[str, np.ndarray], *, dtype: Any = jnp.float32,
                    remat: bool | str = False, source: str = "checkpoint",
-                   plan: ComputePlan | None = None) -> "Backbone":
+                   plan: ComputePlan | None = None) -> Backbone:
         """Build from a full PyTorch state dict: the base-model prefix is stripped, every
         weight the family needs must be present (a folder of another architecture fails here)."""
         cfg = cls.complete_config(config if isinstance(config, HFConfig) else HFConfig(config))
@@ -271,8 +281,9 @@ class Backbone:
 
     # ---- compute ------------------------------------------------------------------------------
     def encode(self, params: Mapping, input_ids: jax.Array, attention_mask: jax.Array, *, train: bool = False,
-               rng: jax.Array | None = None, **extra) -> jax.Array:
-        """Last hidden state ``[B, T, H]`` in ``self.dtype``; a pure function of ``params``."""
+               rng: jax.Array | None = None) -> jax.Array:
+        """Last hidden state ``[B, T, H]`` in ``self.dtype``; a pure function of ``params``. A family
+        takes its :attr:`extra_inputs` as more keyword arguments, each defaulting to None."""
         raise NotImplementedError
 
     def __call__(self, input_ids, attention_mask=None, *inputs, params: Mapping | None = None,

@@ -19,13 +19,31 @@ Modules: :mod:`.meta` (format, meta, errors), :mod:`.io` (Orbax plumbing), :mod:
 (head checkpoints), :mod:`.runs` (training runs), :mod:`.inspect` (verify, list, print),
 :mod:`.models` (whole models from checkpoints).
 """
-from flaxheads.checkpoint.heads import HeadCheckpoint, attach_head, load_backbone_params, load_head, read_meta, save_head
+from flaxheads.checkpoint.heads import (
+    HeadCheckpoint,
+    attach_head,
+    load_backbone_params,
+    load_head,
+    read_meta,
+    save_head,
+)
 from flaxheads.checkpoint.inspect import format_listing, format_meta, list_checkpoints, verify_checkpoint
 from flaxheads.checkpoint.io import is_checkpoint_folder, resolve_root
-from flaxheads.checkpoint.meta import (FORMAT, CheckpointError, CheckpointExistsError, CheckpointNotFoundError, CheckpointWriteError,
-                   CorruptCheckpointError,
-                   HeadMismatchError, IncompatibleCheckpointError, backbone_checksum, expected_head_shapes,
-                   head_shapes, head_shapes_hash, make_meta)
+from flaxheads.checkpoint.meta import (
+    FORMAT,
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CheckpointWriteError,
+    CorruptCheckpointError,
+    HeadMismatchError,
+    IncompatibleCheckpointError,
+    backbone_checksum,
+    expected_head_shapes,
+    head_shapes,
+    head_shapes_hash,
+    make_meta,
+)
 from flaxheads.checkpoint.models import model_from_checkpoint
 from flaxheads.checkpoint.runs import RunCheckpointer
 
@@ -34,5 +52,6 @@ __all__ = [
     "CorruptCheckpointError", "HeadCheckpoint", "HeadMismatchError",
     "IncompatibleCheckpointError", "RunCheckpointer", "attach_head", "backbone_checksum", "expected_head_shapes",
     "format_listing", "format_meta", "head_shapes", "head_shapes_hash", "is_checkpoint_folder", "list_checkpoints",
-    "load_backbone_params", "load_head", "make_meta", "model_from_checkpoint", "read_meta", "resolve_root", "save_head", "verify_checkpoint",
+    "load_backbone_params", "load_head", "make_meta", "model_from_checkpoint", "read_meta", "resolve_root", "save_head",
+    "verify_checkpoint",
 ]

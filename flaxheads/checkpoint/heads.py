@@ -4,18 +4,35 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from flaxheads.checkpoint import io
-from flaxheads.checkpoint.meta import (BACKBONE, HEAD, LORA, META, STEP, CheckpointExistsError, CheckpointNotFoundError, HeadMismatchError,
-                   backbone_checksum, build_head, check_format, check_params_fit, check_saved_shapes,
-                   expected_head_shapes, int_keys, make_meta, path_str)
-from flaxheads.model.sequence import LoadReport, SequenceModel, _module_paths
+from flaxheads.checkpoint.meta import (
+    BACKBONE,
+    HEAD,
+    LORA,
+    META,
+    STEP,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    HeadMismatchError,
+    backbone_checksum,
+    build_head,
+    check_format,
+    check_params_fit,
+    check_saved_shapes,
+    expected_head_shapes,
+    int_keys,
+    make_meta,
+    path_str,
+)
 from flaxheads.heads.heads import SequenceHead
 from flaxheads.heads.presets import check_pool_mask, match_preset
+from flaxheads.model.sequence import LoadReport, SequenceModel, _module_paths
 
 
 @dataclasses.dataclass

@@ -7,17 +7,28 @@ import errno
 import logging
 import os
 import warnings
-from typing import Any, Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from flaxheads.checkpoint.meta import (
+    ARRAY_ITEMS,
+    CHECKPOINTS_SUBDIR,
+    JSON_ITEMS,
+    META,
+    STEP,
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointWriteError,
+    CorruptCheckpointError,
+    DamagedCheckpointError,
+)
 from flaxheads.disk import checksums
 from flaxheads.errors import os_error_cause
 from flaxheads.layers.quantized import is_quantized
-from flaxheads.checkpoint.meta import (ARRAY_ITEMS, CHECKPOINTS_SUBDIR, JSON_ITEMS, META, STEP, CheckpointError, CheckpointNotFoundError,
-                   CheckpointWriteError, CorruptCheckpointError, DamagedCheckpointError)
 
 
 def _handlers() -> dict:
@@ -236,8 +247,8 @@ def check_step(mgr, root: str, step: int, items: tuple[str, ...] | None = None) 
     try:
         checksums.verify_folder(os.path.join(root, str(step)), only=items)
     except checksums.ChecksumError as e:
-        raise DamagedCheckpointError(f"checkpoint step {step} is damaged: {e}.{fallback_hint(root, step, mgr.all_steps())}"
-                                     ) from None
+        hint = fallback_hint(root, step, mgr.all_steps())
+        raise DamagedCheckpointError(f"checkpoint step {step} is damaged: {e}.{hint}") from None
 
 
 def require_item(mgr, root: str, step: int, item: str) -> None:

@@ -9,23 +9,24 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import multihost_utils
 import numpy as np
+from jax.experimental import multihost_utils
 
 from flaxheads import config as _config
 from flaxheads._version import __version__
-from flaxheads.model.base_dtype import base_dtype_of
-from flaxheads.model.quantize import quantization_of
 from flaxheads.disk.checksums import ChecksumError
 from flaxheads.errors import FlaxheadsError, WriteFailedError
-from flaxheads.model.lora import adapters_diff, adapters_meta
-from flaxheads.model.sequence import SequenceModel
 from flaxheads.heads import linen
 from flaxheads.heads.heads import SequenceHead
+from flaxheads.model.base_dtype import base_dtype_of
+from flaxheads.model.lora import adapters_diff, adapters_meta
+from flaxheads.model.quantize import quantization_of
+from flaxheads.model.sequence import SequenceModel
 
 FORMAT = "flaxheads-checkpoint/1"
 HEAD, BACKBONE, OPT_STATE, EXTRA, STEP, META = "head", "backbone", "opt_state", "extra", "step", "meta"
@@ -270,11 +271,11 @@ def check_resumable(meta: dict, where: str, params: Mapping, model: SequenceMode
         check_adapters(meta, adapters_meta(model) if model is not None else None, where)
     saved_sum = meta.get("backbone_checksum")
     if not meta.get("backbone_saved") and saved_sum is not None:
-        have = backbone_checksum(params["backbone"])
-        if not np.isclose(have, saved_sum, rtol=1e-6, atol=0.0):
+        have_sum = backbone_checksum(params["backbone"])
+        if not np.isclose(have_sum, saved_sum, rtol=1e-6, atol=0.0):
             raise IncompatibleCheckpointError(
                 f"{where}: the run's frozen backbone was not saved, and the backbone given now differs from the "
-                f"one it was trained with (weight checksum {have!r} vs {saved_sum!r}; saved from "
+                f"one it was trained with (weight checksum {have_sum!r} vs {saved_sum!r}; saved from "
                 f"{meta.get('backbone_name_or_path')!r}). Load that backbone folder, or start a new run.")
 
 

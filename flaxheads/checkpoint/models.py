@@ -8,8 +8,8 @@ import os
 from flaxheads.checkpoint.adapters import load_adapters
 from flaxheads.checkpoint.heads import HeadCheckpoint, attach_head, load_backbone_params, load_head
 from flaxheads.checkpoint.meta import CheckpointError, CheckpointNotFoundError
-from flaxheads.model.sequence import SequenceModel
 from flaxheads.model.pretrained import from_pretrained
+from flaxheads.model.sequence import SequenceModel
 
 
 def model_from_checkpoint(directory: str | os.PathLike, step: int | str | None = None, *,

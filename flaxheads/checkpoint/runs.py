@@ -6,14 +6,29 @@ import contextlib
 import dataclasses
 import os
 import re
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from flaxheads.checkpoint import io
-from flaxheads.checkpoint.meta import (BACKBONE, CHECKPOINTS_SUBDIR, EXTRA, HEAD, LORA, META, OPT_STATE, STEP, CheckpointError,
-                   CheckpointNotFoundError, backbone_checksum, check_format, check_resumable, make_meta)
+from flaxheads.checkpoint.meta import (
+    BACKBONE,
+    CHECKPOINTS_SUBDIR,
+    EXTRA,
+    HEAD,
+    LORA,
+    META,
+    OPT_STATE,
+    STEP,
+    CheckpointError,
+    CheckpointNotFoundError,
+    backbone_checksum,
+    check_format,
+    check_resumable,
+    make_meta,
+)
 from flaxheads.model.sequence import SequenceModel
 
 
@@ -50,7 +65,7 @@ def _split_state(state) -> tuple[dict, Any, dict]:
 def _replace_fields(state, values: dict):
     if isinstance(state, Mapping):
         return {**state, **values}
-    if dataclasses.is_dataclass(state):
+    if dataclasses.is_dataclass(state) and not isinstance(state, type):
         if hasattr(state, "replace"):
             return state.replace(**values)
         return dataclasses.replace(state, **values)

@@ -9,7 +9,8 @@ NaN * weight 0 is still NaN). Training's batch plans and labels are in
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -82,7 +83,8 @@ def predict_batches(predict: Callable[[dict], Any], batches: Iterable[dict], *, 
     """Run ``predict(batch)`` (outputs with the batch rows on ``axis``) over ``batches`` and keep the
     rows of real examples (weight > 0), in order: ``(outputs, {key: kept rows of batch[key]})``.
     ``(None, {})`` when there is no batch."""
-    outs, kept = [], {k: [] for k in keys}
+    outs: list[np.ndarray] = []
+    kept: dict[str, list[np.ndarray]] = {k: [] for k in keys}
     for b in batches:
         rows = np.flatnonzero(np.asarray(b["weights"]) > 0)
         outs.append(np.take(np.asarray(predict(b), np.float32), rows, axis=axis))

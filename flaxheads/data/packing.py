@@ -18,13 +18,13 @@ and ``weights [R, S]`` (0 for empty text slots and padding rows).
 """
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
 from flaxheads.data.batching import bucket_length
-from flaxheads.errors import TrainingError
 from flaxheads.data.splits import Split, batch_plan
+from flaxheads.errors import TrainingError
 
 #: The keys that make a batch packed (the train step dispatches on ``"segment_ids"``).
 PACKED_KEYS = ("segment_ids", "position_ids", "segment_index", "segment_mask")
@@ -76,36 +76,36 @@ def _layout(split: Split, idx: np.ndarray, batch_size: int, buckets: Sequence[in
     return texts, lengths, rows, (n_rows, t, n_seg, seg_len)
 
 
-def packed_shape(split: Split, idx: Sequence[int], batch_size: int, buckets: Sequence[int], *,
+def packed_shape(split: Split, idx: Sequence[int] | np.ndarray, batch_size: int, buckets: Sequence[int], *,
                  row_multiple: int = 1) -> tuple[int, int, int, int]:
     """The shape :func:`packed_batch` gives these examples on its own: ``(rows, row length,
     texts per row, text length)``."""
     return _layout(split, np.asarray(idx, np.int64), batch_size, buckets, row_multiple)[3]
 
 
-def packed_batch(split: Split, idx: Sequence[int], batch_size: int, buckets: Sequence[int], *, pad_id: int = 0,
-                 first_position: int = 0, row_multiple: int = 1,
-                 shape: tuple[int, int, int, int] | None = None) -> dict:
+def packed_batch(split: Split, idx: Sequence[int] | np.ndarray, batch_size: int, buckets: Sequence[int], *,
+                 pad_id: int = 0, first_position: int = 0, row_multiple: int = 1,
+                 shape: Sequence[int] | None = None) -> dict:
     """The examples ``idx`` of ``split`` (one batch of at most ``batch_size``) packed into rows whose
     length is at most the largest bucket; see the module docstring for the keys. The row count is a
     multiple of ``row_multiple`` (the data-parallel width, which splits rows across devices).
     ``shape`` (a :func:`packed_shape` at least as large in every dimension) pads the batch to it."""
-    idx = np.asarray(idx, np.int64)
-    if len(idx) > batch_size:
-        raise ValueError(f"{len(idx)} examples > batch_size {batch_size}")
-    texts, lengths, rows, own = _layout(split, idx, batch_size, buckets, row_multiple)
+    examples = np.asarray(idx, np.int64)
+    if len(examples) > batch_size:
+        raise ValueError(f"{len(examples)} examples > batch_size {batch_size}")
+    texts, lengths, rows, own = _layout(split, examples, batch_size, buckets, row_multiple)
     if shape is not None and any(a < b for a, b in zip(shape, own)):
         raise ValueError(f"packed shape {tuple(shape)} is smaller than the batch's own {own}")
     n_rows, t, n_seg, seg_len = own if shape is None else shape
     types = None if split.token_type_ids is None else [np.asarray(split.token_type_ids[i][:int(buckets[-1])])
-                                                         for i in idx]
+                                                         for i in examples]
     out = {"input_ids": np.full((n_rows, t), pad_id, np.int32), "attention_mask": np.zeros((n_rows, t), np.int32),
            "segment_ids": np.zeros((n_rows, t), np.int32),
            "position_ids": np.full((n_rows, t), first_position, np.int32),
            "segment_index": np.zeros((n_rows, n_seg, seg_len), np.int32),
            "segment_mask": np.zeros((n_rows, n_seg, seg_len), np.int32),
            "weights": np.zeros((n_rows, n_seg), np.float32)}
-    labels = np.asarray(split.labels)[idx]
+    labels = np.asarray(split.labels)[examples]
     out["labels"] = np.zeros((n_rows, n_seg, *labels.shape[1:]), labels.dtype)
     if types is not None:
         out["token_type_ids"] = np.zeros((n_rows, t), np.int32)

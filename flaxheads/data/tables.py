@@ -14,8 +14,9 @@ import importlib.util
 import logging
 import math
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -45,7 +46,7 @@ class TextTable:
     def __len__(self) -> int:
         return len(self.texts)
 
-    def take(self, idx: Sequence[int]) -> "TextTable":
+    def take(self, idx: Sequence[int]) -> TextTable:
         idx = list(map(int, idx))
         return dataclasses.replace(self, texts=[self.texts[i] for i in idx], labels=[self.labels[i] for i in idx],
                                    rows=[self.rows[i] for i in idx],
@@ -153,7 +154,8 @@ def _not_utf8_message(path: str, byte: int, line: int, col: int, offset: int, he
     if head in (b"\xff\xfe", b"\xfe\xff"):  # byte order mark of UTF-16
         source, hint = "UTF-16", "it starts with a UTF-16 byte order mark"
     else:
-        source, hint = "WINDOWS-1252", "Windows-1252 and Latin-1 are common for Western text; put the real encoding after -f"
+        source = "WINDOWS-1252"
+        hint = "Windows-1252 and Latin-1 are common for Western text; put the real encoding after -f"
     return (f"{path} is not UTF-8: byte 0x{byte:02x} at line {line}, column {col} (byte offset {offset}) is not "
             f"valid UTF-8. flaxheads reads text files as UTF-8: convert it, e.g. `iconv -f {source} -t UTF-8 "
             f"{name} > {stem}.utf8{ext}` ({hint}), or save it as \"CSV UTF-8\" from a spreadsheet program.")
@@ -296,7 +298,8 @@ def infer_label_space(table: TextTable, problem_type: str | None = None, *, labe
     if problem_type is None:
         if all(_is_list(v) for v in labels):
             problem_type = MULTI_LABEL
-        elif all(isinstance(v, (float, np.floating)) for v in labels) and not all(float(v).is_integer() for v in labels):
+        elif (all(isinstance(v, (float, np.floating)) for v in labels)
+              and not all(float(v).is_integer() for v in labels)):
             problem_type = REGRESSION
         else:
             problem_type = SINGLE_LABEL
@@ -333,6 +336,7 @@ def encode_labels(table: TextTable, space: LabelSpace, split: str = "train") -> 
             raise DataError(f"{table.source}: {table.rows[bad]}, column {table.label_column!r}: regression "
                             f"target {table.labels[bad]!r} is not a number") from None
         return y.reshape(len(y), -1) if space.num_labels > 1 else y.reshape(-1)
+    assert space.names is not None  # every problem type but regression names its labels
     index = {n: i for i, n in enumerate(space.names)}
 
     def lookup(v, i):

@@ -13,7 +13,7 @@ import os
 import shutil
 import struct
 import tempfile
-from typing import Iterable
+from collections.abc import Iterable
 
 from flaxheads.disk.files import MARKER, has_marker
 from flaxheads.errors import UsageError
@@ -59,7 +59,7 @@ def _probe(folder: str) -> OSError | None:
 def _why(e: OSError) -> str:
     return {errno.EROFS: "the filesystem is read-only", errno.EACCES: "permission denied",
             errno.EPERM: "permission denied", errno.ENOSPC: "the disk is full",
-            errno.EDQUOT: "the disk quota is exhausted"}.get(e.errno, e.strerror or type(e).__name__)
+            errno.EDQUOT: "the disk quota is exhausted"}.get(e.errno or 0, e.strerror or type(e).__name__)
 
 
 def _size(n: float) -> str:

@@ -25,7 +25,7 @@ def describe(model, params=None, *, file=None) -> str:
         mods = [p for p in model.report.new + list(pre) if p.startswith(prefix + "/")]
         if not mods:
             return "no weights"
-        parts = [f"{p.split('/', 1)[1]} pretrained ({pre[p]})" if p in pre else f"{p.split('/', 1)[1]} NEW (random init)"
+        parts = [f"{p.split('/', 1)[1]} " + (f"pretrained ({pre[p]})" if p in pre else "NEW (random init)")
                  for p in sorted(mods)]
         return ", ".join(parts)
 
@@ -33,7 +33,8 @@ def describe(model, params=None, *, file=None) -> str:
     lines = [
         f"flaxheads model on {model.name_or_path or '<in memory>'}",
         f"  backbone : {type(model.backbone).__name__} ({cfg.model_type}), hidden {h}, compute dtype "
-        f"{np.dtype(dtype).name if dtype is not None else 'float32'}, {_count(params['backbone']):,} params, pretrained",
+        f"{np.dtype(dtype).name if dtype is not None else 'float32'}, {_count(params['backbone']):,} params, "
+        "pretrained",
         f"             input_ids [B,T] -> last hidden state [B,T,{h}]",
         f"  pool mask: {model.pool_mask}"
         + {"non_pad_token": f" (input_ids != pad_token_id={model.pad_token_id})",

@@ -1,14 +1,14 @@
 """Activations by their Hugging Face names (``ACT2FN`` keys), as JAX functions."""
 from __future__ import annotations
 
-from functools import partial
-from typing import Callable
-
 import math
+from collections.abc import Callable
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+
 from flaxheads.errors import ConfigError
 
 

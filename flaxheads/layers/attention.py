@@ -9,16 +9,19 @@ The key masks it takes come from :mod:`flaxheads.layers.masks`.
 from __future__ import annotations
 
 from functools import partial
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from flaxheads.runtime.plan import ComputePlan
 from flaxheads.layers.dense import matmul
 from flaxheads.layers.dropout import dropout
 from flaxheads.layers.remat import attention_out
+from flaxheads.runtime.plan import ComputePlan
 
+#: ``jax.nn.dot_product_attention``'s kernels by name
+Kernel = Literal["xla", "cudnn"]
 
 #: Target size of one attention chunk's score tensor. Chunks that fit in cache cost less
 #: CPU time in softmax/mask than one big ``[B, nh, T, T]`` tensor (measured on MiniLM).
@@ -94,7 +97,7 @@ def _biased_scores_jvp(primals, tangents):
             + jnp.einsum("bqhd,bkhd->bhqk", q, dk, preferred_element_type=jnp.float32))
 
 
-def fused_kernel(q: jax.Array, backend: str) -> str:
+def fused_kernel(q: jax.Array, backend: str) -> Kernel:
     """``jax.nn.dot_product_attention``'s ``implementation`` on ``backend`` (the plan's): cuDNN's
     flash attention on GPU for 16-bit activations and head dims it takes (multiple of 8, at most 128),
     else XLA's (``implementation=None`` means XLA in JAX 0.12 too, so cuDNN is asked for by name)."""
@@ -105,7 +108,7 @@ def fused_kernel(q: jax.Array, backend: str) -> str:
 
 
 def attend_fused(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, causal: bool = False,
-                 implementation: str | None = None) -> jax.Array:
+                 implementation: Kernel | None = None) -> jax.Array:
     """:func:`attend` (no dropout) through ``jax.nn.dot_product_attention``: cuDNN's fused
     kernel where :func:`fused_kernel` says so (the registry asks it with the plan's backend), XLA's
     arrangement with ``implementation="xla"`` (the default).

@@ -26,8 +26,9 @@ def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float, prod
 
     Without derivatives and with ``products`` (where the compute plan says so,
     :attr:`~flaxheads.runtime.plan.ComputePlan.layer_norm`), the mean and variance are products with a
-    ``1/n`` column instead of reductions (same values to rounding). The derivative keeps the reductions: the products made no difference to train steps
-    (AMD EPYC with AVX2, 16 x 128: 0.99x the step time, packed 1 x 64: 1.03x)."""
+    ``1/n`` column instead of reductions (same values to rounding). The derivative keeps the reductions: the
+    products made no difference to train steps (AMD EPYC with AVX2, 16 x 128: 0.99x the step time, packed
+    1 x 64: 1.03x)."""
     xh, _ = _layer_norm_parts(x, eps, products)
     return (xh * scale + bias).astype(x.dtype)
 

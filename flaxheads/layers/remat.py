@@ -16,7 +16,7 @@ the same values and gradients as ``none``; only memory and time differ.
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 from jax.ad_checkpoint import checkpoint_name

@@ -13,7 +13,8 @@ precision is bfloat16; elsewhere float32, which leaves the float32 programs bitw
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -49,7 +50,8 @@ def cast_tree(tree: Any, dtype: Any) -> Any:
 
 def base_dtype_of(backbone_params: Any) -> str | None:
     """The dtype name of the base's floating-point leaves (None: no such leaf; ``"mixed"``)."""
-    leaves = jax.tree.leaves(backbone_params, is_leaf=lambda x: hasattr(x, "qvalue"))  # quantised kernels: not stored floats
+    # quantised kernels: not stored floats
+    leaves = jax.tree.leaves(backbone_params, is_leaf=lambda x: hasattr(x, "qvalue"))
     names = {jnp.dtype(x.dtype).name for x in leaves
              if hasattr(x, "dtype") and not hasattr(x, "qvalue") and jnp.issubdtype(x.dtype, jnp.floating)}
     return None if not names else names.pop() if len(names) == 1 else "mixed"

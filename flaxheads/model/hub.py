@@ -68,8 +68,8 @@ def resolve_model_source(name: str | os.PathLike, *, revision: str | None = None
 
 def _snapshot(repo: str, revision: str | None, local_hint: str, what: str) -> str:
     try:
-        from huggingface_hub import snapshot_download
         from huggingface_hub import errors as hub_errors
+        from huggingface_hub import snapshot_download
     except ImportError:
         raise ModelSourceError(f"{what} {repo!r} is not a local folder, and fetching it from the Hugging Face hub "
                                f"needs `pip install huggingface_hub`; or {local_hint}") from None

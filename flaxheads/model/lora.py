@@ -22,7 +22,8 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import math
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -87,7 +88,7 @@ class LoraConfig:
                 "targets": None if self.targets is None else list(self.targets)}
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "LoraConfig":
+    def from_dict(cls, d: Mapping[str, Any]) -> LoraConfig:
         t = d.get("targets")
         return cls(rank=int(d["rank"]), alpha=float(d["alpha"]), dropout=float(d.get("dropout", 0.0)),
                    targets=None if t is None else tuple(t))

@@ -4,7 +4,7 @@ mesh one tensor at a time) and attaches a pooler and head, HF's own for the arch
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -70,7 +70,7 @@ def from_pretrained(path: str | os.PathLike, *, pooler: str | Sequence[str] | Po
                                  plan=plan)
     cfg = backbone.config
     labels = _labels(id2label, num_labels, cfg)
-    n = len(labels) if labels else int(num_labels or getattr(cfg, "num_labels", 2))
+    n = len(labels) if labels else int(num_labels or cfg.get("num_labels", 2))
     seq_head, _ = build_head(cfg, n, pooler=pooler, head=head, pooler_options=pooler_options,
                                   head_options=head_options)
     if isinstance(seq_head.head, TokenLogits):  # its tokens say how many outputs it has
@@ -184,7 +184,8 @@ def _token_logits(head: TokenLogits, cfg, state, backbone, head_params: dict, re
 
 def _labels(id2label, num_labels, cfg) -> dict[int, str] | None:
     if id2label is not None:
-        labels = dict(enumerate(id2label)) if not isinstance(id2label, dict) else {int(k): str(v) for k, v in id2label.items()}
+        labels = ({int(k): str(v) for k, v in id2label.items()} if isinstance(id2label, dict)
+                  else dict(enumerate(id2label)))
         if num_labels is not None and num_labels != len(labels):
             raise ConfigError(f"num_labels={num_labels} but id2label has {len(labels)} entries")
         if sorted(labels) != list(range(len(labels))):

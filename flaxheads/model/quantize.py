@@ -17,12 +17,13 @@ and nf4 codes are packed two to a byte (``on_device_size_in_bytes``). The scheme
 
 A kernel whose input width is not a multiple of :data:`BLOCK` gets one block per output channel.
 
-The forward (:mod:`flaxheads.layers.quantized`): :func:`~flaxheads.layers.quantized.qmatmul` multiplies by the dequantised kernel in the activations' dtype, with a
-backward pass that dequantises again instead of keeping the dequantised kernel as a residual, so a
-step holds the codes, not a float copy of the base. The codes get no gradient (the base is frozen).
-LoRA on a quantised kernel is applied beside it (``x W + s (x A) B``, :class:`~flaxheads.layers.lora.LoraKernel`), since
-``W + s A B`` cannot be stored in the codes; :func:`~flaxheads.layers.quantized.dequantize_tree` turns a quantised (and
-adapted) base back into float32 kernels (merged exports).
+The forward (:mod:`flaxheads.layers.quantized`): :func:`~flaxheads.layers.quantized.qmatmul` multiplies by the
+dequantised kernel in the activations' dtype, with a backward pass that dequantises again instead of keeping the
+dequantised kernel as a residual, so a step holds the codes, not a float copy of the base. The codes get no
+gradient (the base is frozen). LoRA on a quantised kernel is applied beside it (``x W + s (x A) B``,
+:class:`~flaxheads.layers.lora.LoraKernel`), since ``W + s A B`` cannot be stored in the codes;
+:func:`~flaxheads.layers.quantized.dequantize_tree` turns a quantised (and adapted) base back into float32 kernels
+(merged exports).
 
 Families whose every matmul kernel goes through :func:`flaxheads.layers.dense.matmul` can take a
 quantised base (``"quantize"`` in their :attr:`~flaxheads.backbones.base.Backbone.features`: the
@@ -30,8 +31,9 @@ decoder LLMs); the others fuse or rescale kernels before multiplying and are ref
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import lru_cache, partial
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -76,7 +78,7 @@ def quantize_kernel(kernel: jax.Array, qtype: str):
     return _quantize(kernel, qtype, _tiles(np.shape(kernel)[0], qtype))
 
 
-def check_family(model_type: str) -> None:
+def check_family(model_type: str | None) -> None:
     """Refuse a ``model_type`` whose family does not route its kernels through the shared matmul."""
     from flaxheads.backbones.registry import family_for
 
@@ -93,7 +95,7 @@ def quantizable(path: tuple[str, ...], shape: tuple[int, ...]) -> bool:
     return path[-1:] == ("kernel",) and "layers" in path and len(shape) == 2
 
 
-def quantize_params(backbone_params, qtype: str, model_type: str) -> dict:
+def quantize_params(backbone_params, qtype: str, model_type: str | None) -> dict:
     """``backbone_params`` with every :func:`quantizable` kernel quantised."""
     check_family(model_type)
     flat = flatten_dict(backbone_params)

@@ -8,21 +8,22 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
 
 from flaxheads import config as _config
-from flaxheads.heads.heads import Head, LinearHead, SequenceHead, make_head
+from flaxheads.errors import ConfigError
 from flaxheads.heads import linen
-from flaxheads.losses import loss_fn
+from flaxheads.heads.heads import Head, LinearHead, SequenceHead, make_head
 from flaxheads.heads.poolers import Pool, Pooler, make_pooler
 from flaxheads.heads.presets import Preset, preset_for
-from flaxheads.errors import ConfigError
-from flaxheads.runtime.plan import ComputePlan
+from flaxheads.losses import loss_fn
 from flaxheads.model.base_dtype import cast_tree
 from flaxheads.model.lora import LORA, LoraConfig, merge_lora, with_lora
+from flaxheads.runtime.plan import ComputePlan
+
 
 @dataclasses.dataclass
 class LoadReport:
@@ -74,11 +75,13 @@ class SequenceModel:
     # ---- pure pieces -------------------------------------------------------------------
     def pooling_mask(self, input_ids: jax.Array, attention_mask: jax.Array) -> jax.Array:
         """The mask the pooler sees (GPT-2: ids != pad; BART: ids == eos; else attention mask)."""
-        if self.pool_mask == "non_pad_token":
-            return input_ids != self.pad_token_id
-        if self.pool_mask == "eos_token":
-            return input_ids == self.eos_token_id
-        return attention_mask
+        if self.pool_mask not in ("non_pad_token", "eos_token"):
+            return attention_mask
+        key, token = (("pad_token_id", self.pad_token_id) if self.pool_mask == "non_pad_token"
+                      else ("eos_token_id", self.eos_token_id))
+        if token is None:  # check_pool_mask refuses such a model where one is built from a preset
+            raise ConfigError(f"pool_mask {self.pool_mask!r} needs the model's {key}, which is None")
+        return (jnp.not_equal if self.pool_mask == "non_pad_token" else jnp.equal)(input_ids, token)
 
     def features(self, backbone_params, input_ids, attention_mask, *, train: bool = False,
                  dropout_rng: jax.Array | None = None, **extra) -> tuple[jax.Array, jax.Array]:
@@ -119,7 +122,7 @@ class SequenceModel:
                               "params of the model with adapters (model.params), or merge them (flaxheads.model.lora)")
         return merge_lora(params["backbone"], params[LORA], self.lora, self.model_type)
 
-    def with_base_dtype(self, dtype) -> "SequenceModel":
+    def with_base_dtype(self, dtype) -> SequenceModel:
         """This model with its base (``params["backbone"]``) stored in ``dtype`` (e.g. ``jnp.bfloat16``
         for a frozen base; see :mod:`flaxheads.model.base_dtype`); head and adapters keep their float32."""
         backbone_params = cast_tree(self.params["backbone"], dtype)
@@ -128,7 +131,7 @@ class SequenceModel:
             backbone.params = backbone_params  # the backbone's own reference would keep the old copy alive
         return dataclasses.replace(self, backbone=backbone, params={**self.params, "backbone": backbone_params})
 
-    def with_quantized_base(self, qtype: str) -> "SequenceModel":
+    def with_quantized_base(self, qtype: str) -> SequenceModel:
         """This model with its base's layer kernels quantised to ``qtype`` (``int8 | int4 | nf4``;
         :mod:`flaxheads.model.quantize`): a frozen base for QLoRA or a frozen backbone."""
         from flaxheads.model.quantize import quantize_params
@@ -139,7 +142,7 @@ class SequenceModel:
             backbone.params = backbone_params
         return dataclasses.replace(self, backbone=backbone, params={**self.params, "backbone": backbone_params})
 
-    def with_lora(self, config: LoraConfig | None = None, *, seed: int = 0, **options) -> "SequenceModel":
+    def with_lora(self, config: LoraConfig | None = None, *, seed: int = 0, **options) -> SequenceModel:
         """This model with fresh LoRA adapters (see :func:`flaxheads.model.lora.with_lora`)."""
         return with_lora(self, config, seed=seed, **options)
 
@@ -171,11 +174,14 @@ class SequenceModel:
     def head_apply(self, head_params, hidden, mask, *, train: bool = False,
                    dropout_rng: jax.Array | None = None) -> jax.Array:
         """Pooler + head on hidden states: logits (or embeddings) [B, N], float32."""
-        if train and dropout_rng is None:
-            raise ConfigError("train=True needs a dropout_rng")
-        rngs = {"dropout": dropout_rng} if train else {}
-        return linen.module(self.head).apply({"params": head_params}, hidden, mask, deterministic=not train,
-                                             rngs=rngs)
+        rngs: dict[str, jax.Array] = {}
+        if train:
+            if dropout_rng is None:
+                raise ConfigError("train=True needs a dropout_rng")
+            rngs["dropout"] = dropout_rng
+        # apply's union return covers mutable collections, which this call asks for none of
+        return cast(jax.Array, linen.module(self.head).apply({"params": head_params}, hidden, mask,
+                                                             deterministic=not train, rngs=rngs))
 
     def apply(self, params, input_ids, attention_mask=None, *, train: bool = False,
               dropout_rng: jax.Array | None = None, **extra) -> jax.Array:

@@ -12,7 +12,7 @@ A parameter the rule does not recognise gets ``None`` on every dimension (replic
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 EMBED, HEADS, KV, MLP, VOCAB = "embed", "heads", "kv", "mlp", "vocab"
 #: The logical names a parameter dimension can carry (None: no name, never sharded).

@@ -60,7 +60,8 @@ class CompileCache:
         lost = self.compiled - self.stored
         note = f"; {lost} could not be stored (XLA cannot save oneDNN's products) and compile in every run" \
             if lost else ""
-        return f"compile cache: {self.hits} loaded, {self.compiled} compiled, {self.stored} stored{note} ({self.folder})"
+        return (f"compile cache: {self.hits} loaded, {self.compiled} compiled, {self.stored} stored{note} "
+                f"({self.folder})")
 
 
 def enable_compile_cache(folder: str | os.PathLike | None = None) -> CompileCache | None:

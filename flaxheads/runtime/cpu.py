@@ -14,14 +14,14 @@ class CpuInfo:
     flags: frozenset[str] = frozenset()
 
     @classmethod
-    def read(cls, path: str = "/proc/cpuinfo") -> "CpuInfo":
+    def read(cls, path: str = "/proc/cpuinfo") -> CpuInfo:
         """The first processor's entry (the other cores repeat it); an empty ``CpuInfo`` when unreadable."""
         try:
             with open(path, encoding="utf-8", errors="replace") as f:
                 first = f.read().split("\n\n")[0]
         except OSError:
             return cls(platform.processor())
-        fields = {}
+        fields: dict[str, str] = {}
         for line in first.splitlines():
             key, _, value = line.partition(":")
             fields.setdefault(key.strip(), value.strip())

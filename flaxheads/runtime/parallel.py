@@ -9,7 +9,8 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -22,17 +23,21 @@ from flaxheads.errors import TrainingError
 from flaxheads.runtime.sharding import DATA as DATA_AXIS
 from flaxheads.runtime.sharding import Layout, make_mesh, replicated_layout
 
+if TYPE_CHECKING:  # a sharding's mesh may be abstract (newer jax)
+    from jax.sharding import AbstractMesh
+
 PARALLEL_MODES = ("single", "pmap", "mesh")
 __all__ = ["DATA_AXIS", "PARALLEL_MODES", "Parallel", "host_leaf", "make_mesh", "process_rows"]
 
 
-def _per_device(fn: Callable, mesh: Mesh, in_specs, out_specs) -> Callable:
+def _per_device(fn: Callable, mesh: Mesh | AbstractMesh, in_specs, out_specs) -> Callable:
     """``fn`` written per device, as under ``jax.pmap``: ``jax.shard_map`` without its replication
     checks, whose automatic sum of an invariant input's cotangent would add to the step's own
     ``psum`` of the gradients (``jax.experimental.shard_map`` on releases before it moved)."""
     shard_map = getattr(jax, "shard_map", None)
     if shard_map is None:
-        from jax.experimental.shard_map import shard_map
+        from jax.experimental.shard_map import shard_map as experimental_shard_map
+        shard_map = experimental_shard_map
     # the checks' switch was renamed (check_rep -> check_vma)
     check = "check_vma" if "check_vma" in inspect.signature(shard_map).parameters else "check_rep"
     return shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **{check: False})
@@ -56,7 +61,9 @@ def host_leaf(x) -> np.ndarray:
 def _process_block(sharding: NamedSharding, parts: int) -> tuple[int, int]:
     """(index, count): this process holds block ``index`` of ``count`` equal, contiguous blocks of
     the rows of an array with ``parts`` row shards (processes that share rows hold the same block)."""
-    starts = sorted({int(idx[0].start or 0) for idx in sharding.addressable_devices_indices_map((parts,)).values()})
+    # an index of None: the device holds the whole array
+    starts = sorted({int(idx[0].start or 0) if idx else 0
+                     for idx in sharding.addressable_devices_indices_map((parts,)).values()})
     k = len(starts)
     if starts != list(range(starts[0], starts[0] + k)) or starts[0] % k:
         raise TrainingError(f"this process's devices hold batch shards {starts} of {parts}, not one contiguous "
@@ -91,8 +98,22 @@ class Parallel:
         if self.mode == "mesh" and self.layout is None:
             self.layout = replicated_layout(self.mesh, self.rules)
 
+    @property
+    def _mesh(self) -> Mesh:
+        """Mesh mode's device mesh (``__post_init__`` sets it)."""
+        if self.mesh is None:
+            raise TrainingError(f"parallel mode {self.mode!r} has no device mesh; mode 'mesh' has one")
+        return self.mesh
+
+    @property
+    def _layout(self) -> Layout:
+        """Mesh mode's layout of the params (``__post_init__`` sets a replicated one, :meth:`bind` the model's)."""
+        if self.layout is None:
+            raise TrainingError(f"parallel mode {self.mode!r} places no params by layout; mode 'mesh' does")
+        return self.layout
+
     @classmethod
-    def from_config(cls, mode: str = "single", mesh: str | Mapping[str, int] | None = None) -> "Parallel":
+    def from_config(cls, mode: str = "single", mesh: str | Mapping[str, int] | None = None) -> Parallel:
         """``mode``, or a mesh of the given shape (``"data=2,fsdp=4"``; implies mode ``mesh``)."""
         if mesh:
             if mode not in ("single", "mesh"):
@@ -100,12 +121,12 @@ class Parallel:
             return cls("mesh", make_mesh(mesh))
         return cls(mode)
 
-    def bind(self, model) -> "Parallel":
+    def bind(self, model) -> Parallel:
         """This mode with the params of ``model`` placed by their logical axes (mesh mode; the
         other modes are returned unchanged)."""
         if self.mode != "mesh":
             return self
-        return dataclasses.replace(self, layout=Layout.for_model(self.mesh, model, self.rules))
+        return dataclasses.replace(self, layout=Layout.for_model(self._mesh, model, self.rules))
 
     @property
     def width(self) -> int:
@@ -113,19 +134,19 @@ class Parallel:
         if self.mode == "pmap":
             return jax.local_device_count()
         if self.mode == "mesh":
-            return math.prod(self.mesh.shape[a] for a in self.layout.batch_axes())
+            return math.prod(self._mesh.shape[a] for a in self._layout.batch_axes())
         return 1
 
     @property
     def local_rows_fraction(self) -> tuple[int, int]:
         """(index, count): this process feeds block ``index`` of ``count`` equal blocks of every global batch."""
         if self.mode == "mesh":
-            return _process_block(self.layout.batch(), self.width)
+            return _process_block(self._layout.batch(), self.width)
         return 0, 1
 
     def shardings(self, tree) -> Any:
         """Mesh mode: the NamedSharding of every leaf of ``tree`` (params, a state) by the layout."""
-        return self.layout.shardings(tree)
+        return self._layout.shardings(tree)
 
     def compile(self, step_fn: Callable, *, donate: bool = True, like: Any = None,
                 returns_state: bool | None = None, options: Mapping[str, str] | None = None) -> Callable:
@@ -149,10 +170,10 @@ class Parallel:
             per_device = _per_device(step_fn, mesh, (P(), P(DATA_AXIS)), (P(), P()) if state_out else P(DATA_AXIS))
             return jax.jit(per_device, in_shardings=(rep, rows), out_shardings=(rep, rep) if state_out else rows,
                            donate_argnums=donate_argnums, compiler_options=options)
-        rep = self.layout.replicated()
+        rep = self._layout.replicated()
         first = rep if like is None else self.shardings(like)
         out = (first, rep) if (donate if returns_state is None else returns_state) else rep
-        return jax.jit(step_fn, in_shardings=(first, self.layout.batch()), out_shardings=out,
+        return jax.jit(step_fn, in_shardings=(first, self._layout.batch()), out_shardings=out,
                        donate_argnums=donate_argnums, compiler_options=options)
 
     def put_state(self, tree, *, reuse: bool = False):
@@ -188,7 +209,7 @@ class Parallel:
         if self.mode == "pmap":
             rows = NamedSharding(local_data_mesh(), P(DATA_AXIS))
             return {k: jax.device_put(np.asarray(v), rows) for k, v in batch.items()}
-        data, count = self.layout.batch(), self.local_rows_fraction[1]
+        data, count = self._layout.batch(), self.local_rows_fraction[1]
         return {k: jax.make_array_from_process_local_data(data, np.asarray(v), (len(v) * count, *np.shape(v)[1:]))
                 for k, v in batch.items()}
 

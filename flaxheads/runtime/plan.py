@@ -81,7 +81,7 @@ class ComputePlan:
     def for_host(cls, *, attention: str | None = None, precision: str = "float32",
                  attention_chunks: int | str = "auto", xla_flags: str | None = None, backend: str | None = None,
                  cpu: CpuInfo | None = None, jax_version: str | None = None,
-                 gpu_capability: str | None = None) -> "ComputePlan":
+                 gpu_capability: str | None = None) -> ComputePlan:
         """The plan for this process: ``backend`` (default JAX's), ``xla_flags`` (default
         ``$XLA_FLAGS``: XLA reads them once, so they are the process's), ``jax_version`` (default the
         installed one) and the user's choices: ``attention`` (one of :data:`ATTENTION_IMPLS`, default
@@ -112,7 +112,7 @@ class ComputePlan:
                     "ynn" if plan.onednn and plan.ynn_reductions else plan.unfused_attention)
         return plan.replace(attention=want)
 
-    def replace(self, **changes: Any) -> "ComputePlan":
+    def replace(self, **changes: Any) -> ComputePlan:
         """This plan with some fields changed (e.g. ``plan.replace(attention="plain")``)."""
         return replace(self, **changes)
 

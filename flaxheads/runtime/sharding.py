@@ -21,14 +21,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from flaxheads.runtime.axes import EMBED, HEADS, KV, MLP, VOCAB, Axes, generic_param_axes
 from flaxheads.errors import TrainingError
+from flaxheads.runtime.axes import EMBED, HEADS, KV, MLP, VOCAB, Axes, generic_param_axes
 
 DATA, FSDP, TENSOR = "data", "fsdp", "tensor"
 #: Mesh axis names, outermost first (the innermost axis varies fastest over a host's devices).
@@ -47,9 +49,9 @@ def parse_mesh(text: str | Mapping[str, int]) -> dict[str, int]:
     else:
         items = []
         for part in str(text).split(","):
-            name, eq, size = part.strip().partition("=")
+            name, eq, count = part.strip().partition("=")
             try:
-                items.append((name.strip(), int(size)))
+                items.append((name.strip(), int(count)))
             except ValueError:
                 eq = ""
             if not eq:
@@ -119,7 +121,9 @@ def spec_for(axes: Axes, shape: Sequence[int], mesh: Mesh, rules: Mapping[str, A
     """The PartitionSpec of one array with logical ``axes``: each named dimension on its rule's
     mesh axes, leaving out axes of size 1, axes an earlier dimension took, and the whole
     dimension when its size is not a multiple of those axes' devices."""
-    sizes, used, out = mesh_shape(mesh), set(), []
+    sizes = mesh_shape(mesh)
+    used: set[str] = set()
+    out: list[str | tuple[str, ...] | None] = []
     for name, n in zip(axes, shape):
         target = rules.get(name) if name is not None else None
         target = (target,) if isinstance(target, str) else tuple(target or ())
@@ -158,7 +162,7 @@ class Layout:
     rules: Mapping[str, Any] = dataclasses.field(default_factory=lambda: dict(DEFAULT_RULES))
 
     @classmethod
-    def for_model(cls, mesh: Mesh, model, rules: Mapping[str, Any] | None = None) -> "Layout":
+    def for_model(cls, mesh: Mesh, model, rules: Mapping[str, Any] | None = None) -> Layout:
         rules = dict(DEFAULT_RULES if rules is None else rules)
         shapes = {path_names(p): tuple(np.shape(x)) for p, x in jax.tree_util.tree_leaves_with_path(model.params)}
         specs = {p: (shapes[p], spec_for(a, shapes[p], mesh, rules)) for p, a in model_param_axes(model).items()}

@@ -95,7 +95,7 @@ class XlaSetting:
     onednn: bool = False
 
     @classmethod
-    def parse(cls, xla_flags: str) -> "XlaSetting":
+    def parse(cls, xla_flags: str) -> XlaSetting:
         values = {}
         for flag in split_flags(xla_flags):
             name, _, value = flag.partition("=")
@@ -107,7 +107,7 @@ class XlaSetting:
                    and values.get("--xla_cpu_experimental_onednn_custom_call") in on)
 
     @classmethod
-    def of_process(cls) -> "XlaSetting":
+    def of_process(cls) -> XlaSetting:
         """This process's ``$XLA_FLAGS``."""
         return cls.parse(os.environ.get("XLA_FLAGS", ""))
 

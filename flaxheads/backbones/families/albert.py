@@ -18,15 +18,16 @@ to the ALBERT head preset, not to the backbone.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, ClassVar, Mapping
+from collections.abc import Callable, Mapping
+from typing import ClassVar
 
 import jax
 
-from flaxheads.runtime.plan import ComputePlan
-from flaxheads.layers.dense import dense
-from flaxheads.layers.init import HFInit
 from flaxheads.backbones.base import BackboneError
 from flaxheads.backbones.families.bert import BertBackbone, LayerLayout, Settings, bert_embeddings
+from flaxheads.layers.dense import dense
+from flaxheads.layers.init import HFInit
+from flaxheads.runtime.plan import ComputePlan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +66,8 @@ def albert_embeddings(params: dict, input_ids, token_type_ids, position_ids, *, 
 
 
 class AlbertBackbone(BertBackbone):
-    """ALBERT on :func:`~flaxheads.backbones.families.bert.encode` with :class:`AlbertLayout` and factorised embeddings."""
+    """ALBERT on :func:`~flaxheads.backbones.families.bert.encode` with :class:`AlbertLayout` and factorised
+    embeddings."""
 
     model_types = ("albert",)
     base_model_prefix = "albert"
@@ -78,7 +80,7 @@ class AlbertBackbone(BertBackbone):
                 "layer_norm_eps": 1e-12, "classifier_dropout_prob": 0.1, "position_embedding_type": "absolute",
                 "pad_token_id": 0, "bos_token_id": 2, "eos_token_id": 3}
     family: ClassVar[str] = "ALBERT"
-    layout: ClassVar[LayerLayout] = AlbertLayout()
+    layout: ClassVar[AlbertLayout] = AlbertLayout()
 
     @classmethod
     def check_config(cls, config) -> None:
@@ -106,6 +108,7 @@ class AlbertBackbone(BertBackbone):
                   for g in range(int(config.num_hidden_groups))}
         embeddings = {"word_embeddings": init.embedding(int(config.vocab_size), e),
                       "position_embeddings": init.embedding(int(config.max_position_embeddings), e),
-                      "token_type_embeddings": init.embedding(int(config.type_vocab_size), e), "LayerNorm": init.norm(e)}
+                      "token_type_embeddings": init.embedding(int(config.type_vocab_size), e),
+                      "LayerNorm": init.norm(e)}
         return {"embeddings": embeddings,
                 "encoder": {"embedding_hidden_mapping_in": init.dense(e, h), "albert_layer_groups": groups}}

@@ -23,14 +23,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable, Mapping
 from functools import partial
-from typing import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxheads.runtime.plan import ComputePlan
+from flaxheads.backbones.base import Backbone, BackboneError, HFConfig, activation_problem
+from flaxheads.backbones.families.bert import dropout_keys
+from flaxheads.backbones.weights import pick, torch_from_tree, tree_from_torch
 from flaxheads.layers.activations import get_activation
 from flaxheads.layers.attention import cross_attention, fused_qkv, self_attention
 from flaxheads.layers.dense import dense, embedding_lookup
@@ -39,9 +41,7 @@ from flaxheads.layers.init import HFInit
 from flaxheads.layers.masks import mask_bias
 from flaxheads.layers.norms import layer_norm_p
 from flaxheads.layers.remat import checkpointed, mlp_out
-from flaxheads.backbones.base import Backbone, BackboneError, HFConfig, activation_problem
-from flaxheads.backbones.families.bert import dropout_keys
-from flaxheads.backbones.weights import pick, torch_from_tree, tree_from_torch
+from flaxheads.runtime.plan import ComputePlan
 
 #: nn.LayerNorm's default epsilon, which every BART LayerNorm uses.
 LN_EPS = 1e-5
@@ -71,7 +71,7 @@ class Settings:
     decoder_start_token_id: int
 
     @classmethod
-    def from_config(cls, config) -> "Settings":
+    def from_config(cls, config) -> Settings:
         return cls(int(config.encoder_attention_heads), int(config.decoder_attention_heads),
                    config.activation_function, float(config.dropout or 0.0),
                    float(config.attention_dropout or 0.0), float(config.activation_dropout or 0.0),
@@ -106,11 +106,12 @@ def attention_block(p: dict, norm: dict, x: jax.Array, bias: jax.Array, s: Setti
     d = x.shape[1] // num_heads
     w, b = fused_qkv(tuple(p[n]["kernel"] for n in ("q_proj", "k_proj", "v_proj")),
                      tuple(p[n]["bias"] for n in ("q_proj", "k_proj", "v_proj")), 1.0 / math.sqrt(d))
-    kw = dict(num_heads=num_heads, batch=batch, plan=plan, rate=s.attn_dropout, rng=r_attn)
     if memory is None:
-        ctx = self_attention(x, w, b, bias, causal=causal, **kw)
+        ctx = self_attention(x, w, b, bias, causal=causal, num_heads=num_heads, batch=batch, plan=plan,
+                             rate=s.attn_dropout, rng=r_attn)
     else:
-        ctx = cross_attention(x, memory, w, b, bias, **kw)
+        ctx = cross_attention(x, memory, w, b, bias, num_heads=num_heads, batch=batch, plan=plan,
+                              rate=s.attn_dropout, rng=r_attn)
     return layer_norm_p(x + dropout(dense(ctx, p["out_proj"], plan), s.dropout, r_out), norm, LN_EPS, plan)
 
 
@@ -208,6 +209,7 @@ class BartBackbone(Backbone):
     features = frozenset({"remat", "bf16"})
     extra_inputs = ()
     settings_class = Settings
+    settings: Settings
 
     @classmethod
     def complete_config(cls, config: HFConfig) -> HFConfig:
@@ -230,7 +232,8 @@ class BartBackbone(Backbone):
             why = (f"d_model {config.d_model} is not divisible by the attention heads "
                    f"({config.encoder_attention_heads} / {config.decoder_attention_heads})")
         elif not config.get("tie_word_embeddings", True):
-            why = "tie_word_embeddings=False (separate encoder/decoder token tables); only the shared table is implemented"
+            why = ("tie_word_embeddings=False (separate encoder/decoder token tables); only the shared table is "
+                   "implemented")
         elif config.get("pad_token_id") is None or config.get("decoder_start_token_id") is None:
             why = "pad_token_id or decoder_start_token_id is None; the decoder input (shifted input_ids) needs both"
         else:

@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
-from typing import Any, Callable, ClassVar, Mapping, Sequence
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 
-from flaxheads.runtime.plan import ComputePlan
+from flaxheads.backbones.base import Backbone, BackboneError, activation_problem
 from flaxheads.layers.activations import get_activation
 from flaxheads.layers.attention import cross_attention, fused_qkv, self_attention
 from flaxheads.layers.dense import dense
@@ -36,7 +37,7 @@ from flaxheads.layers.init import HFInit
 from flaxheads.layers.masks import mask_bias, segment_bias
 from flaxheads.layers.norms import layer_norm_p
 from flaxheads.layers.remat import checkpointed, mlp_out
-from flaxheads.backbones.base import Backbone, BackboneError, activation_problem
+from flaxheads.runtime.plan import ComputePlan
 
 
 def check_bert_like(config, *, family: str) -> None:
@@ -124,7 +125,7 @@ class Settings:
     layout: LayerLayout = BERT_LAYOUT
 
     @classmethod
-    def from_config(cls, config, layout: LayerLayout = BERT_LAYOUT) -> "Settings":
+    def from_config(cls, config, layout: LayerLayout = BERT_LAYOUT) -> Settings:
         """BERT's config keys (``num_hidden_layers``, ``layer_norm_eps``, ``hidden_act``, ...)."""
         return cls(int(config.num_hidden_layers), int(config.num_attention_heads), float(config.layer_norm_eps),
                    config.hidden_act, float(config.hidden_dropout_prob or 0.0),
@@ -218,6 +219,7 @@ def run_layers(layers: Sequence[dict], x: jax.Array, attention_mask: jax.Array, 
     bsz, t, _ = x.shape
     bias = mask_bias(attention_mask, x.dtype) if segment_ids is None else segment_bias(segment_ids, x.dtype)
     act = get_activation(stack.activation, barrier=plan.activation_barrier)
+    step: Callable[..., jax.Array]  # a partial of layer, then (remat) its checkpointed form
     step = partial(layer, num_heads=stack.num_heads, eps=stack.eps, act=act, batch=bsz, plan=plan,
                    hidden_dropout=stack.hidden_dropout, attn_dropout=stack.attn_dropout,
                    ffn_chunks=ffn_chunks, layout=stack.layout)
@@ -286,7 +288,7 @@ class BertBackbone(Backbone):
     weight names), :attr:`top_level` (the params tree's top-level modules, which are also
     the PyTorch name prefixes), :meth:`stack`, :meth:`embeddings` and :meth:`init_embeddings`."""
 
-    model_types = ("bert",)
+    model_types: ClassVar[tuple[str, ...]] = ("bert",)
     family = "BERT"
     base_model_prefix = "bert"
     classifier_dropout_key = "classifier_dropout"
@@ -295,7 +297,7 @@ class BertBackbone(Backbone):
                 "layer_norm_eps": 1e-12, "type_vocab_size": 2, "position_embedding_type": "absolute",
                 "pad_token_id": 0, "initializer_range": 0.02, "max_position_embeddings": 512}
     features = frozenset({"token_type_ids", "position_ids", "remat", "bf16", "packing", "only_at"})
-    extra_inputs = ("token_type_ids", "position_ids", "segment_ids", "only_at")
+    extra_inputs: ClassVar[tuple[str, ...]] = ("token_type_ids", "position_ids", "segment_ids", "only_at")
     layout: ClassVar[LayerLayout] = BERT_LAYOUT
     top_level: ClassVar[tuple[str, ...]] = ("embeddings", "encoder")
     #: PyTorch buffers (not weights) some checkpoints carry under the base model

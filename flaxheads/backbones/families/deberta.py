@@ -34,15 +34,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from functools import partial
-from typing import Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from flaxheads.runtime.plan import ComputePlan
+from flaxheads.backbones.base import Backbone, BackboneError, activation_problem
+from flaxheads.backbones.families.bert import LayerLayout, dropout_keys
+from flaxheads.backbones.weights import pick, torch_from_tree, tree_from_torch
 from flaxheads.layers.activations import get_activation
 from flaxheads.layers.dense import dense, embedding_lookup, matmul
 from flaxheads.layers.dropout import dropout
@@ -50,9 +52,7 @@ from flaxheads.layers.init import HFInit
 from flaxheads.layers.norms import layer_norm_p
 from flaxheads.layers.positions import diagonals_to_keys, log_bucket
 from flaxheads.layers.remat import attention_out, checkpointed, mlp_out
-from flaxheads.backbones.base import Backbone, BackboneError, activation_problem
-from flaxheads.backbones.families.bert import LayerLayout, dropout_keys
-from flaxheads.backbones.weights import pick, torch_from_tree, tree_from_torch
+from flaxheads.runtime.plan import ComputePlan
 
 #: A DeBERTa layer is a BERT layer whose attention projections are named ``*_proj``.
 LAYOUT = LayerLayout(query=("attention", "self", "query_proj"), key=("attention", "self", "key_proj"),
@@ -105,7 +105,7 @@ class Settings:
         return self.buckets if self.buckets > 0 else self.max_relative
 
     @classmethod
-    def from_config(cls, c) -> "Settings":
+    def from_config(cls, c) -> Settings:
         types = pos_att_types(c.get("pos_att_type"))
         heads = int(c.num_attention_heads)
         factor = 1 + ("c2p" in types) + ("p2c" in types)
@@ -283,8 +283,8 @@ def encode(params: dict, input_ids, attention_mask, token_type_ids=None, positio
         if s.norm_rel:
             rel = layer_norm_p(rel, enc["LayerNorm"], s.eps, plan)
         rows = diagonal_rows(t, s)
-    step = partial(layer, rows=rows, s=s, batch=bsz, plan=plan)
-    step = checkpointed(step, remat)  # remat: what the backward pass keeps, by policy
+    # remat: what the backward pass keeps, by policy
+    step = checkpointed(partial(layer, rows=rows, s=s, batch=bsz, plan=plan), remat)
     layers = LAYOUT.layer_list(params)
     if len(layers) != s.num_layers:
         raise BackboneError(f"the params have {len(layers)} layers but the config has {s.num_layers}")
@@ -326,6 +326,7 @@ class DebertaV2Backbone(Backbone):
     features = frozenset({"token_type_ids", "position_ids", "remat", "bf16", "only_at"})
     extra_inputs = ("token_type_ids", "position_ids", "only_at")
     settings_class = Settings
+    settings: Settings
 
     @classmethod
     def check_config(cls, config) -> None:
@@ -400,7 +401,8 @@ class DebertaV2Backbone(Backbone):
         return _prune(tree, cls.param_shapes(config))
 
     def state_from_params(self, params) -> dict:
-        # torch_from_tree transposes every kernel by reversing its axes: the convolution's comes back [out, in/groups, k]
+        # torch_from_tree transposes every kernel by reversing its axes: the convolution's comes back
+        # [out, in/groups, k]
         return torch_from_tree({k: params[k] for k in TOP_LEVEL if k in params})
 
     def encode(self, params, input_ids, attention_mask, *, train: bool = False, rng=None, token_type_ids=None,

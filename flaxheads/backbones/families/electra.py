@@ -8,13 +8,13 @@ default to zeros as in PyTorch (HF's Flax ELECTRA defaulted them to ones).
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 
+from flaxheads.backbones.families.bert import BertBackbone, bert_embeddings
 from flaxheads.layers.dense import dense
 from flaxheads.layers.init import HFInit
-from flaxheads.backbones.families.bert import BertBackbone, bert_embeddings
 
 
 def electra_embeddings(params: dict, *args, **kwargs) -> jax.Array:

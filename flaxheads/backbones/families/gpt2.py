@@ -28,7 +28,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from flaxheads.runtime.plan import ComputePlan
+from flaxheads.backbones.base import Backbone, BackboneError, HFConfig, activation_problem
+from flaxheads.backbones.families.bert import dropout_keys
 from flaxheads.layers.activations import get_activation
 from flaxheads.layers.attention import fused_qkv, self_attention
 from flaxheads.layers.dropout import dropout
@@ -36,8 +37,7 @@ from flaxheads.layers.init import HFInit
 from flaxheads.layers.masks import mask_bias
 from flaxheads.layers.norms import layer_norm_p
 from flaxheads.layers.remat import checkpointed, mlp_out
-from flaxheads.backbones.base import Backbone, BackboneError, HFConfig, activation_problem
-from flaxheads.backbones.families.bert import dropout_keys
+from flaxheads.runtime.plan import ComputePlan
 
 #: The standard config names other code reads (``config.hidden_size``), as GPT2Config's attribute_map.
 ALIASES = {"hidden_size": "n_embd", "num_attention_heads": "n_head", "num_hidden_layers": "n_layer",
@@ -57,8 +57,9 @@ def block(p: dict, x: jax.Array, mask_bias: jax.Array, *, num_heads: int, eps: f
     ``x + mlp(ln_2(x))``; ``scale`` multiplies the attention scores."""
     r_attn, r_out, r_mlp = jax.random.split(rng, 3) if rng is not None else (None, None, None)
     a = p["attn"]
-    w, b = fused_qkv(tuple(jnp.split(a["c_attn"]["kernel"].T, 3, axis=1)), tuple(jnp.split(a["c_attn"]["bias"], 3)),
-                     scale)
+    kq, kk, kv = jnp.split(a["c_attn"]["kernel"].T, 3, axis=1)
+    bq, bk, bv = jnp.split(a["c_attn"]["bias"], 3)
+    w, b = fused_qkv((kq, kk, kv), (bq, bk, bv), scale)
     ctx = self_attention(layer_norm_p(x, p["ln_1"], eps, plan), w, b, mask_bias, num_heads=num_heads, batch=batch,
                          plan=plan, rate=attn_dropout, rng=r_attn, causal=True)
     x = x + dropout(conv1d(ctx, a["c_proj"]), resid_dropout, r_out)

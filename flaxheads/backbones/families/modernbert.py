@@ -30,14 +30,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from functools import partial
-from typing import Mapping
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from flaxheads.runtime.plan import ComputePlan
+from flaxheads.backbones.base import Backbone, BackboneError, HFConfig, activation_problem
+from flaxheads.backbones.families.bert import dropout_keys
 from flaxheads.layers.activations import get_activation
 from flaxheads.layers.attention import attend, attend_chunked
 from flaxheads.layers.dense import embedding_lookup, matmul
@@ -47,8 +48,7 @@ from flaxheads.layers.masks import mask_bias
 from flaxheads.layers.norms import layer_norm
 from flaxheads.layers.positions import apply_rotary, rotary_cos_sin
 from flaxheads.layers.remat import attention_out, checkpointed, mlp_out
-from flaxheads.backbones.base import Backbone, BackboneError, HFConfig, activation_problem
-from flaxheads.backbones.families.bert import dropout_keys
+from flaxheads.runtime.plan import ComputePlan
 
 GLOBAL, LOCAL = "full_attention", "sliding_attention"
 #: ModernBertConfig's RoPE bases when a config names none.
@@ -128,7 +128,7 @@ class Settings:
     mlp_dropout: float = 0.0
 
     @classmethod
-    def from_config(cls, config) -> "Settings":
+    def from_config(cls, config) -> Settings:
         kinds = layer_types(config)
         return cls(int(config.num_attention_heads), float(config.norm_eps), config.hidden_activation,
                    kinds, tuple((k, rope_theta(config, k)) for k in sorted(set(kinds))),
@@ -281,8 +281,8 @@ def encode(params: Mapping, input_ids, attention_mask=None, position_ids=None, *
     key_valid = attention_mask > 0
     bias = mask_bias(attention_mask, dtype)
     for i, (kind, r) in enumerate(zip(s.kinds, rngs, strict=True)):
-        step = partial(layer, s=s, local=kind == LOCAL, local_impl=local_impl, plan=plan)
-        step = checkpointed(step, remat)  # remat: what the backward pass keeps, by policy
+        # remat: what the backward pass keeps, by policy
+        step = checkpointed(partial(layer, s=s, local=kind == LOCAL, local_impl=local_impl, plan=plan), remat)
         x = step(params["layers"][str(i)], x, *rotary[kind], key_valid, bias, rng=r)
     return norm(x, params["final_norm"], s.eps, plan)
 
@@ -329,6 +329,7 @@ class ModernBertBackbone(Backbone):
     features = frozenset({"position_ids", "remat", "bf16"})
     extra_inputs = ("position_ids",)
     settings_class = Settings
+    settings: Settings
 
     def __init__(self, config, params: dict, dtype=jnp.float32, remat: bool = False, local_impl: str = "auto",
                  plan: ComputePlan | None = None):

@@ -14,9 +14,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from flaxheads.layers.positions import roberta_position_ids
 from flaxheads.backbones.base import BackboneError
 from flaxheads.backbones.families.bert import BertBackbone
+from flaxheads.layers.positions import roberta_position_ids
 
 
 class RobertaBackbone(BertBackbone):

@@ -24,9 +24,25 @@ Arrow chunks with Hugging Face ``datasets`` in streaming mode and are never all 
 from __future__ import annotations
 
 from flaxheads.data.streaming.batches import StreamSplit, agreed_length, ordered_batches, stream_batches
-from flaxheads.data.streaming.files import CHUNK_ROWS, PREFETCH_BATCHES, STREAM_BYTES, WINDOW_BATCHES, read_chunks, streams, table_files
+from flaxheads.data.streaming.files import (
+    CHUNK_ROWS,
+    PREFETCH_BATCHES,
+    STREAM_BYTES,
+    WINDOW_BATCHES,
+    read_chunks,
+    streams,
+    table_files,
+)
 from flaxheads.data.streaming.scan import StreamData, label_space, open_stream, split_table
-from flaxheads.data.streaming.splits import StreamSource, char_lengths, column_values, file_rows, row_hash, source_rows, split_parts
+from flaxheads.data.streaming.splits import (
+    StreamSource,
+    char_lengths,
+    column_values,
+    file_rows,
+    row_hash,
+    source_rows,
+    split_parts,
+)
 
 __all__ = ["CHUNK_ROWS", "PREFETCH_BATCHES", "STREAM_BYTES", "WINDOW_BATCHES", "StreamData", "StreamSource",
            "StreamSplit", "agreed_length", "char_lengths", "column_values", "file_rows", "label_space", "open_stream",

@@ -5,18 +5,18 @@ from __future__ import annotations
 import dataclasses
 import queue
 import threading
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
 from flaxheads.data.batching import bucket_length
-from flaxheads.errors import UsageError
-from flaxheads.data.tables import LabelSpace, TextTable, encode_labels
-from flaxheads.data.splits import Split, batch_plan, collate, iterate_batches, tokenize
 from flaxheads.data.packing import merge_rare_shapes, packed_batch, packed_shape
+from flaxheads.data.splits import Split, batch_plan, collate, iterate_batches, tokenize
 from flaxheads.data.streaming.files import PREFETCH_BATCHES, WINDOW_BATCHES
 from flaxheads.data.streaming.splits import StreamSource, char_lengths, column_values, source_rows
-
+from flaxheads.data.tables import LabelSpace, TextTable, encode_labels
+from flaxheads.errors import UsageError
 
 # ---- batches -----------------------------------------------------------------------------------
 
@@ -78,9 +78,9 @@ class StreamSplit:
 
 def _background(produce, limit: int) -> Iterator:
     """Items of the generator ``produce(stop)`` made in a thread, at most ``limit`` ahead (``stop``:
-    a ``threading.Event`` set when the consumer is gone); an exception there is raised here. Closing this generator stops the thread (it is blocked on a
-    full queue, not polling: a thread waking during a compile would interleave its allocations
-    with the compiler's in the one heap arena)."""
+    a ``threading.Event`` set when the consumer is gone); an exception there is raised here. Closing this
+    generator stops the thread (it is blocked on a full queue, not polling: a thread waking during a compile
+    would interleave its allocations with the compiler's in the one heap arena)."""
     q: queue.Queue = queue.Queue(maxsize=max(limit, 1))
     stop = threading.Event()
     done = object()

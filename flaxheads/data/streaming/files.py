@@ -6,12 +6,11 @@ import glob
 import os
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
-
+from typing import Any
 
 from flaxheads.data.tables import PACKAGED, TABLE_FORMATS, DataError, _quiet_datasets, check_csv_quoting, check_utf8
-
 
 #: ``--stream`` unset: a table file larger than this streams (smaller ones are read into memory,
 #: where the whole epoch is shuffled at once).

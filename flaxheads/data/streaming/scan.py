@@ -6,17 +6,27 @@ import copy
 import dataclasses
 import heapq
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
-from flaxheads.errors import UsageError
-from flaxheads.losses import MULTI_LABEL, REGRESSION, SINGLE_LABEL
-from flaxheads.data.tables import DataError, LabelSpace, TextTable, _label_kind, encode_labels
 from flaxheads.data.splits import SPLITS, tokenize
 from flaxheads.data.streaming.batches import StreamSplit
 from flaxheads.data.streaming.files import table_files
-from flaxheads.data.streaming.splits import StreamSource, _is_json, arr_table, column_values, file_rows, row_hash, source_rows, split_parts
+from flaxheads.data.streaming.splits import (
+    StreamSource,
+    _is_json,
+    arr_table,
+    column_values,
+    file_rows,
+    row_hash,
+    source_rows,
+    split_parts,
+)
+from flaxheads.data.tables import DataError, LabelSpace, TextTable, _label_kind, encode_labels
+from flaxheads.errors import UsageError
+from flaxheads.losses import MULTI_LABEL, REGRESSION, SINGLE_LABEL
 
 
 def _check_texts(path: str, rows: np.ndarray, chunk, col: str) -> None:
@@ -304,7 +314,8 @@ def split_table(cfg, name: str) -> TextTable | None:
     src = next((s for g in _sources(cfg) for s in g if s.name == name), None)
     if src is None:
         return None
-    texts, labels, rows, pairs, files = [], [], [], [], {}
+    texts, labels, rows, pairs = [], [], [], []
+    files: dict[str, None] = {}  # the files read, in order
     for fi, r, chunk in source_rows(src):
         files[src.files[fi]] = None
         texts += column_values(chunk, src.text_column)

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
-from flaxheads.data.tables import DataError
 from flaxheads.data.streaming.files import read_chunks
-
+from flaxheads.data.tables import DataError
 
 # ---- rows and splits ---------------------------------------------------------------------------
 
