@@ -14,7 +14,9 @@ Masks may be bool, int or float; a row that is all padding never produces NaN
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Sequence
+import sys
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +24,13 @@ import jax.numpy as jnp
 from flaxheads.config import register
 from flaxheads.errors import ConfigError
 from flaxheads.layers.activations import get_activation
+
+if sys.version_info >= (3, 11):
+    from typing import dataclass_transform
+else:  # typing_extensions: a dependency of flax
+    from typing_extensions import dataclass_transform
+
+_C = TypeVar("_C")
 
 _EPS = 1e-9  # sentence-transformers clamps token counts to this
 
@@ -151,7 +160,8 @@ def _check_choice(what: str, value, valid) -> None:
         raise ConfigError(f"unknown {what} {value!r}; valid values: {sorted(valid)}")
 
 
-def config_class(cls):
+@dataclass_transform(frozen_default=True)  # type checkers see the fields as __init__'s arguments
+def config_class(cls: type[_C]) -> type[_C]:
     """A config class: a frozen, hashable dataclass (static data: a jit static argument, an NNX static field)."""
     return dataclasses.dataclass(frozen=True)(cls)
 
