@@ -10,7 +10,7 @@ with an empty think block, so the next token is the answer.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from flaxheads.errors import ConfigError
 
@@ -71,3 +71,32 @@ def render_pairs(template: str | PairTemplate, pairs: Iterable[tuple[str, str]],
     sequences (no pair encoding, no special tokens added by the tokenizer)."""
     t = get_template(template)
     return [t.render(q, d, instruction) for q, d in pairs]
+
+
+def fit_pairs(template: str | PairTemplate, pairs: Iterable[tuple[str, str]], count: Callable[[list[str]], list[int]],
+              max_length: int, instruction: str | None = None) -> tuple[list[str], list[int]]:
+    """:func:`render_pairs`, each document cut at its end until the prompt is at most ``max_length`` tokens
+    (``count``: the token counts of texts; at least ``max_length + 1`` for a longer one), so the prompt keeps
+    its end, where the answer token is read (plain truncation would cut that). Returns the texts and the
+    indices of the pairs whose documents were cut; a prompt too long even with an empty document is left
+    whole (the caller's truncation then applies)."""
+    t = get_template(template)
+    pairs = list(pairs)
+    texts = [t.render(q, d, instruction) for q, d in pairs]
+    cut = []
+    for i, n in enumerate(count(texts)):
+        if n <= max_length:
+            continue
+        q, d = pairs[i]
+        if count([t.render(q, "", instruction)])[0] > max_length:
+            continue
+        lo, hi = 0, len(d)  # the longest document prefix that fits: lo fits, hi does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if count([t.render(q, d[:mid], instruction)])[0] <= max_length:
+                lo = mid
+            else:
+                hi = mid
+        texts[i] = t.render(q, d[:lo], instruction)
+        cut.append(i)
+    return texts, cut

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from collections.abc import Sequence
 
 import numpy as np
@@ -13,12 +14,12 @@ from flaxheads.data.batching import make_buckets
 from flaxheads.errors import UsageError
 from flaxheads.formats import load_source
 from flaxheads.heads.heads import IdentityHead, ProjectionHead
-from flaxheads.heads.templates import render_pairs
+from flaxheads.heads.templates import fit_pairs, render_pairs
 from flaxheads.interop.sentence_transformers import Prompts, read_prompts
 from flaxheads.interop.tokenizers import Tokenizer, load_tokenizer, model_max_positions
 from flaxheads.losses import MULTI_LABEL, SINGLE_LABEL
 from flaxheads.model.sequence import SequenceModel
-from flaxheads.predict.batches import Runner, check_texts, encode, short_buckets
+from flaxheads.predict.batches import Runner, TruncationWarning, check_texts, encode, short_buckets
 from flaxheads.predict.ranking import rank_candidates, score_pairs
 from flaxheads.predict.results import Predictions
 from flaxheads.runtime import phases
@@ -99,6 +100,28 @@ class Classifier:
         return isinstance(self.model.head.head, (ProjectionHead, IdentityHead))
 
     @property
+    def template(self) -> str | None:
+        """The prompt template an LLM reranker's pairs are written in (a TokenLogits head's), or None."""
+        return getattr(self.model.head.head, "template", None)
+
+    def prompts_of(self, queries: Sequence[str], documents: Sequence[str], *, truncate: bool = True) -> list[str]:
+        """Each (query, document) written in :attr:`template`; with ``truncate``, a document too long for
+        ``max_length`` is cut at its end, so the prompt keeps its end, where the answer is read."""
+        assert self.template is not None
+        if not truncate:
+            return render_pairs(self.template, zip(queries, documents))
+
+        def count(texts: list[str]) -> list[int]:
+            out = self.tokenizer(texts, None, truncation=True, max_length=self.max_length + 1, padding=False)
+            return [len(x) for x in out["input_ids"]]
+
+        texts, cut = fit_pairs(self.template, zip(queries, documents), count, self.max_length)
+        if cut:
+            warnings.warn(f"{len(cut)} of {len(texts)} documents were cut at their end to fit the reranker's prompt "
+                          f"in {self.max_length} tokens", TruncationWarning, stacklevel=3)
+        return texts
+
+    @property
     def pad_id(self) -> int:
         return int(self.tokenizer.pad_token_id or 0)
 
@@ -126,9 +149,8 @@ class Classifier:
             pairs = check_texts(text_pairs, "text_pairs", None if rows is None else [f"{r} (pair)" for r in rows])
             if len(pairs) != len(texts):
                 raise UsageError(f"{len(texts)} texts but {len(pairs)} text pairs; give one pair per text")
-            template = getattr(self.model.head.head, "template", None)  # an LLM reranker's prompt (TokenLogits)
-            if template is not None:  # each (query, document) is written as one text in it
-                texts, pairs = render_pairs(template, zip(texts, pairs)), None
+            if self.template is not None:  # an LLM reranker: each (query, document) is one text in its prompt
+                texts, pairs = self.prompts_of(texts, pairs, truncate=truncate), None
         with phases.phase("tokenising", unless_named=True):
             enc = encode(self.tokenizer, texts, pairs, self.max_length, truncate=truncate, rows=rows)
         with phases.phase("predicting", unless_named=True):

@@ -21,7 +21,6 @@ from typing import Any
 import numpy as np
 
 from flaxheads._version import __version__
-from flaxheads.heads.templates import render_pairs
 from flaxheads.losses import MULTI_LABEL
 from flaxheads.predict import Classifier
 from flaxheads.predict.tokens import TokenOutputs, TokenView
@@ -115,9 +114,13 @@ class Service:
         used as given (checked against the vocabulary). Past the maximum length an input is cut at
         ``side`` when ``truncate`` (special tokens kept), else a 413 naming it."""
         clf, n = self.clf, self.clf.max_length
-        template = getattr(clf.model.head.head, "template", None)  # an LLM reranker's prompt (TokenLogits)
-        if template is not None:  # each (query, text) pair is written as one text in it
-            inputs = [render_pairs(template, [x])[0] if isinstance(x, tuple) else x for x in inputs]
+        if clf.template is not None:  # an LLM reranker (TokenLogits): each (query, text) is one text in its prompt
+            at = [i for i, x in enumerate(inputs) if isinstance(x, tuple)]
+            written = clf.prompts_of([inputs[i][0] for i in at], [inputs[i][1] for i in at], truncate=truncate) \
+                if at else []
+            inputs = list(inputs)
+            for i, text in zip(at, written):
+                inputs[i] = text
         token_types = self.batcher.token_types
         ids: list[Any] = [None] * len(inputs)
         types: list[Any] | None = [None] * len(inputs) if token_types else None

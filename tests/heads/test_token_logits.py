@@ -236,3 +236,22 @@ def test_lora_trains_the_reranker_as_the_preset(untied):
     g = jax.grad(lambda p: jnp.sum(model.apply(p, ids, mask)))(model.params)
     assert any(float(jnp.abs(x).max()) > 0 for x in jax.tree.leaves(g["lora"]))
     assert float(jnp.abs(g["head"]["head"]["classifier"]["kernel"]).max()) > 0
+
+
+def test_a_long_document_is_cut_so_the_prompt_keeps_its_end(untied):
+    import flaxheads as fh
+    from flaxheads.heads.templates import get_template
+    from flaxheads.predict import Classifier
+    from flaxheads.predict.batches import TruncationWarning
+
+    path, _ = untied
+    model = fh.from_pretrained(path, head=fh.heads.TokenLogits(tokens=("no", "yes"), template="qwen3-reranker"))
+    clf = Classifier.from_model(model, path, max_length=64, buckets=(64,))
+    query, doc = "w10 w11", " ".join(f"w{20 + i % 50}" for i in range(100))
+    with pytest.warns(TruncationWarning, match="1 of 1 documents were cut at their end"):
+        [text] = clf.prompts_of([query], [doc])
+    n = len(clf.tokenizer([text], None, truncation=False, padding=False)["input_ids"][0])
+    assert 55 < n <= 64 and text.endswith(get_template("qwen3-reranker").text.split("{document}")[1])
+    with pytest.warns(TruncationWarning):
+        score = clf.outputs([query], [doc])[0]
+    np.testing.assert_array_equal(score, clf.outputs([text])[0])
