@@ -34,7 +34,8 @@ def run_rank(args: argparse.Namespace, program: Program | None = None) -> int:
     check_new_columns(table, ["score", "rank"])
     clf = load_classifier(args)
     check_scorer(clf)
-    scores = _run(clf, "outputs", args, table.texts, table.pairs, table.names)[0][:, 0]
+    scores = _run(clf, "outputs", args, table.texts, table.pairs, table.names,
+                  chat_template=_chat_template(args, clf, reward_model=False))[0][:, 0]
     ranks = ranks_within(scores, table.texts)
     rows = [{**r, "score": float(s), "rank": int(k)} for r, s, k in zip(table.rows, scores, ranks)]
     write_rows(args.output, fmt, rows, table.columns + ["score", "rank"])
@@ -58,7 +59,8 @@ def run_preferences(args: argparse.Namespace) -> int:
     rejected = [r["rejected"] for r in table.rows]
     names = table.names + [n.replace(f"column {args.query_column or 'prompt'!r}", "column 'rejected'")
                            for n in table.names]
-    scores = _run(clf, "outputs", args, table.texts * 2, list(table.pairs) + rejected, names)[0][:, 0]
+    scores = _run(clf, "outputs", args, table.texts * 2, list(table.pairs) + rejected, names,
+                  chat_template=_chat_template(args, clf, reward_model=True))[0][:, 0]
     n = len(table.rows)
     rows = [{**r, "chosen_score": float(c), "rejected_score": float(j), "prefers_chosen": bool(c > j)}
             for r, c, j in zip(table.rows, scores[:n], scores[n:])]
@@ -67,6 +69,13 @@ def run_preferences(args: argparse.Namespace) -> int:
         share = sum(r["prefers_chosen"] for r in rows) / max(n, 1)
         print(f"wrote {n} preference scores to {args.output} (chosen scored higher in {share:.1%})", file=sys.stderr)
     return 0
+
+
+def _chat_template(args: argparse.Namespace, clf, *, reward_model: bool) -> bool:
+    """``--chat-template``: ``auto`` is on for a reward model's preferences when the tokenizer has a template."""
+    if args.chat_template == "auto":
+        return reward_model and clf.has_chat_template
+    return args.chat_template == "on"
 
 
 def add_rank_command(sub: argparse._SubParsersAction) -> None:
@@ -82,6 +91,9 @@ def add_rank_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--preference", action="store_true",
                    help="the input has prompt, chosen and rejected columns: write chosen_score, rejected_score and "
                         "prefers_chosen for each row (a reward model's view of the pairs)")
+    p.add_argument("--chat-template", choices=("auto", "on", "off"), default="auto",
+                   help="write each (prompt, response) as a conversation in the tokenizer's chat template, as a "
+                        "reward model reads it (default auto: on with --preference when the tokenizer has one)")
     p.add_argument("--output", default=STDIO, help="output .csv or .jsonl (default: JSON Lines on stdout)")
     p.add_argument("--output-format", choices=OUTPUT_FORMATS, default=None)
     p.set_defaults(func=run_rank)

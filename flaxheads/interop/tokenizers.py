@@ -137,8 +137,10 @@ class Tokenizer:
 
     def __call__(self, texts: str | Sequence[str], pairs: str | Sequence[str] | None = None, *,
                  max_length: int | None = None, truncation: bool = True,
-                 padding: bool | str = "longest", truncation_side: str | None = None) -> dict[str, Any]:
-        """Encode a batch (a lone string is a batch of one), with special tokens.
+                 padding: bool | str = "longest", truncation_side: str | None = None,
+                 add_special_tokens: bool = True) -> dict[str, Any]:
+        """Encode a batch (a lone string is a batch of one), with special tokens (``add_special_tokens=False``:
+        without, for texts that already hold them, such as a rendered chat template).
 
         ``truncation``: longest-first to ``max_length`` (default ``model_max_length``; no
         truncation when that is unset). ``padding``: ``"longest"`` (or True), ``"max_length"``,
@@ -167,13 +169,14 @@ class Tokenizer:
             raise TokenizerError(f"truncation_side must be 'left' or 'right', got {side!r}")
         with self._lock:
             out = self._encode(texts, pairs, max_length if truncation else None,
-                               None if pad == "do_not_pad" else max_length if pad == "max_length" else 0, side)
+                               None if pad == "do_not_pad" else max_length if pad == "max_length" else 0, side,
+                               add_special_tokens)
         if pad == "do_not_pad":
             return {k: [np.asarray(r, np.int64) for r in out[k]] for k in self.model_input_names}
         return {k: np.asarray(out[k], np.int64) for k in self.model_input_names}
 
     def _encode(self, texts: list[str], pairs: list[str] | None, truncate_to: int | None,
-                pad_to: int | None, side: str) -> dict[str, list]:
+                pad_to: int | None, side: str, add_special_tokens: bool = True) -> dict[str, list]:
         """Rows per input name; ``pad_to``: None (no padding), 0 (the longest row) or a length; ``side``:
         which end truncation cuts."""
         b = self.backend
@@ -186,7 +189,8 @@ class Tokenizer:
         else:
             b.enable_padding(direction=self.padding_side, pad_id=self.pad_token_id, pad_type_id=self.pad_token_type_id,
                              pad_token=self.pad_token, length=pad_to or None)
-        encs = b.encode_batch(texts if pairs is None else list(zip(texts, pairs)), add_special_tokens=True)
+        encs = b.encode_batch(texts if pairs is None else list(zip(texts, pairs)),
+                              add_special_tokens=add_special_tokens)
         return {"input_ids": [e.ids for e in encs], "attention_mask": [e.attention_mask for e in encs],
                 "token_type_ids": [e.type_ids for e in encs]}
 
@@ -208,13 +212,14 @@ class TransformersTokenizer(Tokenizer):
         self.model_input_names = tuple(n for n in hf_tokenizer.model_input_names
                                        if n in ("input_ids", "token_type_ids", "attention_mask"))
 
-    def _encode(self, texts, pairs, truncate_to, pad_to, side):
+    def _encode(self, texts, pairs, truncate_to, pad_to, side, add_special_tokens=True):
         padding = False if pad_to is None else "max_length" if pad_to else "longest"
         saved, self.hf_tokenizer.truncation_side = self.hf_tokenizer.truncation_side, side
         try:
             return self.hf_tokenizer(texts, pairs, truncation=truncate_to is not None,
                                      max_length=truncate_to if truncate_to is not None else pad_to or None,
-                                     padding=padding, return_token_type_ids=True, return_attention_mask=True)
+                                     padding=padding, return_token_type_ids=True, return_attention_mask=True,
+                                     add_special_tokens=add_special_tokens)
         finally:
             self.hf_tokenizer.truncation_side = saved
 

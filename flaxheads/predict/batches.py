@@ -64,12 +64,13 @@ class Encoded:
 
 
 def encode(tokenizer, texts: list[str], pairs: list[str] | None, max_length: int, *, truncate: bool = True,
-           rows: Sequence[str] | None = None) -> Encoded:
+           rows: Sequence[str] | None = None, add_special_tokens: bool = True) -> Encoded:
     """Tokenise with the model's tokenizer, cutting to ``max_length`` tokens (longest first for
     pairs, as training did). Texts that needed cutting are found by encoding to one token
     more; ``truncate=False`` refuses them (a :class:`DataError` naming them)."""
     def run(t, p, n):
-        out = tokenizer(t, p, truncation=True, max_length=n, padding=False)
+        special = {} if add_special_tokens else {"add_special_tokens": False}  # texts that already hold them
+        out = tokenizer(t, p, truncation=True, max_length=n, padding=False, **special)
         ids = [np.asarray(x, np.int32) for x in out["input_ids"]]
         tt = [np.asarray(x, np.int32) for x in out["token_type_ids"]] \
             if p is not None and "token_type_ids" in out else None

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from flaxheads.data.batching import make_buckets
+from flaxheads.data.chat import chat_pairs, has_chat_template
 from flaxheads.errors import UsageError
 from flaxheads.formats import load_source
 from flaxheads.heads.heads import IdentityHead, ProjectionHead
@@ -122,6 +123,11 @@ class Classifier:
         return texts
 
     @property
+    def has_chat_template(self) -> bool:
+        """The tokenizer has a chat template (what ``outputs(..., chat_template=True)`` writes pairs in)."""
+        return has_chat_template(self.tokenizer.name_or_path) if self.tokenizer.name_or_path else False
+
+    @property
     def pad_id(self) -> int:
         return int(self.tokenizer.pad_token_id or 0)
 
@@ -137,10 +143,12 @@ class Classifier:
 
     # ---- outputs ----------------------------------------------------------------------------
     def outputs(self, texts: Sequence[str], text_pairs: Sequence[str] | None = None, *, batch_size: int = 32,
-                truncate: bool = True, progress: bool | None = None,
-                rows: Sequence[str] | None = None) -> tuple[np.ndarray, int]:
+                truncate: bool = True, progress: bool | None = None, rows: Sequence[str] | None = None,
+                chat_template: bool = False) -> tuple[np.ndarray, int]:
         """The model's raw outputs ``[N, K]`` (logits, or embeddings) in input order, and how many
-        texts were truncated. ``rows``: how to name each input in errors (default ``texts[i]``)."""
+        texts were truncated. ``rows``: how to name each input in errors (default ``texts[i]``).
+        ``chat_template``: each (prompt, response) pair is written in the tokenizer's chat template
+        (:func:`flaxheads.data.chat.chat_pairs`, as a reward model reads it) and tokenised as it is."""
         if int(batch_size) < 1:
             raise UsageError(f"batch_size must be a positive integer, got {batch_size}")
         texts = check_texts(texts, "texts", rows)
@@ -149,10 +157,15 @@ class Classifier:
             pairs = check_texts(text_pairs, "text_pairs", None if rows is None else [f"{r} (pair)" for r in rows])
             if len(pairs) != len(texts):
                 raise UsageError(f"{len(texts)} texts but {len(pairs)} text pairs; give one pair per text")
-            if self.template is not None:  # an LLM reranker: each (query, document) is one text in its prompt
+            if chat_template:  # a reward model's conversation: the template writes the special tokens
+                texts, pairs = chat_pairs(self.tokenizer.name_or_path, zip(texts, pairs)), None
+            elif self.template is not None:  # an LLM reranker: each (query, document) is one text in its prompt
                 texts, pairs = self.prompts_of(texts, pairs, truncate=truncate), None
+        elif chat_template:
+            raise UsageError("chat_template=True formats (prompt, response) pairs: give text_pairs (the responses)")
         with phases.phase("tokenising", unless_named=True):
-            enc = encode(self.tokenizer, texts, pairs, self.max_length, truncate=truncate, rows=rows)
+            enc = encode(self.tokenizer, texts, pairs, self.max_length, truncate=truncate, rows=rows,
+                         add_special_tokens=not chat_template)
         with phases.phase("predicting", unless_named=True):
             out = self.runner()(enc, batch_size=int(batch_size), buckets=self.buckets, pad_id=self.pad_id,
                             progress=progress)

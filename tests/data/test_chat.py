@@ -1,6 +1,9 @@
 """Chat-template pairs (issue 58, item 3): flaxheads' rendering equals transformers' apply_chat_template."""
 from __future__ import annotations
 
+import os
+import shutil
+
 import pytest
 
 # bos / eos variables, a system turn read apart, loop.last, a tojson of non-ASCII text, whitespace control,
@@ -26,9 +29,11 @@ def folder(tmp_path_factory):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.WordLevel({"<unk>": 0, "<s>": 1, "</s>": 2}, unk_token="<unk>"))
+    words = ["<pad>", "<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(40)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>", model_input_names=["input_ids", "attention_mask"])
     fast.chat_template = TEMPLATE
     path = tmp_path_factory.mktemp("chat_tokenizer")
     fast.save_pretrained(path)
@@ -64,3 +69,41 @@ def test_render_chat_generation_prompt_and_errors(folder, tmp_path):
         render_chat([{"role": "tool", "content": "x"}], template, special)
     with pytest.raises(ChatTemplateError, match="no chat_template"):
         chat_pairs(tmp_path, PAIRS)
+
+
+def test_rank_preference_writes_pairs_in_the_chat_template(folder, tmp_path, capsys):
+    """``flaxheads rank --preference`` on a reward model whose tokenizer has a chat template: each (prompt,
+    response) scored as the conversation transformers' apply_chat_template writes (auto: on), tokenised as it is."""
+    import json
+
+    import numpy as np
+    from transformers import AutoTokenizer
+
+    import flaxheads as fh
+    from hf_tiny import save_tiny
+
+    from flaxheads.cli.main import main
+
+    rm, _ = save_tiny(tmp_path / "rm", "qwen3", num_labels=1, layers=1)
+    for name in os.listdir(folder):
+        shutil.copy(os.path.join(folder, name), rm)
+    rows = [{"prompt": "w1 w2", "chosen": "w3 w4 w5", "rejected": "w6"},
+            {"prompt": "w7", "chosen": "w8", "rejected": "w9 w10"}]
+    prefs = tmp_path / "prefs.jsonl"
+    prefs.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    scored = {}
+    for mode in ("auto", "off"):
+        out = tmp_path / f"{mode}.jsonl"
+        code = main(["rank", rm, "--input", str(prefs), "--preference", "--chat-template", mode, "--output", str(out),
+                     "--no-progress"])
+        assert code == 0, capsys.readouterr().err
+        scored[mode] = [json.loads(line) for line in out.read_text().splitlines()]
+    tok, model = AutoTokenizer.from_pretrained(rm), fh.from_pretrained(rm)
+    for r, got in zip(rows, scored["auto"]):
+        for key in ("chosen", "rejected"):
+            text = tok.apply_chat_template([{"role": "user", "content": r["prompt"]},
+                                            {"role": "assistant", "content": r[key]}], tokenize=False)
+            ids = np.asarray([tok(text, add_special_tokens=False)["input_ids"]])
+            ref = float(np.asarray(model.apply(model.params, ids, np.ones_like(ids)))[0, 0])
+            assert abs(got[f"{key}_score"] - ref) < 1e-5
+    assert any(abs(a["chosen_score"] - b["chosen_score"]) > 1e-4 for a, b in zip(scored["auto"], scored["off"]))
