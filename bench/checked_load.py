@@ -31,9 +31,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import cpu_name, parser  # noqa: E402
-
 import numpy as np  # noqa: E402
+from common import cpu_name, parser  # noqa: E402
 
 
 def _size(text: str) -> int:
@@ -198,7 +197,7 @@ def _systems(path: str, root: str | None, model: str | None):
 
 def _time(systems: dict, repeats: int, cold: bool, drop_paths: list[str], system_wide: bool) -> dict[str, list[float]]:
     times: dict[str, list[float]] = {k: [] for k in systems}
-    for name, call in systems.items():  # first calls (imports, Orbax's first restore), untimed
+    for call in systems.values():  # first calls (imports, Orbax's first restore), untimed
         call()
     for _ in range(repeats):
         for name, call in systems.items():  # interleaved: drift hits every system alike
@@ -216,7 +215,8 @@ def _report(label: str, times: dict[str, list[float]]) -> None:
         print(f"  {label:5s} {k:30s} {med[k]:7.3f} s  ({min(v):.3f}..{max(v):.3f})")
     for kind in ("eager", "tensors", "orbax", "fh.load"):
         if f"{kind} checked" in med:
-            print(f"  {label:5s} {kind:8s} checked / unchecked = {med[f'{kind} checked'] / med[f'{kind} unchecked']:.3f}")
+            ratio = med[f"{kind} checked"] / med[f"{kind} unchecked"]
+            print(f"  {label:5s} {kind:8s} checked / unchecked = {ratio:.3f}")
 
 
 def _block_sizes(folder: str, nbytes: int, sizes_mib: list[float], repeats: int) -> None:
@@ -265,9 +265,11 @@ def main() -> None:
             folder = os.path.join(args.dir, text)
             path, root = _write(folder, _size(text), checkpoint=not args.no_orbax)
             model = None if args.no_model else _bert_folder(folder, _size(text))
-            print(f"{text}: {os.path.getsize(path) / 1e6:.0f} MB safetensors"
-                  + (f", Orbax step {sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs) / 1e6:.0f} MB"
-                     if root else ""))
+            orbax = ""
+            if root:
+                step_bytes = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs)
+                orbax = f", Orbax step {step_bytes / 1e6:.0f} MB"
+            print(f"{text}: {os.path.getsize(path) / 1e6:.0f} MB safetensors{orbax}")
             systems = _systems(path, root, model)
             _report("warm", _time(systems, args.repeats, False, [], False))
             _report("cold", _time(systems, args.repeats, True, [folder], args.drop_caches))

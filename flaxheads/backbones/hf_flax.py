@@ -7,15 +7,16 @@ loaded HF wrapper already has the backbone calling convention
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
-from flaxheads.runtime.plan import ComputePlan
-from flaxheads.layers.remat import remat_policy
 from flaxheads.backbones.base import BackboneError, HFConfig
 from flaxheads.backbones.weights import read_state_dict
+from flaxheads.layers.remat import remat_policy
+from flaxheads.runtime.plan import ComputePlan
 
 # HF Flax models that build a pooler we never use (the head owns pooling): skip it.
 _HAS_UNUSED_POOLER = {"bert", "roberta", "xlm-roberta", "albert", "big_bird", "roberta-prelayernorm"}
@@ -24,7 +25,8 @@ _HAS_UNUSED_POOLER = {"bert", "roberta", "xlm-roberta", "albert", "big_bird", "r
 def available() -> bool:
     """Whether the installed transformers still has Flax models (4.x)."""
     try:
-        from transformers import FlaxAutoModel  # noqa: F401
+        # transformers < 5 only: the checked stack's 5.x has no Flax models, hence no such name
+        from transformers import FlaxAutoModel  # type: ignore[attr-defined]  # noqa: F401
     except ImportError:
         return False
     return True
@@ -36,7 +38,7 @@ def _import(model_type: str | None = None):
 
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*TensorFlow and JAX classes are deprecated.*")
-            from transformers import AutoConfig, FlaxAutoModel
+            from transformers import AutoConfig, FlaxAutoModel  # type: ignore[attr-defined]  # transformers < 5
             from transformers.modeling_flax_pytorch_utils import convert_pytorch_state_dict_to_flax
     except ImportError:
         from flaxheads.backbones.registry import HF_FLAX_MODEL_TYPES, native_model_types
@@ -53,7 +55,7 @@ def _import(model_type: str | None = None):
 
 
 def load(path: str | os.PathLike, config: HFConfig | None = None, dtype: Any = jnp.float32, *,
-         state: Mapping[str, np.ndarray] | None = None, remat: bool = False, plan: ComputePlan | None = None):
+         state: Mapping[str, np.ndarray] | None = None, remat: bool | str = False, plan: ComputePlan | None = None):
     """A ``FlaxAutoModel`` for a local HF folder (no hub access), weights from its safetensors.
 
     Every backbone weight must come from the checkpoint: a folder whose weights do not fit

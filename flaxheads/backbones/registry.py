@@ -6,18 +6,25 @@ for architectures that have no native backbone."""
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
-from flaxheads.runtime.plan import ComputePlan
-from flaxheads.backbones.base import Backbone, BackboneError, BackboneNotFoundError, HFConfig, MissingConfigKey, missing_key_error
+from flaxheads.backbones.base import (
+    Backbone,
+    BackboneError,
+    BackboneNotFoundError,
+    HFConfig,
+    MissingConfigKey,
+    missing_key_error,
+)
 from flaxheads.backbones.families.albert import AlbertBackbone
 from flaxheads.backbones.families.bart import BartBackbone
 from flaxheads.backbones.families.bert import BertBackbone
-from flaxheads.backbones.families.decoder import DecoderBackbone
 from flaxheads.backbones.families.deberta import DebertaV2Backbone
+from flaxheads.backbones.families.decoder import DecoderBackbone
 from flaxheads.backbones.families.distilbert import DistilBertBackbone
 from flaxheads.backbones.families.electra import ElectraBackbone
 from flaxheads.backbones.families.eurobert import EuroBertBackbone
@@ -29,6 +36,7 @@ from flaxheads.backbones.families.modernbert_decoder import ModernBertDecoderBac
 from flaxheads.backbones.families.nomic_bert import NomicBertBackbone
 from flaxheads.backbones.families.roberta import RobertaBackbone
 from flaxheads.backbones.weights import read_state_dict
+from flaxheads.runtime.plan import ComputePlan
 
 #: Every native family, in the order their ``model_types`` are looked up.
 FAMILIES: tuple[type[Backbone], ...] = (BertBackbone, RobertaBackbone, ElectraBackbone, DistilBertBackbone,

@@ -12,8 +12,8 @@ import dataclasses
 
 from flaxheads.config import SINCE_FORMAT_1, register
 from flaxheads.errors import ConfigError
-from flaxheads.layers.activations import get_activation
 from flaxheads.heads.poolers import Pooler, config_class
+from flaxheads.layers.activations import get_activation
 
 
 def _check_positive(what: str, v: int) -> None:

@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 
 from flaxheads.errors import ConfigError
-from flaxheads.layers.activations import head_activation
 from flaxheads.heads import heads as H
 from flaxheads.heads import poolers as P
+from flaxheads.layers.activations import head_activation
 
 
 def _dense(features: int, std: float, name: str, use_bias: bool = True) -> nn.Dense:

@@ -8,7 +8,8 @@ Dense ``kernel`` [in, out] is HF ``weight`` [out, in]; LayerNorm ``scale`` is ``
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from flaxheads import config as _config
 from flaxheads.backbones.families.decoder_config import HF_CLASSES as DECODER_HF_CLASSES
@@ -147,7 +148,8 @@ def _modernbert(cfg, n):
         raise ValueError(f"ModernBERT classifier_pooling must be 'cls' or 'mean', got {pooling!r}")
     head = MLPHead(n, activation=_get(cfg, "classifier_activation", default="gelu"),
                    dropout=float(_get(cfg, "classifier_dropout", default=0.0)), layer_norm=True,
-                   norm_eps=float(_get(cfg, "norm_eps", default=1e-5)), norm_bias=bool(_get(cfg, "norm_bias", default=False)),
+                   norm_eps=float(_get(cfg, "norm_eps", default=1e-5)),
+                   norm_bias=bool(_get(cfg, "norm_bias", default=False)),
                    dense_bias=bool(_get(cfg, "classifier_bias", default=False)), init_std=_std(cfg))
     return Preset("modernbert", Pool(pooling), head,
                   hf_names=(("head/dense_0", "head.dense"), ("head/norm_0", "head.norm"),
@@ -214,7 +216,7 @@ PRESETS: dict[str, Callable[[Any, int], Preset]] = {
 
 def preset_for(hf_config, num_labels: int) -> Preset | None:
     """The HF-exact preset for ``hf_config.model_type``, or ``None`` when there is none."""
-    make = PRESETS.get(getattr(hf_config, "model_type", None))
+    make = PRESETS.get(getattr(hf_config, "model_type", None) or "")
     return None if make is None else make(hf_config, num_labels)
 
 
@@ -247,7 +249,7 @@ class PresetMatch:
     @property
     def arch(self) -> str | None:
         """The preset's name when :attr:`exact`, else None."""
-        return self.preset.arch if self.exact else None
+        return self.preset.arch if self.exact and self.preset is not None else None
 
     @property
     def weight_names(self) -> tuple[tuple[str, str], ...]:
@@ -260,7 +262,7 @@ class PresetMatch:
     @property
     def hf_names(self) -> tuple[tuple[str, str], ...]:
         """The preset's HF names when :attr:`exact`, else ``()`` (what a model records as ``hf_names``)."""
-        return self.preset.hf_names if self.exact else ()
+        return self.preset.hf_names if self.exact and self.preset is not None else ()
 
 
 def match_preset(hf_config, num_labels: int, pooler: Pooler, head: Head,
@@ -275,7 +277,7 @@ def match_preset(hf_config, num_labels: int, pooler: Pooler, head: Head,
     as_linear = getattr(head, "as_linear", None)  # a TokenLogits head is the linear head its kernel fills
     same_head = preset is not None and same_structure(as_linear() if as_linear else head, preset.head)
     if pool_mask is None:
-        pool_mask = preset.pool_mask if same_pooler else "attention_mask"
+        pool_mask = preset.pool_mask if preset is not None and same_pooler else "attention_mask"
     if pool_mask not in POOL_MASKS:
         raise PoolMaskError(f"pool_mask must be one of {POOL_MASKS}, got {pool_mask!r}")
     return PresetMatch(preset, pool_mask, same_pooler, same_head)

@@ -24,11 +24,21 @@ The params tree is the PyTorch module tree with Flax leaf names
 from __future__ import annotations
 
 from functools import partial
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from flaxheads.runtime.plan import ComputePlan
+from flaxheads.backbones.base import Backbone, BackboneError, HFConfig
+from flaxheads.backbones.families.bert import dropout_keys
+from flaxheads.backbones.families.decoder_config import (
+    DEFAULTS,
+    MODEL_TYPES,
+    DecoderSpec,
+    Rope,
+    check_decoder_config,
+    decoder_spec,
+)
 from flaxheads.layers.activations import get_activation
 from flaxheads.layers.attention import attend_chunked
 from flaxheads.layers.dense import embedding_lookup, matmul
@@ -37,9 +47,7 @@ from flaxheads.layers.init import HFInit
 from flaxheads.layers.masks import mask_bias
 from flaxheads.layers.positions import apply_rotary
 from flaxheads.layers.remat import attention_out, checkpointed, mlp_out
-from flaxheads.backbones.base import Backbone, BackboneError, HFConfig
-from flaxheads.backbones.families.bert import dropout_keys
-from flaxheads.backbones.families.decoder_config import DEFAULTS, MODEL_TYPES, DecoderSpec, Rope, check_decoder_config, decoder_spec
+from flaxheads.runtime.plan import ComputePlan
 
 TOP_LEVEL = ("embed_tokens", "layers", "norm")
 
@@ -203,7 +211,7 @@ class DecoderBackbone(Backbone):
     @classmethod
     def complete_config(cls, config: HFConfig) -> HFConfig:
         """transformers 5's class defaults of the config's ``model_type`` for the keys it omits."""
-        defaults = DEFAULTS.get(config.get("model_type"), {})
+        defaults = DEFAULTS.get(config.get("model_type") or "", {})
         missing = {k: v for k, v in defaults.items() if k not in config}
         return config.replace(**missing) if missing else config
 

@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -265,7 +266,7 @@ def check_decoder_config(config: HFConfig) -> None:
     decoder_spec(config)  # RoPE and layer types
 
 
-def _activation(config: Mapping) -> str:
+def _activation(config: Mapping) -> str | None:
     if config["model_type"] in ("gemma2", "gemma3_text"):
         return config.get("hidden_activation") or "gelu_pytorch_tanh"
     act = config.get("hidden_act")
@@ -286,11 +287,14 @@ def decoder_spec(config: Mapping) -> DecoderSpec:
     if bidirectional and window is not None:
         window //= 2  # keys within window // 2 positions either side (see the module docstring)
     softcap = config.get("attn_logit_softcapping") if gemma_scaled else None
+    activation = _activation(config)
+    if activation is None:  # check_decoder_config says so first
+        raise _fail(config, activation_problem(activation))
     return DecoderSpec(
         model_type=mt, num_layers=int(config["num_hidden_layers"]), hidden=int(config["hidden_size"]),
         num_heads=heads, num_kv_heads=int(config.get("num_key_value_heads") or heads), head_dim=head_dim,
         intermediate=int(config["intermediate_size"]), eps=float(config["rms_norm_eps"]),
-        activation=_activation(config), gemma_norm=mt in GEMMA,
+        activation=activation, gemma_norm=mt in GEMMA,
         embed_scale=float(config["hidden_size"]) ** 0.5 if mt in GEMMA else None,
         qk_norm=mt in ("qwen3", "gemma3_text"), sandwich=gemma_scaled,
         scaling=float(config["query_pre_attn_scalar"]) ** -0.5 if gemma_scaled else head_dim ** -0.5,
