@@ -14,15 +14,17 @@ functional path's explicit key: with dropout active the two paths draw different
 """
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from flaxheads.errors import ConfigError
-from flaxheads.layers.activations import head_activation
 from flaxheads.heads import heads as H
 from flaxheads.heads import poolers as P
 from flaxheads.heads.linen import l2_normalise as _l2_normalise
+from flaxheads.layers.activations import head_activation
 
 
 def _linear(n_in: int, n_out: int, std: float, rngs: nnx.Rngs, use_bias: bool = True) -> nnx.Linear:
@@ -31,6 +33,8 @@ def _linear(n_in: int, n_out: int, std: float, rngs: nnx.Rngs, use_bias: bool = 
 
 class _Configured(nnx.Module):
     """Holds its config (a frozen, hashable dataclass: static in ``nnx.split``)."""
+
+    config: Any  # the pooler's or head's config class, which each subclass sets
 
     def out_features(self, *args) -> int:
         return self.config.out_features(*args)

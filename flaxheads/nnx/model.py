@@ -16,7 +16,8 @@ rule) for :func:`shardings`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -25,8 +26,8 @@ from jax.sharding import Mesh
 
 from flaxheads.errors import ConfigError
 from flaxheads.layers.lora import LORA
-from flaxheads.runtime.sharding import DEFAULT_RULES, Layout, model_param_axes
 from flaxheads.nnx.layers import SequenceHead, head_params, load_head_params
+from flaxheads.runtime.sharding import DEFAULT_RULES, Layout, model_param_axes
 
 
 class FrozenBase(nnx.Variable):
@@ -111,7 +112,8 @@ class NNXSequenceModel(nnx.Module):
             mine = getattr(self, name)
             if mine is None:
                 continue
-            if jax.tree.structure(_values(mine)) != jax.tree.structure(dict(params[name])):
+            # mypy cannot resolve jaxlib's PyTreeDef (an alias of a compiled class), so not its comparison
+            if jax.tree.structure(_values(mine)) != jax.tree.structure(dict(params[name])):  # type: ignore[operator]
                 raise ConfigError(f"params[{name!r}] does not have this model's structure")
             jax.tree.map(lambda v, x: v.set_value(jnp.asarray(x)), mine, dict(params[name]),
                          is_leaf=lambda v: isinstance(v, nnx.Variable))
