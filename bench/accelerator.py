@@ -61,9 +61,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # JAX and PyTorch share the GPU: JAX must not take 75% of its memory up front
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-from bench import common  # noqa: E402
-
 import numpy as np  # noqa: E402
+
+from bench import common  # noqa: E402
 
 LOGITS_TOL, GRAD_RTOL, BF16_TOL, FUSED_TOL = 1e-4, 1e-3, 5e-2, 1e-4
 FAMILIES = ("bert", "deberta-v3", "modernbert", "llama")
@@ -121,8 +121,8 @@ def sync():
 
 def timed(systems: dict, sz: Sizes, flops: float = 0.0, examples: int = 1, repeats: int | None = None) -> dict:
     """The one timing helper: ``bench.common.run_interleaved`` (first call apart, warm-up, medians)."""
-    return common.run_interleaved(systems, repeats=repeats or sz.repeats, warmup=sz.warmup, examples=examples, flops=flops,
-                                  settle=sz.settle)
+    return common.run_interleaved(systems, repeats=repeats or sz.repeats, warmup=sz.warmup, examples=examples,
+                                  flops=flops, settle=sz.settle)
 
 
 def matmul_peak(sz: Sizes) -> float:
@@ -554,9 +554,9 @@ def table(report: dict) -> str:
         if r["status"] != "ok":
             lines.append(f"| predict | {r['name']} | - | {r.get('error', r.get('note', ''))[:90]} | {r['status']} |")
             continue
+        speedup = f"flaxheads {r['flaxheads_speedup']:.2f}x" if r["system"] == "flaxheads" else "1.00x"
         lines.append(f"| predict | {r['name']} | {r['system']} | {r['texts_per_s']:.1f} texts/s, first "
-                     f"{r['first_s']:.1f} s, max score diff {r['max_score_diff']:.1e} | "
-                     f"{'flaxheads %.2fx' % r['flaxheads_speedup'] if r['system'] == 'flaxheads' else '1.00x'} |")
+                     f"{r['first_s']:.1f} s, max score diff {r['max_score_diff']:.1e} | {speedup} |")
     return "\n".join(lines)
 
 

@@ -130,12 +130,12 @@ def resolve(argv: list[str], workdir: Path) -> dict:
     """What ``flaxheads train argv`` resolves to, by flaxheads' own code: the split (written to a
     file for the Trainer side), the optimizer, the head, the checkpoint policy, the batch order."""
     from flaxheads.cli.train import build_parser, spec_from_args
-    from flaxheads.model.hub import resolve_model_source
+    from flaxheads.data.splits import load_splits
     from flaxheads.heads.heads import make_head
+    from flaxheads.model.hub import resolve_model_source
     from flaxheads.run.data import data_config
     from flaxheads.run.program import optim_config, train_config
     from flaxheads.training import loop
-    from flaxheads.data.splits import load_splits
 
     args = build_parser().parse_args(argv)
     spec = spec_from_args(args)
