@@ -130,7 +130,8 @@ class DistilBertBackbone(BertBackbone):
 
     # BERT's encode less its token types and packing (DistilBERT has neither): fewer inputs than the
     # BertBackbone it reuses the layers of, so not a substitute for it in mypy's sense (no caller needs one)
-    def encode(self, params, input_ids, attention_mask, *, train: bool = False, rng=None,  # type: ignore[override]
-               position_ids=None, only_at=None) -> jax.Array:
+    def encode(  # type: ignore[override]
+        self, params, input_ids, attention_mask, *, train: bool = False, rng=None, position_ids=None, only_at=None
+    ) -> jax.Array:
         return super().encode(params, input_ids, attention_mask, train=train, rng=rng, position_ids=position_ids,
                               only_at=only_at)
