@@ -15,6 +15,7 @@ size, and times, interleaved round-robin (docs/performance.md's rules):
   as an export writes it) loaded by ``fh.load``, vs the same with the manifest ignored (``--no-model``
   leaves it out).
 
+Each call runs after the heap's free pages were returned; the order is reversed every other round.
 Page cache warm, and cold: the files' pages dropped before every timed call (``posix_fadvise
 DONTNEED`` on the files; ``--drop-caches``: ``echo 3 > /proc/sys/vm/drop_caches``, root only). Prints
 medians (min..max) and the checked / unchecked ratio of each. ``--block-sizes 1,4,8,16`` instead times
@@ -196,11 +197,20 @@ def _systems(path: str, root: str | None, model: str | None):
 
 
 def _time(systems: dict, repeats: int, cold: bool, drop_paths: list[str], system_wide: bool) -> dict[str, list[float]]:
+    """Seconds of each call, ``repeats`` each: round-robin, in the order given then reversed (ABBA: which
+    system runs after which evens out), the heap's free pages returned and the files' pages dropped
+    (``cold``) before each call."""
+    import gc
+
+    from flaxheads.runtime.malloc import release_free_memory
+
     times: dict[str, list[float]] = {k: [] for k in systems}
-    for call in systems.values():  # first calls (imports, Orbax's first restore), untimed
+    for name, call in systems.items():  # first calls (imports, Orbax's first restore), untimed
         call()
-    for _ in range(repeats):
-        for name, call in systems.items():  # interleaved: drift hits every system alike
+    for r in range(repeats):
+        for name, call in (systems.items() if r % 2 == 0 else reversed(systems.items())):
+            gc.collect()
+            release_free_memory()
             if cold:
                 _drop(drop_paths, system_wide)
             t0 = time.perf_counter()

@@ -1,14 +1,16 @@
 """Reads of a file flaxheads wrote, every byte checked against the file's block digests before it is
 handed out (:class:`~flaxheads.disk.checksums.Blocks`, recorded in ``checksums.json``).
 
-A read of ``[offset, offset + n)`` goes block by block. A block the read covers whole is read straight
-into the caller's buffer in :data:`PIECE`-byte pieces, each hashed right after it is read, while the
-CPU's cache still holds it (xxh3 hashes cached bytes several times faster than the kernel copies them
-from the page cache, so the check adds a few percent to the read). A block the read covers in part (a
-tensor's first or last bytes, a header) is read whole into one of two reused buffers, hashed, and the
-part copied out: the next tensor, which starts in that block, copies from it without reading it again.
-A process that reads part of a file (a sharded load) reads and checks the blocks of that part only. A
-file with no block digests is read as it is.
+A read of ``[offset, offset + n)`` goes block by block, each block read in :data:`PIECE`-byte pieces,
+each piece hashed right after it is read, while the CPU's cache still holds it (xxh3 hashes cached bytes
+several times faster than the kernel copies them from the page cache, so the check adds a few percent
+to the read). The bytes the read wants go straight into the caller's buffer; those of a block it wants
+in part (a tensor's first or last block, a header) that it does not want go into one of two reused
+buffers, hashed with the rest, and are kept: the next tensor, which starts in that block, copies them
+from there without reading them again. A read of several blocks asks the kernel to read ahead
+(``POSIX_FADV_WILLNEED``), so that from a cold disk the pieces do not wait one by one. A process that
+reads part of a file (a sharded load) reads and checks the blocks of that part only. A file with no
+block digests is read as it is.
 
 (A helper thread hashing one block while the next is read was measured too: on a machine whose cores
 are all busy it cost more than hashing inline, bench/checked_load.py.)
@@ -51,7 +53,7 @@ class CheckedFile:
 
     def __init__(self, fd: int, blocks: Blocks | None):
         self.fd, self.blocks = fd, blocks
-        self._kept: list[tuple[int, np.ndarray, int]] = []  # (block, buffer, its bytes), the latest last
+        self._kept: list[tuple[int, np.ndarray, tuple]] = []  # (block, buffer, its checked ranges), latest last
 
     def pread(self, n: int, offset: int) -> bytes:
         out = bytearray(n)
@@ -69,40 +71,52 @@ class CheckedFile:
 
     def _checked(self, dest: memoryview, offset: int) -> int:
         b, end = self.blocks, min(offset + len(dest), self.blocks.size)
+        if end - offset > b.block and hasattr(os, "posix_fadvise"):  # the reads come in pieces: let the disk
+            os.posix_fadvise(self.fd, offset, end - offset, os.POSIX_FADV_WILLNEED)  # read ahead of them
         pos = offset
         while pos < end:
             k = pos // b.block
             start, stop = b.span(k)
-            if start >= offset and stop <= end:  # the whole block: read in place, hashed there
-                if self._read_hashed(dest[start - offset:stop - offset], start, k) != b.digests[k]:
-                    raise b.mismatch(k)
+            a, z = max(start, offset), min(stop, end)  # the part of block k this read wants
+            kept = self._kept_part(k, a, z)
+            if kept is not None:
+                dest[a - offset:z - offset] = kept
             else:
-                data, take = self._block(k), min(stop, end) - pos
-                dest[pos - offset:pos - offset + take] = data[pos - start:pos - start + take]
+                self._read_block(k, dest[a - offset:z - offset], a, z)
             pos = stop
         return max(0, end - offset)
 
-    def _read_hashed(self, view: memoryview, start: int, k: int) -> str:
-        """Read ``view`` from ``start`` piece by piece, each hashed while the cache holds it; the digest."""
+    def _read_block(self, k: int, part: memoryview, a: int, z: int) -> None:
+        """Read block ``k``: its bytes ``[a, z)`` into ``part`` (the caller's buffer), the others into a reused
+        buffer, hashed in order; :class:`ChecksumError` unless they are the recorded ones. The other bytes are
+        kept for the next read that wants them (a tensor's last block is the next one's first)."""
+        start, stop = self.blocks.span(k)
         h = xxhash.xxh3_64()
-        for at in range(0, len(view), PIECE):
-            piece = view[at:at + PIECE]
-            if _pread_into(self.fd, piece, start + at) < len(piece):
+        buf = None
+        if a > start or z < stop:  # the least recently used buffer, reused (no new pages to fault in)
+            buf = self._kept.pop(0)[1] if len(self._kept) >= _KEPT else np.empty(self.blocks.block, np.uint8)
+        view = memoryview(buf) if buf is not None else None
+        for lo, hi, into in ((start, a, view), (a, z, None), (z, stop, view)):
+            if hi > lo:
+                self._hash_read(h, into[lo - start:hi - start] if into is not None else part, lo, k)
+        if h.hexdigest() != self.blocks.digests[k]:
+            raise self.blocks.mismatch(k)
+        if buf is not None:
+            self._kept.append((k, buf, ((start, a), (z, stop))))
+
+    def _hash_read(self, h, view: memoryview, at: int, k: int) -> None:
+        """Read ``view`` from ``at`` piece by piece into ``h``, each piece hashed while the cache holds it."""
+        for i in range(0, len(view), PIECE):
+            piece = view[i:i + PIECE]
+            if _pread_into(self.fd, piece, at + i) < len(piece):
                 raise self.blocks.mismatch(k)  # the file was cut while open
             h.update(piece)
-        return h.hexdigest()
 
-    def _block(self, k: int) -> memoryview:
-        """Block ``k`` whole, checked (kept for the next read that starts in it)."""
-        for i, (j, buf, n) in enumerate(self._kept):
-            if j == k:
+    def _kept_part(self, k: int, a: int, z: int) -> memoryview | None:
+        """Bytes ``[a, z)`` of block ``k`` when a checked read kept them, else None."""
+        start = k * self.blocks.block
+        for i, (j, buf, ranges) in enumerate(self._kept):
+            if j == k and any(lo <= a and z <= hi for lo, hi in ranges):
                 self._kept.append(self._kept.pop(i))
-                return memoryview(buf)[:n]
-        start, stop = self.blocks.span(k)
-        # the least recently used block's buffer, reused (no new pages to fault in)
-        buf = self._kept.pop(0)[1] if len(self._kept) >= _KEPT else np.empty(self.blocks.block, np.uint8)
-        data = memoryview(buf)[:stop - start]
-        if self._read_hashed(data, start, k) != self.blocks.digests[k]:
-            raise self.blocks.mismatch(k)
-        self._kept.append((k, buf, stop - start))
-        return data
+                return memoryview(buf)[a - start:z - start]
+        return None
