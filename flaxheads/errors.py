@@ -45,7 +45,8 @@ _OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)")  # how tensorstore reports
 def os_error_cause(err: BaseException) -> str | None:
     """The OS reason behind ``err`` ("No space left on device", "File too large", ...), from an
     ``OSError`` in its chain or the errno in tensorstore's message; None when there is none."""
-    seen, todo = set(), [err]
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [err]  # __cause__ / __context__ may be None
     while todo:
         e = todo.pop(0)
         if e is None or id(e) in seen:

@@ -79,7 +79,7 @@ def validate_labels(labels, problem_type: str, num_labels: int) -> None:
                 raise ConfigError(f"label {int(lab[i])} at row {i} is outside [0, {num_labels}); "
                                  f"check num_labels ({num_labels}) and the label mapping")
         return
-    want = (shape[0], num_labels) if shape else None
+    want: tuple[int, ...] | None = (shape[0], num_labels) if shape else None
     if problem_type == REGRESSION and num_labels == 1 and len(shape) == 1:
         want = shape  # HF squeezes a single regression target
     if len(shape) not in (1, 2) or shape != want:
@@ -91,7 +91,8 @@ def validate_labels(labels, problem_type: str, num_labels: int) -> None:
     if _concrete(labels):
         lab = np.asarray(labels, dtype=np.float64)
         if np.isnan(lab).any():
-            raise ConfigError(f"{problem_type} targets contain NaN at rows {np.unique(np.argwhere(np.isnan(lab))[:, 0])[:10].tolist()}")
+            nan_rows = np.unique(np.argwhere(np.isnan(lab))[:, 0])[:10].tolist()
+            raise ConfigError(f"{problem_type} targets contain NaN at rows {nan_rows}")
         if problem_type == MULTI_LABEL and ((lab < 0) | (lab > 1)).any():
             raise ConfigError("multi-label targets must lie in [0, 1] (one 0/1 column per label)")
 

@@ -75,7 +75,7 @@ def split_fractions(text: str) -> tuple[float, float, float]:
     if abs(sum(values) - 1.0) > 1e-6 or values[0] == 0:
         raise argparse.ArgumentTypeError(f"the fractions must sum to 1 with a train fraction > 0, got {text!r} "
                                          f"(sum {sum(values):g})")
-    return values  # type: ignore[return-value]
+    return values
 
 
 def step_spec(text: str) -> int | str:

@@ -122,7 +122,8 @@ def read_labelled_input(path: str, *, fmt: str | None = None, text_column: str =
         else:
             raise DataError(f"{path}: file not found")
         try:
-            table = load_table(p, **opts)
+            table = load_table(p, text_column=text_column, label_column=label_column,
+                               text_pair_column=text_pair_column)
         except DataError as e:
             raise DataError(str(e).replace(p, source)) from None
     return dataclasses.replace(table, source=source)

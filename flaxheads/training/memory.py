@@ -33,8 +33,9 @@ class MemoryReport:
     @property
     def xla_total(self) -> int | None:
         """Peak estimate: arguments + outputs + temporaries, less outputs written over donated arguments."""
-        if self.xla_arguments is None:
-            return None
+        if (self.xla_arguments is None or self.xla_outputs is None or self.xla_temp is None
+                or self.xla_aliased is None):
+            return None  # no compiled memory analysis (the four are set together)
         return self.xla_arguments + self.xla_outputs + self.xla_temp - self.xla_aliased
 
     def lines(self) -> list[str]:
