@@ -12,7 +12,7 @@ import os
 import shutil
 import tempfile
 import warnings
-from typing import Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -40,14 +40,13 @@ def torch_model(folder: str):
     to plain ONNX operators); flaxheads' own code is imported from the package, not from the folder."""
     from flaxheads.interop.remote_code import is_flaxheads_config
 
-    options = {"attn_implementation": "eager"}
     if is_flaxheads_config(read_json(os.path.join(folder, "config.json"))):
         from flaxheads.interop.modeling_flaxheads import FlaxheadsForSequenceClassification
 
-        return FlaxheadsForSequenceClassification.from_pretrained(folder, **options).eval()
+        return FlaxheadsForSequenceClassification.from_pretrained(folder, attn_implementation="eager").eval()
     from transformers import AutoModelForSequenceClassification
 
-    return AutoModelForSequenceClassification.from_pretrained(folder, **options).eval()
+    return AutoModelForSequenceClassification.from_pretrained(folder, attn_implementation="eager").eval()
 
 
 def input_names(backbone_config) -> list[str]:
@@ -94,24 +93,24 @@ def trace(pt, names: list[str], example: tuple, path: str) -> None:
 
     module = _logits_module(pt, names)
     axes = {n: {0: "batch", 1: "sequence"} for n in names}
-    common = dict(input_names=names, output_names=["logits"], opset_version=OPSET)
     with torch.no_grad(), warnings.catch_warnings():
         # the tracer's notes on Python-side checks in transformers' code: the graph is checked against
         # flaxheads on other shapes than the traced one (tests/interop/test_export_onnx.py)
         warnings.simplefilter("ignore")
         try:
             torch.onnx.export(module, example, path, dynamic_axes={**axes, "logits": {0: "batch"}}, dynamo=False,
-                              **common)
+                              input_names=names, output_names=["logits"], opset_version=OPSET)
             return
         except Exception as e:  # noqa: BLE001 - any tracing failure: the other exporter decides
             first = f"{type(e).__name__}: {str(e)[:200]}"
         batch, seq = torch.export.Dim("batch"), torch.export.Dim("sequence")
-        shapes = {n: {0: batch, 1: seq} for n in ("input_ids", "attention_mask", "token_type_ids") if n in names}
+        shapes: dict[str, Any] = {n: {0: batch, 1: seq}
+                                  for n in ("input_ids", "attention_mask", "token_type_ids") if n in names}
         try:
             # weights beside the graph (model.onnx.data) only past protobuf's 2 GB limit
             big = sum(p.numel() * p.element_size() for p in pt.parameters()) > 1.8e9
             torch.onnx.export(module, example, path, dynamic_shapes=shapes, dynamo=True, external_data=big,
-                              **common)
+                              input_names=names, output_names=["logits"], opset_version=OPSET)
         except Exception as e:  # noqa: BLE001
             raise ExportError(f"torch.onnx cannot export this {type(pt).__name__}: TorchScript exporter: {first}; "
                               f"dynamo exporter: {type(e).__name__}: {str(e)[:200]}") from None
