@@ -38,7 +38,7 @@ from flaxheads.model.lora import A, B, LORA, LoraConfig, adapter_modules, check_
 from flaxheads.heads.presets import preset_for
 from flaxheads.interop.files import ExportError, ModelImportError, TOKENIZER_FILES, atomic_dir, np_tree, read_json, save_safetensors
 from flaxheads.disk.files import write_json
-from flaxheads.interop.transformers import backbone_state_dict, check_transformers_exportable, exportable_family, read_config
+from flaxheads.interop.transformers import backbone_state_dict, check_transformers_exportable, preset_family, read_config
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -104,7 +104,8 @@ def peft_state_dict(model, params: Mapping | None = None) -> tuple[dict[str, np.
     params = params or model.params
     adapters = {m: {k: np.asarray(v, np.float32) for k, v in ab.items()}
                 for m, ab in adapter_modules(np_tree(params[LORA])).items()}
-    names = torch_module_names(model, list(adapters), exportable_family(match.arch).base_model_prefix)
+    _, family = preset_family(match)
+    names = torch_module_names(model, list(adapters), family.base_model_prefix)
     state = {}
     for m, ab in adapters.items():
         state[f"{PEFT_PREFIX}{names[m]}.lora_A.weight"] = ab[A].T  # [r, in]

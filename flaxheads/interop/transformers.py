@@ -21,7 +21,7 @@ from flaxheads.backbones.registry import family_for
 from flaxheads.backbones.weights import BIN, BIN_INDEX, SAFE, SAFE_INDEX, head_to_hf
 from flaxheads.model.sequence import SequenceModel
 from flaxheads.model.pretrained import from_pretrained
-from flaxheads.heads.presets import PRESETS, PresetMatch, match_preset, preset_for
+from flaxheads.heads.presets import PRESETS, Preset, PresetMatch, match_preset, preset_for
 from flaxheads.interop import remote_code
 from flaxheads.interop.files import ExportError, ImportNotFoundError, ModelImportError, atomic_dir, backbone_config_dict, copy_tokenizer, flatten, flax_to_pytorch_names, np_tree, read_json, save_safetensors
 from flaxheads.disk.files import write_json
@@ -107,7 +107,8 @@ def check_transformers_exportable(model) -> PresetMatch:
         raise ExportError(f"a transformers export needs the backbone weights; this source has only a head. "
                           f"{_OTHER_FORMATS}")
     match = _match(model)
-    if not (match.same_pooler and match.same_head) or exportable_family(match.preset.arch) is None:
+    preset = match.preset
+    if preset is None or not (match.same_pooler and match.same_head) or exportable_family(preset.arch) is None:
         kind = f"{type(model.head.pooler).__name__} + {type(model.head.head).__name__}"
         raise ExportError(
             f"the head ({kind}) on this {model.model_type} backbone is not the Hugging Face "
@@ -116,10 +117,19 @@ def check_transformers_exportable(model) -> PresetMatch:
             f"{sorted(a for a in PRESETS if exportable_family(a))}). Export the whole model with "
             f"format='transformers' (flaxheads' own PyTorch code, trust_remote_code=True) instead.")
     if not match.exact:
-        raise ExportError(f"{match.preset.hf_class} pools by {match.preset.pool_mask!r} but this model pools by "
+        raise ExportError(f"{preset.hf_class} pools by {preset.pool_mask!r} but this model pools by "
                           f"{model.pool_mask!r}: PyTorch would give other logits. Export the whole model with "
                           "format='transformers' (flaxheads' own PyTorch code, trust_remote_code=True) instead.")
     return match
+
+
+def preset_family(match: PresetMatch) -> tuple[Preset, type[Backbone]]:
+    """The HF preset and its native backbone family of a match :func:`check_transformers_exportable`
+    returned (an exact match of a preset with a native backbone: both are there)."""
+    family = exportable_family(match.arch)
+    if match.preset is None or family is None:  # ruled out by check_transformers_exportable
+        raise ExportError(f"no PyTorch sequence-classification class for this model (preset {match.arch!r})")
+    return match.preset, family
 
 
 PRESET, CUSTOM = "preset", "custom"
@@ -141,13 +151,13 @@ def transformers_layout(model) -> str:
 
 def transformers_config(model) -> dict:
     """``config.json`` of the PyTorch XForSequenceClassification equal to ``model``."""
-    match = check_transformers_exportable(model)
+    preset, family = preset_family(check_transformers_exportable(model))
     cfg = backbone_config_dict(model.backbone.config)
     labels = model.id2label or {i: f"LABEL_{i}" for i in range(model.num_labels)}
-    cfg.update(architectures=[match.preset.hf_class], num_labels=model.num_labels,
+    cfg.update(architectures=[preset.hf_class], num_labels=model.num_labels,
                id2label={str(i): labels[i] for i in sorted(labels)},
                label2id={labels[i]: i for i in sorted(labels)}, problem_type=model.problem_type)
-    key = exportable_family(match.arch).classifier_dropout_key
+    key = family.classifier_dropout_key
     if key is not None:
         cfg[key] = float(model.head.head.dropout)
     return cfg
@@ -156,8 +166,9 @@ def transformers_config(model) -> dict:
 def transformers_state_dict(model, params: Mapping | None = None) -> dict[str, np.ndarray]:
     """The full PyTorch state dict (backbone under its base prefix + head modules)."""
     match = check_transformers_exportable(model)
+    _, family = preset_family(match)
     params = params or model.params
-    state = backbone_state_dict(model, params, prefix=exportable_family(match.arch).base_model_prefix)
+    state = backbone_state_dict(model, params, prefix=family.base_model_prefix)
     state.update(head_to_hf(np_tree(params["head"]), match.hf_names))
     return state
 
@@ -238,6 +249,8 @@ def load_transformers(folder: str | os.PathLike, *, allow_new_head: bool = False
         check_weights_present(folder)
         return remote_code.load_folder(folder, cfg, **options)
     preset = preset_for(cfg, len(cfg.get("id2label") or {}) or int(cfg.get("num_labels", 2)))
+    if preset is None:  # _classifier_config let only model types with a preset through
+        raise ModelImportError(f"{folder}: model_type {cfg.model_type!r} has no flaxheads preset")
     archs = cfg.get("architectures") or []
     if archs and archs[0] != preset.hf_class:
         raise ModelImportError(
