@@ -53,7 +53,8 @@ def _gib(n: int | None) -> str:
     return "?" if n is None else f"{n / 2 ** 30:.3f} GiB" if n >= 2 ** 24 else f"{n / 2 ** 20:.2f} MiB"
 
 
-def memory_report(trainer, batch: Mapping[str, np.ndarray], *, compile: bool = True) -> MemoryReport:
+def memory_report(trainer, batch: Mapping[str, np.ndarray | jax.ShapeDtypeStruct], *,
+                  compile: bool = True) -> MemoryReport:
     """The per-device memory of ``trainer``'s train step on batches shaped like ``batch`` (a global
     host batch, or ShapeDtypeStructs). ``compile=False``: params and optimizer state only."""
     par = trainer.parallel

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -111,8 +111,10 @@ def plan_memory(model, *, batch_size: int, max_length: int, mesh: str | Mapping[
     if batch_size < 1 or max_length < 1:
         raise UsageError(f"a plan needs a batch size and a length >= 1, got {batch_size} x {max_length}")
     notes = []
-    folder = model if isinstance(model, (str, os.PathLike)) else None
+    folder: str | os.PathLike | None = None
+    build: dict[str, Any] = {}  # abstract_model's settings (a folder's model is built here)
     if isinstance(model, (str, os.PathLike)):
+        folder = model
         if precision not in ("float32", "bfloat16"):  # auto: this host's choice
             precision = jnp.dtype(ComputePlan.for_host(precision=precision).precision.dtype).name
         dtype = jnp.dtype(precision)
@@ -129,7 +131,8 @@ def plan_memory(model, *, batch_size: int, max_length: int, mesh: str | Mapping[
                          f"({jax.default_backend()}); plan it with `flaxheads plan` (which forces {devices} host "
                          f"devices), or start Python with XLA_FLAGS=--xla_force_host_platform_device_count={devices} "
                          "JAX_PLATFORMS=cpu")
-    cfg = TrainConfig(batch_size=batch_size, parallel="mesh" if mesh else "single", mesh=mesh or None)
+    mesh_text = mesh if mesh is None or isinstance(mesh, str) else ",".join(f"{a}={s}" for a, s in mesh.items())
+    cfg = TrainConfig(batch_size=batch_size, parallel="mesh" if mesh else "single", mesh=mesh_text or None)
     trainer = Trainer.build(model, OptimConfig(freeze_backbone=freeze_backbone), cfg,
                             Parallel.from_config(cfg.parallel, cfg.mesh))
     if batch_size % trainer.parallel.width:
