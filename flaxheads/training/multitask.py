@@ -9,7 +9,7 @@ labelled for different tasks). :meth:`MultiTaskModel.task_model` gives one task 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, cast
 
 import jax
 import jax.numpy as jnp
@@ -62,12 +62,14 @@ class MultiTaskModel:
     def heads_apply(self, heads_params: dict, hidden, mask, *, train: bool = False,
                     dropout_rng: jax.Array | None = None) -> dict[str, jax.Array]:
         """Every task's logits from one set of hidden states."""
-        out = {}
+        if train and dropout_rng is None:
+            raise ValueError("train=True needs a dropout_rng")
+        out: dict[str, jax.Array] = {}
         for i, t in enumerate(self.tasks):
-            key = None if dropout_rng is None else jax.random.fold_in(dropout_rng, i)
-            rngs = {"dropout": key} if train else {}
-            out[t.name] = linen.module(t.head).apply({"params": heads_params[t.name]}, hidden, mask,
-                                                     deterministic=not train, rngs=rngs)
+            rngs = {"dropout": jax.random.fold_in(dropout_rng, i)} if train and dropout_rng is not None else {}
+            logits = linen.module(t.head).apply({"params": heads_params[t.name]}, hidden, mask,
+                                                deterministic=not train, rngs=rngs)
+            out[t.name] = cast(jax.Array, logits)  # apply returns the output alone when nothing is mutable
         return out
 
     def apply(self, params: dict, input_ids, attention_mask=None, *, train: bool = False,
@@ -75,9 +77,12 @@ class MultiTaskModel:
         """``{task: logits [B, N_task]}`` from one backbone forward."""
         if attention_mask is None:
             attention_mask = jnp.ones_like(input_ids)
-        if train and dropout_rng is None:
-            raise ValueError("train=True needs a dropout_rng")
-        rb, rh = jax.random.split(dropout_rng) if train else (None, None)
+        rb: jax.Array | None = None
+        rh: jax.Array | None = None
+        if train:
+            if dropout_rng is None:
+                raise ValueError("train=True needs a dropout_rng")
+            rb, rh = jax.random.split(dropout_rng)
         hidden, mask = self.features(params["backbone"], input_ids, attention_mask, train=train, dropout_rng=rb,
                                      **extra)
         return self.heads_apply(params["heads"], hidden, mask, train=train, dropout_rng=rh)

@@ -22,7 +22,8 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from typing import Callable
+from types import FrameType
+from typing import Any, Callable
 
 import jax
 from jax.experimental import multihost_utils
@@ -78,7 +79,7 @@ class SignalWatch:
         self.signum: int | None = None
         self.step = 0  # the last step the loop finished (for the abort line)
         self._write = write or (lambda line: print(line, file=sys.stderr, flush=True))
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, Callable[[int, FrameType | None], Any] | int | signal.Handlers | None] = {}
 
     def __enter__(self) -> "SignalWatch":
         for s in SIGNALS:
