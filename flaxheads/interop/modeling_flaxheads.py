@@ -314,14 +314,16 @@ def make_head(spec, in_features):
 
 
 # ---- the model --------------------------------------------------------------------------------------
-def backbone_from_config(hf_config: dict) -> nn.Module:
+def backbone_from_config(hf_config: dict) -> PreTrainedModel:
     """The bare backbone (``AutoModel``) of its own config, without a pretrained pooler it would not use."""
     values = dict(hf_config)
     config = AutoConfig.for_model(values.pop("model_type"), **values)
     from transformers.models.auto.modeling_auto import MODEL_MAPPING
 
     options = {}
-    cls = MODEL_MAPPING[type(config)]
+    # transformers annotates its lazy auto mappings with the tokenizer mapping's (slow, fast) pair;
+    # MODEL_MAPPING's values are model classes
+    cls: type[PreTrainedModel] = MODEL_MAPPING[type(config)]  # type: ignore[assignment]
     if "add_pooling_layer" in inspect.signature(cls.__init__).parameters:
         options["add_pooling_layer"] = False  # flaxheads' pooler is its own module
     return AutoModel.from_config(config, **options)

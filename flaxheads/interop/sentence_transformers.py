@@ -324,12 +324,13 @@ def _hidden_size(folder: str, backbone_dir: str, pool_cfg: dict) -> int:
     """The backbone's width (config.json), checked against the Pooling module's dimension."""
     h = read_config(backbone_dir).get("hidden_size")
     dim = pool_cfg.get("embedding_dimension", pool_cfg.get("word_embedding_dimension"))
-    if h is None and dim is None:
+    width = h if h is not None else dim
+    if width is None:
         raise ModelImportError(f"{folder}: neither the backbone's config.json nor 1_Pooling/config.json gives "
                                "the hidden width (hidden_size / word_embedding_dimension)")
     if h is not None and dim is not None and int(dim) != int(h):
         raise ModelImportError(f"{folder}: Pooling embedding dimension {dim} != the backbone's hidden_size {h}")
-    return int(h if h is not None else dim)
+    return int(width)
 
 
 def is_cross_encoder(folder: str | os.PathLike) -> bool:
@@ -349,6 +350,7 @@ def _load_cross_encoder(folder: str, backbone_dir: str, pooler, dense: list, dty
                                "one activation then an output layer without one: flaxheads imports linear and MLP "
                                "heads")
     n = int(dense[-1][1].shape[0])
+    head: LinearHead | MLPHead
     if len(dense) == 1:
         head, names = LinearHead(num_labels=n, dropout=0.0, use_bias=dense[0][2] is not None), ["classifier"]
     else:
