@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -322,8 +323,8 @@ def backbone_from_config(hf_config: dict) -> PreTrainedModel:
 
     options = {}
     # transformers annotates its lazy auto mappings with the tokenizer mapping's (slow, fast) pair;
-    # MODEL_MAPPING's values are model classes
-    cls: type[PreTrainedModel] = MODEL_MAPPING[type(config)]  # type: ignore[assignment]
+    # MODEL_MAPPING's values are model classes (a cast, not an ignore: without transformers it is Any)
+    cls = cast("type[PreTrainedModel]", MODEL_MAPPING[type(config)])
     if "add_pooling_layer" in inspect.signature(cls.__init__).parameters:
         options["add_pooling_layer"] = False  # flaxheads' pooler is its own module
     return AutoModel.from_config(config, **options)
