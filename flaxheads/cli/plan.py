@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any, Mapping
 
 from flaxheads.cli.train import _model_flags, add_lora_flags, flags, mesh_flag
 
@@ -18,7 +19,8 @@ def add_plan_command(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=lambda args, program=None: print(plan_command(vars(args))) or 0)
 
 
-def plan_command(a: dict) -> str:
-    from flaxheads.training.memory_plan import plan_from_flags  # imported here: the mesh's host devices are forced first
+def plan_command(a: Mapping[str, Any]) -> str:
+    # imported here: the mesh's host devices are forced first
+    from flaxheads.training.memory_plan import plan_from_flags
 
     return plan_from_flags(**{k: a[k] for k in a if k not in ("func", "command")})

@@ -24,7 +24,7 @@ import numpy as np
 from flaxheads.errors import UsageError
 from flaxheads.losses import REGRESSION
 from flaxheads.predict import Classifier
-from flaxheads.data.tables import LabelSpace, encode_labels
+from flaxheads.data.tables import LabelSpace, TextTable, encode_labels
 from flaxheads.run.data import run_split
 from flaxheads.tasks.metrics import compute_metrics, format_table, headline
 from flaxheads.cli import flags
@@ -120,6 +120,8 @@ def _evaluation_data(args: argparse.Namespace, clf: Classifier):
         if args.input:
             raise UsageError("give --input (a labelled file) or --split (the run's own split), not both")
         table = run_split(clf.source, args.split)
+        if not isinstance(table, TextTable):  # a ranking run's groups: run_evaluate scores them before this
+            raise UsageError(f"--split {args.split}: the run's split holds ranking groups, not labelled rows")
         return args.split, table, encode_labels(table, space, args.split)
     if not args.input:
         raise UsageError("give --input LABELLED_FILE (or --split for a run's own split)")

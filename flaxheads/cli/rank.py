@@ -57,9 +57,12 @@ def run_preferences(args: argparse.Namespace) -> int:
     clf = load_classifier(args)
     check_scorer(clf)
     rejected = [r["rejected"] for r in table.rows]
+    chosen = table.pairs
+    if chosen is None:  # read_input gives the pair column it was asked for
+        raise DataError(f"{table.source}: no column 'chosen'; --preference reads prompt, chosen and rejected columns")
     names = table.names + [n.replace(f"column {args.query_column or 'prompt'!r}", "column 'rejected'")
                            for n in table.names]
-    scores = _run(clf, "outputs", args, table.texts * 2, list(table.pairs) + rejected, names,
+    scores = _run(clf, "outputs", args, table.texts * 2, list(chosen) + rejected, names,
                   chat_template=_chat_template(args, clf, reward_model=True))[0][:, 0]
     n = len(table.rows)
     rows = [{**r, "chosen_score": float(c), "rejected_score": float(j), "prefers_chosen": bool(c > j)}
