@@ -1,4 +1,5 @@
-"""The ``flaxheads`` command: ``flaxheads train | plan | export | checkpoints | predict | embed | evaluate | rank | serve``
+"""The ``flaxheads`` command:
+``flaxheads train | plan | export | checkpoints | predict | embed | evaluate | rank | serve``
 (also ``python -m flaxheads``).
 
 Each subcommand module has an ``add_<name>_command(subparsers)`` that registers its parser and
@@ -49,7 +50,8 @@ READERS = ("train", "export", "checkpoints", "predict", "embed", "evaluate", "ra
 def build_parser() -> Parser:
     """The ``flaxheads`` parser with every subcommand."""
     parser = Parser(prog="flaxheads", description="flaxheads command-line tools: train heads on transformer "
-                                                  "encoders, predict and embed with them, export them, inspect checkpoints")
+                                                  "encoders, predict and embed with them, export them, "
+                                                  "inspect checkpoints")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)
     for add in SUBCOMMANDS:
         add(sub)

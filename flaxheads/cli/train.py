@@ -24,7 +24,6 @@ report.html (everything on one page, no network; `flaxheads report RUN` rebuilds
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Sequence
 

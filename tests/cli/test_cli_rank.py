@@ -23,7 +23,7 @@ def _preference_rows(n: int, seed: int) -> list[dict]:
     """Prompt: words of one topic; chosen: more words of it; rejected: words of another topic."""
     rng = np.random.default_rng(seed)
     rows = []
-    for i in range(n):
+    for _ in range(n):
         a, b = rng.choice(len(TOPICS), 2, replace=False)
         words = lambda t, k: " ".join(rng.choice(TOPICS[t], k))  # noqa: E731
         rows.append({"prompt": words(a, 3), "chosen": words(a, 5), "rejected": words(b, 5),
