@@ -141,7 +141,7 @@ def resolve(argv: list[str], workdir: Path) -> dict:
     spec = spec_from_args(args)
     tables, space, labels = load_splits(data_config(spec))
     tcfg = train_config(spec)
-    optim = optim_config(spec, len(tables["train"]), tcfg)
+    optim = optim_config(spec, loop.total_steps(len(tables["train"]), tcfg))
     head = make_head(args.head, num_labels=space.num_labels)
     data_file = workdir / "splits.json"
     data_file.write_text(json.dumps({n: {"texts": list(t.texts), "labels": labels[n].tolist()}

@@ -2,19 +2,19 @@
 reranker or reward model): the batched, bucketed forward of :class:`~flaxheads.predict.Classifier`."""
 from __future__ import annotations
 
-import os
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from flaxheads.errors import UsageError
 from flaxheads.data.tables import DataError
+from flaxheads.errors import UsageError
 
 if TYPE_CHECKING:
     from flaxheads.predict.classifier import Classifier
 
 
-def check_scorer(clf: "Classifier") -> None:
+def check_scorer(clf: Classifier) -> None:
     """A scorer has one output that is a score (not an embedding, not class logits)."""
     if clf.is_embedding or clf.model.num_labels != 1:
         what = "an embedding head" if clf.is_embedding else f"{clf.model.num_labels} outputs ({clf.problem_type})"
@@ -36,7 +36,7 @@ def split_pairs(pairs) -> tuple[list, list]:
     return queries, cands
 
 
-def score_pairs(clf: "Classifier", pairs, *, batch_size: int = 32, truncate: bool = True,
+def score_pairs(clf: Classifier, pairs, *, batch_size: int = 32, truncate: bool = True,
                 progress: bool | None = None, rows: Sequence[str] | None = None) -> np.ndarray:
     """One float32 score per (query, candidate) pair, in input order (the model's raw output)."""
     check_scorer(clf)
@@ -47,7 +47,7 @@ def score_pairs(clf: "Classifier", pairs, *, batch_size: int = 32, truncate: boo
     return np.asarray(out, np.float32)[:, 0]
 
 
-def rank_candidates(clf: "Classifier", query: str, candidates: Sequence[str], *, top_k: int | None = None,
+def rank_candidates(clf: Classifier, query: str, candidates: Sequence[str], *, top_k: int | None = None,
                     batch_size: int = 32, truncate: bool = True) -> list[dict]:
     """``candidates`` best first, as ``{"index", "score", "text"}`` dicts (``top_k`` of them); ties
     keep the input order."""
@@ -84,28 +84,22 @@ def ranking_groups(source: str, *, split: str | None = None, input: str | None =
     """The groups to evaluate the ranking run that saved ``source`` on: its split ``split``, rebuilt
     from its recorded spec as it trained on them, or the table ``input`` (read as the run read its
     data); None when ``source`` is not a ranking run."""
-    from flaxheads.checkpoint import is_checkpoint_folder, resolve_root
+    from flaxheads.checkpoint import is_checkpoint_folder
     from flaxheads.data.groups import load_groups
-    from flaxheads.run.data import _groups
-    from flaxheads.run.spec import RunSpec
     from flaxheads.formats.sources import run_config
+    from flaxheads.run.data import run_spec, run_split
 
     if not is_checkpoint_folder(source) or run_config(source).get("objective") in (None, "classification"):
         return None
     if bool(split) == bool(input):
         raise UsageError("give --input (a ranking table: query, passage, label or prompt, chosen, rejected) or "
                          "--split (the run's own split), one of them")
-    root, _ = resolve_root(source)
-    spec = RunSpec.from_run(os.path.dirname(root) if os.path.basename(root) == "checkpoints" else root)
     if input:
-        return load_groups(input, query_column=spec.data.query_column)
-    tables = _groups(spec).tables
-    if split not in tables:
-        raise UsageError(f"the ranking run {source} has no {split} split (it has {sorted(tables)})")
-    return tables[split]
+        return load_groups(input, query_column=run_spec(source).data.query_column)
+    return run_split(source, split)
 
 
-def evaluate_groups(clf: "Classifier", table, *, batch_size: int = 32, truncate: bool = True,
+def evaluate_groups(clf: Classifier, table, *, batch_size: int = 32, truncate: bool = True,
                     progress: bool | None = None) -> tuple[dict, dict]:
     """Ranking metrics (:func:`~flaxheads.tasks.ranking.metrics.ranking_metrics`) of ``clf``'s scores on
     the groups of ``table`` (a :class:`~flaxheads.data.groups.GroupTable`), and the flat

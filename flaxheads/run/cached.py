@@ -1,23 +1,36 @@
 """Runs with ``cache_features`` / ``sweep=K``: encode every split once, train K heads (K=1
 without a sweep) on the cached features with the library's :func:`flaxheads.training.sweep.sweep`,
 keep the best on validation as a normal head checkpoint in ``<run folder>/checkpoints``, and
-write ``sweep.md``, ``eval.txt`` and ``summary.json``."""
+write ``sweep.md`` and the run folder every run writes (the log through the run's writer, the
+task's metrics, ``eval.txt``, ``summary.json``, the plots and the report)."""
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING
 
 from flaxheads.checkpoint import save_head
-from flaxheads.training.features import FeatureCache, cache_features, choose_level, make_encoder, predict_cached, reduction
-from flaxheads.tasks.metrics import compute_metrics, headline
-from flaxheads.training.sweep import SweepResult, steps_per_epoch, sweep, sweep_variants
 from flaxheads.run.folder import RunFolder, scalars
-from flaxheads.run.report import write_report
-from flaxheads.run.reporters import Reporters, resolve_report_to
+from flaxheads.run.job import Job, Run, run_config, split_counts
+from flaxheads.run.report_data import worst_of
+from flaxheads.run.spec import RunSpec
+from flaxheads.training.features import (
+    FeatureCache,
+    bucket_sizes,
+    cache_features,
+    choose_level,
+    make_encoder,
+    predict_cached,
+    reduction,
+)
+from flaxheads.training.sweep import SweepResult, steps_per_epoch, sweep, sweep_variants
 
-if TYPE_CHECKING:  # annotation only: the program imports this module
-    from flaxheads.run.program import Job, Run
+
+def head_steps(spec: RunSpec, model, train, buckets) -> int:
+    """The steps of heads trained on ``train``'s cached features: ``max_steps``, else whole epochs
+    (at least one) of the cache's batches, counted before encoding."""
+    spe = steps_per_epoch(bucket_sizes(model.head.pooler, [len(x) for x in train.input_ids], buckets),
+                          spec.optim.batch_size)
+    return spec.optim.max_steps or spe * max(round(spec.optim.epochs), 1)
 
 
 def encode_splits(job: Job, batch_size: int) -> tuple[dict[str, FeatureCache], float]:
@@ -32,65 +45,56 @@ def encode_splits(job: Job, batch_size: int) -> tuple[dict[str, FeatureCache], f
     return caches, time.perf_counter() - t0
 
 
-def train_heads(job: Job, caches: dict[str, FeatureCache]) -> tuple[SweepResult, int]:
-    """The sweep's heads around the run's learning rate; returns the result and the epochs trained."""
-    o, seed = job.spec.optim, job.spec.seed
-    variants = sweep_variants(max(o.sweep, 1), job.optim.learning_rate, job.optim.weight_decay, seed)
-    spe = steps_per_epoch(caches["train"], o.batch_size)
-    # max_steps wins over epochs, as in every other run
-    epochs = -(-o.max_steps // spe) if o.max_steps else max(int(round(o.epochs)), 1)
-    total = min(spe * epochs, o.max_steps or spe * epochs)
-    ocfg = dataclasses.replace(job.optim, warmup_steps=int(o.warmup_ratio * total), total_steps=total,
-                               head_learning_rate=None, accumulation_steps=1, freeze_backbone=True)
-    res = sweep(job.model, caches["train"], variants, optim=ocfg, epochs=epochs, batch_size=o.batch_size,
-                val=caches.get("validation"), seed=seed, loss_options=job.train.loss_options, max_steps=o.max_steps)
-    return res, epochs
-
-
-def _log(folder: RunFolder, res: SweepResult, spe: int, final: dict, report_to) -> None:
-    """``metrics.jsonl`` and the event files as other runs write them: the best head's training loss
-    per epoch, its validation, and the final metrics."""
-    (folder.path / "metrics.jsonl").unlink(missing_ok=True)
-    sinks = Reporters(folder.path, report_to)
-    for e, losses in enumerate(res.losses):
-        step = min((e + 1) * spe, res.steps)
-        sinks.write({"step": step, "epoch": step / spe, "loss": float(losses[res.best])})
-    if "validation" in final:
-        sinks.write({"step": res.steps, "eval": {"validation": scalars(final["validation"])}})
-    sinks.write({"step": res.steps, "final": {n: scalars(r) for n, r in final.items()}})
-    sinks.close()
+def train_heads(job: Job, caches: dict[str, FeatureCache]) -> SweepResult:
+    """The sweep's heads around the run's learning rate, for the job's steps."""
+    t = job.train
+    variants = sweep_variants(max(job.spec.optim.sweep, 1), job.optim.learning_rate, job.optim.weight_decay, t.seed)
+    epochs = -(-job.steps // steps_per_epoch(caches["train"], t.batch_size))
+    return sweep(job.model, caches["train"], variants, optim=job.optim, epochs=epochs, batch_size=t.batch_size,
+                 val=caches.get("validation"), seed=t.seed, loss_options=t.loss_options, max_steps=job.steps)
 
 
 def run_cached(job: Job, argv=None) -> Run:
     """The cached-features program; returns the run."""
-    from flaxheads.run.program import Run, run_config, split_counts
-
-    folder = RunFolder(job.out)
-    o = job.spec.optim
-    folder.start(run_config(job, argv=argv), f"{split_counts(job.splits)} examples, {job.model.num_labels} labels, "
-                                             f"heads on cached features ({max(o.sweep, 1)} at once)")
-    caches, encode_s = encode_splits(job, o.eval_batch_size)
-    res, epochs = train_heads(job, caches)
+    folder, t = RunFolder(job.out), job.train
+    folder.start(run_config(job, argv=argv), job.task.describe(split_counts(job.splits), job.steps, t.batch_size)
+                 + f", heads on cached features ({max(job.spec.optim.sweep, 1)} at once)")
+    log = folder.logger(job.optim, job.steps, t.log_every, job.task.headline, report_to=job.report_to)
+    caches, encode_s = encode_splits(job, t.eval_batch_size)
+    res = train_heads(job, caches)
     k = len(res.variants)
     best = res.best_model(job.model)
     ckpt = save_head(job.out / "checkpoints", best, step=res.steps,
                      extra_meta={"sweep": {"variant": dataclasses.asdict(res.variants[res.best]), "k": k}})
-    final = {name: compute_metrics(best.problem_type, predict_cached(best, best.params["head"], caches[name]),
-                                   caches[name].labels, best.num_labels, threshold=job.train.threshold)
-             for name in ("validation", "test") if name in caches}
+    arrays = {n: {"logits": predict_cached(best, best.params["head"], caches[n]), "labels": caches[n].labels}
+              for n in ("validation", "test") if n in caches}
+    final = {n: job.task.metrics(a["logits"], a["labels"]) for n, a in arrays.items()}
     (job.out / "sweep.md").write_text(res.table() + "\n")
-    _log(folder, res, steps_per_epoch(caches["train"], o.batch_size), final,
-         resolve_report_to(job.spec.checkpoints.report_to))
-    summary = {"mode": "cached-features" + (f" sweep K={k}" if k > 1 else ""), "encode_seconds": round(encode_s, 1),
-               "head_seconds": round(res.seconds, 2), "steps": res.steps, "epochs": epochs,
-               "best": dataclasses.asdict(res.variants[res.best]), "checkpoint": str(ckpt),
+    epochs, h = len(res.losses), job.task.headline
+    print(f"encoded {sum(len(c) for c in caches.values())} examples once in {encode_s:.1f} s; trained {k} head(s) "
+          f"x {epochs} epochs in {res.seconds:.1f} s\n{res.table()}", flush=True)
+    history = _log(log, res, steps_per_epoch(caches["train"], t.batch_size), final)
+    summary = {**job.task.summary_keys(), "mode": "cached-features" + (f" sweep K={k}" if k > 1 else ""),
+               "encode_seconds": round(encode_s, 1), "head_seconds": round(res.seconds, 2), "steps": res.steps,
+               "epochs": epochs, "best": dataclasses.asdict(res.variants[res.best]), "checkpoint": str(ckpt),
                "cache_bytes": {n: c.nbytes for n, c in caches.items()},
                "metrics": {n: scalars(r) for n, r in final.items()}, "run_folder": str(job.out)}
-    text = folder.write_results(summary, final, best.id2label)
-    write_report(folder.path)
-    h = headline(best.problem_type)
-    print(f"encoded {sum(len(c) for c in caches.values())} examples once in {encode_s:.1f} s; trained {k} head(s) "
-          f"x {epochs} epochs in {res.seconds:.1f} s\n{res.table()}\n\n{text}\n\nbest head "
-          f"({res.variants[res.best].label()}, validation {h} "
-          f"{final.get('validation', {}).get(h, float('nan')):.4f}) saved to {ckpt}", flush=True)
+    predictions = {"test": arrays["test"]} if "test" in arrays else {}  # as fit's runs keep them
+    folder.finish(summary, final, predictions, best.id2label, history=history, metric=h, worst=worst_of(job, arrays),
+                  tail=f"best head ({res.variants[res.best].label()}, validation {h} "
+                       f"{final.get('validation', {}).get(h, float('nan')):.4f}) saved to {ckpt}")
     return Run(job.spec, summary, best, job.out)
+
+
+def _log(log, res: SweepResult, spe: int, final: dict) -> list[dict]:
+    """The best head's training loss per epoch and its validation metrics, written by the run's
+    log as fit's are; returns them as fit's history."""
+    history = []
+    for e, losses in enumerate(res.losses):
+        step = min((e + 1) * spe, res.steps)
+        history.append({"step": step, "epoch": step / spe, "loss": float(losses[res.best])})
+        log.write(history[-1])
+    if "validation" in final:
+        history.append({"step": res.steps, "eval": {"validation": final["validation"]}})
+        log.on_evaluate(None, res.steps, history[-1]["eval"])
+    return history

@@ -6,16 +6,13 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from flaxheads.checkpoint import CheckpointError, RunCheckpointer, read_meta
 from flaxheads.checkpoint.meta import CHECKPOINTS_SUBDIR
 from flaxheads.errors import UsageError
+from flaxheads.run.job import Job
 from flaxheads.runtime.sharding import abstract
 from flaxheads.training import loop
-
-if TYPE_CHECKING:  # annotation only: the program imports this module
-    from flaxheads.run.program import Job
 
 #: The run settings a resumed run compares with the checkpoint's (a change is warned about).
 RESUME_SETTINGS = ("model", "head_config", "problem_type", "num_labels", "labels", "bf16", "max_length", "data",

@@ -6,19 +6,21 @@ from __future__ import annotations
 import math
 import os
 
+from flaxheads.errors import TrainingError, UsageError
+from flaxheads.heads.poolers import POOLER_NAMES
+from flaxheads.layers.remat import REMAT_POLICIES
 from flaxheads.model.base_dtype import BASE_DTYPES
 from flaxheads.model.quantize import QUANTIZATIONS
-from flaxheads.errors import TrainingError, UsageError
-from flaxheads.layers.remat import REMAT_POLICIES
-from flaxheads.heads.poolers import POOLER_NAMES
-from flaxheads.tasks.ranking.objectives import OBJECTIVES
-from flaxheads.runtime.sharding import parse_mesh
 from flaxheads.run.spec import PROBLEM_TYPES, RunSpec, settle_precision
+from flaxheads.runtime.sharding import parse_mesh
+from flaxheads.tasks.ranking.objectives import MARGIN_OBJECTIVES, OBJECTIVES
+from flaxheads.tasks.ranking.task import SCALE_OBJECTIVES, Ranking
+from flaxheads.training.profiling import parse_steps
 
 
 def check_spec(spec: RunSpec) -> RunSpec:
     """``spec`` with its precision settled (``$FLAXHEADS_PRECISION``, else auto); raises
-    :class:`~flaxheads.errors.UsageError` on the first conflict."""
+    :class:`~flaxheads.errors.UsageError` on the first conflict (``report_to``: when the job resolves it)."""
     _check_values(spec)
     _check_model(spec)
     if (spec.data.validation_file or spec.data.test_file) and not spec.data.train_file:
@@ -34,7 +36,7 @@ def check_spec(spec: RunSpec) -> RunSpec:
             parse_mesh(d.mesh)
         except TrainingError as e:
             raise UsageError(f"--mesh: {e}") from None
-    _check_run_folder_settings(spec)
+    _check_profile(spec)
     _check_lora(spec)
     _check_distributed(spec)
     if spec.ranking:
@@ -42,13 +44,9 @@ def check_spec(spec: RunSpec) -> RunSpec:
     return spec.replace(precision=settle_precision(spec.model.precision))
 
 
-def _check_run_folder_settings(spec: RunSpec) -> None:
-    """``report_to`` names known reporters (tensorboard installed); ``profile_steps`` is ``A:B``."""
-    from flaxheads.training.profiling import parse_steps
-    from flaxheads.run.reporters import resolve_report_to
-
+def _check_profile(spec: RunSpec) -> None:
+    """``profile_steps`` is ``A:B``, on a run that has steps to profile."""
     c = spec.checkpoints
-    resolve_report_to(c.report_to)
     if c.profile_steps is not None:
         if spec.cached:
             raise UsageError("--profile-steps profiles fine-tuning steps; heads on cached features "
@@ -154,15 +152,12 @@ def _check_distributed(spec: RunSpec) -> None:
 
 def _check_ranking(spec: RunSpec) -> None:
     """The task refuses, in one line, what means nothing for a one-score ranker trained on groups."""
-    t = spec.task
-    bad = [flag for flag, on in (("--cache-features", spec.optim.cache_features), ("--sweep", spec.optim.sweep),
-                                 ("--pack", spec.data.pack), ("--label-smoothing", t.label_smoothing),
-                                 ("--text-pair-column", spec.data.text_pair_column),
-                                 ("--problem-type", t.problem_type)) if on]
+    t, flat = spec.task, spec.flat()
+    bad = [name for name in Ranking.refuses if flat[name]]
     if bad:
-        raise UsageError(f"{bad[0]} does not apply to --objective {t.objective} (a one-score ranker trained on "
-                         "groups): drop it")
-    if t.margin is not None and t.objective not in ("pairwise", "hinge"):
-        raise UsageError(f"--margin applies to --objective pairwise or hinge, not {t.objective}")
-    if t.scale is not None and t.objective not in ("listwise", "listnet"):
-        raise UsageError(f"--scale applies to --objective listwise or listnet, not {t.objective}")
+        raise UsageError(f"--{bad[0].replace('_', '-')} does not apply to --objective {t.objective} (a one-score "
+                         "ranker trained on groups): drop it")
+    if t.margin is not None and t.objective not in MARGIN_OBJECTIVES:
+        raise UsageError(f"--margin applies to --objective {' or '.join(MARGIN_OBJECTIVES)}, not {t.objective}")
+    if t.scale is not None and t.objective not in SCALE_OBJECTIVES:
+        raise UsageError(f"--scale applies to --objective {' or '.join(SCALE_OBJECTIVES)}, not {t.objective}")

@@ -1,6 +1,7 @@
 """A run's data, decided in one place: :func:`load_data` reads a spec's examples in memory, as a
 stream (large tables, globs, ``stream=True``), or as groups (ranking objectives), finds the label
-space once, and :meth:`RunData.tokenize` turns the splits into what ``fit`` batches."""
+space once; :meth:`RunData.task` is the task of that data and :meth:`RunData.tokenize` turns the
+splits into what ``fit`` batches. :func:`run_split` rebuilds a split a run trained on."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,14 +10,18 @@ from typing import Any
 
 import numpy as np
 
-from flaxheads.errors import UsageError
-from flaxheads.data.groups import check_unit_relevance, load_groups, split_groups, tokenize_groups
-from flaxheads.tasks.ranking.objectives import MARGIN_OBJECTIVES
-from flaxheads.data.tables import DataError, LabelSpace, TextTable
+from flaxheads.checkpoint import resolve_root
+from flaxheads.checkpoint.meta import CHECKPOINTS_SUBDIR
+from flaxheads.data.groups import GroupTable, check_unit_relevance, load_groups, split_groups, tokenize_groups
 from flaxheads.data.splits import DataConfig, TableSources, load_splits, tokenize_shared
-from flaxheads.runtime import phases
 from flaxheads.data.streaming import open_stream, split_table, streams
-from flaxheads.run.spec import RunSpec
+from flaxheads.data.tables import DataError, LabelSpace, TextTable
+from flaxheads.errors import UsageError
+from flaxheads.run.spec import RunSpec, TaskSpec
+from flaxheads.runtime import phases
+from flaxheads.tasks.ranking.objectives import MARGIN_OBJECTIVES
+from flaxheads.tasks.ranking.task import Ranking, objective_options
+from flaxheads.tasks.task import Classification, Task
 
 
 @dataclasses.dataclass
@@ -39,6 +44,14 @@ class RunData:
     def group_size(self) -> int:
         """The most candidates of a group (ranking); 1 for rows."""
         return max(t.max_group for t in self.tables.values()) if self.kind != "rows" else 1
+
+    def task(self, t: TaskSpec) -> Task:
+        """The task ``t`` sets on this data: ranking of groups (no label space), else classification."""
+        space = self.space
+        if space is None:
+            options = objective_options(t.objective, margin=t.margin, scale=t.scale)
+            return Ranking(t.objective, self.group_size, options=options, kind=self.kind)
+        return Classification(space.problem_type, space.num_labels, threshold=t.threshold)
 
     def tokenize(self, tokenizer, max_length: int) -> dict[str, Any]:
         """Every split as ``fit`` takes it: ``Split``, ``StreamSplit`` or ``GroupedSplit``. Rows are
@@ -75,9 +88,9 @@ def load_data(spec: RunSpec) -> RunData:
     return RunData(tables, space, "rows", dataclasses.asdict(cfg), labels)
 
 
-def run_split(source: str | os.PathLike, name: str) -> TextTable:
-    """The rows of split ``name`` of the run that saved ``source`` (a run or checkpoint folder), as it
-    trained on them: a streamed run's hash split, an in-memory run's stratified one."""
+def run_split(source: str | os.PathLike, name: str) -> TextTable | GroupTable:
+    """Split ``name`` of the run that saved ``source`` (a run or checkpoint folder), as it trained
+    on it: a ranking run's groups, a streamed run's hash split, an in-memory run's stratified one."""
     from flaxheads.formats.sources import run_config
 
     cfg = run_config(os.fspath(source))
@@ -85,18 +98,24 @@ def run_split(source: str | os.PathLike, name: str) -> TextTable:
         raise UsageError(f"--split needs a run folder that recorded its data (config.json); {source} has "
                          "none: give --input with a labelled file")
     if cfg.get("objective", "classification") != "classification":
-        raise UsageError(f"{source} is a ranking run (--objective {cfg['objective']}): its validation and test "
-                         "metrics are in its summary.json and eval.txt; score new pairs with `flaxheads rank`")
-    data = DataConfig(**dict(cfg["data"], split=tuple(cfg["data"]["split"])))
-    if streams(data.train_file or data.data, data.stream):  # the run's hash split, not the in-memory one
-        table = split_table(data, name)
-        if table is None:
-            raise UsageError(f"the run has no {name} split")
-        return table
-    tables, _, _ = load_splits(data)
+        tables = _groups(run_spec(source)).tables
+    else:
+        data = DataConfig(**dict(cfg["data"], split=tuple(cfg["data"]["split"])))
+        if streams(data.train_file or data.data, data.stream):  # the run's hash split, not the in-memory one
+            table = split_table(data, name)
+            if table is None:
+                raise UsageError(f"the run has no {name} split")
+            return table
+        tables, _, _ = load_splits(data)
     if name not in tables:
         raise UsageError(f"the run has no {name} split (it has {sorted(tables)})")
     return tables[name]
+
+
+def run_spec(source: str | os.PathLike) -> RunSpec:
+    """The spec of the run that saved ``source`` (a run folder, its checkpoints or one of them)."""
+    root, _ = resolve_root(os.fspath(source))
+    return RunSpec.from_run(os.path.dirname(root) if os.path.basename(root) == CHECKPOINTS_SUBDIR else root)
 
 
 def _groups(spec: RunSpec) -> RunData:

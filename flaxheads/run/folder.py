@@ -5,17 +5,17 @@ Only process 0 of a multi-process run writes."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import numpy as np
 
-from flaxheads.runtime import phases
 from flaxheads.disk.files import write_marker
-from flaxheads.training import loop
-from flaxheads.tasks.metrics import format_table
-from flaxheads.training.optim import OptimConfig, learning_rates
 from flaxheads.run.reporters import Reporters
+from flaxheads.runtime import phases
+from flaxheads.tasks.metrics import format_table
+from flaxheads.training import loop
+from flaxheads.training.optim import OptimConfig, learning_rates
 
 #: Keys of fit's step metrics that go to metrics.jsonl (``loop.TIMED``: the wall-clock ones).
 LOGGED = ("epoch", "loss", "loss_avg", "grad_norm", "padding", *loop.TIMED)
@@ -69,10 +69,11 @@ class RunFolder:
 
     def logger(self, optim: OptimConfig, total: int, log_every: int, metric: str, *,
                report_to: Iterable[str] = ("jsonl",), resumed_at: int | None = None) -> RunLog:
-        """The ``fit`` callback that appends to ``metrics.jsonl`` and the event files (``report_to``;
-        ``metric``: the one printed per evaluation; ``resumed_at``: the step a resumed run starts from)."""
+        """The ``fit`` callback that writes ``metrics.jsonl`` and the event files (``report_to``;
+        ``metric``: the one printed per evaluation; ``resumed_at``: the step a resumed run starts
+        from, whose log it appends to; else the log starts anew)."""
         sinks = Reporters(self.path if self.lead else None, report_to,
-                          purge_step=None if resumed_at is None else resumed_at + 1)
+                          purge_step=None if resumed_at is None else resumed_at + 1, append=resumed_at is not None)
         self.log = RunLog(sinks, optim, total, log_every, metric, self.lead)
         return self.log
 
@@ -105,8 +106,10 @@ class RunFolder:
         text = self.write_results(summary, final, id2label, predictions)
         if not self.lead:
             return
-        from flaxheads.run.plots import plot_confusion_matrix, plot_curve  # matplotlib: loaded when a run ends, not on import
-
+        from flaxheads.run.plots import (  # matplotlib: loaded when a run ends, not on import
+            plot_confusion_matrix,
+            plot_curve,
+        )
         from flaxheads.run.report import write_report
 
         if worst is not None:

@@ -14,8 +14,9 @@ import html
 import json
 import math
 import shlex
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 REPORT = "report.html"
 

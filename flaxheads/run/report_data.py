@@ -8,9 +8,10 @@ from pathlib import Path
 
 import numpy as np
 
+from flaxheads.data.splits import Split
 from flaxheads.losses import MULTI_LABEL, REGRESSION, SINGLE_LABEL
-from flaxheads.training import loop
 from flaxheads.run.report import write_report
+from flaxheads.training import loop
 
 #: Rows of the worst-classified table.
 WORST = 10
@@ -60,11 +61,19 @@ def _texts(job, split: str) -> list[str] | None:
     return [t if pairs is None else f"{t} | {p}" for t, p in zip(texts, pairs if pairs is not None else texts)]
 
 
+def worst_of(job, arrays: dict[str, dict | None]) -> dict | None:
+    """:func:`worst_examples` of the validation split where its rows are in memory with their texts,
+    else of the test split; ``arrays``: the trained model's predictions of each split."""
+    val = job.splits.get("validation")
+    split = "validation" if isinstance(val, Split) and _texts(job, "validation") is not None else "test"
+    return worst_examples(job, split, arrays.get(split))
+
+
 def worst_examples(job, split: str, arrays: dict | None, k: int = WORST) -> dict | None:
     """The ``k`` examples of ``split`` the trained model gets most wrong (by their loss), with their
-    text: ``{"split", "note", "columns", "rows"}``; None for ranking, or a split without predictions
-    or texts."""
-    if arrays is None or job.spec.ranking or "logits" not in arrays:
+    text: ``{"split", "note", "columns", "rows"}``; None for ranking (no logits), or a split without
+    predictions or texts."""
+    if arrays is None or "logits" not in arrays:
         return None
     texts = _texts(job, split)
     if texts is None or len(texts) != len(arrays["logits"]):

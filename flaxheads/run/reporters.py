@@ -15,8 +15,8 @@ import contextlib
 import json
 import re
 import sys
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 from flaxheads.errors import UsageError
 from flaxheads.run.tfevents import EventFile
@@ -95,10 +95,14 @@ class EventWriter:
 
 
 class Reporters:
-    """The run's log sinks: ``metrics.jsonl`` (appended) and the event files, as ``report_to`` says."""
+    """The run's log sinks: ``metrics.jsonl`` (``append``: after what is there; else an earlier
+    run's log is removed) and the event files, as ``report_to`` says."""
 
-    def __init__(self, run_dir: str | Path | None, report_to: Iterable[str], *, purge_step: int | None = None):
+    def __init__(self, run_dir: str | Path | None, report_to: Iterable[str], *, purge_step: int | None = None,
+                 append: bool = True):
         names = tuple(report_to) if run_dir is not None else ()
+        if run_dir is not None and not append:
+            (Path(run_dir) / "metrics.jsonl").unlink(missing_ok=True)
         self.jsonl = open(Path(run_dir) / "metrics.jsonl", "a") if "jsonl" in names else None
         self.events = EventWriter(run_dir, purge_step) if "tensorboard" in names else None
 

@@ -14,23 +14,24 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
+from flaxheads.data.splits import TableSources
 from flaxheads.errors import UsageError
+from flaxheads.losses import MULTI_LABEL, REGRESSION, SINGLE_LABEL
 from flaxheads.model.hub import PACKAGED_MODEL
 from flaxheads.runtime.precision import PRECISION_ENV, PRECISIONS
-from flaxheads.losses import MULTI_LABEL, REGRESSION, SINGLE_LABEL
 from flaxheads.tasks.ranking.objectives import OBJECTIVES
-from flaxheads.data.splits import TableSources
+from flaxheads.training.optim import DEFAULT_HEAD_LR, DEFAULT_LR, LORA_LR, PROBE_LR, OptimConfig
+from flaxheads.training.trainer import TrainConfig
 
 #: The problem types a classification run can be given (default: guessed from the labels).
 PROBLEM_TYPES = (SINGLE_LABEL, MULTI_LABEL, REGRESSION)
 #: ``task.objective`` values other than ``classification``.
 RANKING_OBJECTIVES = OBJECTIVES
-#: Peak learning rates when ``lr`` / ``head_lr`` are not given: fine-tuning, the head of a
-#: fine-tune, a frozen backbone (probe), LoRA adapters (they start at B = 0 and need a larger step).
-DEFAULT_LR, DEFAULT_HEAD_LR, PROBE_LR, LORA_LR = 1e-4, 1e-3, 5e-3, 1e-3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,31 +78,32 @@ class TaskSpec:
     objective: str = "classification"  # or one of RANKING_OBJECTIVES
     problem_type: str | None = None  # classification: guessed from the labels when None
     label_smoothing: float = 0.0
-    threshold: float = 0.5  # multi-label decision threshold of the metrics
+    threshold: float = TrainConfig.threshold  # multi-label decision threshold of the metrics
     margin: float | None = None  # pairwise / hinge
     scale: float | None = None  # listwise / listnet
 
 
 @dataclasses.dataclass(frozen=True)
 class OptimSpec:
-    """AdamW, its schedule, the length of the run and what trains."""
+    """AdamW, its schedule, the length of the run and what trains. A default that the library's
+    configs share is theirs (``TrainConfig``, ``OptimConfig``): one set of defaults."""
 
-    epochs: float = 2.0
-    max_steps: int | None = None  # overrides epochs
-    batch_size: int = 16  # global, per step (groups for a ranking objective)
-    eval_batch_size: int = 64
-    eval_every: int | None = None  # steps between validations (None: each epoch)
-    log_every: int = 10
-    freeze_backbone: bool = False
+    epochs: float = TrainConfig.epochs
+    max_steps: int | None = TrainConfig.max_steps  # overrides epochs
+    batch_size: int = TrainConfig.batch_size  # global, per step (groups for a ranking objective)
+    eval_batch_size: int = TrainConfig.eval_batch_size
+    eval_every: int | None = TrainConfig.eval_every  # steps between validations (None: each epoch)
+    log_every: int = TrainConfig.log_every
+    freeze_backbone: bool = OptimConfig.freeze_backbone
     cache_features: bool = False  # frozen backbone encoded once; the head trains on the features
     sweep: int = 0  # K heads at once on cached features; the best on validation is kept
     lr: float | None = None  # None: DEFAULT_LR, PROBE_LR with a frozen backbone, LORA_LR for adapters
     head_lr: float | None = None  # None: DEFAULT_HEAD_LR when fine-tuning, else lr
-    weight_decay: float = 0.01
-    schedule: str = "linear"  # linear | cosine | constant
+    weight_decay: float = OptimConfig.weight_decay
+    schedule: str = OptimConfig.schedule  # linear | cosine | constant
     warmup_ratio: float = 0.1
-    max_grad_norm: float = 1.0  # 0: no clipping
-    accumulation_steps: int = 1
+    max_grad_norm: float = 1.0  # 0: no clipping (OptimConfig's default)
+    accumulation_steps: int = OptimConfig.accumulation_steps
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,8 +123,8 @@ class CheckpointSpec:
 class DeviceSpec:
     """How the steps run on devices, and the processes of a multi-host run."""
 
-    parallel: str = "single"  # single | pmap | mesh
-    mesh: str | None = None  # e.g. "data=2,fsdp=4" (implies mesh)
+    parallel: str = TrainConfig.parallel  # single | pmap | mesh
+    mesh: str | None = TrainConfig.mesh  # e.g. "data=2,fsdp=4" (implies mesh)
     coordinator_address: str | None = None  # multi-host: host:port of process 0, or "auto"
     num_processes: int | None = None
     process_id: int | None = None
@@ -145,14 +147,14 @@ class RunSpec:
     optim: OptimSpec = OptimSpec()
     checkpoints: CheckpointSpec = CheckpointSpec()
     devices: DeviceSpec = DeviceSpec()
-    seed: int = 0  # data split, order, init and dropout
+    seed: int = TrainConfig.seed  # data split, order, init and dropout
 
     @classmethod
-    def from_kwargs(cls, **kwargs: Any) -> "RunSpec":
+    def from_kwargs(cls, **kwargs: Any) -> RunSpec:
         """A spec from flat keyword arguments (``model=..., epochs=3, output_dir=...``)."""
         return cls().replace(**kwargs)
 
-    def replace(self, **kwargs: Any) -> "RunSpec":
+    def replace(self, **kwargs: Any) -> RunSpec:
         """A copy with the named fields changed (flat names, each routed to its group)."""
         groups: dict[str, dict] = {}
         top = {}
@@ -181,7 +183,7 @@ class RunSpec:
         return json.loads(json.dumps(dataclasses.asdict(self)))
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "RunSpec":
+    def from_dict(cls, d: Mapping[str, Any]) -> RunSpec:
         """The spec of :meth:`to_dict` (unknown keys are refused by name)."""
         if not isinstance(d, Mapping):
             raise UsageError(f"a run spec is a JSON object of groups {', '.join(GROUPS)} and seed; "
@@ -202,7 +204,7 @@ class RunSpec:
         return cls.from_kwargs(**flat)
 
     @classmethod
-    def from_run(cls, run_dir: str | os.PathLike) -> "RunSpec":
+    def from_run(cls, run_dir: str | os.PathLike) -> RunSpec:
         """The spec that made the run folder ``run_dir`` (its ``config.json``); running it resumes the run."""
         path = Path(run_dir) / "config.json"
         try:
@@ -219,6 +221,12 @@ class RunSpec:
     @property
     def ranking(self) -> bool:
         return self.task.objective != "classification"
+
+    def run_folder(self) -> Path:
+        """``output_dir``, or ``runs/<time>-<data name>[-<ranking objective>]``."""
+        d = self.data
+        stem = Path(str(d.train_file or d.data)).stem + (f"-{self.task.objective}" if self.ranking else "")
+        return Path(self.checkpoints.output_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{stem}")
 
     @property
     def cached(self) -> bool:
@@ -238,6 +246,14 @@ class RunSpec:
     def base_frozen(self) -> bool:
         """The base's own weights do not train (frozen, cached, or LoRA adapters train instead)."""
         return self.frozen or self.trains_adapters
+
+    @property
+    def learning_rates(self) -> tuple[float, float]:
+        """The peak rates of the backbone (or its adapters) and of the head: ``lr`` / ``head_lr`` as
+        given, else ``flaxheads.training.optim``'s for what trains (adapters, a probe, a fine-tune)."""
+        o, frozen = self.optim, self.frozen
+        lr = o.lr if o.lr is not None else LORA_LR if self.trains_adapters else PROBE_LR if frozen else DEFAULT_LR
+        return lr, o.head_lr if o.head_lr is not None else (lr if frozen else DEFAULT_HEAD_LR)
 
     @property
     def parallel_mode(self) -> str:

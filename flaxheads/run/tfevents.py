@@ -13,8 +13,9 @@ import os
 import socket
 import struct
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
+
 
 def _crc_table() -> tuple[int, ...]:
     table = []

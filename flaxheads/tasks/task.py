@@ -1,17 +1,20 @@
 """What a run learns, behind one interface: :class:`Task`.
 
 A task gives the train step its loss, :func:`~flaxheads.training.loop.fit` its batches (rows, or
-whole groups), evaluation its metrics, and the run its headline metric and whether lower is
-better. :class:`Classification` (single-label, multi-label, regression) is here;
-:class:`flaxheads.tasks.ranking.task.Ranking` (each ranking objective) is the other one. One
-:class:`~flaxheads.training.loop.Trainer` and one ``fit`` serve both.
+whole groups), evaluation its metrics, and the run (``flaxheads.run``) its headline metric and
+whether lower is better, a line that says what it trains, its largest batch, its keys of
+``config.json`` and ``summary.json``, and the settings it refuses. :class:`Classification`
+(single-label, multi-label, regression) is here; :class:`flaxheads.tasks.ranking.task.Ranking`
+(each ranking objective) is the other one. One :class:`~flaxheads.training.loop.Trainer` and one
+``fit`` serve both.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from flaxheads.data.streaming import ordered_batches
 from flaxheads.errors import UsageError
 from flaxheads.losses import MULTI_LABEL, SINGLE_LABEL
 from flaxheads.tasks.metrics import compute_metrics, headline
@@ -26,6 +29,10 @@ class Task:
     name: str = "task"
     unit: str = "examples"
     headline: str = "accuracy"
+    #: Run settings (``RunSpec`` field names) that mean nothing for this task: a run refuses them.
+    refuses: tuple[str, ...] = ()
+    #: Whether short training texts may be packed into shared rows.
+    packs: bool = True
 
     def step_loss(self, model, loss_options: dict) -> tuple[Callable, str]:
         """``(loss(logits, labels, weights), problem type of the loss normaliser)`` for the train step."""
@@ -33,6 +40,9 @@ class Task:
 
     def check(self, model, *, pack: bool = False, cached: bool = False) -> None:
         """Refuse, in one line, a model or a setting this task cannot train."""
+
+    def check_devices(self, batch_size: int, width: int) -> None:
+        """Refuse, in one line, a batch that ``width`` data-parallel devices cannot share."""
 
     def train_batches(self) -> Callable[..., Iterable[dict]] | None:
         """The training batch iterator (``fit``'s signature), or None for the ordinary row batches."""
@@ -46,9 +56,29 @@ class Task:
         """``(metrics, arrays)`` of ``split``: the arrays are what ``predictions.npz`` keeps."""
         raise NotImplementedError
 
+    def metrics(self, outputs, labels) -> dict:
+        """The metrics of the model's ``outputs`` for every example (a head trained on cached features)."""
+        raise NotImplementedError
+
     def metric_names(self) -> list[str]:
         """The scalar metrics an evaluation reports (what ``keep_best_by`` may name)."""
         raise NotImplementedError
+
+    def describe(self, splits: str, steps: int, batch_size: int) -> str:
+        """What a run trains, in words: ``splits`` is ``"36 train / 6 validation / 0 test"``."""
+        raise NotImplementedError
+
+    def largest_batch(self, split, batch_size: int, bucket: int, pad_id: int = 0) -> dict:
+        """A training batch of ``split`` padded to ``bucket`` tokens: the most memory a step takes."""
+        raise NotImplementedError
+
+    def config_keys(self, splits: Mapping) -> dict:
+        """What a run's ``config.json`` records of this task (beside the model's problem type)."""
+        return {}
+
+    def summary_keys(self) -> dict:
+        """What a run's ``summary.json`` records of this task."""
+        return {}
 
     def lower_is_better(self, metric: str) -> bool:
         return metric.rpartition("/")[2] in LOWER_IS_BETTER
@@ -79,19 +109,19 @@ class Classification(Task):
         self.headline = headline(problem_type)
 
     @classmethod
-    def of(cls, model, threshold: float = 0.5) -> "Classification":
+    def of(cls, model, threshold: float = 0.5) -> Classification:
         return cls(model.problem_type, model.num_labels, threshold=threshold)
 
     def step_loss(self, model, loss_options: dict) -> tuple[Callable, str]:
         return model.loss_fn(**loss_options), model.problem_type
 
     def final(self, trainer, params, split, *, buckets: Sequence[int], pad_id: int = 0) -> tuple[dict, dict]:
-        from flaxheads.data.streaming import ordered_batches
-
         batches = ordered_batches(split, trainer.cfg.eval_batch_size, buckets, pad_id=pad_id)
         logits, labels = trainer.predict(params, batches)
-        metrics = compute_metrics(self.problem_type, logits, labels, self.num_labels, threshold=self.threshold)
-        return metrics, {"logits": np.asarray(logits), "labels": np.asarray(labels)}
+        return self.metrics(logits, labels), {"logits": np.asarray(logits), "labels": np.asarray(labels)}
+
+    def metrics(self, outputs, labels) -> dict:
+        return compute_metrics(self.problem_type, outputs, labels, self.num_labels, threshold=self.threshold)
 
     def metric_names(self) -> list[str]:
         n, k = 2, max(self.num_labels, 1)
@@ -99,3 +129,9 @@ class Classification(Task):
                   if self.problem_type == MULTI_LABEL else np.zeros((n, k) if k > 1 else n))
         m = compute_metrics(self.problem_type, np.zeros((n, k)), labels, k)
         return sorted(name for name, v in m.items() if isinstance(v, float) and name != "threshold")
+
+    def describe(self, splits: str, steps: int, batch_size: int) -> str:
+        return f"{splits} examples, {self.num_labels} labels, {steps} steps of {batch_size}"
+
+    def largest_batch(self, split, batch_size: int, bucket: int, pad_id: int = 0) -> dict:
+        return next(iter(ordered_batches(split, batch_size, (bucket,), pad_id=pad_id)))

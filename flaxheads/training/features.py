@@ -24,18 +24,18 @@ import functools
 import itertools
 import os
 import time
-from typing import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from flaxheads.data.batching import bucket_length, extra_inputs, pad_mask, pad_rows, predict_batches, token_batch
-from flaxheads.errors import TrainingError
-from flaxheads.runtime.plan import ComputePlan
-from flaxheads.heads.poolers import POOL_FUNCTIONS, POOL_POSITIONS, DensePooler, Pool
-from flaxheads.training.programs import constants_program, jit_count
 from flaxheads.data.splits import labelled_rows
+from flaxheads.errors import TrainingError
+from flaxheads.heads.poolers import POOL_FUNCTIONS, POOL_POSITIONS, DensePooler, Pool
+from flaxheads.runtime.plan import ComputePlan
+from flaxheads.training.programs import constants_program, jit_count
 
 LEVELS = ("auto", "pooled", "token")
 
@@ -193,7 +193,8 @@ def make_encoder(model, level: str, reductions: Sequence[str] = (), *, constants
     a one-token sequence); token: the hidden states and the pooling mask. ``constants``: see
     :class:`Encoder`."""
     one_token = (level == "pooled" and len(reductions) == 1 and reductions[0] in POOL_POSITIONS
-                 and getattr(model, "pooled_token_only", False) and "only_at" in getattr(model.backbone, "features", ()))
+                 and getattr(model, "pooled_token_only", False)
+                 and "only_at" in getattr(model.backbone, "features", ()))
 
     def encode(bparams, batch):
         if one_token:  # the last layer at the cached token alone (see SequenceModel.pooler_inputs)
@@ -257,6 +258,15 @@ def _bucket_groups(lengths: Sequence[int], batch_size: int, buckets: Sequence[in
     """``{padded length: example indices}``: each example in its own bucket, in example order."""
     padded = np.asarray([bucket_length(max(int(n), 1), buckets) for n in lengths])
     return {t: np.flatnonzero(padded == t) for t in buckets if np.any(padded == t)}
+
+
+def bucket_sizes(pooler, lengths: Sequence[int], buckets: Sequence[int]) -> list[int]:
+    """The rows of each bucket of the cache :func:`cache_features` makes (``level="auto"``) of texts
+    of ``lengths``: one bucket of them all for pooled features, else one per padded length. Its
+    batches cut each bucket on its own, so these give the batches of an epoch before encoding."""
+    if choose_level(pooler) == "pooled":
+        return [len(lengths)]
+    return [len(ix) for ix in _bucket_groups(lengths, 0, tuple(sorted(buckets))).values()]
 
 
 def encode_groups(lengths: Sequence[int], batch_size: int, buckets: Sequence[int]) -> dict[int, np.ndarray]:

@@ -16,10 +16,14 @@ import jax.numpy as jnp
 import optax
 from flax.traverse_util import flatten_dict, unflatten_dict
 
-from flaxheads.model.base_dtype import check_trainable_base
 from flaxheads.errors import TrainingError
+from flaxheads.model.base_dtype import check_trainable_base
 
 SCHEDULES = ("linear", "cosine", "constant")
+#: Peak learning rates: fine-tuning (``OptimConfig``'s default), the head of a fine-tune, a frozen
+#: backbone (probe), LoRA adapters (they start at B = 0 and need a larger step). A run picks one when
+#: its ``lr`` / ``head_lr`` are not given (``flaxheads.run.spec``).
+DEFAULT_LR, DEFAULT_HEAD_LR, PROBE_LR, LORA_LR = 1e-4, 1e-3, 5e-3, 1e-3
 
 # Parameter leaf names that are never weight-decayed: biases and normalisation scales/offsets.
 _NO_DECAY_LEAVES = {"bias", "scale", "b"}
@@ -28,9 +32,11 @@ _NO_DECAY_PARENTS = ("layernorm", "layer_norm", "ln", "norm")
 
 @dataclasses.dataclass
 class OptimConfig:
-    """Optimizer settings (every field is a CLI flag of ``train``)."""
+    """Optimizer settings. The defaults are a fine-tuning run's (``RunSpec()``, ``flaxheads train``
+    without flags), but for two a run derives: ``total_steps`` and ``warmup_steps`` from its length
+    and ``warmup_ratio``, and the head's rate (``DEFAULT_HEAD_LR`` when it fine-tunes)."""
 
-    learning_rate: float = 5e-5
+    learning_rate: float = DEFAULT_LR
     head_learning_rate: float | None = None  # None: same as learning_rate
     weight_decay: float = 0.01
     b1: float = 0.9
@@ -114,11 +120,11 @@ def sum_of_squares(x: jax.Array, fold: bool = False) -> jax.Array:
     """``sum(x ** 2)`` in float32.
 
     ``fold`` (the compute plan's ``fold_reductions``: on the CPU where YNNPACK does not take a train
-    step's reductions) first adds :data:`FOLD` equal slices of the array
-    elementwise, one loop fusion that XLA:CPU runs on every core at memory speed, and reduces what
-    is left (8, 16 and 32 slices ran alike; fewer trace and compile faster). XLA's own reduction of a large array is a tree of reduce-windows ~5x slower: MiniLM's
-    gradient norm took 21 ms instead of 4.5 ms (AMD EPYC with AVX2); YNNPACK's reductions, where on,
-    are faster than the fold (4.9 vs 12 ms there)."""
+    step's reductions) first adds :data:`FOLD` equal slices of the array elementwise, one loop
+    fusion that XLA:CPU runs on every core at memory speed, and reduces what is left (8, 16 and 32
+    slices ran alike; fewer trace and compile faster). XLA's own reduction of a large array is a
+    tree of reduce-windows ~5x slower: MiniLM's gradient norm took 21 ms instead of 4.5 ms (AMD EPYC
+    with AVX2); YNNPACK's reductions, where on, are faster than the fold (4.9 vs 12 ms there)."""
     x = jnp.ravel(x).astype(jnp.float32)
     n = x.size - x.size % FOLD
     if not fold or n < FOLD_MIN_SIZE:

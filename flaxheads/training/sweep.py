@@ -20,7 +20,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -32,11 +33,11 @@ from flaxheads.heads import linen
 from flaxheads.heads.heads import SequenceHead
 from flaxheads.heads.poolers import DensePooler, Pool
 from flaxheads.runtime.parallel import Parallel
-from flaxheads.training.features import FeatureCache, predict_cache, reduction
-from flaxheads.training.loop import steps_per_epoch as _batches_per_pass
 from flaxheads.tasks.metrics import compute_metrics, headline
+from flaxheads.training.features import FeatureCache, predict_cache, reduction
 from flaxheads.training.optim import OptimConfig, make_optimizer
 from flaxheads.training.steps import TrainState, make_head_train_step
+from flaxheads.training.trainer import steps_per_epoch as _batches_per_pass
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,9 +271,11 @@ class SweepResult:
         return "\n".join(rows)
 
 
-def steps_per_epoch(cache: FeatureCache, batch_size: int) -> int:
-    """Batches per epoch of ``cache.batches``: each length bucket is cut into batches on its own."""
-    return sum(_batches_per_pass(len(b.index), batch_size) for b in cache.buckets)
+def steps_per_epoch(cache: FeatureCache | Sequence[int], batch_size: int) -> int:
+    """Batches per epoch of ``cache.batches`` (or of a cache with buckets of these sizes:
+    ``features.bucket_sizes``): each length bucket is cut into batches on its own."""
+    sizes = [len(b.index) for b in cache.buckets] if isinstance(cache, FeatureCache) else cache
+    return sum(_batches_per_pass(n, batch_size) for n in sizes)
 
 
 def sweep(model, train: FeatureCache, variants: Sequence[Variant], *, optim: OptimConfig | None = None,

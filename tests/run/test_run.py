@@ -14,12 +14,12 @@ import signal
 import jax
 import numpy as np
 import pytest
+from train_helpers import WORDS, tiny_bert_folder
 
 import flaxheads as fh
 from flaxheads.errors import UsageError
-from flaxheads.training.preemption import Interrupted
 from flaxheads.training.loop import TIMED
-from train_helpers import WORDS, tiny_bert_folder
+from flaxheads.training.preemption import Interrupted
 
 pytestmark = pytest.mark.full
 
@@ -65,7 +65,7 @@ def files(tmp_path_factory):
     with open(d / "pref.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["prompt", "chosen", "rejected"])
-        for i in range(32):
+        for _ in range(32):
             a, b = rng.choice(len(TOPICS), 2, replace=False)
             w.writerow([" ".join(rng.choice(TOPICS[a], 3)), " ".join(rng.choice(TOPICS[a], 5)),
                         " ".join(rng.choice(TOPICS[b], 5))])

@@ -53,9 +53,9 @@ def test_event_files_read_back_by_tensorboard_with_a_resumed_runs_purge(tmp_path
     interrupted run had logged from there on."""
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
+    from train_helpers import event_scalars
 
     from flaxheads.run.tfevents import EventFile, _crc32c
-    from train_helpers import event_scalars
 
     assert _crc32c(b"123456789") == 0xE3069283  # CRC-32C's published check value
     first = EventFile(tmp_path)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import csv
 import gzip
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -20,10 +19,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from train_helpers import WORDS, event_scalars
 
 import flaxheads as fh
 from flaxheads.cli.main import main
-from train_helpers import WORDS, event_scalars
 
 pytestmark = pytest.mark.full
 

@@ -10,8 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flaxheads.tasks.ranking.objectives import (listnet, listwise_softmax, objective_loss, pairwise_hinge,
-                                          pairwise_logistic, pointwise_bce)
+from flaxheads.tasks.ranking.objectives import (
+    listnet,
+    listwise_softmax,
+    objective_loss,
+    pairwise_hinge,
+    pairwise_logistic,
+    pointwise_bce,
+)
 
 torch = pytest.importorskip("torch")
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+from train_helpers import WORDS, tiny_bert_folder
 
 from flaxheads.data.groups import GroupTable, check_groups, collate_groups, tokenize_groups
 from flaxheads.tasks.ranking.objectives import objective_fn
 from flaxheads.tasks.ranking.task import Ranking
 from flaxheads.training import loop
 from flaxheads.training.optim import OptimConfig
-from train_helpers import WORDS, tiny_bert_folder
 
 pytestmark = pytest.mark.full
 
@@ -48,6 +48,19 @@ def test_batches_hold_whole_groups(setup):
     lo = split.offsets[1]
     np.testing.assert_array_equal(b["labels"][:4], split.labels[lo:lo + 4])
     assert (b["attention_mask"].sum(1) >= 1).all()  # padding rows attend to one token (no NaN)
+
+
+def test_the_task_answers_the_run(setup):
+    """What the run asks a ranking task: a line of what it trains, its largest batch (whole groups)
+    and its keys of config.json."""
+    _, split = setup
+    task = Ranking("listwise", group_size=4, kind="ranking")
+    assert task.describe("6 train / 0 validation / 0 test", 3, 4) == \
+        "6 train / 0 validation / 0 test groups of up to 4 candidates, objective listwise, 3 steps of 4 groups"
+    batch = task.largest_batch(split, 4, 32)
+    assert batch["input_ids"].shape == (16, 32) and batch["weights"].reshape(4, 4).sum(1).tolist() == [1, 1, 1, 1]
+    assert task.config_keys({"train": split}) == {"objective": "listwise", "objective_options": {}, "group_size": 4,
+                                                  "rows": {"train": sum(SIZES)}}
 
 
 def _one_step(model, split, mode: str, objective: str):

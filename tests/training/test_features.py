@@ -4,15 +4,12 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import jax
 import numpy as np
 import pytest
 
-import jax
-import jax.numpy as jnp
-import optax
-
 import flaxheads as fh
-from flaxheads.training.features import cache_features, choose_level, encode_groups, predict_cached
+from flaxheads.training.features import bucket_sizes, cache_features, choose_level, encode_groups, predict_cached
 from tests.feature_helpers import padded, tiny_bert_dir, toy_split
 
 pytestmark = pytest.mark.full
@@ -189,6 +186,16 @@ def test_batches_cover_every_example_once_and_are_reproducible(bert_dir):
     a = [b["index"] for b in cache.batches(8, seed=1, epoch=3)]
     b_ = [b["index"] for b in cache.batches(8, seed=1, epoch=3)]
     assert all((x == y).all() for x, y in zip(a, b_))
+
+
+@pytest.mark.parametrize("pooler", ["attention", "mean"])
+def test_the_cache_layout_is_known_before_encoding(bert_dir, pooler):
+    """A run counts its heads' steps before it encodes: the buckets' sizes, from the texts' lengths."""
+    model = fh.from_pretrained(bert_dir, pooler=pooler, head="linear", num_labels=3)
+    split = toy_split()
+    cache = cache_features(model, model.params["backbone"], split, batch_size=8, buckets=BUCKETS)
+    sizes = bucket_sizes(model.head.pooler, [len(x) for x in split.input_ids], BUCKETS)
+    assert sizes == [len(b.index) for b in cache.buckets] and len(sizes) == (1 if pooler == "mean" else 3)
 
 
 def test_head_training_on_cache_equals_frozen_backbone_training(bert_dir):

@@ -3,14 +3,21 @@
 import jax
 import numpy as np
 import pytest
+from train_helpers import random_split
 
 import flaxheads as fh
 from flaxheads.checkpoint import list_checkpoints
-from flaxheads.training.loop import (Callback, FitCheckpointing, TrainConfig, Trainer, changed_settings, fit,
-                                     flat_metrics)
-from flaxheads.training.optim import OptimConfig
 from flaxheads.runtime.parallel import Parallel
-from train_helpers import random_split
+from flaxheads.training.loop import (
+    Callback,
+    FitCheckpointing,
+    TrainConfig,
+    Trainer,
+    changed_settings,
+    fit,
+    flat_metrics,
+)
+from flaxheads.training.optim import OptimConfig
 
 pytestmark = pytest.mark.full
 

@@ -3,16 +3,15 @@ make_head_train_step per head, one at a time, on its own slice of the cached red
 best head saves as a normal head."""
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
-
-import jax
 
 import flaxheads as fh
 from flaxheads.training.features import cache_features, predict_cached
 from flaxheads.training.optim import OptimConfig, make_optimizer
-from flaxheads.training.sweep import Variant, grid, init_heads, sweep
 from flaxheads.training.steps import create_state, make_head_train_step
+from flaxheads.training.sweep import Variant, grid, init_heads, sweep
 from tests.feature_helpers import tiny_bert_dir, toy_split
 
 pytestmark = pytest.mark.full
@@ -34,9 +33,9 @@ def setup(tmp_path_factory):
 
 def _separate(model, cache, v: Variant, cfg: OptimConfig, epochs: int, bs: int):
     """One head, trained alone with the training module's step and optimizer."""
-    from flaxheads.training.sweep import head_with_reduction
-
     import dataclasses
+
+    from flaxheads.training.sweep import head_with_reduction
 
     m = dataclasses.replace(model, head=head_with_reduction(model.head, v.pooler))
     r = cache.reductions.index(v.pooler or "cls")
@@ -128,8 +127,8 @@ def test_sweep_on_token_level_features(tmp_path_factory):
 def test_train_program_sweep_saves_the_best_head(tmp_path):
     """`flaxheads train --sweep K` on real MiniLM + BBC News: the saved head is the sweep's best and
     scores what the summary says when attached to a freshly loaded backbone."""
-    from flaxheads.checkpoint import attach_head, load_head
     import flaxheads as fh
+    from flaxheads.checkpoint import attach_head, load_head
 
     summary = fh.train(sweep=3, limit=60, max_length=32, epochs=2, output_dir=str(tmp_path), progress=False).summary
     assert summary["mode"] == "cached-features sweep K=3"

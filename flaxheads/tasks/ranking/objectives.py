@@ -25,7 +25,7 @@ call, on flat rows of ``k`` candidates per group (see :mod:`flaxheads.tasks.rank
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp

@@ -8,18 +8,28 @@ its loss differs, so frozen backbones, LoRA, pmap and meshes train it as they tr
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
-from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
 from flaxheads.data.batching import predict_batches
-from flaxheads.errors import TrainingError
+from flaxheads.data.groups import GroupedSplit, collate_groups, iterate_group_batches
+from flaxheads.errors import TrainingError, UsageError
 from flaxheads.losses import REGRESSION
-from flaxheads.tasks.task import Task
-from flaxheads.data.groups import GroupedSplit, iterate_group_batches
 from flaxheads.tasks.ranking.metrics import DEFAULT_KS, headline, metric_names, ranking_metrics
-from flaxheads.tasks.ranking.objectives import OBJECTIVES, objective_loss
+from flaxheads.tasks.ranking.objectives import MARGIN_OBJECTIVES, OBJECTIVES, objective_loss
+from flaxheads.tasks.task import Task
+
+#: The objectives that take a ``scale`` (their softmax's temperature); ``MARGIN_OBJECTIVES`` take a ``margin``.
+SCALE_OBJECTIVES = ("listwise", "listnet")
+
+
+def objective_options(objective: str, *, margin: float | None = None, scale: float | None = None) -> dict:
+    """The options of ``objective`` among ``margin`` and ``scale`` (None: the objective's default)."""
+    if objective in MARGIN_OBJECTIVES and margin is not None:
+        return {"margin": margin}
+    return {"scale": scale} if objective in SCALE_OBJECTIVES and scale is not None else {}
 
 
 def check_scorer(model) -> None:
@@ -35,6 +45,10 @@ class Ranking(Task):
 
     name = "ranking"
     unit = "groups"
+    #: a one-score ranker trained on groups: no cached features or sweep, packing, label smoothing,
+    #: text pairs (a group's query is the pair) or problem type
+    refuses = ("cache_features", "sweep", "pack", "label_smoothing", "text_pair_column", "problem_type")
+    packs = False
 
     def __init__(self, objective: str = "listwise", group_size: int = 2, *, options: dict | None = None,
                  kind: str = "ranking", ks: Sequence[int] = DEFAULT_KS):
@@ -52,6 +66,11 @@ class Ranking(Task):
         check_scorer(model)
         if pack:
             raise TrainingError("packing is not available for ranking objectives (a batch holds whole groups)")
+
+    def check_devices(self, batch_size: int, width: int) -> None:
+        if batch_size % width:
+            raise UsageError(f"--batch-size {batch_size} (groups) must be a multiple of the {width} data-parallel "
+                             "devices, so that every group stays on one device")
 
     def train_batches(self) -> Callable[..., Iterable[dict]]:
         return partial(iterate_group_batches, group_size=self.group_size)
@@ -78,3 +97,18 @@ class Ranking(Task):
 
     def metric_names(self) -> list[str]:
         return metric_names(self.ks)
+
+    def describe(self, splits: str, steps: int, batch_size: int) -> str:
+        return (f"{splits} groups of up to {self.group_size} candidates, objective {self.objective}, {steps} steps "
+                f"of {batch_size} groups")
+
+    def largest_batch(self, split, batch_size: int, bucket: int, pad_id: int = 0) -> dict:
+        groups = np.arange(min(batch_size, len(split)))
+        return collate_groups(split, groups, batch_size, self.group_size, (bucket,), pad_id)
+
+    def config_keys(self, splits: Mapping) -> dict:
+        return {"objective": self.objective, "objective_options": self.options, "group_size": self.group_size,
+                "rows": {n: int(s.offsets[-1]) for n, s in splits.items()}}
+
+    def summary_keys(self) -> dict:
+        return {"objective": self.objective}
