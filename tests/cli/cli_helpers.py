@@ -9,10 +9,9 @@ import subprocess
 import sys
 
 import numpy as np
-import pytest
 
 from flaxheads.cli.main import main
-from train_helpers import WORDS, tiny_bert_folder
+from train_helpers import WORDS
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TESTS = os.path.join(REPO, "tests")
@@ -20,12 +19,6 @@ TESTS = os.path.join(REPO, "tests")
 CLASSES = {"business": WORDS[32:38], "sport": WORDS[38:43], "politics": WORDS[48:53]}
 #: Flags that keep a run small: short texts, one bucket, no progress bar.
 SMALL = ["--max-length", "16", "--bucket-step", "16", "--no-progress"]
-
-
-@pytest.fixture(scope="module")
-def bert_folder(tmp_path_factory) -> str:
-    """A tiny random BERT (64 positions) with a word-level fast tokenizer."""
-    return tiny_bert_folder(tmp_path_factory.mktemp("cli_bert"), num_labels=2)
 
 
 def write_csv(path, n: int, seed: int = 0, classes=CLASSES, pair: bool = False) -> str:

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from cli_helpers import (assert_one_line_error, bert_folder, error_lines, run_cli, run_process,  # noqa: F401
+from cli_helpers import (assert_one_line_error, error_lines, run_cli, run_process,
                          train_args, write_csv, write_jsonl)
 
 pytestmark = pytest.mark.full
@@ -94,8 +94,9 @@ def test_negative_batch_size_fails_fast_in_a_process(tmp_path):
 def test_unsplittable_xla_flags_fail_in_one_line(tmp_path):
     out = run_process("train", "--output-dir", tmp_path / "r", env={"XLA_FLAGS": "--xla_dump_to='/tmp/x"}, timeout=300)
     assert out.returncode == 2, out.stderr
-    assert out.stderr.splitlines() == ["error: XLA_FLAGS=\"--xla_dump_to='/tmp/x\" cannot be split into flags (No closing "
-                                       "quotation): expected space-separated --name=value flags; fix its quoting"]
+    assert out.stderr.splitlines() == ["error: XLA_FLAGS=\"--xla_dump_to='/tmp/x\" cannot be split into flags "
+                                       "(No closing quotation): expected space-separated --name=value flags; "
+                                       "fix its quoting"]
 
 
 def test_no_subcommand_and_unknown_subcommand(capsys):

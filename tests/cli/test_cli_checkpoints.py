@@ -7,7 +7,7 @@ import os
 import pytest
 
 import flaxheads as fh
-from cli_helpers import bert_folder, run_cli  # noqa: F401
+from cli_helpers import run_cli
 
 pytestmark = pytest.mark.full
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from cli_helpers import bert_folder, run_process, train_args, write_csv  # noqa: F401
+from cli_helpers import run_process, train_args, write_csv
 from flaxheads.runtime.compile_cache import default_cache_dir
 from flaxheads.runtime.cpu import cpu_fingerprint
 

@@ -12,7 +12,7 @@ from transformers import AutoModelForSequenceClassification  # noqa: E402
 
 import flaxheads as fh  # noqa: E402
 from flaxheads.cli.main import build_parser, main  # noqa: E402
-from cli_helpers import SMALL, assert_one_line_error, bert_folder, run_cli, write_csv  # noqa: E402,F401
+from cli_helpers import SMALL, assert_one_line_error, run_cli, write_csv  # noqa: E402
 from hf_tiny import padded_batch, tiny_torch_model  # noqa: E402
 
 pytestmark = pytest.mark.full

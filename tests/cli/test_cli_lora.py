@@ -12,7 +12,7 @@ peft = pytest.importorskip("peft")
 from transformers import AutoModelForSequenceClassification  # noqa: E402
 
 import flaxheads as fh  # noqa: E402
-from cli_helpers import assert_one_line_error, bert_folder, run_cli, train_args, write_csv  # noqa: E402,F401
+from cli_helpers import assert_one_line_error, run_cli, train_args, write_csv  # noqa: E402
 from flaxheads.cli.main import main  # noqa: E402
 from hf_tiny import padded_batch  # noqa: E402
 

@@ -7,7 +7,7 @@ import shutil
 import numpy as np
 import pytest
 
-from cli_helpers import assert_one_line_error, bert_folder, run_cli, train_args, write_csv  # noqa: F401
+from cli_helpers import assert_one_line_error, run_cli, train_args, write_csv
 
 pytestmark = pytest.mark.full
 

@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from cli_helpers import SMALL, bert_folder, two_processes, write_csv  # noqa: F401
+from cli_helpers import SMALL, two_processes, write_csv
 from flaxheads.cli.main import main
 
 pytestmark = [pytest.mark.full, pytest.mark.serial]
@@ -16,7 +16,8 @@ pytestmark = [pytest.mark.full, pytest.mark.serial]
 
 @pytest.mark.slow
 def test_two_processes_train_the_single_process_run(bert_folder, tmp_path):
-    files = {"train": write_csv(tmp_path / "tr.csv", 20, seed=1), "validation": write_csv(tmp_path / "va.csv", 6, seed=2),
+    files = {"train": write_csv(tmp_path / "tr.csv", 20, seed=1),
+             "validation": write_csv(tmp_path / "va.csv", 6, seed=2),
              "test": write_csv(tmp_path / "te.csv", 6, seed=3)}
     run = ["train", "--model", bert_folder, "--train-file", files["train"], "--validation-file", files["validation"],
            "--test-file", files["test"], *SMALL, "--max-steps", "3", "--batch-size", "4", "--eval-batch-size", "4",

@@ -11,7 +11,7 @@ import os
 import numpy as np
 import pytest
 
-from cli_helpers import SMALL, bert_folder, run_cli  # noqa: F401  (fixture)
+from cli_helpers import SMALL, run_cli
 from train_helpers import WORDS
 
 pytestmark = pytest.mark.full
@@ -47,7 +47,7 @@ def preference_files(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def pairwise_run(bert_folder, preference_files, tmp_path_factory):  # noqa: F811
+def pairwise_run(bert_folder, preference_files, tmp_path_factory):
     from flaxheads.cli.main import main
 
     out = tmp_path_factory.mktemp("pairwise") / "run"
@@ -128,7 +128,7 @@ def test_cross_encoder_export_of_the_run_predicts_its_test_scores(pairwise_run, 
     np.testing.assert_allclose(np.asarray(got).reshape(-1), np.load(out / "predictions.npz")["test_scores"], atol=1e-5)
 
 
-def test_listwise_with_lora_on_pmap_and_ragged_groups(bert_folder, tmp_path):  # noqa: F811
+def test_listwise_with_lora_on_pmap_and_ragged_groups(bert_folder, tmp_path):
     """Rows layout (query, passage, label) with 2-4 candidates per query, LoRA adapters, 2 devices."""
     from flaxheads.cli.main import main
 
@@ -166,7 +166,7 @@ def test_listwise_with_lora_on_pmap_and_ragged_groups(bert_folder, tmp_path):  #
     ([{"query": "a", "passages": ["x", "y"], "labels": [3, 0]}],
      "row 1: relevance 3 is above 1; --objective pointwise"),
 ])
-def test_bad_ranking_input_is_one_line_naming_the_row(rows, needle, bert_folder, tmp_path, capsys):  # noqa: F811
+def test_bad_ranking_input_is_one_line_naming_the_row(rows, needle, bert_folder, tmp_path, capsys):
     data = tmp_path / "bad.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     objective = "pointwise" if "pointwise" in needle else "listwise"
@@ -189,7 +189,7 @@ def test_evaluate_computes_a_ranking_runs_metrics_on_a_split_or_a_file(pairwise_
     assert code == 0 and json.loads(text.strip().splitlines()[-1])["evaluation"] == got, err
 
 
-def test_rank_refuses_a_classifier(bert_folder, tmp_path, capsys):  # noqa: F811
+def test_rank_refuses_a_classifier(bert_folder, tmp_path, capsys):
     flat = _write(tmp_path / "pairs.csv", [{"query": "a", "passage": "b"}])
     code, _, err = run_cli(capsys, "rank", bert_folder, "--input", flat, "--no-progress")
     assert code == 2 and "needs a one-output model" in err and err.count("\n") == 1

@@ -8,7 +8,7 @@ import shutil
 import numpy as np
 import pytest
 
-from cli_helpers import SMALL, assert_one_line_error, bert_folder, run_cli, two_processes, write_csv  # noqa: F401
+from cli_helpers import SMALL, assert_one_line_error, run_cli, two_processes, write_csv
 from flaxheads.cli.main import main
 
 pytestmark = pytest.mark.full

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from cli_helpers import (CLASSES, SMALL, assert_one_line_error, bert_folder, run_cli, run_process,  # noqa: F401
+from cli_helpers import (CLASSES, SMALL, assert_one_line_error, run_cli, run_process,
                          train_args, write_csv, write_jsonl)
 from flaxheads.cli.main import main
 from flaxheads.runtime import ComputePlan

@@ -10,7 +10,7 @@ import shutil
 import numpy as np
 import pytest
 
-from cli_helpers import SMALL, assert_one_line_error, bert_folder, run_cli, write_csv  # noqa: F401 (fixture)
+from cli_helpers import SMALL, assert_one_line_error, run_cli, write_csv
 from flaxheads.predict import Classifier
 
 pytestmark = pytest.mark.full
