@@ -51,10 +51,9 @@ def messages() -> dict[str, Any]:
     pool = descriptor_pool.DescriptorPool()
     proto = descriptor_pb2.FileDescriptorProto.FromString(FILE_DESCRIPTOR)
     pool.Add(proto)
-    return {
-        m.name: message_factory.GetMessageClass(pool.FindMessageTypeByName(f"{proto.package}.{m.name}"))
-        for m in proto.message_type
-    }
+    # GetMessageClass came with protobuf 4.22; MessageFactory.GetPrototype before it (removed in 5.x)
+    make = getattr(message_factory, "GetMessageClass", None) or message_factory.MessageFactory(pool).GetPrototype
+    return {m.name: make(pool.FindMessageTypeByName(f"{proto.package}.{m.name}")) for m in proto.message_type}
 
 
 class TeiServicer:
