@@ -39,7 +39,7 @@ def plot_confusion_matrix(path: Path, matrix, id2label: dict | None, split: str)
     ax.set_xticks(range(len(cm)), names, rotation=45, ha="right"), ax.set_yticks(range(len(cm)), names)
     for i in range(len(cm)):
         for j in range(len(cm)):
-            ax.text(j, i, int(cm[i, j]), ha="center", va="center",
+            ax.text(j, i, str(int(cm[i, j])), ha="center", va="center",
                     color="white" if cm[i, j] > cm.max() / 2 else "black")
     ax.set_xlabel("predicted"), ax.set_ylabel("true"), ax.set_title(f"confusion matrix ({split})")
     fig.tight_layout()

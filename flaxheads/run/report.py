@@ -29,7 +29,7 @@ def _read_json(path: Path, default=None):
 
 
 def _read_log(path: Path) -> list[dict]:
-    out = []
+    out: list[dict] = []
     try:
         lines = path.read_text().splitlines()
     except OSError:
@@ -136,7 +136,7 @@ def curves(log: list[dict], metric: str | None) -> str:
     parts = [svg_curve({"train loss": [(e["step"], e["loss"]) for e in train]}, title="training loss (mean since the "
                        "last log line)", ylabel="loss")]
     metrics = sorted({k for e in evals for r in e["eval"].values() for k in r})
-    show = [metric] if metric in metrics else metrics[:3]
+    show: list[str] = [metric] if metric is not None and metric in metrics else metrics[:3]
     if evals:
         parts.append(svg_curve({f"{split} {k}": [(e["step"], e["eval"][split][k]) for e in evals if k in
                                                  e["eval"].get(split, {})]

@@ -100,11 +100,12 @@ class Reporters:
 
     def __init__(self, run_dir: str | Path | None, report_to: Iterable[str], *, purge_step: int | None = None,
                  append: bool = True):
-        names = tuple(report_to) if run_dir is not None else ()
-        if run_dir is not None and not append:
-            (Path(run_dir) / "metrics.jsonl").unlink(missing_ok=True)
-        self.jsonl = open(Path(run_dir) / "metrics.jsonl", "a") if "jsonl" in names else None
-        self.events = EventWriter(run_dir, purge_step) if "tensorboard" in names else None
+        folder = Path(run_dir) if run_dir is not None else None
+        names = tuple(report_to) if folder is not None else ()
+        if folder is not None and not append:
+            (folder / "metrics.jsonl").unlink(missing_ok=True)
+        self.jsonl = open(folder / "metrics.jsonl", "a") if folder is not None and "jsonl" in names else None
+        self.events = EventWriter(folder, purge_step) if folder is not None and "tensorboard" in names else None
 
     @property
     def active(self) -> bool:
