@@ -24,13 +24,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
 from flaxheads.data.batching import bucket_length, token_batch
-from flaxheads.data.tables import DataError, _read_text, bbc_news_path, read_table
 from flaxheads.data.splits import SPLITS, batch_plan, split_indices
+from flaxheads.data.tables import DataError, _read_text, bbc_news_path, read_table
 
 
 @dataclasses.dataclass
@@ -48,11 +48,12 @@ class GroupTable:
     def __len__(self) -> int:
         return len(self.queries)
 
-    def take(self, idx: Sequence[int]) -> "GroupTable":
-        idx = [int(i) for i in idx]
-        pick = lambda xs: None if xs is None else [xs[i] for i in idx]  # noqa: E731
-        return dataclasses.replace(self, queries=pick(self.queries), candidates=pick(self.candidates),
-                                   labels=pick(self.labels), rows=pick(self.rows), margins=pick(self.margins))
+    def take(self, idx: Sequence[int] | np.ndarray) -> GroupTable:
+        at = [int(i) for i in idx]
+        return dataclasses.replace(self, queries=[self.queries[i] for i in at],
+                                   candidates=[self.candidates[i] for i in at], labels=[self.labels[i] for i in at],
+                                   rows=[self.rows[i] for i in at],
+                                   margins=None if self.margins is None else [self.margins[i] for i in at])
 
     @property
     def max_group(self) -> int:
@@ -170,7 +171,9 @@ def _rows_to_groups(queries, passages, labels, path: str, qcol: str) -> GroupTab
         row = f"row {i + 1}"
         g = order.setdefault(_text(q, path, row, qcol), len(order))
         if g == len(cand):
-            cand.append([]), lab.append([]), where.append([])
+            cand.append([])
+            lab.append([])
+            where.append([])
         cand[g].append(_text(p, path, row, "passage"))
         lab[g].append(_number(y, path, row, "label"))
         where[g].append(i + 1)
@@ -197,19 +200,27 @@ def bbc_news_groups(negatives: int = 3, seed: int = 0, limit: int | None = None,
         raise DataError(f"bbc_news passage {passage!r}: expected 'topic', 'last' or 'body'")
     root = bbc_news_path()
     rng = np.random.default_rng(seed)
-    heads, bodies, classes, rows = [], [], [], []
+    heads: list[str] = []
+    bodies: list[str] = []
+    class_names: list[str] = []
+    rows: list[str] = []
     for c in sorted(d.name for d in root.iterdir() if d.is_dir()):
         for f in sorted((root / c).glob("*.txt")):
             head, _, body = _read_text(f).strip().partition("\n")
             paragraphs = [p.strip() for p in body.split("\n") if p.strip()]
             if head.strip() and paragraphs:
-                heads.append(head.strip()), classes.append(c), rows.append(f"file {c}/{f.name}")
+                heads.append(head.strip())
+                class_names.append(c)
+                rows.append(f"file {c}/{f.name}")
                 bodies.append("\n".join(paragraphs) if passage == "body" else paragraphs[-1])
-    classes = np.asarray(classes)
+    classes = np.asarray(class_names)
     names = sorted(set(classes.tolist()))
     keep = np.arange(len(heads)) if limit is None or limit >= len(heads) \
         else np.sort(rng.permutation(len(heads))[:limit])
-    queries, cand, labels, where = [], [], [], []
+    queries: list[str] = []
+    cand: list[list[str]] = []
+    labels: list[list[float]] = []
+    where: list[str] = []
     for i in keep:
         same = np.flatnonzero(classes == classes[i])
         same = same[same != i]
@@ -219,7 +230,8 @@ def bbc_news_groups(negatives: int = 3, seed: int = 0, limit: int | None = None,
             chosen = [int(rng.choice(same))] + [int(rng.choice(np.flatnonzero(classes == c))) for c in pick]
         else:
             chosen = [int(i), *rng.choice(same, size=negatives, replace=False).tolist()]
-        queries.append(heads[i]), where.append(rows[i])
+        queries.append(heads[i])
+        where.append(rows[i])
         cand.append([bodies[j] for j in chosen])
         labels.append([1.0] + [0.0] * negatives)
     return check_groups(GroupTable(queries, cand, labels, f"bbc_news ({passage} relevance set)", where))

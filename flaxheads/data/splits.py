@@ -9,13 +9,13 @@ the data are padding with weight 0 (so every example is trained on and evaluated
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
 from flaxheads.data.batching import bucket_length, pad_rows, token_batch
-from flaxheads.losses import SINGLE_LABEL
 from flaxheads.data.tables import DataError, LabelSpace, TextTable, encode_labels, infer_label_space, load_source
+from flaxheads.losses import SINGLE_LABEL
 
 SPLITS = ("train", "validation", "test")
 
@@ -88,7 +88,7 @@ def tokenize_shared(table: TextTable, labels: np.ndarray, tokenizer, max_length:
         return tokenize(table, labels, tokenizer, max_length, name)
     me = jax.process_index() if process is None else process
     rows = np.arange(me, len(table), procs)
-    part = tokenize(table.take(rows), labels[rows], tokenizer, max_length, name)
+    part = tokenize(table.take(rows.tolist()), labels[rows], tokenizer, max_length, name)
     gather = all_gather_ragged if gather is None else gather
 
     def interleave(per_process: list[list[np.ndarray]]) -> list[np.ndarray]:
@@ -231,7 +231,7 @@ def load_splits(cfg: DataConfig) -> tuple[dict[str, TextTable], LabelSpace, dict
             raise DataError(f"{cfg.data}: the split {','.join(f'{f:g}' for f in cfg.split)} of {len(full)} examples "
                             f"leaves the {' and '.join(empty)} split empty. Use more examples, larger fractions, or "
                             "a fraction of 0 for a split you do not want (e.g. --split 0.9,0.1,0).")
-        tables = {name: full.take(p) for name, p in zip(SPLITS, parts) if len(p)}
+        tables = {name: full.take(p.tolist()) for name, p in zip(SPLITS, parts) if len(p)}
         if "train" not in tables:
             raise DataError(f"{cfg.data}: the split {cfg.split} leaves no training examples")
     if cfg.eval_limit and "validation" in tables:
@@ -253,7 +253,7 @@ def _subset(t: TextTable, space: LabelSpace, limit: int, seed: int) -> TextTable
     if limit >= len(t):
         return t
     strata = encode_labels(t, space) if space.problem_type == SINGLE_LABEL else np.zeros(len(t), np.int64)
-    return t.take(stratified_sample(strata, limit, seed + 1))
+    return t.take(stratified_sample(strata, limit, seed + 1).tolist())
 
 
 def stratified_sample(strata: np.ndarray, size: int, seed: int) -> np.ndarray:
