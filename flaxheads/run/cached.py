@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Any
 
 from flaxheads.checkpoint import save_head
 from flaxheads.run.folder import RunFolder, scalars
@@ -38,7 +39,8 @@ def encode_splits(job: Job, batch_size: int) -> tuple[dict[str, FeatureCache], f
     t0 = time.perf_counter()
     model = job.model
     level = choose_level(model.head.pooler)
-    enc = make_encoder(model, level, (reduction(model.head.pooler),) if level == "pooled" else ())
+    pooled = reduction(model.head.pooler) if level == "pooled" else None  # "pooled": the pooler has one
+    enc = make_encoder(model, level, (pooled,) if pooled is not None else ())
     caches = {n: cache_features(model, model.params["backbone"], s, batch_size=batch_size, buckets=job.buckets,
                                 directory=job.out / "feature_cache" / n, encoder=enc)
               for n, s in job.splits.items()}
@@ -66,15 +68,17 @@ def run_cached(job: Job, argv=None) -> Run:
     best = res.best_model(job.model)
     ckpt = save_head(job.out / "checkpoints", best, step=res.steps,
                      extra_meta={"sweep": {"variant": dataclasses.asdict(res.variants[res.best]), "k": k}})
-    arrays = {n: {"logits": predict_cached(best, best.params["head"], caches[n]), "labels": caches[n].labels}
-              for n in ("validation", "test") if n in caches}
+    arrays: dict[str, dict] = {n: {"logits": predict_cached(best, best.params["head"], caches[n]),
+                                   "labels": caches[n].labels}
+                               for n in ("validation", "test") if n in caches}
     final = {n: job.task.metrics(a["logits"], a["labels"]) for n, a in arrays.items()}
     (job.out / "sweep.md").write_text(res.table() + "\n")
     epochs, h = len(res.losses), job.task.headline
     print(f"encoded {sum(len(c) for c in caches.values())} examples once in {encode_s:.1f} s; trained {k} head(s) "
           f"x {epochs} epochs in {res.seconds:.1f} s\n{res.table()}", flush=True)
     history = _log(log, res, steps_per_epoch(caches["train"], t.batch_size), final)
-    summary = {**job.task.summary_keys(), "mode": "cached-features" + (f" sweep K={k}" if k > 1 else ""),
+    mode = "cached-features" + (f" sweep K={k}" if k > 1 else "")
+    summary: dict[str, Any] = {**job.task.summary_keys(), "mode": mode,
                "encode_seconds": round(encode_s, 1), "head_seconds": round(res.seconds, 2), "steps": res.steps,
                "epochs": epochs, "best": dataclasses.asdict(res.variants[res.best]), "checkpoint": str(ckpt),
                "cache_bytes": {n: c.nbytes for n, c in caches.items()},
@@ -89,7 +93,7 @@ def run_cached(job: Job, argv=None) -> Run:
 def _log(log, res: SweepResult, spe: int, final: dict) -> list[dict]:
     """The best head's training loss per epoch and its validation metrics, written by the run's
     log as fit's are; returns them as fit's history."""
-    history = []
+    history: list[dict[str, Any]] = []
     for e, losses in enumerate(res.losses):
         step = min((e + 1) * spe, res.steps)
         history.append({"step": step, "epoch": step / spe, "loss": float(losses[res.best])})

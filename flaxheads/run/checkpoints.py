@@ -55,9 +55,12 @@ def _restore(resume: str | int, every: int | None, ckr: RunCheckpointer, trainer
             raise CheckpointError(f"--no-resume: {ckr.root} already has checkpoints (latest step {latest}); use a "
                                   "new --output-dir, or delete that folder to start this run over")
         return None
-    if resume == "auto" and latest is None:
-        return None
-    step = latest if resume == "auto" else int(resume)
+    if resume == "auto":
+        if latest is None:
+            return None
+        step = latest
+    else:
+        step = int(resume)
     changed = loop.changed_settings(ckr.read_meta(step).get("run"), settings)
     state = ckr.restore(step, target_state=restore_target(trainer, ckr))
     if changed and lead:  # after the restore: a setting that cannot resume is its one error line, not a warning too

@@ -140,10 +140,11 @@ def _check_distributed(spec: RunSpec) -> None:
     if d.parallel == "pmap":
         raise UsageError("multi-host runs (--coordinator-address) use --parallel mesh, not pmap")
     if d.coordinator_address != "auto":
-        if None in procs:
+        num_processes, process_id = procs
+        if num_processes is None or process_id is None:
             raise UsageError("--coordinator-address needs --num-processes and --process-id (or `auto` on a "
                              "cluster JAX can discover)")
-        if d.process_id >= d.num_processes:
+        if process_id >= num_processes:
             raise UsageError(f"--process-id {d.process_id} is not below --num-processes {d.num_processes}: "
                              "processes are numbered 0..N-1")
     if spec.checkpoints.output_dir is None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -60,14 +60,17 @@ class RunData:
             return self.stream.splits(tokenizer, max_length)
         if self.kind != "rows":
             return {n: tokenize_groups(t, tokenizer, max_length, n) for n, t in self.tables.items()}
-        return {n: tokenize_shared(t, self.labels[n], tokenizer, max_length, n) for n, t in self.tables.items()}
+        labels = self.labels
+        assert labels is not None, "in-memory rows carry their encoded labels"
+        return {n: tokenize_shared(t, labels[n], tokenizer, max_length, n) for n, t in self.tables.items()}
 
 
 def data_config(spec: RunSpec) -> DataConfig:
     """The in-memory / streamed reader's settings of ``spec``."""
     d = spec.data
     sources = {f.name: getattr(d, f.name) for f in dataclasses.fields(TableSources)}
-    return DataConfig(**sources, problem_type=spec.task.problem_type, split=tuple(d.split), seed=spec.seed,
+    split = cast("tuple[float, float, float]", tuple(d.split))  # a spec's three fractions (a list read from JSON)
+    return DataConfig(**sources, problem_type=spec.task.problem_type, split=split, seed=spec.seed,
                       limit=d.limit, label_ids=d.label_ids, labels=d.labels, eval_limit=d.eval_limit, stream=d.stream)
 
 
@@ -127,6 +130,7 @@ def _groups(spec: RunSpec) -> RunData:
             if f:
                 tables[name] = load_groups(f, **opts)
     else:
+        assert d.data is not None, "a checked spec names its data when it has no --train-file"
         full = load_groups(d.data, **opts)
         if d.limit and d.data != "bbc_news" and d.limit < len(full):
             full = full.take(np.sort(np.random.default_rng(spec.seed + 1).permutation(len(full))[:d.limit]))

@@ -67,13 +67,13 @@ def fine_tune(job: Job, callbacks: list, *, progress: bool, argv, started, compi
         with phase("evaluating the test split"):
             final["test"], predictions["test"] = trainer.final(res.state.params, job.splits["test"],
                                                                buckets=job.buckets, pad_id=job.pad_id)
-    last = next((e["eval"] for e in reversed(res.history) if "eval" in e), {})
+    last: dict = next((e["eval"] for e in reversed(res.history) if "eval" in e), {})
     final = {**last, **final}
     summary = {**job.task.summary_keys(), "steps": res.step, "resumed_from": resumed,
                "checkpoints": None if ckpt is None else ckpt.ckr.root, "seconds": round(res.seconds, 1),
                "eval_seconds": round(res.eval_seconds, 1), **_startup(started, res, fit_called),
                "train_compiles": res.train_compiles, "eval_compiles": res.eval_compiles, "throughput": res.throughput,
-               **({"profile": {"steps": list(parse_steps(window)), "folder": str(job.out / "profile"),
+               **({"profile": {"steps": [profile.first, profile.last], "folder": str(job.out / "profile"),
                                "files": [str(p) for p in profile.traces()]}} if profile is not None else {}),
                "buckets": list(job.buckets), **({"memory_plan": memory} if memory else {}),
                "metrics": {n: scalars(r) for n, r in final.items()},
@@ -146,6 +146,8 @@ def _packing_note(job: Job) -> str:
 def _training_kind(job: Job) -> str:
     stored = base_dtype_of(job.model.params["backbone"])
     in_16 = f", stored in {stored}" if stored not in (None, "float32") else ""  # --base-dtype
-    if job.model.lora is not None:
-        return f"LoRA rank {job.model.lora.rank} on {', '.join(job.model.lora.targets)} (base frozen{in_16})"
+    lora = job.model.lora
+    if lora is not None:
+        assert lora.targets is not None, "the model's adapters were added with their targets resolved"
+        return f"LoRA rank {lora.rank} on {', '.join(lora.targets)} (base frozen{in_16})"
     return f"backbone frozen{in_16}" if job.optim.freeze_backbone else "full fine-tune"

@@ -166,6 +166,7 @@ def prepare(spec: RunSpec) -> Job:
     _require_validation(spec, data.has_validation)
     task = data.task(spec.task)
     best = task.best_metric(spec.checkpoints.keep_best_by, has_validation=data.has_validation)
+    assert spec.model.precision is not None, "a checked spec has its precision settled"
     plan = ComputePlan.for_host(precision=spec.model.precision)  # the one plan of this run
     with phase(f"loading the model {path}"):
         model = build_model(spec, path, data.space, plan)

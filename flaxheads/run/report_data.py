@@ -4,6 +4,7 @@ throughput line of the run's last printed line."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -61,7 +62,7 @@ def _texts(job, split: str) -> list[str] | None:
     return [t if pairs is None else f"{t} | {p}" for t, p in zip(texts, pairs if pairs is not None else texts)]
 
 
-def worst_of(job, arrays: dict[str, dict | None]) -> dict | None:
+def worst_of(job, arrays: Mapping[str, dict | None]) -> dict | None:
     """:func:`worst_examples` of the validation split where its rows are in memory with their texts,
     else of the test split; ``arrays``: the trained model's predictions of each split."""
     val = job.splits.get("validation")
