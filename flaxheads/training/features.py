@@ -227,7 +227,13 @@ def _reductions(model, lvl: str, reductions: Sequence[str] | None) -> tuple[str,
         bad = [r for r in reductions if r not in POOL_FUNCTIONS]
         if bad or not reductions:
             raise TrainingError(f"unknown reductions {bad}; valid: {sorted(POOL_FUNCTIONS)}")
-    return tuple(reductions or (reduction(model.head.pooler),)) if lvl == "pooled" else ()
+    if lvl != "pooled":
+        return ()
+    if reductions:
+        return tuple(reductions)
+    fixed = reduction(model.head.pooler)
+    assert fixed is not None, "choose_level gives pooled features only to a pooler with a fixed reduction"
+    return (fixed,)
 
 
 def _storage(groups: dict, lvl: str, width: int, h: int, dtype, max_bytes: int,
@@ -278,12 +284,12 @@ def encode_groups(lengths: Sequence[int], batch_size: int, buckets: Sequence[int
     bucket pads anyway: the padding rows are the fewest possible, and no length gets a batch that
     one bucket per text would not have given it (same compiles). 500 BBC News articles at 256
     tokens in batches of 32: 16 batches of 256 tokens instead of those and one of 192 for 11 texts."""
-    lengths = np.asarray([max(int(n), 1) for n in lengths])
-    order = np.argsort(-lengths, kind="stable")
+    lens = np.asarray([max(int(n), 1) for n in lengths])
+    order = np.argsort(-lens, kind="stable")
     padded = np.empty(len(order), np.int64)
     for s in range(0, len(order), batch_size):
         batch = order[s:s + batch_size]
-        padded[s:s + len(batch)] = bucket_length(int(lengths[batch[0]]), buckets)
+        padded[s:s + len(batch)] = bucket_length(int(lens[batch[0]]), buckets)
     return {int(t): order[padded == t] for t in sorted(set(padded.tolist()))}
 
 
@@ -314,6 +320,7 @@ def _encode_rows(enc, backbone_params, batches: Iterator[tuple[int, int, dict]],
             msk[s:s + k] = np.asarray(m[:k])
             on_rows(k)
         pending = launched
+    assert first is not None, "the loop runs at least once (for the closing None)"
     return first, time.perf_counter() - t0
 
 
@@ -351,19 +358,19 @@ def cache_features(model, backbone_params, split, *, batch_size: int = 32,
         if progress:
             progress(done, len(ids))
 
-    measured = isinstance(enc, Encoder)  # a plain jitted function may be passed too
+    measured = enc if isinstance(enc, Encoder) else None  # a plain jitted function may be passed too
     for t in sorted(groups, reverse=True):  # longest first: shorter groups may run in its program
         index = groups[t]
         hid, msk = alloc(t, len(index))
         n_batches = -(-len(index) // batch_size)
         # pooled features keep no length, so a short group's few batches may run padded further
-        run_at = enc.length_for(batch_size, t, n_batches) if lvl == "pooled" and measured else t
+        run_at = measured.length_for(batch_size, t, n_batches) if lvl == "pooled" and measured is not None else t
         rows = (index[s:s + batch_size] for s in range(0, len(index), batch_size))
         batches = ((s * batch_size, len(r), token_batch(ids, tt, r, batch_size, run_at, pad))
                    for s, r in enumerate(rows))
         first, total = _encode_rows(enc, backbone_params, batches, hid, msk, on_rows)
-        if measured:
-            enc.record(batch_size, run_at, n_batches, first, total)
+        if measured is not None:
+            measured.record(batch_size, run_at, n_batches, first, total)
         if to_disk:
             hid.flush()
             msk.flush()
@@ -373,7 +380,8 @@ def cache_features(model, backbone_params, split, *, batch_size: int = 32,
         out = [Bucket(1, np.concatenate([b.index for b in out]), np.concatenate([b.hidden for b in out]),
                       np.concatenate([b.mask for b in out]))]
     return FeatureCache(lvl, reds, model.hidden_size, out, None if labels is None else np.asarray(labels),
-                        encode_seconds=time.perf_counter() - t0, directory=os.fspath(directory) if to_disk else None)
+                        encode_seconds=time.perf_counter() - t0,
+                        directory=os.fspath(directory) if to_disk and directory is not None else None)
 
 
 def predict_cache(predict: Callable[[dict], np.ndarray], cache: FeatureCache, batch_size: int = 256, *,
@@ -383,6 +391,7 @@ def predict_cache(predict: Callable[[dict], np.ndarray], cache: FeatureCache, ba
     n = cache.num_examples
     batches = cache.batches(batch_size, shuffle=False, labels=np.zeros((n,), np.int32))
     out, kept = predict_batches(predict, batches, keys=("index",), axis=axis)
+    assert out is not None, "a feature cache holds at least one example"
     shape = list(out.shape)
     shape[axis] = n
     full = np.zeros(shape, np.float32)
