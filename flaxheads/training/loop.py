@@ -102,10 +102,12 @@ def fit(trainer: Trainer, train: Split, *, evals: Mapping[str, Split] | None = N
     history: list[dict] = []
     log = StepLog(cfg.log_every, total, step, progress, trainer.peak_flops())
 
-    timing = {"eval": 0.0, "first": None}
+    eval_seconds = 0.0
+    first_step_seconds: float | None = None
     arrays: dict = {}
 
     def evaluate(s: int) -> None:
+        nonlocal eval_seconds
         t = time.perf_counter()
         if s == total:  # the last evaluation keeps its arrays (FitResult.final_arrays)
             both = {name: trainer.final(placed.params, split, buckets=buckets, pad_id=pad_id)
@@ -115,7 +117,7 @@ def fit(trainer: Trainer, train: Split, *, evals: Mapping[str, Split] | None = N
         else:
             results = {name: trainer.evaluate(placed.params, split, buckets=buckets, pad_id=pad_id)
                        for name, split in (evals or {}).items()}
-        timing["eval"] += time.perf_counter() - t
+        eval_seconds += time.perf_counter() - t
         log.pause(time.perf_counter() - t)
         if results:
             history.append({"step": s, "eval": results})
@@ -132,8 +134,8 @@ def fit(trainer: Trainer, train: Split, *, evals: Mapping[str, Split] | None = N
                              pad_id=pad_id, group_by_length=group_by_length):
             with jax.profiler.StepTraceAnnotation("train", step_num=step + 1):  # a profile's step markers
                 placed, m = trainer.step(placed, batch)  # m holds host values: the step has finished
-            if timing["first"] is None:
-                timing["first"] = time.perf_counter() - entered
+            if first_step_seconds is None:
+                first_step_seconds = time.perf_counter() - entered
             step, offset = step + 1, offset + 1
             m.update(step=step, epoch=epoch + offset / spe, padding=padding_fraction(batch),
                      tokens=int(np.size(batch["input_ids"])),
@@ -154,4 +156,4 @@ def fit(trainer: Trainer, train: Split, *, evals: Mapping[str, Split] | None = N
     for cb in callbacks:
         cb.on_end(placed, step)
     return FitResult(placed, step, history, trainer.train_traces.count, trainer.eval_traces.count,
-                     time.perf_counter() - t0, timing["first"], timing["eval"], log.summary(), arrays)
+                     time.perf_counter() - t0, first_step_seconds, eval_seconds, log.summary(), arrays)

@@ -81,10 +81,10 @@ def _reductions(model, variants: Sequence[Variant], cache: FeatureCache) -> np.n
         if any(v.pooler for v in variants):
             raise TrainingError("varying the pooler needs a pooled cache built with reductions=(...)")
         return np.zeros(len(variants), np.int32)
-    missing = sorted({w for w in want if w not in cache.reductions})
+    missing = sorted({w for w in want if w not in cache.reductions}, key=str)  # None: a pooler without one
     if missing:
         raise TrainingError(f"the cache holds reductions {cache.reductions}, the sweep needs {missing}: build it "
-                            f"with cache_features(..., reductions={tuple(sorted(set(want)))})")
+                            f"with cache_features(..., reductions={tuple(sorted(set(want), key=str))})")
     return np.asarray([cache.reductions.index(w) for w in want], np.int32)
 
 
@@ -306,7 +306,7 @@ def sweep(model, train: FeatureCache, variants: Sequence[Variant], *, optim: Opt
     if train.level == "pooled":  # one batch shape: whole runs of batches per call
         run = make_sweep_scan(model, cfg, level=train.level, loss_options=loss_options)
         length = scan_length(spe, _batch_bytes(train, batch_size), max_scan_bytes)
-        sums = []  # device arrays, read once at the end: no eager op to compile, no wait per epoch
+        sums: list[list[Any]] = []  # device arrays, read once at the end: no eager op to compile, no wait per epoch
         for e, n in enumerate(per_epoch):
             sums.append([])
             for part in _stacked_runs(itertools.islice(train.batches(batch_size, seed=seed, epoch=e), n), length):
