@@ -28,11 +28,13 @@ def split_pairs(pairs) -> tuple[list, list]:
     if isinstance(pairs, (str, bytes)) or (isinstance(pairs, Sequence) and len(pairs) == 2
                                            and all(isinstance(x, str) for x in pairs)):
         raise DataError("pairs: expected a list of (query, candidate) pairs, got one pair; wrap it in a list")
-    queries, cands = [], []
+    queries: list[str] = []
+    cands: list[str] = []
     for i, p in enumerate(pairs):
         if isinstance(p, (str, bytes)) or not isinstance(p, Sequence) or len(p) != 2:
             raise DataError(f"pairs[{i}]: expected a (query, candidate) pair of two texts, got {p!r}")
-        queries.append(p[0]), cands.append(p[1])
+        queries.append(p[0])
+        cands.append(p[1])
     return queries, cands
 
 
@@ -71,11 +73,11 @@ def ranks_within(scores: np.ndarray, groups: Sequence) -> np.ndarray:
     """1-based rank of each row among the rows of its group (1 = highest score)."""
     scores = np.asarray(scores)
     ranks = np.zeros(len(scores), np.int64)
-    keys = {}
+    keys: dict[object, list[int]] = {}
     for i, g in enumerate(groups):
         keys.setdefault(g, []).append(i)
-    for rows in keys.values():
-        rows = np.asarray(rows)
+    for members in keys.values():
+        rows = np.asarray(members)
         ranks[rows[ranks_order(scores[rows])]] = np.arange(1, len(rows) + 1)
     return ranks
 
@@ -96,6 +98,7 @@ def ranking_groups(source: str, *, split: str | None = None, input: str | None =
                          "--split (the run's own split), one of them")
     if input:
         return load_groups(input, query_column=run_spec(source).data.query_column)
+    assert split, "one of input and split is given (checked above)"
     return run_split(source, split)
 
 

@@ -106,8 +106,9 @@ def pointwise_bce(scores, labels, mask, weights, *, pos_weight=None) -> jax.Arra
     return _group_mean(jnp.sum(per * m, axis=-1) / jnp.maximum(jnp.sum(m, axis=-1), 1.0), weights)
 
 
-_FUNCTIONS = {"pairwise": pairwise_logistic, "hinge": pairwise_hinge, "listwise": listwise_softmax,
-              "listnet": listnet, "pointwise": pointwise_bce}
+_FUNCTIONS: dict[str, Callable[..., jax.Array]] = {
+    "pairwise": pairwise_logistic, "hinge": pairwise_hinge, "listwise": listwise_softmax, "listnet": listnet,
+    "pointwise": pointwise_bce}
 
 
 def objective_fn(name: str, **options) -> Callable[..., jax.Array]:
