@@ -1,5 +1,6 @@
 import collections
 import os
+from typing import Any, NamedTuple
 
 # Before jax is imported anywhere: 4 fake CPU devices for the data-parallel tests
 # (8 on 2 cores can time out in XLA's collectives under load), fail fast on a hang, and LLVM at -O1 for
@@ -78,13 +79,45 @@ def _optimized_programs(request):
         jax.config.update("jax_disable_most_optimizations", before)
 
 
-@pytest.fixture(scope="session")
-def tiny_bert(tmp_path_factory) -> str:
-    """A tiny random BERT classifier folder (3 labels, no dropout, a word-level fast tokenizer),
-    made once per test process and shared read-only by every file that needs the default one."""
-    from train_helpers import tiny_bert_folder
+class TinyModel(NamedTuple):
+    """What ``tiny_model`` gives: ``path, torch = tiny_model(family)``."""
+    path: str  #: the saved HF folder (config.json, model.safetensors; the tokenizer if asked)
+    torch: Any  #: the PyTorch classifier saved there, in eval mode
 
-    return tiny_bert_folder(tmp_path_factory.mktemp("tiny_bert") / "bert")
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """``tiny_model(family, **config) -> TinyModel``: hf_tiny's tiny random PyTorch classifier of ``family``
+    (:func:`hf_tiny.save_tiny`: every weight perturbed; ``config``: ``seed`` (default 1), ``num_labels``
+    (3), ``layers`` and config fields; ``tokenizer=True`` adds train_helpers' word-level tokenizer), made
+    once per test process for each distinct ``config``: the files that ask for the same model share its
+    folder and its PyTorch model. Both are read-only: a test that changes the folder changes a copy
+    (hf_tiny.edited_copy), one that changes the PyTorch model (its config, train mode) puts it back."""
+    from hf_tiny import save_tiny
+    from train_helpers import save_word_tokenizer
+
+    made: dict[tuple, TinyModel] = {}
+
+    def get(family: str, *, tokenizer: bool = False, **config) -> TinyModel:
+        config = {"seed": 1, "num_labels": 3, **config}
+        key = (family, tokenizer, repr(sorted(config.items())))
+        if key not in made:
+            path, pt = save_tiny(tmp_path_factory.mktemp(f"tiny_{family}") / family, family, **config)
+            if tokenizer:
+                save_word_tokenizer(path)
+            made[key] = TinyModel(path, pt)
+        return made[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_bert(tiny_model) -> str:
+    """The folder of the tiny BERT classifier (3 labels, no dropout, a word-level fast tokenizer) that the
+    run, checkpoint and export tests share read-only: ``tiny_model("bert", **train_helpers.TINY_BERT)``."""
+    from train_helpers import TINY_BERT
+
+    return tiny_model("bert", **TINY_BERT).path
 
 
 def _needs_hf_flax(item) -> bool:

@@ -12,18 +12,35 @@ WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu 
          "phone computer software internet game").split()
 
 
+#: ``tiny_model("bert", **TINY_BERT)`` (conftest.py) is :func:`tiny_bert_folder`'s default model: seed 0, no
+#: dropout, a word-level tokenizer. conftest's ``tiny_bert`` is its folder, shared by the run, checkpoint
+#: and export tests.
+TINY_BERT = dict(seed=0, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, tokenizer=True)
+
+
 def tiny_bert_folder(path, num_labels: int = 3, dropout: float = 0.0, seed: int = 0, layers: int = 1) -> str:
     """Random tiny BERT (hf_tiny sizes, one layer unless told) + a word-level fast tokenizer, saved as an
     HF folder. One layer: the tests of runs, checkpoints and exports need no second, and each layer
-    adds about as much to every train step's compile as the rest of the model."""
-    from transformers import BertTokenizerFast
-
-    from hf_tiny import V, tiny_torch_model
+    adds about as much to every train step's compile as the rest of the model. (The default one is
+    conftest's session fixture ``tiny_bert``: ask ``tiny_model`` for a variant other files share.)"""
+    from hf_tiny import tiny_torch_model
 
     path = os.fspath(path)
     model = tiny_torch_model("bert", num_labels=num_labels, seed=seed, hidden_dropout_prob=dropout,
                              attention_probs_dropout_prob=dropout, layers=layers)
     model.save_pretrained(path, safe_serialization=True)
+    save_word_tokenizer(path)
+    return path
+
+
+def save_word_tokenizer(path) -> None:
+    """A BERT word-level fast tokenizer of hf_tiny's vocabulary size (:data:`WORDS`, then ``w<i>``) into
+    the folder ``path``, texts up to 64 tokens."""
+    from transformers import BertTokenizerFast
+
+    from hf_tiny import V
+
+    path = os.fspath(path)
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + list(WORDS)
     vocab += [f"w{i}" for i in range(V - len(vocab))]
     assert len(vocab) == V
@@ -33,7 +50,6 @@ def tiny_bert_folder(path, num_labels: int = 3, dropout: float = 0.0, seed: int 
     tok = BertTokenizerFast(os.path.join(path, "vocab.txt"), do_lower_case=True)
     tok.model_max_length = 64
     tok.save_pretrained(path)
-    return path
 
 
 def random_split(n: int, num_labels: int = 3, lengths=(5, 20), seed: int = 0, vocab: int = 99, name="train"):

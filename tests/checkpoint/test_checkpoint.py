@@ -38,23 +38,14 @@ REPO = os.path.dirname(TESTS)
 
 # ---- tiny backbones (random PyTorch models saved as safetensors, loaded by flaxheads) ----------
 
-def _save_tiny(root, arch, name, **over):
-    from hf_tiny import tiny_torch_model
-
-    d = os.path.join(root, name)
-    tiny_torch_model(arch, 3, seed=len(name), **over).save_pretrained(d, safe_serialization=True)
-    return d
-
-
 @pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("backbones"))
+def folders(tiny_model):
     return {
-        "bert": _save_tiny(root, "bert", "bert"),
-        "roberta": _save_tiny(root, "roberta", "roberta"),
-        "gpt2": _save_tiny(root, "gpt2", "gpt2"),  # pad_token_id=0
-        "gpt2_nopad": _save_tiny(root, "gpt2", "gpt2_nopad", pad_token_id=None),
-        "bert48": _save_tiny(root, "bert", "bert48", hidden_size=48),
+        "bert": tiny_model("bert").path,
+        "roberta": tiny_model("roberta").path,
+        "gpt2": tiny_model("gpt2").path,  # pad_token_id=0
+        "gpt2_nopad": tiny_model("gpt2", pad_token_id=None).path,
+        "bert48": tiny_model("bert", hidden_size=48).path,
     }
 
 

@@ -29,8 +29,8 @@ def bert(tiny_bert):
 
 
 @pytest.fixture(scope="module")
-def roberta(tmp_path_factory):
-    return save_tiny(tmp_path_factory.mktemp("pack_roberta"), "roberta")[0]
+def roberta(tiny_model):
+    return tiny_model("roberta").path
 
 
 def _split(n=11, seed=0, lengths=(3, 9), pad=0):

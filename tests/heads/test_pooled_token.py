@@ -33,17 +33,15 @@ DEBERTA = {  # the relative-attention arrangements whose scores are read at the 
     "v2": dict(relative_attention=True, pos_att_type=["p2c", "c2p"], share_att_key=False, max_relative_positions=6),
     "c2p": dict(relative_attention=True, pos_att_type=["c2p"], max_relative_positions=5),
     "p2c": dict(V3, pos_att_type=["p2c"]),
-    "conv": dict(V3, conv_kernel_size=3, conv_groups=2, conv_act="gelu"),
+    "conv": dict(V3, conv_kernel_size=3, conv_groups=2, conv_act="gelu", layers=2),  # the first layer's alone
     "conv_one_layer": dict(V3, conv_kernel_size=3, conv_groups=2, conv_act="gelu", num_hidden_layers=1),
 }
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    made = {arch: save_tiny(tmp_path_factory.mktemp(arch), arch) for arch in ("bert", "roberta", "distilbert")}
-    for name, over in DEBERTA.items():
-        made["deberta_" + name] = save_tiny(tmp_path_factory.mktemp(name), "deberta-v2", **over)
-    return made
+def tiny(tiny_model):
+    made = {arch: tiny_model(arch) for arch in ("bert", "roberta", "distilbert")}
+    return made | {"deberta_" + name: tiny_model("deberta-v2", **over) for name, over in DEBERTA.items()}
 
 
 def _model(path, pooler, options, **kw):

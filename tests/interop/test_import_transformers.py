@@ -24,11 +24,11 @@ def _logits(pt, ids, mask):
 
 
 @pytest.fixture(scope="module")
-def bert(tmp_path_factory):
-    d = tmp_path_factory.mktemp("imp") / "bert"
-    pt = tiny_torch_model("bert", seed=3, layers=2)  # a test drops one layer's weight
-    pt.save_pretrained(d, safe_serialization=True)
-    return pt, d
+def bert(tiny_model):
+    from pathlib import Path
+
+    path, pt = tiny_model("bert", seed=3, layers=2)  # a test drops one layer's weight
+    return pt, Path(path)
 
 
 def _copy(src, dst):

@@ -53,10 +53,10 @@ PAIRS = [("stock market falls", "the bank share profit fell"), ("goal match", "t
 
 
 @pytest.fixture(scope="module")
-def bert_folder(tmp_path_factory):
-    from train_helpers import tiny_bert_folder
+def bert_folder(tiny_model):
+    from train_helpers import TINY_BERT
 
-    return tiny_bert_folder(tmp_path_factory.mktemp("ce_bert"), num_labels=1)
+    return tiny_model("bert", num_labels=1, **TINY_BERT).path
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,7 @@ def _tiny_bert_folder(path, seed=0):
 
 
 @pytest.fixture(scope="module")
-def bert_dir(tmp_path_factory):
+def bert_dir(tmp_path_factory):  # its own: a bare BertModel encoder, as sentence-transformers folders hold
     return _tiny_bert_folder(tmp_path_factory.mktemp("st") / "bert")
 
 

@@ -19,14 +19,14 @@ from flaxheads.backbones.base import BackboneError  # noqa: E402
 from flaxheads.backbones.registry import load_backbone  # noqa: E402
 from flaxheads.errors import ConfigError, UsageError  # noqa: E402
 from flaxheads.layers.remat import REMAT_POLICIES, remat_policy  # noqa: E402
-from hf_tiny import padded_batch, save_tiny  # noqa: E402
+from hf_tiny import padded_batch  # noqa: E402
 
 pytestmark = pytest.mark.full
 
 
 @pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    return {arch: save_tiny(tmp_path_factory.mktemp(arch) / "model", arch, seed=2, layers=2) for arch in ("bert", "qwen3")}
+def folders(tiny_model):
+    return {arch: tiny_model(arch, seed=3, layers=2) for arch in ("bert", "qwen3")}
 
 
 def _grad_fn(backbone, ids, mask):

@@ -22,7 +22,7 @@ from flaxheads.interop.peft import export_peft  # noqa: E402
 from flaxheads.model.lora import delta, merge_model  # noqa: E402
 from flaxheads.training.optim import OptimConfig, make_optimizer  # noqa: E402
 from flaxheads.training.steps import create_state, make_train_step  # noqa: E402
-from hf_tiny import padded_batch, save_tiny  # noqa: E402
+from hf_tiny import padded_batch  # noqa: E402
 
 pytestmark = pytest.mark.full
 
@@ -39,8 +39,8 @@ def _dtypes(tree) -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def bert(tmp_path_factory):
-    return save_tiny(tmp_path_factory.mktemp("bert") / "model", "bert", seed=3)
+def bert(tiny_model):
+    return tiny_model("bert")
 
 
 def _base_moments(opt_state) -> list[str]:

@@ -43,15 +43,8 @@ CASES = [("bert", ("query", "value")), ("gpt2", ("c_attn", "c_fc")), DECODER]
 
 
 @pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    made = {}
-
-    def get(arch):
-        if arch not in made:
-            made[arch] = save_tiny(tmp_path_factory.mktemp(arch) / "model", arch, seed=3, layers=2)  # targets pick a layer
-        return made[arch]
-
-    return get
+def folders(tiny_model):
+    return lambda arch: tiny_model(arch, seed=3, layers=2)  # targets pick a layer
 
 
 def _random_adapters(params, seed=0, scale=0.3):

@@ -11,15 +11,15 @@ import flaxheads as fh
 from flaxheads import nnx as fnnx
 from flaxheads.errors import ConfigError
 from flaxheads.heads import linen
-from hf_tiny import H, head_specs, padded_batch, pooler_specs, save_tiny, tiny_config
+from hf_tiny import H, head_specs, padded_batch, pooler_specs, tiny_config
 
 POOLERS, HEADS = pooler_specs(), head_specs()
 
 
 @pytest.fixture(scope="module")
-def bert_hidden(tmp_path_factory):
+def bert_hidden(tiny_model):
     """One forward of a tiny BERT: hidden states [3, 9, H] of a right-padded batch and its mask."""
-    path, _ = save_tiny(tmp_path_factory.mktemp("bert") / "model", "bert")
+    path, _ = tiny_model("bert")
     model = fh.from_pretrained(path)
     ids, mask = padded_batch("bert", tiny_config("bert"))
     hidden, _ = jax.jit(model.features)(model.params["backbone"], jnp.asarray(ids), jnp.asarray(mask))

@@ -32,7 +32,7 @@ def pipeline_scores(folder, texts, **kw) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory):
+def single(tmp_path_factory):  # its own: MiniLM's 30522-token WordPiece vocabulary, for real texts
     return tiny_bert_classifier(tmp_path_factory.mktemp("single"), num_labels=3)
 
 

@@ -27,8 +27,8 @@ UNEVEN = dict(num_hidden_layers=3, num_hidden_groups=2)
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return save_tiny(tmp_path_factory.mktemp("albert"), "albert")
+def tiny(tiny_model):
+    return tiny_model("albert")
 
 
 @pytest.mark.parametrize("over", [INNER, UNEVEN], ids=["inner", "uneven"])

@@ -28,8 +28,8 @@ def _save(path, **over):
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return _save(tmp_path_factory.mktemp("bart"))
+def tiny(tiny_model):
+    return tiny_model("bart")
 
 
 def _torch_hidden(tm, ids, mask):

@@ -14,15 +14,12 @@ from flaxheads.backbones import hf_flax
 from flaxheads.backbones.families.bert import BertBackbone, encode
 from flaxheads.layers.attention import attention_chunks
 from flaxheads.backbones.registry import load_backbone
-from tests.hf_tiny import padded_batch, tiny_torch_model
+from tests.hf_tiny import padded_batch
 
 
 @pytest.fixture(scope="module")
-def tiny_bert(tmp_path_factory):
-    d = tmp_path_factory.mktemp("bert")
-    tm = tiny_torch_model("bert", num_labels=3, seed=1)
-    tm.save_pretrained(d, safe_serialization=True)
-    return str(d), tm
+def tiny_bert(tiny_model):  # (path, PyTorch model): dropout on, unlike conftest's tiny_bert folder
+    return tiny_model("bert")
 
 
 needs_hf_flax = pytest.mark.skipif(not hf_flax.available(), reason="HF Flax models need transformers < 5")

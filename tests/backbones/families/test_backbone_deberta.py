@@ -51,15 +51,9 @@ CANCELLED = {name: (lambda k, p2c=("p2c" in (v.get("pos_att_type") or []) and v.
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """``tiny(variant)``: the saved folder and PyTorch model of a variant, saved once per module."""
-    made = {}
-
-    def get(name):
-        if name not in made:
-            made[name] = save_tiny(tmp_path_factory.mktemp(name), ARCH, **VARIANTS[name])
-        return made[name]
-    return get
+def tiny(tiny_model):
+    """``tiny(variant)``: the saved folder and PyTorch model of a variant."""
+    return lambda name: tiny_model(ARCH, **VARIANTS[name])
 
 
 def _torch_logits(pt, ids, mask, **inputs):

@@ -55,16 +55,12 @@ def _supported(arch: str) -> bool:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """``tiny(arch)`` -> ``(folder, PyTorch model)``, saved once per module."""
-    made = {}
-
+def tiny(tiny_model):
+    """``tiny(arch)`` -> ``(folder, PyTorch model)``."""
     def get(arch):
         if not _supported(arch):
             pytest.skip(f"this transformers has no sequence classifier for {arch}")
-        if arch not in made:
-            made[arch] = save_tiny(tmp_path_factory.mktemp(arch), arch, **OVERRIDES.get(arch, {}))
-        return made[arch]
+        return tiny_model(arch, **OVERRIDES.get(arch, {}))
     return get
 
 

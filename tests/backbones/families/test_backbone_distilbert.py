@@ -26,12 +26,12 @@ needs_hf_flax = pytest.mark.skipif(not hf_flax.available(), reason="HF Flax mode
 
 
 @pytest.fixture(scope="module")
-def distilbert(tmp_path_factory):
-    return save_tiny(tmp_path_factory.mktemp("distilbert"), "distilbert")
+def distilbert(tiny_model):
+    return tiny_model("distilbert")
 
 
 @pytest.fixture(scope="module")
-def sinusoidal(tmp_path_factory):
+def sinusoidal(tmp_path_factory):  # its own: transformers' table written over the perturbed positions
     return save_tiny(tmp_path_factory.mktemp("sinusoidal"), "distilbert", edit=restore_sinusoidal_positions,
                      sinusoidal_pos_embds=True)
 

@@ -23,9 +23,9 @@ FFN_OUT = r"layer\.\d+\.output\.dense\."
 
 
 @pytest.fixture(scope="module")
-def electra(tmp_path_factory):
+def electra(tiny_model):
     """embedding_size 16 < hidden_size 32: the ``embeddings_project`` Linear is there."""
-    return save_tiny(tmp_path_factory.mktemp("electra"), "electra")
+    return tiny_model("electra")
 
 
 def test_hidden_states_match_pytorch(electra):

@@ -26,8 +26,8 @@ from hf_tiny import (check_bf16_and_remat, check_export, check_gradients, check_
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return save_tiny(tmp_path_factory.mktemp("gpt2"), "gpt2")
+def tiny(tiny_model):
+    return tiny_model("gpt2")
 
 
 @pytest.mark.parametrize("side", ["right", "left"])

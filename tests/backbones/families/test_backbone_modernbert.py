@@ -58,8 +58,8 @@ def assert_real_tokens_close(ours, ref, mask, atol=1e-4):
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return save_tiny(tmp_path_factory.mktemp("modernbert"), "modernbert", **pattern())
+def tiny(tiny_model):
+    return tiny_model("modernbert", **pattern())
 
 
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])

@@ -21,8 +21,8 @@ FFN_OUT = r"layer\.\d+\.output\.dense\."
 
 
 @pytest.fixture(scope="module")
-def roberta(tmp_path_factory):
-    return save_tiny(tmp_path_factory.mktemp("roberta"), "roberta")
+def roberta(tiny_model):
+    return tiny_model("roberta")
 
 
 @pytest.mark.parametrize("arch", ["roberta", "xlm-roberta", "camembert"])
