@@ -36,9 +36,8 @@ def tiny_bert_folder(path, num_labels: int = 3, dropout: float = 0.0, seed: int 
 def save_word_tokenizer(path) -> None:
     """A BERT word-level fast tokenizer of hf_tiny's vocabulary size (:data:`WORDS`, then ``w<i>``) into
     the folder ``path``, texts up to 64 tokens."""
-    from transformers import BertTokenizerFast
-
     from hf_tiny import V
+    from transformers import BertTokenizerFast
 
     path = os.fspath(path)
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + list(WORDS)
