@@ -78,10 +78,8 @@ def test_broken_model_folder(tmp_path, family):
 
 
 @pytest.fixture(scope="module")
-def tokenizer_folder(tmp_path_factory):
-    from train_helpers import tiny_bert_folder
-
-    return tiny_bert_folder(tmp_path_factory.mktemp("tok") / "bert")
+def tokenizer_folder(tiny_bert):  # each test breaks a copy
+    return tiny_bert
 
 
 @pytest.mark.parametrize("case", ["tokenizer.json cut", "tokenizer.json garbage", "tokenizer_config.json invalid",
