@@ -72,8 +72,8 @@ def main() -> None:
     tmp = tempfile.mkdtemp(prefix="bench-onnx-")
     model = fh.from_pretrained(common.minilm_path(), pooler="mean", head="linear", num_labels=5, seed=0,
                                ignore_mismatched_sizes=True)
-    pt_dir = fh.export_transformers(model, os.path.join(tmp, "pt"))
-    onnx_dir = fh.export_onnx(model, os.path.join(tmp, "onnx"))
+    pt_dir = fh.export(model, os.path.join(tmp, "pt"))
+    onnx_dir = fh.export(model, os.path.join(tmp, "onnx"), format="onnx")
     L = args.max_length
     pipe = pipeline("text-classification", model=pt_dir, top_k=None, device="cpu", trust_remote_code=True)
     clf = Classifier.from_pretrained(pt_dir, max_length=L)

@@ -82,7 +82,7 @@ def main() -> None:
     long_texts, short_texts = samples(args.long, args.short)
     minilm = common.minilm_path()
     tmp = tempfile.mkdtemp(prefix="bench-predict-")
-    folder = fh.export_transformers(fh.from_pretrained(minilm, num_labels=5, seed=0), os.path.join(tmp, "pt"))
+    folder = fh.export(fh.from_pretrained(minilm, num_labels=5, seed=0), os.path.join(tmp, "pt"))
     L = args.max_length
     pipe = pipeline("text-classification", model=folder, tokenizer=folder, top_k=None, device="cpu")
     st = SentenceTransformer(minilm, device="cpu")

@@ -171,7 +171,7 @@ def model_folder(tmp: str) -> str:
     import flaxheads as fh
 
     model = fh.from_pretrained(common.minilm_path(), num_labels=4, seed=0)
-    return str(fh.export_transformers(model, os.path.join(tmp, "classifier")))
+    return str(fh.export(model, os.path.join(tmp, "classifier")))
 
 
 def main(argv=None) -> int:

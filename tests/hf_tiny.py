@@ -265,7 +265,7 @@ def perturbed(tree, scale: float, seed: int = 0):
 
 def perturb_and_export(src, out, ids, mask, scale: float = 0.01):
     """``fh.from_pretrained(src)`` (HF preset head) with every parameter moved by its own random
-    amount, then ``fh.export_transformers`` to ``out`` and loaded back by PyTorch. (Each family's
+    amount, then ``fh.interop.export_transformers`` to ``out`` and loaded back by PyTorch. (Each family's
     gradients and train steps are tested on their own; moving every leaf, not only those a few
     steps move, is what shows that each reaches its PyTorch name, without a train step to compile.)
 
@@ -279,7 +279,7 @@ def perturb_and_export(src, out, ids, mask, scale: float = 0.01):
 
     model = fh.from_pretrained(src)
     params = perturbed(model.params, scale)
-    fh.export_transformers(model, out, params=params)
+    fh.interop.export_transformers(model, out, params=params)
     pt, info = AutoModelForSequenceClassification.from_pretrained(out, output_loading_info=True)
     with torch.no_grad():
         pt_logits = pt.eval()(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()

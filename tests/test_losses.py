@@ -26,7 +26,7 @@ def _t(x):
 def test_cross_entropy_matches_torch(smoothing, class_weights):
     ref = F.CrossEntropyLoss(weight=None if class_weights is None else _t(class_weights),
                              label_smoothing=smoothing)(_t(LOGITS), _t(INT_LABELS)).item()
-    f = fh.loss_fn(SINGLE_LABEL, 4, label_smoothing=smoothing, class_weights=class_weights)
+    f = fh.losses.loss_fn(SINGLE_LABEL, 4, label_smoothing=smoothing, class_weights=class_weights)
     assert abs(float(f(jnp.asarray(LOGITS), jnp.asarray(INT_LABELS))) - ref) < 1e-6
 
 
@@ -34,24 +34,24 @@ def test_cross_entropy_matches_torch(smoothing, class_weights):
 def test_bce_matches_torch(class_weights, pos_weight):
     ref = F.BCEWithLogitsLoss(weight=None if class_weights is None else _t(class_weights),
                               pos_weight=None if pos_weight is None else _t(pos_weight))(_t(LOGITS), _t(MULTI)).item()
-    f = fh.loss_fn(MULTI_LABEL, 4, class_weights=class_weights, pos_weight=pos_weight)
+    f = fh.losses.loss_fn(MULTI_LABEL, 4, class_weights=class_weights, pos_weight=pos_weight)
     assert abs(float(f(jnp.asarray(LOGITS), jnp.asarray(MULTI))) - ref) < 1e-6
 
 
 def test_mse_matches_torch_single_and_multi_output():
     y1 = RNG.normal(size=(6,)).astype(np.float32)
     ref = F.MSELoss()(_t(LOGITS[:, :1]).squeeze(), _t(y1)).item()  # HF squeezes for num_labels=1
-    assert abs(float(fh.loss_fn(REGRESSION, 1)(jnp.asarray(LOGITS[:, :1]), jnp.asarray(y1))) - ref) < 1e-6
+    assert abs(float(fh.losses.loss_fn(REGRESSION, 1)(jnp.asarray(LOGITS[:, :1]), jnp.asarray(y1))) - ref) < 1e-6
     y4 = RNG.normal(size=(6, 4)).astype(np.float32)
     ref = F.MSELoss()(_t(LOGITS), _t(y4)).item()
-    assert abs(float(fh.loss_fn(REGRESSION, 4)(jnp.asarray(LOGITS), jnp.asarray(y4))) - ref) < 1e-6
+    assert abs(float(fh.losses.loss_fn(REGRESSION, 4)(jnp.asarray(LOGITS), jnp.asarray(y4))) - ref) < 1e-6
 
 
 @pytest.mark.parametrize("ptype,labels", [(SINGLE_LABEL, INT_LABELS), (MULTI_LABEL, MULTI),
                                           (REGRESSION, RNG.normal(size=(6, 4)).astype(np.float32))])
 def test_zero_weight_rows_count_as_absent(ptype, labels):
     """A padded batch with weight-0 rows gives the loss of the real rows alone (and zero grads for them)."""
-    f = fh.loss_fn(ptype, 4)
+    f = fh.losses.loss_fn(ptype, 4)
     w = np.array([1, 1, 1, 1, 0, 0], np.float32)
     padded = float(f(jnp.asarray(LOGITS), jnp.asarray(labels), jnp.asarray(w)))
     real = float(f(jnp.asarray(LOGITS[:4]), jnp.asarray(labels[:4])))
@@ -61,9 +61,9 @@ def test_zero_weight_rows_count_as_absent(ptype, labels):
 
 
 def test_infer_problem_type_like_hf():
-    assert fh.infer_problem_type(1) == REGRESSION
-    assert fh.infer_problem_type(3, np.array([0, 2])) == SINGLE_LABEL
-    assert fh.infer_problem_type(3, np.array([[0.0, 1.0, 1.0]])) == MULTI_LABEL
+    assert fh.losses.infer_problem_type(1) == REGRESSION
+    assert fh.losses.infer_problem_type(3, np.array([0, 2])) == SINGLE_LABEL
+    assert fh.losses.infer_problem_type(3, np.array([[0.0, 1.0, 1.0]])) == MULTI_LABEL
 
 
 @pytest.mark.parametrize("ptype,n,labels,match", [
@@ -77,27 +77,27 @@ def test_infer_problem_type_like_hf():
 ])
 def test_bad_labels_raise(ptype, n, labels, match):
     with pytest.raises(ValueError, match=match):
-        fh.loss_fn(ptype, n)(jnp.asarray(LOGITS[:, :n]), jnp.asarray(labels))
+        fh.losses.loss_fn(ptype, n)(jnp.asarray(LOGITS[:, :n]), jnp.asarray(labels))
 
 
 def test_bad_configurations_raise():
     with pytest.raises(ValueError, match="constant zero"):
-        fh.loss_fn(SINGLE_LABEL, 1)
+        fh.losses.loss_fn(SINGLE_LABEL, 1)
     for n in (0, -2):
         with pytest.raises(ValueError, match="positive integer"):
-            fh.loss_fn(SINGLE_LABEL, n)
+            fh.losses.loss_fn(SINGLE_LABEL, n)
     with pytest.raises(ValueError, match="problem_type"):
-        fh.loss_fn("classification", 3)
+        fh.losses.loss_fn("classification", 3)
     with pytest.raises(ValueError, match="class_weights must have shape"):
-        fh.loss_fn(SINGLE_LABEL, 4, class_weights=[1.0, 2.0])
+        fh.losses.loss_fn(SINGLE_LABEL, 4, class_weights=[1.0, 2.0])
     with pytest.raises(ValueError, match="label_smoothing"):
-        fh.loss_fn(MULTI_LABEL, 4, label_smoothing=0.1)
+        fh.losses.loss_fn(MULTI_LABEL, 4, label_smoothing=0.1)
     with pytest.raises(ValueError, match="logits must have shape"):
-        fh.loss_fn(SINGLE_LABEL, 3)(jnp.asarray(LOGITS), jnp.asarray(INT_LABELS))
+        fh.losses.loss_fn(SINGLE_LABEL, 3)(jnp.asarray(LOGITS), jnp.asarray(INT_LABELS))
 
 
 def test_shape_checks_work_under_jit():
-    f = fh.loss_fn(SINGLE_LABEL, 4)
+    f = fh.losses.loss_fn(SINGLE_LABEL, 4)
     out = jax.jit(f)(jnp.asarray(LOGITS), jnp.asarray(INT_LABELS), jnp.ones(6))
     assert np.isfinite(float(out))
     with pytest.raises(ValueError, match="integer class ids"):

@@ -49,7 +49,7 @@ def placeholders(tmp_path_factory):
     for name in os.listdir(bert):
         if name.startswith(("vocab", "tokenizer", "special_tokens")):
             shutil.copy(os.path.join(bert, name), encoder)
-    st = fh.export_sentence_transformers(fh.from_pretrained(bert, pooler="mean", head="linear", num_labels=5),
+    st = fh.interop.export_sentence_transformers(fh.from_pretrained(bert, pooler="mean", head="linear", num_labels=5),
                                          root / "st")
     return {"path/to/encoder-folder": encoder, "path/to/bert-folder": bert, "path/to/other-bert-folder": bert,
             "a/BertForSequenceClassification/folder": bert, "path/to/qwen2-folder": qwen,

@@ -131,11 +131,6 @@ def export_peft(model, out: str | os.PathLike, *, params: Mapping | None = None,
 ADAPTER_BIN = "adapter_model.bin"
 
 
-def is_adapter_folder(folder: str | os.PathLike) -> bool:
-    """Whether ``folder`` is a PEFT adapter folder (it has ``adapter_config.json``)."""
-    return os.path.isfile(os.path.join(os.fspath(folder), ADAPTER_CONFIG))
-
-
 def adapter_config_of(folder: str) -> dict:
     """``adapter_config.json``, checked to be a LoRA sequence-classification adapter flaxheads applies exactly."""
     raw = read_json(os.path.join(folder, ADAPTER_CONFIG))

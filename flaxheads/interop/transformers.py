@@ -19,6 +19,7 @@ import numpy as np
 from flaxheads.backbones.base import Backbone, BackboneError, HFConfig
 from flaxheads.backbones.registry import family_for
 from flaxheads.backbones.weights import BIN, BIN_INDEX, SAFE, SAFE_INDEX, head_to_hf
+from flaxheads.checkpoint.kinds import FolderKind, folder_kind
 from flaxheads.model.sequence import SequenceModel
 from flaxheads.model.pretrained import from_pretrained
 from flaxheads.heads.presets import PRESETS, Preset, PresetMatch, match_preset, preset_for
@@ -236,12 +237,12 @@ def load_transformers(folder: str | os.PathLike, *, allow_new_head: bool = False
     :func:`flaxheads.from_pretrained`). ``options`` go to
     :func:`flaxheads.from_pretrained` (``dtype``, ``ignore_mismatched_sizes``, ...)."""
     folder = os.fspath(folder)
-    if os.path.isfile(os.path.join(folder, "adapter_config.json")):
+    kind = folder_kind(folder)
+    if kind is FolderKind.PEFT_ADAPTER:
         from flaxheads.interop.peft import load_peft  # a PEFT adapter on its base folder
 
         return load_peft(folder, **options)
-    if os.path.isfile(os.path.join(folder, "model.onnx")) and not any(
-            os.path.isfile(os.path.join(folder, w)) for w in WEIGHT_FILES):
+    if kind is FolderKind.ONNX:
         raise ModelImportError(f"{folder} is an ONNX export (model.onnx, no weights flaxheads reads): serve it with "
                                "onnxruntime; to load the model in flaxheads use the run or the transformers export")
     cfg = _classifier_config(folder)

@@ -213,7 +213,7 @@ class IdentityHead(_Configured):
 class SequenceHead(nnx.Module):
     """``pooler`` then ``head`` on hidden states ``[B, T, hidden_size]`` (cast to float32 first).
 
-    ``config`` is a :class:`flaxheads.SequenceHead` (e.g. ``model.head``, ``fh.from_json(...)``);
+    ``config`` is a :class:`flaxheads.SequenceHead` (e.g. ``model.head``, ``flaxheads.config.from_json(...)``);
     ``params`` (a functional ``params["head"]`` subtree) replaces the fresh initialisation."""
 
     def __init__(self, config: H.SequenceHead, hidden_size: int, *, rngs: nnx.Rngs | None = None,

@@ -78,7 +78,7 @@ class NNXSequenceModel(nnx.Module):
         self.frozen = bool(has_lora if freeze_backbone is None else freeze_backbone)
         if has_lora and not self.frozen:
             raise ConfigError("a model with LoRA adapters trains the adapters on a frozen base: leave "
-                              "freeze_backbone unset (or True), or merge the adapters first (fh.merge_model)")
+                              "freeze_backbone unset (or True), or merge the adapters first (fh.lora.merge_model)")
         self.rngs = nnx.Rngs(0) if rngs is None else rngs
         axes = model_param_axes(dataclasses.replace(model, params=dict(params)))
         self.backbone = nnx.data(_variables(params["backbone"], FrozenBase if self.frozen else nnx.Param, axes,

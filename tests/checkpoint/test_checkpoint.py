@@ -115,7 +115,7 @@ def _roundtrip(tmp_path, model, dtype_name):
     assert os.path.basename(path) == "3" and not os.path.exists(os.path.join(path, "backbone"))
     got = fh.load_head(tmp_path / dtype_name)
     assert got.step == 3 and got.meta["note"] == dtype_name
-    assert fh.to_dict(got.head) == fh.to_dict(model.head)
+    assert fh.config.to_dict(got.head) == fh.config.to_dict(model.head)
     _assert_tree_equal(got.params, model.params["head"])
     hidden, mask = _hidden()
     np.testing.assert_array_equal(model.head_apply(got.params, hidden, mask),
@@ -147,7 +147,7 @@ def test_round_trip_every_hf_preset(tmp_path, bert, arch):
 def test_meta_has_everything(tmp_path, bert):
     path = fh.save_head(tmp_path, bert, extra_meta={"note": "x"})
     meta = fh.load_head(path).meta
-    hc = fh.to_dict(bert.head)
+    hc = fh.config.to_dict(bert.head)
     assert meta["library_version"] == fh.__version__
     assert meta["head_config"] == hc and meta["head_config"]["pooler"]["type"] == "dense"
     assert meta["problem_type"] == "single_label_classification" and meta["num_labels"] == 3
@@ -220,7 +220,7 @@ def test_head_loads_without_backbone_item(tmp_path, bert):
     _assert_tree_equal(got.params, st.params["head"])
     assert got.meta["backbone_saved"] is True
     # the full restore does need it, and says so
-    with pytest.raises(fh.CorruptCheckpointError, match="backbone"):
+    with pytest.raises(ck.CorruptCheckpointError, match="backbone"):
         fh.RunCheckpointer(tmp_path, bert).restore(target_state=st)
 
 
@@ -238,7 +238,7 @@ def test_frozen_backbone_is_referenced_not_copied(tmp_path, bert):
     assert got.params["backbone"] is fresh.params["backbone"]
     # another backbone with the same shapes is not silently accepted for a frozen run
     other = fresh.replace(params={**fresh.params, "backbone": _perturb(fresh.params["backbone"], 1)})
-    with pytest.raises(fh.IncompatibleCheckpointError, match="frozen backbone"):
+    with pytest.raises(ck.IncompatibleCheckpointError, match="frozen backbone"):
         fh.RunCheckpointer(tmp_path, bert, save_backbone=False).restore(target_state=other)
 
 
@@ -278,7 +278,7 @@ def test_attach_head_to_second_backbone_same_width(tmp_path, bert, folders):
 def test_attach_width_mismatch(tmp_path, bert, folders):
     fh.save_head(tmp_path, bert)
     wide = fh.from_pretrained(folders["bert48"])
-    with pytest.raises(fh.HeadMismatchError, match=r"hidden_size=32.*hidden_size=48"):
+    with pytest.raises(ck.HeadMismatchError, match=r"hidden_size=32.*hidden_size=48"):
         fh.attach_head(wide, fh.load_head(tmp_path))
 
 
@@ -289,7 +289,7 @@ def test_attach_last_token_head_needs_pad_token(tmp_path, folders):
     ckpt = fh.load_head(tmp_path)
     nopad = fh.from_pretrained(folders["gpt2_nopad"], pooler="mean")
     assert nopad.pad_token_id is None
-    with pytest.raises(fh.HeadMismatchError, match=r"pad_token_id.*pool_mask='attention_mask'"):
+    with pytest.raises(ck.HeadMismatchError, match=r"pad_token_id.*pool_mask='attention_mask'"):
         fh.attach_head(nopad, ckpt)
     # the documented way out: pool the last attended token instead
     moved = fh.attach_head(nopad, ckpt, pool_mask="attention_mask")
@@ -307,7 +307,7 @@ def test_attach_eos_pooling_needs_eos_token(tmp_path, bert):
                                     params={**bert.params, "head": _with_head(
                                         bert, SequenceHead(Pool("last"), LinearHead(3))).params["head"]})
     fh.save_head(tmp_path, bart_like)
-    with pytest.raises(fh.HeadMismatchError, match="eos_token_id"):
+    with pytest.raises(ck.HeadMismatchError, match="eos_token_id"):
         fh.attach_head(bert, fh.load_head(tmp_path))
 
 
@@ -479,15 +479,15 @@ def test_corrupt_checkpoint_is_reported_and_previous_step_loads(tmp_path, bert, 
         (step2 / "meta" / "metadata").write_text('{"format": "flaxheads-checkp')
     rows = ck.list_checkpoints(tmp_path, verify=True)
     assert rows[0]["status"] == "ok" and rows[1]["status"].startswith("corrupt"), rows
-    with pytest.raises(fh.CorruptCheckpointError, match="step 2"):
+    with pytest.raises(ck.CorruptCheckpointError, match="step 2"):
         ck.verify_checkpoint(tmp_path)
     assert ck.verify_checkpoint(tmp_path, 1) == 1
     ckr = fh.RunCheckpointer(tmp_path, bert, save_backbone=False)
-    with pytest.raises(fh.CorruptCheckpointError, match=r"step 2 .*corrupt.*step=1") as e:
+    with pytest.raises(ck.CorruptCheckpointError, match=r"step 2 .*corrupt.*step=1") as e:
         ckr.restore(target_state=_state(bert, 5))
     assert "--resume-step 1" in str(e.value)
     if damage != "delete_item":
-        with pytest.raises(fh.CorruptCheckpointError, match="step 2"):
+        with pytest.raises(ck.CorruptCheckpointError, match="step 2"):
             fh.load_head(tmp_path)
     got = ckr.restore(1, target_state=_state(bert, 5))
     _assert_tree_equal(got.params["head"], st1.params["head"])
@@ -499,25 +499,25 @@ def test_incompatible_head_config_is_reported(tmp_path, bert):
     _two_steps(tmp_path, bert)
     other = _with_head(bert, SequenceHead(DensePooler(activation="tanh"),
                                           MLPHead(3, activation="tanh", input_dropout=0.1)))
-    with pytest.raises(fh.IncompatibleCheckpointError, match=r"head\.type: checkpoint 'linear' vs target 'mlp'"):
+    with pytest.raises(ck.IncompatibleCheckpointError, match=r"head\.type: checkpoint 'linear' vs target 'mlp'"):
         fh.RunCheckpointer(tmp_path, other, save_backbone=False).restore(target_state=_state(other))
     # other labels count: same kinds, other shapes
     four = _with_head(bert, SequenceHead(DensePooler(activation="tanh"), LinearHead(4)), num_labels=4)
-    with pytest.raises(fh.IncompatibleCheckpointError, match=r"num_labels: checkpoint 3 vs target 4"):
+    with pytest.raises(ck.IncompatibleCheckpointError, match=r"num_labels: checkpoint 3 vs target 4"):
         fh.RunCheckpointer(tmp_path, four, save_backbone=False).restore(target_state=_state(four))
     # a meta whose head config no longer builds the saved shapes (edited, or another version)
     meta_file = tmp_path / "checkpoints" / "2" / "meta" / "metadata"
     meta = json.loads(meta_file.read_text())
     meta["head_config"]["head"]["num_labels"] = 5
     meta_file.write_text(json.dumps(meta))
-    with pytest.raises(fh.CorruptCheckpointError, match=r"step 2 is damaged.*meta/metadata: its SHA-256 differs"):
+    with pytest.raises(ck.CorruptCheckpointError, match=r"step 2 is damaged.*meta/metadata: its SHA-256 differs"):
         fh.load_head(tmp_path)  # the step's checksums see the edit
     (tmp_path / "checkpoints" / "2" / "checksums.json").unlink()  # as a step saved before checksums
-    with pytest.raises(fh.IncompatibleCheckpointError, match=r"other shapes.*head/classifier/kernel"):
+    with pytest.raises(ck.IncompatibleCheckpointError, match=r"other shapes.*head/classifier/kernel"):
         fh.load_head(tmp_path)
     meta["head_config"]["head"]["type"] = "no_such_head"
     meta_file.write_text(json.dumps(meta))
-    with pytest.raises(fh.IncompatibleCheckpointError, match="no_such_head"):
+    with pytest.raises(ck.IncompatibleCheckpointError, match="no_such_head"):
         fh.load_head(tmp_path)
     assert fh.load_head(tmp_path, step=1).step == 1  # the previous step still loads
 

@@ -91,7 +91,7 @@ def test_run_resumes_into_a_train_state(fix, batch):
 
 def test_head_export_gives_old_logits(fix, batch):
     root, expected = fix
-    head, params, cfg = fh.load_head_export(os.path.join(root, "head_export"))
+    head, params, cfg = fh.interop.load_head_export(os.path.join(root, "head_export"))
     assert cfg["flaxheads_version"] == expected["written_by"]["flaxheads"] and cfg["arch"] == "bert"
     base = _backbone(root)
     trained = load_backbone_params(os.path.join(root, "run"), target=base.params["backbone"])
@@ -102,7 +102,7 @@ def test_head_export_gives_old_logits(fix, batch):
 @pytest.mark.parametrize("which", ["head", "run"])
 def test_model_from_checkpoint_gives_old_logits(fix, batch, which):
     root, expected = fix
-    model = fh.model_from_checkpoint(os.path.join(root, expected[which]["path"]),
+    model = fh.checkpoint.model_from_checkpoint(os.path.join(root, expected[which]["path"]),
                                      backbone=os.path.join(root, "backbone"))
     np.testing.assert_allclose(_logits(model, *batch), expected[which]["logits"], **TOL)
 

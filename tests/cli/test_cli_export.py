@@ -44,7 +44,7 @@ def test_parser_has_export_subcommand():
 def test_export_from_model_folder(src, tmp_path, capsys):
     assert main(["export", "--from", str(src), "--format", "transformers", "--out", str(tmp_path / "pt")]) == 0
     assert "wrote transformers export" in capsys.readouterr().out
-    model = fh.load_transformers(src)
+    model = fh.interop.load_transformers(src)
     ids, mask = padded_batch("electra", model.backbone.config)
     np.testing.assert_allclose(_pt_logits(tmp_path / "pt", ids, mask),
                                np.asarray(model(jnp.asarray(ids), jnp.asarray(mask))), atol=1e-4, rtol=0)
@@ -52,7 +52,7 @@ def test_export_from_model_folder(src, tmp_path, capsys):
 
 def test_export_from_head_checkpoint(src, tmp_path):
     """A head-only checkpoint (frozen backbone, referenced by path in meta)."""
-    model = fh.load_transformers(src)
+    model = fh.interop.load_transformers(src)
     params = {"backbone": model.params["backbone"], "head": _shifted(model.params["head"], 0.05)}
     fh.save_head(tmp_path / "ckpt", model, params, step=7)
     ids, mask = padded_batch("electra", model.backbone.config)
@@ -63,7 +63,7 @@ def test_export_from_head_checkpoint(src, tmp_path):
     np.testing.assert_allclose(_pt_logits(tmp_path / "pt", ids, mask), want, atol=1e-4, rtol=0)
 
     assert main(["export", "--from", str(tmp_path / "ckpt"), "--format", "head", "--out", str(tmp_path / "h")]) == 0
-    head, hp, cfg = fh.load_head_export(tmp_path / "h")
+    head, hp, cfg = fh.interop.load_head_export(tmp_path / "h")
     assert cfg["arch"] == "electra" and cfg["num_labels"] == 3
     from safetensors.numpy import load_file
 
@@ -74,7 +74,7 @@ def test_export_from_head_checkpoint(src, tmp_path):
 
 
 def test_export_from_run_folder_with_trained_backbone(src, tmp_path):
-    model = fh.load_transformers(src)
+    model = fh.interop.load_transformers(src)
     params = {"backbone": _shifted(model.params["backbone"], 0.01), "head": _shifted(model.params["head"], -0.02)}
     with fh.RunCheckpointer(tmp_path / "run", model, save_backbone=True) as ck:
         ck.save(3, {"step": 3, "params": params, "opt_state": {}})
@@ -90,7 +90,7 @@ def test_export_from_run_folder_with_trained_backbone(src, tmp_path):
 
 def test_errors_exit_2_and_write_nothing(src, tmp_path, capsys):
     model = fh.from_pretrained(src, pooler="mean", head="mlp", num_labels=3)
-    fh.export_head(model, tmp_path / "head")
+    fh.interop.export_head(model, tmp_path / "head")
     out = tmp_path / "pt"
     code, _, err = run_cli(capsys, "export", "--from", tmp_path / "head", "--format", "transformers", "--out", out)
     assert_one_line_error(code, err, "head-only export", "--format head")
@@ -111,7 +111,7 @@ def test_checkpoint_whose_backbone_folder_moved_needs_backbone_option(src, tmp_p
     import shutil
 
     moved = shutil.copytree(src, tmp_path / "bb")
-    model = fh.load_transformers(moved)
+    model = fh.interop.load_transformers(moved)
     fh.save_head(tmp_path / "ckpt", model)
     shutil.rmtree(moved)
     out = tmp_path / "pt"
@@ -142,7 +142,7 @@ def test_sentence_transformers_export_of_a_trained_run(bert_folder, tmp_path, ca
     st = SentenceTransformer(str(tmp_path / "st"), device="cpu")
     assert st.max_seq_length == 16
     got = st.encode(texts, convert_to_numpy=True)
-    model = fh.model_from_checkpoint(run)
+    model = fh.checkpoint.model_from_checkpoint(run)
     enc = AutoTokenizer.from_pretrained(bert_folder)(texts, padding=True, return_tensors="np")
     want = np.asarray(model(jnp.asarray(enc["input_ids"]), jnp.asarray(enc["attention_mask"]),
                             token_type_ids=jnp.asarray(enc["token_type_ids"])))

@@ -59,7 +59,7 @@ def test_resumed_run_repeats_the_uninterrupted_one(bert_folder, data, run, tmp_p
 
 
 def test_export_merged_and_peft(bert_folder, run, tmp_path, capsys):  # noqa: F811
-    model = fh.model_from_checkpoint(run)
+    model = fh.checkpoint.model_from_checkpoint(run)
     assert model.lora is not None
     ids, mask = padded_batch("bert", model.backbone.config)
     ours = np.asarray(model(ids, mask))
@@ -158,12 +158,12 @@ def test_train_continues_a_peft_adapter(bert_folder, data, peft_adapter, tmp_pat
     """`flaxheads train --lora-from`: the adapter's rank and targets, its adapters and head as the start,
     trained further, and exported back to PEFT with the run's logits."""
     folder, pm = peft_adapter
-    start = fh.load_peft(folder)
+    start = fh.interop.load_peft(folder)
     out = tmp_path / "run"
     code, _, err = run_cli(capsys, *train_args(bert_folder, data, out, "--lora-from", folder, "--max-steps", "3",
                                                "--batch-size", "8", "--lr", "5e-3"))
     assert code == 0, err
-    model = fh.model_from_checkpoint(out)
+    model = fh.checkpoint.model_from_checkpoint(out)
     assert model.lora == start.lora
     ids, mask = padded_batch("bert", model.backbone.config)
     assert np.abs(np.asarray(model(ids, mask)) - np.asarray(start(ids, mask))).max() > 1e-3  # it trained

@@ -165,7 +165,7 @@ def st_folder(bert_folder, tmp_path_factory):
 
     model = fh.from_pretrained(bert_folder, pooler="mean", head="projection",
                                head_options={"features": (8,), "normalize": True})
-    return str(fh.export_sentence_transformers(model, tmp_path_factory.mktemp("st") / "st"))
+    return str(fh.interop.export_sentence_transformers(model, tmp_path_factory.mktemp("st") / "st"))
 
 
 def test_embed_npy_and_parquet(st_folder, tmp_path, capsys):
@@ -247,14 +247,14 @@ def test_sources_run_steps_checkpoint_and_head_export(run, bert_folder, tmp_path
     for step in (None, "best"):
         clf = Classifier.from_pretrained(run["dir"], step=step)
         assert clf.max_length == 16 and clf.buckets == (8, 16)  # the run's own settings, a short bucket below
-        ref = _apply_one(fh.model_from_checkpoint(run["dir"], step), bert_folder, text)
+        ref = _apply_one(fh.checkpoint.model_from_checkpoint(run["dir"], step), bert_folder, text)
         np.testing.assert_allclose(clf.predict([text]).logits[0], ref, atol=1e-5)
     steps = sorted(int(s) for s in os.listdir(os.path.join(run["dir"], "checkpoints")) if s.isdigit())
     one = os.path.join(run["dir"], "checkpoints", str(steps[0]))
-    ref = _apply_one(fh.model_from_checkpoint(one), bert_folder, text)
+    ref = _apply_one(fh.checkpoint.model_from_checkpoint(one), bert_folder, text)
     np.testing.assert_allclose(Classifier.from_pretrained(one).predict([text]).logits[0], ref, atol=1e-5)
     # a head export sits on the backbone folder given (here the untrained one, as attach_head does)
-    head = fh.export_head(fh.model_from_checkpoint(run["dir"], head_only=True), tmp_path / "head")
+    head = fh.interop.export_head(fh.checkpoint.model_from_checkpoint(run["dir"], head_only=True), tmp_path / "head")
     clf = Classifier.from_pretrained(head, backbone=bert_folder, max_length=16)
     ref = _apply_one(fh.attach_head(fh.from_pretrained(bert_folder, num_labels=3, ignore_mismatched_sizes=True),
                                     fh.load_head(run["dir"])), bert_folder, text)

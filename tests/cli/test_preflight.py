@@ -149,7 +149,7 @@ def test_overwrite_replaces_only_what_flaxheads_wrote(tmp_path, bert, capfd):
     import flaxheads as fh  # the library refuses the same folder
 
     with pytest.raises(fh.FlaxheadsError, match="did not write"):
-        fh.export_head(fh.import_model(bert), mine, overwrite=True)
+        fh.interop.export_head(fh.interop.import_model(bert), mine, overwrite=True)
     assert os.listdir(mine) == ["thesis.tex"]
     # a run writes config.json and more into --output-dir: not among someone's files either
     line = _fail(capfd, ["train", "--model", bert, "--data", "x.csv", "--output-dir", str(mine), "--no-progress"])

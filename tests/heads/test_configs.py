@@ -10,6 +10,7 @@ import flax.linen as nn
 import pytest
 
 import flaxheads as fh
+from flaxheads.heads.presets import PRESETS, preset_for
 from flaxheads.checkpoint import read_meta
 from flaxheads.errors import ConfigError
 from flaxheads.interop.head_files import HEAD_CONFIG, HEAD_WEIGHTS, export_head, load_head_export
@@ -27,16 +28,16 @@ def before():
 
 def test_every_form_writes_the_json_of_before(before):
     forms = [fh.SequenceHead(fh.make_pooler(p), h) for p in pooler_specs() for h in head_specs()]
-    assert [fh.to_json(s) for s in forms] == before["forms"]
-    assert [fh.to_json(fh.from_json(t)) for t in before["forms"]] == before["forms"]
+    assert [fh.config.to_json(s) for s in forms] == before["forms"]
+    assert [fh.config.to_json(fh.config.from_json(t)) for t in before["forms"]] == before["forms"]
 
 
 def test_every_preset_writes_the_json_of_before(before):
     pytest.importorskip("transformers")
     got = {}
-    for arch in sorted(a for a in fh.PRESETS if a in before["presets"]):  # presets added since have no JSON of before
-        p = fh.preset_for(tiny_config(arch), 3)
-        got[arch] = fh.to_json(fh.SequenceHead(p.pooler, p.head))
+    for arch in sorted(a for a in PRESETS if a in before["presets"]):  # presets added since have no JSON of before
+        p = preset_for(tiny_config(arch), 3)
+        got[arch] = fh.config.to_json(fh.SequenceHead(p.pooler, p.head))
     assert got == before["presets"]
 
 
@@ -45,7 +46,8 @@ def test_configs_are_plain_frozen_dataclasses():
         assert dataclasses.is_dataclass(cfg) and not isinstance(cfg, nn.Module)
         with pytest.raises(dataclasses.FrozenInstanceError):
             cfg.mode = "max"
-        assert hash(cfg) == hash(fh.from_dict(fh.to_dict(cfg))) and cfg == fh.from_dict(fh.to_dict(cfg))
+        back = fh.config.from_dict(fh.config.to_dict(cfg))
+        assert hash(cfg) == hash(back) and cfg == back
         assert isinstance(linen.module(cfg), nn.Module)  # the module is built from the config
     # lists given where tuples belong keep the config hashable (a jit static argument)
     assert hash(fh.MLPHead(3, hidden_dims=[8, None])) == hash(fh.MLPHead(3, hidden_dims=(8, None)))
@@ -73,5 +75,5 @@ def test_pre_layout_head_export_writes_back_byte_identical(tmp_path):
 def test_pre_layout_checkpoint_meta_round_trips():
     meta, _, _ = read_meta(os.path.join(FIXTURES, "pre_layout", "head"))
     stored = meta["head_config"]
-    assert fh.to_dict(fh.from_dict(stored)) == stored
-    assert fh.to_json(fh.from_dict(stored)) == json.dumps(stored)
+    assert fh.config.to_dict(fh.config.from_dict(stored)) == stored
+    assert fh.config.to_json(fh.config.from_dict(stored)) == json.dumps(stored)

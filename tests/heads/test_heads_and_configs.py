@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import flaxheads as fh
+from flaxheads.heads.presets import PRESETS, preset_for
 from flaxheads.heads import linen
 from hf_tiny import head_specs, pooler_specs, tiny_config
 
@@ -15,9 +16,9 @@ ALL_POOLERS, ALL_HEADS = pooler_specs(), head_specs()
 
 def _presets():
     out = []
-    for arch in fh.PRESETS:
+    for arch in PRESETS:
         pytest.importorskip("transformers")
-        p = fh.preset_for(tiny_config(arch), 3)
+        p = preset_for(tiny_config(arch), 3)
         out.append(fh.SequenceHead(p.pooler, p.head))
     return out
 
@@ -26,9 +27,9 @@ def _presets():
 @pytest.mark.parametrize("head", ALL_HEADS, ids=lambda h: type(h).__name__)
 def test_every_combination_runs_and_round_trips(pooler, head):
     seq = fh.SequenceHead(fh.make_pooler(pooler), head)
-    text = fh.to_json(seq)
-    back = fh.from_json(text)
-    assert back == seq and fh.to_json(back) == text
+    text = fh.config.to_json(seq)
+    back = fh.config.from_json(text)
+    assert back == seq and fh.config.to_json(back) == text
     json.loads(text)  # plain JSON
     h = jnp.asarray(np.random.default_rng(0).normal(size=(2, 5, 8)), jnp.float32)
     m = jnp.array([[1, 1, 1, 0, 0], [1] * 5])
@@ -43,7 +44,7 @@ def test_every_combination_runs_and_round_trips(pooler, head):
 
 def test_every_preset_round_trips():
     for seq in _presets():
-        assert fh.from_json(fh.to_json(seq)) == seq
+        assert fh.config.from_json(fh.config.to_json(seq)) == seq
 
 
 def test_projection_head_normalises():
@@ -67,8 +68,8 @@ def test_mlp_head_structure():
     (lambda: fh.MLPHead(3, activation="gelu_fancy"), "unknown activation"),
     (lambda: fh.ProjectionHead(features=()), "at least one output width"),
     (lambda: fh.make_head("svm"), "valid heads"),
-    (lambda: fh.from_dict({"type": "linear", "num_labels": 2, "dropuot": 0.1}), "unknown fields"),
-    (lambda: fh.from_dict({"type": "nope"}), "unknown config type"),
+    (lambda: fh.config.from_dict({"type": "linear", "num_labels": 2, "dropuot": 0.1}), "unknown fields"),
+    (lambda: fh.config.from_dict({"type": "nope"}), "unknown config type"),
 ])
 def test_bad_head_configs(bad, match):
     with pytest.raises(ValueError, match=match):

@@ -93,13 +93,13 @@ def _check(folders, tmp_path, arch, side, pooler, head, pooler_options=None, hea
                                           head_options=head_options or None, num_labels=3,
                                           ignore_mismatched_sizes=True))
     out = tmp_path / "out"
-    fh.export_transformers(model, out)
+    fh.interop.export_transformers(model, out)
     ids, mask = padded_batch(arch, cfg, side)
     ours = np.asarray(model.apply(model.params, ids, mask))
     got = _torch_logits(out, ids, mask)
     assert got.shape == ours.shape and np.abs(ours).max() > 1e-2
     np.testing.assert_allclose(got, ours, atol=1e-5, rtol=0)
-    back = fh.load_transformers(out)
+    back = fh.interop.load_transformers(out)
     assert back.head == model.head and back.pool_mask == model.pool_mask
     np.testing.assert_array_equal(np.asarray(back.apply(back.params, ids, mask)), ours)
     return out, model
@@ -131,8 +131,8 @@ def test_folder_contents_and_import_without_its_code(folders, tmp_path):
     is recorded."""
     src, cfg = folders("bert")
     model = _perturbed(fh.from_pretrained(src, pooler="max", head="mlp", id2label=["a", "b", "c"],
-                                          problem_type=fh.MULTI_LABEL))
-    fh.export_transformers(model, tmp_path / "out", threshold=0.3)
+                                          problem_type=fh.losses.MULTI_LABEL))
+    fh.interop.export_transformers(model, tmp_path / "out", threshold=0.3)
     raw = json.loads((tmp_path / "out" / "config.json").read_text())
     model_class = raw["auto_map"]["AutoModelForSequenceClassification"]
     assert model_class == "modeling_flaxheads.FlaxheadsForSequenceClassification"
@@ -152,10 +152,10 @@ def test_folder_contents_and_import_without_its_code(folders, tmp_path):
     assert pt.backbone.embeddings.word_embeddings.weight.grad.abs().sum() > 0
 
     os.remove(tmp_path / "out" / CODE_FILE)
-    back = fh.load_transformers(tmp_path / "out")
+    back = fh.interop.load_transformers(tmp_path / "out")
     np.testing.assert_array_equal(np.asarray(back.apply(back.params, ids, mask)),
                                   np.asarray(model.apply(model.params, ids, mask)))
-    assert back.id2label == {0: "a", 1: "b", 2: "c"} and back.problem_type == fh.MULTI_LABEL
+    assert back.id2label == {0: "a", 1: "b", 2: "c"} and back.problem_type == fh.losses.MULTI_LABEL
 
 
 @pytest.mark.legacy
@@ -163,7 +163,7 @@ def test_lora_model_exports_merged(folders, tmp_path):
     src, cfg = folders("bert")
     model = fh.from_pretrained(src, pooler="mean", head="linear").with_lora(rank=2)
     model.params = {**model.params, "lora": jax.tree.map(lambda x: np.asarray(x) + 0.1, model.params["lora"])}
-    fh.export_transformers(model, tmp_path / "out")
+    fh.interop.export_transformers(model, tmp_path / "out")
     ids, mask = padded_batch("bert", cfg)
     np.testing.assert_allclose(_torch_logits(tmp_path / "out", ids, mask),
                                np.asarray(model.apply(model.params, ids, mask)), atol=1e-5, rtol=0)
@@ -172,12 +172,13 @@ def test_lora_model_exports_merged(folders, tmp_path):
 @pytest.mark.legacy
 def test_broken_folders_say_what_is_wrong(folders, tmp_path):
     src, _ = folders("bert")
-    fh.export_transformers(_perturbed(fh.from_pretrained(src, pooler="attention", head="linear")), tmp_path / "out")
+    fh.interop.export_transformers(_perturbed(fh.from_pretrained(src, pooler="attention", head="linear")),
+                                   tmp_path / "out")
     raw = json.loads((tmp_path / "out" / "config.json").read_text())
     raw["sequence_head"]["head"]["num_labels"] = 5
     (tmp_path / "out" / "config.json").write_text(json.dumps(raw))
     with pytest.raises(fh.FlaxheadsError, match="mismatched shapes"):
-        fh.load_transformers(tmp_path / "out")
+        fh.interop.load_transformers(tmp_path / "out")
 
 
 @pytest.mark.legacy
@@ -186,7 +187,7 @@ def test_head_only_source_cannot_be_a_transformers_folder(folders, tmp_path):
     model = fh.from_pretrained(src, pooler="attention", head="linear")
     model.backbone = None
     with pytest.raises(ExportError, match="only a head"):
-        fh.export_transformers(model, tmp_path / "out")
+        fh.interop.export_transformers(model, tmp_path / "out")
 
 
 @pytest.mark.skipif(not __import__("flaxheads.backbones.hf_flax", fromlist=["available"]).available(),
@@ -198,5 +199,5 @@ def test_backbone_without_native_family_is_refused(tmp_path):
     model = fh.from_pretrained(tmp_path / "src", pooler="mean", head="linear", num_labels=3,
                                implementation="hf_flax", ignore_mismatched_sizes=True)
     with pytest.raises(ExportError, match="no native flaxheads family"):
-        fh.export_transformers(model, tmp_path / "out")
+        fh.interop.export_transformers(model, tmp_path / "out")
     assert not (tmp_path / "out").exists()

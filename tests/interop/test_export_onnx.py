@@ -43,7 +43,7 @@ def test_onnxruntime_logits_equal_flaxheads(arch, side, pooler, head, options, t
     tiny_torch_model(arch, num_labels=3, seed=4, **over).save_pretrained(tmp_path / "src", safe_serialization=True)
     model = fh.from_pretrained(tmp_path / "src", pooler=pooler, head=head, head_options=options or None,
                                id2label=["x", "y", "z"], ignore_mismatched_sizes=True)
-    fh.export_onnx(model, tmp_path / "onnx")
+    fh.interop.export_onnx(model, tmp_path / "onnx")
     cfg = json.loads((tmp_path / "onnx" / "config.json").read_text())
     assert cfg["id2label"] == {"0": "x", "1": "y", "2": "z"} and cfg["problem_type"] == model.problem_type
     assert "auto_map" not in cfg and not (tmp_path / "onnx" / "modeling_flaxheads.py").exists()
@@ -61,7 +61,7 @@ def test_onnxruntime_logits_equal_flaxheads(arch, side, pooler, head, options, t
 @pytest.mark.legacy
 def test_onnx_folder_is_not_read_back_as_weights(tmp_path):
     tiny_torch_model("bert", num_labels=2).save_pretrained(tmp_path / "src", safe_serialization=True)
-    fh.export_onnx(fh.from_pretrained(tmp_path / "src", pooler="mean", head="linear", ignore_mismatched_sizes=True),
-                   tmp_path / "onnx")
+    fh.interop.export_onnx(fh.from_pretrained(tmp_path / "src", pooler="mean", head="linear",
+                                              ignore_mismatched_sizes=True), tmp_path / "onnx")
     with pytest.raises(fh.FlaxheadsError, match="ONNX export.*onnxruntime"):
-        fh.load_transformers(tmp_path / "onnx")
+        fh.interop.load_transformers(tmp_path / "onnx")

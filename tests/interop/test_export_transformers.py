@@ -14,6 +14,7 @@ import jax.numpy as jnp  # noqa: E402
 from transformers import AutoModelForSequenceClassification  # noqa: E402
 
 import flaxheads as fh  # noqa: E402
+from flaxheads.heads.presets import preset_for  # noqa: E402
 from flaxheads.interop.head_files import load_head_export  # noqa: E402
 from flaxheads.heads import linen  # noqa: E402
 from flaxheads.backbones.registry import family_for  # noqa: E402
@@ -43,7 +44,7 @@ def test_preset_roundtrip_through_pytorch(arch, tmp_path):
     ids, mask = padded_batch(arch, pt.config)
     ref = _pt_logits(pt, ids, mask)
 
-    model = fh.load_transformers(src)
+    model = fh.interop.load_transformers(src)
     assert model.arch == arch
     got = np.asarray(model(jnp.asarray(ids), jnp.asarray(mask)))
     np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
@@ -53,7 +54,7 @@ def test_preset_roundtrip_through_pytorch(arch, tmp_path):
     params["head"] = jax.tree.map(lambda x: x + 0.01 * jnp.sign(x) + 0.003, params["head"])
     model.params = params
     flax_logits = np.asarray(model(jnp.asarray(ids), jnp.asarray(mask)))
-    fh.export_transformers(model, out)
+    fh.interop.export_transformers(model, out)
 
     with open(out / "config.json") as f:
         cfg = json.load(f)
@@ -71,7 +72,7 @@ def test_preset_roundtrip_through_pytorch(arch, tmp_path):
     np.testing.assert_allclose(exported, flax_logits, atol=1e-4, rtol=0)
     assert np.abs(exported - ref).max() > 1e-3  # the new head weights were exported, not the old ones
 
-    back = fh.load_transformers(out)
+    back = fh.interop.load_transformers(out)
     a, b = _leaves(model.params), _leaves(back.params)
     assert a.keys() == b.keys()
     for k in a:
@@ -81,8 +82,8 @@ def test_preset_roundtrip_through_pytorch(arch, tmp_path):
 def test_labels_problem_type_and_dropout_in_config(tmp_path):
     pt = tiny_torch_model("roberta", num_labels=2)
     pt.save_pretrained(tmp_path / "src", safe_serialization=True)
-    model = fh.from_pretrained(tmp_path / "src", id2label=["neg", "pos"], problem_type=fh.MULTI_LABEL)
-    fh.export_transformers(model, tmp_path / "out")
+    model = fh.from_pretrained(tmp_path / "src", id2label=["neg", "pos"], problem_type=fh.losses.MULTI_LABEL)
+    fh.interop.export_transformers(model, tmp_path / "out")
     pt2 = AutoModelForSequenceClassification.from_pretrained(tmp_path / "out")
     assert pt2.config.id2label == {0: "neg", 1: "pos"} and pt2.config.label2id == {"neg": 0, "pos": 1}
     assert pt2.config.problem_type == "multi_label_classification"
@@ -94,7 +95,7 @@ def test_tokenizer_files_are_copied(tmp_path):
     pt.save_pretrained(tmp_path / "src", safe_serialization=True)
     (tmp_path / "src" / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a"]))
     model = fh.from_pretrained(tmp_path / "src")
-    fh.export_transformers(model, tmp_path / "out")
+    fh.interop.export_transformers(model, tmp_path / "out")
     assert (tmp_path / "out" / "vocab.txt").read_text() == (tmp_path / "src" / "vocab.txt").read_text()
 
 
@@ -104,11 +105,11 @@ def test_head_sentence_transformers_cannot_express_points_to_head_export(tmp_pat
     model = fh.from_pretrained(tmp_path / "src", pooler=["mean", "attention"], head="mlp",
                                head_options={"hidden_dims": (16,), "layer_norm": True}, num_labels=3)
     with pytest.raises(ExportError, match="format='head'"):
-        fh.export_sentence_transformers(model, tmp_path / "out")
+        fh.interop.export_sentence_transformers(model, tmp_path / "out")
     assert not (tmp_path / "out").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["src"]  # no temp folder left behind
 
-    fh.export_head(model, tmp_path / "head")
+    fh.interop.export_head(model, tmp_path / "head")
     head, params, cfg = load_head_export(tmp_path / "head")
     assert head == model.head and cfg["num_labels"] == 3 and cfg["backbone_model_type"] == "bert"
     a, b = _leaves(model.params["head"]), _leaves(params)
@@ -127,7 +128,7 @@ def test_head_sentence_transformers_cannot_express_points_to_head_export(tmp_pat
 def test_preset_head_export_uses_pytorch_names(tmp_path):
     pt = tiny_torch_model("bert")
     pt.save_pretrained(tmp_path / "src", safe_serialization=True)
-    fh.export_head(fh.from_pretrained(tmp_path / "src"), tmp_path / "head")
+    fh.interop.export_head(fh.from_pretrained(tmp_path / "src"), tmp_path / "head")
     from safetensors.numpy import load_file
 
     state = load_file(tmp_path / "head" / "head.safetensors")
@@ -156,14 +157,14 @@ def test_head_only_export_loads_into_pytorch_head(arch, over, tmp_path):
     """No Flax backbone for these: the head export must load into the PyTorch head modules
     (strict on the head's names) and give the same logits on the same hidden states."""
     pt = tiny_torch_model(arch, **over)
-    preset = fh.preset_for(pt.config, pt.config.num_labels)
+    preset = preset_for(pt.config, pt.config.num_labels)
     head = fh.SequenceHead(preset.pooler, preset.head)
     rng = np.random.default_rng(2)
     hidden = rng.normal(size=(3, 7, pt.config.hidden_size)).astype(np.float32)
     mask = np.array([[1] * 7, [1] * 4 + [0] * 3, [1] * 2 + [0] * 5])
     params = linen.module(head).init(jax.random.PRNGKey(3), jnp.asarray(hidden), jnp.asarray(mask))["params"]
     params = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.PRNGKey(4), x.shape), params)
-    fh.export_head(head, tmp_path / "head", params=params, hf_names=preset.hf_names,
+    fh.interop.export_head(head, tmp_path / "head", params=params, hf_names=preset.hf_names,
                    meta={"arch": arch, "num_labels": pt.config.num_labels})
     from safetensors.torch import load_file
 
@@ -181,9 +182,9 @@ sys.modules["torch"] = None  # as if torch were not installed: import fails, fin
 import flaxheads as fh
 src, out = sys.argv[1], sys.argv[2]
 m = fh.from_pretrained(src)
-fh.export_transformers(m, out + "/pt")
-fh.export_head(m, out + "/head")
-fh.export_sentence_transformers(m, out + "/st")
+fh.interop.export_transformers(m, out + "/pt")
+fh.interop.export_head(m, out + "/head")
+fh.interop.export_sentence_transformers(m, out + "/st")
 assert not [k for k in sys.modules if k.startswith("torch.")]
 """
 

@@ -7,6 +7,7 @@ torch = pytest.importorskip("torch")
 import jax.numpy as jnp  # noqa: E402
 
 import flaxheads as fh  # noqa: E402
+from flaxheads.heads.presets import preset_for  # noqa: E402
 from flaxheads.backbones.weights import head_from_hf  # noqa: E402
 from flaxheads.heads import linen
 from hf_tiny import padded_batch, tiny_torch_model  # noqa: E402
@@ -62,7 +63,7 @@ def _run_torch_head(pt, arch, hidden, mask):
 ])
 def test_head_on_hidden_states_matches_pytorch(arch, over):
     pt = tiny_torch_model(arch, **over)
-    preset = fh.preset_for(pt.config, pt.config.num_labels)
+    preset = preset_for(pt.config, pt.config.num_labels)
     head = fh.SequenceHead(preset.pooler, preset.head)
     rng = np.random.default_rng(1)
     hidden = rng.normal(size=(3, 7, pt.config.hidden_size)).astype(np.float32)
@@ -95,7 +96,7 @@ def test_gpt2_without_pad_token_is_a_clear_error(tmp_path):
     # GPT-2's head weights still load, but pooled by the attention mask it is not GPT2ForSequenceClassification
     assert model.arch is None and model.hf_names == () and [p for p, _ in model.report.pretrained] == ["head/classifier"]
     # so it exports with flaxheads' own PyTorch code instead of GPT-2's class
-    fh.export_transformers(model, tmp_path / "out")
+    fh.interop.export_transformers(model, tmp_path / "out")
     assert (tmp_path / "out" / "modeling_flaxheads.py").is_file()
 
 

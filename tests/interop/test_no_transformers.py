@@ -41,9 +41,9 @@ state, metrics = jax.jit(make_train_step(model, tx, freeze_backbone=True))(state
 assert np.isfinite(float(metrics["loss"])), metrics
 model.params = state.params
 fh.save_head(out + "/ckpt", model)
-fh.export_transformers(model, out + "/pt")
-fh.export_head(model, out + "/head")
-again = fh.model_from_checkpoint(out + "/ckpt")
+fh.interop.export_transformers(model, out + "/pt")
+fh.interop.export_head(model, out + "/head")
+again = fh.checkpoint.model_from_checkpoint(out + "/ckpt")
 enc = tok(texts)
 logits = np.asarray(model(jnp.asarray(enc["input_ids"]), jnp.asarray(enc["attention_mask"]),
                           token_type_ids=jnp.asarray(enc["token_type_ids"])))

@@ -49,14 +49,14 @@ def test_logits_equal_peft_and_export_round_trips(adapter, tmp_path):
     side = "left" if arch == "qwen3" else "right"
     ids, mask = padded_batch(arch, pm.config, side)
     ref = _logits(pm, ids, mask)
-    model = fh.load_peft(folder)
+    model = fh.interop.load_peft(folder)
     assert model.lora is not None and model.lora.rank == 4 and model.num_labels == 3
     ours = np.asarray(model.apply(model.params, ids, mask))
     np.testing.assert_allclose(ours, ref, atol=1e-5, rtol=0)
     plain = fh.from_pretrained(base, num_labels=3, ignore_mismatched_sizes=True)
     assert np.abs(np.asarray(plain.apply(plain.params, ids, mask)) - ref).max() > 1e-3  # adapters and head matter
 
-    fh.export_peft(model, tmp_path / "again")
+    fh.interop.export_peft(model, tmp_path / "again")
     cfg = json.loads((tmp_path / "again" / "adapter_config.json").read_text())
     assert cfg["base_model_name_or_path"] == str(base)
     fresh = AutoModelForSequenceClassification.from_pretrained(base, num_labels=3, ignore_mismatched_sizes=True)
@@ -71,8 +71,8 @@ def test_base_from_option_and_missing_base(adapter, tmp_path):
     cfg["base_model_name_or_path"] = str(tmp_path / "gone")
     (moved / "adapter_config.json").write_text(json.dumps(cfg))
     with pytest.raises(fh.FlaxheadsError, match="base model .*gone.* missing here.*backbone"):
-        fh.load_peft(moved)
+        fh.interop.load_peft(moved)
     ids, mask = padded_batch(arch, pm.config)
-    model = fh.load_transformers(moved, backbone=base)  # the transformers import routes adapters here too
+    model = fh.interop.load_transformers(moved, backbone=base)  # the transformers import routes adapters here too
     np.testing.assert_allclose(np.asarray(model.apply(model.params, ids, mask)), _logits(pm, ids, mask),
                                atol=1e-5, rtol=0)

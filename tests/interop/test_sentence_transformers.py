@@ -63,7 +63,7 @@ def test_mean_pool_projection_normalize_roundtrip(bert_dir, tmp_path):
                                head_options={"features": (24, 16), "activation": "tanh", "normalize": True})
     model.params = {"backbone": model.params["backbone"], "head": perturbed(model.params["head"], 0.2, 0)}
     out = tmp_path / "st"
-    fh.export_sentence_transformers(model, out)
+    fh.interop.export_sentence_transformers(model, out)
     modules = json.loads((out / "modules.json").read_text())
     assert [m["type"].rsplit(".", 1)[1] for m in modules] == ["Transformer", "Pooling", "Dense", "Dense", "Normalize"]
     ref, got = _st_and_flax(model, out)
@@ -73,7 +73,7 @@ def test_mean_pool_projection_normalize_roundtrip(bert_dir, tmp_path):
 
     assert "pooler.dense.weight" in load_file(out / "model.safetensors")  # BertModel's own, so none is random
 
-    back = fh.load_sentence_transformers(out)
+    back = fh.interop.load_sentence_transformers(out)
     assert back.head.head == fh.ProjectionHead(features=(24, 16), activation="tanh", normalize=True)
     for a, b in zip(jax.tree.leaves(model.params), jax.tree.leaves(back.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -83,14 +83,14 @@ def test_every_pooling_mode_concatenated(bert_dir, tmp_path):
     """All six ST modes in one model, written as the v6 ``pooling_mode`` list (kept in order)."""
     names = ["last", "cls", "max", "mean", "mean_sqrt_len", "weighted_mean"]
     model = fh.from_pretrained(bert_dir, pooler=names, head="identity")
-    fh.export_sentence_transformers(model, tmp_path / "st", pooling_format="v6")
+    fh.interop.export_sentence_transformers(model, tmp_path / "st", pooling_format="v6")
     cfg = json.loads((tmp_path / "st" / "1_Pooling" / "config.json").read_text())
     assert cfg["pooling_mode"] == ["lasttoken", "cls", "max", "mean", "mean_sqrt_len_tokens", "weightedmean"]
     ref, got = _st_and_flax(model, tmp_path / "st")
     _assert_same(ref, got)
     # the same order cannot be written with the legacy keys (ST's fixed order) and no dense layer to reorder
     with pytest.raises(ExportError, match="fixed order"):
-        fh.export_sentence_transformers(model, tmp_path / "legacy")
+        fh.interop.export_sentence_transformers(model, tmp_path / "legacy")
     assert not (tmp_path / "legacy").exists()
 
 
@@ -98,12 +98,12 @@ def test_legacy_keys_reorder_concatenation_through_dense(bert_dir, tmp_path):
     model = fh.from_pretrained(bert_dir, pooler=["mean", "cls", "max"], head="projection",
                                head_options={"features": 8, "activation": "gelu"})
     model.params = {"backbone": model.params["backbone"], "head": perturbed(model.params["head"], 0.2, 1)}
-    fh.export_sentence_transformers(model, tmp_path / "st")
+    fh.interop.export_sentence_transformers(model, tmp_path / "st")
     cfg = json.loads((tmp_path / "st" / "1_Pooling" / "config.json").read_text())
     assert cfg["pooling_mode_mean_tokens"] and cfg["pooling_mode_cls_token"] and cfg["pooling_mode_max_tokens"]
     ref, got = _st_and_flax(model, tmp_path / "st")
     _assert_same(ref, got)
-    back = fh.load_sentence_transformers(tmp_path / "st")  # ST's order: cls, max, mean
+    back = fh.interop.load_sentence_transformers(tmp_path / "st")  # ST's order: cls, max, mean
     assert [p.mode for p in back.head.pooler.parts] == ["first_non_pad", "max", "mean"]
     ref2, got2 = _st_and_flax(back, tmp_path / "st")
     _assert_same(ref2, got2)
@@ -113,7 +113,7 @@ def test_bert_preset_head_as_sentence_transformer(bert_dir, tmp_path):
     """BERT's pooler (cls -> dense -> tanh) and classifier become two Dense modules: ST gives the logits."""
     model = fh.from_pretrained(bert_dir, num_labels=3)
     model.params = {"backbone": model.params["backbone"], "head": perturbed(model.params["head"], 0.2, 2)}
-    fh.export_sentence_transformers(model, tmp_path / "st")
+    fh.interop.export_sentence_transformers(model, tmp_path / "st")
     ref, got = _st_and_flax(model, tmp_path / "st")
     _assert_same(ref, got)
 
@@ -131,7 +131,7 @@ def test_import_v6_folder_written_by_sentence_transformers(bert_dir, tmp_path):
     st.save(str(tmp_path / "st"))
     cfg = json.loads((tmp_path / "st" / "1_Pooling" / "config.json").read_text())
     assert "pooling_mode" in cfg  # this sentence-transformers writes the v6 key
-    model = fh.load_sentence_transformers(tmp_path / "st")
+    model = fh.interop.load_sentence_transformers(tmp_path / "st")
     assert [p.mode for p in model.head.pooler.parts] == ["max", "mean"]
     ref, got = _st_and_flax(model, tmp_path / "st")
     _assert_same(ref, got)
@@ -144,12 +144,12 @@ def test_unsupported_st_modules_are_clear_errors(bert_dir, tmp_path):
                                       models.Dense(32, 16, activation_function=torch.nn.Tanh()),
                                       models.Dense(16, 8, activation_function=torch.nn.ReLU())], device="cpu")
     st.save(str(tmp_path / "st"))
-    with pytest.raises(fh.ModelImportError, match="different activations"):
-        fh.load_sentence_transformers(tmp_path / "st")
+    with pytest.raises(fh.interop.ModelImportError, match="different activations"):
+        fh.interop.load_sentence_transformers(tmp_path / "st")
     model = fh.from_pretrained(bert_dir, pooler="mean", head="projection",
                                head_options={"features": 8, "activation": "quick_gelu"})
     with pytest.raises(ExportError, match="quick_gelu"):
-        fh.export_sentence_transformers(model, tmp_path / "out")
+        fh.interop.export_sentence_transformers(model, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 
@@ -160,11 +160,11 @@ def test_real_minilm_import_export_reload(tmp_path):
     src = str(gt.get_model_path())
     texts = ["The cat sits on the mat.", "A quick brown fox jumps over the lazy dog near the river bank.",
              "Embeddings!", "Stock markets fell sharply on Monday after the central bank raised rates."]
-    model = fh.load_sentence_transformers(src)
+    model = fh.interop.load_sentence_transformers(src)
     assert model.head.pooler == fh.Pool("mean") and model.head.head == fh.IdentityHead(384, normalize=True)
     ref, got = _st_and_flax(model, src, texts)
     _assert_same(ref, got)
-    fh.export_sentence_transformers(model, tmp_path / "st")
+    fh.interop.export_sentence_transformers(model, tmp_path / "st")
     from safetensors.numpy import load_file
 
     exported = load_file(tmp_path / "st" / "model.safetensors")

@@ -110,7 +110,7 @@ def test_lora_on_bf16_base_trains_exports_and_reloads(bert, tmp_path):
     want = base_kernel.astype(jnp.float32) + delta(ab["lora_A"], ab["lora_B"], model.lora.scaling, False)
     np.testing.assert_allclose(np.asarray(kernel), np.asarray(want), atol=1e-7, rtol=0)
     assert (kernel != kernel.astype(BF16).astype(jnp.float32)).any()  # not rounded to bfloat16
-    fh.export_transformers(model, tmp_path / "merged", params=state.params)
+    fh.interop.export_transformers(model, tmp_path / "merged", params=state.params)
     written = load_file(str(tmp_path / "merged" / "model.safetensors"))
     assert {v.dtype for v in written.values()} == {np.dtype(np.float32)}
     pt_merged = AutoModelForSequenceClassification.from_pretrained(tmp_path / "merged")
@@ -126,7 +126,7 @@ def test_lora_on_bf16_base_trains_exports_and_reloads(bert, tmp_path):
     with RunCheckpointer(tmp_path / "run", model, save_backbone=False) as ckr:
         ckr.save(3, state)
     assert ckr.read_meta(3)["base_dtype"] == "bfloat16"
-    back = fh.model_from_checkpoint(tmp_path / "run")
+    back = fh.checkpoint.model_from_checkpoint(tmp_path / "run")
     assert _dtypes(back.params["backbone"]) == {"bfloat16"} and back.lora == model.lora
     # the same arrays as trained (so the same logits): base read again and cast, adapters and head restored
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), back.params, state.params)

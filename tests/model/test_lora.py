@@ -130,7 +130,7 @@ def test_trained_adapters_export_merged_and_as_peft(folders, tmp_path, arch, tar
     ours = np.asarray(model.apply(state.params, ids, mask))
     assert np.abs(ours - np.asarray(model(ids, mask))).max() > 1e-3  # training changed the logits
 
-    fh.export_transformers(model, tmp_path / "merged", params=state.params)
+    fh.interop.export_transformers(model, tmp_path / "merged", params=state.params)
     pt, info = AutoModelForSequenceClassification.from_pretrained(tmp_path / "merged", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     np.testing.assert_allclose(_torch_logits(pt.eval(), ids, mask), ours, atol=1e-5, rtol=1e-4)
@@ -223,7 +223,8 @@ def test_checkpoints_store_adapters_apart(folders, tmp_path):
                  state.params)
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), restored.opt_state,
                  state.opt_state)
-    np.testing.assert_allclose(np.asarray(fh.model_from_checkpoint(tmp_path / "run")(ids, mask)), want, atol=1e-6)
+    run_model = fh.checkpoint.model_from_checkpoint(tmp_path / "run")
+    np.testing.assert_allclose(np.asarray(run_model(ids, mask)), want, atol=1e-6)
 
     # resuming with other adapters (rank) or none is refused, naming the difference
     other = fh.from_pretrained(path).with_lora(rank=2, alpha=8)

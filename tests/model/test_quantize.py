@@ -128,12 +128,12 @@ def test_qlora_exports_as_peft_on_the_float_base(tmp_path):
     ours = np.asarray(jax.jit(qlora.apply)(qlora.params, ids, mask))
     err = np.abs(ours - exact).max() / np.abs(exact).max()
     assert 1e-3 < err < 0.5, err  # the base really is quantised (random tiny weights: nf4 error is large)
-    fh.export_peft(qlora, tmp_path / "adapter")
+    fh.interop.export_peft(qlora, tmp_path / "adapter")
     fresh = AutoModelForSequenceClassification.from_pretrained(base, num_labels=3, ignore_mismatched_sizes=True)
     pm = peft.PeftModel.from_pretrained(fresh, tmp_path / "adapter").eval()
     with torch.no_grad():
         theirs = pm(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()
     np.testing.assert_allclose(theirs, exact, atol=1e-4)  # adapters + head on the float base: LoRA's logits
-    merged = fh.merge_model(qlora)  # a merged export dequantises: a plain float32 base with the same logits
+    merged = fh.lora.merge_model(qlora)  # a merged export dequantises: a plain float32 base with the same logits
     assert quantization_of(merged.params["backbone"]) is None
     np.testing.assert_allclose(np.asarray(merged.apply(merged.params, ids, mask)), ours, atol=1e-4)

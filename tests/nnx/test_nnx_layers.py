@@ -8,6 +8,7 @@ import pytest
 from flax import nnx
 
 import flaxheads as fh
+from flaxheads.heads.presets import PRESETS, preset_for
 from flaxheads import nnx as fnnx
 from flaxheads.errors import ConfigError
 from flaxheads.heads import linen
@@ -65,8 +66,8 @@ def test_every_pooler_with_every_head(bert_hidden, pooler):
 
 
 def test_every_preset(bert_hidden):
-    for arch in fh.PRESETS:
-        p = fh.preset_for(tiny_config(arch), 3)
+    for arch in PRESETS:
+        p = preset_for(tiny_config(arch), 3)
         check_same(fh.SequenceHead(p.pooler, p.head), *bert_hidden)
 
 

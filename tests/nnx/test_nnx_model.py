@@ -183,12 +183,12 @@ def test_checkpoints_and_exports_both_ways(bert, tmp_path):
     fh.save_head(tmp_path / "ckpt", nm.to_functional())
     loaded = fh.attach_head(base, fh.load_head(tmp_path / "ckpt"))
     np.testing.assert_array_equal(np.asarray(loaded.apply(loaded.params, ids, mask)), np.asarray(want))
-    fh.export_head(nm.to_functional(), tmp_path / "export")
-    seq, head_params, _ = fh.load_head_export(tmp_path / "export")
+    fh.interop.export_head(nm.to_functional(), tmp_path / "export")
+    seq, head_params, _ = fh.interop.load_head_export(tmp_path / "export")
     np.testing.assert_array_equal(np.asarray(base.head_apply(head_params, *base.features(
         base.params["backbone"], ids, mask))), np.asarray(want))
-    fh.export_transformers(nm.to_functional(), tmp_path / "hf")
-    back = fh.load_transformers(tmp_path / "hf")
+    fh.interop.export_transformers(nm.to_functional(), tmp_path / "hf")
+    back = fh.interop.load_transformers(tmp_path / "hf")
     np.testing.assert_array_equal(np.asarray(back.apply(back.params, ids, mask)), np.asarray(want))
     # functional -> NNX: a saved / exported head loads into an NNX model and an NNX head
     params = _perturb_head(base, seed=4)
@@ -196,8 +196,8 @@ def test_checkpoints_and_exports_both_ways(bert, tmp_path):
     fh.save_head(tmp_path / "ckpt2", base, params)
     ckpt = fh.load_head(tmp_path / "ckpt2")
     np.testing.assert_array_equal(np.asarray(fh.attach_head(base, ckpt).to_nnx()(ids, mask)), np.asarray(ref))
-    fh.export_head(base, tmp_path / "export2", params=params["head"])
-    seq, head_params, _ = fh.load_head_export(tmp_path / "export2")
+    fh.interop.export_head(base, tmp_path / "export2", params=params["head"])
+    seq, head_params, _ = fh.interop.load_head_export(tmp_path / "export2")
     hidden, pmask = base.features(base.params["backbone"], ids, mask)
     np.testing.assert_array_equal(np.asarray(fnnx.SequenceHead(seq, base.hidden_size, params=head_params)(
         hidden, pmask)), np.asarray(ref))

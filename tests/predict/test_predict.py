@@ -174,7 +174,7 @@ def tiny_st(tmp_path_factory, single):
     model = fh.from_pretrained(single, pooler="mean", head="projection",
                                head_options={"features": (16,), "activation": "tanh", "normalize": True})
     out = tmp_path_factory.mktemp("st") / "st"
-    return str(fh.export_sentence_transformers(model, out))
+    return str(fh.interop.export_sentence_transformers(model, out))
 
 
 def test_embed_equals_sentence_transformers(tiny_st):
