@@ -44,6 +44,7 @@ whatever the compiles cost; the JSON is rewritten after every section and bench,
 by an outer time limit keeps what it finished. Not compared: flaxheads' step clips the gradient
 norm at 1.0 (its optimizer's default), PyTorch's does not.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -74,14 +75,18 @@ class Sizes:
     """Everything that differs between the accelerator run and ``--smoke``."""
 
     smoke: bool
-    check_len: int = 32           # correctness batch length (ModernBERT's window is 8)
-    check_layers: int = 2         # correctness models' layers (ModernBERT keeps 2: a global and a local one)
-    bert: tuple = (768, 12, 12, 3072)         # hidden, layers, heads, ffn
+    check_len: int = 32  # correctness batch length (ModernBERT's window is 8)
+    check_layers: int = 2  # correctness models' layers (ModernBERT keeps 2: a global and a local one)
+    bert: tuple = (768, 12, 12, 3072)  # hidden, layers, heads, ffn
     modernbert: tuple = (768, 22, 12, 1152)
-    llama: tuple = (2048, 22, 32, 4, 5632)    # hidden, layers, heads, kv heads, ffn (TinyLlama 1.1B)
+    llama: tuple = (2048, 22, 32, 4, 5632)  # hidden, layers, heads, kv heads, ffn (TinyLlama 1.1B)
     # name, tokens, batch; in order of priority (past the time budget the rest is skipped)
-    runs: tuple = (("bert-base", 128, 32), ("llama-1b+lora", 512, 4), ("modernbert-base", 1024, 8),
-                   ("bert-base", 512, 8))
+    runs: tuple = (
+        ("bert-base", 128, 32),
+        ("llama-1b+lora", 512, 4),
+        ("modernbert-base", 1024, 8),
+        ("bert-base", 512, 8),
+    )
     vocab: int = 30522
     repeats: int = 10
     warmup: int = 3
@@ -98,11 +103,23 @@ def sizes_for(smoke: bool) -> Sizes:
     if not smoke:
         return Sizes(smoke=False)
     # one layer where a second adds only compile time; ModernBERT keeps two (a global and a local one)
-    return Sizes(smoke=True, check_layers=1, bert=(32, 1, 4, 37), modernbert=(32, 2, 4, 48),
-                 llama=(32, 1, 4, 2, 48), vocab=512,
-                 runs=(("bert-base", 16, 2), ("llama-1b+lora", 16, 2), ("modernbert-base", 32, 2)),
-                 repeats=3, warmup=1, matmul_n=256, texts=24, predict_repeats=2, predict_batch=8, predict_len=32,
-                 settle=0.02)
+    return Sizes(
+        smoke=True,
+        check_layers=1,
+        bert=(32, 1, 4, 37),
+        modernbert=(32, 2, 4, 48),
+        llama=(32, 1, 4, 2, 48),
+        vocab=512,
+        runs=(("bert-base", 16, 2), ("llama-1b+lora", 16, 2), ("modernbert-base", 32, 2)),
+        repeats=3,
+        warmup=1,
+        matmul_n=256,
+        texts=24,
+        predict_repeats=2,
+        predict_batch=8,
+        predict_len=32,
+        settle=0.02,
+    )
 
 
 # ---- device and timing ---------------------------------------------------------------------------
@@ -121,8 +138,9 @@ def sync():
 
 def timed(systems: dict, sz: Sizes, flops: float = 0.0, examples: int = 1, repeats: int | None = None) -> dict:
     """The one timing helper: ``bench.common.run_interleaved`` (first call apart, warm-up, medians)."""
-    return common.run_interleaved(systems, repeats=repeats or sz.repeats, warmup=sz.warmup, examples=examples,
-                                  flops=flops, settle=sz.settle)
+    return common.run_interleaved(
+        systems, repeats=repeats or sz.repeats, warmup=sz.warmup, examples=examples, flops=flops, settle=sz.settle
+    )
 
 
 def matmul_peak(sz: Sizes) -> float:
@@ -133,7 +151,7 @@ def matmul_peak(sz: Sizes) -> float:
     n = sz.matmul_n
     a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.bfloat16)
     mm = jax.jit(lambda x: jnp.dot(x, x))
-    r = timed({"mm": lambda: mm(a).block_until_ready()}, sz, flops=2.0 * n ** 3)["mm"]
+    r = timed({"mm": lambda: mm(a).block_until_ready()}, sz, flops=2.0 * n**3)["mm"]
     return max(r.flops / t for t in r.times)
 
 
@@ -143,10 +161,18 @@ def header() -> dict:
     import transformers
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    return {"jax_devices": [str(d) for d in jax.devices()], "jax_backend": jax.default_backend(),
-            "torch_device": str(torch_device()), "torch_gpu": gpu, "jax": jax.__version__, "torch": torch.__version__,
-            "transformers": transformers.__version__, "python": platform.python_version(),
-            "host": platform.node(), "cpus": os.cpu_count()}
+    return {
+        "jax_devices": [str(d) for d in jax.devices()],
+        "jax_backend": jax.default_backend(),
+        "torch_device": str(torch_device()),
+        "torch_gpu": gpu,
+        "jax": jax.__version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+    }
 
 
 # ---- models ---------------------------------------------------------------------------------------
@@ -157,23 +183,56 @@ def hf_config(family: str, dims: tuple, vocab: int, max_len: int, **over):
     common_kw = dict(vocab_size=vocab, num_labels=2, **over)
     if family == "llama":
         h, n, heads, kv, ffn = dims
-        return tf.LlamaConfig(hidden_size=h, num_hidden_layers=n, num_attention_heads=heads, num_key_value_heads=kv,
-                              intermediate_size=ffn, max_position_embeddings=max(max_len, 64), pad_token_id=0,
-                              bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, **common_kw)
+        return tf.LlamaConfig(
+            hidden_size=h,
+            num_hidden_layers=n,
+            num_attention_heads=heads,
+            num_key_value_heads=kv,
+            intermediate_size=ffn,
+            max_position_embeddings=max(max_len, 64),
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            tie_word_embeddings=False,
+            **common_kw,
+        )
     h, n, heads, ffn = dims
-    size = dict(hidden_size=h, num_hidden_layers=n, num_attention_heads=heads, intermediate_size=ffn,
-                max_position_embeddings=max(max_len, 64))
+    size = dict(
+        hidden_size=h,
+        num_hidden_layers=n,
+        num_attention_heads=heads,
+        intermediate_size=ffn,
+        max_position_embeddings=max(max_len, 64),
+    )
     if family == "bert":
         return tf.BertConfig(**size, attention_probs_dropout_prob=0.0, **common_kw)
     if family == "deberta-v3":
         size["max_position_embeddings"] = max(max_len, 512)  # as v3: 256 log buckets need 128 < 511 distances
-        return tf.DebertaV2Config(**size, relative_attention=True, position_buckets=256, norm_rel_ebd="layer_norm",
-                                  pos_att_type=["p2c", "c2p"], share_att_key=True, max_relative_positions=-1,
-                                  position_biased_input=False, pooler_hidden_act="gelu", **common_kw)
+        return tf.DebertaV2Config(
+            **size,
+            relative_attention=True,
+            position_buckets=256,
+            norm_rel_ebd="layer_norm",
+            pos_att_type=["p2c", "c2p"],
+            share_att_key=True,
+            max_relative_positions=-1,
+            position_biased_input=False,
+            pooler_hidden_act="gelu",
+            **common_kw,
+        )
     if family == "modernbert":  # a global layer every 2nd (layer_types, and the older name for older transformers)
         kinds = ["full_attention" if i % 2 == 0 else "sliding_attention" for i in range(n)]
-        return tf.ModernBertConfig(**size, layer_types=kinds, global_attn_every_n_layers=2, pad_token_id=0,
-                                   bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2, **common_kw)
+        return tf.ModernBertConfig(
+            **size,
+            layer_types=kinds,
+            global_attn_every_n_layers=2,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            cls_token_id=1,
+            sep_token_id=2,
+            **common_kw,
+        )
     raise KeyError(family)
 
 
@@ -213,12 +272,18 @@ def guarded(rows: list, name: str, fn, **info) -> object:
         metrics, ok = fn()
         row = {"name": name, "status": "pass" if ok else "fail", **info, **metrics}
     except Exception as e:  # noqa: BLE001 - one check's failure must not stop the rest
-        row = {"name": name, "status": "error", **info, "error": f"{type(e).__name__}: {e}"[:400],
-               "traceback": traceback.format_exc()[-2000:]}
+        row = {
+            "name": name,
+            "status": "error",
+            **info,
+            "error": f"{type(e).__name__}: {e}"[:400],
+            "traceback": traceback.format_exc()[-2000:],
+        }
     row["seconds"] = round(time.perf_counter() - t0, 2)
     rows.append(row)
-    print(f"# {name}: {row['status']} {({k: v for k, v in row.items() if k not in ('name', 'traceback')})}",
-          flush=True)
+    print(
+        f"# {name}: {row['status']} { ({k: v for k, v in row.items() if k not in ('name', 'traceback')}) }", flush=True
+    )
     return row
 
 
@@ -256,8 +321,9 @@ def grad_diff(ours: dict, ref: dict) -> tuple[float, str, int]:
     if not names:
         raise RuntimeError(f"no parameter names in common (ours: {sorted(ours)[:3]}, PyTorch: {sorted(ref)[:3]})")
     floor = 1e-3 * max(float(np.abs(ref[k]).max()) for k in names)
-    worst = max((float(np.abs(np.asarray(ours[k]) - ref[k]).max()) / max(float(np.abs(ref[k]).max()), floor), k)
-                for k in names)
+    worst = max(
+        (float(np.abs(np.asarray(ours[k]) - ref[k]).max()) / max(float(np.abs(ref[k]).max()), floor), k) for k in names
+    )
     return worst[0], worst[1], len(names)
 
 
@@ -315,19 +381,26 @@ def check_family(family: str, sz: Sizes, tmp: str) -> list[dict]:
         def run():
             with jax.default_matmul_precision("highest"):
                 plans = {a: fh.runtime.ComputePlan.for_host(attention=a) for a in ("fused", "plain")}
-                out = {a: fh_logits(fh.from_pretrained(folder, dtype=dtype, plan=plan), ids, mask)
-                       for a, plan in plans.items()}
+                out = {
+                    a: fh_logits(fh.from_pretrained(folder, dtype=dtype, plan=plan), ids, mask)
+                    for a, plan in plans.items()
+                }
             d = float(np.abs(out["fused"] - out["plain"]).max())
             return {"max_abs_diff": d, "tol": tol, "vs": "itself, attention plain"}, d <= tol
+
         return run
 
     before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     try:
         # on GPU the bf16 checks run cuDNN's fused attention (flaxheads' default plan there; head dim 8)
-        for name, fn in (("f32 logits", f32_logits), ("f32 grads", f32_grads), ("bf16 logits", bf16_logits),
-                         ("fused == plain", fused_plain(jnp.float32, FUSED_TOL)),
-                         ("bf16 fused == plain", fused_plain(jnp.bfloat16, BF16_TOL))):
+        for name, fn in (
+            ("f32 logits", f32_logits),
+            ("f32 grads", f32_grads),
+            ("bf16 logits", bf16_logits),
+            ("fused == plain", fused_plain(jnp.float32, FUSED_TOL)),
+            ("bf16 fused == plain", fused_plain(jnp.bfloat16, BF16_TOL)),
+        ):
             guarded(rows, f"{family}: {name}", fn, family=family, check=name)
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
@@ -348,8 +421,11 @@ def model_flops(pt, family: str, dims: tuple, batch: int, seq: int, lora: bool) 
     """6 (4 with LoRA) x N_linear x tokens + 12 x L x T^2 x H x B (attention scores and context)."""
     import torch
 
-    n_linear = sum(m.weight.numel() for m in pt.modules() if isinstance(m, torch.nn.Linear)
-                   and "lora" not in type(m).__name__.lower())
+    n_linear = sum(
+        m.weight.numel()
+        for m in pt.modules()
+        if isinstance(m, torch.nn.Linear) and "lora" not in type(m).__name__.lower()
+    )
     h, layers = dims[0], dims[1]
     return (4.0 if lora else 6.0) * n_linear * batch * seq + 12.0 * layers * seq * seq * h * batch
 
@@ -366,8 +442,9 @@ def flaxheads_step(folder: str, batch: dict, lora: bool):
     model = fh.from_pretrained(folder, dtype=jnp.bfloat16)
     if lora:
         model = model.with_lora(rank=8, alpha=16.0, targets=("q_proj", "v_proj"))
-    tx = make_optimizer(OptimConfig(learning_rate=1e-5, warmup_steps=0, total_steps=10_000),
-                        fold_reductions=model.plan.fold_reductions)
+    tx = make_optimizer(
+        OptimConfig(learning_rate=1e-5, warmup_steps=0, total_steps=10_000), fold_reductions=model.plan.fold_reductions
+    )
     box = {"s": create_state(model.params, tx)}
     step = common.jit_train_step(make_train_step(model, tx), model.plan)
     jb = {k: jnp.asarray(v) for k, v in batch.items()}
@@ -394,9 +471,11 @@ def torch_step(pt, batch: dict, compiled: bool):
     pt.train()
     fwd = torch.compile(pt) if compiled else pt
     opt = torch.optim.AdamW([p for p in pt.parameters() if p.requires_grad], lr=1e-5)
-    tb = {"input_ids": torch.tensor(batch["input_ids"], device=dev),
-          "attention_mask": torch.tensor(batch["attention_mask"], device=dev),
-          "labels": torch.tensor(batch["labels"], device=dev).long()}
+    tb = {
+        "input_ids": torch.tensor(batch["input_ids"], device=dev),
+        "attention_mask": torch.tensor(batch["attention_mask"], device=dev),
+        "labels": torch.tensor(batch["labels"], device=dev).long(),
+    }
 
     def run():
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16):
@@ -409,8 +488,9 @@ def torch_step(pt, batch: dict, compiled: bool):
     return run
 
 
-def bench_train(name: str, seq: int, batch_size: int, sz: Sizes, peak: float, tmp: str,
-                allow_compile: bool = True) -> list[dict]:
+def bench_train(
+    name: str, seq: int, batch_size: int, sz: Sizes, peak: float, tmp: str, allow_compile: bool = True
+) -> list[dict]:
     import torch
 
     family, dims, lora = run_spec(name, sz)
@@ -422,17 +502,25 @@ def bench_train(name: str, seq: int, batch_size: int, sz: Sizes, peak: float, tm
     if lora:
         import peft
 
-        pt = peft.get_peft_model(pt, peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, task_type="SEQ_CLS",
-                                                     target_modules=["q_proj", "v_proj"]))
+        pt = peft.get_peft_model(
+            pt,
+            peft.LoraConfig(
+                r=8, lora_alpha=16, lora_dropout=0.0, task_type="SEQ_CLS", target_modules=["q_proj", "v_proj"]
+            ),
+        )
     ids, _, rng = common.token_batch(batch_size, seq)
     ids = 3 + ids % (sz.vocab - 3)  # no pad id (0) inside the rows
     ids[:, 0] = 1 if family in ("llama", "modernbert") else 2
-    batch = {"input_ids": ids, "attention_mask": np.ones_like(ids),
-             "labels": rng.integers(0, 2, batch_size).astype(np.int32), "weights": np.ones(batch_size, np.float32)}
+    batch = {
+        "input_ids": ids,
+        "attention_mask": np.ones_like(ids),
+        "labels": rng.integers(0, 2, batch_size).astype(np.int32),
+        "weights": np.ones(batch_size, np.float32),
+    }
     flops = model_flops(pt, family, dims, batch_size, seq, lora)
     systems = {"flaxheads": flaxheads_step(folder, batch, lora), "torch eager": torch_step(pt, batch, False)}
     note = "" if torch_bf16(dev) else "torch float32 (no bf16 matmul on this CPU)"
-    why_not = ("not on CUDA" if dev.type != "cuda" else None if allow_compile else "time budget")
+    why_not = "not on CUDA" if dev.type != "cuda" else None if allow_compile else "time budget"
     if why_not is None:
         try:  # compiled apart: a failure drops this system only
             t0 = time.perf_counter()
@@ -452,12 +540,24 @@ def bench_train(name: str, seq: int, batch_size: int, sz: Sizes, peak: float, tm
     ours = res["flaxheads"].median
     rows = []
     for sys_name, r in res.items():
-        rows.append({"name": f"train {name} T={seq} B={batch_size}", "system": sys_name, "status": "ok",
-                     "median_ms": r.median * 1e3, "min_ms": min(r.times) * 1e3, "max_ms": max(r.times) * 1e3,
-                     "first_s": r.first, "model_tflop_per_step": flops / 1e12,
-                     "mfu": flops / r.median / peak if peak else None,
-                     "flaxheads_speedup": r.median / ours, "layers": dims[1], "hidden": dims[0],
-                     "lora": lora, "note": note})
+        rows.append(
+            {
+                "name": f"train {name} T={seq} B={batch_size}",
+                "system": sys_name,
+                "status": "ok",
+                "median_ms": r.median * 1e3,
+                "min_ms": min(r.times) * 1e3,
+                "max_ms": max(r.times) * 1e3,
+                "first_s": r.first,
+                "model_tflop_per_step": flops / 1e12,
+                "mfu": flops / r.median / peak if peak else None,
+                "flaxheads_speedup": r.median / ours,
+                "layers": dims[1],
+                "hidden": dims[0],
+                "lora": lora,
+                "note": note,
+            }
+        )
     return rows
 
 
@@ -497,14 +597,29 @@ def bench_predict(sz: Sizes, tmp: str) -> list[dict]:
     for i, row in enumerate(pipe(texts, batch_size=b, truncation=True, max_length=L)):
         for d in row:
             ref[i, order[d["label"]]] = d["score"]
-    res = timed({"flaxheads": lambda: clf.predict(texts, batch_size=b, progress=False),
-                 "pipeline": lambda: (pipe(texts, batch_size=b, truncation=True, max_length=L), sync())},
-                sz, examples=len(texts), repeats=sz.predict_repeats)
+    res = timed(
+        {
+            "flaxheads": lambda: clf.predict(texts, batch_size=b, progress=False),
+            "pipeline": lambda: (pipe(texts, batch_size=b, truncation=True, max_length=L), sync()),
+        },
+        sz,
+        examples=len(texts),
+        repeats=sz.predict_repeats,
+    )
     diff = float(np.abs(ours - ref).max())
-    return [{"name": f"predict bert-base {len(texts)} texts B={b} L={L}", "system": k, "status": "ok",
-             "texts_per_s": r.eps, "median_s": r.median, "first_s": r.first,
-             "flaxheads_speedup": res["pipeline"].median / res["flaxheads"].median if k == "flaxheads" else 1.0,
-             "max_score_diff": diff} for k, r in res.items()]
+    return [
+        {
+            "name": f"predict bert-base {len(texts)} texts B={b} L={L}",
+            "system": k,
+            "status": "ok",
+            "texts_per_s": r.eps,
+            "median_s": r.median,
+            "first_s": r.first,
+            "flaxheads_speedup": res["pipeline"].median / res["flaxheads"].median if k == "flaxheads" else 1.0,
+            "max_score_diff": diff,
+        }
+        for k, r in res.items()
+    ]
 
 
 # ---- driver -----------------------------------------------------------------------------------------
@@ -518,12 +633,21 @@ def guarded_bench(out: list, name: str, fn, start: float, budget: float) -> None
     try:
         rows = fn()
     except Exception as e:  # noqa: BLE001
-        rows = [{"name": name, "status": "error", "error": f"{type(e).__name__}: {e}"[:400],
-                 "traceback": traceback.format_exc()[-2000:]}]
+        rows = [
+            {
+                "name": name,
+                "status": "error",
+                "error": f"{type(e).__name__}: {e}"[:400],
+                "traceback": traceback.format_exc()[-2000:],
+            }
+        ]
     for r in rows:
         r["seconds"] = round(time.perf_counter() - t0, 1)
-        print(f"# {r['name']} {r.get('system', '')}: {r['status']} "
-              f"{r.get('median_ms', r.get('texts_per_s', r.get('error', '')))}", flush=True)
+        print(
+            f"# {r['name']} {r.get('system', '')}: {r['status']} "
+            f"{r.get('median_ms', r.get('texts_per_s', r.get('error', '')))}",
+            flush=True,
+        )
     out.extend(rows)
 
 
@@ -540,24 +664,29 @@ def table(report: dict) -> str:
             res = f"max rel diff {r['max_rel_diff']:.2e} <= {r['tol']:g} ({r['params_compared']} tensors)"
         else:
             res = f"max abs diff {r['max_abs_diff']:.2e} <= {r['tol']:g}"
-        lines.append(f"| correctness | {r['name']} | flaxheads vs {r.get('vs', 'torch f32')} | {res} | "
-                     f"{r['status'].upper()} |")
+        lines.append(
+            f"| correctness | {r['name']} | flaxheads vs {r.get('vs', 'torch f32')} | {res} | {r['status'].upper()} |"
+        )
     for r in report["train"]:
         if r["status"] != "ok":
             lines.append(f"| train | {r['name']} | - | {r.get('error', r.get('note', ''))[:90]} | {r['status']} |")
             continue
         mfu = f"MFU {100 * r['mfu']:.1f}%" if r["mfu"] else "MFU -"
         note = f"; {r['note']}" if r["note"] else ""
-        lines.append(f"| train | {r['name']} | {r['system']} | {r['median_ms']:.2f} ms/step "
-                     f"({r['min_ms']:.2f}..{r['max_ms']:.2f}), first {r['first_s']:.1f} s, {mfu}{note} | "
-                     f"flaxheads {r['flaxheads_speedup']:.2f}x |")
+        lines.append(
+            f"| train | {r['name']} | {r['system']} | {r['median_ms']:.2f} ms/step "
+            f"({r['min_ms']:.2f}..{r['max_ms']:.2f}), first {r['first_s']:.1f} s, {mfu}{note} | "
+            f"flaxheads {r['flaxheads_speedup']:.2f}x |"
+        )
     for r in report["predict"]:
         if r["status"] != "ok":
             lines.append(f"| predict | {r['name']} | - | {r.get('error', r.get('note', ''))[:90]} | {r['status']} |")
             continue
         speedup = f"flaxheads {r['flaxheads_speedup']:.2f}x" if r["system"] == "flaxheads" else "1.00x"
-        lines.append(f"| predict | {r['name']} | {r['system']} | {r['texts_per_s']:.1f} texts/s, first "
-                     f"{r['first_s']:.1f} s, max score diff {r['max_score_diff']:.1e} | {speedup} |")
+        lines.append(
+            f"| predict | {r['name']} | {r['system']} | {r['texts_per_s']:.1f} texts/s, first "
+            f"{r['first_s']:.1f} s, max score diff {r['max_score_diff']:.1e} | {speedup} |"
+        )
     return "\n".join(lines)
 
 
@@ -571,8 +700,12 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out_dir")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, CPU, seconds")
-    ap.add_argument("--budget-s", type=float, default=None,
-                    help="benches not started after this many seconds are skipped (default 360; smoke 600)")
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="benches not started after this many seconds are skipped (default 360; smoke 600)",
+    )
     ap.add_argument("--only", default="correctness,train,predict", help="sections to run")
     a = ap.parse_args(argv)
     start = time.perf_counter()
@@ -589,12 +722,21 @@ def main(argv=None) -> dict:
 
     os.makedirs(a.out_dir, exist_ok=True)
     head = header()
-    print(f"# flaxheads accelerator check ({'smoke' if a.smoke else 'full'}): jax {head['jax']} "
-          f"{head['jax_devices']}; torch {head['torch']} on {head['torch_device']} ({head['torch_gpu'] or 'no GPU'}); "
-          f"transformers {head['transformers']}; python {head['python']}", flush=True)
+    print(
+        f"# flaxheads accelerator check ({'smoke' if a.smoke else 'full'}): jax {head['jax']} "
+        f"{head['jax_devices']}; torch {head['torch']} on {head['torch_device']} ({head['torch_gpu'] or 'no GPU'}); "
+        f"transformers {head['transformers']}; python {head['python']}",
+        flush=True,
+    )
     sections = set(a.only.split(","))
-    report = {"header": head, "smoke": a.smoke, "sizes": {k: v for k, v in sz.__dict__.items()},
-              "correctness": [], "train": [], "predict": []}
+    report = {
+        "header": head,
+        "smoke": a.smoke,
+        "sizes": {k: v for k, v in sz.__dict__.items()},
+        "correctness": [],
+        "train": [],
+        "predict": [],
+    }
     with tempfile.TemporaryDirectory(prefix="fh-accel-") as tmp:
         if "correctness" in sections:
             for family in FAMILIES:
@@ -612,15 +754,22 @@ def main(argv=None) -> dict:
             report["peak_bf16_tflops"] = peak / 1e12
             print(f"# measured bf16 matmul peak ({sz.matmul_n}^3): {peak / 1e12:.3f} TFLOP/s", flush=True)
             for name, seq, b in sz.runs:
-                guarded_bench(report["train"], f"train {name} T={seq} B={b}",
-                              lambda n=name, s=seq, bb=b: bench_train(
-                                  n, s, bb, sz, peak, tmp, time.perf_counter() - start < sz.compile_until),
-                              start, budget)
+                guarded_bench(
+                    report["train"],
+                    f"train {name} T={seq} B={b}",
+                    lambda n=name, s=seq, bb=b: bench_train(
+                        n, s, bb, sz, peak, tmp, time.perf_counter() - start < sz.compile_until
+                    ),
+                    start,
+                    budget,
+                )
                 save(report, a.out_dir)
     report["total_s"] = time.perf_counter() - start
     save(report, a.out_dir)
-    print(f"\n# peak bf16 matmul {report.get('peak_bf16_tflops', 0):.3f} TFLOP/s; total {report['total_s']:.0f} s; "
-          f"ratio column: flaxheads time advantage (peer median / flaxheads median)")
+    print(
+        f"\n# peak bf16 matmul {report.get('peak_bf16_tflops', 0):.3f} TFLOP/s; total {report['total_s']:.0f} s; "
+        f"ratio column: flaxheads time advantage (peer median / flaxheads median)"
+    )
     print(table(report), flush=True)
     return report
 

@@ -13,6 +13,7 @@ needs one, no padding), interleaved, medians over ``--repeats`` after warm-up.
 
 Add a family with one entry in :data:`CONFIGS`.
 """
+
 from __future__ import annotations
 
 import os
@@ -25,61 +26,128 @@ SIZE = dict(hidden=384, heads=12, ffn=1536, layers=6, vocab=30522, positions=512
 
 
 def _bart(tf, s, **kw):
-    return tf.BartConfig(vocab_size=s["vocab"], d_model=s["hidden"], encoder_layers=s["layers"],
-                         decoder_layers=s["layers"], encoder_attention_heads=s["heads"],
-                         decoder_attention_heads=s["heads"], encoder_ffn_dim=s["ffn"], decoder_ffn_dim=s["ffn"],
-                         max_position_embeddings=s["positions"], **kw)
+    return tf.BartConfig(
+        vocab_size=s["vocab"],
+        d_model=s["hidden"],
+        encoder_layers=s["layers"],
+        decoder_layers=s["layers"],
+        encoder_attention_heads=s["heads"],
+        decoder_attention_heads=s["heads"],
+        encoder_ffn_dim=s["ffn"],
+        decoder_ffn_dim=s["ffn"],
+        max_position_embeddings=s["positions"],
+        **kw,
+    )
 
 
 def _bert_like(name: str, **fixed):
     def make(tf, s, **kw):
-        return getattr(tf, name)(vocab_size=s["vocab"], hidden_size=s["hidden"], num_hidden_layers=s["layers"],
-                                 num_attention_heads=s["heads"], intermediate_size=s["ffn"],
-                                 max_position_embeddings=s["positions"], **fixed, **kw)
+        return getattr(tf, name)(
+            vocab_size=s["vocab"],
+            hidden_size=s["hidden"],
+            num_hidden_layers=s["layers"],
+            num_attention_heads=s["heads"],
+            intermediate_size=s["ffn"],
+            max_position_embeddings=s["positions"],
+            **fixed,
+            **kw,
+        )
+
     return make
 
 
 def _distilbert(tf, s, **kw):
-    return tf.DistilBertConfig(vocab_size=s["vocab"], dim=s["hidden"], n_layers=s["layers"], n_heads=s["heads"],
-                               hidden_dim=s["ffn"], max_position_embeddings=s["positions"], **kw)
+    return tf.DistilBertConfig(
+        vocab_size=s["vocab"],
+        dim=s["hidden"],
+        n_layers=s["layers"],
+        n_heads=s["heads"],
+        hidden_dim=s["ffn"],
+        max_position_embeddings=s["positions"],
+        **kw,
+    )
 
 
 def _gpt2(tf, s, **kw):
     # token ids inside the vocabulary (GPT2Config's default <eos> 50256 is not), pad for the last-token head
-    return tf.GPT2Config(vocab_size=s["vocab"], n_embd=s["hidden"], n_layer=s["layers"], n_head=s["heads"],
-                         n_inner=s["ffn"], n_positions=s["positions"], bos_token_id=0, eos_token_id=2,
-                         pad_token_id=0, **kw)
+    return tf.GPT2Config(
+        vocab_size=s["vocab"],
+        n_embd=s["hidden"],
+        n_layer=s["layers"],
+        n_head=s["heads"],
+        n_inner=s["ffn"],
+        n_positions=s["positions"],
+        bos_token_id=0,
+        eos_token_id=2,
+        pad_token_id=0,
+        **kw,
+    )
 
 
 def _modernbert(tf, s, **kw):
     # GeGLU (Wi is 2 x intermediate wide), local window 128 (dense at --seq 128), a global layer every 3rd;
     # special ids inside the vocabulary (ModernBertConfig's defaults are not)
-    return tf.ModernBertConfig(vocab_size=s["vocab"], hidden_size=s["hidden"], num_hidden_layers=s["layers"],
-                               num_attention_heads=s["heads"], intermediate_size=s["ffn"],
-                               max_position_embeddings=s["positions"], pad_token_id=0, bos_token_id=1,
-                               eos_token_id=2, cls_token_id=1, sep_token_id=2, **kw)
+    return tf.ModernBertConfig(
+        vocab_size=s["vocab"],
+        hidden_size=s["hidden"],
+        num_hidden_layers=s["layers"],
+        num_attention_heads=s["heads"],
+        intermediate_size=s["ffn"],
+        max_position_embeddings=s["positions"],
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        cls_token_id=1,
+        sep_token_id=2,
+        **kw,
+    )
 
 
 def _decoder(name: str, **fixed):
     # grouped-query attention (4 key/value heads for 12 query heads); pad id for the last-token head
     def make(tf, s, **kw):
-        return getattr(tf, name)(vocab_size=s["vocab"], hidden_size=s["hidden"], num_hidden_layers=s["layers"],
-                                 num_attention_heads=s["heads"], num_key_value_heads=4, intermediate_size=s["ffn"],
-                                 max_position_embeddings=s["positions"], pad_token_id=0, bos_token_id=1,
-                                 eos_token_id=2, **fixed, **kw)
+        return getattr(tf, name)(
+            vocab_size=s["vocab"],
+            hidden_size=s["hidden"],
+            num_hidden_layers=s["layers"],
+            num_attention_heads=s["heads"],
+            num_key_value_heads=4,
+            intermediate_size=s["ffn"],
+            max_position_embeddings=s["positions"],
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            **fixed,
+            **kw,
+        )
+
     return make
 
 
 #: family -> f(transformers module, SIZE, **config kwargs) -> config of the PyTorch model
-CONFIGS = {"bart": _bart, "roberta": _bert_like("RobertaConfig", pad_token_id=1, bos_token_id=0, eos_token_id=2),
-           "electra": _bert_like("ElectraConfig", embedding_size=128), "distilbert": _distilbert,
-           "albert": _bert_like("AlbertConfig", embedding_size=128), "gpt2": _gpt2,
-           "modernbert": _modernbert,
-           # DeBERTa-v3 layout (the settings of deberta-v3-xsmall/small/base/large)
-           "deberta-v2": _bert_like("DebertaV2Config", relative_attention=True, position_buckets=256,
-                                    pos_att_type=["p2c", "c2p"], share_att_key=True, norm_rel_ebd="layer_norm",
-                                    position_biased_input=False, max_relative_positions=-1, type_vocab_size=0),
-           "llama": _decoder("LlamaConfig"), "qwen3": _decoder("Qwen3Config", head_dim=32)}
+CONFIGS = {
+    "bart": _bart,
+    "roberta": _bert_like("RobertaConfig", pad_token_id=1, bos_token_id=0, eos_token_id=2),
+    "electra": _bert_like("ElectraConfig", embedding_size=128),
+    "distilbert": _distilbert,
+    "albert": _bert_like("AlbertConfig", embedding_size=128),
+    "gpt2": _gpt2,
+    "modernbert": _modernbert,
+    # DeBERTa-v3 layout (the settings of deberta-v3-xsmall/small/base/large)
+    "deberta-v2": _bert_like(
+        "DebertaV2Config",
+        relative_attention=True,
+        position_buckets=256,
+        pos_att_type=["p2c", "c2p"],
+        share_att_key=True,
+        norm_rel_ebd="layer_norm",
+        position_biased_input=False,
+        max_relative_positions=-1,
+        type_vocab_size=0,
+    ),
+    "llama": _decoder("LlamaConfig"),
+    "qwen3": _decoder("Qwen3Config", head_dim=32),
+}
 
 
 def parse(argv=None):
@@ -128,8 +196,12 @@ def _systems(path: str, ids, mask, labels):
     tx = optax.adamw(2e-5, weight_decay=0.01)
     box = {"s": create_state(m.params, tx)}
     step = common.jit_train_step(make_train_step(m, tx), m.plan)
-    batch = {"input_ids": jnp.asarray(ids), "attention_mask": jnp.asarray(mask), "labels": jnp.asarray(labels),
-             "weights": jnp.ones(len(ids), jnp.float32)}
+    batch = {
+        "input_ids": jnp.asarray(ids),
+        "attention_mask": jnp.asarray(mask),
+        "labels": jnp.asarray(labels),
+        "weights": jnp.ones(len(ids), jnp.float32),
+    }
 
     def train_fx():
         box["s"], met = step(box["s"], batch)
@@ -151,8 +223,12 @@ def _systems(path: str, ids, mask, labels):
         opt.step()
         opt.zero_grad()
 
-    return {("forward", "flaxheads"): lambda: fwd(m.params, ids, mask).block_until_ready(),
-            ("forward", "pytorch"): forward_pt, ("train", "flaxheads"): train_fx, ("train", "pytorch"): train_pt}
+    return {
+        ("forward", "flaxheads"): lambda: fwd(m.params, ids, mask).block_until_ready(),
+        ("forward", "pytorch"): forward_pt,
+        ("train", "flaxheads"): train_fx,
+        ("train", "pytorch"): train_pt,
+    }
 
 
 def main(argv=None) -> dict:
@@ -177,8 +253,11 @@ def main(argv=None) -> dict:
                 res = common.run_interleaved(pair, repeats=args.repeats, examples=args.batch, flops=0.0)
                 fx, pt = res["flaxheads"], res["pytorch"]
                 out[(family, bench)] = res
-                print(f"| {family} | {bench} | {fx.spread()} | {pt.spread()} | "
-                      f"{pt.median / fx.median:.2f}x | {fx.first:.1f} |", flush=True)
+                print(
+                    f"| {family} | {bench} | {fx.spread()} | {pt.spread()} | "
+                    f"{pt.median / fx.median:.2f}x | {fx.first:.1f} |",
+                    flush=True,
+                )
     return out
 
 

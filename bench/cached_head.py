@@ -19,6 +19,7 @@ Systems, on the same documents and length buckets:
   batches are timed and scaled to the epoch's batch count
 * sweep: ``flaxheads.sweep.sweep`` with K heads (lr x weight decay x seed) vs K=1
 """
+
 from __future__ import annotations
 
 import os
@@ -67,30 +68,34 @@ def main(argv=None):
     table = load_class_folder(bbc_news_path())
     names = sorted(set(table.labels))
     rng = np.random.default_rng(0)
-    idx = np.sort(rng.permutation(len(table))[:args.limit]) if args.limit else np.arange(len(table))
+    idx = np.sort(rng.permutation(len(table))[: args.limit]) if args.limit else np.arange(len(table))
     table = table.take(idx)
     labels = np.asarray([names.index(x) for x in table.labels], np.int32)
     tok = AutoTokenizer.from_pretrained(path)
     split = tokenize(table, labels, tok, args.max_length)
     buckets = make_buckets(args.max_length, 64)
     n = len(split)
-    print(f"# cached-feature head training, BBC News {n} docs, max_length {args.max_length}, buckets {buckets}, "
-          f"batch {args.batch}, {args.precision}")
+    print(
+        f"# cached-feature head training, BBC News {n} docs, max_length {args.max_length}, buckets {buckets}, "
+        f"batch {args.batch}, {args.precision}"
+    )
     if "pytorch" not in common.precision_systems("pytorch", args.precision):
         raise SystemExit("bench/cached_head.py: no PyTorch reference in bfloat16 on this CPU; run it in float32")
     print("#", common.environment())
 
     bf16 = args.precision == "bfloat16"
-    model = fh.from_pretrained(path, pooler="mean", head="linear", num_labels=len(names),
-                               dtype=jnp.bfloat16 if bf16 else jnp.float32)
+    model = fh.from_pretrained(
+        path, pooler="mean", head="linear", num_labels=len(names), dtype=jnp.bfloat16 if bf16 else jnp.float32
+    )
     # flaxheads encode (compile included: it is part of what a user waits for); run twice, report both
     from flaxheads.training.features import make_encoder
 
     enc = make_encoder(model, "pooled", ("mean",))  # reused: the second run has every bucket compiled
 
     def flaxheads_encode():
-        return cache_features(model, model.params["backbone"], split, batch_size=args.batch, buckets=buckets,
-                              encoder=enc)
+        return cache_features(
+            model, model.params["backbone"], split, batch_size=args.batch, buckets=buckets, encoder=enc
+        )
 
     # PyTorch encode: the batches flaxheads encoded, each at its group's padded length
     tm = AutoModel.from_pretrained(path).eval()
@@ -101,12 +106,12 @@ def main(argv=None):
         with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             for t, rows in groups.items():
                 for s in range(0, len(rows), args.batch):
-                    r = rows[s:s + args.batch]
+                    r = rows[s : s + args.batch]
                     ids = np.zeros((len(r), t), np.int64)
                     m = np.zeros((len(r), t), np.int64)
                     for k, i in enumerate(r):
                         x = split.input_ids[i][:t]
-                        ids[k, :len(x)], m[k, :len(x)] = x, 1
+                        ids[k, : len(x)], m[k, : len(x)] = x, 1
                     h = tm(torch.from_numpy(ids), attention_mask=torch.from_numpy(m)).last_hidden_state
                     mm = torch.from_numpy(m).unsqueeze(-1).float()
                     out[r] = ((h.float() * mm).sum(1) / mm.sum(1).clamp(min=1e-9)).numpy()
@@ -142,7 +147,7 @@ def main(argv=None):
     fstate = create_state(jax.tree.map(jnp.copy, model.params), tx, freeze_backbone=True)  # donated below
     fstep = common.jit_train_step(make_train_step(model, tx, freeze_backbone=True), model.plan)
     batches = list(iterate_batches(split, args.batch, buckets, seed=0, epoch=0, group_by_length=True))
-    sample = batches[:args.recompute_batches]
+    sample = batches[: args.recompute_batches]
     for b in sample:  # compile every bucket in the sample first
         fstate, met = fstep(fstate, b)
     met["loss"].block_until_ready()
@@ -156,7 +161,7 @@ def main(argv=None):
     tr_cache = _subset(cache, tr_idx)
     va_cache = _subset(cache, va_idx)
     k = args.sweep
-    lrs = [1e-3, 3e-3, 1e-2, 3e-2][:max(1, min(4, k))]
+    lrs = [1e-3, 3e-3, 1e-2, 3e-2][: max(1, min(4, k))]
     variants = grid(lrs, weight_decays=(0.0, 0.01), seeds=(0, 1))[:k]
     while len(variants) < k:
         variants += grid([1e-2], seeds=(len(variants),))
@@ -181,11 +186,15 @@ def main(argv=None):
     ]
     print(f"# max |flaxheads - PyTorch| mean-pooled features: {diff:.1e}")
     print("\n".join(rows))
-    print(f"# sweep best: {rk.variants[rk.best].label()} val {rk.metric} {rk.scores[rk.best]:.4f} "
-          f"(K=1 head: {r1.scores[0]:.4f})")
-    print(f"# cached: probe {probe_total:.1f} s (incl. compiles) vs PyTorch encode {min(torch_times):.1f} s; "
-          f"head epoch {recompute_epoch / head_epoch:.0f}x faster on cache; "
-          f"K={k} sweep {rk.seconds / one:.2f}x one head")
+    print(
+        f"# sweep best: {rk.variants[rk.best].label()} val {rk.metric} {rk.scores[rk.best]:.4f} "
+        f"(K=1 head: {r1.scores[0]:.4f})"
+    )
+    print(
+        f"# cached: probe {probe_total:.1f} s (incl. compiles) vs PyTorch encode {min(torch_times):.1f} s; "
+        f"head epoch {recompute_epoch / head_epoch:.0f}x faster on cache; "
+        f"K={k} sweep {rk.seconds / one:.2f}x one head"
+    )
 
 
 def _subset(cache, idx):

@@ -7,6 +7,7 @@ spread (min..max) printed. Peak memory is the resident-set growth over the proce
 level just before the timed call, sampled every 2 ms (same method for JAX and PyTorch),
 plus XLA's own buffer sizes where the program is compiled.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -69,9 +70,11 @@ def default_systems() -> str:
 
 
 #: printed by the benches whose classifier pools [CLS]: what their FLOP columns count
-POOLED_TOKEN_NOTE = ("flaxheads runs the last layer at the pooled [CLS] token alone (pooled_token_only; same "
-                     "logits): GFLOP/s and % roof count every position's FLOPs, the work PyTorch does, so "
-                     "they are the model's rate, not the CPU's; flaxheads_all_tokens does that work")
+POOLED_TOKEN_NOTE = (
+    "flaxheads runs the last layer at the pooled [CLS] token alone (pooled_token_only; same "
+    "logits): GFLOP/s and % roof count every position's FLOPs, the work PyTorch does, so "
+    "they are the model's rate, not the CPU's; flaxheads_all_tokens does that work"
+)
 
 
 def configure_xla(extra: str | None = None) -> list[str]:
@@ -90,9 +93,13 @@ def configure_xla(extra: str | None = None) -> list[str]:
 
 def add_precision(ap) -> None:
     """``--precision`` for the benches that run both systems in either precision."""
-    ap.add_argument("--precision", choices=("float32", "bfloat16"), default="float32",
-                    help="bfloat16: flaxheads' bf16 backbone (float32 params, head and loss) against "
-                         "PyTorch autocast(bfloat16); HF Flax runs float32 only")
+    ap.add_argument(
+        "--precision",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="bfloat16: flaxheads' bf16 backbone (float32 params, head and loss) against "
+        "PyTorch autocast(bfloat16); HF Flax runs float32 only",
+    )
 
 
 def bf16_hardware() -> bool:
@@ -196,8 +203,7 @@ def xla_bytes(jitted, *args) -> int | None:
     """XLA's argument + output + temp buffer bytes for ``jitted(*args)`` (None if unknown)."""
     try:
         m = jitted.lower(*args).compile().memory_analysis()
-        return int(m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
-                   - m.alias_size_in_bytes)
+        return int(m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes)
     except Exception:  # memory_analysis is optional per backend
         return None
 
@@ -206,11 +212,11 @@ def xla_bytes(jitted, *args) -> int | None:
 @dataclasses.dataclass
 class Result:
     name: str
-    times: list[float]                 # seconds per timed call, after warm-up
-    first: float                       # first call (compile + run for JAX)
-    examples: int                      # examples per call
-    flops: float                       # FLOPs per call
-    peak_bytes: int = 0                # RSS growth during one steady-state call
+    times: list[float]  # seconds per timed call, after warm-up
+    first: float  # first call (compile + run for JAX)
+    examples: int  # examples per call
+    flops: float  # FLOPs per call
+    peak_bytes: int = 0  # RSS growth during one steady-state call
     xla_bytes: int | None = None
 
     @property
@@ -231,8 +237,15 @@ class Result:
         return f"{mid} ({lo}..{hi})"
 
 
-def run_interleaved(systems: dict[str, Callable[[], object]], *, repeats: int, warmup: int = 2,
-                    examples: int, flops: float | dict[str, float], settle: float = 0.2) -> dict[str, Result]:
+def run_interleaved(
+    systems: dict[str, Callable[[], object]],
+    *,
+    repeats: int,
+    warmup: int = 2,
+    examples: int,
+    flops: float | dict[str, float],
+    settle: float = 0.2,
+) -> dict[str, Result]:
     """Time each system ``repeats`` times, round-robin, after ``warmup`` untimed calls each.
 
     Each callable must block until its result is ready. The first call of each system is
@@ -254,7 +267,7 @@ def run_interleaved(systems: dict[str, Callable[[], object]], *, repeats: int, w
     for r in range(repeats):
         # Rotate the order each round and let the previous system's worker threads go idle
         # (OpenMP/Eigen pools spin after a call): otherwise whoever runs right after PyTorch pays.
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             time.sleep(settle)
             t0 = time.perf_counter()
             systems[name]()
@@ -276,7 +289,7 @@ def matmul_roof(n: int = 2048, repeats: int = 7, precision: str = "float32") -> 
     systems = {"jax": lambda: mm(a, a).block_until_ready(), "torch": lambda: torch.mm(ta, ta)}
     if bf16 and not bf16_hardware():
         del systems["torch"]
-    res = run_interleaved(systems, repeats=repeats, warmup=2, examples=1, flops=2.0 * n ** 3)
+    res = run_interleaved(systems, repeats=repeats, warmup=2, examples=1, flops=2.0 * n**3)
     out = {k: max(res[k].flops / t for t in res[k].times) / 1e9 for k in res}  # best: the roof
     out["roof"] = max(out.values())
     return out
@@ -292,29 +305,41 @@ def environment() -> str:
     cpu = CpuInfo.read()
     load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
     heap = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_")) or "glibc defaults"
-    return (f"{cpu.model or platform.machine()} ({cpu.kind}), {os.cpu_count()} cores, load avg "
-            f"{load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f}; python {sys.version.split()[0]}, jax {jax.__version__}, "
-            f"torch {torch.__version__} ({torch.get_num_threads()} threads); "
-            f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; "
-            f"malloc: {heap}")
+    return (
+        f"{cpu.model or platform.machine()} ({cpu.kind}), {os.cpu_count()} cores, load avg "
+        f"{load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f}; python {sys.version.split()[0]}, jax {jax.__version__}, "
+        f"torch {torch.__version__} ({torch.get_num_threads()} threads); "
+        f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}; "
+        f"malloc: {heap}"
+    )
 
 
-HEADER = ("| bench | system | examples/s | median ms (min..max) | GFLOP/s | % roof | first call s | "
-          "peak MB (step RSS growth / XLA buffers) | vs PyTorch | vs HF Flax |")
+HEADER = (
+    "| bench | system | examples/s | median ms (min..max) | GFLOP/s | % roof | first call s | "
+    "peak MB (step RSS growth / XLA buffers) | vs PyTorch | vs HF Flax |"
+)
 RULE = "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
 
 
-def table(bench: str, results: dict[str, Result], roof: float, *, torch_key: str | None = "pytorch",
-          hf_key: str | None = "hf_flax") -> str:
+def table(
+    bench: str,
+    results: dict[str, Result],
+    roof: float,
+    *,
+    torch_key: str | None = "pytorch",
+    hf_key: str | None = "hf_flax",
+) -> str:
     """Markdown rows, one per system, with ratios of examples/s against the peers."""
     rows = [HEADER, RULE]
     for name, r in results.items():
         vs_t = f"{r.eps / results[torch_key].eps:.2f}x" if torch_key in results else "-"
         vs_h = f"{r.eps / results[hf_key].eps:.2f}x" if hf_key in results else "-"
         xb = f" / {r.xla_bytes / 2**20:.0f}" if r.xla_bytes else ""
-        rows.append(f"| {bench} | {name} | {r.eps:.1f} | {r.spread()} | {r.gflops:.0f} | "
-                    f"{100 * r.gflops / roof:.0f}% | {r.first:.1f} | {r.peak_bytes / 2**20:.0f}{xb} | "
-                    f"{vs_t} | {vs_h} |")
+        rows.append(
+            f"| {bench} | {name} | {r.eps:.1f} | {r.spread()} | {r.gflops:.0f} | "
+            f"{100 * r.gflops / roof:.0f}% | {r.first:.1f} | {r.peak_bytes / 2**20:.0f}{xb} | "
+            f"{vs_t} | {vs_h} |"
+        )
     return "\n".join(rows)
 
 
@@ -322,5 +347,7 @@ def summary_line(bench: str, results: dict[str, Result], ours: str, roof: float)
     """One compact line for the README: ours vs each peer."""
     r = results[ours]
     peers = ", ".join(f"{r.eps / p.eps:.2f}x {k}" for k, p in results.items() if k != ours)
-    return (f"{bench}: {ours} {r.eps:.1f} ex/s, {r.gflops:.0f} GFLOP/s = {100 * r.gflops / roof:.0f}% of "
-            f"{roof:.0f} GFLOP/s roof; {peers}")
+    return (
+        f"{bench}: {ours} {r.eps:.1f} ex/s, {r.gflops:.0f} GFLOP/s = {100 * r.gflops / roof:.0f}% of "
+        f"{roof:.0f} GFLOP/s roof; {peers}"
+    )

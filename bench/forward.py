@@ -15,6 +15,7 @@ backbone against PyTorch's bf16 autocast. Systems:
 * ``hf_flax``: ``FlaxBertForSequenceClassification``, jitted
 * ``pytorch``: ``BertForSequenceClassification`` in eval mode under ``torch.inference_mode``
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -66,13 +67,17 @@ def main(argv=None) -> dict:
         import flaxheads as fh
 
         jids, jmask = jax.numpy.asarray(ids), jax.numpy.asarray(mask)
-        for name, impl, only in (("flaxheads", "native", True), ("flaxheads_all_tokens", "native", False),
-                                 ("flaxheads_hf_backbone", "hf_flax", True)):
+        for name, impl, only in (
+            ("flaxheads", "native", True),
+            ("flaxheads_all_tokens", "native", False),
+            ("flaxheads_hf_backbone", "hf_flax", True),
+        ):
             if name in want:
-                m = dataclasses.replace(fh.from_pretrained(path, implementation=impl, dtype=dtype),
-                                        pooled_token_only=only)
+                m = dataclasses.replace(
+                    fh.from_pretrained(path, implementation=impl, dtype=dtype), pooled_token_only=only
+                )
                 f = jax.jit(m.apply)
-                systems[name] = (lambda f=f, p=m.params: f(p, jids, jmask).block_until_ready())
+                systems[name] = lambda f=f, p=m.params: f(p, jids, jmask).block_until_ready()
                 outputs[name] = lambda f=f, p=m.params: np.asarray(f(p, jids, jmask))
                 xla[name] = common.xla_bytes(f, m.params, jids, jmask)
                 cfg = m.backbone.config
@@ -102,8 +107,11 @@ def main(argv=None) -> dict:
     print(f"# forward, {os.path.basename(src.rstrip('/'))}, batch {b} x seq {t}, {flops / 1e9:.1f} GFLOP/call")
     print("#", common.environment())
     roof = common.matmul_roof(precision=args.precision)
-    print(f"# {args.precision} matmul roof (2048^3): "
-          + ", ".join(f"{k} {v:.0f}" for k, v in roof.items() if k != "roof") + " GFLOP/s")
+    print(
+        f"# {args.precision} matmul roof (2048^3): "
+        + ", ".join(f"{k} {v:.0f}" for k, v in roof.items() if k != "roof")
+        + " GFLOP/s"
+    )
     res = common.run_interleaved(systems, repeats=args.repeats, warmup=2, examples=b, flops=flops)
     for k, r in res.items():
         r.xla_bytes = xla.get(k)

@@ -11,6 +11,7 @@ checkpoints as the spec says. Every setting comes from the spec (which e2e.py re
 flaxheads' own code); nothing here imports flaxheads, so this process pays for torch and
 transformers only. The test logits go back to e2e.py, which scores them with flaxheads' metrics.
 """
+
 from __future__ import annotations
 
 import json
@@ -71,8 +72,10 @@ def param_groups(model: MeanPoolClassifier, optim: dict) -> list[dict]:
         decays = not any(k in name.lower() for k in NO_DECAY)
         groups.setdefault((part, decays), []).append(p)
     lr = {"backbone": optim["learning_rate"], "head": optim["head_learning_rate"] or optim["learning_rate"]}
-    return [{"params": ps, "lr": lr[part], "weight_decay": optim["weight_decay"] if decays else 0.0}
-            for (part, decays), ps in groups.items()]
+    return [
+        {"params": ps, "lr": lr[part], "weight_decay": optim["weight_decay"] if decays else 0.0}
+        for (part, decays), ps in groups.items()
+    ]
 
 
 class StepClock(TrainerCallback):
@@ -89,8 +92,14 @@ class StepClock(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kw):
         now = time.perf_counter()
-        self.intervals.append({"first_step": state.global_step, "last_step": state.global_step,
-                               "seconds": now - self.last, "eval": self.busy})
+        self.intervals.append(
+            {
+                "first_step": state.global_step,
+                "last_step": state.global_step,
+                "seconds": now - self.last,
+                "eval": self.busy,
+            }
+        )
         self.last, self.busy = now, False
 
     def on_evaluate(self, args, state, control, **kw):
@@ -113,8 +122,10 @@ class CountingTrainer(Trainer):
 def encode(tok, split: dict, max_length: int) -> list[dict]:
     """Token ids (truncated, unpadded: the collator pads each batch) and the label of each example."""
     enc = tok(split["texts"], truncation=True, max_length=max_length, return_token_type_ids=False)
-    return [{"input_ids": ids, "attention_mask": m, "labels": int(y)}
-            for ids, m, y in zip(enc["input_ids"], enc["attention_mask"], split["labels"])]
+    return [
+        {"input_ids": ids, "attention_mask": m, "labels": int(y)}
+        for ids, m, y in zip(enc["input_ids"], enc["attention_mask"], split["labels"])
+    ]
 
 
 def accuracy(pred) -> dict:
@@ -125,16 +136,36 @@ def accuracy(pred) -> dict:
 def training_args(spec: dict) -> TrainingArguments:
     """The Trainer's settings for the spec (flaxheads' recipe; see e2e.py)."""
     ck = spec["checkpoints"]
-    save = {"save_strategy": "epoch", "save_total_limit": ck["keep"],
-            "metric_for_best_model": "accuracy", "greater_is_better": True} if ck["save"] else {"save_strategy": "no"}
+    save = (
+        {
+            "save_strategy": "epoch",
+            "save_total_limit": ck["keep"],
+            "metric_for_best_model": "accuracy",
+            "greater_is_better": True,
+        }
+        if ck["save"]
+        else {"save_strategy": "no"}
+    )
     return TrainingArguments(
-        output_dir=spec["output_dir"], per_device_train_batch_size=spec["batch_size"],
-        per_device_eval_batch_size=spec["eval_batch_size"], num_train_epochs=spec["epochs"],
-        max_grad_norm=spec["optim"]["max_grad_norm"] or 0.0, eval_strategy="epoch", logging_strategy="steps",
-        logging_steps=spec["log_every"], seed=spec["seed"], data_seed=spec["seed"],
-        bf16=spec["precision"] == "bfloat16", use_cpu=True, report_to=[], dataloader_num_workers=0,
-        disable_tqdm=True, train_sampling_strategy="group_by_length" if spec["group_by_length"] else "random",
-        load_best_model_at_end=False, **save)
+        output_dir=spec["output_dir"],
+        per_device_train_batch_size=spec["batch_size"],
+        per_device_eval_batch_size=spec["eval_batch_size"],
+        num_train_epochs=spec["epochs"],
+        max_grad_norm=spec["optim"]["max_grad_norm"] or 0.0,
+        eval_strategy="epoch",
+        logging_strategy="steps",
+        logging_steps=spec["log_every"],
+        seed=spec["seed"],
+        data_seed=spec["seed"],
+        bf16=spec["precision"] == "bfloat16",
+        use_cpu=True,
+        report_to=[],
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        train_sampling_strategy="group_by_length" if spec["group_by_length"] else "random",
+        load_best_model_at_end=False,
+        **save,
+    )
 
 
 def run(spec: dict) -> dict:
@@ -144,8 +175,9 @@ def run(spec: dict) -> dict:
     with open(spec["data_file"]) as f:
         data = json.load(f)
     tok = AutoTokenizer.from_pretrained(spec["model"])
-    sets = {name: encode(tok, data[name], spec["max_length"]) for name in ("train", "validation", "test")
-            if name in data}
+    sets = {
+        name: encode(tok, data[name], spec["max_length"]) for name in ("train", "validation", "test") if name in data
+    }
     times["data_and_tokenize"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -155,10 +187,17 @@ def run(spec: dict) -> dict:
     opt = torch.optim.AdamW(param_groups(model, optim), betas=(optim["b1"], optim["b2"]), eps=optim["eps"])
     sched = get_linear_schedule_with_warmup(opt, optim["warmup_steps"], optim["total_steps"])
     clock = StepClock()
-    trainer = CountingTrainer(model=model, args=training_args(spec), train_dataset=sets["train"],
-                              eval_dataset=sets.get("validation"), processing_class=tok,
-                              data_collator=DataCollatorWithPadding(tok), compute_metrics=accuracy,
-                              optimizers=(opt, sched), callbacks=[clock])
+    trainer = CountingTrainer(
+        model=model,
+        args=training_args(spec),
+        train_dataset=sets["train"],
+        eval_dataset=sets.get("validation"),
+        processing_class=tok,
+        data_collator=DataCollatorWithPadding(tok),
+        compute_metrics=accuracy,
+        optimizers=(opt, sched),
+        callbacks=[clock],
+    )
     trainer.rows = []
     times["model_load"] = time.perf_counter() - t
 
@@ -171,13 +210,20 @@ def run(spec: dict) -> dict:
     t = time.perf_counter()
     pred = trainer.predict(sets["test"]) if "test" in sets else None
     times["test_predict"] = time.perf_counter() - t
-    return {"system": "hf_trainer", "precision": spec["precision"], "steps": trainer.state.global_step,
-            "train_runtime": out.metrics["train_runtime"], "n_train": len(sets["train"]), "intervals": clock.intervals,
-            "validation_accuracy": evals[-1]["eval_accuracy"] if evals else None,
-            "test_logits": None if pred is None else np.asarray(pred.predictions, np.float32).tolist(),
-            "test_labels": None if pred is None else np.asarray(pred.label_ids).tolist(),
-            "timings": times, "attn_implementation": model.backbone.config._attn_implementation,
-            "torch_threads": torch.get_num_threads()}
+    return {
+        "system": "hf_trainer",
+        "precision": spec["precision"],
+        "steps": trainer.state.global_step,
+        "train_runtime": out.metrics["train_runtime"],
+        "n_train": len(sets["train"]),
+        "intervals": clock.intervals,
+        "validation_accuracy": evals[-1]["eval_accuracy"] if evals else None,
+        "test_logits": None if pred is None else np.asarray(pred.predictions, np.float32).tolist(),
+        "test_labels": None if pred is None else np.asarray(pred.label_ids).tolist(),
+        "timings": times,
+        "attn_implementation": model.backbone.config._attn_implementation,
+        "torch_threads": torch.get_num_threads(),
+    }
 
 
 def main(argv: list[str]) -> int:

@@ -31,6 +31,7 @@ Then in this process, on the smallest size:
   label ids, as training does) against the ``tokenizers`` library's own ``encode_batch`` on the same
   texts with the same truncation.
 """
+
 from __future__ import annotations
 
 import csv
@@ -48,8 +49,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import common  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-RECIPE = ["--max-length", "64", "--batch-size", "32", "--split", "0.998,0.001,0.001", "--eval-limit", "200",
-          "--checkpoint-every", "0", "--log-every", "5", "--no-progress"]
+RECIPE = [
+    "--max-length",
+    "64",
+    "--batch-size",
+    "32",
+    "--split",
+    "0.998,0.001,0.001",
+    "--eval-limit",
+    "200",
+    "--checkpoint-every",
+    "0",
+    "--log-every",
+    "5",
+    "--no-progress",
+]
 
 
 def sentences() -> list[tuple[str, str]]:
@@ -85,11 +99,26 @@ def make_rows(n: int, folder: Path) -> Path:
 
 def run_train(data: Path, steps: int, out: Path, *extra: str) -> dict:
     """One ``flaxheads train`` process: peak RSS (MB), seconds to the first step, steady ms/step, wall s."""
-    cmd = [sys.executable, "-m", "flaxheads", "train", "--data", str(data), *RECIPE, "--max-steps", str(steps),
-           "--output-dir", str(out), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "flaxheads",
+        "train",
+        "--data",
+        str(data),
+        *RECIPE,
+        "--max-steps",
+        str(steps),
+        "--output-dir",
+        str(out),
+        *extra,
+    ]
     # no compile cache: every run compiles, as a first run does
-    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "FLAXHEADS_COMPILE_CACHE": "0"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "FLAXHEADS_COMPILE_CACHE": "0",
+    }
     t = time.perf_counter()
     p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     log = p.stdout.read()
@@ -100,8 +129,12 @@ def run_train(data: Path, steps: int, out: Path, *extra: str) -> dict:
     summary = json.loads((out / "summary.json").read_text())
     windows = [json.loads(x) for x in open(out / "metrics.jsonl") if '"examples_per_s"' in x]
     steady = [32e3 / e["examples_per_s"] for e in windows[2:]] or [float("nan")]
-    return {"rss_mb": usage.ru_maxrss / 1024, "first_step_s": summary.get("seconds_to_first_step"),
-            "step_ms": statistics.median(steady), "wall_s": wall}
+    return {
+        "rss_mb": usage.ru_maxrss / 1024,
+        "first_step_s": summary.get("seconds_to_first_step"),
+        "step_ms": statistics.median(steady),
+        "wall_s": wall,
+    }
 
 
 def pipeline_alone(data: str, batches: int) -> dict:
@@ -124,14 +157,24 @@ def pipeline_alone(data: str, batches: int) -> dict:
             if i + 1 == batches:
                 break
         tested = sum(1 for _ in S.ordered_batches(splits["test"], 64, (32, 64)))
-    return {"base_mb": mem.base / 2**20, "peak_mb": (mem.base + mem.peak) / 2**20, "scan_s": scan,
-            "test_batches": tested}
+    return {
+        "base_mb": mem.base / 2**20,
+        "peak_mb": (mem.base + mem.peak) / 2**20,
+        "scan_s": scan,
+        "test_batches": tested,
+    }
 
 
 def run_pipeline_alone(data: Path, batches: int) -> dict:
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    out = subprocess.run([sys.executable, __file__, "--pipeline-alone", str(data), "--batches", str(batches)],
-                         cwd=REPO, env=env, capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, __file__, "--pipeline-alone", str(data), "--batches", str(batches)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -166,7 +209,7 @@ def pipeline_against_pretokenized(data: Path, segment: int, rounds: int) -> dict
             b = next(live)
             state, _ = trainer.step(state, b)
             live_ms.append((time.perf_counter() - t) * 1e3)
-        for b in made[r * segment:(r + 1) * segment]:  # the same batches, made beforehand
+        for b in made[r * segment : (r + 1) * segment]:  # the same batches, made beforehand
             t = time.perf_counter()
             state, _ = trainer.step(state, b)
             made_ms.append((time.perf_counter() - t) * 1e3)
@@ -188,8 +231,11 @@ def tokenize_throughput(job, texts_wanted: int, repeats: int = 3) -> dict:
     backend = train.tokenizer.backend if hasattr(train.tokenizer, "backend") else None
     from tokenizers import Tokenizer
 
-    raw = Tokenizer.from_str(backend.to_str()) if backend is not None else Tokenizer.from_file(
-        str(Path(job.model_path) / "tokenizer.json"))
+    raw = (
+        Tokenizer.from_str(backend.to_str())
+        if backend is not None
+        else Tokenizer.from_file(str(Path(job.model_path) / "tokenizer.json"))
+    )
     raw.enable_truncation(job.max_length)
     raw.no_padding()
     ours, theirs = [], []
@@ -220,9 +266,12 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--pipeline-alone", default=None, help=argparse_hidden())
     ap.add_argument("--batches", type=int, default=300)
-    ap.add_argument("--parts", default="runs,alone,steps",
-                    help="what to measure: runs (training processes), alone (the pipeline without a model), steps "
-                         "(live pipeline against pre-tokenized batches, and tokenisation)")
+    ap.add_argument(
+        "--parts",
+        default="runs,alone,steps",
+        help="what to measure: runs (training processes), alone (the pipeline without a model), steps "
+        "(live pipeline against pre-tokenized batches, and tokenisation)",
+    )
     args = ap.parse_args()
     if args.pipeline_alone:
         print(json.dumps(pipeline_alone(args.pipeline_alone, args.batches)))
@@ -236,8 +285,11 @@ def main() -> None:
     for n in sizes:
         t = time.perf_counter()
         files[n] = make_rows(n, work)
-        print(f"# {files[n].name}: {files[n].stat().st_size / 2**20:.0f} MiB ({time.perf_counter() - t:.0f} s to "
-              "write or find)", flush=True)
+        print(
+            f"# {files[n].name}: {files[n].stat().st_size / 2**20:.0f} MiB ({time.perf_counter() - t:.0f} s to "
+            "write or find)",
+            flush=True,
+        )
     parts = set(args.parts.split(","))
     small = sizes[0]
     runs, alone, p, t = {}, {}, {}, {}
@@ -248,9 +300,17 @@ def main() -> None:
     if "steps" in parts:
         p, t = live_against_made(files[small], args)
     if args.json:
-        Path(args.json).write_text(json.dumps({"runs": {f"{n} {h}": r for (n, h), r in runs.items()}, "alone": alone,
-                                               "pipeline": {k: v for k, v in p.items() if k != "job"},
-                                               "tokenize": t}, indent=1))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "runs": {f"{n} {h}": r for (n, h), r in runs.items()},
+                    "alone": alone,
+                    "pipeline": {k: v for k, v in p.items() if k != "job"},
+                    "tokenize": t,
+                },
+                indent=1,
+            )
+        )
 
 
 def training_runs(files: dict, sizes: list[int], steps: int, work: Path) -> dict:
@@ -264,8 +324,10 @@ def training_runs(files: dict, sizes: list[int], steps: int, work: Path) -> dict
     print("\n| rows | data | peak RSS MB | vs in memory | first step s | vs in memory | steady ms/step | whole run s |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for (n, how), r in runs.items():
-        print(f"| {n:,} | {how} | {r['rss_mb']:.0f} | {r['rss_mb'] / ref['rss_mb']:.2f}x | {r['first_step_s']} | "
-              f"{r['first_step_s'] / ref['first_step_s']:.2f}x | {r['step_ms']:.0f} | {r['wall_s']:.0f} |")
+        print(
+            f"| {n:,} | {how} | {r['rss_mb']:.0f} | {r['rss_mb'] / ref['rss_mb']:.2f}x | {r['first_step_s']} | "
+            f"{r['first_step_s'] / ref['first_step_s']:.2f}x | {r['step_ms']:.0f} | {r['wall_s']:.0f} |"
+        )
     streamed = [r["rss_mb"] for (n, how), r in runs.items() if how == "streamed"]
     print(f"\npeak RSS streamed: largest / smallest size {max(streamed) / min(streamed):.2f}x")
     return runs
@@ -274,8 +336,10 @@ def training_runs(files: dict, sizes: list[int], steps: int, work: Path) -> dict
 def pipeline_alone_table(files: dict, sizes: list[int], batches: int) -> dict:
     small = sizes[0]
     alone = {n: run_pipeline_alone(files[n], batches) for n in sizes}
-    print(f"\nthe pipeline alone (no model; a process that scans, makes {batches} training batches and reads "
-          "the whole test split):\n")
+    print(
+        f"\nthe pipeline alone (no model; a process that scans, makes {batches} training batches and reads "
+        "the whole test split):\n"
+    )
     print("| rows | scan s | RSS after imports MB | peak RSS MB | growth MB | growth vs smallest |")
     print("| --- | --- | --- | --- | --- | --- |")
     g0 = alone[small]["peak_mb"] - alone[small]["base_mb"]
@@ -287,12 +351,16 @@ def pipeline_alone_table(files: dict, sizes: list[int], batches: int) -> dict:
 
 def live_against_made(data: Path, args) -> tuple[dict, dict]:
     p = pipeline_against_pretokenized(data, args.segment, args.rounds)
-    print(f"\nsteps fed by the live pipeline: {p['live_ms']:.1f} ms median; on the same batches pre-tokenized: "
-          f"{p['made_ms']:.1f} ms; ratio {p['live_ms'] / p['made_ms']:.3f} ({args.rounds} x {args.segment} steps each, "
-          "interleaved)")
+    print(
+        f"\nsteps fed by the live pipeline: {p['live_ms']:.1f} ms median; on the same batches pre-tokenized: "
+        f"{p['made_ms']:.1f} ms; ratio {p['live_ms'] / p['made_ms']:.3f} ({args.rounds} x {args.segment} steps each, "
+        "interleaved)"
+    )
     t = tokenize_throughput(p["job"], 40000)
-    print(f"tokenisation of {t['texts']:,} texts (64 tokens max): pipeline {t['ours']:,.0f} texts/s, tokenizers "
-          f"encode_batch {t['tokenizers']:,.0f} texts/s; ratio {t['ours'] / t['tokenizers']:.2f}")
+    print(
+        f"tokenisation of {t['texts']:,} texts (64 tokens max): pipeline {t['ours']:,.0f} texts/s, tokenizers "
+        f"encode_batch {t['tokenizers']:,.0f} texts/s; ratio {t['ours'] / t['tokenizers']:.2f}"
+    )
     return p, t
 
 

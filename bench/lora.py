@@ -19,6 +19,7 @@ it, the process's peak resident set (``ru_maxrss``: params, optimizer state, act
 XLA's buffers), the resident-set growth during one steady-state step (:class:`bench.common.PeakRSS`)
 and XLA's own buffer sizes for the compiled step. Ratios: full / LoRA (> 1: LoRA cheaper).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,10 +39,22 @@ SYSTEMS = ("full", "lora", "lora-bf16")
 
 
 def _config(a) -> dict:
-    return dict(model_type="qwen2", vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.intermediate,
-                num_hidden_layers=a.layers, num_attention_heads=16, num_key_value_heads=4,
-                head_dim=a.hidden // 16, max_position_embeddings=4096, pad_token_id=0, bos_token_id=1,
-                eos_token_id=2, tie_word_embeddings=False, rms_norm_eps=1e-6)
+    return dict(
+        model_type="qwen2",
+        vocab_size=a.vocab,
+        hidden_size=a.hidden,
+        intermediate_size=a.intermediate,
+        num_hidden_layers=a.layers,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=a.hidden // 16,
+        max_position_embeddings=4096,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+    )
 
 
 def build_model(a):
@@ -55,12 +68,21 @@ def build_model(a):
     from flaxheads.model.sequence import SequenceModel, build_head
 
     cfg = DecoderBackbone.complete_config(HFConfig(_config(a)))
-    backbone = DecoderBackbone(cfg, jax.jit(DecoderBackbone.init_params, static_argnums=0)(cfg, jax.random.key(0)),
-                               dtype=jnp.bfloat16 if a.bf16 else jnp.float32)
+    backbone = DecoderBackbone(
+        cfg,
+        jax.jit(DecoderBackbone.init_params, static_argnums=0)(cfg, jax.random.key(0)),
+        dtype=jnp.bfloat16 if a.bf16 else jnp.float32,
+    )
     head, _ = build_head(cfg, 2, pooler="last", head="linear")
     head_params, _ = _init_head(head, a.hidden, 0, (), {})
-    return SequenceModel(backbone=backbone, head=head, num_labels=2, problem_type="single_label_classification",
-                         params={"backbone": backbone.params, "head": head_params}, pad_token_id=0)
+    return SequenceModel(
+        backbone=backbone,
+        head=head,
+        num_labels=2,
+        problem_type="single_label_classification",
+        params={"backbone": backbone.params, "head": head_params},
+        pad_token_id=0,
+    )
 
 
 def measure(a) -> dict:
@@ -77,13 +99,17 @@ def measure(a) -> dict:
         model = model.with_base_dtype(jnp.bfloat16)
     if a.system.startswith("lora"):
         model = model.with_lora(rank=a.rank, alpha=2.0 * a.rank, targets=tuple(a.targets.split(",")))
-    tx = make_optimizer(OptimConfig(learning_rate=1e-4, warmup_steps=0, total_steps=1000),
-                        fold_reductions=model.plan.fold_reductions)
+    tx = make_optimizer(
+        OptimConfig(learning_rate=1e-4, warmup_steps=0, total_steps=1000), fold_reductions=model.plan.fold_reductions
+    )
     state = create_state(model.params, tx)
     rng = np.random.default_rng(0)
-    batch = {"input_ids": jnp.asarray(rng.integers(3, a.vocab, (a.batch, a.seq)), jnp.int32),
-             "attention_mask": jnp.ones((a.batch, a.seq), jnp.int32),
-             "labels": jnp.asarray(rng.integers(0, 2, a.batch)), "weights": jnp.ones(a.batch, jnp.float32)}
+    batch = {
+        "input_ids": jnp.asarray(rng.integers(3, a.vocab, (a.batch, a.seq)), jnp.int32),
+        "attention_mask": jnp.ones((a.batch, a.seq), jnp.int32),
+        "labels": jnp.asarray(rng.integers(0, 2, a.batch)),
+        "weights": jnp.ones(a.batch, jnp.float32),
+    }
     step = common.jit_train_step(make_train_step(model, tx), model.plan)
     xla = common.xla_bytes(step, state, batch)
     t0 = time.perf_counter()
@@ -99,17 +125,27 @@ def measure(a) -> dict:
         state, m = step(state, batch)
         jax.block_until_ready(m)
         times.append(time.perf_counter() - t0)
-    return {"system": a.system, "params": count_params(model.params),
-            "trained": count_params(trainable(model.params, False)), "opt_state": count_params(state.opt_state),
-            "first_s": first, "step_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
-            "maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "step_rss": pk.peak,
-            "xla_bytes": xla, "loss": float(m["loss"]),
-            "base_bytes": sum(x.nbytes for x in jax.tree.leaves(model.params["backbone"]))}
+    return {
+        "system": a.system,
+        "params": count_params(model.params),
+        "trained": count_params(trainable(model.params, False)),
+        "opt_state": count_params(state.opt_state),
+        "first_s": first,
+        "step_s": statistics.median(times),
+        "min_s": min(times),
+        "max_s": max(times),
+        "maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "step_rss": pk.peak,
+        "xla_bytes": xla,
+        "loss": float(m["loss"]),
+        "base_bytes": sum(x.nbytes for x in jax.tree.leaves(model.params["backbone"])),
+    }
 
 
 def run_system(system: str, argv: list[str]) -> dict | str:
-    p = subprocess.run([sys.executable, os.path.abspath(__file__), "--system", system, *argv], capture_output=True,
-                       text=True)
+    p = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--system", system, *argv], capture_output=True, text=True
+    )
     if p.returncode != 0:
         tail = (p.stderr or p.stdout).strip().splitlines()[-1:] or [f"exit {p.returncode}"]
         return f"failed (exit {p.returncode}: {tail[0][:160]})"
@@ -117,13 +153,21 @@ def run_system(system: str, argv: list[str]) -> dict | str:
 
 
 def _gib(n) -> str:
-    return "-" if n is None else f"{n / 2 ** 30:.2f}"
+    return "-" if n is None else f"{n / 2**30:.2f}"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for name, default in (("layers", 24), ("hidden", 1024), ("intermediate", 4352), ("vocab", 32000), ("batch", 4),
-                          ("seq", 128), ("repeats", 3), ("rank", 8)):
+    for name, default in (
+        ("layers", 24),
+        ("hidden", 1024),
+        ("intermediate", 4352),
+        ("vocab", 32000),
+        ("batch", 4),
+        ("seq", 128),
+        ("repeats", 3),
+        ("rank", 8),
+    ):
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--targets", default="q_proj,v_proj")
     ap.add_argument("--bf16", action="store_true", help="bfloat16 compute (params float32 unless lora-bf16)")
@@ -139,29 +183,36 @@ def main() -> None:
     systems = a.systems.split(",")
     if set(systems) - set(SYSTEMS):
         ap.error(f"--systems: expected names among {', '.join(SYSTEMS)}, got {a.systems}")
-    print(f"# LoRA vs full fine-tuning: qwen2-style decoder, hidden {a.hidden}, {a.layers} layers, SwiGLU "
-          f"{a.intermediate}, vocab {a.vocab}; batch {a.batch} x {a.seq} tokens, "
-          f"{'bfloat16' if a.bf16 else 'float32'} compute, AdamW; LoRA rank "
-          f"{a.rank}, alpha {2 * a.rank}, targets {a.targets}")
+    print(
+        f"# LoRA vs full fine-tuning: qwen2-style decoder, hidden {a.hidden}, {a.layers} layers, SwiGLU "
+        f"{a.intermediate}, vocab {a.vocab}; batch {a.batch} x {a.seq} tokens, "
+        f"{'bfloat16' if a.bf16 else 'float32'} compute, AdamW; LoRA rank "
+        f"{a.rank}, alpha {2 * a.rank}, targets {a.targets}"
+    )
     print(f"# {common.environment()}")
     res = {s: run_system(s, argv) for s in systems}
-    print("| system | params | trained | optimizer state | base params (GiB) | first step (s) | "
-          "step (s), median (min..max) | peak RSS (GiB) | step RSS growth (GiB) | XLA buffers (GiB) |")
+    print(
+        "| system | params | trained | optimizer state | base params (GiB) | first step (s) | "
+        "step (s), median (min..max) | peak RSS (GiB) | step RSS growth (GiB) | XLA buffers (GiB) |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for s, r in res.items():
         if isinstance(r, str):
             print(f"| {s} | {r} | | | | | | | | |")
             continue
-        print(f"| {s} | {r['params'] / 1e6:.1f} M | {r['trained'] / 1e6:.2f} M | {r['opt_state'] / 1e6:.2f} M | "
-              f"{_gib(r['base_bytes'])} | "
-              f"{r['first_s']:.1f} | {r['step_s']:.2f} ({r['min_s']:.2f}..{r['max_s']:.2f}) | {_gib(r['maxrss'])} | "
-              f"{_gib(r['step_rss'])} | {_gib(r['xla_bytes'])} |")
+        print(
+            f"| {s} | {r['params'] / 1e6:.1f} M | {r['trained'] / 1e6:.2f} M | {r['opt_state'] / 1e6:.2f} M | "
+            f"{_gib(r['base_bytes'])} | "
+            f"{r['first_s']:.1f} | {r['step_s']:.2f} ({r['min_s']:.2f}..{r['max_s']:.2f}) | {_gib(r['maxrss'])} | "
+            f"{_gib(r['step_rss'])} | {_gib(r['xla_bytes'])} |"
+        )
     full, lora = res.get("full"), res.get("lora")
     if isinstance(full, dict) and isinstance(lora, dict):
-        xla = (f"{full['xla_bytes'] / lora['xla_bytes']:.2f}x" if full["xla_bytes"] and lora["xla_bytes"]
-               else "n/a")
-        print(f"\nfull / LoRA: step time {full['step_s'] / lora['step_s']:.2f}x, peak RSS "
-              f"{full['maxrss'] / lora['maxrss']:.2f}x, XLA buffers {xla}")
+        xla = f"{full['xla_bytes'] / lora['xla_bytes']:.2f}x" if full["xla_bytes"] and lora["xla_bytes"] else "n/a"
+        print(
+            f"\nfull / LoRA: step time {full['step_s'] / lora['step_s']:.2f}x, peak RSS "
+            f"{full['maxrss'] / lora['maxrss']:.2f}x, XLA buffers {xla}"
+        )
 
 
 if __name__ == "__main__":

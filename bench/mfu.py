@@ -31,6 +31,7 @@ Peak: ``--peak-tflops``; without it, measured: on CPU the fp32 GEMM roof of
 :func:`bench.common.matmul_roof` (2048^3, JAX or PyTorch, whichever is faster), elsewhere a JAX
 8192^3 matmul in ``--dtype``. The table names the device and the peak it used.
 """
+
 from __future__ import annotations
 
 import os
@@ -103,9 +104,10 @@ def peak_flops(args) -> tuple[float, str]:
     n = 8192
     a = jnp.ones((n, n), args.dtype)
     mm = jax.jit(lambda x: x @ x)
-    res = common.run_interleaved({"mm": lambda: mm(a).block_until_ready()}, repeats=10, examples=1,
-                                 flops=2.0 * n ** 3, settle=0.0)
-    return max(2.0 * n ** 3 / t for t in res["mm"].times), f"measured JAX {args.dtype} matmul {n}^3"
+    res = common.run_interleaved(
+        {"mm": lambda: mm(a).block_until_ready()}, repeats=10, examples=1, flops=2.0 * n**3, settle=0.0
+    )
+    return max(2.0 * n**3 / t for t in res["mm"].times), f"measured JAX {args.dtype} matmul {n}^3"
 
 
 def _folder(size: str, layers: int | None, out: str) -> str:
@@ -114,8 +116,14 @@ def _folder(size: str, layers: int | None, out: str) -> str:
 
     h, n, heads, ffn = SIZES[size]
     torch.manual_seed(0)
-    cfg = tf.BertConfig(hidden_size=h, num_hidden_layers=layers or n, num_attention_heads=heads,
-                        intermediate_size=ffn, num_labels=LABELS, attention_probs_dropout_prob=0.0)
+    cfg = tf.BertConfig(
+        hidden_size=h,
+        num_hidden_layers=layers or n,
+        num_attention_heads=heads,
+        intermediate_size=ffn,
+        num_labels=LABELS,
+        attention_probs_dropout_prob=0.0,
+    )
     tf.BertForSequenceClassification(cfg).save_pretrained(out, safe_serialization=True)
     return out
 
@@ -162,8 +170,10 @@ def main(argv=None) -> list[dict]:
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     peak, how = peak_flops(args)
     print(f"# train-step MFU, {device_name()}; activations {args.dtype}; batch {args.batch}")
-    print(f"# peak {peak / 1e12:.2f} TFLOP/s: {how}; unfused = the backend's default attention "
-          f"({'CPU-tuned' if jax.default_backend() == 'cpu' else 'textbook'})")
+    print(
+        f"# peak {peak / 1e12:.2f} TFLOP/s: {how}; unfused = the backend's default attention "
+        f"({'CPU-tuned' if jax.default_backend() == 'cpu' else 'textbook'})"
+    )
     print("#", common.environment())
     rows = []
     print("| model | tokens | variant | ms/step (min..max) | model TFLOP/step | TFLOP/s | MFU | compile s |")
@@ -174,9 +184,12 @@ def main(argv=None) -> list[dict]:
         h, n, _, ffn = SIZES[size]
         n = args.layers or n
         ids, mask, rng = common.token_batch(args.batch, seq)
-        batch = {"input_ids": jnp.asarray(ids), "attention_mask": jnp.asarray(mask),
-                 "labels": jnp.asarray(rng.integers(0, LABELS, (args.batch,)).astype("int32")),
-                 "weights": jnp.ones((args.batch,), jnp.float32)}
+        batch = {
+            "input_ids": jnp.asarray(ids),
+            "attention_mask": jnp.asarray(mask),
+            "labels": jnp.asarray(rng.integers(0, LABELS, (args.batch,)).astype("int32")),
+            "weights": jnp.ones((args.batch,), jnp.float32),
+        }
         flops = model_flops(h, n, ffn, args.batch, seq)
         with tempfile.TemporaryDirectory() as tmp:
             path = _folder(size, args.layers, tmp)
@@ -185,10 +198,14 @@ def main(argv=None) -> list[dict]:
             res = common.run_interleaved(systems, repeats=args.repeats, warmup=2, examples=args.batch, flops=flops)
         for v, r in res.items():
             tps = flops / r.median
-            rows.append(dict(model=f"{size} x{n}", tokens=seq, variant=v, ms=r.median * 1e3, tflops=tps / 1e12,
-                             mfu=tps / peak))
-            print(f"| {size} ({n} layers) | {seq} | {v} | {r.spread(digits=1)} | {flops / 1e12:.4f} | "
-                  f"{tps / 1e12:.3f} | {100 * tps / peak:.1f}% | {built[v][1]:.1f} |", flush=True)
+            rows.append(
+                dict(model=f"{size} x{n}", tokens=seq, variant=v, ms=r.median * 1e3, tflops=tps / 1e12, mfu=tps / peak)
+            )
+            print(
+                f"| {size} ({n} layers) | {seq} | {v} | {r.spread(digits=1)} | {flops / 1e12:.4f} | "
+                f"{tps / 1e12:.3f} | {100 * tps / peak:.1f}% | {built[v][1]:.1f} |",
+                flush=True,
+            )
     return rows
 
 

@@ -19,6 +19,7 @@ Per length, each in its own fresh process:
 Ratios: PyTorch time / flaxheads time (> 1: flaxheads faster) and PyTorch peak / flaxheads peak
 (> 1: flaxheads uses less).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,15 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-BASE = dict(hidden_size=768, num_attention_heads=12, intermediate_size=1152, num_hidden_layers=22,
-            local_attention=128, vocab_size=50368, max_position_embeddings=8192)
+BASE = dict(
+    hidden_size=768,
+    num_attention_heads=12,
+    intermediate_size=1152,
+    num_hidden_layers=22,
+    local_attention=128,
+    vocab_size=50368,
+    max_position_embeddings=8192,
+)
 
 
 def _maxrss() -> int:
@@ -48,8 +56,15 @@ def make_folder(out: str, layers: int) -> str:
     torch.manual_seed(0)
     every = 3
     kinds = ["sliding_attention" if i % every else "full_attention" for i in range(layers)]
-    cfg = tf.ModernBertConfig(**{**BASE, "num_hidden_layers": layers}, layer_types=kinds,
-                              pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)
+    cfg = tf.ModernBertConfig(
+        **{**BASE, "num_hidden_layers": layers},
+        layer_types=kinds,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        cls_token_id=1,
+        sep_token_id=2,
+    )
     tf.ModernBertModel(cfg).save_pretrained(out, safe_serialization=True)
     return out
 
@@ -116,7 +131,7 @@ def child_time(folder: str, t: int, repeats: int) -> dict:
         outs[name] = np.asarray(fn())  # first call: compile (flaxheads is compiled already) + warm-up
     names = list(runs)
     for r in range(repeats):
-        for name in names[r % 2:] + names[:r % 2]:
+        for name in names[r % 2 :] + names[: r % 2]:
             time.sleep(0.2)
             t0 = time.perf_counter()
             runs[name]()
@@ -126,8 +141,9 @@ def child_time(folder: str, t: int, repeats: int) -> dict:
 
 
 def _child(args: list[str]) -> dict:
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", *args], capture_output=True,
-                         text=True, check=False)
+    out = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--child", *args], capture_output=True, text=True, check=False
+    )
     if out.returncode:
         raise RuntimeError(f"child {args} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -151,18 +167,25 @@ def main(argv=None) -> None:
     common.configure_xla(args.xla_flags)
     if args.child:
         kind, folder, *rest = args.child
-        res = child_memory(folder, rest[0], int(rest[1])) if kind == "memory" else \
-            child_time(folder, int(rest[0]), int(rest[1]))
+        res = (
+            child_memory(folder, rest[0], int(rest[1]))
+            if kind == "memory"
+            else child_time(folder, int(rest[0]), int(rest[1]))
+        )
         print(json.dumps(res))
         return
-    mb = 2 ** 20
+    mb = 2**20
     print(f"# {common.environment()}")
     kinds = ["global" if i % 3 == 0 else "local" for i in range(args.layers)]
-    print(f"# ModernBERT-base-like, {args.layers} layers ({kinds.count('global')} global, {kinds.count('local')} "
-          f"local, window 128), batch 1; PyTorch attn_implementation='sdpa'; median of {args.repeats}")
-    print("| tokens | flaxheads ms | PyTorch ms | speed (PyTorch / flaxheads time) | flaxheads peak MB (RSS growth / "
-          "maxrss delta / XLA temp) | PyTorch peak MB (RSS growth / maxrss delta) | memory ratio (PyTorch / "
-          "flaxheads RSS growth) | max abs diff |")
+    print(
+        f"# ModernBERT-base-like, {args.layers} layers ({kinds.count('global')} global, {kinds.count('local')} "
+        f"local, window 128), batch 1; PyTorch attn_implementation='sdpa'; median of {args.repeats}"
+    )
+    print(
+        "| tokens | flaxheads ms | PyTorch ms | speed (PyTorch / flaxheads time) | flaxheads peak MB (RSS growth / "
+        "maxrss delta / XLA temp) | PyTorch peak MB (RSS growth / maxrss delta) | memory ratio (PyTorch / "
+        "flaxheads RSS growth) | max abs diff |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     with tempfile.TemporaryDirectory() as tmp:
         folder = make_folder(tmp, args.layers)
@@ -171,10 +194,13 @@ def main(argv=None) -> None:
             tim = _child(["time", folder, str(t), str(args.repeats)])
             fx, pt = (statistics.median(tim["times"][s]) for s in SYSTEMS)
             f, p = mem["flaxheads"], mem["pytorch"]
-            print(f"| {t} | {fx * 1e3:.0f} | {pt * 1e3:.0f} | {pt / fx:.2f}x | {f['peak_rss'] / mb:.0f} / "
-                  f"{f['maxrss_delta'] / mb:.0f} / {f['xla']['temp'] / mb:.0f} | {p['peak_rss'] / mb:.0f} / "
-                  f"{p['maxrss_delta'] / mb:.0f} | {p['peak_rss'] / max(f['peak_rss'], 1):.2f}x | "
-                  f"{tim['max_abs_diff']:.1e} (of {tim['max_abs']:.1f}) |", flush=True)
+            print(
+                f"| {t} | {fx * 1e3:.0f} | {pt * 1e3:.0f} | {pt / fx:.2f}x | {f['peak_rss'] / mb:.0f} / "
+                f"{f['maxrss_delta'] / mb:.0f} / {f['xla']['temp'] / mb:.0f} | {p['peak_rss'] / mb:.0f} / "
+                f"{p['maxrss_delta'] / mb:.0f} | {p['peak_rss'] / max(f['peak_rss'], 1):.2f}x | "
+                f"{tim['max_abs_diff']:.1e} (of {tim['max_abs']:.1f}) |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

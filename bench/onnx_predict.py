@@ -11,6 +11,7 @@ the pipeline, measured in the same run.
 
   python bench/onnx_predict.py --long 64 --short 512
 """
+
 from __future__ import annotations
 
 import os
@@ -37,8 +38,9 @@ def onnx_predictor(folder: str, max_length: int):
     def predict(texts, batch_size):
         out = []
         for i in range(0, len(texts), batch_size):
-            enc = tok(texts[i:i + batch_size], padding=True, truncation=True, max_length=max_length,
-                      return_tensors="np")
+            enc = tok(
+                texts[i : i + batch_size], padding=True, truncation=True, max_length=max_length, return_tensors="np"
+            )
             out.append(sess.run(["logits"], {n: enc[n].astype(np.int64) for n in names})[0])
         return np.concatenate(out)
 
@@ -70,8 +72,9 @@ def main() -> None:
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     long_texts, short_texts = samples(args.long, args.short)
     tmp = tempfile.mkdtemp(prefix="bench-onnx-")
-    model = fh.from_pretrained(common.minilm_path(), pooler="mean", head="linear", num_labels=5, seed=0,
-                               ignore_mismatched_sizes=True)
+    model = fh.from_pretrained(
+        common.minilm_path(), pooler="mean", head="linear", num_labels=5, seed=0, ignore_mismatched_sizes=True
+    )
     pt_dir = fh.export(model, os.path.join(tmp, "pt"))
     onnx_dir = fh.export(model, os.path.join(tmp, "onnx"), format="onnx")
     L = args.max_length
@@ -81,8 +84,10 @@ def main() -> None:
 
     print(common.environment())
     print(f"onnxruntime {onnxruntime.__version__}, {os.cpu_count()} threads")
-    print(f"texts: {len(long_texts)} BBC News articles (cut at {L} tokens), {len(short_texts)} single words; "
-          f"batch sizes tried: {sizes}\n")
+    print(
+        f"texts: {len(long_texts)} BBC News articles (cut at {L} tokens), {len(short_texts)} single words; "
+        f"batch sizes tried: {sizes}\n"
+    )
     print("| texts | system | texts/s | median s (min..max) | batch | vs pipeline | vs flaxheads predict |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for label, texts in (("BBC News", long_texts), ("single words", short_texts)):
@@ -95,11 +100,19 @@ def main() -> None:
         served = run_onnx(texts, 32)
         print(f"<!-- {label}: max |logit diff| onnxruntime vs flaxheads {np.abs(ours - served).max():.1e} -->")
         chosen = {name: fastest(fn, sizes)[0] for name, fn in systems.items()}
-        res = common.run_interleaved({n: (lambda f=fn, b=chosen[n]: f(b)) for n, fn in systems.items()},
-                                     repeats=args.repeats, warmup=1, examples=len(texts), flops=0.0)
+        res = common.run_interleaved(
+            {n: (lambda f=fn, b=chosen[n]: f(b)) for n, fn in systems.items()},
+            repeats=args.repeats,
+            warmup=1,
+            examples=len(texts),
+            flops=0.0,
+        )
         for name, r in res.items():
-            print(f"| {label} | {name} | {r.eps:.1f} | {r.spread(scale=1.0, digits=2)} | {chosen[name]} | "
-                  f"{r.eps / res['pipeline'].eps:.2f}x | {r.eps / res['flaxheads predict'].eps:.2f}x |", flush=True)
+            print(
+                f"| {label} | {name} | {r.eps:.1f} | {r.spread(scale=1.0, digits=2)} | {chosen[name]} | "
+                f"{r.eps / res['pipeline'].eps:.2f}x | {r.eps / res['flaxheads predict'].eps:.2f}x |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

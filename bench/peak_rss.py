@@ -11,6 +11,7 @@ and glibc's defaults (``FLAXHEADS_MALLOC=0``).
 The table (``text,label``, short texts of 4 classes, about 30 bytes a row) is written once to
 ``--table`` and reused. Prints one line per run and the max per setting, with the CPU named.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 from bench import common  # noqa: E402
 
-WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
-         "upsilon phi chi psi omega").split()
+WORDS = (
+    "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
+    "upsilon phi chi psi omega"
+).split()
 
 
 def write_table(path: str, rows: int) -> None:
@@ -36,8 +39,12 @@ def write_table(path: str, rows: int) -> None:
     with open(path, "w") as f:
         f.write("text,label\n")
         for start in range(0, rows, 100_000):
-            f.write("".join(f"{' '.join(rng.choices(WORDS, k=4))},c{(start + i) % 4}\n"
-                            for i in range(min(100_000, rows - start))))
+            f.write(
+                "".join(
+                    f"{' '.join(rng.choices(WORDS, k=4))},c{(start + i) % 4}\n"
+                    for i in range(min(100_000, rows - start))
+                )
+            )
 
 
 def peak_rss(argv: list[str], env: dict) -> tuple[int, float, int]:
@@ -66,26 +73,55 @@ def main() -> None:
     if not os.path.exists(table):
         t = time.perf_counter()
         write_table(table, args.rows)
-        print(f"wrote {table} ({os.path.getsize(table) / 2**20:.0f} MiB) in {time.perf_counter() - t:.0f} s",
-              flush=True)
-    print(f"CPU: {common.cpu_name()}, {os.cpu_count()} cores; {args.rows:,} rows streamed, {args.steps} steps, "
-          f"model {args.model}", flush=True)
+        print(
+            f"wrote {table} ({os.path.getsize(table) / 2**20:.0f} MiB) in {time.perf_counter() - t:.0f} s", flush=True
+        )
+    print(
+        f"CPU: {common.cpu_name()}, {os.cpu_count()} cores; {args.rows:,} rows streamed, {args.steps} steps, "
+        f"model {args.model}",
+        flush=True,
+    )
     peaks: dict[str, list[int]] = {}
     for run in range(args.runs):
         for setting in args.settings.split(","):
             env = {**os.environ, "PYTHONPATH": REPO, "FLAXHEADS_MALLOC": "1" if setting == "flaxheads" else "0"}
             out = os.path.join(work, f"run-{setting}-{run}")
-            argv = [sys.executable, "-m", "flaxheads", "train", "--model", args.model, "--data", table, "--stream",
-                    "--max-steps", str(args.steps), "--batch-size", "32", "--max-length", "32", "--no-progress",
-                    "--checkpoint-every", "0", "--eval-limit", str(args.eval_limit),
-                    "--split", "0.998,0.001,0.001", "--output-dir", out]  # a 10^4-row test split at 10^7 rows
+            argv = [
+                sys.executable,
+                "-m",
+                "flaxheads",
+                "train",
+                "--model",
+                args.model,
+                "--data",
+                table,
+                "--stream",
+                "--max-steps",
+                str(args.steps),
+                "--batch-size",
+                "32",
+                "--max-length",
+                "32",
+                "--no-progress",
+                "--checkpoint-every",
+                "0",
+                "--eval-limit",
+                str(args.eval_limit),
+                "--split",
+                "0.998,0.001,0.001",
+                "--output-dir",
+                out,
+            ]  # a 10^4-row test split at 10^7 rows
             rss, secs, code = peak_rss(argv, env)
             peaks.setdefault(setting, []).append(rss)
-            print(f"run {run} heap={setting:<9} peak RSS {rss / 2**30:.2f} GiB in {secs:.0f} s (exit {code})",
-                  flush=True)
+            print(
+                f"run {run} heap={setting:<9} peak RSS {rss / 2**30:.2f} GiB in {secs:.0f} s (exit {code})", flush=True
+            )
     for setting, values in peaks.items():
-        print(f"heap={setting:<9} max peak {max(values) / 2**30:.2f} GiB over {len(values)} runs "
-              f"(min {min(values) / 2**30:.2f})")
+        print(
+            f"heap={setting:<9} max peak {max(values) / 2**30:.2f} GiB over {len(values)} runs "
+            f"(min {min(values) / 2**30:.2f})"
+        )
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ state's params are the model's arrays). glibc is told to map every buffer above 
 
     python bench/plan_vs_measured.py          # prints a markdown table (the CPU named)
 """
+
 from __future__ import annotations
 
 import json
@@ -22,16 +23,44 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 from bench import common  # noqa: E402
 
 CONFIGS = {
-    "llama H512 L4, full fine-tune f32, 8 x 256": dict(arch="llama", over=dict(hidden_size=512, num_hidden_layers=4,
-        intermediate_size=1376, vocab_size=8000, num_attention_heads=8, head_dim=64, max_position_embeddings=512),
-        plan=dict(batch_size=8, max_length=256)),
-    "llama H512 L4, LoRA r8 on bf16 base, bf16, 8 x 256": dict(arch="llama", over=dict(hidden_size=512,
-        num_hidden_layers=4, intermediate_size=1376, vocab_size=8000, num_attention_heads=8, head_dim=64,
-        max_position_embeddings=512), plan=dict(batch_size=8, max_length=256, precision="bfloat16",
-                                                 base_dtype="bfloat16", lora=8)),
-    "bert H384 L6, remat full, 16 x 128": dict(arch="bert", over=dict(hidden_size=384, num_hidden_layers=6,
-        intermediate_size=1536, vocab_size=8000, num_attention_heads=6, max_position_embeddings=256),
-        plan=dict(batch_size=16, max_length=128, remat="full")),
+    "llama H512 L4, full fine-tune f32, 8 x 256": dict(
+        arch="llama",
+        over=dict(
+            hidden_size=512,
+            num_hidden_layers=4,
+            intermediate_size=1376,
+            vocab_size=8000,
+            num_attention_heads=8,
+            head_dim=64,
+            max_position_embeddings=512,
+        ),
+        plan=dict(batch_size=8, max_length=256),
+    ),
+    "llama H512 L4, LoRA r8 on bf16 base, bf16, 8 x 256": dict(
+        arch="llama",
+        over=dict(
+            hidden_size=512,
+            num_hidden_layers=4,
+            intermediate_size=1376,
+            vocab_size=8000,
+            num_attention_heads=8,
+            head_dim=64,
+            max_position_embeddings=512,
+        ),
+        plan=dict(batch_size=8, max_length=256, precision="bfloat16", base_dtype="bfloat16", lora=8),
+    ),
+    "bert H384 L6, remat full, 16 x 128": dict(
+        arch="bert",
+        over=dict(
+            hidden_size=384,
+            num_hidden_layers=6,
+            intermediate_size=1536,
+            vocab_size=8000,
+            num_attention_heads=6,
+            max_position_embeddings=256,
+        ),
+        plan=dict(batch_size=16, max_length=128, remat="full"),
+    ),
 }
 
 
@@ -57,17 +86,27 @@ def worker(name: str, folder: str) -> dict:
     save_tiny(folder, c["arch"], seed=0, **c["over"])
     plan = fh.plan_memory(folder, lora=lora, **opts)
     prec = opts.get("precision", "float32")
-    model = fh.from_pretrained(folder, dtype=jnp.dtype(prec), plan=ComputePlan.for_host(precision=prec),
-                               remat=opts.get("remat", False),
-                               base_dtype=jnp.bfloat16 if opts.get("base_dtype") == "bfloat16" else None)
+    model = fh.from_pretrained(
+        folder,
+        dtype=jnp.dtype(prec),
+        plan=ComputePlan.for_host(precision=prec),
+        remat=opts.get("remat", False),
+        base_dtype=jnp.bfloat16 if opts.get("base_dtype") == "bfloat16" else None,
+    )
     if lora is not None:
         model = model.with_lora(lora)
     trainer = Trainer.build(model, OptimConfig(), TrainConfig(batch_size=opts["batch_size"]))
     shapes = plan_batch(model, opts["batch_size"], opts["max_length"])
     compiled = trainer.train_step.lower(trainer.abstract_state(), shapes).compile()
     rng = np.random.RandomState(0)
-    batch = {k: jnp.asarray(rng.randint(3, 99, s.shape).astype(s.dtype)) if k == "input_ids" else
-             jnp.ones(s.shape, s.dtype) if k != "labels" else jnp.zeros(s.shape, s.dtype) for k, s in shapes.items()}
+    batch = {
+        k: jnp.asarray(rng.randint(3, 99, s.shape).astype(s.dtype))
+        if k == "input_ids"
+        else jnp.ones(s.shape, s.dtype)
+        if k != "labels"
+        else jnp.zeros(s.shape, s.dtype)
+        for k, s in shapes.items()
+    }
     resident = device_bytes(model.params) + device_bytes(batch)
     gc.collect()
     before = common.proc_status_bytes("VmRSS")
@@ -81,20 +120,27 @@ def worker(name: str, folder: str) -> dict:
 
 
 def main() -> None:
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": os.path.join(HERE, "..") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {
+        **os.environ,
+        "MALLOC_MMAP_THRESHOLD_": "131072",
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": os.path.join(HERE, "..") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    }
     print(f"CPU: {common.cpu_name()}\n")
     print("| configuration | plan (MiB) | measured peak (MiB) | plan / measured |\n| --- | --- | --- | --- |")
     for name in CONFIGS:
         with tempfile.TemporaryDirectory() as tmp:
-            out = subprocess.run([sys.executable, __file__, "--worker", name, tmp], env=env, capture_output=True,
-                                 text=True)
+            out = subprocess.run(
+                [sys.executable, __file__, "--worker", name, tmp], env=env, capture_output=True, text=True
+            )
             if out.returncode:
                 print(out.stderr[-3000:], file=sys.stderr)
                 continue
             r = json.loads(out.stdout.strip().splitlines()[-1])
-            print(f"| {name} | {r['plan'] / 2**20:.1f} | {r['measured'] / 2**20:.1f} | "
-                  f"{r['plan'] / r['measured']:.2f} |", flush=True)
+            print(
+                f"| {name} | {r['plan'] / 2**20:.1f} | {r['measured'] / 2**20:.1f} | {r['plan'] / r['measured']:.2f} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ steady pass (one compile per length bucket and batch size).
 
   python bench/predict.py --long 64 --short 512
 """
+
 from __future__ import annotations
 
 import os
@@ -95,8 +96,10 @@ def main() -> None:
         return Classifier.from_pretrained(minilm, max_length=L)
 
     print(common.environment())
-    print(f"texts: {len(long_texts)} BBC News articles (cut at {L} tokens), {len(short_texts)} single words; "
-          f"batch sizes tried: {sizes}\n")
+    print(
+        f"texts: {len(long_texts)} BBC News articles (cut at {L} tokens), {len(short_texts)} single words; "
+        f"batch sizes tried: {sizes}\n"
+    )
     print("| texts | system | texts/s | median s (min..max) | batch | first pass s | compile s | vs reference |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for label, texts in (("BBC News", long_texts), ("single words", short_texts)):
@@ -119,25 +122,38 @@ def main() -> None:
         e1, e2 = emb.embed(texts, progress=False), st.encode(texts)
         cos = float(((e1 * e2).sum(1) / np.linalg.norm(e1, axis=1) / np.linalg.norm(e2, axis=1)).min())
         cut = clf.predict(texts, progress=False).truncated
-        print(f"<!-- {label}: {cut} of {len(texts)} texts cut at {L} tokens; max |score diff| vs pipeline "
-              f"{np.abs(ours - ref).max():.1e}; min cosine vs ST {cos:.6f} -->")
+        print(
+            f"<!-- {label}: {cut} of {len(texts)} texts cut at {L} tokens; max |score diff| vs pipeline "
+            f"{np.abs(ours - ref).max():.1e}; min cosine vs ST {cos:.6f} -->"
+        )
         for pair, ref_name in ((cls_sys, "pipeline"), (emb_sys, "SentenceTransformer.encode")):
             chosen = {name: fastest(fn, sizes)[0] for name, fn in pair.items()}
             # compile: a fresh flaxheads object's first pass minus its steady pass, at the chosen batch size
             ours_name = next(n for n in pair if n.startswith("flaxheads"))
             fresh = new_clf() if ours_name.endswith("predict") else new_emb()
-            call = (lambda o, b: o.predict(texts, batch_size=b, progress=False)) if ours_name.endswith("predict") \
+            call = (
+                (lambda o, b: o.predict(texts, batch_size=b, progress=False))
+                if ours_name.endswith("predict")
                 else (lambda o, b: o.embed(texts, batch_size=b, progress=False))
+            )
             t0 = time.perf_counter()
             call(fresh, chosen[ours_name])
             first = time.perf_counter() - t0
-            res = common.run_interleaved({n: (lambda f=fn, b=chosen[n]: f(b)) for n, fn in pair.items()},
-                                         repeats=args.repeats, warmup=1, examples=len(texts), flops=0.0)
+            res = common.run_interleaved(
+                {n: (lambda f=fn, b=chosen[n]: f(b)) for n, fn in pair.items()},
+                repeats=args.repeats,
+                warmup=1,
+                examples=len(texts),
+                flops=0.0,
+            )
             for name, r in res.items():
                 comp = f"{max(first - r.median, 0.0):.1f}" if name == ours_name else "-"
                 fp = f"{first:.1f}" if name == ours_name else f"{r.first:.1f}"
-                print(f"| {label} | {name} | {r.eps:.1f} | {r.spread(scale=1.0, digits=2)} | "
-                      f"{chosen[name]} | {fp} | {comp} | {r.eps / res[ref_name].eps:.2f}x |", flush=True)
+                print(
+                    f"| {label} | {name} | {r.eps:.1f} | {r.spread(scale=1.0, digits=2)} | "
+                    f"{chosen[name]} | {fp} | {comp} | {r.eps / res[ref_name].eps:.2f}x |",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ jitted with the state donated, median over ``--repeats``) and prints both and th
 model TFLOP/s of each (one FLOP count: ``flaxheads.training.flops``). The run's rate includes what a
 run does around the step (batches built on the host, placed, the loss read back each step).
 """
+
 from __future__ import annotations
 
 import csv
@@ -20,8 +21,10 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-WORDS = ("market bank share profit goal match team player score film music actor award song vote party minister "
-         "election phone computer software internet game").split()
+WORDS = (
+    "market bank share profit goal match team player score film music actor award song vote party minister "
+    "election phone computer software internet game"
+).split()
 
 
 def parse(argv=None):
@@ -55,18 +58,33 @@ def main(argv=None) -> dict:
         with open(data, "w", newline="") as f:
             w = csv.writer(f)
             w.writerow(["text", "label"])
-            w.writerows([[" ".join(rng.choice(WORDS, 4 * args.seq)), f"c{i % 4}"]
-                         for i in range(args.batch * args.steps)])
-        run = fh.train(data=data, max_length=args.seq, bucket_step=args.seq, batch_size=args.batch,
-                       max_steps=args.steps, split=(1.0, 0.0, 0.0), checkpoint_every=0, log_every=1,
-                       output_dir=os.path.join(tmp, "run"), progress=False, report_to="none", pack=False)
+            w.writerows(
+                [[" ".join(rng.choice(WORDS, 4 * args.seq)), f"c{i % 4}"] for i in range(args.batch * args.steps)]
+            )
+        run = fh.train(
+            data=data,
+            max_length=args.seq,
+            bucket_step=args.seq,
+            batch_size=args.batch,
+            max_steps=args.steps,
+            split=(1.0, 0.0, 0.0),
+            checkpoint_every=0,
+            log_every=1,
+            output_dir=os.path.join(tmp, "run"),
+            progress=False,
+            report_to="none",
+            pack=False,
+        )
     t = run.summary["throughput"]
 
     model = run.model
     ids, mask, rng = common.token_batch(args.batch, args.seq)
-    batch = {"input_ids": jnp.asarray(ids), "attention_mask": jnp.asarray(mask),
-             "labels": jnp.asarray(rng.integers(0, model.num_labels, (args.batch,)).astype("int32")),
-             "weights": jnp.ones((args.batch,), jnp.float32)}
+    batch = {
+        "input_ids": jnp.asarray(ids),
+        "attention_mask": jnp.asarray(mask),
+        "labels": jnp.asarray(rng.integers(0, model.num_labels, (args.batch,)).astype("int32")),
+        "weights": jnp.ones((args.batch,), jnp.float32),
+    }
     tx = optax.adamw(2e-5, weight_decay=0.01)
     box = {"s": create_state(model.params, tx)}
     step = common.jit_train_step(make_train_step(model, tx), model.plan)
@@ -78,17 +96,27 @@ def main(argv=None) -> dict:
     flops = StepFlops.of(model)(args.batch, args.seq)
     res = common.run_interleaved({"step": one}, repeats=args.repeats, warmup=2, examples=args.batch, flops=flops)
     bench_tps = args.batch * args.seq / res["step"].median
-    out = {"device": device_name(), "run_tokens_per_s": t["tokens_per_s"], "bench_tokens_per_s": bench_tps,
-           "ratio": t["tokens_per_s"] / bench_tps, "run_model_tflops_per_s": t.get("model_tflops_per_s"),
-           "bench_model_tflops_per_s": flops / res["step"].median / 1e12, "run_steps_timed": t["steps_timed"],
-           "bench_ms_per_step": res["step"].spread(digits=1)}
+    out = {
+        "device": device_name(),
+        "run_tokens_per_s": t["tokens_per_s"],
+        "bench_tokens_per_s": bench_tps,
+        "ratio": t["tokens_per_s"] / bench_tps,
+        "run_model_tflops_per_s": t.get("model_tflops_per_s"),
+        "bench_model_tflops_per_s": flops / res["step"].median / 1e12,
+        "run_steps_timed": t["steps_timed"],
+        "bench_ms_per_step": res["step"].spread(digits=1),
+    }
     print(f"# {out['device']}; all-MiniLM-L6-v2, mean pooler, {args.batch} x {args.seq} tokens")
     print("| measured by | tokens/s | model TFLOP/s |")
     print("| --- | --- | --- |")
-    print(f"| fh.train summary ({t['steps_timed']} steps) | {t['tokens_per_s']:.0f} | "
-          f"{t.get('model_tflops_per_s', float('nan')):.4f} |")
-    print(f"| bench step (median of {args.repeats}: {out['bench_ms_per_step']} ms) | {bench_tps:.0f} | "
-          f"{out['bench_model_tflops_per_s']:.4f} |")
+    print(
+        f"| fh.train summary ({t['steps_timed']} steps) | {t['tokens_per_s']:.0f} | "
+        f"{t.get('model_tflops_per_s', float('nan')):.4f} |"
+    )
+    print(
+        f"| bench step (median of {args.repeats}: {out['bench_ms_per_step']} ms) | {bench_tps:.0f} | "
+        f"{out['bench_model_tflops_per_s']:.4f} |"
+    )
     print(f"run / bench: {out['ratio']:.3f}")
     print(json.dumps(out))
     return out

@@ -13,6 +13,7 @@ and the programs compiled after warm-up (from /info). Counts and time are bounde
   python bench/serve_load.py                       # 1, 8, 64 concurrent; 1000 requests each
   python bench/serve_load.py --requests 200 --memory-requests 0 --concurrency 1,8
 """
+
 from __future__ import annotations
 
 import argparse
@@ -69,8 +70,10 @@ def pipeline_app(folder: str, max_length: int, threads: int | None = None):
         body = await request.json()
         single = isinstance(body["inputs"], str)
         out = await run_in_threadpool(run, [body["inputs"]] if single else body["inputs"])
-        rows = [sorted(({"score": float(d["score"]), "label": d["label"]} for d in r), key=lambda d: -d["score"])
-                for r in out]
+        rows = [
+            sorted(({"score": float(d["score"]), "label": d["label"]} for d in r), key=lambda d: -d["score"])
+            for r in out
+        ]
         return JSONResponse(rows[0] if single else rows)
 
     return Starlette(routes=[Route("/predict", predict, methods=["POST"])])
@@ -111,8 +114,10 @@ class Connection:
         if self.writer is None:
             self.reader, self.writer = await asyncio.open_connection(self.host, int(self.port))
         body = json.dumps(payload).encode()
-        self.writer.write(b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
-                          b"Content-Length: %d\r\n\r\n%s" % (path.encode(), self.host.encode(), len(body), body))
+        self.writer.write(
+            b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (path.encode(), self.host.encode(), len(body), body)
+        )
         head = await self.reader.readuntil(b"\r\n\r\n")
         lines = head.decode("latin-1").split("\r\n")
         status = int(lines[0].split()[1])
@@ -124,8 +129,14 @@ class Connection:
             self.writer.close()
 
 
-async def load(url: str, texts: list[str], concurrency: int, requests: int, time_limit: float,
-               expected: dict[int, list] | None = None) -> dict:
+async def load(
+    url: str,
+    texts: list[str],
+    concurrency: int,
+    requests: int,
+    time_limit: float,
+    expected: dict[int, list] | None = None,
+) -> dict:
     """``requests`` POST /predict (text ``i % len(texts)``) from ``concurrency`` connections,
     stopping early at ``time_limit`` seconds; latency per request and the exactly-once /
     same-answer checks."""
@@ -162,9 +173,17 @@ async def load(url: str, texts: list[str], concurrency: int, requests: int, time
         if ref is not None and (a[0]["label"] != ref[0]["label"] or abs(a[0]["score"] - ref[0]["score"]) > 1e-5):
             wrong += 1
     lat = sorted(latency) or [float("nan")]
-    return {"sent": sent, "answered": len(answers), "failed": failed, "duplicated": seen_twice, "wrong": wrong,
-            "rps": sent / wall, "p50_ms": 1e3 * lat[len(lat) // 2],
-            "p99_ms": 1e3 * lat[min(len(lat) - 1, int(0.99 * len(lat)))], "answers": answers}
+    return {
+        "sent": sent,
+        "answered": len(answers),
+        "failed": failed,
+        "duplicated": seen_twice,
+        "wrong": wrong,
+        "rps": sent / wall,
+        "p50_ms": 1e3 * lat[len(lat) // 2],
+        "p99_ms": 1e3 * lat[min(len(lat) - 1, int(0.99 * len(lat)))],
+        "answers": answers,
+    }
 
 
 def model_folder(tmp: str) -> str:
@@ -194,10 +213,29 @@ def main(argv=None) -> int:
         return run(app, sock)
 
     folder = model_folder(tempfile.mkdtemp(prefix="bench-serve-"))
-    commands = {"flaxheads": [sys.executable, "-m", "flaxheads", "serve", folder, "--port", "0",
-                              "--max-length", str(args.max_length)],
-                "pipeline": [sys.executable, os.path.abspath(__file__), "--pipeline-server", folder,
-                             "--max-length", str(args.max_length), "--torch-threads", str(args.torch_threads)]}
+    commands = {
+        "flaxheads": [
+            sys.executable,
+            "-m",
+            "flaxheads",
+            "serve",
+            folder,
+            "--port",
+            "0",
+            "--max-length",
+            str(args.max_length),
+        ],
+        "pipeline": [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--pipeline-server",
+            folder,
+            "--max-length",
+            str(args.max_length),
+            "--torch-threads",
+            str(args.torch_threads),
+        ],
+    }
     levels = [int(x) for x in args.concurrency.split(",")]
     print(common.environment())
     print(f"load average before: {os.getloadavg()}; {len(TEXTS)} texts cycled, max length {args.max_length}\n")
@@ -212,40 +250,64 @@ def main(argv=None) -> int:
         for c in levels:
             for name, (_, url) in servers.items():
                 r = asyncio.run(load(url, TEXTS, c, args.requests, args.time_limit, expected[name]))
-                print(f"| {name} | {c} | {r['sent']} | {r['rps']:.1f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | "
-                      f"{r['failed']} | {r['sent'] - r['answered'] - r['failed']} | {r['duplicated']} | "
-                      f"{r['wrong']} |", flush=True)
+                print(
+                    f"| {name} | {c} | {r['sent']} | {r['rps']:.1f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | "
+                    f"{r['failed']} | {r['sent'] - r['answered'] - r['failed']} | {r['duplicated']} | "
+                    f"{r['wrong']} |",
+                    flush=True,
+                )
         if args.memory_requests and "flaxheads" in servers:
             proc, url = servers["flaxheads"]
             before = rss_mib(proc.pid)
             r = asyncio.run(load(url, TEXTS, levels[-1], args.memory_requests, 3600, expected["flaxheads"]))
             after = rss_mib(proc.pid)
-            print(f"\nflaxheads over {r['sent']} requests at concurrency {levels[-1]}: RSS {before:.0f} -> "
-                  f"{after:.0f} MiB; {r['rps']:.1f} req/s; failed {r['failed']}, wrong {r['wrong']}, lost "
-                  f"{r['sent'] - r['answered'] - r['failed']}")
+            print(
+                f"\nflaxheads over {r['sent']} requests at concurrency {levels[-1]}: RSS {before:.0f} -> "
+                f"{after:.0f} MiB; {r['rps']:.1f} req/s; failed {r['failed']}, wrong {r['wrong']}, lost "
+                f"{r['sent'] - r['answered'] - r['failed']}"
+            )
         if "flaxheads" in servers:
             import httpx
 
             info = httpx.get(servers["flaxheads"][1] + "/info").json()
-            metrics = dict(line.rsplit(" ", 1) for line in httpx.get(servers["flaxheads"][1] + "/metrics").text
-                           .splitlines() if line.startswith("flaxheads_") and not line.startswith("#"))
-            server_ms = 1e3 * float(metrics['flaxheads_request_duration_seconds_sum{route="/predict"}']) / float(
-                metrics['flaxheads_request_duration_seconds_count{route="/predict"}'])
-            queue_ms = 1e3 * float(metrics["flaxheads_queue_duration_seconds_sum"]) / float(
-                metrics["flaxheads_queue_duration_seconds_count"])
-            batch_ms = 1e3 * float(metrics["flaxheads_batch_duration_seconds_sum"]) / float(
-                metrics["flaxheads_batch_duration_seconds_count"])
-            print(f"flaxheads, all levels: mean {server_ms:.1f} ms in the server per request, of which {queue_ms:.1f} "
-                  f"queued; mean forward {batch_ms:.1f} ms per batch")
-            print(f"flaxheads programs: {info['compiled_programs']} now, {info['compiled_at_warm_up']} after "
-                  f"warm-up ({len(info['batch_shapes'])} batch shapes); texts per batch over the run: "
-                  f"{float(metrics['flaxheads_batch_size_sum']) / float(metrics['flaxheads_batch_size_count']):.1f}")
+            metrics = dict(
+                line.rsplit(" ", 1)
+                for line in httpx.get(servers["flaxheads"][1] + "/metrics").text.splitlines()
+                if line.startswith("flaxheads_") and not line.startswith("#")
+            )
+            server_ms = (
+                1e3
+                * float(metrics['flaxheads_request_duration_seconds_sum{route="/predict"}'])
+                / float(metrics['flaxheads_request_duration_seconds_count{route="/predict"}'])
+            )
+            queue_ms = (
+                1e3
+                * float(metrics["flaxheads_queue_duration_seconds_sum"])
+                / float(metrics["flaxheads_queue_duration_seconds_count"])
+            )
+            batch_ms = (
+                1e3
+                * float(metrics["flaxheads_batch_duration_seconds_sum"])
+                / float(metrics["flaxheads_batch_duration_seconds_count"])
+            )
+            print(
+                f"flaxheads, all levels: mean {server_ms:.1f} ms in the server per request, of which {queue_ms:.1f} "
+                f"queued; mean forward {batch_ms:.1f} ms per batch"
+            )
+            print(
+                f"flaxheads programs: {info['compiled_programs']} now, {info['compiled_at_warm_up']} after "
+                f"warm-up ({len(info['batch_shapes'])} batch shapes); texts per batch over the run: "
+                f"{float(metrics['flaxheads_batch_size_sum']) / float(metrics['flaxheads_batch_size_count']):.1f}"
+            )
         print(f"load average after: {os.getloadavg()}")
     finally:
         for name, proc in procs.items():
             if proc.poll() is not None:
-                print(f"{name} server exited with {proc.returncode}; its last lines:\n"
-                      + "".join(getattr(proc, "tail", [])), file=sys.stderr)
+                print(
+                    f"{name} server exited with {proc.returncode}; its last lines:\n"
+                    + "".join(getattr(proc, "tail", [])),
+                    file=sys.stderr,
+                )
             proc.terminate()
             proc.wait(60)
     return 0

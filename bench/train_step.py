@@ -18,6 +18,7 @@ loss) against PyTorch's bf16 autocast around forward and loss. Systems:
 * ``pytorch``: ``BertForSequenceClassification.train()``, ``torch.optim.AdamW``,
   clip_grad_norm_ 1.0, ``loss.backward()``, ``step()``, ``zero_grad()``
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -57,22 +58,29 @@ def main(argv=None):
     bf16 = args.precision == "bfloat16"
     dtype = jax.numpy.bfloat16 if bf16 else jax.numpy.float32
     systems, xla = {}, {}
-    batch = {"input_ids": jnp.asarray(ids), "attention_mask": jnp.asarray(mask), "labels": jnp.asarray(labels),
-             "weights": jnp.ones((b,), jnp.float32)}
+    batch = {
+        "input_ids": jnp.asarray(ids),
+        "attention_mask": jnp.asarray(mask),
+        "labels": jnp.asarray(labels),
+        "weights": jnp.ones((b,), jnp.float32),
+    }
     with tempfile.TemporaryDirectory() as tmp:
         path = classifier_checkpoint(src, args.labels, tmp)
         import flaxheads as fh
         from flaxheads.training.optim import OptimConfig, make_optimizer
         from flaxheads.training.steps import create_state, make_train_step
 
-        for name, impl, only in (("flaxheads", "native", True), ("flaxheads_all_tokens", "native", False),
-                                 ("flaxheads_hf_backbone", "hf_flax", True)):
+        for name, impl, only in (
+            ("flaxheads", "native", True),
+            ("flaxheads_all_tokens", "native", False),
+            ("flaxheads_hf_backbone", "hf_flax", True),
+        ):
             if name not in want:
                 continue
-            m = dataclasses.replace(fh.from_pretrained(path, implementation=impl, dtype=dtype),
-                                    pooled_token_only=only)
-            tx = make_optimizer(OptimConfig(learning_rate=2e-5, total_steps=1000),
-                                fold_reductions=m.plan.fold_reductions)
+            m = dataclasses.replace(fh.from_pretrained(path, implementation=impl, dtype=dtype), pooled_token_only=only)
+            tx = make_optimizer(
+                OptimConfig(learning_rate=2e-5, total_steps=1000), fold_reductions=m.plan.fold_reductions
+            )
             box = {"s": create_state(m.params, tx, seed=0)}
             step = common.jit_train_step(make_train_step(m, tx), m.plan)
             xla[name] = common.xla_bytes(step, box["s"], batch)
@@ -95,8 +103,7 @@ def main(argv=None):
                 key, drop = jax.random.split(key)
 
                 def loss_fn(p):
-                    logits = hf(batch["input_ids"], batch["attention_mask"], params=p, dropout_rng=drop,
-                                train=True)[0]
+                    logits = hf(batch["input_ids"], batch["attention_mask"], params=p, dropout_rng=drop, train=True)[0]
                     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
 
                 loss, g = jax.value_and_grad(loss_fn)(params)
@@ -134,8 +141,11 @@ def main(argv=None):
     print(f"# train step, {os.path.basename(src.rstrip('/'))}, batch {b} x seq {t}, {flops / 1e9:.1f} GFLOP/step")
     print("#", common.environment())
     roof = common.matmul_roof(precision=args.precision)
-    print(f"# {args.precision} matmul roof (2048^3): "
-          + ", ".join(f"{k} {v:.0f}" for k, v in roof.items() if k != "roof") + " GFLOP/s")
+    print(
+        f"# {args.precision} matmul roof (2048^3): "
+        + ", ".join(f"{k} {v:.0f}" for k, v in roof.items() if k != "roof")
+        + " GFLOP/s"
+    )
     res = common.run_interleaved(systems, repeats=args.repeats, warmup=2, examples=b, flops=flops)
     for k, r in res.items():
         r.xla_bytes = xla.get(k)

@@ -5,6 +5,7 @@ describe() and the logits of two sentences.
     python examples/demo.py --pooler mean,max --head mlp     # any other pooler / head
     python examples/demo.py --model path/to/hf-folder        # a local Hugging Face folder
 """
+
 from __future__ import annotations
 
 import argparse

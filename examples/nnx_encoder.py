@@ -6,6 +6,7 @@ head exported and read back on flaxheads' functional path.
 The encoder is any ``nnx.Module`` that returns hidden states ``[B, T, H]`` and the mask to pool;
 the head is ``flaxheads.nnx.SequenceHead`` built from a head config (any pooler, any head).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -80,8 +81,10 @@ def main(out: str, steps: int = 30) -> dict:
     seq, params, _ = fh.interop.load_head_export(out)
     hidden, pool_mask = model.encoder(ids, mask)
     functional = linen.module(seq).apply({"params": params}, hidden, pool_mask)
-    print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f}; head exported to {out}; functional logits equal NNX logits: "
-          f"{bool(jnp.array_equal(functional, model(ids, mask)))}")
+    print(
+        f"loss {losses[0]:.3f} -> {losses[-1]:.3f}; head exported to {out}; functional logits equal NNX logits: "
+        f"{bool(jnp.array_equal(functional, model(ids, mask)))}"
+    )
     return {"losses": losses, "nnx_logits": model(ids, mask), "functional_logits": functional}
 
 

@@ -18,6 +18,7 @@ neither jax nor flax, and reads nothing of the process (the ``flaxheads`` comman
 imports: :func:`flaxheads.cli.entry`). The names of earlier releases still resolve, with a
 :class:`DeprecationWarning` saying where each lives now.
 """
+
 import importlib as _importlib
 import importlib.util as _importlib_util
 import warnings as _warnings
@@ -27,28 +28,54 @@ from flaxheads._version import __version__
 #: The front door: each public name and the module it is imported from on first use.
 _PUBLIC: dict[str, str] = {
     # a run
-    "train": "flaxheads.run", "RunSpec": "flaxheads.run", "Run": "flaxheads.run",
+    "train": "flaxheads.run",
+    "RunSpec": "flaxheads.run",
+    "Run": "flaxheads.run",
     # models: make, load, export, describe, predict
-    "from_pretrained": "flaxheads.model.pretrained", "load": "flaxheads.formats", "export": "flaxheads.formats",
-    "FORMATS": "flaxheads.formats", "SequenceModel": "flaxheads.model.sequence", "Classifier": "flaxheads.predict",
-    "Predictions": "flaxheads.predict", "describe": "flaxheads.heads.describe",
-    "load_tokenizer": "flaxheads.interop.tokenizers", "Tokenizer": "flaxheads.interop.tokenizers",
+    "from_pretrained": "flaxheads.model.pretrained",
+    "load": "flaxheads.formats",
+    "export": "flaxheads.formats",
+    "FORMATS": "flaxheads.formats",
+    "SequenceModel": "flaxheads.model.sequence",
+    "Classifier": "flaxheads.predict",
+    "Predictions": "flaxheads.predict",
+    "describe": "flaxheads.heads.describe",
+    "load_tokenizer": "flaxheads.interop.tokenizers",
+    "Tokenizer": "flaxheads.interop.tokenizers",
     # poolers, heads and adapters
-    "Pooler": "flaxheads.heads.poolers", "Pool": "flaxheads.heads.poolers", "AttentionPool": "flaxheads.heads.poolers",
-    "Concat": "flaxheads.heads.poolers", "DensePooler": "flaxheads.heads.poolers",
-    "SequenceSummary": "flaxheads.heads.poolers", "make_pooler": "flaxheads.heads.poolers",
-    "Head": "flaxheads.heads.heads", "LinearHead": "flaxheads.heads.heads", "MLPHead": "flaxheads.heads.heads",
-    "ProjectionHead": "flaxheads.heads.heads", "IdentityHead": "flaxheads.heads.heads",
-    "SequenceHead": "flaxheads.heads.heads", "make_head": "flaxheads.heads.heads", "LoraConfig": "flaxheads.model.lora",
+    "Pooler": "flaxheads.heads.poolers",
+    "Pool": "flaxheads.heads.poolers",
+    "AttentionPool": "flaxheads.heads.poolers",
+    "Concat": "flaxheads.heads.poolers",
+    "DensePooler": "flaxheads.heads.poolers",
+    "SequenceSummary": "flaxheads.heads.poolers",
+    "make_pooler": "flaxheads.heads.poolers",
+    "Head": "flaxheads.heads.heads",
+    "LinearHead": "flaxheads.heads.heads",
+    "MLPHead": "flaxheads.heads.heads",
+    "ProjectionHead": "flaxheads.heads.heads",
+    "IdentityHead": "flaxheads.heads.heads",
+    "SequenceHead": "flaxheads.heads.heads",
+    "make_head": "flaxheads.heads.heads",
+    "LoraConfig": "flaxheads.model.lora",
     # training
-    "Trainer": "flaxheads.training.loop", "fit": "flaxheads.training.loop", "TrainConfig": "flaxheads.training.loop",
-    "OptimConfig": "flaxheads.training.optim", "Callback": "flaxheads.training.loop", "Task": "flaxheads.tasks.task",
-    "Classification": "flaxheads.tasks.task", "Ranking": "flaxheads.tasks.ranking.task",
+    "Trainer": "flaxheads.training.loop",
+    "fit": "flaxheads.training.loop",
+    "TrainConfig": "flaxheads.training.loop",
+    "OptimConfig": "flaxheads.training.optim",
+    "Callback": "flaxheads.training.loop",
+    "Task": "flaxheads.tasks.task",
+    "Classification": "flaxheads.tasks.task",
+    "Ranking": "flaxheads.tasks.ranking.task",
     # checkpoints
-    "save_head": "flaxheads.checkpoint", "load_head": "flaxheads.checkpoint", "attach_head": "flaxheads.checkpoint",
-    "HeadCheckpoint": "flaxheads.checkpoint", "RunCheckpointer": "flaxheads.checkpoint",
+    "save_head": "flaxheads.checkpoint",
+    "load_head": "flaxheads.checkpoint",
+    "attach_head": "flaxheads.checkpoint",
+    "HeadCheckpoint": "flaxheads.checkpoint",
+    "RunCheckpointer": "flaxheads.checkpoint",
     # memory plan
-    "plan_memory": "flaxheads.training.memory_plan", "MemoryPlan": "flaxheads.training.memory_plan",
+    "plan_memory": "flaxheads.training.memory_plan",
+    "MemoryPlan": "flaxheads.training.memory_plan",
     # errors
     "FlaxheadsError": "flaxheads.errors",
 }
@@ -58,9 +85,14 @@ __all__ = ["__version__", *_PUBLIC]
 #: Submodules reachable as attributes (``fh.interop``) that are not front-door names; any other
 #: ``flaxheads.<name>`` module is reachable the same way.
 _SUBMODULES: dict[str, str] = {
-    "interop": "flaxheads.interop", "checkpoint": "flaxheads.checkpoint", "losses": "flaxheads.losses",
-    "lora": "flaxheads.model.lora", "ranking": "flaxheads.tasks.ranking", "nnx": "flaxheads.nnx",
-    "runtime": "flaxheads.runtime", "formats": "flaxheads.formats",
+    "interop": "flaxheads.interop",
+    "checkpoint": "flaxheads.checkpoint",
+    "losses": "flaxheads.losses",
+    "lora": "flaxheads.model.lora",
+    "ranking": "flaxheads.tasks.ranking",
+    "nnx": "flaxheads.nnx",
+    "runtime": "flaxheads.runtime",
+    "formats": "flaxheads.formats",
 }
 
 _LOAD = "fh.load(folder)"
@@ -102,12 +134,25 @@ _MOVED: dict[str, tuple[str, str | None]] = {
     "to_dict": ("flaxheads.config", None),
     "to_json": ("flaxheads.config", None),
     # losses and problem types
-    **{name: ("flaxheads.losses", None) for name in (
-        "MULTI_LABEL", "REGRESSION", "SINGLE_LABEL", "infer_problem_type", "loss_fn", "mean_squared_error",
-        "sigmoid_binary_cross_entropy", "softmax_cross_entropy", "validate_labels")},
+    **{
+        name: ("flaxheads.losses", None)
+        for name in (
+            "MULTI_LABEL",
+            "REGRESSION",
+            "SINGLE_LABEL",
+            "infer_problem_type",
+            "loss_fn",
+            "mean_squared_error",
+            "sigmoid_binary_cross_entropy",
+            "softmax_cross_entropy",
+            "validate_labels",
+        )
+    },
     # checkpoint errors
-    **{name: ("flaxheads.checkpoint", None) for name in (
-        "CheckpointError", "CorruptCheckpointError", "HeadMismatchError", "IncompatibleCheckpointError")},
+    **{
+        name: ("flaxheads.checkpoint", None)
+        for name in ("CheckpointError", "CorruptCheckpointError", "HeadMismatchError", "IncompatibleCheckpointError")
+    },
 }
 
 
@@ -115,8 +160,9 @@ def _moved_message(name: str) -> str:
     """The :class:`DeprecationWarning` of the old top-level name ``name``."""
     module, instead = _MOVED[name]
     where = f"{module}.{name}"
-    return (f"fh.{name} moved: use {f'{instead} or {where}' if instead else where}; "
-            f"fh.{name} goes away in the next release")
+    return (
+        f"fh.{name} moved: use {f'{instead} or {where}' if instead else where}; fh.{name} goes away in the next release"
+    )
 
 
 def __getattr__(name: str):

@@ -6,6 +6,7 @@ registers here. Its Linen and NNX modules are built from it and are not serialis
 A field declared with :data:`SINCE_FORMAT_1` metadata (added after the format was fixed) is written
 only when it differs from its default, so the JSON of every config that leaves it alone is unchanged.
 """
+
 from __future__ import annotations
 
 import dataclasses

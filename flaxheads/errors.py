@@ -2,6 +2,7 @@
 
 Programs (``flaxheads ...``) print ``error: <message>`` and exit 2 for these; anything else
 is a bug in flaxheads and keeps its traceback."""
+
 from __future__ import annotations
 
 import errno

@@ -8,13 +8,15 @@ Value checks (label range, NaN targets) run when the labels are concrete arrays,
 outside ``jit``; the data pipeline calls :func:`validate_labels` once per dataset so
 jitted steps never see bad labels.
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
 from flaxheads.errors import ConfigError
 
 SINGLE_LABEL = "single_label_classification"
@@ -76,8 +78,10 @@ def validate_labels(labels, problem_type: str, num_labels: int) -> None:
             bad = (lab < 0) | (lab >= num_labels)
             if bad.any():
                 i = int(np.argmax(bad))
-                raise ConfigError(f"label {int(lab[i])} at row {i} is outside [0, {num_labels}); "
-                                 f"check num_labels ({num_labels}) and the label mapping")
+                raise ConfigError(
+                    f"label {int(lab[i])} at row {i} is outside [0, {num_labels}); "
+                    f"check num_labels ({num_labels}) and the label mapping"
+                )
         return
     want: tuple[int, ...] | None = (shape[0], num_labels) if shape else None
     if problem_type == REGRESSION and num_labels == 1 and len(shape) == 1:
@@ -139,11 +143,13 @@ def mean_squared_error(logits, labels, weights=None):
     y = labels.astype(jnp.float32).reshape(pred.shape)
     w = _weights(weights, pred.shape[0])
     return jnp.sum(jnp.mean(jnp.square(pred - y).reshape(pred.shape[0], -1), axis=-1) * w) / jnp.maximum(
-        jnp.sum(w), 1e-12)
+        jnp.sum(w), 1e-12
+    )
 
 
-def loss_fn(problem_type: str, num_labels: int, *, label_smoothing: float = 0.0, class_weights=None,
-            pos_weight=None) -> Callable[..., jax.Array]:
+def loss_fn(
+    problem_type: str, num_labels: int, *, label_smoothing: float = 0.0, class_weights=None, pos_weight=None
+) -> Callable[..., jax.Array]:
     """The loss for a problem type, as ``f(logits, labels, weights) -> scalar``.
 
     The returned function validates shapes (and values, outside ``jit``)."""
@@ -171,12 +177,13 @@ def loss_fn(problem_type: str, num_labels: int, *, label_smoothing: float = 0.0,
         if weights is not None and jnp.shape(weights) != (logits.shape[0],):
             raise ConfigError(f"example weights must have shape [{logits.shape[0]}], got {jnp.shape(weights)}")
         if problem_type == SINGLE_LABEL:
-            return softmax_cross_entropy(logits, labels, weights, class_weights=class_weights,
-                                         label_smoothing=label_smoothing)
+            return softmax_cross_entropy(
+                logits, labels, weights, class_weights=class_weights, label_smoothing=label_smoothing
+            )
         if problem_type == MULTI_LABEL:
-            return sigmoid_binary_cross_entropy(logits, labels, weights, class_weights=class_weights,
-                                                pos_weight=pos_weight)
+            return sigmoid_binary_cross_entropy(
+                logits, labels, weights, class_weights=class_weights, pos_weight=pos_weight
+            )
         return mean_squared_error(logits, labels, weights)
 
     return f
-

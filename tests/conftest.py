@@ -27,16 +27,23 @@ import warnings  # noqa: E402
 
 import pytest  # noqa: E402
 
-from flaxheads.runtime.compile_cache import (CACHE_ENV, default_cache_dir,  # noqa: E402  (imports jax, starts no backend)
-                                          enable_compile_cache)
+from flaxheads.runtime.compile_cache import (
+    CACHE_ENV,
+    default_cache_dir,  # noqa: E402  (imports jax, starts no backend)
+    enable_compile_cache,
+)
 
 # One persistent compilation cache for a test run: the test processes' own programs and the command-line
 # programs (``flaxheads ...`` in the test's process or in a subprocess, which enable it through this
 # variable). The tiny models' train and eval steps recur across files and processes, and each costs
 # seconds to compile. It lives in the checkout's .pytest_cache, so a fresh clone starts it empty; the
 # tests of the cache give their own folder.
-os.environ.setdefault(CACHE_ENV, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                             ".pytest_cache", "xla", default_cache_dir().name))
+os.environ.setdefault(
+    CACHE_ENV,
+    os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".pytest_cache", "xla", default_cache_dir().name
+    ),
+)
 enable_compile_cache()
 
 warnings.filterwarnings("ignore", message=".*TensorFlow and JAX classes are deprecated.*")
@@ -82,6 +89,7 @@ def _optimized_programs(request):
 
 class TinyModel(NamedTuple):
     """What ``tiny_model`` gives: ``path, torch = tiny_model(family)``."""
+
     path: str  #: the saved HF folder (config.json, model.safetensors; the tokenizer if asked)
     torch: Any  #: the PyTorch classifier saved there, in eval mode
 
@@ -146,8 +154,12 @@ def pytest_ignore_collect(collection_path, config):
     """The serial and legacy passes import only the test files that can hold their tests: collecting
     every file imports torch, transformers and sentence-transformers (~20 s in each worker)."""
     wanted = _pass(config)
-    if wanted != "parallel" and collection_path.name.startswith("test_") and collection_path.suffix == ".py" \
-            and not _may_hold(collection_path, wanted):
+    if (
+        wanted != "parallel"
+        and collection_path.name.startswith("test_")
+        and collection_path.suffix == ".py"
+        and not _may_hold(collection_path, wanted)
+    ):
         return True
     return None
 
@@ -181,11 +193,11 @@ def pytest_collection_modifyitems(config, items):
 #: (transformers 4) skip what they lack, as before.
 ALLOWED_SKIPS = {
     r"transformers < 5": "HF's Flax models (the references of these tests) are transformers 4's: "
-                         "the legacy pass (make test-legacy) runs them",
+    "the legacy pass (make test-legacy) runs them",
     r"^no headless Chromium": "a system package, not the project's: .ci/run installs it where apt can and says "
-                              "when it cannot; the page's HTML and numbers are tested without it",
+    "when it cannot; the page's HTML and numbers are tested without it",
     r"tmpfs": "mounting needs root with CAP_SYS_ADMIN, and quotas a kernel built with them (this machine's "
-              "refuses usrquota): the machine decides, not the install",
+    "refuses usrquota): the machine decides, not the install",
     r"^root writes into a read-only": "root ignores permission bits; the path-under-a-file case covers root",
     r"only on CPUs with AMX$": "flaxheads gives oneDNN's flags to CPUs with AMX alone: elsewhere no run uses them",
     r"XLA:CPU's$": "checks of XLA:CPU's own arrangement: nothing to check on an accelerator",
@@ -236,8 +248,10 @@ class UnexpectedSkips:
             terminalreporter.section("unexpected skips (tests/conftest.py ALLOWED_SKIPS)", red=True, bold=True)
             for nodeid, reason in sorted(self.found.items()):
                 terminalreporter.line(f"{nodeid}: {reason}")
-            terminalreporter.line(f"{len(self.found)} skipped for a reason the newest stack does not expect: the "
-                                  "session fails (install what they need, or allow the reason, saying why)")
+            terminalreporter.line(
+                f"{len(self.found)} skipped for a reason the newest stack does not expect: the "
+                "session fails (install what they need, or allow the reason, saying why)"
+            )
 
 
 def pytest_configure(config):

@@ -1,5 +1,6 @@
 """Shared fixtures for the cached-feature, sweep and multitask tests: a tiny random BERT and a
 small variable-length dataset whose labels a linear probe can learn."""
+
 from __future__ import annotations
 
 import types
@@ -37,5 +38,5 @@ def padded(split, rows, t):
     mask = np.zeros((len(rows), t), np.int32)
     for r, i in enumerate(rows):
         x = split.input_ids[i][:t]
-        ids[r, :len(x)], mask[r, :len(x)] = x, 1
+        ids[r, : len(x)], mask[r, : len(x)] = x, 1
     return ids, mask

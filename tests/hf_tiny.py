@@ -1,4 +1,5 @@
 """Tiny random PyTorch sequence classifiers for parity tests (nobody here wrote their code)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -21,72 +22,196 @@ def tiny_config(arch: str, num_labels: int = 3, layers: int | None = None, **ove
     common = dict(num_labels=num_labels, attn_implementation="eager")
     L = layers or (2 if arch in TWO_LAYERS else 1)
     if arch == "bert":
-        c = tf.BertConfig(vocab_size=V, hidden_size=H, num_hidden_layers=L, num_attention_heads=NH,
-                          intermediate_size=FF, max_position_embeddings=P, **common)
+        c = tf.BertConfig(
+            vocab_size=V,
+            hidden_size=H,
+            num_hidden_layers=L,
+            num_attention_heads=NH,
+            intermediate_size=FF,
+            max_position_embeddings=P,
+            **common,
+        )
     elif arch in ("roberta", "xlm-roberta"):
         cls = tf.RobertaConfig if arch == "roberta" else tf.XLMRobertaConfig
-        c = cls(vocab_size=V, hidden_size=H, num_hidden_layers=L, num_attention_heads=NH, intermediate_size=FF,
-                max_position_embeddings=P, pad_token_id=1, bos_token_id=0, eos_token_id=2, **common)
+        c = cls(
+            vocab_size=V,
+            hidden_size=H,
+            num_hidden_layers=L,
+            num_attention_heads=NH,
+            intermediate_size=FF,
+            max_position_embeddings=P,
+            pad_token_id=1,
+            bos_token_id=0,
+            eos_token_id=2,
+            **common,
+        )
     elif arch == "camembert":
-        c = tf.CamembertConfig(vocab_size=V, hidden_size=H, num_hidden_layers=L, num_attention_heads=NH,
-                               intermediate_size=FF, max_position_embeddings=P, pad_token_id=1, bos_token_id=0,
-                               eos_token_id=2, **common)
+        c = tf.CamembertConfig(
+            vocab_size=V,
+            hidden_size=H,
+            num_hidden_layers=L,
+            num_attention_heads=NH,
+            intermediate_size=FF,
+            max_position_embeddings=P,
+            pad_token_id=1,
+            bos_token_id=0,
+            eos_token_id=2,
+            **common,
+        )
     elif arch == "distilbert":
-        c = tf.DistilBertConfig(vocab_size=V, dim=H, n_layers=L, n_heads=NH, hidden_dim=FF,
-                                max_position_embeddings=P, **common)
+        c = tf.DistilBertConfig(
+            vocab_size=V, dim=H, n_layers=L, n_heads=NH, hidden_dim=FF, max_position_embeddings=P, **common
+        )
     elif arch == "albert":
-        c = tf.AlbertConfig(vocab_size=V, embedding_size=16, hidden_size=H, num_hidden_layers=L,
-                            num_attention_heads=NH, intermediate_size=FF, max_position_embeddings=P, **common)
+        c = tf.AlbertConfig(
+            vocab_size=V,
+            embedding_size=16,
+            hidden_size=H,
+            num_hidden_layers=L,
+            num_attention_heads=NH,
+            intermediate_size=FF,
+            max_position_embeddings=P,
+            **common,
+        )
     elif arch == "electra":
-        c = tf.ElectraConfig(vocab_size=V, embedding_size=16, hidden_size=H, num_hidden_layers=L,
-                             num_attention_heads=NH, intermediate_size=FF, max_position_embeddings=P, **common)
+        c = tf.ElectraConfig(
+            vocab_size=V,
+            embedding_size=16,
+            hidden_size=H,
+            num_hidden_layers=L,
+            num_attention_heads=NH,
+            intermediate_size=FF,
+            max_position_embeddings=P,
+            **common,
+        )
     elif arch == "gpt2":
         c = tf.GPT2Config(vocab_size=V, n_embd=H, n_layer=L, n_head=NH, n_positions=P, pad_token_id=0, **common)
     elif arch == "bart":
-        c = tf.BartConfig(vocab_size=V, d_model=H, encoder_layers=L, decoder_layers=L, encoder_attention_heads=NH,
-                          decoder_attention_heads=NH, encoder_ffn_dim=FF, decoder_ffn_dim=FF,
-                          max_position_embeddings=P, pad_token_id=1, bos_token_id=0, eos_token_id=2,
-                          decoder_start_token_id=2, **common)
+        c = tf.BartConfig(
+            vocab_size=V,
+            d_model=H,
+            encoder_layers=L,
+            decoder_layers=L,
+            encoder_attention_heads=NH,
+            decoder_attention_heads=NH,
+            encoder_ffn_dim=FF,
+            decoder_ffn_dim=FF,
+            max_position_embeddings=P,
+            pad_token_id=1,
+            bos_token_id=0,
+            eos_token_id=2,
+            decoder_start_token_id=2,
+            **common,
+        )
     elif arch == "xlnet":
         c = tf.XLNetConfig(vocab_size=V, d_model=H, n_layer=L, n_head=NH, d_inner=FF, **common)
     elif arch == "deberta-v2":
-        c = tf.DebertaV2Config(vocab_size=V, hidden_size=H, num_hidden_layers=L, num_attention_heads=NH,
-                               intermediate_size=FF, max_position_embeddings=P, pooler_hidden_act="gelu", **common)
+        c = tf.DebertaV2Config(
+            vocab_size=V,
+            hidden_size=H,
+            num_hidden_layers=L,
+            num_attention_heads=NH,
+            intermediate_size=FF,
+            max_position_embeddings=P,
+            pooler_hidden_act="gelu",
+            **common,
+        )
     elif arch == "modernbert":
-        c = tf.ModernBertConfig(vocab_size=V, hidden_size=H, num_hidden_layers=L, num_attention_heads=NH,
-                                intermediate_size=FF, max_position_embeddings=P, pad_token_id=0,
-                                bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2, **common)
+        c = tf.ModernBertConfig(
+            vocab_size=V,
+            hidden_size=H,
+            num_hidden_layers=L,
+            num_attention_heads=NH,
+            intermediate_size=FF,
+            max_position_embeddings=P,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            cls_token_id=1,
+            sep_token_id=2,
+            **common,
+        )
     elif arch in ROTARY_ENCODERS:
         # transformers 5's rotary BERT encoders; their pad / bos / eos ids as the config classes set them
-        ids = {"nomic_bert": dict(pad_token_id=0), "gte": dict(pad_token_id=1),
-               "jina_embeddings_v3": dict(pad_token_id=1, bos_token_id=0, eos_token_id=2)}[arch]
+        ids = {
+            "nomic_bert": dict(pad_token_id=0),
+            "gte": dict(pad_token_id=1),
+            "jina_embeddings_v3": dict(pad_token_id=1, bos_token_id=0, eos_token_id=2),
+        }[arch]
         try:
             tf.AutoConfig.for_model(arch)
         except ValueError:
             raise KeyError(f"transformers {tf.__version__} has no {arch} (added in transformers 5)") from None
-        c = tf.AutoConfig.for_model(arch, vocab_size=V, hidden_size=H, num_hidden_layers=L, num_attention_heads=NH,
-                                    intermediate_size=FF, max_position_embeddings=P, **ids, **common)
+        c = tf.AutoConfig.for_model(
+            arch,
+            vocab_size=V,
+            hidden_size=H,
+            num_hidden_layers=L,
+            num_attention_heads=NH,
+            intermediate_size=FF,
+            max_position_embeddings=P,
+            **ids,
+            **common,
+        )
     elif arch in DECODERS:
         # Gemma 3's bidirectional switch converts sliding_window when the config is built: both go in then
-        at_init = {k: over.pop(k) for k in ("use_bidirectional_attention", "sliding_window") if k in over} \
-            if over.get("use_bidirectional_attention") else {}
+        at_init = (
+            {k: over.pop(k) for k in ("use_bidirectional_attention", "sliding_window") if k in over}
+            if over.get("use_bidirectional_attention")
+            else {}
+        )
         # grouped-query attention (2 key/value heads for 4 query heads) so every family runs it
-        c = tf.AutoConfig.for_model(arch, vocab_size=V, hidden_size=H, num_hidden_layers=L, num_attention_heads=NH,
-                                    num_key_value_heads=2, head_dim=H // NH, intermediate_size=FF,
-                                    max_position_embeddings=P, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                                    tie_word_embeddings=False, **at_init, **common)
+        c = tf.AutoConfig.for_model(
+            arch,
+            vocab_size=V,
+            hidden_size=H,
+            num_hidden_layers=L,
+            num_attention_heads=NH,
+            num_key_value_heads=2,
+            head_dim=H // NH,
+            intermediate_size=FF,
+            max_position_embeddings=P,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            tie_word_embeddings=False,
+            **at_init,
+            **common,
+        )
     elif arch == "eurobert":
         if not hasattr(tf, "EuroBertConfig"):
             raise KeyError(f"transformers {tf.__version__} has no EuroBERT (added in transformers 5)")
-        c = tf.EuroBertConfig(vocab_size=V, hidden_size=H, num_hidden_layers=L, num_attention_heads=NH,
-                              num_key_value_heads=2, intermediate_size=FF, max_position_embeddings=P, pad_token_id=0,
-                              bos_token_id=1, eos_token_id=2, mask_token_id=3, **common)
+        c = tf.EuroBertConfig(
+            vocab_size=V,
+            hidden_size=H,
+            num_hidden_layers=L,
+            num_attention_heads=NH,
+            num_key_value_heads=2,
+            intermediate_size=FF,
+            max_position_embeddings=P,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            mask_token_id=3,
+            **common,
+        )
     elif arch == "modernbert-decoder":
         # the config derives its window from local_attention when it is built (default here: 4, a window of 2)
-        c = tf.ModernBertDecoderConfig(vocab_size=V, hidden_size=H, num_hidden_layers=L, num_attention_heads=NH,
-                                       intermediate_size=FF, max_position_embeddings=P, pad_token_id=0,
-                                       bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2,
-                                       local_attention=over.pop("local_attention", 4), **common)
+        c = tf.ModernBertDecoderConfig(
+            vocab_size=V,
+            hidden_size=H,
+            num_hidden_layers=L,
+            num_attention_heads=NH,
+            intermediate_size=FF,
+            max_position_embeddings=P,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            cls_token_id=1,
+            sep_token_id=2,
+            local_attention=over.pop("local_attention", 4),
+            **common,
+        )
     else:
         raise KeyError(arch)
     for k, v in over.items():
@@ -131,8 +256,9 @@ def torch_hidden_grads(base, ids, mask, weights, **inputs):
     import torch
 
     base.zero_grad()
-    hidden = base(torch.tensor(ids), attention_mask=torch.tensor(mask),
-                  **{k: torch.tensor(v) for k, v in inputs.items()}).last_hidden_state
+    hidden = base(
+        torch.tensor(ids), attention_mask=torch.tensor(mask), **{k: torch.tensor(v) for k, v in inputs.items()}
+    ).last_hidden_state
     (hidden * torch.tensor(np.asarray(weights)) * torch.tensor(mask)[..., None]).sum().backward()
     grads = {k: p.grad.numpy().copy() for k, p in base.named_parameters() if p.grad is not None}
     return hidden.detach().numpy(), grads
@@ -236,8 +362,9 @@ def torch_train_outputs(base, ids, mask, copies: int = 32, seed: int = 0):
         ref = base(torch.tensor(ids), attention_mask=torch.tensor(mask)).last_hidden_state.numpy()
         base.train()
         torch.manual_seed(seed)
-        out = base(torch.tensor(np.tile(ids, (copies, 1))),
-                   attention_mask=torch.tensor(np.tile(mask, (copies, 1)))).last_hidden_state.numpy()
+        out = base(
+            torch.tensor(np.tile(ids, (copies, 1))), attention_mask=torch.tensor(np.tile(mask, (copies, 1)))
+        ).last_hidden_state.numpy()
         base.eval()
     return ref, out
 
@@ -258,9 +385,13 @@ def perturbed(tree, scale: float, seed: int = 0):
 
     leaves, treedef = jax.tree.flatten(tree)
     keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
-    return jax.tree.unflatten(treedef, [x + scale * jax.random.normal(k, x.shape, x.dtype)
-                                        if jnp.issubdtype(x.dtype, jnp.floating) else x
-                                        for x, k in zip(leaves, keys)])
+    return jax.tree.unflatten(
+        treedef,
+        [
+            x + scale * jax.random.normal(k, x.shape, x.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+            for x, k in zip(leaves, keys)
+        ],
+    )
 
 
 def perturb_and_export(src, out, ids, mask, scale: float = 0.01):
@@ -330,8 +461,9 @@ def check_hidden_states(path, pt, arch: str, side: str = "right", atol: float = 
     bb = load_backbone(path, implementation="native")
     ids, mask = padded_batch(arch, pt.config, side)
     with torch.no_grad():
-        ref = pt.base_model(torch.tensor(ids), attention_mask=torch.tensor(mask),
-                            **{k: torch.tensor(v) for k, v in inputs.items()}).last_hidden_state.numpy()
+        ref = pt.base_model(
+            torch.tensor(ids), attention_mask=torch.tensor(mask), **{k: torch.tensor(v) for k, v in inputs.items()}
+        ).last_hidden_state.numpy()
     ours = np.asarray(bb(ids, mask, **inputs)[0])  # eagerly: its operations' programs serve every family
     valid = mask.astype(bool)
     np.testing.assert_allclose(ours[valid], ref[valid], atol=atol, rtol=0)
@@ -388,8 +520,9 @@ def check_dropout_spread(path, pt, arch: str, low: float = 0.8, high: float = 1.
     from flaxheads.backbones.registry import load_backbone
 
     ids, mask = padded_batch(arch, pt.config)
-    ratio = dropout_spread_flax(load_backbone(path, implementation="native"), ids, mask) / \
-        dropout_spread_torch(pt.base_model, ids, mask)
+    ratio = dropout_spread_flax(load_backbone(path, implementation="native"), ids, mask) / dropout_spread_torch(
+        pt.base_model, ids, mask
+    )
     assert low < ratio < high, ratio
     return ratio
 
@@ -422,8 +555,9 @@ def check_export(path, pt, arch: str, out) -> None:
     assert np.abs(exported - before).max() > 1e-3  # the export carries the changed weights
 
 
-def check_lora_matches_peft(path, pt, arch: str, targets=None, rank: int = 4, alpha: float = 8.0,
-                            seed: int = 0) -> None:
+def check_lora_matches_peft(
+    path, pt, arch: str, targets=None, rank: int = 4, alpha: float = 8.0, seed: int = 0
+) -> None:
     """LoRA adapters on ``targets`` (default: the family's) with random A and B give the logits of
     PEFT's LoRA on the PyTorch classifier with the same adapter weights (copied by module name)."""
     import copy
@@ -442,8 +576,12 @@ def check_lora_matches_peft(path, pt, arch: str, targets=None, rank: int = 4, al
     modules = adapter_modules(lora)
     assert modules, "no adapted module"
     names = {m: f"{pt.base_model_prefix}." + ".".join(m) for m in modules}
-    pm = peft.get_peft_model(copy.deepcopy(pt), peft.LoraConfig(
-        task_type="SEQ_CLS", r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=list(names.values())))
+    pm = peft.get_peft_model(
+        copy.deepcopy(pt),
+        peft.LoraConfig(
+            task_type="SEQ_CLS", r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=list(names.values())
+        ),
+    )
     with torch.no_grad():
         for m, ab in modules.items():
             mod = pm.base_model.model.get_submodule(names[m])
@@ -543,30 +681,59 @@ def scale_matrices(model, factor: float, skip: str = "embeddings"):
 DROPOUT_SITES = ("attention output", "feed-forward output", "attention probabilities")
 
 
-def check_dropout_site(folder, arch: str, site: str, *, attn_out: str, ffn: str, ffn_out: str,
-                       hidden_rate: str = "hidden_dropout_prob", attn_rate: str = "attention_probs_dropout_prob"):
+def check_dropout_site(
+    folder,
+    arch: str,
+    site: str,
+    *,
+    attn_out: str,
+    ffn: str,
+    ffn_out: str,
+    hidden_rate: str = "hidden_dropout_prob",
+    attn_rate: str = "attention_probs_dropout_prob",
+):
     """One residual branch dominant, the other silenced (weights matched by the regexes
     ``attn_out``/``ffn``/``ffn_out``): a missing or extra dropout site at ``site`` moves the
     spread ratio against PyTorch 3x or more (measured), the right ones keep it near 1."""
     hidden = {hidden_rate: 0.3, attn_rate: 0.0}
-    cases = {"attention output": (lambda m: reweight(m, ffn, attn_out), hidden),
-             "feed-forward output": (lambda m: reweight(m, attn_out, ffn_out), hidden),
-             "attention probabilities": (None, {hidden_rate: 0.0, attn_rate: 0.5})}
+    cases = {
+        "attention output": (lambda m: reweight(m, ffn, attn_out), hidden),
+        "feed-forward output": (lambda m: reweight(m, attn_out, ffn_out), hidden),
+        "attention probabilities": (None, {hidden_rate: 0.0, attn_rate: 0.5}),
+    }
     edit, over = cases[site]
     return check_dropout_spread(*save_tiny(folder, arch, edit=edit, **over), arch)
 
 
 def pooler_specs() -> list:
     """Every pooler form (the 12 names and two concatenations), as ``fh.make_pooler`` takes them."""
-    return ["cls", "first_non_pad", "last", "mean", "max", "mean_sqrt_len", "weighted_mean", "attention",
-            "bert", "albert", "deberta", "xlnet", ["cls", "mean", "max"], ["attention", "bert"]]
+    return [
+        "cls",
+        "first_non_pad",
+        "last",
+        "mean",
+        "max",
+        "mean_sqrt_len",
+        "weighted_mean",
+        "attention",
+        "bert",
+        "albert",
+        "deberta",
+        "xlnet",
+        ["cls", "mean", "max"],
+        ["attention", "bert"],
+    ]
 
 
 def head_specs() -> list:
     """Every head form, with the options that change its parameters (bias, norm, hidden widths)."""
     import flaxheads as fh
 
-    return [fh.LinearHead(3), fh.LinearHead(3, dropout=0.0, use_bias=False),
-            fh.MLPHead(3, hidden_dims=(16, 8), activation="relu", layer_norm=True, norm_bias=False),
-            fh.ProjectionHead(features=(12, 6), activation="tanh", normalize=True), fh.ProjectionHead(features=5),
-            fh.IdentityHead()]
+    return [
+        fh.LinearHead(3),
+        fh.LinearHead(3, dropout=0.0, use_bias=False),
+        fh.MLPHead(3, hidden_dims=(16, 8), activation="relu", layer_norm=True, norm_bias=False),
+        fh.ProjectionHead(features=(12, 6), activation="tanh", normalize=True),
+        fh.ProjectionHead(features=5),
+        fh.IdentityHead(),
+    ]

@@ -1,4 +1,5 @@
 """What a compiled XLA:CPU program did with oneDNN's matmul calls (for the constant-weights tests)."""
+
 from __future__ import annotations
 
 

@@ -1,5 +1,6 @@
 """The real thing, small: the packaged all-MiniLM-L6-v2 on a stratified subset of BBC News
 through the `train` program (frozen backbone, linear probe on mean-pooled features encoded once)."""
+
 import json
 
 import pytest
@@ -14,9 +15,31 @@ def test_minilm_linear_probe_on_bbc_news_subset(tmp_path):
     from flaxheads.cli.train import main
 
     out = tmp_path / "run"
-    rc = main(["--data", "bbc_news", "--limit", "500", "--max-length", "64", "--freeze-backbone", "--cache-features",
-               "--epochs", "3", "--lr", "2e-2", "--batch-size", "16", "--eval-every", "1000",
-               "--output-dir", str(out), "--no-progress", "--checkpoint-every", "0"])
+    rc = main(
+        [
+            "--data",
+            "bbc_news",
+            "--limit",
+            "500",
+            "--max-length",
+            "64",
+            "--freeze-backbone",
+            "--cache-features",
+            "--epochs",
+            "3",
+            "--lr",
+            "2e-2",
+            "--batch-size",
+            "16",
+            "--eval-every",
+            "1000",
+            "--output-dir",
+            str(out),
+            "--no-progress",
+            "--checkpoint-every",
+            "0",
+        ]
+    )
     assert rc == 0
     summary = json.loads((out / "summary.json").read_text())
     cfg = json.loads((out / "config.json").read_text())

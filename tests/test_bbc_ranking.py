@@ -2,6 +2,7 @@
 on the BBC News relevance set (``bbc_news_groups``: a headline, the last paragraph of another
 article of its class, and of three articles of other classes) through ``flaxheads train
 --objective listwise``, against a BM25 lexical baseline computed here on the same test groups."""
+
 import collections
 import json
 import math
@@ -33,8 +34,16 @@ def bm25_scores(queries, candidates, k1: float = 1.5, b: float = 0.75) -> list[l
         row = []
         for d in ds:
             tf = collections.Counter(d)
-            row.append(sum(math.log(1 + (n - df[w] + 0.5) / (df[w] + 0.5)) * tf[w] * (k1 + 1)
-                           / (tf[w] + k1 * (1 - b + b * len(d) / avg)) for w in _words(q) if w in tf))
+            row.append(
+                sum(
+                    math.log(1 + (n - df[w] + 0.5) / (df[w] + 0.5))
+                    * tf[w]
+                    * (k1 + 1)
+                    / (tf[w] + k1 * (1 - b + b * len(d) / avg))
+                    for w in _words(q)
+                    if w in tf
+                )
+            )
         out.append(row)
     return out
 
@@ -47,9 +56,26 @@ def test_minilm_reranker_beats_bm25_on_bbc_news(tmp_path):
     from flaxheads.tasks.ranking.metrics import ranking_metrics
 
     out = tmp_path / "run"
-    rc = main(["--objective", "listwise", *ARGS, "--max-length", "32", "--bucket-step", "32", "--epochs", "1",
-               "--batch-size", "8",
-               "--output-dir", str(out), "--no-progress", "--checkpoint-every", "0"])
+    rc = main(
+        [
+            "--objective",
+            "listwise",
+            *ARGS,
+            "--max-length",
+            "32",
+            "--bucket-step",
+            "32",
+            "--epochs",
+            "1",
+            "--batch-size",
+            "8",
+            "--output-dir",
+            str(out),
+            "--no-progress",
+            "--checkpoint-every",
+            "0",
+        ]
+    )
     assert rc == 0
     summary = json.loads((out / "summary.json").read_text())
     test = summary["metrics"]["test"]

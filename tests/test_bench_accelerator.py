@@ -1,5 +1,6 @@
 """bench/accelerator.py --smoke: the accelerator check's whole code path on CPU (tiny sizes), so the
 script is known to run before a GPU machine is lent for its few minutes."""
+
 import json
 import os
 import subprocess
@@ -16,8 +17,14 @@ CHECKS = ("f32 logits", "f32 grads", "bf16 logits", "fused == plain", "bf16 fuse
 @pytest.mark.slow
 def test_accelerator_smoke(tmp_path):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT, "CUDA_VISIBLE_DEVICES": ""}
-    p = subprocess.run([sys.executable, os.path.join("bench", "accelerator.py"), str(tmp_path), "--smoke"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [sys.executable, os.path.join("bench", "accelerator.py"), str(tmp_path), "--smoke"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     report = json.loads((tmp_path / "accelerator.json").read_text())
     assert {"header", "correctness", "train", "predict"} <= set(report) and report["smoke"]

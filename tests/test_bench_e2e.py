@@ -1,5 +1,6 @@
 """bench/e2e.py and bench/hf_trainer.py: the pieces that make the two recipes the same and the
 throughput arithmetic (no timing; the bench itself is run by hand)."""
+
 import json
 import math
 import os
@@ -53,8 +54,10 @@ def test_hf_weight_decay_groups_match_flaxheads_mask():
         ours[(k[0], bool(mask[k]))] += int(np.size(v))
     hf = MeanPoolClassifier(path, 5, dropout=0.1, init_std=0.02)
     groups = param_groups(hf, {"learning_rate": 1e-4, "head_learning_rate": 1e-3, "weight_decay": 0.01})
-    theirs = {(("head" if grp["lr"] == 1e-3 else "backbone"), grp["weight_decay"] > 0): sum(p.numel() for p in
-              grp["params"]) for grp in groups}
+    theirs = {
+        (("head" if grp["lr"] == 1e-3 else "backbone"), grp["weight_decay"] > 0): sum(p.numel() for p in grp["params"])
+        for grp in groups
+    }
     assert theirs == ours and len(ours) == 4  # both parts have decayed and not decayed elements
 
 
@@ -87,10 +90,12 @@ def test_flaxheads_windows_and_throughput(tmp_path):
 
 
 def test_best_runs_and_ratios():
-    rows = [{"system": "flaxheads", "precision": "float32", "wall_s": 300.0, "test_accuracy": 0.98, "train_eps": 6.0},
-            {"system": "flaxheads", "precision": "bfloat16", "wall_s": 250.0, "test_accuracy": 0.97, "train_eps": 8.0},
-            {"system": "hf_trainer", "precision": "float32", "wall_s": 450.0, "test_accuracy": 0.98, "train_eps": 4.0},
-            {"system": "hf_trainer", "precision": "bfloat16", "wall_s": 90.0, "error": "exit 1"}]
+    rows = [
+        {"system": "flaxheads", "precision": "float32", "wall_s": 300.0, "test_accuracy": 0.98, "train_eps": 6.0},
+        {"system": "flaxheads", "precision": "bfloat16", "wall_s": 250.0, "test_accuracy": 0.97, "train_eps": 8.0},
+        {"system": "hf_trainer", "precision": "float32", "wall_s": 450.0, "test_accuracy": 0.98, "train_eps": 4.0},
+        {"system": "hf_trainer", "precision": "bfloat16", "wall_s": 90.0, "error": "exit 1"},
+    ]
     best = e2e.best_runs(rows, 0.975)
     assert best["flaxheads"]["precision"] == "float32" and best["hf_trainer"]["precision"] == "float32"
     assert e2e.best_runs(rows, 0.0)["flaxheads"]["precision"] == "bfloat16"

@@ -1,6 +1,7 @@
 """The front door: ``import flaxheads as fh`` is cheap and reads nothing of the process, it has at most
 50 names, each resolves on first use without a warning, and every top-level name of the release
 before still resolves to the same object with a DeprecationWarning saying where it lives now."""
+
 from __future__ import annotations
 
 import importlib
@@ -30,7 +31,7 @@ OLD_NAMES = {
     "flaxheads.heads.describe": "describe",
     "flaxheads.runtime": "ComputePlan",
     "flaxheads.interop": "ExportError ModelImportError export_head export_sentence_transformers export_transformers "
-                         "import_model load_head_export load_sentence_transformers load_transformers",
+    "import_model load_head_export load_sentence_transformers load_transformers",
     "flaxheads.interop.cross_encoder": "export_cross_encoder",
     "flaxheads.interop.onnx": "export_onnx",
     "flaxheads.interop.peft": "export_peft load_peft",
@@ -46,24 +47,36 @@ OLD_NAMES = {
     "flaxheads.tasks.task": "Classification Task",
     "flaxheads.tasks.ranking.task": "Ranking",
     "flaxheads.losses": "MULTI_LABEL REGRESSION SINGLE_LABEL infer_problem_type loss_fn mean_squared_error "
-                        "sigmoid_binary_cross_entropy softmax_cross_entropy validate_labels",
+    "sigmoid_binary_cross_entropy softmax_cross_entropy validate_labels",
     "flaxheads.checkpoint": "CheckpointError CorruptCheckpointError HeadCheckpoint HeadMismatchError "
-                            "IncompatibleCheckpointError RunCheckpointer attach_head load_head save_head",
+    "IncompatibleCheckpointError RunCheckpointer attach_head load_head save_head",
     "flaxheads.checkpoint.models": "model_from_checkpoint",
     "flaxheads.checkpoint.adapters": "load_adapters",
 }
 #: The old names that were submodules: still attributes, not deprecated.
 OLD_MODULES = {"interop": "flaxheads.interop", "lora": "flaxheads.model.lora", "ranking": "flaxheads.tasks.ranking"}
-SUBMODULES = {**OLD_MODULES, "checkpoint": "flaxheads.checkpoint", "losses": "flaxheads.losses",
-              "nnx": "flaxheads.nnx", "runtime": "flaxheads.runtime", "formats": "flaxheads.formats"}
+SUBMODULES = {
+    **OLD_MODULES,
+    "checkpoint": "flaxheads.checkpoint",
+    "losses": "flaxheads.losses",
+    "nnx": "flaxheads.nnx",
+    "runtime": "flaxheads.runtime",
+    "formats": "flaxheads.formats",
+}
 OLD = {name: module for module, names in OLD_NAMES.items() for name in names.split()}
 MOVED = sorted(set(OLD) - set(fh.__all__))
 
 
 def _python(code: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.run([sys.executable, "-W", "error::DeprecationWarning", "-c", textwrap.dedent(code)],
-                          capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-W", "error::DeprecationWarning", "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=120,
+    )
 
 
 def test_the_old_names_are_the_92_of_the_release_before():
@@ -113,8 +126,11 @@ def test_names_kept_are_the_objects_they_were():
 
 @pytest.mark.parametrize("name", MOVED)
 def test_an_old_name_still_resolves_and_warns(name):
-    with pytest.warns(DeprecationWarning, match=rf"^fh\.{name} moved: use .*flaxheads\.[\w.]+\.{name}; "
-                                                rf"fh\.{name} goes away in the next release$") as caught:
+    with pytest.warns(
+        DeprecationWarning,
+        match=rf"^fh\.{name} moved: use .*flaxheads\.[\w.]+\.{name}; "
+        rf"fh\.{name} goes away in the next release$",
+    ) as caught:
         value = getattr(fh, name)
     assert value is getattr(importlib.import_module(OLD[name]), name)
     # the module the message names holds the same object

@@ -1,5 +1,6 @@
 """tools/install.py hands uv what pip itself reports of its configuration (``pip config list``):
 index URLs, find-links and constraints, each value once, nothing else."""
+
 import importlib.util
 import os
 import subprocess
@@ -13,8 +14,9 @@ _spec.loader.exec_module(install)
 
 def test_pip_settings_become_uv_flags(monkeypatch, tmp_path):
     conf = tmp_path / "pip.conf"
-    conf.write_text("[global]\nextra-index-url = file:///a file:///b\nfind-links = /wheels\ncert = /c.pem\n"
-                    "timeout = 60\n")
+    conf.write_text(
+        "[global]\nextra-index-url = file:///a file:///b\nfind-links = /wheels\ncert = /c.pem\ntimeout = 60\n"
+    )
     monkeypatch.setenv("PIP_CONFIG_FILE", str(conf))
     monkeypatch.setenv("PIP_FIND_LINKS", "/wheels")  # the same value from a variable: passed once
     monkeypatch.setenv("PIP_CONSTRAINT", "/caps.txt")
@@ -24,8 +26,12 @@ def test_pip_settings_become_uv_flags(monkeypatch, tmp_path):
     assert "cert" in listed and "timeout" in listed  # pip reports them; they are not uv's to take
     flags = install.pip_settings(sys.executable)
     pairs = list(zip(flags[::2], flags[1::2]))
-    want = {("--extra-index-url", "file:///a"), ("--extra-index-url", "file:///b"), ("--find-links", "/wheels"),
-            ("--constraint", "/caps.txt")}
+    want = {
+        ("--extra-index-url", "file:///a"),
+        ("--extra-index-url", "file:///b"),
+        ("--find-links", "/wheels"),
+        ("--constraint", "/caps.txt"),
+    }
     assert want <= set(pairs) and len(pairs) == len(set(pairs))
     assert not {f for f, _ in pairs} - set(install.CARRIED.values())
     assert not any(v in ("/c.pem", "60") for _, v in pairs)

@@ -2,6 +2,7 @@
 
 Every import counts, module level or inside a function: an import hidden in a function still ties the
 two files together."""
+
 import ast
 import os
 import re
@@ -44,7 +45,8 @@ MODULES = _modules()
 
 
 def _imports(mod: str, path: str) -> set[str]:
-    """The flaxheads modules ``mod`` imports (``from flaxheads.x import y``: ``flaxheads.x.y`` where that is a module)."""
+    """The flaxheads modules ``mod`` imports (``from flaxheads.x import y``: ``flaxheads.x.y`` where that
+    is a module)."""
     out = set()
     for node in ast.walk(ast.parse(open(path).read())):
         if isinstance(node, ast.Import):
@@ -72,8 +74,10 @@ def _folder(mod: str) -> str:
 
 def test_design_tree_names_every_folder_and_top_file():
     tops = {_top(m) for m in MODULES} - {"__init__", "__main__"}
-    assert tops == set(LEVEL), f"in the code, not in docs/design.md: {sorted(tops - set(LEVEL))}; " \
-                               f"in docs/design.md, not in the code: {sorted(set(LEVEL) - tops)}"
+    assert tops == set(LEVEL), (
+        f"in the code, not in docs/design.md: {sorted(tops - set(LEVEL))}; "
+        f"in docs/design.md, not in the code: {sorted(set(LEVEL) - tops)}"
+    )
 
 
 def test_no_import_runs_up():
@@ -83,7 +87,9 @@ def test_no_import_runs_up():
             continue  # the front door and the entry point sit above everything
         for dep in deps:
             if LEVEL[_top(dep)] > LEVEL[_top(mod)]:
-                upward.append(f"{mod} imports {dep} ({_top(mod)}/ may import only folders listed above it in docs/design.md)")
+                upward.append(
+                    f"{mod} imports {dep} ({_top(mod)}/ may import only folders listed above it in docs/design.md)"
+                )
     assert not upward, "\n".join(sorted(upward))
 
 

@@ -1,4 +1,5 @@
 """Losses equal PyTorch's CrossEntropyLoss / BCEWithLogitsLoss / MSELoss; bad input raises."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,16 +25,19 @@ def _t(x):
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
 @pytest.mark.parametrize("class_weights", [None, CW])
 def test_cross_entropy_matches_torch(smoothing, class_weights):
-    ref = F.CrossEntropyLoss(weight=None if class_weights is None else _t(class_weights),
-                             label_smoothing=smoothing)(_t(LOGITS), _t(INT_LABELS)).item()
+    ref = F.CrossEntropyLoss(weight=None if class_weights is None else _t(class_weights), label_smoothing=smoothing)(
+        _t(LOGITS), _t(INT_LABELS)
+    ).item()
     f = fh.losses.loss_fn(SINGLE_LABEL, 4, label_smoothing=smoothing, class_weights=class_weights)
     assert abs(float(f(jnp.asarray(LOGITS), jnp.asarray(INT_LABELS))) - ref) < 1e-6
 
 
 @pytest.mark.parametrize("class_weights,pos_weight", [(None, None), (CW, None), (None, CW[::-1].copy())])
 def test_bce_matches_torch(class_weights, pos_weight):
-    ref = F.BCEWithLogitsLoss(weight=None if class_weights is None else _t(class_weights),
-                              pos_weight=None if pos_weight is None else _t(pos_weight))(_t(LOGITS), _t(MULTI)).item()
+    ref = F.BCEWithLogitsLoss(
+        weight=None if class_weights is None else _t(class_weights),
+        pos_weight=None if pos_weight is None else _t(pos_weight),
+    )(_t(LOGITS), _t(MULTI)).item()
     f = fh.losses.loss_fn(MULTI_LABEL, 4, class_weights=class_weights, pos_weight=pos_weight)
     assert abs(float(f(jnp.asarray(LOGITS), jnp.asarray(MULTI))) - ref) < 1e-6
 
@@ -47,8 +51,10 @@ def test_mse_matches_torch_single_and_multi_output():
     assert abs(float(fh.losses.loss_fn(REGRESSION, 4)(jnp.asarray(LOGITS), jnp.asarray(y4))) - ref) < 1e-6
 
 
-@pytest.mark.parametrize("ptype,labels", [(SINGLE_LABEL, INT_LABELS), (MULTI_LABEL, MULTI),
-                                          (REGRESSION, RNG.normal(size=(6, 4)).astype(np.float32))])
+@pytest.mark.parametrize(
+    "ptype,labels",
+    [(SINGLE_LABEL, INT_LABELS), (MULTI_LABEL, MULTI), (REGRESSION, RNG.normal(size=(6, 4)).astype(np.float32))],
+)
 def test_zero_weight_rows_count_as_absent(ptype, labels):
     """A padded batch with weight-0 rows gives the loss of the real rows alone (and zero grads for them)."""
     f = fh.losses.loss_fn(ptype, 4)
@@ -66,15 +72,18 @@ def test_infer_problem_type_like_hf():
     assert fh.losses.infer_problem_type(3, np.array([[0.0, 1.0, 1.0]])) == MULTI_LABEL
 
 
-@pytest.mark.parametrize("ptype,n,labels,match", [
-    (SINGLE_LABEL, 4, np.array([0, 4, 1, 2, 3, 0]), r"label 4 at row 1 is outside \[0, 4\)"),
-    (SINGLE_LABEL, 4, np.array([0, -1, 1, 2, 3, 0]), "outside"),
-    (SINGLE_LABEL, 4, INT_LABELS.astype(np.float32), "integer class ids"),
-    (MULTI_LABEL, 4, MULTI[:, :3], r"\[batch, 4\]"),
-    (MULTI_LABEL, 4, np.where(MULTI > 0, np.nan, 0.0).astype(np.float32), "NaN"),
-    (REGRESSION, 4, np.full((6, 4), np.nan, np.float32), "NaN"),
-    (MULTI_LABEL, 2, INT_LABELS.astype(np.float32), r"\[batch, 2\]"),  # HF's float-labels, num_labels=2 trap
-])
+@pytest.mark.parametrize(
+    "ptype,n,labels,match",
+    [
+        (SINGLE_LABEL, 4, np.array([0, 4, 1, 2, 3, 0]), r"label 4 at row 1 is outside \[0, 4\)"),
+        (SINGLE_LABEL, 4, np.array([0, -1, 1, 2, 3, 0]), "outside"),
+        (SINGLE_LABEL, 4, INT_LABELS.astype(np.float32), "integer class ids"),
+        (MULTI_LABEL, 4, MULTI[:, :3], r"\[batch, 4\]"),
+        (MULTI_LABEL, 4, np.where(MULTI > 0, np.nan, 0.0).astype(np.float32), "NaN"),
+        (REGRESSION, 4, np.full((6, 4), np.nan, np.float32), "NaN"),
+        (MULTI_LABEL, 2, INT_LABELS.astype(np.float32), r"\[batch, 2\]"),  # HF's float-labels, num_labels=2 trap
+    ],
+)
 def test_bad_labels_raise(ptype, n, labels, match):
     with pytest.raises(ValueError, match=match):
         fh.losses.loss_fn(ptype, n)(jnp.asarray(LOGITS[:, :n]), jnp.asarray(labels))

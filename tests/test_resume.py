@@ -1,6 +1,7 @@
 """Resume: a `train` run SIGKILLed mid-run and resumed equals an uninterrupted run, bitwise on CPU
 (params, optimizer state, dropout key, logged losses, evaluations); the same through `fit`
 with a frozen backbone and under pmap."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -58,17 +59,44 @@ _SLEEPER = textwrap.dedent("""
 
 
 def _train_args(model, data, out):
-    return ["--model", model, "--data", data, "--split", "0.6,0.2,0.2", "--epochs", "3", "--batch-size", "4",
-            "--eval-every", "4", "--log-every", "1", "--max-length", "16", "--bucket-step", "16", "--lr", "3e-3",
-            "--keep", "2", "--no-progress", "--output-dir", out]
+    return [
+        "--model",
+        model,
+        "--data",
+        data,
+        "--split",
+        "0.6,0.2,0.2",
+        "--epochs",
+        "3",
+        "--batch-size",
+        "4",
+        "--eval-every",
+        "4",
+        "--log-every",
+        "1",
+        "--max-length",
+        "16",
+        "--bucket-step",
+        "16",
+        "--lr",
+        "3e-3",
+        "--keep",
+        "2",
+        "--no-progress",
+        "--output-dir",
+        out,
+    ]
 
 
 def _env(cache):
     env = dict(os.environ)
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     # the killed run compiles; the two later runs load its executables (same programs, less CI time)
-    env.update(JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
+    env.update(
+        JAX_COMPILATION_CACHE_DIR=str(cache),
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1",
+    )
     return env
 
 
@@ -103,11 +131,16 @@ def _assert_bitwise(a, b):
 
 
 @pytest.mark.slow
-
 def _killed_at(script, argv, env, step: int) -> list[str]:
     """Run the sleeper script on ``argv`` and SIGKILL it once it reports reaching ``step``: its output lines."""
-    b = subprocess.Popen([sys.executable, str(script), *argv], cwd=REPO, env={**env, "KILL_AT": str(step)},
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    b = subprocess.Popen(
+        [sys.executable, str(script), *argv],
+        cwd=REPO,
+        env={**env, "KILL_AT": str(step)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     lines = []
     for line in b.stdout:
         lines.append(line)
@@ -135,10 +168,22 @@ def test_sigkilled_train_run_resumes_to_the_same_result(tmp_path, capfd):
     assert steps_left and max(steps_left) <= 10
 
     # side by side: the uninterrupted run, and the resume (the same command, nothing else)
-    a = subprocess.Popen([sys.executable, "-m", "flaxheads", "train", *_train_args(model, data, full)], cwd=REPO, env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    r = subprocess.run([sys.executable, "-m", "flaxheads", "train", *_train_args(model, data, cut)], cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=400)
+    a = subprocess.Popen(
+        [sys.executable, "-m", "flaxheads", "train", *_train_args(model, data, full)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    r = subprocess.run(
+        [sys.executable, "-m", "flaxheads", "train", *_train_args(model, data, cut)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     out_a, _ = a.communicate(timeout=400)
     assert a.returncode == 0, out_a[-3000:]
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
@@ -153,18 +198,30 @@ def test_sigkilled_train_run_resumes_to_the_same_result(tmp_path, capfd):
     if importlib.util.find_spec("tensorboard") is not None:
         from train_helpers import event_scalars
 
-        untimed = [{(t, s, v) for t, s, v in event_scalars(os.path.join(d, "tensorboard"))
-                    if t.removeprefix("train/") not in TIMED} for d in (full, cut)]
+        untimed = [
+            {
+                (t, s, v)
+                for t, s, v in event_scalars(os.path.join(d, "tensorboard"))
+                if t.removeprefix("train/") not in TIMED
+            }
+            for d in (full, cut)
+        ]
         assert len(os.listdir(os.path.join(cut, "tensorboard"))) == 2 and untimed[0] == untimed[1]
         assert max(s for _, s, _ in untimed[0]) == 18
     ia, ib = (_items(os.path.join(d, "checkpoints", "18")) for d in (full, cut))
     assert set(ia) == {"head", "backbone", "opt_state", "extra"}
     _assert_bitwise(ia, ib)
     # and the run really trained: the final params moved away from the initial ones
-    assert not np.array_equal(ia["head"]["head"]["classifier"]["kernel"],
-                              _items(os.path.join(full, "checkpoints", str(min(
-                                  int(x) for x in os.listdir(os.path.join(full, "checkpoints"))
-                                  if x.isdigit()))))["head"]["head"]["classifier"]["kernel"])
+    assert not np.array_equal(
+        ia["head"]["head"]["classifier"]["kernel"],
+        _items(
+            os.path.join(
+                full,
+                "checkpoints",
+                str(min(int(x) for x in os.listdir(os.path.join(full, "checkpoints")) if x.isdigit())),
+            )
+        )["head"]["head"]["classifier"]["kernel"],
+    )
     # retention: the 2 latest + the best by validation accuracy
     kept = sorted(int(x) for x in os.listdir(os.path.join(full, "checkpoints")) if x.isdigit())
     assert kept[-2:] == [16, 18] and len(kept) <= 3
@@ -212,10 +269,22 @@ def test_sigkilled_streamed_run_resumes_mid_epoch_bitwise(tmp_path):
     # checkpoints every 5 steps and at the evaluations (every 4); the hash split leaves 35 training
     # rows, 9 batches of 4 per epoch: the resume starts mid-epoch (8 or 10; 10 may be cut by the kill)
     assert left in (8, 10)
-    a = subprocess.Popen([sys.executable, "-m", "flaxheads", "train", *args(full)], cwd=REPO, env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    r = subprocess.run([sys.executable, "-m", "flaxheads", "train", *args(cut)], cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=400)
+    a = subprocess.Popen(
+        [sys.executable, "-m", "flaxheads", "train", *args(full)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    r = subprocess.run(
+        [sys.executable, "-m", "flaxheads", "train", *args(cut)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     out_a, _ = a.communicate(timeout=400)
     assert a.returncode == 0, out_a[-3000:]
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]

@@ -1,15 +1,18 @@
 """Shared fixtures for the training tests: a tiny random BERT folder with a fast tokenizer,
 and synthetic tokenised splits."""
+
 from __future__ import annotations
 
 import os
 
 import numpy as np
 
-WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
-         "upsilon phi chi psi omega red green blue cyan magenta yellow black white stock market bank share "
-         "profit goal match team player score film music actor award song vote party minister election "
-         "phone computer software internet game").split()
+WORDS = (
+    "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
+    "upsilon phi chi psi omega red green blue cyan magenta yellow black white stock market bank share "
+    "profit goal match team player score film music actor award song vote party minister election "
+    "phone computer software internet game"
+).split()
 
 
 #: ``tiny_model("bert", **TINY_BERT)`` (conftest.py) is :func:`tiny_bert_folder`'s default model: seed 0, no
@@ -26,8 +29,14 @@ def tiny_bert_folder(path, num_labels: int = 3, dropout: float = 0.0, seed: int 
     from hf_tiny import tiny_torch_model
 
     path = os.fspath(path)
-    model = tiny_torch_model("bert", num_labels=num_labels, seed=seed, hidden_dropout_prob=dropout,
-                             attention_probs_dropout_prob=dropout, layers=layers)
+    model = tiny_torch_model(
+        "bert",
+        num_labels=num_labels,
+        seed=seed,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+        layers=layers,
+    )
     model.save_pretrained(path, safe_serialization=True)
     save_word_tokenizer(path)
     return path

@@ -12,6 +12,7 @@ uv writes no bytecode (``--compile-bytecode`` would compile all ~19k modules of 
 most of the install's time, where a test process imports ~5k): Python writes it as each module is first
 imported, which the Makefile allows even where ``PYTHONDONTWRITEBYTECODE`` is set.
 """
+
 from __future__ import annotations
 
 import os
@@ -19,8 +20,12 @@ import subprocess
 import sys
 
 #: pip settings uv takes as flags of the same meaning (pip's name -> uv's flag)
-CARRIED = {"index-url": "--index-url", "extra-index-url": "--extra-index-url", "find-links": "--find-links",
-           "constraint": "--constraint"}
+CARRIED = {
+    "index-url": "--index-url",
+    "extra-index-url": "--extra-index-url",
+    "find-links": "--find-links",
+    "constraint": "--constraint",
+}
 
 
 def pip_settings(python: str) -> list[str]:
@@ -42,12 +47,25 @@ def main(argv: list[str]) -> int:
     venv, args = argv[0], argv[1:]
     python, uv = os.path.join(venv, "bin", "python"), os.path.join(venv, "bin", "uv")
     if not os.path.exists(uv):
-        subprocess.run([python, "-m", "pip", "install", "-q", "uv"], stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL)
+        subprocess.run(
+            [python, "-m", "pip", "install", "-q", "uv"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
     if not os.path.exists(uv):
         return subprocess.run([python, "-m", "pip", "install", "-q", *args]).returncode
-    return subprocess.run([uv, "pip", "install", "-q", "--python", python, "--index-strategy", "unsafe-best-match",
-                           *pip_settings(python), *args]).returncode
+    return subprocess.run(
+        [
+            uv,
+            "pip",
+            "install",
+            "-q",
+            "--python",
+            python,
+            "--index-strategy",
+            "unsafe-best-match",
+            *pip_settings(python),
+            *args,
+        ]
+    ).returncode
 
 
 if __name__ == "__main__":

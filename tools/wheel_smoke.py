@@ -3,6 +3,7 @@ flaxheads, not the checkout, gives the packaged all-MiniLM-L6-v2's sentence embe
 
     python tools/wheel_smoke.py VENV
 """
+
 from __future__ import annotations
 
 import os

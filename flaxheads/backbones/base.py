@@ -26,6 +26,7 @@ A backbone family is one module with one :class:`Backbone` subclass. The subclas
 The object also keeps the HF Flax calling convention (``backbone(input_ids, attention_mask,
 params=..., dropout_rng=..., train=...)[0]``) so code written against HF's wrappers works.
 """
+
 from __future__ import annotations
 
 import json
@@ -65,8 +66,10 @@ class MissingConfigKey(AttributeError):
 def missing_key_error(e: MissingConfigKey, model_type: Any) -> BackboneError:
     """The error for a ``config.json`` without a key its ``model_type`` needs."""
     where = e.source or "config.json"
-    return BackboneError(f"{where} has no {e.key!r}, which a {model_type} model needs: the file was cut or edited; "
-                         f"download config.json again, or add the key {e.key!r} with the model's value")
+    return BackboneError(
+        f"{where} has no {e.key!r}, which a {model_type} model needs: the file was cut or edited; "
+        f"download config.json again, or add the key {e.key!r} with the model's value"
+    )
 
 
 class HFConfig(Mapping[str, Any]):
@@ -86,17 +89,22 @@ class HFConfig(Mapping[str, Any]):
     def from_folder(cls, path: str | os.PathLike) -> HFConfig:
         f = os.path.join(os.fspath(path), "config.json")
         if not os.path.isfile(f):
-            raise BackboneError(f"{os.fspath(path)!r} has no config.json: expected a Hugging Face model folder "
-                                "(config.json + model.safetensors or pytorch_model.bin)")
+            raise BackboneError(
+                f"{os.fspath(path)!r} has no config.json: expected a Hugging Face model folder "
+                "(config.json + model.safetensors or pytorch_model.bin)"
+            )
         try:
             with open(f, encoding="utf-8") as fh:
                 values = json.load(fh)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise BackboneError(f"{f}: not valid JSON ({e}); the file was cut or damaged: download config.json "
-                                "again") from None
+            raise BackboneError(
+                f"{f}: not valid JSON ({e}); the file was cut or damaged: download config.json again"
+            ) from None
         if not isinstance(values, dict):
-            raise BackboneError(f"{f}: expected a JSON object of model settings, got a {type(values).__name__}; "
-                                "download config.json again")
+            raise BackboneError(
+                f"{f}: expected a JSON object of model settings, got a {type(values).__name__}; "
+                "download config.json again"
+            )
         return cls(values, source=f)
 
     def __getattr__(self, name: str) -> Any:
@@ -181,8 +189,14 @@ class Backbone:
     #: that names neither its ``model_input_names`` nor its ``tokenizer_class``)
     tokenizer_token_types: ClassVar[bool] = True
 
-    def __init__(self, config: Mapping[str, Any], params: dict, dtype: Any = jnp.float32, remat: bool | str = False,
-                 plan: ComputePlan | None = None):
+    def __init__(
+        self,
+        config: Mapping[str, Any],
+        params: dict,
+        dtype: Any = jnp.float32,
+        remat: bool | str = False,
+        plan: ComputePlan | None = None,
+    ):
         cfg = config if isinstance(config, HFConfig) else HFConfig(config)
         self.config = self.complete_config(cfg)
         self.check_config(self.config)
@@ -214,8 +228,9 @@ class Backbone:
         ``super().check_config(config)``."""
         mt = config.get("model_type")
         if mt not in cls.model_types:
-            raise BackboneError(f"flaxheads' {cls.family or cls.__name__} backbone serves model_type "
-                                f"{cls.model_types}, not {mt!r}")
+            raise BackboneError(
+                f"flaxheads' {cls.family or cls.__name__} backbone serves model_type {cls.model_types}, not {mt!r}"
+            )
 
     # ---- weights ------------------------------------------------------------------------------
     @classmethod
@@ -246,9 +261,16 @@ class Backbone:
         return torch_from_tree({k: params[k] for k in self.top_level if k in params})
 
     @classmethod
-    def from_state(cls, config: Mapping[str, Any], state: Mapping[str, np.ndarray], *, dtype: Any = jnp.float32,
-                   remat: bool | str = False, source: str = "checkpoint",
-                   plan: ComputePlan | None = None) -> Backbone:
+    def from_state(
+        cls,
+        config: Mapping[str, Any],
+        state: Mapping[str, np.ndarray],
+        *,
+        dtype: Any = jnp.float32,
+        remat: bool | str = False,
+        source: str = "checkpoint",
+        plan: ComputePlan | None = None,
+    ) -> Backbone:
         """Build from a full PyTorch state dict: the base-model prefix is stripped, every
         weight the family needs must be present (a folder of another architecture fails here)."""
         cfg = cls.complete_config(config if isinstance(config, HFConfig) else HFConfig(config))
@@ -257,9 +279,11 @@ class Backbone:
         try:
             params = cls.params_from_state(cfg, base)
         except KeyError as e:
-            raise BackboneError(f"{source}: the checkpoint has no weight {e.args[0]!r} that a "
-                                f"{cfg.get('model_type')} backbone needs. Is this folder a "
-                                f"{cfg.get('model_type')} checkpoint?") from None
+            raise BackboneError(
+                f"{source}: the checkpoint has no weight {e.args[0]!r} that a "
+                f"{cfg.get('model_type')} backbone needs. Is this folder a "
+                f"{cfg.get('model_type')} checkpoint?"
+            ) from None
         check_params(cls.param_shapes(cfg), params, source=source, model_type=cfg.get("model_type"))
         params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
         return cls(cfg, params, dtype=dtype, remat=remat, plan=plan)
@@ -280,14 +304,29 @@ class Backbone:
         return axes[::-1] if cls.kernels_out_in and path and path[-1] == "kernel" else axes
 
     # ---- compute ------------------------------------------------------------------------------
-    def encode(self, params: Mapping, input_ids: jax.Array, attention_mask: jax.Array, *, train: bool = False,
-               rng: jax.Array | None = None) -> jax.Array:
+    def encode(
+        self,
+        params: Mapping,
+        input_ids: jax.Array,
+        attention_mask: jax.Array,
+        *,
+        train: bool = False,
+        rng: jax.Array | None = None,
+    ) -> jax.Array:
         """Last hidden state ``[B, T, H]`` in ``self.dtype``; a pure function of ``params``. A family
         takes its :attr:`extra_inputs` as more keyword arguments, each defaulting to None."""
         raise NotImplementedError
 
-    def __call__(self, input_ids, attention_mask=None, *inputs, params: Mapping | None = None,
-                 dropout_rng: jax.Array | None = None, train: bool = False, **extra) -> tuple[jax.Array]:
+    def __call__(
+        self,
+        input_ids,
+        attention_mask=None,
+        *inputs,
+        params: Mapping | None = None,
+        dropout_rng: jax.Array | None = None,
+        train: bool = False,
+        **extra,
+    ) -> tuple[jax.Array]:
         """HF Flax calling convention: ``(last_hidden_state,)``; positional inputs after the
         mask are :attr:`extra_inputs` in order (BERT: token types, then position ids)."""
         if len(inputs) > len(self.extra_inputs):
@@ -296,14 +335,21 @@ class Backbone:
         extra = {k: v for k, v in extra.items() if v is not None and k != "return_dict"}
         bad = sorted(set(extra) - set(self.extra_inputs))
         if bad:
-            raise TypeError(f"{type(self).__name__} takes {list(self.extra_inputs) or 'no'} extra inputs, "
-                            f"not {bad}")
+            raise TypeError(f"{type(self).__name__} takes {list(self.extra_inputs) or 'no'} extra inputs, not {bad}")
         if attention_mask is None:
             attention_mask = jnp.ones_like(jnp.asarray(input_ids))
         if train and dropout_rng is None:
             raise ValueError("train=True needs a dropout_rng (dropout is active in training)")
-        return (self.encode(self.params if params is None else params, jnp.asarray(input_ids),
-                            jnp.asarray(attention_mask), train=train, rng=dropout_rng, **extra),)
+        return (
+            self.encode(
+                self.params if params is None else params,
+                jnp.asarray(input_ids),
+                jnp.asarray(attention_mask),
+                train=train,
+                rng=dropout_rng,
+                **extra,
+            ),
+        )
 
     # ---- facts --------------------------------------------------------------------------------
     @property
@@ -316,8 +362,10 @@ class Backbone:
 
     def __repr__(self) -> str:
         c = self.config
-        return (f"{type(self).__name__}(model_type={c.get('model_type')!r}, hidden={c.get('hidden_size')}, "
-                f"dtype={jnp.dtype(self.dtype).name})")
+        return (
+            f"{type(self).__name__}(model_type={c.get('model_type')!r}, hidden={c.get('hidden_size')}, "
+            f"dtype={jnp.dtype(self.dtype).name})"
+        )
 
 
 def activation_problem(name: Any) -> str:
@@ -341,15 +389,19 @@ def check_params(want: Mapping, got: Mapping, *, source: str, model_type: str | 
     got_flat = {_torch_style(p): tuple(np.shape(x)) for p, x in jax.tree_util.tree_leaves_with_path(got)}
     missing = sorted(k for k in want_flat if k not in got_flat)
     if missing:
-        raise BackboneError(f"{source}: the checkpoint does not provide {len(missing)} of the {len(want_flat)} "
-                            f"backbone weights of a {model_type} model (e.g. {missing[:5]}). Is this folder a "
-                            f"{model_type} checkpoint?")
+        raise BackboneError(
+            f"{source}: the checkpoint does not provide {len(missing)} of the {len(want_flat)} "
+            f"backbone weights of a {model_type} model (e.g. {missing[:5]}). Is this folder a "
+            f"{model_type} checkpoint?"
+        )
     bad = [(k, got_flat[k], s) for k, s in want_flat.items() if got_flat[k] != s]
     if bad:
         k, have, need = bad[0]
-        raise BackboneError(f"{source}: mismatched shapes: {k} has shape {have} but config.json makes it {need} "
-                            f"({len(bad)} such weights). The weights do not fit the architecture in config.json "
-                            "(edited config, or weights from another model size).")
+        raise BackboneError(
+            f"{source}: mismatched shapes: {k} has shape {have} but config.json makes it {need} "
+            f"({len(bad)} such weights). The weights do not fit the architecture in config.json "
+            "(edited config, or weights from another model size)."
+        )
 
 
 def strip_prefix(state: Mapping[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
@@ -359,4 +411,4 @@ def strip_prefix(state: Mapping[str, np.ndarray], prefix: str) -> dict[str, np.n
     p = prefix + "."
     if not any(k.startswith(p) for k in state):
         return dict(state)
-    return {k[len(p):]: v for k, v in state.items() if k.startswith(p)}
+    return {k[len(p) :]: v for k, v in state.items() if k.startswith(p)}

@@ -4,6 +4,7 @@ transformers 5 deleted every Flax model class, so this path exists only with the
 ``flaxheads[hf-flax]`` extra, for architectures flaxheads has no native backbone for. The
 loaded HF wrapper already has the backbone calling convention
 (``model(input_ids, attention_mask, params=..., dropout_rng=..., train=...)[0]``)."""
+
 from __future__ import annotations
 
 import os
@@ -44,18 +45,29 @@ def _import(model_type: str | None = None):
         from flaxheads.backbones.registry import HF_FLAX_MODEL_TYPES, native_model_types
 
         if model_type is not None and model_type not in HF_FLAX_MODEL_TYPES:
-            raise BackboneError(f"model_type {model_type!r}: transformers never had a Flax model of it, so the "
-                                "flaxheads[hf-flax] extra cannot load it; use a model of a family flaxheads runs "
-                                f"natively ({', '.join(native_model_types())})") from None
+            raise BackboneError(
+                f"model_type {model_type!r}: transformers never had a Flax model of it, so the "
+                "flaxheads[hf-flax] extra cannot load it; use a model of a family flaxheads runs "
+                f"natively ({', '.join(native_model_types())})"
+            ) from None
         what = f"model_type {model_type!r} has no native flaxheads backbone and" if model_type else "this backbone"
-        raise BackboneError(f"{what} needs HF's Flax models, which transformers 5 removed: install "
-                            "'flaxheads[hf-flax]' (transformers < 5), or use a model of a family flaxheads runs "
-                            f"natively ({', '.join(native_model_types())})") from None
+        raise BackboneError(
+            f"{what} needs HF's Flax models, which transformers 5 removed: install "
+            "'flaxheads[hf-flax]' (transformers < 5), or use a model of a family flaxheads runs "
+            f"natively ({', '.join(native_model_types())})"
+        ) from None
     return AutoConfig, FlaxAutoModel, convert_pytorch_state_dict_to_flax
 
 
-def load(path: str | os.PathLike, config: HFConfig | None = None, dtype: Any = jnp.float32, *,
-         state: Mapping[str, np.ndarray] | None = None, remat: bool | str = False, plan: ComputePlan | None = None):
+def load(
+    path: str | os.PathLike,
+    config: HFConfig | None = None,
+    dtype: Any = jnp.float32,
+    *,
+    state: Mapping[str, np.ndarray] | None = None,
+    remat: bool | str = False,
+    plan: ComputePlan | None = None,
+):
     """A ``FlaxAutoModel`` for a local HF folder (no hub access), weights from its safetensors.
 
     Every backbone weight must come from the checkpoint: a folder whose weights do not fit
@@ -76,9 +88,11 @@ def load(path: str | os.PathLike, config: HFConfig | None = None, dtype: Any = j
         model = FlaxAutoModel.from_config(cfg, dtype=dtype, **kwargs)
     except ValueError as e:
         if "Unrecognized configuration class" in str(e):
-            raise BackboneError(f"model_type {cfg.model_type!r} has no Flax backbone in transformers "
-                                f"(FlaxAutoModel cannot build it). Its head presets still work on hidden states: "
-                                f"see flaxheads.heads.presets.PRESETS.") from None
+            raise BackboneError(
+                f"model_type {cfg.model_type!r} has no Flax backbone in transformers "
+                f"(FlaxAutoModel cannot build it). Its head presets still work on hidden states: "
+                f"see flaxheads.heads.presets.PRESETS."
+            ) from None
         raise
     state = read_state_dict(path) if state is None else state
     top = set(model.params)
@@ -95,7 +109,8 @@ def load(path: str | os.PathLike, config: HFConfig | None = None, dtype: Any = j
     if missing:
         raise BackboneError(
             f"{path}: the checkpoint does not provide {len(missing)} of the {len(want)} backbone weights of "
-            f"{type(model).__name__} (e.g. {missing[:5]}). Is this folder a {cfg.model_type} checkpoint?")
+            f"{type(model).__name__} (e.g. {missing[:5]}). Is this folder a {cfg.model_type} checkpoint?"
+        )
     model.params = unflatten_dict({k: jnp.asarray(converted[k], dtype=want[k].dtype) for k in want})
     return _with_remat(model, remat, plan)
 
@@ -106,11 +121,15 @@ def _with_remat(model, remat: bool | str, plan: ComputePlan | None):
     if policy == "none":
         return model
     if policy != "full":
-        raise BackboneError(f"remat={remat!r}: transformers' Flax models recompute whole layers only; use "
-                            "remat='full', or a native flaxheads backbone for other policies")
+        raise BackboneError(
+            f"remat={remat!r}: transformers' Flax models recompute whole layers only; use "
+            "remat='full', or a native flaxheads backbone for other policies"
+        )
     if not hasattr(model, "enable_gradient_checkpointing"):
-        raise BackboneError(f"remat=True: {type(model).__name__} has no gradient checkpointing in transformers' "
-                            "Flax implementation; load without remat")
+        raise BackboneError(
+            f"remat=True: {type(model).__name__} has no gradient checkpointing in transformers' "
+            "Flax implementation; load without remat"
+        )
     model.enable_gradient_checkpointing()
     return model
 
@@ -123,5 +142,9 @@ def to_native(model):
     if fam is None:
         raise BackboneError(f"model_type {model.config.model_type!r} has no native flaxheads backbone")
     params = {k: v for k, v in model.params.items() if k != "pooler"}
-    return fam(HFConfig(model.config.to_dict()), params, dtype=getattr(model, "dtype", jnp.float32),
-               plan=getattr(model, "plan", None))
+    return fam(
+        HFConfig(model.config.to_dict()),
+        params,
+        dtype=getattr(model, "dtype", jnp.float32),
+        plan=getattr(model, "plan", None),
+    )

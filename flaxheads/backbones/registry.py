@@ -3,6 +3,7 @@
 One decision, made here: ``implementation="auto"`` picks the native family when one serves
 the ``model_type`` and falls back to the optional HF Flax adapter (transformers < 5) only
 for architectures that have no native backbone."""
+
 from __future__ import annotations
 
 import os
@@ -39,18 +40,67 @@ from flaxheads.backbones.weights import read_state_dict
 from flaxheads.runtime.plan import ComputePlan
 
 #: Every native family, in the order their ``model_types`` are looked up.
-FAMILIES: tuple[type[Backbone], ...] = (BertBackbone, RobertaBackbone, ElectraBackbone, DistilBertBackbone,
-                                        AlbertBackbone, GPT2Backbone, BartBackbone, ModernBertBackbone,
-                                        DebertaV2Backbone, DecoderBackbone, EuroBertBackbone,
-                                        ModernBertDecoderBackbone, NomicBertBackbone, GteBackbone, JinaV3Backbone)
+FAMILIES: tuple[type[Backbone], ...] = (
+    BertBackbone,
+    RobertaBackbone,
+    ElectraBackbone,
+    DistilBertBackbone,
+    AlbertBackbone,
+    GPT2Backbone,
+    BartBackbone,
+    ModernBertBackbone,
+    DebertaV2Backbone,
+    DecoderBackbone,
+    EuroBertBackbone,
+    ModernBertDecoderBackbone,
+    NomicBertBackbone,
+    GteBackbone,
+    JinaV3Backbone,
+)
 IMPLEMENTATIONS = ("auto", "native", "hf_flax")
 #: The ``model_type`` values transformers 4.x had a Flax model for (``FlaxAutoModel``, 4.57's
 #: ``FLAX_MODEL_MAPPING_NAMES``): the only ones the ``flaxheads[hf-flax]`` extra can load.
-HF_FLAX_MODEL_TYPES = frozenset({
-    "albert", "bart", "beit", "bert", "big_bird", "blenderbot", "blenderbot-small", "bloom", "clip", "dinov2",
-    "distilbert", "electra", "gemma", "gpt-sw3", "gpt2", "gpt_neo", "gptj", "llama", "longt5", "marian", "mbart",
-    "mistral", "mt5", "opt", "pegasus", "regnet", "resnet", "roberta", "roberta-prelayernorm", "roformer", "t5",
-    "vision-text-dual-encoder", "vit", "wav2vec2", "whisper", "xglm", "xlm-roberta"})
+HF_FLAX_MODEL_TYPES = frozenset(
+    {
+        "albert",
+        "bart",
+        "beit",
+        "bert",
+        "big_bird",
+        "blenderbot",
+        "blenderbot-small",
+        "bloom",
+        "clip",
+        "dinov2",
+        "distilbert",
+        "electra",
+        "gemma",
+        "gpt-sw3",
+        "gpt2",
+        "gpt_neo",
+        "gptj",
+        "llama",
+        "longt5",
+        "marian",
+        "mbart",
+        "mistral",
+        "mt5",
+        "opt",
+        "pegasus",
+        "regnet",
+        "resnet",
+        "roberta",
+        "roberta-prelayernorm",
+        "roformer",
+        "t5",
+        "vision-text-dual-encoder",
+        "vit",
+        "wav2vec2",
+        "whisper",
+        "xglm",
+        "xlm-roberta",
+    }
+)
 
 
 def family_for(model_type: str | None) -> type[Backbone] | None:
@@ -87,16 +137,20 @@ def no_backbone_error(path: str, config: HFConfig) -> BackboneError:
     mt = config.get("model_type")
     custom = (config.get("auto_map") or {}).get("AutoConfig") if isinstance(config.get("auto_map"), Mapping) else None
     if mt in HF_FLAX_MODEL_TYPES:
-        advice = ("implementation='hf_flax' runs transformers' own Flax model of it" if hf_flax.available() else
-                  "transformers 4.x has a Flax model of it: install 'flaxheads[hf-flax]' (transformers < 5) and load "
-                  "it with implementation='hf_flax'")
+        advice = (
+            "implementation='hf_flax' runs transformers' own Flax model of it"
+            if hf_flax.available()
+            else "transformers 4.x has a Flax model of it: install 'flaxheads[hf-flax]' (transformers < 5) and load "
+            "it with implementation='hf_flax'"
+        )
     else:
-        advice = (f"transformers never had a Flax model of {mt!r}, so the flaxheads[hf-flax] extra cannot load it "
-                  "either")
+        advice = f"transformers never had a Flax model of {mt!r}, so the flaxheads[hf-flax] extra cannot load it either"
         if custom:
             advice += f"; its config.json names the model's own code ({custom}), which flaxheads never runs"
-    return BackboneError(f"{path}: model_type {mt!r} has no native flaxheads backbone (native: "
-                         f"{', '.join(native_model_types())}): {advice}. Use a model of a native family.")
+    return BackboneError(
+        f"{path}: model_type {mt!r} has no native flaxheads backbone (native: "
+        f"{', '.join(native_model_types())}): {advice}. Use a model of a native family."
+    )
 
 
 def _in_file(e: BackboneError, config: HFConfig, fam: type[Backbone]) -> BackboneError:
@@ -104,13 +158,26 @@ def _in_file(e: BackboneError, config: HFConfig, fam: type[Backbone]) -> Backbon
     lacks (transformers' defaults stood in for them: a cut or edited file)."""
     source = object.__getattribute__(config, "_source") or "config.json"
     filled = [k for k in fam.complete_config(config) if k not in config and f"{k} " in f"{e} "]
-    note = (f" ({', '.join(filled)} not in the file: the default was used; download config.json again or add "
-            "the model's value)") if filled else ""
+    note = (
+        (
+            f" ({', '.join(filled)} not in the file: the default was used; download config.json again or add "
+            "the model's value)"
+        )
+        if filled
+        else ""
+    )
     return type(e)(f"{source}: {e}{note}")
 
 
-def load_backbone(path: str | os.PathLike, dtype: Any = jnp.float32, *, state: Mapping[str, np.ndarray] | None = None,
-                  remat: bool | str = False, implementation: str = "auto", plan: ComputePlan | None = None):
+def load_backbone(
+    path: str | os.PathLike,
+    dtype: Any = jnp.float32,
+    *,
+    state: Mapping[str, np.ndarray] | None = None,
+    remat: bool | str = False,
+    implementation: str = "auto",
+    plan: ComputePlan | None = None,
+):
     """The backbone of a local Hugging Face folder (``config.json`` + weights; never the hub).
 
     ``implementation``: ``"native"`` (flaxheads' own JAX code; an error when the family has
@@ -121,13 +188,17 @@ def load_backbone(path: str | os.PathLike, dtype: Any = jnp.float32, *, state: M
         raise BackboneError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     path = os.fspath(path)
     if not os.path.isdir(path):
-        raise BackboneNotFoundError(f"model folder {path!r} does not exist: pass a local Hugging Face folder "
-                                    "(config.json + model.safetensors); flaxheads never downloads")
+        raise BackboneNotFoundError(
+            f"model folder {path!r} does not exist: pass a local Hugging Face folder "
+            "(config.json + model.safetensors); flaxheads never downloads"
+        )
     config, fam = native_config(HFConfig.from_folder(path))
     if "model_type" not in config:
-        raise BackboneError(f"{os.path.join(path, 'config.json')} has no 'model_type', so the architecture is "
-                            f"unknown: download config.json again, or add \"model_type\" (supported: "
-                            f"{', '.join(native_model_types())})")
+        raise BackboneError(
+            f"{os.path.join(path, 'config.json')} has no 'model_type', so the architecture is "
+            f'unknown: download config.json again, or add "model_type" (supported: '
+            f"{', '.join(native_model_types())})"
+        )
     from flaxheads.backbones import hf_flax
 
     if implementation != "hf_flax" and fam is not None:
@@ -141,8 +212,9 @@ def load_backbone(path: str | os.PathLike, dtype: Any = jnp.float32, *, state: M
             if path in str(e):
                 raise
             raise _in_file(e, config, fam) from None
-    if implementation != "hf_flax" and (implementation == "native" or not hf_flax.available()
-                                        or config.get("model_type") not in HF_FLAX_MODEL_TYPES):
+    if implementation != "hf_flax" and (
+        implementation == "native" or not hf_flax.available() or config.get("model_type") not in HF_FLAX_MODEL_TYPES
+    ):
         raise no_backbone_error(path, config)
     return hf_flax.load(path, config, dtype=dtype, state=state, remat=remat, plan=plan)
 
@@ -155,4 +227,4 @@ def _rename_custom_prefixes(state: Mapping[str, np.ndarray], fam: type[Backbone]
         old = [k for k in state if k.startswith(prefix + ".")]
         if old and isinstance(state, dict) and not any(k.startswith(fam.base_model_prefix + ".") for k in state):
             for k in old:
-                state[fam.base_model_prefix + k[len(prefix):]] = state.pop(k)
+                state[fam.base_model_prefix + k[len(prefix) :]] = state.pop(k)

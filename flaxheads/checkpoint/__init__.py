@@ -19,6 +19,7 @@ Modules: :mod:`.meta` (format, meta, errors), :mod:`.io` (Orbax plumbing), :mod:
 (head checkpoints), :mod:`.runs` (training runs), :mod:`.inspect` (verify, list, print),
 :mod:`.models` (whole models from checkpoints).
 """
+
 from flaxheads.checkpoint.heads import (
     HeadCheckpoint,
     attach_head,
@@ -48,10 +49,31 @@ from flaxheads.checkpoint.models import model_from_checkpoint
 from flaxheads.checkpoint.runs import RunCheckpointer
 
 __all__ = [
-    "FORMAT", "CheckpointError", "CheckpointExistsError", "CheckpointNotFoundError", "CheckpointWriteError",
-    "CorruptCheckpointError", "HeadCheckpoint", "HeadMismatchError",
-    "IncompatibleCheckpointError", "RunCheckpointer", "attach_head", "backbone_checksum", "expected_head_shapes",
-    "format_listing", "format_meta", "head_shapes", "head_shapes_hash", "is_checkpoint_folder", "list_checkpoints",
-    "load_backbone_params", "load_head", "make_meta", "model_from_checkpoint", "read_meta", "resolve_root", "save_head",
+    "FORMAT",
+    "CheckpointError",
+    "CheckpointExistsError",
+    "CheckpointNotFoundError",
+    "CheckpointWriteError",
+    "CorruptCheckpointError",
+    "HeadCheckpoint",
+    "HeadMismatchError",
+    "IncompatibleCheckpointError",
+    "RunCheckpointer",
+    "attach_head",
+    "backbone_checksum",
+    "expected_head_shapes",
+    "format_listing",
+    "format_meta",
+    "head_shapes",
+    "head_shapes_hash",
+    "is_checkpoint_folder",
+    "list_checkpoints",
+    "load_backbone_params",
+    "load_head",
+    "make_meta",
+    "model_from_checkpoint",
+    "read_meta",
+    "resolve_root",
+    "save_head",
     "verify_checkpoint",
 ]

@@ -1,5 +1,6 @@
 """Heads stored on their own: save one, read it back without the backbone, attach it to a
 backbone of the same width, and read a trained backbone a run saved."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -58,8 +59,14 @@ def _head_params_of(model: SequenceModel, params) -> dict:
     return params
 
 
-def save_head(directory: str | os.PathLike, model: SequenceModel, params=None, *, step: int = 0,
-              extra_meta: Mapping[str, Any] | None = None) -> str:
+def save_head(
+    directory: str | os.PathLike,
+    model: SequenceModel,
+    params=None,
+    *,
+    step: int = 0,
+    extra_meta: Mapping[str, Any] | None = None,
+) -> str:
     """Save the head of ``model`` (``params``: full params, the head subtree, or None for
     ``model.params``) as step ``step`` under ``directory``; returns the step's folder.
 
@@ -77,8 +84,9 @@ def save_head(directory: str | os.PathLike, model: SequenceModel, params=None, *
     mgr = io.manager(root, async_save=False)
     try:
         if step in mgr.all_steps():
-            raise CheckpointExistsError(f"{root} already has a checkpoint for step {step}; pass another step= "
-                                  "or a new directory")
+            raise CheckpointExistsError(
+                f"{root} already has a checkpoint for step {step}; pass another step= or a new directory"
+            )
         args = io.save_args(arrays, {META: meta, STEP: {"step": int(step), "metrics": None}})
         mgr.save(int(step), args=args, force=True)
         mgr.wait_until_finished()
@@ -94,8 +102,9 @@ def read_meta(directory: str | os.PathLike, step: int | str | None = None) -> tu
         return io.read_json(mgr, root, step, META), step, root
 
 
-def load_head(directory: str | os.PathLike, step: int | str | None = None, *,
-              sharding: jax.sharding.Sharding | None = None) -> HeadCheckpoint:
+def load_head(
+    directory: str | os.PathLike, step: int | str | None = None, *, sharding: jax.sharding.Sharding | None = None
+) -> HeadCheckpoint:
     """Restore a head (module + params + meta) without reading the backbone item.
 
     ``directory``: a run folder, a checkpoint root or one step's folder; ``step``: an int,
@@ -112,8 +121,8 @@ def load_head(directory: str | os.PathLike, step: int | str | None = None, *,
         # restore in the dtypes that were saved (float32 or bfloat16), shapes from the config
         saved = meta.get("head_shapes", {})
         target = jax.tree_util.tree_map_with_path(
-            lambda p, x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(saved.get(path_str(p), [None, x.dtype.name])[1])),
-            want)
+            lambda p, x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(saved.get(path_str(p), [None, x.dtype.name])[1])), want
+        )
         params = io.restore_arrays(mgr, root, step, {HEAD: io.abstract(target, sharding or io.first_device())})[HEAD]
         return HeadCheckpoint(head=head, params=params, meta=meta, step=step, path=where)
 
@@ -125,28 +134,54 @@ def attach_head(model: SequenceModel, ckpt: HeadCheckpoint, *, pool_mask: str | 
     pooling mask needs (``non_pad_token``: a ``pad_token_id``; ``eos_token``: an
     ``eos_token_id``). ``pool_mask`` overrides the saved one (e.g. ``"attention_mask"``)."""
     meta = ckpt.meta
-    src = f"head checkpoint {ckpt.path} (trained on {meta.get('backbone_model_type')} " \
-          f"{meta.get('backbone_name_or_path')!r})"
+    src = (
+        f"head checkpoint {ckpt.path} (trained on {meta.get('backbone_model_type')} "
+        f"{meta.get('backbone_name_or_path')!r})"
+    )
     tgt = f"backbone {model.model_type} {model.name_or_path!r}"
     if int(meta["hidden_size"]) != model.hidden_size:
         raise HeadMismatchError(
             f"hidden width mismatch: {src} expects hidden_size={meta['hidden_size']}, {tgt} has "
             f"hidden_size={model.hidden_size}. A head moves only between backbones of the same width; pick a "
-            f"backbone with hidden_size={meta['hidden_size']} or train a new head on this one.")
-    match = match_preset(model.backbone.config, int(meta["num_labels"]), ckpt.head.pooler, ckpt.head.head,
-                         pool_mask or meta.get("pool_mask", "attention_mask"))
-    check_pool_mask(match.pool_mask, pad_token_id=model.pad_token_id, eos_token_id=model.eos_token_id,
-                    subject=f"{src} attached to {tgt}", error=HeadMismatchError)
+            f"backbone with hidden_size={meta['hidden_size']} or train a new head on this one."
+        )
+    match = match_preset(
+        model.backbone.config,
+        int(meta["num_labels"]),
+        ckpt.head.pooler,
+        ckpt.head.head,
+        pool_mask or meta.get("pool_mask", "attention_mask"),
+    )
+    check_pool_mask(
+        match.pool_mask,
+        pad_token_id=model.pad_token_id,
+        eos_token_id=model.eos_token_id,
+        subject=f"{src} attached to {tgt}",
+        error=HeadMismatchError,
+    )
     check_params_fit(ckpt.head, model.hidden_size, ckpt.params, f"attach_head({ckpt.path})")
     report = LoadReport(pretrained=[(p, f"{ckpt.path}/{HEAD}") for p in _module_paths(ckpt.params)], new=[])
     return dataclasses.replace(
-        model, head=ckpt.head, num_labels=int(meta["num_labels"]), problem_type=meta["problem_type"],
-        params={**model.params, "head": ckpt.params}, id2label=ckpt.id2label,
-        pool_mask=match.pool_mask, arch=match.arch, hf_names=match.hf_names, report=report)
+        model,
+        head=ckpt.head,
+        num_labels=int(meta["num_labels"]),
+        problem_type=meta["problem_type"],
+        params={**model.params, "head": ckpt.params},
+        id2label=ckpt.id2label,
+        pool_mask=match.pool_mask,
+        arch=match.arch,
+        hf_names=match.hf_names,
+        report=report,
+    )
 
 
-def load_backbone_params(directory: str | os.PathLike, step: int | str | None = None, *, target,
-                         sharding: jax.sharding.Sharding | None = None):
+def load_backbone_params(
+    directory: str | os.PathLike,
+    step: int | str | None = None,
+    *,
+    target,
+    sharding: jax.sharding.Sharding | None = None,
+):
     """The ``backbone`` item of a checkpoint that saved it, in the structure/dtypes of ``target``
     (e.g. ``from_pretrained(meta["backbone_name_or_path"]).params["backbone"]``). Raises
     :class:`CheckpointNotFoundError` (a ``FileNotFoundError``) when the backbone was frozen (not
@@ -156,6 +191,8 @@ def load_backbone_params(directory: str | os.PathLike, step: int | str | None = 
         if not meta.get("backbone_saved"):
             raise CheckpointNotFoundError(
                 f"{os.path.join(root, str(step))} does not contain the backbone (it was frozen); load it from "
-                f"{meta.get('backbone_name_or_path')!r}")
-        return io.restore_arrays(mgr, root, step,
-                                 {BACKBONE: io.abstract(target, sharding or io.first_device())})[BACKBONE]
+                f"{meta.get('backbone_name_or_path')!r}"
+            )
+        return io.restore_arrays(mgr, root, step, {BACKBONE: io.abstract(target, sharding or io.first_device())})[
+            BACKBONE
+        ]

@@ -1,5 +1,6 @@
 """Looking at checkpoints: verify a step's files, list a run's steps, and print both readably
 (the ``flaxheads checkpoints`` command)."""
+
 from __future__ import annotations
 
 import json
@@ -57,8 +58,16 @@ def _step_row(mgr, root: str, step: int, latest: bool, verify: bool) -> tuple[di
     """One listing row, and the (best_metric, mode) the step was saved with, if any."""
     d = os.path.join(root, str(step))
     items = sorted(x for x in os.listdir(d) if os.path.isdir(os.path.join(d, x)) and x in ARRAY_ITEMS + JSON_ITEMS)
-    row = {"step": step, "path": d, "items": items, "bytes": folder_bytes([d]), "latest": latest, "metrics": None,
-           "best": False, "status": "ok"}
+    row = {
+        "step": step,
+        "path": d,
+        "items": items,
+        "bytes": folder_bytes([d]),
+        "latest": latest,
+        "metrics": None,
+        "best": False,
+        "status": "ok",
+    }
     best_by = None
     try:
         info = io.read_json(mgr, root, step, STEP)
@@ -76,10 +85,20 @@ def _step_row(mgr, root: str, step: int, latest: bool, verify: bool) -> tuple[di
 
 
 def _unfinished_rows(root: str) -> list[dict]:
-    return [{"step": None, "path": os.path.join(root, name), "items": [],
-             "bytes": folder_bytes([os.path.join(root, name)]), "latest": False, "best": False, "metrics": None,
-             "status": "incomplete (unfinished save; ignored)"}
-            for name in sorted(os.listdir(root)) if ".orbax-checkpoint-tmp" in name]
+    return [
+        {
+            "step": None,
+            "path": os.path.join(root, name),
+            "items": [],
+            "bytes": folder_bytes([os.path.join(root, name)]),
+            "latest": False,
+            "best": False,
+            "metrics": None,
+            "status": "incomplete (unfinished save; ignored)",
+        }
+        for name in sorted(os.listdir(root))
+        if ".orbax-checkpoint-tmp" in name
+    ]
 
 
 def verify_model_folder(path: str | os.PathLike) -> str:
@@ -91,7 +110,7 @@ def verify_model_folder(path: str | os.PathLike) -> str:
         return f"{path}: ok, {n} files match the SHA-256 recorded when flaxheads wrote them"
     if n == 0:
         return f"{path}: no recorded checksums and no safetensors file: nothing to check"
-    return (f"{path}: ok, {n} safetensors files (no checksums recorded): headers in bounds, every tensor finite")
+    return f"{path}: ok, {n} safetensors files (no checksums recorded): headers in bounds, every tensor finite"
 
 
 def list_checkpoints(directory: str | os.PathLike, *, verify: bool = False) -> list[dict]:
@@ -104,9 +123,11 @@ def list_checkpoints(directory: str | os.PathLike, *, verify: bool = False) -> l
         raise CheckpointNotFoundError(f"checkpoint folder {root} does not exist")
     kind = kinds.folder_kind(directory)
     if kind not in (None, kinds.FolderKind.RUN):
-        raise UsageError(f"{os.fspath(directory)} is {kind.described}, not a run: `flaxheads checkpoints` lists a "
-                         "run's checkpoint steps (pass a run folder, its checkpoints/ folder or one step's folder); "
-                         "add --verify to check this folder's files instead")
+        raise UsageError(
+            f"{os.fspath(directory)} is {kind.described}, not a run: `flaxheads checkpoints` lists a "
+            "run's checkpoint steps (pass a run folder, its checkpoints/ folder or one step's folder); "
+            "add --verify to check this folder's files instead"
+        )
     mgr = io.manager(root, read_only=True)
     try:
         steps = sorted(mgr.all_steps())
@@ -117,8 +138,9 @@ def list_checkpoints(directory: str | os.PathLike, *, verify: bool = False) -> l
             best_by = by or best_by
         if best_by is not None:
             name, mode = best_by
-            best = io.pick_best([(float(r["metrics"][name]), r["step"]) for r in rows
-                                 if r["metrics"] and name in r["metrics"]], mode)
+            best = io.pick_best(
+                [(float(r["metrics"][name]), r["step"]) for r in rows if r["metrics"] and name in r["metrics"]], mode
+            )
             for r in rows:
                 r["best"] = r["step"] == best
         return rows + _unfinished_rows(root)
@@ -142,8 +164,11 @@ def _extra_lines(meta: dict) -> list[str]:
         if isinstance(v, dict):
             lines.append(f"{k}:")
             for sub, val in v.items():
-                text = (", ".join(f"{a}={json.dumps(b)}" for a, b in val.items()) if isinstance(val, dict)
-                        else json.dumps(val))
+                text = (
+                    ", ".join(f"{a}={json.dumps(b)}" for a, b in val.items())
+                    if isinstance(val, dict)
+                    else json.dumps(val)
+                )
                 lines.append(f"  {sub + ':':<14}{text}")
         else:
             lines.append(f"{k + ':':<13} {json.dumps(v)}")
@@ -167,15 +192,19 @@ def format_meta(meta: dict) -> str:
     ]
     lora = meta.get("lora")
     if lora:
-        lines.append(f"LoRA:         rank {lora.get('rank')}, alpha {lora.get('alpha')}, targets "
-                     f"{','.join(lora.get('targets') or [])} ({len(lora.get('modules') or {})} kernels)")
+        lines.append(
+            f"LoRA:         rank {lora.get('rank')}, alpha {lora.get('alpha')}, targets "
+            f"{','.join(lora.get('targets') or [])} ({len(lora.get('modules') or {})} kernels)"
+        )
     labels = sorted((meta.get("id2label") or {}).items(), key=lambda kv: int(kv[0]))
     if labels:
         lines.append("labels:       " + ", ".join(f"{k}={v}" for k, v in labels))
     shapes = meta.get("head_shapes", {})
     n = sum(int(np.prod(s)) for s, _ in shapes.values())
-    lines.append(f"head params:  {n:,} in {len(shapes)} arrays, dtype {meta.get('param_dtype')}, "
-                 f"shapes hash {meta.get('head_shapes_hash')}")
+    lines.append(
+        f"head params:  {n:,} in {len(shapes)} arrays, dtype {meta.get('param_dtype')}, "
+        f"shapes hash {meta.get('head_shapes_hash')}"
+    )
     lines += [f"  {p:<32} {str(tuple(s)):<14} {dt}" for p, (s, dt) in sorted(shapes.items())]
     return "\n".join(lines + _extra_lines(meta))
 

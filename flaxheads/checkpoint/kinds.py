@@ -4,6 +4,7 @@ Every reader asks here and switches on the answer: :func:`flaxheads.load` and ``
 (:mod:`flaxheads.formats`), :func:`flaxheads.interop.import_model` and the transformers importer,
 and ``flaxheads checkpoints``. It sits in ``checkpoint/``, the lowest folder that knows a run folder,
 so that ``interop/`` can ask it too; :mod:`flaxheads.formats` re-exports it."""
+
 from __future__ import annotations
 
 import enum
@@ -32,18 +33,26 @@ class FolderKind(str, enum.Enum):
         return _DESCRIBED[self]
 
 
-_DESCRIBED = {FolderKind.RUN: "a run folder", FolderKind.HEAD_EXPORT: "a head export",
-              FolderKind.PEFT_ADAPTER: "a PEFT adapter folder", FolderKind.ONNX: "an ONNX export",
-              FolderKind.SENTENCE_TRANSFORMERS: "a sentence-transformers model folder",
-              FolderKind.TRANSFORMERS: "a transformers model folder"}
+_DESCRIBED = {
+    FolderKind.RUN: "a run folder",
+    FolderKind.HEAD_EXPORT: "a head export",
+    FolderKind.PEFT_ADAPTER: "a PEFT adapter folder",
+    FolderKind.ONNX: "an ONNX export",
+    FolderKind.SENTENCE_TRANSFORMERS: "a sentence-transformers model folder",
+    FolderKind.TRANSFORMERS: "a transformers model folder",
+}
 
 #: The kinds that hold a whole model (backbone included) another tool wrote or reads.
 MODEL_FOLDERS = (FolderKind.PEFT_ADAPTER, FolderKind.ONNX, FolderKind.SENTENCE_TRANSFORMERS, FolderKind.TRANSFORMERS)
 
 #: The file that tells each kind, in the order they are asked (after the run folder's own test).
-_BY_FILE = (("head_config.json", FolderKind.HEAD_EXPORT), ("adapter_config.json", FolderKind.PEFT_ADAPTER),
-            ("model.onnx", FolderKind.ONNX), ("modules.json", FolderKind.SENTENCE_TRANSFORMERS),
-            ("config.json", FolderKind.TRANSFORMERS))
+_BY_FILE = (
+    ("head_config.json", FolderKind.HEAD_EXPORT),
+    ("adapter_config.json", FolderKind.PEFT_ADAPTER),
+    ("model.onnx", FolderKind.ONNX),
+    ("modules.json", FolderKind.SENTENCE_TRANSFORMERS),
+    ("config.json", FolderKind.TRANSFORMERS),
+)
 _WEIGHTS = (SAFE, SAFE_INDEX, BIN, BIN_INDEX)
 
 

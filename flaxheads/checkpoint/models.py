@@ -1,5 +1,6 @@
 """Whole models from checkpoints: the saved head on its backbone (and the trained backbone, when
 the run saved it), ready to evaluate or export."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -12,9 +13,14 @@ from flaxheads.model.pretrained import from_pretrained
 from flaxheads.model.sequence import SequenceModel
 
 
-def model_from_checkpoint(directory: str | os.PathLike, step: int | str | None = None, *,
-                          backbone: str | os.PathLike | None = None,
-                          head_only: bool = False, dtype=None) -> SequenceModel | HeadCheckpoint:
+def model_from_checkpoint(
+    directory: str | os.PathLike,
+    step: int | str | None = None,
+    *,
+    backbone: str | os.PathLike | None = None,
+    head_only: bool = False,
+    dtype=None,
+) -> SequenceModel | HeadCheckpoint:
     """The model saved in a run / checkpoint folder, ready to export.
 
     ``head_only=True`` returns the ``HeadCheckpoint`` (enough for ``export_head``). Otherwise
@@ -32,16 +38,23 @@ def model_from_checkpoint(directory: str | os.PathLike, step: int | str | None =
         raise CheckpointNotFoundError(
             f"{ckpt.path}: the backbone folder {path!r} (recorded in the checkpoint's meta) does not exist here; "
             "pass backbone=<folder> (--backbone) with the same backbone, or export the head alone with "
-            "format='head'")
+            "format='head'"
+        )
     stored = meta.get("base_dtype")  # a frozen base kept in bfloat16 is loaded as the head was trained on it
-    base = from_pretrained(path, num_labels=int(meta["num_labels"]), ignore_mismatched_sizes=True,
-                           base_dtype=stored if stored in ("bfloat16", "float16") else None,
-                           quantize=meta.get("quantize"),
-                           **({} if dtype is None else {"dtype": dtype}))
+    base = from_pretrained(
+        path,
+        num_labels=int(meta["num_labels"]),
+        ignore_mismatched_sizes=True,
+        base_dtype=stored if stored in ("bfloat16", "float16") else None,
+        quantize=meta.get("quantize"),
+        **({} if dtype is None else {"dtype": dtype}),
+    )
     if base.model_type != meta.get("backbone_model_type", base.model_type):
-        raise CheckpointError(f"{ckpt.path}: the head was trained on a {meta['backbone_model_type']} backbone, "
-                              f"but {path!r} is a {base.model_type}; pass backbone=<folder> (--backbone) with a "
-                              f"{meta['backbone_model_type']} model")
+        raise CheckpointError(
+            f"{ckpt.path}: the head was trained on a {meta['backbone_model_type']} backbone, "
+            f"but {path!r} is a {base.model_type}; pass backbone=<folder> (--backbone) with a "
+            f"{meta['backbone_model_type']} model"
+        )
     model = attach_head(base, ckpt)
     if meta.get("backbone_saved"):
         bb = load_backbone_params(directory, ckpt.step, target=model.params["backbone"])

@@ -1,5 +1,6 @@
 """Checkpoints of a training run: every piece of a train state saved, kept by recency and by a
 metric, and restored into the structure (and sharding) of a target state."""
+
 from __future__ import annotations
 
 import contextlib
@@ -46,12 +47,14 @@ def _state_fields(state) -> dict[str, Any]:
     if isinstance(state, Mapping):
         return dict(state)
     if dataclasses.is_dataclass(state):
-        return {f.name: getattr(state, f.name) for f in dataclasses.fields(state)
-                if f.metadata.get("pytree_node", True)}
+        return {
+            f.name: getattr(state, f.name) for f in dataclasses.fields(state) if f.metadata.get("pytree_node", True)
+        }
     if hasattr(state, "_asdict"):
         return dict(state._asdict())
-    raise TypeError(f"train state must be a mapping, dataclass or namedtuple with step/params/opt_state; "
-                    f"got {type(state).__name__}")
+    raise TypeError(
+        f"train state must be a mapping, dataclass or namedtuple with step/params/opt_state; got {type(state).__name__}"
+    )
 
 
 def _split_state(state) -> tuple[dict, Any, dict]:
@@ -93,10 +96,20 @@ class RunCheckpointer:
     Retention: the ``keep`` most recent steps, plus the ``keep_best`` best by
     ``metrics[best_metric]`` (``mode`` "max" or "min") when ``best_metric`` is set."""
 
-    def __init__(self, run_dir: str | os.PathLike, model: SequenceModel | None = None, *, keep: int | None = 3,
-                 best_metric: str | None = None, mode: str = "max", keep_best: int = 1,
-                 save_backbone: bool = True, async_save: bool = True, read_only: bool = False,
-                 extra_meta: Mapping[str, Any] | None = None):
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        model: SequenceModel | None = None,
+        *,
+        keep: int | None = 3,
+        best_metric: str | None = None,
+        mode: str = "max",
+        keep_best: int = 1,
+        save_backbone: bool = True,
+        async_save: bool = True,
+        read_only: bool = False,
+        extra_meta: Mapping[str, Any] | None = None,
+    ):
         if mode not in ("max", "min"):
             raise CheckpointError(f"mode must be 'max' or 'min', got {mode!r}")
         if keep is not None and keep < 1:
@@ -111,9 +124,14 @@ class RunCheckpointer:
         if read_only and not os.path.isdir(self.root):
             raise CheckpointNotFoundError(f"no checkpoints folder {self.root}")
         best_fn = None if best_metric is None else _metric_getter(best_metric)
-        self._mgr = io.manager(self.root, read_only=read_only, async_save=async_save,
-                               preservation=io.retention(keep, best_fn, mode, keep_best), best_fn=best_fn,
-                               best_mode=mode)
+        self._mgr = io.manager(
+            self.root,
+            read_only=read_only,
+            async_save=async_save,
+            preservation=io.retention(keep, best_fn, mode, keep_best),
+            best_fn=best_fn,
+            best_mode=mode,
+        )
 
     # context manager: always wait for the last async save
     def __enter__(self):
@@ -182,8 +200,10 @@ class RunCheckpointer:
 
     def _meta(self, params: dict) -> dict:
         if self.model is None:
-            raise CheckpointError("RunCheckpointer needs model= (the SequenceModel being trained) to write the "
-                                  "checkpoint's meta; pass RunCheckpointer(run_dir, model, ...)")
+            raise CheckpointError(
+                "RunCheckpointer needs model= (the SequenceModel being trained) to write the "
+                "checkpoint's meta; pass RunCheckpointer(run_dir, model, ...)"
+            )
         extra = dict(self.extra_meta)
         if not self.save_backbone:
             if self._checksum is None:  # frozen: the same for every step of the run
@@ -199,8 +219,13 @@ class RunCheckpointer:
         if self.best_metric is not None and metrics is not None and self.best_metric not in metrics:
             raise KeyError(f"best_metric {self.best_metric!r} is not among the metrics {sorted(metrics)}")
         info = {"step": int(step), "metrics": metrics, "best_metric": self.best_metric, "mode": self.mode}
-        arrays = {HEAD: params["head"], OPT_STATE: opt_state, EXTRA: io.keys_to_data(fields),
-                  BACKBONE: params["backbone"] if self.save_backbone else {}, LORA: params.get(LORA, {})}
+        arrays = {
+            HEAD: params["head"],
+            OPT_STATE: opt_state,
+            EXTRA: io.keys_to_data(fields),
+            BACKBONE: params["backbone"] if self.save_backbone else {},
+            LORA: params.get(LORA, {}),
+        }
         args = io.save_args(arrays, {META: self._meta(params), STEP: info})
         with self._writing(self._pending if self._pending is not None else int(step)):
             self._mgr.wait_until_finished()  # a failure of the save in flight is reported as that step's
@@ -227,8 +252,11 @@ class RunCheckpointer:
         check_format(meta, where)
         params, opt_state, fields = _split_state(target_state)
         check_resumable(meta, where, params, self.model)
-        items = {HEAD: io.abstract(params["head"], sharding), OPT_STATE: io.abstract(opt_state, sharding),
-                 EXTRA: io.abstract_state(fields, sharding)}
+        items = {
+            HEAD: io.abstract(params["head"], sharding),
+            OPT_STATE: io.abstract(opt_state, sharding),
+            EXTRA: io.abstract_state(fields, sharding),
+        }
         if meta.get("backbone_saved"):
             items[BACKBONE] = io.abstract(params["backbone"], sharding)
         if LORA in params:  # check_resumable made sure the checkpoint has the same adapters
@@ -239,8 +267,7 @@ class RunCheckpointer:
         if backbone is None:
             backbone = params["backbone"] if sharding is None else jax.device_put(params["backbone"], sharding)
         restored = {"backbone": backbone, "head": got[HEAD], **({LORA: got[LORA]} if LORA in got else {})}
-        values = {"params": restored, "opt_state": got[OPT_STATE],
-                  **io.data_to_keys(got[EXTRA], fields)}
+        values = {"params": restored, "opt_state": got[OPT_STATE], **io.data_to_keys(got[EXTRA], fields)}
         old = _state_fields(target_state)
         if "step" in old:
             values["step"] = _restored_step(old["step"], step_info["step"], sharding)

@@ -5,14 +5,16 @@
 the imports first, then imports the command's libraries. It imports nothing itself, so that a
 signal while jax, flax and orbax load ends the command in one line, not a traceback; a program
 that imports flaxheads as a library keeps its own signal handling."""
+
 import os
 import signal
 import sys
 import threading
 
 #: What the guard prints: the process was ended while it was still importing its libraries.
-IMPORT_INTERRUPTED = ("interrupted ({name}) while starting (importing its libraries); nothing was written; rerun the "
-                      "same command")
+IMPORT_INTERRUPTED = (
+    "interrupted ({name}) while starting (importing its libraries); nothing was written; rerun the same command"
+)
 
 
 def _end_on_signal(signum, frame) -> None:

@@ -1,4 +1,5 @@
 """``flaxheads checkpoints``: list a run's checkpoint steps (and verify them), or print one step's meta."""
+
 from __future__ import annotations
 
 import argparse
@@ -34,14 +35,17 @@ def run_checkpoints(args: argparse.Namespace, program: Program | None = None) ->
 def add_checkpoints_command(sub: argparse._SubParsersAction) -> None:
     """Register ``flaxheads checkpoints``."""
     p = sub.add_parser(
-        "checkpoints", help="list a run's checkpoints, or print one checkpoint's meta",
+        "checkpoints",
+        help="list a run's checkpoints, or print one checkpoint's meta",
         description="List the checkpoint steps of a run folder (items, size, metrics, latest/best, unfinished "
-                    "or corrupt saves), or with --meta print a head checkpoint's meta readably: backbone, "
-                    "pooler and head config, labels, parameter shapes.")
+        "or corrupt saves), or with --meta print a head checkpoint's meta readably: backbone, "
+        "pooler and head config, labels, parameter shapes.",
+    )
     p.add_argument("path", help="a run folder, a checkpoint folder (holding step folders) or one step's folder")
     p.add_argument("--meta", action="store_true", help="print the meta of one step (default: the latest)")
-    p.add_argument("--step", type=flags.step_spec, default=None,
-                   help="with --meta: an integer, 'latest' (default) or 'best'")
+    p.add_argument(
+        "--step", type=flags.step_spec, default=None, help="with --meta: an integer, 'latest' (default) or 'best'"
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run_checkpoints)
 

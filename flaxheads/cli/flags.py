@@ -1,12 +1,14 @@
 """Argument parsing shared by the subcommands: a parser whose errors are :class:`UsageError`
 (one line, exit 2, no usage dump) and ``type=`` checkers that refuse out-of-range numbers while
 the flags are parsed, before any work starts."""
+
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from flaxheads.errors import UsageError
 
@@ -70,11 +72,13 @@ def split_fractions(text: str) -> tuple[float, float, float]:
     except ValueError:
         values = ()
     if len(values) != 3 or not all(math.isfinite(v) and v >= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"expected three comma-separated fractions train,validation,test "
-                                         f"(e.g. 0.8,0.1,0.1), got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected three comma-separated fractions train,validation,test (e.g. 0.8,0.1,0.1), got {text!r}"
+        )
     if abs(sum(values) - 1.0) > 1e-6 or values[0] == 0:
-        raise argparse.ArgumentTypeError(f"the fractions must sum to 1 with a train fraction > 0, got {text!r} "
-                                         f"(sum {sum(values):g})")
+        raise argparse.ArgumentTypeError(
+            f"the fractions must sum to 1 with a train fraction > 0, got {text!r} (sum {sum(values):g})"
+        )
     return values
 
 
@@ -91,6 +95,7 @@ def names(text: str) -> tuple[str, ...]:
     """``"sport,tech"`` -> ``("sport", "tech")``: comma-separated names, none empty or repeated."""
     values = tuple(x.strip() for x in text.split(","))
     if len(values) < 2 or not all(values) or len(set(values)) != len(values):
-        raise argparse.ArgumentTypeError(f"expected two or more distinct comma-separated names (e.g. sport,tech), "
-                                         f"got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected two or more distinct comma-separated names (e.g. sport,tech), got {text!r}"
+        )
     return values

@@ -9,6 +9,7 @@ Error policy: a user's mistake (a :class:`~flaxheads.errors.FlaxheadsError`, bad
 prints exactly one line ``error: <message>`` to stderr and exits 2, with no traceback; any
 other exception is a bug in flaxheads and keeps its traceback.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,16 +19,8 @@ import signal
 import sys
 import time
 import warnings
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
-from flaxheads.disk import checksums
-from flaxheads.errors import FlaxheadsError, WriteFailedError, one_line
-from flaxheads.runtime.compile_cache import enable_compile_cache
-from flaxheads.runtime.logs import quiet_background_saves
-from flaxheads.runtime.malloc import configure_malloc
-from flaxheads.runtime.xla_flags import configure_xla
-from flaxheads.runtime.phases import watch_signals
-from flaxheads.training.preemption import Interrupted, exit_code
 from flaxheads.cli.checkpoints import add_checkpoints_command, add_report_command
 from flaxheads.cli.export import add_export_command
 from flaxheads.cli.flags import Parser, Program
@@ -36,22 +29,40 @@ from flaxheads.cli.predict import add_predict_commands
 from flaxheads.cli.rank import add_rank_command
 from flaxheads.cli.serve import add_serve_command
 from flaxheads.cli.train import add_train_command
+from flaxheads.disk import checksums
+from flaxheads.errors import FlaxheadsError, WriteFailedError, one_line
+from flaxheads.runtime.compile_cache import enable_compile_cache
+from flaxheads.runtime.logs import quiet_background_saves
+from flaxheads.runtime.malloc import configure_malloc
+from flaxheads.runtime.phases import watch_signals
+from flaxheads.runtime.xla_flags import configure_xla
+from flaxheads.training.preemption import Interrupted, exit_code
 
 #: Errors only a write meets (a full or read-only disk, a quota or file size limit): one line, exit 1.
 REFUSED_WRITES = (errno.ENOSPC, errno.EFBIG, errno.EROFS, errno.EDQUOT)
 
 SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
-    add_train_command, add_export_command, add_checkpoints_command, add_predict_commands, add_rank_command,
-    add_serve_command, add_report_command, add_plan_command)
+    add_train_command,
+    add_export_command,
+    add_checkpoints_command,
+    add_predict_commands,
+    add_rank_command,
+    add_serve_command,
+    add_report_command,
+    add_plan_command,
+)
 #: The subcommands that read model folders or checkpoints, and take ``--verify``.
 READERS = ("train", "export", "checkpoints", "predict", "embed", "evaluate", "rank", "serve")
 
 
 def build_parser() -> Parser:
     """The ``flaxheads`` parser with every subcommand."""
-    parser = Parser(prog="flaxheads", description="flaxheads command-line tools: train heads on transformer "
-                                                  "encoders, predict and embed with them, export them, "
-                                                  "inspect checkpoints")
+    parser = Parser(
+        prog="flaxheads",
+        description="flaxheads command-line tools: train heads on transformer "
+        "encoders, predict and embed with them, export them, "
+        "inspect checkpoints",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)
     for add in SUBCOMMANDS:
         add(sub)
@@ -97,8 +108,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if e.errno not in REFUSED_WRITES:
             raise
         # a log, table or plot the disk refused (checkpoints and exports report their own, with what is kept)
-        print(f"error: could not write {e.filename or 'a file'}: {os.strerror(e.errno)}; free some space or fix the "
-              "disk and rerun", file=sys.stderr, flush=True)
+        print(
+            f"error: could not write {e.filename or 'a file'}: {os.strerror(e.errno)}; free some space or fix the "
+            "disk and rerun",
+            file=sys.stderr,
+            flush=True,
+        )
         return 1
     except Interrupted as e:  # SIGTERM / SIGINT during training: the step reached is saved
         print(e.line(), file=sys.stderr, flush=True)

@@ -1,8 +1,10 @@
 """flaxheads plan: per-device memory of a training run from the model folder's config.json alone."""
+
 from __future__ import annotations
 
 import argparse
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from flaxheads.cli.train import _model_flags, add_lora_flags, flags, mesh_flag
 

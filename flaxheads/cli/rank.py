@@ -13,29 +13,49 @@ Examples:
   flaxheads rank path/to/cross-encoder --input pairs.jsonl --query-column question --passage-column answer
   flaxheads rank runs/reward-model --input prefs.csv --preference --output scored.csv
 """
+
 from __future__ import annotations
 
 import argparse
 import sys
 
-from flaxheads.predict.ranking import check_scorer, ranks_within
-from flaxheads.data.tables import DataError
 from flaxheads.cli.flags import Program
 from flaxheads.cli.predict import _run, _source_flags, load_classifier
-from flaxheads.predict.io import INPUT_FORMATS, OUTPUT_FORMATS, STDIO, check_new_columns, output_format, read_input, write_rows
+from flaxheads.data.tables import DataError
+from flaxheads.predict.io import (
+    INPUT_FORMATS,
+    OUTPUT_FORMATS,
+    STDIO,
+    check_new_columns,
+    output_format,
+    read_input,
+    write_rows,
+)
+from flaxheads.predict.ranking import check_scorer, ranks_within
 
 
 def run_rank(args: argparse.Namespace, program: Program | None = None) -> int:
     if args.preference:
         return run_preferences(args)
-    table = read_input(args.input, fmt=args.input_format, text_column=args.query_column or "query",
-                       text_pair_column=args.passage_column)
+    table = read_input(
+        args.input,
+        fmt=args.input_format,
+        text_column=args.query_column or "query",
+        text_pair_column=args.passage_column,
+    )
     fmt = output_format(args.output, args.output_format)
     check_new_columns(table, ["score", "rank"])
     clf = load_classifier(args)
     check_scorer(clf)
-    scores = _run(clf, "outputs", args, table.texts, table.pairs, table.names,
-                  chat_template=_chat_template(args, clf, reward_model=False))[0][:, 0]
+    scores = _run(
+        clf,
+        "outputs",
+        args,
+        table.texts,
+        table.pairs,
+        table.names,
+        chat_template=_chat_template(args, clf, reward_model=False),
+    )[0][:, 0]
     ranks = ranks_within(scores, table.texts)
     rows = [{**r, "score": float(s), "rank": int(k)} for r, s, k in zip(table.rows, scores, ranks)]
     write_rows(args.output, fmt, rows, table.columns + ["score", "rank"])
@@ -46,11 +66,14 @@ def run_rank(args: argparse.Namespace, program: Program | None = None) -> int:
 
 def run_preferences(args: argparse.Namespace) -> int:
     """``--preference``: a reward model's score of each row's chosen and rejected response."""
-    table = read_input(args.input, fmt=args.input_format, text_column=args.query_column or "prompt",
-                       text_pair_column="chosen")
+    table = read_input(
+        args.input, fmt=args.input_format, text_column=args.query_column or "prompt", text_pair_column="chosen"
+    )
     if "rejected" not in table.columns:
-        raise DataError(f"{table.source}: no column 'rejected' (columns: {table.columns}); --preference reads "
-                        "prompt, chosen and rejected columns")
+        raise DataError(
+            f"{table.source}: no column 'rejected' (columns: {table.columns}); --preference reads "
+            "prompt, chosen and rejected columns"
+        )
     new = ["chosen_score", "rejected_score", "prefers_chosen"]
     fmt = output_format(args.output, args.output_format)
     check_new_columns(table, new)
@@ -60,13 +83,23 @@ def run_preferences(args: argparse.Namespace) -> int:
     chosen = table.pairs
     if chosen is None:  # read_input gives the pair column it was asked for
         raise DataError(f"{table.source}: no column 'chosen'; --preference reads prompt, chosen and rejected columns")
-    names = table.names + [n.replace(f"column {args.query_column or 'prompt'!r}", "column 'rejected'")
-                           for n in table.names]
-    scores = _run(clf, "outputs", args, table.texts * 2, list(chosen) + rejected, names,
-                  chat_template=_chat_template(args, clf, reward_model=True))[0][:, 0]
+    names = table.names + [
+        n.replace(f"column {args.query_column or 'prompt'!r}", "column 'rejected'") for n in table.names
+    ]
+    scores = _run(
+        clf,
+        "outputs",
+        args,
+        table.texts * 2,
+        list(chosen) + rejected,
+        names,
+        chat_template=_chat_template(args, clf, reward_model=True),
+    )[0][:, 0]
     n = len(table.rows)
-    rows = [{**r, "chosen_score": float(c), "rejected_score": float(j), "prefers_chosen": bool(c > j)}
-            for r, c, j in zip(table.rows, scores[:n], scores[n:])]
+    rows = [
+        {**r, "chosen_score": float(c), "rejected_score": float(j), "prefers_chosen": bool(c > j)}
+        for r, c, j in zip(table.rows, scores[:n], scores[n:])
+    ]
     write_rows(args.output, fmt, rows, table.columns + new)
     if args.output != STDIO:
         share = sum(r["prefers_chosen"] for r in rows) / max(n, 1)
@@ -83,20 +116,32 @@ def _chat_template(args: argparse.Namespace, clf, *, reward_model: bool) -> bool
 
 def add_rank_command(sub: argparse._SubParsersAction) -> None:
     """Register ``flaxheads rank``."""
-    p = sub.add_parser("rank", help="scores and ranks of (query, candidate) pairs with a reranker or reward model",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "rank",
+        help="scores and ranks of (query, candidate) pairs with a reranker or reward model",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     _source_flags(p)
-    p.add_argument("--input", required=True, help="CSV / TSV / JSON Lines / Parquet file, or - (stdin, with "
-                                                  "--input-format)")
+    p.add_argument(
+        "--input", required=True, help="CSV / TSV / JSON Lines / Parquet file, or - (stdin, with --input-format)"
+    )
     p.add_argument("--input-format", choices=sorted(set(INPUT_FORMATS) - {"txt"}), default=None)
     p.add_argument("--query-column", default=None, help="default: query (prompt with --preference)")
     p.add_argument("--passage-column", default="passage", help="the candidate column (default: passage)")
-    p.add_argument("--preference", action="store_true",
-                   help="the input has prompt, chosen and rejected columns: write chosen_score, rejected_score and "
-                        "prefers_chosen for each row (a reward model's view of the pairs)")
-    p.add_argument("--chat-template", choices=("auto", "on", "off"), default="auto",
-                   help="write each (prompt, response) as a conversation in the tokenizer's chat template, as a "
-                        "reward model reads it (default auto: on with --preference when the tokenizer has one)")
+    p.add_argument(
+        "--preference",
+        action="store_true",
+        help="the input has prompt, chosen and rejected columns: write chosen_score, rejected_score and "
+        "prefers_chosen for each row (a reward model's view of the pairs)",
+    )
+    p.add_argument(
+        "--chat-template",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="write each (prompt, response) as a conversation in the tokenizer's chat template, as a "
+        "reward model reads it (default auto: on with --preference when the tokenizer has one)",
+    )
     p.add_argument("--output", default=STDIO, help="output .csv or .jsonl (default: JSON Lines on stdout)")
     p.add_argument("--output-format", choices=OUTPUT_FORMATS, default=None)
     p.set_defaults(func=run_rank)

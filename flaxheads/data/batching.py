@@ -7,6 +7,7 @@ to their first token only (never a fully masked row, whose pooled value would be
 NaN * weight 0 is still NaN). Training's batch plans and labels are in
 :mod:`flaxheads.data.splits`, prediction's in :mod:`flaxheads.predict.batches`.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
@@ -43,7 +44,7 @@ def pad_rows(rows, batch_size: int, fill=0) -> np.ndarray:
     if len(rows) > batch_size:
         raise ValueError(f"{len(rows)} rows > batch_size {batch_size}")
     out = np.full((batch_size, *rows.shape[1:]), fill, rows.dtype)
-    out[:len(rows)] = rows
+    out[: len(rows)] = rows
     return out
 
 
@@ -51,7 +52,7 @@ def pad_mask(mask_rows, batch_size: int) -> np.ndarray:
     """A mask padded to ``batch_size`` rows that see their first position only: never a fully
     masked row, whose pooled value would be NaN (and NaN * weight 0 is still NaN)."""
     mask = pad_rows(mask_rows, batch_size)
-    mask[len(mask_rows):, 0] = 1
+    mask[len(mask_rows) :, 0] = 1
     return mask
 
 
@@ -59,12 +60,13 @@ def _token_rows(seqs: Sequence, idx, length: int, fill: int) -> np.ndarray:
     out = np.full((len(idx), length), fill, np.int32)
     for r, i in enumerate(idx):
         x = np.asarray(seqs[i][:length])
-        out[r, :len(x)] = x
+        out[r, : len(x)] = x
     return out
 
 
-def token_batch(input_ids: Sequence, token_type_ids: Sequence | None, idx, batch_size: int, length: int,
-                pad_id: int = 0) -> dict:
+def token_batch(
+    input_ids: Sequence, token_type_ids: Sequence | None, idx, batch_size: int, length: int, pad_id: int = 0
+) -> dict:
     """``input_ids``, ``attention_mask`` (and ``token_type_ids``) ``[batch_size, length]`` for the
     sequences ``idx``, truncated to ``length``, then padding rows. Every row attends to its first token."""
     idx = np.asarray(idx, np.int64)
@@ -78,8 +80,9 @@ def token_batch(input_ids: Sequence, token_type_ids: Sequence | None, idx, batch
     return out
 
 
-def predict_batches(predict: Callable[[dict], Any], batches: Iterable[dict], *, keys: Sequence[str] = (),
-                    axis: int = 0) -> tuple[np.ndarray | None, dict[str, np.ndarray]]:
+def predict_batches(
+    predict: Callable[[dict], Any], batches: Iterable[dict], *, keys: Sequence[str] = (), axis: int = 0
+) -> tuple[np.ndarray | None, dict[str, np.ndarray]]:
     """Run ``predict(batch)`` (outputs with the batch rows on ``axis``) over ``batches`` and keep the
     rows of real examples (weight > 0), in order: ``(outputs, {key: kept rows of batch[key]})``.
     ``(None, {})`` when there is no batch."""

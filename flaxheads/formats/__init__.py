@@ -4,6 +4,7 @@ ids in the local cache); :func:`export` writes any format; :func:`export_folder`
 folder to a folder (``flaxheads export``). What a folder is, every reader asks :func:`folder_kind`
 (:mod:`flaxheads.checkpoint.kinds`, low enough that :mod:`flaxheads.interop` asks it too).
 The per-format functions stay in :mod:`flaxheads.interop`."""
+
 from __future__ import annotations
 
 import os
@@ -31,8 +32,15 @@ __all__ = ["FORMATS", "load", "export", "export_folder", "load_source", "Loaded"
 FORMATS = ("transformers", "sentence-transformers", "head", "onnx", "cross-encoder", "peft")
 
 
-def load(source: str | os.PathLike, *, step: int | str | None = None, backbone: str | os.PathLike | None = None,
-         dtype: Any = None, revision: str | None = None, verify: bool = False) -> SequenceModel:
+def load(
+    source: str | os.PathLike,
+    *,
+    step: int | str | None = None,
+    backbone: str | os.PathLike | None = None,
+    dtype: Any = None,
+    revision: str | None = None,
+    verify: bool = False,
+) -> SequenceModel:
     """The model in ``source``: a run folder (``step``: ``"latest"``, ``"best"`` or a number), a
     checkpoint folder, a transformers classifier, a sentence-transformers folder, a PEFT LoRA
     adapter or a head export (on ``backbone``, default: the folder it names), or a hub id found in
@@ -42,8 +50,12 @@ def load(source: str | os.PathLike, *, step: int | str | None = None, backbone: 
     return load_source(source, step=step, backbone=backbone, dtype=dtype, revision=revision, verify=verify).model
 
 
-def export(model: SequenceModel, dest: str | os.PathLike, format: str = "transformers",  # noqa: A002
-           **options: Any) -> str:
+def export(
+    model: SequenceModel,
+    dest: str | os.PathLike,
+    format: str = "transformers",  # noqa: A002
+    **options: Any,
+) -> str:
     """Write ``model`` to the folder ``dest`` in ``format`` (one of :data:`FORMATS`); ``options``
     go to that format's exporter in :mod:`flaxheads.interop` (``overwrite``, ``tokenizer_from``,
     ``max_seq_length``, ...). Returns the folder written."""
@@ -62,24 +74,37 @@ def export(model: SequenceModel, dest: str | os.PathLike, format: str = "transfo
         return export_cross_encoder(model, dest, **options)
     if format == "peft":
         if getattr(model, "lora", None) is None:
-            raise UsageError("format='peft' writes LoRA adapters, and this model has none (it was not trained with "
-                             "lora_rank); export the whole model in another format")
+            raise UsageError(
+                "format='peft' writes LoRA adapters, and this model has none (it was not trained with "
+                "lora_rank); export the whole model in another format"
+            )
         return export_peft(model, dest, **options)
     raise UsageError(f"unknown export format {format!r}: expected one of {', '.join(FORMATS)}")
 
 
-def export_folder(src: str | os.PathLike, out: str | os.PathLike, format: str, *,  # noqa: A002
-                  step: int | str | None = None, backbone: str | None = None, tokenizer: str | None = None,
-                  pooling_format: str = "legacy", max_seq_length: int | None = None, peft: bool = False,
-                  overwrite: bool = False) -> str:
+def export_folder(
+    src: str | os.PathLike,
+    out: str | os.PathLike,
+    format: str,
+    *,  # noqa: A002
+    step: int | str | None = None,
+    backbone: str | None = None,
+    tokenizer: str | None = None,
+    pooling_format: str = "legacy",
+    max_seq_length: int | None = None,
+    peft: bool = False,
+    overwrite: bool = False,
+) -> str:
     """``flaxheads export``: the model in the folder ``src`` (run or checkpoint, transformers /
     sentence-transformers / PEFT folder, head export) written to ``out`` in ``format``, every path
     checked before anything loads. ``peft``: a LoRA run's adapters as a PEFT folder."""
     src, out = os.fspath(src), os.fspath(out)
     _check_paths(src, out, format, backbone, overwrite)
     if peft and format != "transformers":
-        raise UsageError(f"--peft writes adapters for a transformers classifier; use it with --format transformers "
-                         f"(got --format {format})")
+        raise UsageError(
+            f"--peft writes adapters for a transformers classifier; use it with --format transformers "
+            f"(got --format {format})"
+        )
     with phases.phase(f"loading {src}"):
         source = _load_for_export(src, out, format, step, backbone, peft, overwrite)
     if isinstance(source, str):  # a head export, re-exported
@@ -90,8 +115,12 @@ def export_folder(src: str | os.PathLike, out: str | os.PathLike, format: str, *
         "onnx": {"tokenizer_from": tokenizer, "threshold": _run_threshold(src)},
         # a transformers classifier + the activation CrossEncoder.predict applies
         "cross-encoder": {"tokenizer_from": tokenizer, "max_length": max_seq_length},
-        "sentence-transformers": {"tokenizer_from": tokenizer, "pooling_format": pooling_format,
-                                  "max_seq_length": max_seq_length}}
+        "sentence-transformers": {
+            "tokenizer_from": tokenizer,
+            "pooling_format": pooling_format,
+            "max_seq_length": max_seq_length,
+        },
+    }
     options = by_format.get(fmt, {})
     return export(_with_adapters(source, src) if peft else source, out, format=fmt, **options, overwrite=overwrite)
 
@@ -101,12 +130,14 @@ def _load_for_export(src: str, out: str, format: str, step, backbone, peft: bool
     kind = folder_kind(src)
     if kind is FolderKind.HEAD_EXPORT:
         if format != "head":
-            raise UsageError(f"{src} is a head-only export (no backbone weights); it can only be re-exported with "
-                             "--format head")
+            raise UsageError(
+                f"{src} is a head-only export (no backbone weights); it can only be re-exported with --format head"
+            )
         head, params, cfg = load_head_export(src)
         meta = {k: v for k, v in cfg.items() if k not in _FILE_KEYS}
-        return export_head(head, out, params=params, meta=meta, hf_names=[tuple(x) for x in cfg["hf_names"]],
-                           overwrite=overwrite)
+        return export_head(
+            head, out, params=params, meta=meta, hf_names=[tuple(x) for x in cfg["hf_names"]], overwrite=overwrite
+        )
     if kind in MODEL_FOLDERS:
         # a PEFT adapter folder loads on its base: backbone, else the one it names
         return import_model(src, **({"backbone": backbone} if kind is FolderKind.PEFT_ADAPTER and backbone else {}))
@@ -119,36 +150,49 @@ _FILE_KEYS = ("format", "flaxheads_version", "sequence_head", "hf_names", "param
 
 def _check_paths(src: str, out: str, fmt: str, backbone: str | None, overwrite: bool) -> None:
     if not os.path.isdir(src):
-        raise UsageError(f"--from {src!r} does not exist (expected a run folder, a checkpoint folder, a model "
-                         "folder or a head export)")
+        raise UsageError(
+            f"--from {src!r} does not exist (expected a run folder, a checkpoint folder, a model "
+            "folder or a head export)"
+        )
     if os.path.exists(out) and not os.path.isdir(out):
-        raise OutputExistsError(f"--out {out!r} is a file, not a folder: choose a new folder (a file is never "
-                                "replaced, --overwrite or not)")
+        raise OutputExistsError(
+            f"--out {out!r} is a file, not a folder: choose a new folder (a file is never replaced, --overwrite or not)"
+        )
     if os.path.exists(out) and not (os.path.isdir(out) and not os.listdir(out)) and not overwrite:
-        raise UsageError(f"--out {out!r} already exists and is not empty; pass --overwrite to replace it, or choose "
-                         "a new folder")
+        raise UsageError(
+            f"--out {out!r} already exists and is not empty; pass --overwrite to replace it, or choose a new folder"
+        )
     if os.path.isdir(out) and os.listdir(out) and not has_marker(out):
-        raise OutputExistsError(f"--out {out!r} holds files flaxheads did not write (no {MARKER} marker): --overwrite "
-                                "replaces only flaxheads' own exports; choose a new folder, or empty this one yourself")
+        raise OutputExistsError(
+            f"--out {out!r} holds files flaxheads did not write (no {MARKER} marker): --overwrite "
+            "replaces only flaxheads' own exports; choose a new folder, or empty this one yourself"
+        )
     head_only = fmt == "head" or folder_kind(src) is FolderKind.HEAD_EXPORT
     # written beside --out, then renamed into place: its parent folder is what must take the files
-    check_folder(os.path.dirname(os.path.abspath(out)), what=f"--out {out!r}: its folder",
-                 need_bytes=with_margin(0 if head_only else export_bytes(src, backbone)))
+    check_folder(
+        os.path.dirname(os.path.abspath(out)),
+        what=f"--out {out!r}: its folder",
+        need_bytes=with_margin(0 if head_only else export_bytes(src, backbone)),
+    )
 
 
 def _from_checkpoint(src: str, step, backbone: str | None, fmt: str):
     """The model (or, for ``--format head``, the head) saved in a run or checkpoint folder."""
     if backbone is not None and not os.path.isdir(backbone):
-        raise UsageError(f"--backbone {backbone!r} is not a folder (expected the Hugging Face folder of the "
-                         "backbone the head was trained on)")
+        raise UsageError(
+            f"--backbone {backbone!r} is not a folder (expected the Hugging Face folder of the "
+            "backbone the head was trained on)"
+        )
     return model_from_checkpoint(src, step=step, backbone=backbone, head_only=fmt == "head")
 
 
 def _with_adapters(source, src: str):
     """The source of ``--peft``: a model with LoRA adapters, exported as a transformers adapter."""
     if getattr(source, "lora", None) is None:
-        raise UsageError(f"--peft: {src} has no LoRA adapters (it was not trained with --lora-rank); export "
-                         "the whole model without --peft")
+        raise UsageError(
+            f"--peft: {src} has no LoRA adapters (it was not trained with --lora-rank); export "
+            "the whole model without --peft"
+        )
     return source
 
 

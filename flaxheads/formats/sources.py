@@ -4,6 +4,7 @@ LoRA adapter on its base folder (:func:`~flaxheads.interop.peft.load_peft`), a s
 folder or a transformers classifier (:func:`~flaxheads.interop.import_model`).
 Each gives the model, its tokenizer folder and the settings it was made with (maximum length,
 buckets, threshold)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -57,19 +58,28 @@ def _from_run(path: str, step, backbone: str | None, dtype) -> Loaded:
         dtype = jnp.bfloat16 if cfg.get("bf16") else jnp.float32
     model = model_from_checkpoint(path, step, backbone=backbone, dtype=dtype)
     assert isinstance(model, SequenceModel)  # not head_only: the whole model
-    return Loaded(model, backbone or model.name_or_path, FolderKind.RUN, cfg.get("max_length"),
-                  tuple(cfg["buckets"]) if cfg.get("buckets") else None, (cfg.get("train") or {}).get("threshold"))
+    return Loaded(
+        model,
+        backbone or model.name_or_path,
+        FolderKind.RUN,
+        cfg.get("max_length"),
+        tuple(cfg["buckets"]) if cfg.get("buckets") else None,
+        (cfg.get("train") or {}).get("threshold"),
+    )
 
 
 def _from_head_export(path: str, backbone: str | None, dtype) -> Loaded:
     head, params, cfg = load_head_export(path)
     backbone = backbone or cfg.get("backbone_name_or_path")
     if not backbone or not os.path.isdir(backbone):
-        raise UsageError(f"{path} is a head export (no backbone weights): pass the backbone folder it was trained on "
-                         f"(backbone=..., --backbone); the export names {cfg.get('backbone_name_or_path')!r}, which "
-                         "is not a folder here")
-    base = from_pretrained(backbone, num_labels=int(cfg["num_labels"]), ignore_mismatched_sizes=True,
-                           dtype=dtype or jnp.float32)
+        raise UsageError(
+            f"{path} is a head export (no backbone weights): pass the backbone folder it was trained on "
+            f"(backbone=..., --backbone); the export names {cfg.get('backbone_name_or_path')!r}, which "
+            "is not a folder here"
+        )
+    base = from_pretrained(
+        backbone, num_labels=int(cfg["num_labels"]), ignore_mismatched_sizes=True, dtype=dtype or jnp.float32
+    )
     model = attach_head(base, HeadCheckpoint(head=head, params=params, meta=cfg, step=0, path=path))
     return Loaded(model, backbone, FolderKind.HEAD_EXPORT)
 
@@ -83,8 +93,15 @@ def _sbert_max_length(path: str) -> int | None:
     return int(n) if n else None
 
 
-def load_source(source: str | os.PathLike, *, step=None, backbone: str | os.PathLike | None = None, dtype=None,
-                revision: str | None = None, verify: bool = False) -> Loaded:
+def load_source(
+    source: str | os.PathLike,
+    *,
+    step=None,
+    backbone: str | os.PathLike | None = None,
+    dtype=None,
+    revision: str | None = None,
+    verify: bool = False,
+) -> Loaded:
     """The model in ``source`` (a local folder or a hub id), with its tokenizer folder and settings:
     what :func:`flaxheads.load` and :meth:`flaxheads.Classifier.from_pretrained` read through.
 
@@ -99,8 +116,10 @@ def load_source(source: str | os.PathLike, *, step=None, backbone: str | os.Path
 
 def _load(path: str, step, backbone: str | None, dtype) -> Loaded:
     if not os.path.isdir(path):
-        raise UsageError(f"{path!r} is a file; expected a run folder, a checkpoint folder, a transformers or "
-                         "sentence-transformers model folder, or a head export")
+        raise UsageError(
+            f"{path!r} is a file; expected a run folder, a checkpoint folder, a transformers or "
+            "sentence-transformers model folder, or a head export"
+        )
     kind = folder_kind(path)
     if kind is not FolderKind.RUN:  # a checkpoint step checks its own files as they are read
         checksums.verify_folder(path)
@@ -114,8 +133,10 @@ def _load(path: str, step, backbone: str | None, dtype) -> Loaded:
     if kind is FolderKind.RUN:
         return _from_run(path, step, backbone, dtype)
     if backbone is not None:
-        raise UsageError(f"a backbone folder was given, but {path} holds a whole model (backbone included); "
-                         "the backbone option is for head exports and runs")
+        raise UsageError(
+            f"a backbone folder was given, but {path} holds a whole model (backbone included); "
+            "the backbone option is for head exports and runs"
+        )
     options = {} if dtype is None else {"dtype": dtype}
     model = import_model(path, **options)  # a transformers folder, or one that says what it lacks
     if kind is FolderKind.SENTENCE_TRANSFORMERS:

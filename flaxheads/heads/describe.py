@@ -1,4 +1,5 @@
 """``describe(model)``: what the head does, step by step, and where each weight came from."""
+
 from __future__ import annotations
 
 import jax
@@ -25,8 +26,10 @@ def describe(model, params=None, *, file=None) -> str:
         mods = [p for p in model.report.new + list(pre) if p.startswith(prefix + "/")]
         if not mods:
             return "no weights"
-        parts = [f"{p.split('/', 1)[1]} " + (f"pretrained ({pre[p]})" if p in pre else "NEW (random init)")
-                 for p in sorted(mods)]
+        parts = [
+            f"{p.split('/', 1)[1]} " + (f"pretrained ({pre[p]})" if p in pre else "NEW (random init)")
+            for p in sorted(mods)
+        ]
         return ", ".join(parts)
 
     dtype = getattr(model.backbone, "dtype", None)
@@ -37,11 +40,14 @@ def describe(model, params=None, *, file=None) -> str:
         "pretrained",
         f"             input_ids [B,T] -> last hidden state [B,T,{h}]",
         f"  pool mask: {model.pool_mask}"
-        + {"non_pad_token": f" (input_ids != pad_token_id={model.pad_token_id})",
-           "eos_token": f" (input_ids == eos_token_id={model.eos_token_id})"}.get(model.pool_mask, ""),
+        + {
+            "non_pad_token": f" (input_ids != pad_token_id={model.pad_token_id})",
+            "eos_token": f" (input_ids == eos_token_id={model.eos_token_id})",
+        }.get(model.pool_mask, ""),
         f"  pooler   : {type(pooler).__name__}: " + " -> ".join(pooler.steps(h)) + f"  => [B,{pooled}]",
         f"             {_count(head_p.get('pooler', {})):,} params; {origin('pooler')}",
-        f"  head     : {type(head).__name__}: " + " -> ".join(head.steps(pooled))
+        f"  head     : {type(head).__name__}: "
+        + " -> ".join(head.steps(pooled))
         + f"  => [B,{head.out_features() or pooled}]",
         f"             {_count(head_p.get('head', {})):,} params; {origin('head')}",
         f"  output   : [B,{model.num_labels}] float32",
@@ -49,9 +55,15 @@ def describe(model, params=None, *, file=None) -> str:
     if model.id2label:
         lines.append("  labels   : " + ", ".join(f"{i}={n}" for i, n in sorted(model.id2label.items())))
     lines.append(f"  problem  : {model.problem_type}; loss: {LOSS_NAMES.get(model.problem_type, '?')}")
-    lines.append("  preset   : " + (f"HF-exact {model.arch} head (same weights and numbers as PyTorch "
-                                     f"transformers' {model.model_type} sequence classifier)" if model.arch
-                                     else "custom pooler/head combination"))
+    lines.append(
+        "  preset   : "
+        + (
+            f"HF-exact {model.arch} head (same weights and numbers as PyTorch "
+            f"transformers' {model.model_type} sequence classifier)"
+            if model.arch
+            else "custom pooler/head combination"
+        )
+    )
     lines.append(f"  total    : {_count(params):,} params ({_count(head_p):,} in the head)")
     text = "\n".join(lines)
     if file is not False:

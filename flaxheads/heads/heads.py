@@ -6,6 +6,7 @@ validation, and its JSON form); its modules are built from it, the Linen form in
 classification head is a configuration of :class:`LinearHead` or :class:`MLPHead` (see
 ``presets.py``); :class:`ProjectionHead` maps embeddings to another width.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -88,12 +89,16 @@ class TokenLogits(LinearHead):
         if len(set(self.tokens)) != len(self.tokens):
             raise ConfigError(f"TokenLogits tokens repeat: {self.tokens!r}")
         if self.two_way and len(self.tokens) != 2:
-            raise ConfigError(f"TokenLogits(two_way=True) takes two tokens (negative, positive), got {self.tokens!r}; "
-                              "pass two_way=False for one logit per token")
+            raise ConfigError(
+                f"TokenLogits(two_way=True) takes two tokens (negative, positive), got {self.tokens!r}; "
+                "pass two_way=False for one logit per token"
+            )
         n = 1 if self.two_way else len(self.tokens)
         if self.num_labels not in (0, n):
-            raise ConfigError(f"TokenLogits{self.tokens!r} (two_way={self.two_way}) gives {n} outputs, "
-                              f"not num_labels={self.num_labels}; leave num_labels out")
+            raise ConfigError(
+                f"TokenLogits{self.tokens!r} (two_way={self.two_way}) gives {n} outputs, "
+                f"not num_labels={self.num_labels}; leave num_labels out"
+            )
         object.__setattr__(self, "num_labels", n)
         if self.use_bias:
             raise ConfigError("TokenLogits has no bias (a language-model head has none); leave use_bias out")
@@ -108,8 +113,11 @@ class TokenLogits(LinearHead):
         return LinearHead(self.num_labels, dropout=self.dropout, use_bias=False, init_std=self.init_std)
 
     def steps(self, in_features):
-        what = (f"logit({self.tokens[1]!r}) - logit({self.tokens[0]!r})" if self.two_way
-                else "logits of " + ", ".join(map(repr, self.tokens)))
+        what = (
+            f"logit({self.tokens[1]!r}) - logit({self.tokens[0]!r})"
+            if self.two_way
+            else "logits of " + ", ".join(map(repr, self.tokens))
+        )
         return super().steps(in_features)[:-1] + [f"dense {in_features}->{self.num_labels} (no bias): {what}"]
 
 
@@ -236,14 +244,20 @@ class SequenceHead:
 
     def __post_init__(self):
         if not isinstance(self.pooler, Pooler):
-            raise ConfigError("SequenceHead's pooler must be a pooler config (fh.make_pooler(...)), "
-                              f"got {self.pooler!r}")
+            raise ConfigError(
+                f"SequenceHead's pooler must be a pooler config (fh.make_pooler(...)), got {self.pooler!r}"
+            )
         if not isinstance(self.head, Head):
             raise ConfigError(f"SequenceHead's head must be a head config (fh.make_head(...)), got {self.head!r}")
 
 
-HEAD_NAMES = {"linear": LinearHead, "mlp": MLPHead, "projection": ProjectionHead, "identity": IdentityHead,
-              "token_logits": TokenLogits}
+HEAD_NAMES = {
+    "linear": LinearHead,
+    "mlp": MLPHead,
+    "projection": ProjectionHead,
+    "identity": IdentityHead,
+    "token_logits": TokenLogits,
+}
 
 
 def make_head(spec: str | Head, **options) -> Head:
@@ -254,8 +268,10 @@ def make_head(spec: str | Head, **options) -> Head:
             raise ConfigError(f"head options {sorted(options)} given with an already-made head {spec!r}")
         return spec
     if spec not in HEAD_NAMES:
-        raise ConfigError(f"unknown head {spec!r}; valid heads: {sorted(HEAD_NAMES)} "
-                         "(the HF heads are presets: see flaxheads.heads.presets.PRESETS)")
+        raise ConfigError(
+            f"unknown head {spec!r}; valid heads: {sorted(HEAD_NAMES)} "
+            "(the HF heads are presets: see flaxheads.heads.presets.PRESETS)"
+        )
     try:
         return HEAD_NAMES[spec](**options)
     except TypeError as e:

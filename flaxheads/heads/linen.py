@@ -7,6 +7,7 @@ Parameter names: ``dense``, ``summary``, ``query``, ``parts_i``, ``classifier``,
 (``pooler`` absent when it has none). :mod:`flaxheads.nnx.layers` holds the NNX forms of the
 same configs, with the same names: one params tree serves both.
 """
+
 from __future__ import annotations
 
 import flax.linen as nn
@@ -151,18 +152,29 @@ class SequenceHead(nn.Module):
 
 
 FORMS: dict[type, type[nn.Module]] = {
-    P.Pool: Pool, P.AttentionPool: AttentionPool, P.DensePooler: DensePooler, P.LateDensePooler: LateDensePooler,
-    P.SequenceSummary: SequenceSummary, P.Concat: Concat, H.LinearHead: LinearHead, H.MLPHead: MLPHead,
-    H.ProjectionHead: ProjectionHead, H.IdentityHead: IdentityHead, H.SequenceHead: SequenceHead,
-    H.TokenLogits: LinearHead}  # a TokenLogits head is a linear ``classifier`` whose kernel from_pretrained fills
+    P.Pool: Pool,
+    P.AttentionPool: AttentionPool,
+    P.DensePooler: DensePooler,
+    P.LateDensePooler: LateDensePooler,
+    P.SequenceSummary: SequenceSummary,
+    P.Concat: Concat,
+    H.LinearHead: LinearHead,
+    H.MLPHead: MLPHead,
+    H.ProjectionHead: ProjectionHead,
+    H.IdentityHead: IdentityHead,
+    H.SequenceHead: SequenceHead,
+    H.TokenLogits: LinearHead,
+}  # a TokenLogits head is a linear ``classifier`` whose kernel from_pretrained fills
 
 
 def module(config: P.Pooler | H.Head | H.SequenceHead, name: str | None = None) -> nn.Module:
     """The Linen module of a pooler, head or :class:`~flaxheads.SequenceHead` config."""
     cls = FORMS.get(type(config))
     if cls is None:
-        raise ConfigError(f"no Linen module for {config!r}: expected a pooler or head config "
-                          f"({', '.join(sorted(c.__name__ for c in FORMS))})")
+        raise ConfigError(
+            f"no Linen module for {config!r}: expected a pooler or head config "
+            f"({', '.join(sorted(c.__name__ for c in FORMS))})"
+        )
     return cls(config, name=name)
 
 

@@ -11,6 +11,7 @@ concatenate) with :func:`make_pooler`.
 Masks may be bool, int or float; a row that is all padding never produces NaN
 (mean/max/weighted give zeros, token pickers give position 0).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -155,6 +156,7 @@ def attention_pool(hidden: jax.Array, mask: jax.Array, query: jax.Array) -> jax.
     w = w / jnp.maximum(jnp.sum(w, axis=-1, keepdims=True), _EPS)
     return jnp.einsum("bt,bth->bh", w, hidden)
 
+
 def _check_choice(what: str, value, valid) -> None:
     if value not in valid:
         raise ConfigError(f"unknown {what} {value!r}; valid values: {sorted(valid)}")
@@ -210,8 +212,10 @@ class AttentionPool(Pooler):
     weighted sum. The query starts at zero, so an untrained pooler is exactly the masked mean."""
 
     def steps(self, hidden_size):
-        return [f"attention pooling: softmax(h . query / sqrt({hidden_size})) over unmasked tokens, "
-                f"weighted sum [B,T,{hidden_size}] -> [B,{hidden_size}]"]
+        return [
+            f"attention pooling: softmax(h . query / sqrt({hidden_size})) over unmasked tokens, "
+            f"weighted sum [B,T,{hidden_size}] -> [B,{hidden_size}]"
+        ]
 
 
 @register("dense")
@@ -274,8 +278,11 @@ class LateDensePooler(Pooler):
 
     def steps(self, hidden_size):
         o = self.out_features(hidden_size)
-        return [f"dense {hidden_size}->{o} on every token"] + ([self.activation] if self.activation else []) + \
-            [f"{_POOL_TEXT[self.pool]} [B,T,{o}] -> [B,{o}]"]
+        return (
+            [f"dense {hidden_size}->{o} on every token"]
+            + ([self.activation] if self.activation else [])
+            + [f"{_POOL_TEXT[self.pool]} [B,T,{o}] -> [B,{o}]"]
+        )
 
 
 SUMMARY_TYPES = ("last", "first", "mean", "cls_index")
@@ -314,8 +321,10 @@ class SequenceSummary(Pooler):
 
     def __post_init__(self):
         if self.summary_type == "attn":
-            raise ConfigError("summary_type='attn' is not implemented (nor in Hugging Face); "
-                             f"use one of {SUMMARY_TYPES} or the 'attention' pooler")
+            raise ConfigError(
+                "summary_type='attn' is not implemented (nor in Hugging Face); "
+                f"use one of {SUMMARY_TYPES} or the 'attention' pooler"
+            )
         _check_choice("summary_type", self.summary_type, SUMMARY_TYPES)
         get_activation(self.activation)
 
@@ -332,8 +341,12 @@ class SequenceSummary(Pooler):
         return hidden_size
 
     def steps(self, hidden_size):
-        pick = {"last": "position -1 (unmasked)", "first": "position 0", "mean": "unmasked mean over all T",
-                "cls_index": "token at cls_index (default: position -1)"}[self.summary_type]
+        pick = {
+            "last": "position -1 (unmasked)",
+            "first": "position 0",
+            "mean": "unmasked mean over all T",
+            "cls_index": "token at cls_index (default: position -1)",
+        }[self.summary_type]
         s = [f"sequence summary: {pick} [B,T,{hidden_size}] -> [B,{hidden_size}]"]
         if self.first_dropout > 0:
             s.append(f"dropout({self.first_dropout})")
@@ -397,8 +410,9 @@ def make_pooler(spec: str | Sequence[str] | Pooler, **options) -> Pooler:
         return spec
     if isinstance(spec, str):
         if spec not in POOLER_NAMES:
-            raise ConfigError(f"unknown pooler {spec!r}; valid poolers: {sorted(POOLER_NAMES)} "
-                             "(or a list of them to concatenate)")
+            raise ConfigError(
+                f"unknown pooler {spec!r}; valid poolers: {sorted(POOLER_NAMES)} (or a list of them to concatenate)"
+            )
         try:
             return POOLER_NAMES[spec](**options)
         except TypeError as e:

@@ -5,6 +5,7 @@ where the PyTorch ``XForSequenceClassification`` reads them, and names the PyTor
 state-dict modules of its weights (``hf_names``: our params path -> HF module name;
 Dense ``kernel`` [in, out] is HF ``weight`` [out, in]; LayerNorm ``scale`` is ``weight``).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -51,61 +52,88 @@ def _std(cfg) -> float:
 
 def _bert(cfg, n):
     p = _get(cfg, "classifier_dropout", "hidden_dropout_prob", default=0.1)
-    return Preset("bert", DensePooler(activation="tanh", init_std=_std(cfg)),
-                  LinearHead(n, dropout=p, init_std=_std(cfg)),
-                  hf_names=(("pooler/dense", "bert.pooler.dense"), ("head/classifier", "classifier")),
-                  hf_class="BertForSequenceClassification")
+    return Preset(
+        "bert",
+        DensePooler(activation="tanh", init_std=_std(cfg)),
+        LinearHead(n, dropout=p, init_std=_std(cfg)),
+        hf_names=(("pooler/dense", "bert.pooler.dense"), ("head/classifier", "classifier")),
+        hf_class="BertForSequenceClassification",
+    )
 
 
 def _bert_like(arch: str, prefix: str, hf_class: str):
     # BERT's classifier under another base prefix (nomic-bert, GTE): pooler dense + tanh -> dropout -> linear
     def make(cfg, n):
         p = _get(cfg, "classifier_dropout", "hidden_dropout_prob", default=0.1)
-        return Preset(arch, DensePooler(activation="tanh", init_std=_std(cfg)),
-                      LinearHead(n, dropout=p, init_std=_std(cfg)),
-                      hf_names=(("pooler/dense", f"{prefix}.pooler.dense"), ("head/classifier", "classifier")),
-                      hf_class=hf_class)
+        return Preset(
+            arch,
+            DensePooler(activation="tanh", init_std=_std(cfg)),
+            LinearHead(n, dropout=p, init_std=_std(cfg)),
+            hf_names=(("pooler/dense", f"{prefix}.pooler.dense"), ("head/classifier", "classifier")),
+            hf_class=hf_class,
+        )
+
     return make
 
 
 def _albert(cfg, n):
     p = _get(cfg, "classifier_dropout_prob", default=0.1)
-    return Preset("albert", DensePooler(activation="tanh", init_std=_std(cfg)),
-                  LinearHead(n, dropout=p, init_std=_std(cfg)),
-                  hf_names=(("pooler/dense", "albert.pooler"), ("head/classifier", "classifier")),
-                  hf_class="AlbertForSequenceClassification")
+    return Preset(
+        "albert",
+        DensePooler(activation="tanh", init_std=_std(cfg)),
+        LinearHead(n, dropout=p, init_std=_std(cfg)),
+        hf_names=(("pooler/dense", "albert.pooler"), ("head/classifier", "classifier")),
+        hf_class="AlbertForSequenceClassification",
+    )
 
 
 def _dense_act_head(arch: str, act: str, prefix: str, hf_class: str):
     # RoBERTa/XLM-R/ELECTRA: first token -> dropout -> dense -> act -> dropout -> out_proj
     def make(cfg, n):
         p = _get(cfg, "classifier_dropout", "hidden_dropout_prob", default=0.1)
-        return Preset(arch, Pool("cls"), MLPHead(n, activation=act, dropout=p, input_dropout=p, init_std=_std(cfg)),
-                      hf_names=(("head/dense_0", f"{prefix}.dense"), ("head/out_proj", f"{prefix}.out_proj")),
-                      hf_class=hf_class)
+        return Preset(
+            arch,
+            Pool("cls"),
+            MLPHead(n, activation=act, dropout=p, input_dropout=p, init_std=_std(cfg)),
+            hf_names=(("head/dense_0", f"{prefix}.dense"), ("head/out_proj", f"{prefix}.out_proj")),
+            hf_class=hf_class,
+        )
+
     return make
 
 
 def _bart(cfg, n):
     p = float(_get(cfg, "classifier_dropout", default=0.0))
-    return Preset("bart", Pool("last"), MLPHead(n, activation="tanh", dropout=p, input_dropout=p, init_std=_std(cfg)),
-                  pool_mask="eos_token",
-                  hf_names=(("head/dense_0", "classification_head.dense"),
-                            ("head/out_proj", "classification_head.out_proj")),
-                  hf_class="BartForSequenceClassification")
+    return Preset(
+        "bart",
+        Pool("last"),
+        MLPHead(n, activation="tanh", dropout=p, input_dropout=p, init_std=_std(cfg)),
+        pool_mask="eos_token",
+        hf_names=(("head/dense_0", "classification_head.dense"), ("head/out_proj", "classification_head.out_proj")),
+        hf_class="BartForSequenceClassification",
+    )
 
 
 def _distilbert(cfg, n):
     p = _get(cfg, "seq_classif_dropout", default=0.2)
-    return Preset("distilbert", Pool("cls"), MLPHead(n, activation="relu", dropout=p, init_std=_std(cfg)),
-                  hf_names=(("head/dense_0", "pre_classifier"), ("head/out_proj", "classifier")),
-                  hf_class="DistilBertForSequenceClassification")
+    return Preset(
+        "distilbert",
+        Pool("cls"),
+        MLPHead(n, activation="relu", dropout=p, init_std=_std(cfg)),
+        hf_names=(("head/dense_0", "pre_classifier"), ("head/out_proj", "classifier")),
+        hf_class="DistilBertForSequenceClassification",
+    )
 
 
 def _gpt2(cfg, n):
-    return Preset("gpt2", Pool("last"), LinearHead(n, dropout=0.0, use_bias=False, init_std=_std(cfg)),
-                  pool_mask="non_pad_token", hf_names=(("head/classifier", "score"),),
-                  hf_class="GPT2ForSequenceClassification")
+    return Preset(
+        "gpt2",
+        Pool("last"),
+        LinearHead(n, dropout=0.0, use_bias=False, init_std=_std(cfg)),
+        pool_mask="non_pad_token",
+        hf_names=(("head/classifier", "score"),),
+        hf_class="GPT2ForSequenceClassification",
+    )
 
 
 def _decoder(arch: str):
@@ -113,9 +141,15 @@ def _decoder(arch: str):
     # (last token != pad_token_id; with no pad_token_id PyTorch takes the last position for a batch of
     # one and raises for larger batches: flaxheads asks for pad_token_id when the model is loaded)
     def make(cfg, n):
-        return Preset(arch, Pool("last"), LinearHead(n, dropout=0.0, use_bias=False, init_std=_std(cfg)),
-                      pool_mask="non_pad_token", hf_names=(("head/classifier", "score"),),
-                      hf_class=DECODER_HF_CLASSES[arch])
+        return Preset(
+            arch,
+            Pool("last"),
+            LinearHead(n, dropout=0.0, use_bias=False, init_std=_std(cfg)),
+            pool_mask="non_pad_token",
+            hf_names=(("head/classifier", "score"),),
+            hf_class=DECODER_HF_CLASSES[arch],
+        )
+
     return make
 
 
@@ -124,52 +158,84 @@ def _xlnet(cfg, n):
         summary_type=_get(cfg, "summary_type", default="last"),
         use_proj=bool(_get(cfg, "summary_use_proj", default=False)),
         proj_to_labels=bool(_get(cfg, "summary_proj_to_labels", default=False)),
-        num_labels=n, activation=_get(cfg, "summary_activation"),
+        num_labels=n,
+        activation=_get(cfg, "summary_activation"),
         first_dropout=float(_get(cfg, "summary_first_dropout", default=0.0)),
-        last_dropout=float(_get(cfg, "summary_last_dropout", default=0.0)), init_std=_std(cfg))
-    return Preset("xlnet", summary, LinearHead(n, dropout=0.0, init_std=_std(cfg)),
-                  hf_names=(("pooler/summary", "sequence_summary.summary"), ("head/classifier", "logits_proj")),
-                  hf_class="XLNetForSequenceClassification")
+        last_dropout=float(_get(cfg, "summary_last_dropout", default=0.0)),
+        init_std=_std(cfg),
+    )
+    return Preset(
+        "xlnet",
+        summary,
+        LinearHead(n, dropout=0.0, init_std=_std(cfg)),
+        hf_names=(("pooler/summary", "sequence_summary.summary"), ("head/classifier", "logits_proj")),
+        hf_class="XLNetForSequenceClassification",
+    )
 
 
 def _deberta_v2(cfg, n):
-    ctx = DensePooler(features=_get(cfg, "pooler_hidden_size", "hidden_size"),
-                      activation=_get(cfg, "pooler_hidden_act", default="gelu"),
-                      dropout=float(_get(cfg, "pooler_dropout", default=0.0)), init_std=_std(cfg))
+    ctx = DensePooler(
+        features=_get(cfg, "pooler_hidden_size", "hidden_size"),
+        activation=_get(cfg, "pooler_hidden_act", default="gelu"),
+        dropout=float(_get(cfg, "pooler_dropout", default=0.0)),
+        init_std=_std(cfg),
+    )
     p = _get(cfg, "cls_dropout", "hidden_dropout_prob", default=0.1)
-    return Preset("deberta-v2", ctx, LinearHead(n, dropout=p, init_std=_std(cfg)),
-                  hf_names=(("pooler/dense", "pooler.dense"), ("head/classifier", "classifier")),
-                  hf_class="DebertaV2ForSequenceClassification")
+    return Preset(
+        "deberta-v2",
+        ctx,
+        LinearHead(n, dropout=p, init_std=_std(cfg)),
+        hf_names=(("pooler/dense", "pooler.dense"), ("head/classifier", "classifier")),
+        hf_class="DebertaV2ForSequenceClassification",
+    )
 
 
 def _modernbert(cfg, n):
     pooling = _get(cfg, "classifier_pooling", default="cls")
     if pooling not in ("cls", "mean"):
         raise ValueError(f"ModernBERT classifier_pooling must be 'cls' or 'mean', got {pooling!r}")
-    head = MLPHead(n, activation=_get(cfg, "classifier_activation", default="gelu"),
-                   dropout=float(_get(cfg, "classifier_dropout", default=0.0)), layer_norm=True,
-                   norm_eps=float(_get(cfg, "norm_eps", default=1e-5)),
-                   norm_bias=bool(_get(cfg, "norm_bias", default=False)),
-                   dense_bias=bool(_get(cfg, "classifier_bias", default=False)), init_std=_std(cfg))
-    return Preset("modernbert", Pool(pooling), head,
-                  hf_names=(("head/dense_0", "head.dense"), ("head/norm_0", "head.norm"),
-                            ("head/out_proj", "classifier")),
-                  hf_class="ModernBertForSequenceClassification")
+    head = MLPHead(
+        n,
+        activation=_get(cfg, "classifier_activation", default="gelu"),
+        dropout=float(_get(cfg, "classifier_dropout", default=0.0)),
+        layer_norm=True,
+        norm_eps=float(_get(cfg, "norm_eps", default=1e-5)),
+        norm_bias=bool(_get(cfg, "norm_bias", default=False)),
+        dense_bias=bool(_get(cfg, "classifier_bias", default=False)),
+        init_std=_std(cfg),
+    )
+    return Preset(
+        "modernbert",
+        Pool(pooling),
+        head,
+        hf_names=(("head/dense_0", "head.dense"), ("head/norm_0", "head.norm"), ("head/out_proj", "classifier")),
+        hf_class="ModernBertForSequenceClassification",
+    )
 
 
 def _modernbert_decoder(cfg, n):
     # ModernBertDecoderForSequenceClassification: head (dense -> act -> LayerNorm) -> dropout -> classifier on
     # every token, the last non-pad token's logits (as GPT-2); dense and classifier biases: classifier_bias
     bias = bool(_get(cfg, "classifier_bias", default=False))
-    head = MLPHead(n, activation=_get(cfg, "classifier_activation", default="gelu"),
-                   dropout=float(_get(cfg, "classifier_dropout", default=0.0)), layer_norm=True,
-                   norm_eps=float(_get(cfg, "norm_eps", default=1e-5)),
-                   norm_bias=bool(_get(cfg, "norm_bias", default=False)), dense_bias=bias, out_bias=bias,
-                   init_std=_std(cfg))
-    return Preset("modernbert-decoder", Pool("last"), head, pool_mask="non_pad_token",
-                  hf_names=(("head/dense_0", "head.dense"), ("head/norm_0", "head.norm"),
-                            ("head/out_proj", "classifier")),
-                  hf_class="ModernBertDecoderForSequenceClassification")
+    head = MLPHead(
+        n,
+        activation=_get(cfg, "classifier_activation", default="gelu"),
+        dropout=float(_get(cfg, "classifier_dropout", default=0.0)),
+        layer_norm=True,
+        norm_eps=float(_get(cfg, "norm_eps", default=1e-5)),
+        norm_bias=bool(_get(cfg, "norm_bias", default=False)),
+        dense_bias=bias,
+        out_bias=bias,
+        init_std=_std(cfg),
+    )
+    return Preset(
+        "modernbert-decoder",
+        Pool("last"),
+        head,
+        pool_mask="non_pad_token",
+        hf_names=(("head/dense_0", "head.dense"), ("head/norm_0", "head.norm"), ("head/out_proj", "classifier")),
+        hf_class="ModernBertDecoderForSequenceClassification",
+    )
 
 
 EUROBERT_POOLING = ("bos", "mean", "late")
@@ -181,15 +247,20 @@ def _eurobert(cfg, n):
     # the per-token logits, which (the classifier being linear) is the classifier of the masked mean
     pooling = _get(cfg, "classifier_pooling", default="late")
     if pooling not in EUROBERT_POOLING:
-        raise ConfigError(f"EuroBERT classifier_pooling must be one of {EUROBERT_POOLING}, got {pooling!r}: "
-                          "fix config.json")
+        raise ConfigError(
+            f"EuroBERT classifier_pooling must be one of {EUROBERT_POOLING}, got {pooling!r}: fix config.json"
+        )
     if pooling == "late":
         pooler = LateDensePooler(activation="gelu", pool="mean", init_std=_std(cfg))
     else:
         pooler = DensePooler(activation="gelu", source="cls" if pooling == "bos" else "mean", init_std=_std(cfg))
-    return Preset("eurobert", pooler, LinearHead(n, dropout=0.0, init_std=_std(cfg)),
-                  hf_names=(("pooler/dense", "dense"), ("head/classifier", "classifier")),
-                  hf_class="EuroBertForSequenceClassification")
+    return Preset(
+        "eurobert",
+        pooler,
+        LinearHead(n, dropout=0.0, init_std=_std(cfg)),
+        hf_names=(("pooler/dense", "dense"), ("head/classifier", "classifier")),
+        hf_class="EuroBertForSequenceClassification",
+    )
 
 
 PRESETS: dict[str, Callable[[Any, int], Preset]] = {
@@ -206,8 +277,9 @@ PRESETS: dict[str, Callable[[Any, int], Preset]] = {
     "modernbert": _modernbert,
     "nomic_bert": _bert_like("nomic_bert", "nomic_bert", "NomicBertForSequenceClassification"),
     "gte": _bert_like("gte", "gte", "GteForSequenceClassification"),
-    "jina_embeddings_v3": _dense_act_head("jina_embeddings_v3", "tanh", "classifier",
-                                          "JinaEmbeddingsV3ForSequenceClassification"),
+    "jina_embeddings_v3": _dense_act_head(
+        "jina_embeddings_v3", "tanh", "classifier", "JinaEmbeddingsV3ForSequenceClassification"
+    ),
     "modernbert-decoder": _modernbert_decoder,
     "eurobert": _eurobert,
     **{arch: _decoder(arch) for arch in DECODER_HF_CLASSES},
@@ -222,12 +294,14 @@ def preset_for(hf_config, num_labels: int) -> Preset | None:
 
 def same_structure(a, b) -> bool:
     """Same module config ignoring dropout rates and init scale (they do not change the weights' meaning)."""
+
     def strip(d):
         if isinstance(d, dict):
             return {k: strip(v) for k, v in d.items() if k not in _NOT_STRUCTURE}
         if isinstance(d, list):
             return [strip(x) for x in d]
         return d
+
     return strip(_config.to_dict(a)) == strip(_config.to_dict(b))
 
 
@@ -243,8 +317,9 @@ class PresetMatch:
     @property
     def exact(self) -> bool:
         """Pooler, head and pool mask are the preset's: the model is the PyTorch ``hf_class``."""
-        return self.same_pooler and self.same_head and self.preset is not None \
-            and self.pool_mask == self.preset.pool_mask
+        return (
+            self.same_pooler and self.same_head and self.preset is not None and self.pool_mask == self.preset.pool_mask
+        )
 
     @property
     def arch(self) -> str | None:
@@ -256,8 +331,11 @@ class PresetMatch:
         """``(our path, HF name)`` of the modules whose pretrained HF weights fit (structure matches)."""
         if self.preset is None:
             return ()
-        return tuple((p, n) for p, n in self.preset.hf_names
-                     if (p.startswith("pooler/") and self.same_pooler) or (p.startswith("head/") and self.same_head))
+        return tuple(
+            (p, n)
+            for p, n in self.preset.hf_names
+            if (p.startswith("pooler/") and self.same_pooler) or (p.startswith("head/") and self.same_head)
+        )
 
     @property
     def hf_names(self) -> tuple[tuple[str, str], ...]:
@@ -265,8 +343,7 @@ class PresetMatch:
         return self.preset.hf_names if self.exact and self.preset is not None else ()
 
 
-def match_preset(hf_config, num_labels: int, pooler: Pooler, head: Head,
-                 pool_mask: str | None = None) -> PresetMatch:
+def match_preset(hf_config, num_labels: int, pooler: Pooler, head: Head, pool_mask: str | None = None) -> PresetMatch:
     """THE decision whether ``(pooler, head, pool_mask)`` on this backbone is its Hugging Face preset.
 
     ``pool_mask=None`` picks the preset's mask when the pooler is the preset's, else the
@@ -283,8 +360,14 @@ def match_preset(hf_config, num_labels: int, pooler: Pooler, head: Head,
     return PresetMatch(preset, pool_mask, same_pooler, same_head)
 
 
-def check_pool_mask(pool_mask: str, *, pad_token_id: int | None, eos_token_id: int | None, subject: str,
-                    error: type[FlaxheadsError] = PoolMaskError) -> None:
+def check_pool_mask(
+    pool_mask: str,
+    *,
+    pad_token_id: int | None,
+    eos_token_id: int | None,
+    subject: str,
+    error: type[FlaxheadsError] = PoolMaskError,
+) -> None:
     """Raise ``error`` unless the backbone can provide ``pool_mask``: ``non_pad_token`` needs a
     ``pad_token_id``, ``eos_token`` an ``eos_token_id``. ``subject`` says whose mask it is."""
     if pool_mask not in POOL_MASKS:
@@ -294,9 +377,11 @@ def check_pool_mask(pool_mask: str, *, pad_token_id: int | None, eos_token_id: i
             f"pad_token_id missing: {subject} pools the last non-pad token (GPT-2's rule, pool_mask='non_pad_token'), "
             "which needs config.pad_token_id, but it is None. Set config.pad_token_id on the backbone (e.g. "
             "`config.pad_token_id = config.eos_token_id`) and save it, or use pool_mask='attention_mask' to pool "
-            "the last attended token instead.")
+            "the last attended token instead."
+        )
     if pool_mask == "eos_token" and eos_token_id is None:
         raise error(
             f"eos_token_id missing: {subject} pools the last <eos> token (BART's rule, pool_mask='eos_token'), "
             "which needs config.eos_token_id, but it is None. Set config.eos_token_id, or use "
-            "pool_mask='attention_mask' to pool the last attended token instead.")
+            "pool_mask='attention_mask' to pool the last attended token instead."
+        )

@@ -7,6 +7,7 @@ the Qwen3-Reranker model card's prompt: a system turn asking for "yes" or "no", 
 ``<Instruct>`` / ``<Query>`` / ``<Document>`` lines in the user turn, and the assistant turn opened
 with an empty think block, so the next token is the answer.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,8 +29,11 @@ class PairTemplate:
 
     def render(self, query: str, document: str, instruction: str | None = None) -> str:
         """The text of one pair (``instruction`` None: the template's default)."""
-        values = {"instruction": self.instruction if instruction is None else instruction,
-                  "query": query, "document": document}
+        values = {
+            "instruction": self.instruction if instruction is None else instruction,
+            "query": query,
+            "document": document,
+        }
         out, rest = [], self.text
         while rest:  # one pass over the template, so a field's value is never read as a field
             at = [(rest.find("{" + f + "}"), f) for f in FIELDS if "{" + f + "}" in rest]
@@ -38,12 +42,14 @@ class PairTemplate:
                 break
             i, f = min(at)
             out += [rest[:i], values[f]]
-            rest = rest[i + len(f) + 2:]
+            rest = rest[i + len(f) + 2 :]
         return "".join(out)
 
 
-_QWEN3_SYSTEM = ('<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the '
-                 'Instruct provided. Note that the answer can only be "yes" or "no".<|im_end|>\n')
+_QWEN3_SYSTEM = (
+    "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the "
+    'Instruct provided. Note that the answer can only be "yes" or "no".<|im_end|>\n'
+)
 
 TEMPLATES: dict[str, PairTemplate] = {
     "qwen3-reranker": PairTemplate(
@@ -51,7 +57,8 @@ TEMPLATES: dict[str, PairTemplate] = {
         _QWEN3_SYSTEM + "<|im_start|>user\n<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {document}"
         "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n",
         instruction="Given a web search query, retrieve relevant passages that answer the query",
-        tokens=("no", "yes")),
+        tokens=("no", "yes"),
+    ),
 }
 
 
@@ -60,21 +67,29 @@ def get_template(name: str | PairTemplate) -> PairTemplate:
     if isinstance(name, PairTemplate):
         return name
     if name not in TEMPLATES:
-        raise ConfigError(f"unknown prompt template {name!r}; templates: {sorted(TEMPLATES)} (or pass a "
-                          "flaxheads.heads.templates.PairTemplate)")
+        raise ConfigError(
+            f"unknown prompt template {name!r}; templates: {sorted(TEMPLATES)} (or pass a "
+            "flaxheads.heads.templates.PairTemplate)"
+        )
     return TEMPLATES[name]
 
 
-def render_pairs(template: str | PairTemplate, pairs: Iterable[tuple[str, str]],
-                 instruction: str | None = None) -> list[str]:
+def render_pairs(
+    template: str | PairTemplate, pairs: Iterable[tuple[str, str]], instruction: str | None = None
+) -> list[str]:
     """Each ``(query, document)`` of ``pairs`` written in ``template``: the texts to tokenise as single
     sequences (no pair encoding, no special tokens added by the tokenizer)."""
     t = get_template(template)
     return [t.render(q, d, instruction) for q, d in pairs]
 
 
-def fit_pairs(template: str | PairTemplate, pairs: Iterable[tuple[str, str]], count: Callable[[list[str]], list[int]],
-              max_length: int, instruction: str | None = None) -> tuple[list[str], list[int]]:
+def fit_pairs(
+    template: str | PairTemplate,
+    pairs: Iterable[tuple[str, str]],
+    count: Callable[[list[str]], list[int]],
+    max_length: int,
+    instruction: str | None = None,
+) -> tuple[list[str], list[int]]:
     """:func:`render_pairs`, each document cut at its end until the prompt is at most ``max_length`` tokens
     (``count``: the token counts of texts; at least ``max_length + 1`` for a longer one), so the prompt keeps
     its end, where the answer token is read (plain truncation would cut that). Returns the texts and the

@@ -7,6 +7,7 @@ rows of its tokens: ``W[t]`` for each token, or, two-way, ``W[pos] - W[neg]``, s
 Tokens are read as vocabulary entries of the folder's ``tokenizer.json`` (``convert_tokens_to_ids``),
 else as text that encodes to exactly one token; ints are ids.
 """
+
 from __future__ import annotations
 
 import os
@@ -31,8 +32,10 @@ def token_ids(folder: str, tokens: Sequence[str | int], vocab_size: int) -> list
     if any(isinstance(t, str) for t in tokens):
         path = os.path.join(folder, "tokenizer.json")
         if not os.path.isfile(path):
-            raise TokenLogitsError(f"{folder}: no tokenizer.json to find the ids of the tokens {list(tokens)}; "
-                                   "copy the model's tokenizer files there, or pass token ids (tokens=(id_no, id_yes))")
+            raise TokenLogitsError(
+                f"{folder}: no tokenizer.json to find the ids of the tokens {list(tokens)}; "
+                "copy the model's tokenizer files there, or pass token ids (tokens=(id_no, id_yes))"
+            )
         from tokenizers import Tokenizer
 
         tok = Tokenizer.from_file(path)
@@ -47,12 +50,15 @@ def token_ids(folder: str, tokens: Sequence[str | int], vocab_size: int) -> list
                     raise TokenLogitsError(
                         f"{folder}: {t!r} is not one token in this tokenizer: it is not a vocabulary entry and "
                         f"encodes to {len(pieces.ids)} tokens {pieces.tokens}; pass a vocabulary entry (e.g. "
-                        f"{pieces.tokens[0]!r} if that is the answer) or its id")
+                        f"{pieces.tokens[0]!r} if that is the answer) or its id"
+                    )
                 i = pieces.ids[0]
                 unk = getattr(tok.model, "unk_token", None)
                 if unk is not None and pieces.tokens[0] == unk:
-                    raise TokenLogitsError(f"{folder}: {t!r} is not in this tokenizer's vocabulary (it reads as the "
-                                           f"unknown token {unk!r}); pass a vocabulary entry or its id")
+                    raise TokenLogitsError(
+                        f"{folder}: {t!r} is not in this tokenizer's vocabulary (it reads as the "
+                        f"unknown token {unk!r}); pass a vocabulary entry or its id"
+                    )
         else:
             i = int(t)
         if not 0 <= i < vocab_size:
@@ -65,25 +71,35 @@ def lm_head(hf_config, state: Mapping[str, np.ndarray], embedding, source: str) 
     """The LM head ``[vocab, H]`` of a causal LM: ``lm_head.weight``, or the tied ``embedding``."""
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in DECODER_HF_CLASSES:
-        raise TokenLogitsError(f"{source}: a TokenLogits head reads a causal LM's language-model head, and "
-                               f"{model_type!r} is not a decoder LM flaxheads runs ({sorted(DECODER_HF_CLASSES)}); "
-                               "use a linear head (head='linear') on this backbone")
+        raise TokenLogitsError(
+            f"{source}: a TokenLogits head reads a causal LM's language-model head, and "
+            f"{model_type!r} is not a decoder LM flaxheads runs ({sorted(DECODER_HF_CLASSES)}); "
+            "use a linear head (head='linear') on this backbone"
+        )
     if getattr(hf_config, "use_bidirectional_attention", False):
-        raise TokenLogitsError(f"{source}: this {model_type} is a bidirectional encoder (use_bidirectional_attention), "
-                               "not a causal LM with next-token logits; use a linear head")
+        raise TokenLogitsError(
+            f"{source}: this {model_type} is a bidirectional encoder (use_bidirectional_attention), "
+            "not a causal LM with next-token logits; use a linear head"
+        )
     if getattr(hf_config, "final_logit_softcapping", None):
-        raise TokenLogitsError(f"{source}: this {model_type} caps its logits (final_logit_softcapping), so a token's "
-                               "logit is not linear in the last hidden state and no linear head equals it")
+        raise TokenLogitsError(
+            f"{source}: this {model_type} caps its logits (final_logit_softcapping), so a token's "
+            "logit is not linear in the last hidden state and no linear head equals it"
+        )
     if LM_HEAD in state:
         return np.asarray(state[LM_HEAD])
     if "score.weight" in state:
-        raise TokenLogitsError(f"{source}: this folder is a sequence classifier (score.weight), not a causal LM: it "
-                               "has no language-model head; load it without head=TokenLogits(...)")
+        raise TokenLogitsError(
+            f"{source}: this folder is a sequence classifier (score.weight), not a causal LM: it "
+            "has no language-model head; load it without head=TokenLogits(...)"
+        )
     if getattr(hf_config, "tie_word_embeddings", False) and embedding is not None:
         return np.asarray(embedding)
-    raise TokenLogitsError(f"{source}: no language-model head: the weights have no {LM_HEAD} and the config does not "
-                           "tie it to the embeddings (tie_word_embeddings). Point at the XForCausalLM folder "
-                           "(the base model saved with AutoModel has no LM head)")
+    raise TokenLogitsError(
+        f"{source}: no language-model head: the weights have no {LM_HEAD} and the config does not "
+        "tie it to the embeddings (tie_word_embeddings). Point at the XForCausalLM folder "
+        "(the base model saved with AutoModel has no LM head)"
+    )
 
 
 def kernel(head: TokenLogits, hf_config, state: Mapping[str, np.ndarray], embedding, folder: str) -> np.ndarray:

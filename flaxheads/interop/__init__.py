@@ -6,6 +6,7 @@ folder's tokenizer without transformers; :mod:`.files` holds what they share.
 
 Most programs need none of these by name: :func:`flaxheads.load` reads every format and
 :func:`flaxheads.export` writes every format; the functions here are what they call."""
+
 from __future__ import annotations
 
 import os
@@ -21,10 +22,24 @@ from flaxheads.interop.tokenizers import Tokenizer, TokenizerError, load_tokeniz
 from flaxheads.interop.transformers import export_transformers, load_transformers
 from flaxheads.model.sequence import SequenceModel
 
-__all__ = ["ExportError", "ModelImportError", "import_model", "export_head", "load_head_export",
-           "export_sentence_transformers", "load_sentence_transformers", "export_transformers", "load_transformers",
-           "export_cross_encoder", "export_onnx", "export_peft", "load_peft", "Tokenizer", "TokenizerError",
-           "load_tokenizer"]
+__all__ = [
+    "ExportError",
+    "ModelImportError",
+    "import_model",
+    "export_head",
+    "load_head_export",
+    "export_sentence_transformers",
+    "load_sentence_transformers",
+    "export_transformers",
+    "load_transformers",
+    "export_cross_encoder",
+    "export_onnx",
+    "export_peft",
+    "load_peft",
+    "Tokenizer",
+    "TokenizerError",
+    "load_tokenizer",
+]
 
 
 def import_model(folder: str | os.PathLike, **options) -> SequenceModel:

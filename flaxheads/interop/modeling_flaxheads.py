@@ -15,6 +15,7 @@ pooler + head config (``sequence_head``, the JSON flaxheads checkpoints store). 
 module names; a Dense ``kernel [in, out]`` is a Linear ``weight [out, in]``).
 flaxheads reads such a folder back from ``config.json`` and the weights, never from this file.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -39,9 +40,15 @@ class FlaxheadsConfig(PretrainedConfig):
 
     model_type = "flaxheads"
 
-    def __init__(self, backbone_hf_config: dict | None = None, sequence_head: dict | None = None,
-                 pool_mask: str = "attention_mask", pool_token_id: int | None = None, threshold: float = 0.5,
-                 **kwargs):
+    def __init__(
+        self,
+        backbone_hf_config: dict | None = None,
+        sequence_head: dict | None = None,
+        pool_mask: str = "attention_mask",
+        pool_token_id: int | None = None,
+        threshold: float = 0.5,
+        **kwargs,
+    ):
         self.backbone_hf_config = dict(backbone_hf_config or {})
         self.sequence_head = dict(sequence_head or {})
         self.pool_mask = pool_mask
@@ -56,10 +63,18 @@ def _quick_gelu(x):
 
 
 ACTIVATIONS = {
-    None: lambda x: x, "linear": lambda x: x, "identity": lambda x: x,
-    "gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "quick_gelu": _quick_gelu,
-    "relu": F.relu, "tanh": torch.tanh, "sigmoid": torch.sigmoid, "silu": F.silu, "swish": F.silu,
+    None: lambda x: x,
+    "linear": lambda x: x,
+    "identity": lambda x: x,
+    "gelu": F.gelu,
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "quick_gelu": _quick_gelu,
+    "relu": F.relu,
+    "tanh": torch.tanh,
+    "sigmoid": torch.sigmoid,
+    "silu": F.silu,
+    "swish": F.silu,
 }
 
 
@@ -224,8 +239,14 @@ class Concat(nn.Module):
         return torch.cat([getattr(self, f"parts_{i}")(hidden, mask) for i in range(self.n)], dim=-1)
 
 
-POOLERS = {"pool": Pool, "attention": AttentionPool, "dense": DensePooler, "late_dense": LateDensePooler,
-           "sequence_summary": SequenceSummary, "concat": Concat}
+POOLERS = {
+    "pool": Pool,
+    "attention": AttentionPool,
+    "dense": DensePooler,
+    "late_dense": LateDensePooler,
+    "sequence_summary": SequenceSummary,
+    "concat": Concat,
+}
 
 
 def make_pooler(spec, hidden_size):
@@ -260,8 +281,9 @@ class MLPHead(nn.Module):
             self.add_module(f"dense_{i}", nn.Linear(w, d or w, bias=spec.get("dense_bias", True)))
             w = d or w
             if self.layer_norm:
-                self.add_module(f"norm_{i}", nn.LayerNorm(w, eps=spec.get("norm_eps", 1e-5),
-                                                         bias=spec.get("norm_bias", True)))
+                self.add_module(
+                    f"norm_{i}", nn.LayerNorm(w, eps=spec.get("norm_eps", 1e-5), bias=spec.get("norm_bias", True))
+                )
         self.out_proj = nn.Linear(w, spec["num_labels"], bias=spec.get("out_bias", True))
 
     def forward(self, x):
@@ -363,8 +385,9 @@ class FlaxheadsForSequenceClassification(PreTrainedModel):
             return input_ids == self.config.pool_token_id
         return attention_mask
 
-    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, labels=None, return_dict=None,
-                **kwargs):
+    def forward(
+        self, input_ids=None, attention_mask=None, token_type_ids=None, labels=None, return_dict=None, **kwargs
+    ):
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
@@ -381,8 +404,13 @@ class FlaxheadsForSequenceClassification(PreTrainedModel):
         """Hugging Face's rule: regression -> MSE, integer labels -> cross-entropy, else BCE with logits."""
         problem = self.config.problem_type
         if problem is None:
-            problem = ("regression" if self.num_labels == 1 else "single_label_classification"
-                       if labels.dtype in (torch.long, torch.int) else "multi_label_classification")
+            problem = (
+                "regression"
+                if self.num_labels == 1
+                else "single_label_classification"
+                if labels.dtype in (torch.long, torch.int)
+                else "multi_label_classification"
+            )
         if problem == "regression":
             out = logits.squeeze(-1) if self.num_labels == 1 else logits
             return F.mse_loss(out, labels.float().view_as(out))

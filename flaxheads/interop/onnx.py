@@ -6,18 +6,20 @@ The graph is traced from the PyTorch model of the transformers export (:mod:`.tr
 class for a preset, flaxheads' own PyTorch code for any other pooler + head), so it needs torch and
 transformers at export time (``pip install flaxheads[onnx]``); serving needs onnxruntime only.
 """
+
 from __future__ import annotations
 
 import os
 import shutil
 import tempfile
 import warnings
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
-from flaxheads.interop.files import ExportError, TOKENIZER_FILES, atomic_dir, read_json
 from flaxheads.disk.files import write_json
+from flaxheads.interop.files import TOKENIZER_FILES, ExportError, atomic_dir, read_json
 from flaxheads.interop.transformers import export_transformers
 
 ONNX_FILE = "model.onnx"
@@ -30,8 +32,9 @@ def _torch():
         import torch
         import transformers  # noqa: F401
     except ImportError:
-        raise ExportError("an ONNX export traces the PyTorch model: it needs torch and transformers "
-                          "(pip install 'flaxheads[onnx]')") from None
+        raise ExportError(
+            "an ONNX export traces the PyTorch model: it needs torch and transformers (pip install 'flaxheads[onnx]')"
+        ) from None
     return torch
 
 
@@ -62,8 +65,7 @@ def _example(names: list[str], vocab: int) -> tuple:
     ids = torch.tensor(np.random.default_rng(0).integers(3, max(4, min(vocab, 100)), size=(2, 8)))
     mask = torch.ones_like(ids)
     mask[1, 5:] = 0
-    return tuple({"input_ids": ids, "attention_mask": mask, "token_type_ids": torch.zeros_like(ids)}[n]
-                 for n in names)
+    return tuple({"input_ids": ids, "attention_mask": mask, "token_type_ids": torch.zeros_like(ids)}[n] for n in names)
 
 
 def _logits_module(pt, names: list[str]):
@@ -98,27 +100,53 @@ def trace(pt, names: list[str], example: tuple, path: str) -> None:
         # flaxheads on other shapes than the traced one (tests/interop/test_export_onnx.py)
         warnings.simplefilter("ignore")
         try:
-            torch.onnx.export(module, example, path, dynamic_axes={**axes, "logits": {0: "batch"}}, dynamo=False,
-                              input_names=names, output_names=["logits"], opset_version=OPSET)
+            torch.onnx.export(
+                module,
+                example,
+                path,
+                dynamic_axes={**axes, "logits": {0: "batch"}},
+                dynamo=False,
+                input_names=names,
+                output_names=["logits"],
+                opset_version=OPSET,
+            )
             return
         except Exception as e:  # noqa: BLE001 - any tracing failure: the other exporter decides
             first = f"{type(e).__name__}: {str(e)[:200]}"
         batch, seq = torch.export.Dim("batch"), torch.export.Dim("sequence")
-        shapes: dict[str, Any] = {n: {0: batch, 1: seq}
-                                  for n in ("input_ids", "attention_mask", "token_type_ids") if n in names}
+        shapes: dict[str, Any] = {
+            n: {0: batch, 1: seq} for n in ("input_ids", "attention_mask", "token_type_ids") if n in names
+        }
         try:
             # weights beside the graph (model.onnx.data) only past protobuf's 2 GB limit
             big = sum(p.numel() * p.element_size() for p in pt.parameters()) > 1.8e9
-            torch.onnx.export(module, example, path, dynamic_shapes=shapes, dynamo=True, external_data=big,
-                              input_names=names, output_names=["logits"], opset_version=OPSET)
+            torch.onnx.export(
+                module,
+                example,
+                path,
+                dynamic_shapes=shapes,
+                dynamo=True,
+                external_data=big,
+                input_names=names,
+                output_names=["logits"],
+                opset_version=OPSET,
+            )
         except Exception as e:  # noqa: BLE001
-            raise ExportError(f"torch.onnx cannot export this {type(pt).__name__}: TorchScript exporter: {first}; "
-                              f"dynamo exporter: {type(e).__name__}: {str(e)[:200]}") from None
+            raise ExportError(
+                f"torch.onnx cannot export this {type(pt).__name__}: TorchScript exporter: {first}; "
+                f"dynamo exporter: {type(e).__name__}: {str(e)[:200]}"
+            ) from None
 
 
-def export_onnx(model, out: str | os.PathLike, *, params: Mapping | None = None,
-                tokenizer_from: str | os.PathLike | None = None, threshold: float | None = None,
-                overwrite: bool = False) -> str:
+def export_onnx(
+    model,
+    out: str | os.PathLike,
+    *,
+    params: Mapping | None = None,
+    tokenizer_from: str | os.PathLike | None = None,
+    threshold: float | None = None,
+    overwrite: bool = False,
+) -> str:
     """Write ``model`` as ``model.onnx`` + ``config.json`` + tokenizer files; returns ``out``.
 
     Any model :func:`~flaxheads.interop.transformers.export_transformers` writes (HF presets and any

@@ -9,11 +9,12 @@ flaxheads) and the tokenizer files. PyTorch loads it with ``trust_remote_code=Tr
 
 Import reads ``config.json`` and the weights only: the Python file in the folder is never run.
 """
+
 from __future__ import annotations
 
 import os
 import shutil
-from typing import Mapping
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -24,19 +25,30 @@ from flaxheads._version import __version__
 from flaxheads.backbones.base import Backbone, BackboneError, HFConfig
 from flaxheads.backbones.registry import family_for, native_model_types
 from flaxheads.backbones.weights import read_state_dict
+from flaxheads.disk.files import write_json
 from flaxheads.errors import ConfigError
 from flaxheads.heads import linen
+from flaxheads.interop.files import (
+    ExportError,
+    ModelImportError,
+    backbone_config_dict,
+    flatten,
+    flax_to_pytorch_names,
+    np_tree,
+    pytorch_to_flax_leaf,
+    save_safetensors,
+)
 from flaxheads.losses import infer_problem_type
 from flaxheads.model.sequence import LoadReport, SequenceModel, _module_paths
-from flaxheads.interop.files import ExportError, ModelImportError, backbone_config_dict, flatten, flax_to_pytorch_names, np_tree, pytorch_to_flax_leaf, save_safetensors
-from flaxheads.disk.files import write_json
 
 MODEL_TYPE = "flaxheads"
 CODE_FILE = "modeling_flaxheads.py"
 MODEL_CLASS = "FlaxheadsForSequenceClassification"
-AUTO_MAP = {"AutoConfig": "modeling_flaxheads.FlaxheadsConfig",
-            "AutoModel": f"modeling_flaxheads.{MODEL_CLASS}",
-            "AutoModelForSequenceClassification": f"modeling_flaxheads.{MODEL_CLASS}"}
+AUTO_MAP = {
+    "AutoConfig": "modeling_flaxheads.FlaxheadsConfig",
+    "AutoModel": f"modeling_flaxheads.{MODEL_CLASS}",
+    "AutoModelForSequenceClassification": f"modeling_flaxheads.{MODEL_CLASS}",
+}
 #: state-dict prefix of the backbone (the PyTorch module's attribute name)
 BACKBONE = "backbone"
 
@@ -54,7 +66,8 @@ def check_expressible(model) -> None:
             f"{model.model_type}: this backbone runs on Hugging Face's Flax code (no native flaxheads family), whose "
             "agreement with PyTorch's AutoModel flaxheads does not check, so its pooler + head cannot be written as "
             f"a transformers folder (native families: {', '.join(native_model_types())}). Export the head alone with "
-            "format='head'.")
+            "format='head'."
+        )
 
 
 def pool_token_id(model) -> int | None:
@@ -66,14 +79,24 @@ def config_dict(model, *, threshold: float = 0.5) -> dict:
     """``config.json`` of the folder: the PyTorch ``FlaxheadsConfig`` of ``model``."""
     labels = model.id2label or {i: f"LABEL_{i}" for i in range(model.num_labels)}
     backbone = backbone_config_dict(model.backbone.config)
-    return {"model_type": MODEL_TYPE, "architectures": [MODEL_CLASS], "auto_map": AUTO_MAP,
-            "backbone_hf_config": backbone, "sequence_head": _config.to_dict(model.head),
-            "pool_mask": model.pool_mask, "pool_token_id": pool_token_id(model), "threshold": float(threshold),
-            "pad_token_id": getattr(model.backbone.config, "pad_token_id", None),
-            "num_labels": model.num_labels, "id2label": {str(i): labels[i] for i in sorted(labels)},
-            "label2id": {labels[i]: i for i in sorted(labels)}, "problem_type": model.problem_type,
-            "torch_dtype": "float32", "flaxheads_version": __version__,
-            **{k: backbone[k] for k in ("transformers_version",) if k in backbone}}
+    return {
+        "model_type": MODEL_TYPE,
+        "architectures": [MODEL_CLASS],
+        "auto_map": AUTO_MAP,
+        "backbone_hf_config": backbone,
+        "sequence_head": _config.to_dict(model.head),
+        "pool_mask": model.pool_mask,
+        "pool_token_id": pool_token_id(model),
+        "threshold": float(threshold),
+        "pad_token_id": getattr(model.backbone.config, "pad_token_id", None),
+        "num_labels": model.num_labels,
+        "id2label": {str(i): labels[i] for i in sorted(labels)},
+        "label2id": {labels[i]: i for i in sorted(labels)},
+        "problem_type": model.problem_type,
+        "torch_dtype": "float32",
+        "flaxheads_version": __version__,
+        **{k: backbone[k] for k in ("transformers_version",) if k in backbone},
+    }
 
 
 def state_dict(model, params: Mapping | None = None) -> dict[str, np.ndarray]:
@@ -111,11 +134,15 @@ def _head_params(seq_head, hidden_size: int, state: Mapping[str, np.ndarray], fo
         try:
             v = pytorch_to_flax_leaf(state, ".".join(mod), leaf)
         except KeyError as e:
-            raise ModelImportError(f"{folder}: missing weights: no {e.args[0]!r} for the head's {'/'.join(path)}; "
-                                   "the weights do not belong to the sequence_head in config.json") from None
+            raise ModelImportError(
+                f"{folder}: missing weights: no {e.args[0]!r} for the head's {'/'.join(path)}; "
+                "the weights do not belong to the sequence_head in config.json"
+            ) from None
         if tuple(v.shape) != tuple(want.shape):
-            raise ModelImportError(f"{folder}: mismatched shapes: {'/'.join(path)} is {list(v.shape)} in the weights, "
-                                   f"the sequence_head in config.json needs {list(want.shape)}")
+            raise ModelImportError(
+                f"{folder}: mismatched shapes: {'/'.join(path)} is {list(v.shape)} in the weights, "
+                f"the sequence_head in config.json needs {list(want.shape)}"
+            )
         node = params
         for m in mod:
             node = node.setdefault(m, {})
@@ -123,25 +150,37 @@ def _head_params(seq_head, hidden_size: int, state: Mapping[str, np.ndarray], fo
     return params
 
 
-def load_folder(folder: str, raw: Mapping, *, dtype=jnp.float32, remat: bool = False, plan=None,
-                allow_new_head: bool = False, **ignored) -> SequenceModel:
+def load_folder(
+    folder: str,
+    raw: Mapping,
+    *,
+    dtype=jnp.float32,
+    remat: bool = False,
+    plan=None,
+    allow_new_head: bool = False,
+    **ignored,
+) -> SequenceModel:
     """A flaxheads transformers folder as a :class:`SequenceModel`, from ``config.json`` and the weights."""
     del allow_new_head, ignored  # the folder always holds its head
     bcfg = raw.get("backbone_hf_config")
     if not isinstance(bcfg, Mapping) or not isinstance(raw.get("sequence_head"), Mapping):
-        raise ModelImportError(f"{folder}: config.json has model_type {MODEL_TYPE!r} but no backbone_hf_config / "
-                               "sequence_head objects; it was not written by flaxheads' export")
+        raise ModelImportError(
+            f"{folder}: config.json has model_type {MODEL_TYPE!r} but no backbone_hf_config / "
+            "sequence_head objects; it was not written by flaxheads' export"
+        )
     fam = family_for(bcfg.get("model_type"))
     if fam is None:
-        raise ModelImportError(f"{folder}: the backbone's model_type {bcfg.get('model_type')!r} has no native "
-                               f"flaxheads backbone (native: {', '.join(native_model_types())})")
+        raise ModelImportError(
+            f"{folder}: the backbone's model_type {bcfg.get('model_type')!r} has no native "
+            f"flaxheads backbone (native: {', '.join(native_model_types())})"
+        )
     try:
         seq_head = _config.from_dict(dict(raw["sequence_head"]))
     except (ValueError, TypeError, ConfigError) as e:
         raise ModelImportError(f"{folder}: config.json's sequence_head is not a flaxheads pooler + head: {e}") from None
     state = read_state_dict(folder)
     prefix = BACKBONE + "."
-    backbone_state = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+    backbone_state = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
     head_state = {k: v for k, v in state.items() if not k.startswith(prefix)}
     try:
         backbone = fam.from_state(HFConfig(bcfg), backbone_state, dtype=dtype, remat=remat, source=folder, plan=plan)
@@ -157,10 +196,19 @@ def load_folder(folder: str, raw: Mapping, *, dtype=jnp.float32, remat: bool = F
     elif pool_mask == "eos_token":
         eos = raw.get("pool_token_id", eos)
     params = {"backbone": backbone.params, "head": head_params}
-    return SequenceModel(backbone=backbone, head=seq_head, num_labels=n,
-                         problem_type=raw.get("problem_type") or infer_problem_type(n), params=params, id2label=labels,
-                         pool_mask=pool_mask, pad_token_id=pad, eos_token_id=eos, name_or_path=folder,
-                         report=LoadReport(pretrained=[(p, p.replace("/", ".")) for p in _module_paths(head_params)]))
+    return SequenceModel(
+        backbone=backbone,
+        head=seq_head,
+        num_labels=n,
+        problem_type=raw.get("problem_type") or infer_problem_type(n),
+        params=params,
+        id2label=labels,
+        pool_mask=pool_mask,
+        pad_token_id=pad,
+        eos_token_id=eos,
+        name_or_path=folder,
+        report=LoadReport(pretrained=[(p, p.replace("/", ".")) for p in _module_paths(head_params)]),
+    )
 
 
 def threshold_of(folder: str) -> float | None:

@@ -8,71 +8,113 @@ them, or a token pick -> dense -> activation, as BERT's pooler) and its head is 
 with optional L2 normalisation. ST's ``cls`` is the first token the attention mask keeps:
 flaxheads' ``first_non_pad`` (equal to ``cls`` under right padding).
 """
+
 from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Mapping
+from collections.abc import Mapping
 
 import jax.numpy as jnp
 import numpy as np
 
 from flaxheads.backbones.weights import BIN, SAFE, head_to_hf, read_torch_bin
-from flaxheads.model.sequence import SequenceModel
-from flaxheads.model.pretrained import from_pretrained
+from flaxheads.disk.files import write_json
 from flaxheads.heads.heads import IdentityHead, LinearHead, MLPHead, ProjectionHead
 from flaxheads.heads.poolers import Concat, DensePooler, Pool
 from flaxheads.heads.presets import match_preset
-from flaxheads.interop.files import TOKENIZER_FILES, ExportError, ModelImportError, atomic_dir, backbone_config_dict, copy_tokenizer, np_tree, read_json, save_safetensors, transformers_version
-from flaxheads.disk.files import write_json
+from flaxheads.interop.files import (
+    TOKENIZER_FILES,
+    ExportError,
+    ModelImportError,
+    atomic_dir,
+    backbone_config_dict,
+    copy_tokenizer,
+    np_tree,
+    read_json,
+    save_safetensors,
+    transformers_version,
+)
 from flaxheads.interop.transformers import backbone_state_dict, check_weights_present, read_config
+from flaxheads.model.pretrained import from_pretrained
+from flaxheads.model.sequence import SequenceModel
 
 # flaxheads pool mode -> sentence-transformers pooling mode.
-ST_POOL_MODES = {"cls": "cls", "first_non_pad": "cls", "max": "max", "mean": "mean",
-                 "mean_sqrt_len": "mean_sqrt_len_tokens", "weighted_mean": "weightedmean", "last": "lasttoken"}
+ST_POOL_MODES = {
+    "cls": "cls",
+    "first_non_pad": "cls",
+    "max": "max",
+    "mean": "mean",
+    "mean_sqrt_len": "mean_sqrt_len_tokens",
+    "weighted_mean": "weightedmean",
+    "last": "lasttoken",
+}
 # sentence-transformers pooling mode -> flaxheads pool mode (on import, "cls" is the first kept token).
-ST_TO_POOL = {"cls": "first_non_pad", "max": "max", "mean": "mean", "mean_sqrt_len_tokens": "mean_sqrt_len",
-              "weightedmean": "weighted_mean", "lasttoken": "last"}
+ST_TO_POOL = {
+    "cls": "first_non_pad",
+    "max": "max",
+    "mean": "mean",
+    "mean_sqrt_len_tokens": "mean_sqrt_len",
+    "weightedmean": "weighted_mean",
+    "lasttoken": "last",
+}
 # The legacy ``pooling_mode_*`` keys, in the fixed order sentence-transformers concatenates them.
-ST_LEGACY_KEYS = {"cls": "pooling_mode_cls_token", "max": "pooling_mode_max_tokens",
-                  "mean": "pooling_mode_mean_tokens", "mean_sqrt_len_tokens": "pooling_mode_mean_sqrt_len_tokens",
-                  "weightedmean": "pooling_mode_weightedmean_tokens", "lasttoken": "pooling_mode_lasttoken"}
+ST_LEGACY_KEYS = {
+    "cls": "pooling_mode_cls_token",
+    "max": "pooling_mode_max_tokens",
+    "mean": "pooling_mode_mean_tokens",
+    "mean_sqrt_len_tokens": "pooling_mode_mean_sqrt_len_tokens",
+    "weightedmean": "pooling_mode_weightedmean_tokens",
+    "lasttoken": "pooling_mode_lasttoken",
+}
 ST_LEGACY_ORDER = tuple(ST_LEGACY_KEYS)
 _IDENTITY = "torch.nn.modules.linear.Identity"
 # activation name -> the torch class sentence-transformers' Dense instantiates (with no arguments).
-ST_ACTIVATIONS = {None: _IDENTITY, "linear": _IDENTITY, "identity": _IDENTITY,
-                  "tanh": "torch.nn.modules.activation.Tanh", "relu": "torch.nn.modules.activation.ReLU",
-                  "gelu": "torch.nn.modules.activation.GELU", "sigmoid": "torch.nn.modules.activation.Sigmoid",
-                  "silu": "torch.nn.modules.activation.SiLU", "swish": "torch.nn.modules.activation.SiLU"}
+ST_ACTIVATIONS = {
+    None: _IDENTITY,
+    "linear": _IDENTITY,
+    "identity": _IDENTITY,
+    "tanh": "torch.nn.modules.activation.Tanh",
+    "relu": "torch.nn.modules.activation.ReLU",
+    "gelu": "torch.nn.modules.activation.GELU",
+    "sigmoid": "torch.nn.modules.activation.Sigmoid",
+    "silu": "torch.nn.modules.activation.SiLU",
+    "swish": "torch.nn.modules.activation.SiLU",
+}
 # torch class -> activation name (first name wins; Identity is no activation).
-_TORCH_TO_ACT = {cls: None if cls == _IDENTITY else name
-                 for name, cls in reversed(list(ST_ACTIVATIONS.items()))}
+_TORCH_TO_ACT = {cls: None if cls == _IDENTITY else name for name, cls in reversed(list(ST_ACTIVATIONS.items()))}
 _HEAD_ONLY = "Export with format='head' (head.safetensors + head_config.json) instead."
 
 
 # ---- export: modules ------------------------------------------------------------------------------------
 def _st_pool_modes(pooler) -> tuple[list[str], list[dict]]:
     """(ST pooling modes in flaxheads order, dense layers the pooler itself applies)."""
-    why = ("sentence-transformers Pooling supports cls, max, mean, mean_sqrt_len, weighted_mean, last and their "
-           "concatenation (optionally a token pick -> dense -> activation, as BERT's pooler)")
+    why = (
+        "sentence-transformers Pooling supports cls, max, mean, mean_sqrt_len, weighted_mean, last and their "
+        "concatenation (optionally a token pick -> dense -> activation, as BERT's pooler)"
+    )
     if isinstance(pooler, Pool):
         if pooler.mode not in ST_POOL_MODES:
-            raise ExportError(f"pool mode {pooler.mode!r} has no sentence-transformers equivalent ({why}). {_HEAD_ONLY}")
+            raise ExportError(
+                f"pool mode {pooler.mode!r} has no sentence-transformers equivalent ({why}). {_HEAD_ONLY}"
+            )
         return [ST_POOL_MODES[pooler.mode]], []
     if isinstance(pooler, Concat):
         modes = []
         for p in pooler.parts:
             if not isinstance(p, Pool):
-                raise ExportError(f"a concatenation containing {type(p).__name__} has no sentence-transformers "
-                                  f"equivalent ({why}). {_HEAD_ONLY}")
+                raise ExportError(
+                    f"a concatenation containing {type(p).__name__} has no sentence-transformers "
+                    f"equivalent ({why}). {_HEAD_ONLY}"
+                )
             modes += _st_pool_modes(p)[0]
         if len(set(modes)) != len(modes):
-            raise ExportError(f"pooling modes {modes} repeat a mode; sentence-transformers concatenates each "
-                              f"mode once. {_HEAD_ONLY}")
+            raise ExportError(
+                f"pooling modes {modes} repeat a mode; sentence-transformers concatenates each mode once. {_HEAD_ONLY}"
+            )
         return modes, []
     if isinstance(pooler, DensePooler) and pooler.source in ST_POOL_MODES:
-        return [ST_POOL_MODES[pooler.source]], [dict(path=("pooler", "dense"), activation=pooler.activation,
-                                                      bias=True)]
+        return [ST_POOL_MODES[pooler.source]], [dict(path=("pooler", "dense"), activation=pooler.activation, bias=True)]
     raise ExportError(f"pooler {type(pooler).__name__} has no sentence-transformers equivalent ({why}). {_HEAD_ONLY}")
 
 
@@ -81,23 +123,33 @@ def _st_head_layers(head) -> tuple[list[dict], bool]:
     if isinstance(head, IdentityHead):
         return [], bool(getattr(head, "normalize", False))
     if isinstance(head, ProjectionHead):
-        return [dict(path=("head", f"dense_{i}"), activation=head.activation, bias=head.use_bias)
-                for i in range(len(head.widths))], head.normalize
+        return [
+            dict(path=("head", f"dense_{i}"), activation=head.activation, bias=head.use_bias)
+            for i in range(len(head.widths))
+        ], head.normalize
     if isinstance(head, LinearHead):
         return [dict(path=("head", "classifier"), activation=None, bias=head.use_bias)], False
     if isinstance(head, MLPHead) and not head.layer_norm:
-        return ([dict(path=("head", f"dense_{i}"), activation=head.activation, bias=head.dense_bias)
-                 for i in range(len(head.hidden_dims))]
-                + [dict(path=("head", "out_proj"), activation=None, bias=head.out_bias)]), False
-    raise ExportError(f"head {type(head).__name__}"
-                      f"{' with layer_norm' if isinstance(head, MLPHead) else ''} has no sentence-transformers "
-                      f"equivalent (Dense layers with one activation each, then optional Normalize). {_HEAD_ONLY}")
+        return (
+            [
+                dict(path=("head", f"dense_{i}"), activation=head.activation, bias=head.dense_bias)
+                for i in range(len(head.hidden_dims))
+            ]
+            + [dict(path=("head", "out_proj"), activation=None, bias=head.out_bias)]
+        ), False
+    raise ExportError(
+        f"head {type(head).__name__}"
+        f"{' with layer_norm' if isinstance(head, MLPHead) else ''} has no sentence-transformers "
+        f"equivalent (Dense layers with one activation each, then optional Normalize). {_HEAD_ONLY}"
+    )
 
 
 def _st_activation(name: str | None) -> str:
     if name not in ST_ACTIVATIONS:
-        raise ExportError(f"activation {name!r} has no torch class sentence-transformers' Dense can build "
-                          f"(supported: {sorted(k for k in ST_ACTIVATIONS if k)} or None). {_HEAD_ONLY}")
+        raise ExportError(
+            f"activation {name!r} has no torch class sentence-transformers' Dense can build "
+            f"(supported: {sorted(k for k in ST_ACTIVATIONS if k)} or None). {_HEAD_ONLY}"
+        )
     return ST_ACTIVATIONS[name]
 
 
@@ -110,8 +162,15 @@ def _dense_module(head_params: Mapping, layer: dict) -> list:
     weights = {"linear.weight": w}
     if layer["bias"]:
         weights["linear.bias"] = np.asarray(node["bias"])
-    return [dict(in_features=int(w.shape[1]), out_features=int(w.shape[0]), bias=bool(layer["bias"]),
-                 activation_function=_st_activation(layer["activation"])), weights]
+    return [
+        dict(
+            in_features=int(w.shape[1]),
+            out_features=int(w.shape[0]),
+            bias=bool(layer["bias"]),
+            activation_function=_st_activation(layer["activation"]),
+        ),
+        weights,
+    ]
 
 
 def _legacy_pooling_config(modes: list[str], dense: list, h: int) -> dict:
@@ -123,12 +182,16 @@ def _legacy_pooling_config(modes: list[str], dense: list, h: int) -> dict:
                 f"pooling modes {modes} are concatenated in this order, but sentence-transformers' "
                 f"pooling_mode_* keys concatenate in its fixed order {order}, and no dense layer follows "
                 "whose inputs could be reordered. Build the pooler in that order, or pass "
-                "pooling_format='v6' (needs a sentence-transformers that reads `pooling_mode`).")
+                "pooling_format='v6' (needs a sentence-transformers that reads `pooling_mode`)."
+            )
         w = dense[0][1]["linear.weight"]
-        blocks = {m: w[:, i * h:(i + 1) * h] for i, m in enumerate(modes)}
+        blocks = {m: w[:, i * h : (i + 1) * h] for i, m in enumerate(modes)}
         dense[0][1]["linear.weight"] = np.concatenate([blocks[m] for m in order], axis=1)
-    return {"word_embedding_dimension": h, **{ST_LEGACY_KEYS[m]: m in modes for m in ST_LEGACY_ORDER},
-            "include_prompt": True}
+    return {
+        "word_embedding_dimension": h,
+        **{ST_LEGACY_KEYS[m]: m in modes for m in ST_LEGACY_ORDER},
+        "include_prompt": True,
+    }
 
 
 def sentence_transformers_modules(model, params: Mapping | None = None, pooling_format: str = "legacy"):
@@ -142,16 +205,21 @@ def sentence_transformers_modules(model, params: Mapping | None = None, pooling_
     if pooling_format not in ("legacy", "v6"):
         raise ExportError(f"pooling_format must be 'legacy' or 'v6', got {pooling_format!r}")
     if model.pool_mask != "attention_mask":
-        raise ExportError(f"this model pools by {model.pool_mask!r}, but sentence-transformers pools by the "
-                          "attention mask. Export with format='transformers' (if an HF preset) or 'head'.")
+        raise ExportError(
+            f"this model pools by {model.pool_mask!r}, but sentence-transformers pools by the "
+            "attention mask. Export with format='transformers' (if an HF preset) or 'head'."
+        )
     hp = np_tree((params or model.params)["head"])
     modes, layers = _st_pool_modes(model.head.pooler)
     head_layers, normalize = _st_head_layers(model.head.head)
     dense = [_dense_module(hp, layer) for layer in layers + head_layers]
     h = model.hidden_size
     if pooling_format == "v6":
-        pool_cfg = {"embedding_dimension": h, "pooling_mode": modes[0] if len(modes) == 1 else list(modes),
-                    "include_prompt": True}
+        pool_cfg = {
+            "embedding_dimension": h,
+            "pooling_mode": modes[0] if len(modes) == 1 else list(modes),
+            "include_prompt": True,
+        }
     else:
         pool_cfg = _legacy_pooling_config(modes, dense, h)
     return pool_cfg, dense, normalize
@@ -161,8 +229,11 @@ def _unused_pooler_tensors(model, params: Mapping | None, have: Mapping[str, np.
     """The PyTorch base model's own pooler (BERT & co. build one that sentence-transformers never
     uses; the JAX backbone skips it): written so PyTorch reports no freshly initialised weights.
     Taken from the model's pooler when it is the HF preset's, else from the source folder's safetensors."""
-    names = dict(match_preset(model.backbone.config, model.num_labels, model.head.pooler, model.head.head,
-                              model.pool_mask).weight_names)
+    names = dict(
+        match_preset(
+            model.backbone.config, model.num_labels, model.head.pooler, model.head.head, model.pool_mask
+        ).weight_names
+    )
     hp = (params or model.params)["head"]
     if names.get("pooler/dense", "").endswith(".pooler.dense") and "pooler" in hp:
         got = head_to_hf(np_tree(hp), (("pooler/dense", names["pooler/dense"]),))
@@ -196,8 +267,10 @@ def _sbert_config(src: str | None, max_seq_length: int | None) -> dict:
 
 def _write_modules(tmp: str, pool_cfg: dict, dense: list, normalize: bool) -> None:
     """``modules.json``, ``1_Pooling``, ``k_Dense`` and ``k_Normalize`` folders."""
-    modules = [dict(idx=0, name="0", path="", type="sentence_transformers.models.Transformer"),
-               dict(idx=1, name="1", path="1_Pooling", type="sentence_transformers.models.Pooling")]
+    modules = [
+        dict(idx=0, name="0", path="", type="sentence_transformers.models.Transformer"),
+        dict(idx=1, name="1", path="1_Pooling", type="sentence_transformers.models.Pooling"),
+    ]
     os.makedirs(os.path.join(tmp, "1_Pooling"))
     write_json(os.path.join(tmp, "1_Pooling", "config.json"), pool_cfg)
     for cfg_d, weights in dense:
@@ -214,33 +287,44 @@ def _write_modules(tmp: str, pool_cfg: dict, dense: list, normalize: bool) -> No
     write_json(os.path.join(tmp, "modules.json"), modules)
 
 
-def export_sentence_transformers(model, out: str | os.PathLike, *, params: Mapping | None = None,
-                                 tokenizer_from: str | os.PathLike | None = None, pooling_format: str = "legacy",
-                                 max_seq_length: int | None = None, overwrite: bool = False) -> str:
+def export_sentence_transformers(
+    model,
+    out: str | os.PathLike,
+    *,
+    params: Mapping | None = None,
+    tokenizer_from: str | os.PathLike | None = None,
+    pooling_format: str = "legacy",
+    max_seq_length: int | None = None,
+    overwrite: bool = False,
+) -> str:
     """Write ``model`` as a sentence-transformers folder; returns ``out``.
 
     Transformer files (config, backbone safetensors without a prefix, tokenizer) at the
     root, ``1_Pooling``, one ``k_Dense`` per dense layer (pooler's, then head's), and
     ``k_Normalize``. The tokenizer files are required (sentence-transformers tokenizes)."""
     if getattr(model, "backbone", None) is None:
-        raise ExportError("a sentence-transformers export needs the backbone weights; this source has only a "
-                          "head. Use format='head'.")
+        raise ExportError(
+            "a sentence-transformers export needs the backbone weights; this source has only a head. Use format='head'."
+        )
     pool_cfg, dense, normalize = sentence_transformers_modules(model, params, pooling_format)
     state = backbone_state_dict(model, params)
     state.update(_unused_pooler_tensors(model, params, state))
     src = os.fspath(tokenizer_from) if tokenizer_from else model.name_or_path
     with atomic_dir(out, overwrite) as tmp:
         if not copy_tokenizer(src, tmp):
-            raise ExportError(f"no tokenizer files ({', '.join(TOKENIZER_FILES[:5])}, ...) in {src!r}; "
-                              "sentence-transformers needs them: pass tokenizer_from=<folder with the tokenizer> "
-                              "(--tokenizer)")
+            raise ExportError(
+                f"no tokenizer files ({', '.join(TOKENIZER_FILES[:5])}, ...) in {src!r}; "
+                "sentence-transformers needs them: pass tokenizer_from=<folder with the tokenizer> "
+                "(--tokenizer)"
+            )
         write_json(os.path.join(tmp, "config.json"), backbone_config_dict(model.backbone.config))
         save_safetensors(state, os.path.join(tmp, SAFE))
         write_json(os.path.join(tmp, "sentence_bert_config.json"), _sbert_config(src, max_seq_length))
         _write_modules(tmp, pool_cfg, dense, normalize)
-        write_json(os.path.join(tmp, "config_sentence_transformers.json"),
-                   {"__version__": {"transformers": transformers_version() or "unknown"},
-                    "similarity_fn_name": "cosine"})
+        write_json(
+            os.path.join(tmp, "config_sentence_transformers.json"),
+            {"__version__": {"transformers": transformers_version() or "unknown"}, "similarity_fn_name": "cosine"},
+        )
     return os.fspath(out)
 
 
@@ -276,11 +360,15 @@ def _st_dense(path: str) -> tuple[dict, np.ndarray, np.ndarray | None]:
     w, b = state["linear.weight"], state.get("linear.bias")
     want = (int(cfg["out_features"]), int(cfg["in_features"]))
     if tuple(w.shape) != want:
-        raise ModelImportError(f"{path}: linear.weight has shape {tuple(w.shape)}, config.json says "
-                               f"[out_features, in_features] = {list(want)}")
+        raise ModelImportError(
+            f"{path}: linear.weight has shape {tuple(w.shape)}, config.json says "
+            f"[out_features, in_features] = {list(want)}"
+        )
     if bool(cfg.get("bias", True)) != (b is not None):
-        raise ModelImportError(f"{path}: config.json bias={cfg.get('bias', True)} but linear.bias is "
-                               f"{'absent' if b is None else 'present'}")
+        raise ModelImportError(
+            f"{path}: config.json bias={cfg.get('bias', True)} but linear.bias is "
+            f"{'absent' if b is None else 'present'}"
+        )
     return cfg, w, b
 
 
@@ -292,11 +380,17 @@ def _st_module_folders(folder: str) -> tuple[list[str], list[str]]:
     modules = sorted(read_json(mpath), key=lambda m: int(m.get("idx", 0)))
     kinds = [str(m.get("type", "")).rsplit(".", 1)[-1] for m in modules]
     known = {"Transformer", "Pooling", "Dense", "Normalize", "Dropout"}
-    if kinds[:2] != ["Transformer", "Pooling"] or any(k not in known for k in kinds) or \
-            "Normalize" in kinds[:-1] or kinds.count("Pooling") != 1 or kinds.count("Transformer") != 1:
+    if (
+        kinds[:2] != ["Transformer", "Pooling"]
+        or any(k not in known for k in kinds)
+        or "Normalize" in kinds[:-1]
+        or kinds.count("Pooling") != 1
+        or kinds.count("Transformer") != 1
+    ):
         raise ModelImportError(
             f"{folder}: modules {kinds} are not Transformer -> Pooling -> [Dense | Dropout]* -> [Normalize]; "
-            "flaxheads imports that chain only.")
+            "flaxheads imports that chain only."
+        )
     return kinds, [os.path.join(folder, m.get("path", "")) for m in modules]
 
 
@@ -306,18 +400,25 @@ def _st_head(folder: str, dense: list, normalize: bool, width: int):
     for cfg, _, _ in dense:
         name = cfg.get("activation_function", "torch.nn.modules.activation.Tanh")  # ST's default is Tanh
         if name not in _TORCH_TO_ACT:
-            raise ModelImportError(f"{folder}: Dense activation {name!r} has no flaxheads equivalent; supported: "
-                                   f"{sorted(_TORCH_TO_ACT)}")
+            raise ModelImportError(
+                f"{folder}: Dense activation {name!r} has no flaxheads equivalent; supported: {sorted(_TORCH_TO_ACT)}"
+            )
         acts.append(_TORCH_TO_ACT[name])
     biases = [b is not None for _, _, b in dense]
     if len(set(acts)) > 1 or len(set(biases)) > 1:
-        raise ModelImportError(f"{folder}: Dense layers with different activations {acts} or bias settings "
-                               f"{biases}: flaxheads' ProjectionHead applies one activation and bias setting to "
-                               "every layer.")
+        raise ModelImportError(
+            f"{folder}: Dense layers with different activations {acts} or bias settings "
+            f"{biases}: flaxheads' ProjectionHead applies one activation and bias setting to "
+            "every layer."
+        )
     if not dense:
         return IdentityHead(width=width, normalize=normalize)
-    return ProjectionHead(features=tuple(int(w.shape[0]) for _, w, _ in dense), activation=acts[0],
-                          use_bias=biases[0], normalize=normalize)
+    return ProjectionHead(
+        features=tuple(int(w.shape[0]) for _, w, _ in dense),
+        activation=acts[0],
+        use_bias=biases[0],
+        normalize=normalize,
+    )
 
 
 def _hidden_size(folder: str, backbone_dir: str, pool_cfg: dict) -> int:
@@ -326,8 +427,10 @@ def _hidden_size(folder: str, backbone_dir: str, pool_cfg: dict) -> int:
     dim = pool_cfg.get("embedding_dimension", pool_cfg.get("word_embedding_dimension"))
     width = h if h is not None else dim
     if width is None:
-        raise ModelImportError(f"{folder}: neither the backbone's config.json nor 1_Pooling/config.json gives "
-                               "the hidden width (hidden_size / word_embedding_dimension)")
+        raise ModelImportError(
+            f"{folder}: neither the backbone's config.json nor 1_Pooling/config.json gives "
+            "the hidden width (hidden_size / word_embedding_dimension)"
+        )
     if h is not None and dim is not None and int(dim) != int(h):
         raise ModelImportError(f"{folder}: Pooling embedding dimension {dim} != the backbone's hidden_size {h}")
     return int(width)
@@ -342,31 +445,57 @@ def is_cross_encoder(folder: str | os.PathLike) -> bool:
 def _load_cross_encoder(folder: str, backbone_dir: str, pooler, dense: list, dtype) -> SequenceModel:
     """A modular CrossEncoder as a classifier or scorer: its last Dense layer (no activation) is the
     output layer; one Dense is a linear head, more an MLP head whose hidden layers share an activation."""
-    acts = [_TORCH_TO_ACT.get(cfg.get("activation_function", "torch.nn.modules.activation.Tanh"), "?")
-            for cfg, _, _ in dense]
-    if not dense or acts[-1] is not None or len(set(acts[:-1])) > 1 or "?" in acts or \
-            len({b is not None for _, _, b in dense[:-1]}) > 1 or dense[-1][2] is None and len(dense) > 1:
-        raise ModelImportError(f"{folder}: a CrossEncoder whose Dense layers ({acts}) are not hidden layers of "
-                               "one activation then an output layer without one: flaxheads imports linear and MLP "
-                               "heads")
+    acts = [
+        _TORCH_TO_ACT.get(cfg.get("activation_function", "torch.nn.modules.activation.Tanh"), "?")
+        for cfg, _, _ in dense
+    ]
+    if (
+        not dense
+        or acts[-1] is not None
+        or len(set(acts[:-1])) > 1
+        or "?" in acts
+        or len({b is not None for _, _, b in dense[:-1]}) > 1
+        or dense[-1][2] is None
+        and len(dense) > 1
+    ):
+        raise ModelImportError(
+            f"{folder}: a CrossEncoder whose Dense layers ({acts}) are not hidden layers of "
+            "one activation then an output layer without one: flaxheads imports linear and MLP "
+            "heads"
+        )
     n = int(dense[-1][1].shape[0])
     head: LinearHead | MLPHead
     if len(dense) == 1:
         head, names = LinearHead(num_labels=n, dropout=0.0, use_bias=dense[0][2] is not None), ["classifier"]
     else:
-        head = MLPHead(num_labels=n, hidden_dims=tuple(int(w.shape[0]) for _, w, _ in dense[:-1]), activation=acts[0],
-                       dropout=0.0, dense_bias=dense[0][2] is not None)
+        head = MLPHead(
+            num_labels=n,
+            hidden_dims=tuple(int(w.shape[0]) for _, w, _ in dense[:-1]),
+            activation=acts[0],
+            dropout=0.0,
+            dense_bias=dense[0][2] is not None,
+        )
         names = [f"dense_{i}" for i in range(len(dense) - 1)] + ["out_proj"]
-    model = from_pretrained(backbone_dir, pooler=pooler, head=head, num_labels=n, dtype=dtype,
-                            problem_type="regression" if n == 1 else "single_label_classification",
-                            pool_mask="attention_mask", ignore_mismatched_sizes=True)
-    layers = {name: {"kernel": jnp.asarray(w.T), **({"bias": jnp.asarray(b)} if b is not None else {})}
-              for name, (_, w, b) in zip(names, dense)}
+    model = from_pretrained(
+        backbone_dir,
+        pooler=pooler,
+        head=head,
+        num_labels=n,
+        dtype=dtype,
+        problem_type="regression" if n == 1 else "single_label_classification",
+        pool_mask="attention_mask",
+        ignore_mismatched_sizes=True,
+    )
+    layers = {
+        name: {"kernel": jnp.asarray(w.T), **({"bias": jnp.asarray(b)} if b is not None else {})}
+        for name, (_, w, b) in zip(names, dense)
+    }
     expect = {k: {p: np.shape(v) for p, v in d.items()} for k, d in model.params["head"]["head"].items()}
     got = {k: {p: np.shape(v) for p, v in d.items()} for k, d in layers.items()}
     if expect != got:
-        raise ModelImportError(f"{folder}: the CrossEncoder's Dense layers {got} do not fit a {type(head).__name__} "
-                               f"{expect}")
+        raise ModelImportError(
+            f"{folder}: the CrossEncoder's Dense layers {got} do not fit a {type(head).__name__} {expect}"
+        )
     return dataclasses.replace(model, params={**model.params, "head": {**model.params["head"], "head": layers}})
 
 
@@ -398,8 +527,13 @@ def load_sentence_transformers(folder: str | os.PathLike, *, dtype=jnp.float32) 
             layers[f"dense_{i}"] = {"kernel": jnp.asarray(w.T), **({"bias": jnp.asarray(b)} if b is not None else {})}
             width = int(w.shape[0])
         head_params["head"] = layers
-    return dataclasses.replace(model, params={"backbone": model.params["backbone"], "head": head_params},
-                               num_labels=width, arch=None, hf_names=())
+    return dataclasses.replace(
+        model,
+        params={"backbone": model.params["backbone"], "head": head_params},
+        num_labels=width,
+        arch=None,
+        hf_names=(),
+    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,12 +7,14 @@ side, ``model_max_length``, which inputs the model takes, and the BERT normalise
 masks and token types transformers' ``AutoTokenizer`` gives for the same folder. Only a
 folder without ``tokenizer.json`` goes through ``AutoTokenizer`` (transformers installed).
 """
+
 from __future__ import annotations
 
 import json
 import os
 import threading
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -28,14 +30,44 @@ _LARGE = int(1e20)
 UNSET_MAX_LENGTH = 1_000_000
 #: Tokenizer classes whose model takes no token types: their ``model_input_names`` are input_ids
 #: and attention_mask only.
-_NO_TOKEN_TYPES = frozenset({
-    "Bart", "Barthez", "BigBird", "Blenderbot", "Bloom", "Camembert", "CLIP", "CodeLlama", "CodeGen", "Cohere",
-    "DistilBert", "Gemma", "GPT2", "GPTNeoX", "LED", "Llama", "Longformer", "MBart", "MBart50", "MPNet", "Mvp",
-    "Nllb", "OpenAIGPT", "Pegasus", "Qwen2", "Reformer", "Roberta", "T5", "Whisper", "XGLM", "XLMRoberta"})
+_NO_TOKEN_TYPES = frozenset(
+    {
+        "Bart",
+        "Barthez",
+        "BigBird",
+        "Blenderbot",
+        "Bloom",
+        "Camembert",
+        "CLIP",
+        "CodeLlama",
+        "CodeGen",
+        "Cohere",
+        "DistilBert",
+        "Gemma",
+        "GPT2",
+        "GPTNeoX",
+        "LED",
+        "Llama",
+        "Longformer",
+        "MBart",
+        "MBart50",
+        "MPNet",
+        "Mvp",
+        "Nllb",
+        "OpenAIGPT",
+        "Pegasus",
+        "Qwen2",
+        "Reformer",
+        "Roberta",
+        "T5",
+        "Whisper",
+        "XGLM",
+        "XLMRoberta",
+    }
+)
 #: Model types without a native family whose tokenizer takes no token types (a native family says
 #: it itself: :attr:`~flaxheads.backbones.base.Backbone.tokenizer_token_types`).
-_NO_TOKEN_TYPES_MODEL_TYPES = frozenset({"big_bird", "bloom", "gpt_neox", "led", "longformer", "mbart", "mpnet",
-                                         "t5"})
+_NO_TOKEN_TYPES_MODEL_TYPES = frozenset({"big_bird", "bloom", "gpt_neox", "led", "longformer", "mbart", "mpnet", "t5"})
 _PADDING = ("longest", "max_length", "do_not_pad")
 _CONFIG_FILES = (TOKENIZER_JSON, "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
 
@@ -88,9 +120,18 @@ class Tokenizer:
     ``tokenizer(texts, pairs, truncation=True, max_length=..., padding=True, return_tensors="np")``.
     ``token_type_ids`` come only for models that take them (as transformers does)."""
 
-    def __init__(self, backend, *, pad_token: str | None = None, pad_token_type_id: int = 0,
-                 padding_side: str = "right", truncation_side: str = "right", model_max_length: int = VERY_LARGE,
-                 token_types: bool = True, name_or_path: str = ""):
+    def __init__(
+        self,
+        backend,
+        *,
+        pad_token: str | None = None,
+        pad_token_type_id: int = 0,
+        padding_side: str = "right",
+        truncation_side: str = "right",
+        model_max_length: int = VERY_LARGE,
+        token_types: bool = True,
+        name_or_path: str = "",
+    ):
         for what, side in (("padding_side", padding_side), ("truncation_side", truncation_side)):
             if side not in ("left", "right"):
                 raise TokenizerError(f"{name_or_path}: {what} must be 'left' or 'right', got {side!r}")
@@ -100,8 +141,9 @@ class Tokenizer:
         self.pad_token_type_id = int(pad_token_type_id)
         self.padding_side, self.truncation_side = padding_side, truncation_side
         self.model_max_length = int(model_max_length)
-        self.model_input_names = ("input_ids", "token_type_ids", "attention_mask") if token_types \
-            else ("input_ids", "attention_mask")
+        self.model_input_names = (
+            ("input_ids", "token_type_ids", "attention_mask") if token_types else ("input_ids", "attention_mask")
+        )
         self.name_or_path = name_or_path
         # the backend's truncation and padding are settings of the object: one call at a time sets and uses them
         self._lock = threading.Lock()
@@ -114,7 +156,7 @@ class Tokenizer:
         self._lock = threading.Lock()
 
     @classmethod
-    def from_folder(cls, folder: str | os.PathLike) -> "Tokenizer":
+    def from_folder(cls, folder: str | os.PathLike) -> Tokenizer:
         """The tokenizer of a model folder with a ``tokenizer.json`` (see the module docstring)."""
         from tokenizers import Tokenizer as Backend
 
@@ -124,21 +166,34 @@ class Tokenizer:
         try:
             backend = Backend.from_file(path)
         except Exception as e:  # the tokenizers library raises a bare Exception for a damaged file
-            raise TokenizerError(f"{path}: not a tokenizer the tokenizers library can read ({str(e)[:200]}); the "
-                                 "file was cut or damaged: download tokenizer.json again") from None
+            raise TokenizerError(
+                f"{path}: not a tokenizer the tokenizers library can read ({str(e)[:200]}); the "
+                "file was cut or damaged: download tokenizer.json again"
+            ) from None
         _apply_normalizer_settings(backend, settings)
         saved_pad, saved_trunc = backend.padding or {}, backend.truncation or {}
-        return cls(backend, pad_token=_token_str(settings.get("pad_token")) or saved_pad.get("pad_token"),
-                   pad_token_type_id=saved_pad.get("pad_type_id", 0),
-                   padding_side=settings.get("padding_side") or saved_pad.get("direction") or "right",
-                   truncation_side=settings.get("truncation_side") or saved_trunc.get("direction") or "right",
-                   model_max_length=settings.get("model_max_length") or VERY_LARGE,
-                   token_types=_takes_token_types(settings, folder), name_or_path=folder)
+        return cls(
+            backend,
+            pad_token=_token_str(settings.get("pad_token")) or saved_pad.get("pad_token"),
+            pad_token_type_id=saved_pad.get("pad_type_id", 0),
+            padding_side=settings.get("padding_side") or saved_pad.get("direction") or "right",
+            truncation_side=settings.get("truncation_side") or saved_trunc.get("direction") or "right",
+            model_max_length=settings.get("model_max_length") or VERY_LARGE,
+            token_types=_takes_token_types(settings, folder),
+            name_or_path=folder,
+        )
 
-    def __call__(self, texts: str | Sequence[str], pairs: str | Sequence[str] | None = None, *,
-                 max_length: int | None = None, truncation: bool = True,
-                 padding: bool | str = "longest", truncation_side: str | None = None,
-                 add_special_tokens: bool = True) -> dict[str, Any]:
+    def __call__(
+        self,
+        texts: str | Sequence[str],
+        pairs: str | Sequence[str] | None = None,
+        *,
+        max_length: int | None = None,
+        truncation: bool = True,
+        padding: bool | str = "longest",
+        truncation_side: str | None = None,
+        add_special_tokens: bool = True,
+    ) -> dict[str, Any]:
         """Encode a batch (a lone string is a batch of one), with special tokens (``add_special_tokens=False``:
         without, for texts that already hold them, such as a rendered chat template).
 
@@ -158,25 +213,41 @@ class Tokenizer:
         if max_length is None and self.model_max_length < _LARGE:
             max_length = self.model_max_length
         if pad == "max_length" and max_length is None:
-            raise TokenizerError(f"{self.name_or_path}: padding='max_length' needs max_length (the tokenizer "
-                                 "config sets no model_max_length)")
+            raise TokenizerError(
+                f"{self.name_or_path}: padding='max_length' needs max_length (the tokenizer "
+                "config sets no model_max_length)"
+            )
         if pad != "do_not_pad" and self.pad_token is None:
-            raise TokenizerError(f"{self.name_or_path}: the tokenizer has no pad token, so a batch cannot be "
-                                 "padded; set pad_token in tokenizer_config.json (e.g. to the eos token), or pass "
-                                 "padding=False")
+            raise TokenizerError(
+                f"{self.name_or_path}: the tokenizer has no pad token, so a batch cannot be "
+                "padded; set pad_token in tokenizer_config.json (e.g. to the eos token), or pass "
+                "padding=False"
+            )
         side = self.truncation_side if truncation_side is None else truncation_side
         if side not in ("left", "right"):
             raise TokenizerError(f"truncation_side must be 'left' or 'right', got {side!r}")
         with self._lock:
-            out = self._encode(texts, pairs, max_length if truncation else None,
-                               None if pad == "do_not_pad" else max_length if pad == "max_length" else 0, side,
-                               add_special_tokens)
+            out = self._encode(
+                texts,
+                pairs,
+                max_length if truncation else None,
+                None if pad == "do_not_pad" else max_length if pad == "max_length" else 0,
+                side,
+                add_special_tokens,
+            )
         if pad == "do_not_pad":
             return {k: [np.asarray(r, np.int64) for r in out[k]] for k in self.model_input_names}
         return {k: np.asarray(out[k], np.int64) for k in self.model_input_names}
 
-    def _encode(self, texts: list[str], pairs: list[str] | None, truncate_to: int | None,
-                pad_to: int | None, side: str, add_special_tokens: bool = True) -> dict[str, list]:
+    def _encode(
+        self,
+        texts: list[str],
+        pairs: list[str] | None,
+        truncate_to: int | None,
+        pad_to: int | None,
+        side: str,
+        add_special_tokens: bool = True,
+    ) -> dict[str, list]:
         """Rows per input name; ``pad_to``: None (no padding), 0 (the longest row) or a length; ``side``:
         which end truncation cuts."""
         b = self.backend
@@ -187,39 +258,62 @@ class Tokenizer:
         if pad_to is None:
             b.no_padding()
         else:
-            b.enable_padding(direction=self.padding_side, pad_id=self.pad_token_id, pad_type_id=self.pad_token_type_id,
-                             pad_token=self.pad_token, length=pad_to or None)
-        encs = b.encode_batch(texts if pairs is None else list(zip(texts, pairs)),
-                              add_special_tokens=add_special_tokens)
-        return {"input_ids": [e.ids for e in encs], "attention_mask": [e.attention_mask for e in encs],
-                "token_type_ids": [e.type_ids for e in encs]}
+            b.enable_padding(
+                direction=self.padding_side,
+                pad_id=self.pad_token_id,
+                pad_type_id=self.pad_token_type_id,
+                pad_token=self.pad_token,
+                length=pad_to or None,
+            )
+        encs = b.encode_batch(
+            texts if pairs is None else list(zip(texts, pairs)), add_special_tokens=add_special_tokens
+        )
+        return {
+            "input_ids": [e.ids for e in encs],
+            "attention_mask": [e.attention_mask for e in encs],
+            "token_type_ids": [e.type_ids for e in encs],
+        }
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}({self.name_or_path!r}, inputs={list(self.model_input_names)}, "
-                f"padding_side={self.padding_side!r}, model_max_length={self.model_max_length})")
+        return (
+            f"{type(self).__name__}({self.name_or_path!r}, inputs={list(self.model_input_names)}, "
+            f"padding_side={self.padding_side!r}, model_max_length={self.model_max_length})"
+        )
 
 
 class TransformersTokenizer(Tokenizer):
     """The same calls through transformers' ``AutoTokenizer`` (folders without ``tokenizer.json``)."""
 
     def __init__(self, hf_tokenizer, name_or_path: str = ""):
-        super().__init__(None, pad_token=hf_tokenizer.pad_token, padding_side=hf_tokenizer.padding_side,
-                         truncation_side=hf_tokenizer.truncation_side,
-                         model_max_length=hf_tokenizer.model_max_length,
-                         token_types="token_type_ids" in hf_tokenizer.model_input_names, name_or_path=name_or_path)
+        super().__init__(
+            None,
+            pad_token=hf_tokenizer.pad_token,
+            padding_side=hf_tokenizer.padding_side,
+            truncation_side=hf_tokenizer.truncation_side,
+            model_max_length=hf_tokenizer.model_max_length,
+            token_types="token_type_ids" in hf_tokenizer.model_input_names,
+            name_or_path=name_or_path,
+        )
         self.hf_tokenizer = hf_tokenizer
         self.pad_token_id = hf_tokenizer.pad_token_id
-        self.model_input_names = tuple(n for n in hf_tokenizer.model_input_names
-                                       if n in ("input_ids", "token_type_ids", "attention_mask"))
+        self.model_input_names = tuple(
+            n for n in hf_tokenizer.model_input_names if n in ("input_ids", "token_type_ids", "attention_mask")
+        )
 
     def _encode(self, texts, pairs, truncate_to, pad_to, side, add_special_tokens=True):
         padding = False if pad_to is None else "max_length" if pad_to else "longest"
         saved, self.hf_tokenizer.truncation_side = self.hf_tokenizer.truncation_side, side
         try:
-            return self.hf_tokenizer(texts, pairs, truncation=truncate_to is not None,
-                                     max_length=truncate_to if truncate_to is not None else pad_to or None,
-                                     padding=padding, return_token_type_ids=True, return_attention_mask=True,
-                                     add_special_tokens=add_special_tokens)
+            return self.hf_tokenizer(
+                texts,
+                pairs,
+                truncation=truncate_to is not None,
+                max_length=truncate_to if truncate_to is not None else pad_to or None,
+                padding=padding,
+                return_token_type_ids=True,
+                return_attention_mask=True,
+                add_special_tokens=add_special_tokens,
+            )
         finally:
             self.hf_tokenizer.truncation_side = saved
 
@@ -232,8 +326,11 @@ def _apply_normalizer_settings(backend, settings: Mapping) -> None:
     norm = backend.normalizer
     if not isinstance(norm, BertNormalizer):
         return
-    for key, attr in (("do_lower_case", "lowercase"), ("strip_accents", "strip_accents"),
-                      ("tokenize_chinese_chars", "handle_chinese_chars")):
+    for key, attr in (
+        ("do_lower_case", "lowercase"),
+        ("strip_accents", "strip_accents"),
+        ("tokenize_chinese_chars", "handle_chinese_chars"),
+    ):
         if key in settings and getattr(norm, attr) != settings[key]:
             setattr(norm, attr, settings[key])
 
@@ -258,21 +355,26 @@ def load_tokenizer(folder: str | os.PathLike) -> Tokenizer:
         return Tokenizer.from_folder(folder)
     vocab_files = [f for f in TOKENIZER_FILES if f not in _CONFIG_FILES and os.path.isfile(os.path.join(folder, f))]
     if not vocab_files:
-        raise TokenizerError(f"{folder}: no tokenizer: expected {TOKENIZER_JSON} or vocabulary files "
-                             f"({', '.join(f for f in TOKENIZER_FILES if f not in _CONFIG_FILES)}); pass the folder "
-                             "the tokenizer was saved to")
+        raise TokenizerError(
+            f"{folder}: no tokenizer: expected {TOKENIZER_JSON} or vocabulary files "
+            f"({', '.join(f for f in TOKENIZER_FILES if f not in _CONFIG_FILES)}); pass the folder "
+            "the tokenizer was saved to"
+        )
     try:
         from transformers import AutoTokenizer
     except ImportError:
         raise TokenizerError(
             f"{folder} has no {TOKENIZER_JSON}, and reading its other tokenizer files needs transformers, which "
             "is not installed. Install transformers, or save the tokenizer as tokenizer.json "
-            "(`AutoTokenizer.from_pretrained(folder).save_pretrained(folder)` with transformers).") from None
+            "(`AutoTokenizer.from_pretrained(folder).save_pretrained(folder)` with transformers)."
+        ) from None
     try:
         hf = AutoTokenizer.from_pretrained(folder, local_files_only=True)
         hf("a")  # an empty or cut vocabulary loads, and fails on the first text
     except Exception as e:  # OSError / ValueError, or the tokenizers library's bare Exception for a damaged file
-        raise TokenizerError(f"{folder}: no tokenizer transformers can read ({str(e)[:200]}); its vocabulary files "
-                             f"({', '.join(vocab_files)}) may be cut or damaged: download them again. A model folder "
-                             f"needs {TOKENIZER_JSON}, or the vocabulary files of its tokenizer class.") from None
+        raise TokenizerError(
+            f"{folder}: no tokenizer transformers can read ({str(e)[:200]}); its vocabulary files "
+            f"({', '.join(vocab_files)}) may be cut or damaged: download them again. A model folder "
+            f"needs {TOKENIZER_JSON}, or the vocabulary files of its tokenizer class."
+        ) from None
     return TransformersTokenizer(hf, name_or_path=folder)

@@ -9,10 +9,11 @@ any other pooler + head on a native backbone becomes a folder with flaxheads' ow
 same logits (never running a folder's Python file); weights come from safetensors, or
 ``pytorch_model.bin`` through ``torch.load(weights_only=True)``.
 """
+
 from __future__ import annotations
 
 import os
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -20,16 +21,30 @@ from flaxheads.backbones.base import Backbone, BackboneError, HFConfig
 from flaxheads.backbones.registry import family_for
 from flaxheads.backbones.weights import BIN, BIN_INDEX, SAFE, SAFE_INDEX, head_to_hf
 from flaxheads.checkpoint.kinds import FolderKind, folder_kind
-from flaxheads.model.sequence import SequenceModel
-from flaxheads.model.pretrained import from_pretrained
+from flaxheads.disk.files import write_json
 from flaxheads.heads.presets import PRESETS, Preset, PresetMatch, match_preset, preset_for
 from flaxheads.interop import remote_code
-from flaxheads.interop.files import ExportError, ImportNotFoundError, ModelImportError, atomic_dir, backbone_config_dict, copy_tokenizer, flatten, flax_to_pytorch_names, np_tree, read_json, save_safetensors
-from flaxheads.disk.files import write_json
+from flaxheads.interop.files import (
+    ExportError,
+    ImportNotFoundError,
+    ModelImportError,
+    atomic_dir,
+    backbone_config_dict,
+    copy_tokenizer,
+    flatten,
+    flax_to_pytorch_names,
+    np_tree,
+    read_json,
+    save_safetensors,
+)
+from flaxheads.model.pretrained import from_pretrained
+from flaxheads.model.sequence import SequenceModel
 
 WEIGHT_FILES = (SAFE, SAFE_INDEX, BIN, BIN_INDEX)
-_OTHER_FORMATS = ("Export it with format='sentence-transformers' (pooling + dense layers + normalize) or "
-                  "format='head' (head.safetensors + head_config.json, any head).")
+_OTHER_FORMATS = (
+    "Export it with format='sentence-transformers' (pooling + dense layers + normalize) or "
+    "format='head' (head.safetensors + head_config.json, any head)."
+)
 
 
 # ---- shared with sentence-transformers' Transformer module --------------------------------------------
@@ -48,7 +63,8 @@ def check_weights_present(folder: str) -> None:
             f"{folder}: no model weights: expected one of {list(WEIGHT_FILES)}, found {present[:12]}. "
             "flaxheads reads safetensors, or pytorch_model.bin through torch.load(weights_only=True); other "
             "formats (TensorFlow .h5, arbitrary pickles, .pt training files) are not read. Re-save the model "
-            "with `save_pretrained(folder, safe_serialization=True)`.")
+            "with `save_pretrained(folder, safe_serialization=True)`."
+        )
 
 
 def backbone_state_dict(model, params: Mapping | None = None, prefix: str = "") -> dict[str, np.ndarray]:
@@ -64,8 +80,10 @@ def backbone_state_dict(model, params: Mapping | None = None, prefix: str = "") 
         back = flatten(np_tree(type(model.backbone).params_from_state(model.backbone.config, state)))
         want = flatten(bp)
         if set(back) != set(want) or any(not np.array_equal(back[k], want[k]) for k in want):
-            raise ExportError(f"{model.model_type}: the backbone's PyTorch names do not convert back to its params; "
-                              "this is a bug in flaxheads' name map. Export the head alone with format='head'.")
+            raise ExportError(
+                f"{model.model_type}: the backbone's PyTorch names do not convert back to its params; "
+                "this is a bug in flaxheads' name map. Export the head alone with format='head'."
+            )
     else:
         state = flax_to_pytorch_names(bp)
         _check_hf_flax_roundtrip(model.backbone, bp, state)
@@ -79,13 +97,18 @@ def _check_hf_flax_roundtrip(backbone, backbone_params, state: Mapping[str, np.n
 
     back = flatten_dict(convert_pytorch_state_dict_to_flax(dict(state), backbone))
     want = flatten_dict(backbone_params)
-    bad = [k for k in want if k not in back or np.shape(back[k]) != np.shape(want[k])
-           or not np.array_equal(np.asarray(back[k]), want[k])]
+    bad = [
+        k
+        for k in want
+        if k not in back or np.shape(back[k]) != np.shape(want[k]) or not np.array_equal(np.asarray(back[k]), want[k])
+    ]
     if bad:
-        raise ExportError(f"{backbone.config.model_type}: {len(bad)} backbone weights do not survive the "
-                          f"Flax -> PyTorch renaming (e.g. {['/'.join(map(str, k)) for k in bad[:3]]}); "
-                          "this backbone cannot be exported to PyTorch yet. Export the head alone with "
-                          "format='head'.")
+        raise ExportError(
+            f"{backbone.config.model_type}: {len(bad)} backbone weights do not survive the "
+            f"Flax -> PyTorch renaming (e.g. {['/'.join(map(str, k)) for k in bad[:3]]}); "
+            "this backbone cannot be exported to PyTorch yet. Export the head alone with "
+            "format='head'."
+        )
 
 
 # ---- export -------------------------------------------------------------------------------------------
@@ -105,8 +128,9 @@ def check_transformers_exportable(model) -> PresetMatch:
     adapter folder and the preset layout need; :func:`export_transformers` writes the others with
     flaxheads' own PyTorch code)."""
     if getattr(model, "backbone", None) is None:
-        raise ExportError(f"a transformers export needs the backbone weights; this source has only a head. "
-                          f"{_OTHER_FORMATS}")
+        raise ExportError(
+            f"a transformers export needs the backbone weights; this source has only a head. {_OTHER_FORMATS}"
+        )
     match = _match(model)
     preset = match.preset
     if preset is None or not (match.same_pooler and match.same_head) or exportable_family(preset.arch) is None:
@@ -116,11 +140,14 @@ def check_transformers_exportable(model) -> PresetMatch:
             f"{model.model_type} sequence-classification head, so no PyTorch XForSequenceClassification "
             f"class can load it (HF-exact presets with a JAX backbone: "
             f"{sorted(a for a in PRESETS if exportable_family(a))}). Export the whole model with "
-            f"format='transformers' (flaxheads' own PyTorch code, trust_remote_code=True) instead.")
+            f"format='transformers' (flaxheads' own PyTorch code, trust_remote_code=True) instead."
+        )
     if not match.exact:
-        raise ExportError(f"{preset.hf_class} pools by {preset.pool_mask!r} but this model pools by "
-                          f"{model.pool_mask!r}: PyTorch would give other logits. Export the whole model with "
-                          "format='transformers' (flaxheads' own PyTorch code, trust_remote_code=True) instead.")
+        raise ExportError(
+            f"{preset.hf_class} pools by {preset.pool_mask!r} but this model pools by "
+            f"{model.pool_mask!r}: PyTorch would give other logits. Export the whole model with "
+            "format='transformers' (flaxheads' own PyTorch code, trust_remote_code=True) instead."
+        )
     return match
 
 
@@ -141,8 +168,9 @@ def transformers_layout(model) -> str:
     ``XForSequenceClassification`` it exactly is) or :data:`CUSTOM` (flaxheads' own PyTorch code,
     any pooler + head on a native backbone); :class:`ExportError` when it can be neither."""
     if getattr(model, "backbone", None) is None:
-        raise ExportError(f"a transformers export needs the backbone weights; this source has only a head. "
-                          f"{_OTHER_FORMATS}")
+        raise ExportError(
+            f"a transformers export needs the backbone weights; this source has only a head. {_OTHER_FORMATS}"
+        )
     match = _match(model)
     if match.exact and exportable_family(match.arch) is not None:
         return PRESET
@@ -155,9 +183,13 @@ def transformers_config(model) -> dict:
     preset, family = preset_family(check_transformers_exportable(model))
     cfg = backbone_config_dict(model.backbone.config)
     labels = model.id2label or {i: f"LABEL_{i}" for i in range(model.num_labels)}
-    cfg.update(architectures=[preset.hf_class], num_labels=model.num_labels,
-               id2label={str(i): labels[i] for i in sorted(labels)},
-               label2id={labels[i]: i for i in sorted(labels)}, problem_type=model.problem_type)
+    cfg.update(
+        architectures=[preset.hf_class],
+        num_labels=model.num_labels,
+        id2label={str(i): labels[i] for i in sorted(labels)},
+        label2id={labels[i]: i for i in sorted(labels)},
+        problem_type=model.problem_type,
+    )
     key = family.classifier_dropout_key
     if key is not None:
         cfg[key] = float(model.head.head.dropout)
@@ -174,9 +206,15 @@ def transformers_state_dict(model, params: Mapping | None = None) -> dict[str, n
     return state
 
 
-def export_transformers(model, out: str | os.PathLike, *, params: Mapping | None = None,
-                        tokenizer_from: str | os.PathLike | None = None, threshold: float | None = None,
-                        overwrite: bool = False) -> str:
+def export_transformers(
+    model,
+    out: str | os.PathLike,
+    *,
+    params: Mapping | None = None,
+    tokenizer_from: str | os.PathLike | None = None,
+    threshold: float | None = None,
+    overwrite: bool = False,
+) -> str:
     """Write ``model`` as a PyTorch transformers classifier folder; returns ``out``.
 
     An HF-exact preset (pooler, head and pool mask) is written as its ``XForSequenceClassification``;
@@ -201,8 +239,9 @@ def export_transformers(model, out: str | os.PathLike, *, params: Mapping | None
 def _name_tokenizer_class(folder: str) -> None:
     """A fast ``tokenizer.json`` without ``tokenizer_config.json``: say its class, since ``AutoTokenizer``
     cannot guess it from ``model_type: flaxheads``."""
-    if os.path.isfile(os.path.join(folder, "tokenizer.json")) and \
-            not os.path.isfile(os.path.join(folder, "tokenizer_config.json")):
+    if os.path.isfile(os.path.join(folder, "tokenizer.json")) and not os.path.isfile(
+        os.path.join(folder, "tokenizer_config.json")
+    ):
         write_json(os.path.join(folder, "tokenizer_config.json"), {"tokenizer_class": "PreTrainedTokenizerFast"})
 
 
@@ -212,8 +251,9 @@ def _classifier_config(folder: str) -> HFConfig:
     if not os.path.isdir(folder):
         raise ImportNotFoundError(f"model folder {folder!r} does not exist")
     if not os.path.isfile(os.path.join(folder, "config.json")):
-        raise ModelImportError(f"{folder}: no config.json; a transformers model folder has config.json plus "
-                               f"weights ({SAFE} or {BIN})")
+        raise ModelImportError(
+            f"{folder}: no config.json; a transformers model folder has config.json plus weights ({SAFE} or {BIN})"
+        )
     raw = read_json(os.path.join(folder, "config.json"))
     model_type, archs = raw.get("model_type"), raw.get("architectures") or []
     if remote_code.is_flaxheads_config(raw):
@@ -222,7 +262,8 @@ def _classifier_config(folder: str) -> HFConfig:
         raise ModelImportError(
             f"{folder}: unknown architecture: model_type {model_type!r} (architectures {archs}) has no "
             f"flaxheads preset; supported model types: {sorted(PRESETS)}. To put a new head on a backbone "
-            "flaxheads can load, use flaxheads.from_pretrained(folder, pooler=..., head=...).")
+            "flaxheads can load, use flaxheads.from_pretrained(folder, pooler=..., head=...)."
+        )
     return read_config(folder)
 
 
@@ -243,8 +284,10 @@ def load_transformers(folder: str | os.PathLike, *, allow_new_head: bool = False
 
         return load_peft(folder, **options)
     if kind is FolderKind.ONNX:
-        raise ModelImportError(f"{folder} is an ONNX export (model.onnx, no weights flaxheads reads): serve it with "
-                               "onnxruntime; to load the model in flaxheads use the run or the transformers export")
+        raise ModelImportError(
+            f"{folder} is an ONNX export (model.onnx, no weights flaxheads reads): serve it with "
+            "onnxruntime; to load the model in flaxheads use the run or the transformers export"
+        )
     cfg = _classifier_config(folder)
     if remote_code.is_flaxheads_config(cfg):
         check_weights_present(folder)
@@ -257,7 +300,8 @@ def load_transformers(folder: str | os.PathLike, *, allow_new_head: bool = False
         raise ModelImportError(
             f"{folder}: unknown architecture {archs[0]!r}: flaxheads imports {cfg.model_type} sequence classifiers "
             f"({preset.hf_class}) only. Load the base model with flaxheads.from_pretrained(folder) to attach "
-            "a new head instead.")
+            "a new head instead."
+        )
     check_weights_present(folder)
     try:
         model = from_pretrained(folder, **options)
@@ -267,12 +311,15 @@ def load_transformers(folder: str | os.PathLike, *, allow_new_head: bool = False
         if "expected to be of shape" not in str(e):
             raise
         # HF's PyTorch->Flax converter (legacy adapter) names the tensor but not the folder or the likely cause
-        raise ModelImportError(f"{folder}: mismatched shapes: {e} The weights do not fit the architecture in "
-                               "config.json (edited config, or weights from another model size).") from None
+        raise ModelImportError(
+            f"{folder}: mismatched shapes: {e} The weights do not fit the architecture in "
+            "config.json (edited config, or weights from another model size)."
+        ) from None
     if model.report.new and not allow_new_head:
         missing = [dict(preset.hf_names).get(p, p) for p in model.report.new]
         raise ModelImportError(
             f"{folder}: missing weights: the checkpoint has no weights for the head modules {missing} of "
             f"{preset.hf_class}, so it is not a trained sequence classifier. Pass allow_new_head=True (or use "
-            "flaxheads.from_pretrained) to start a new head on this backbone.")
+            "flaxheads.from_pretrained) to start a new head on this backbone."
+        )
     return model

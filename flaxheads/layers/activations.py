@@ -1,4 +1,5 @@
 """Activations by their Hugging Face names (``ACT2FN`` keys), as JAX functions."""
+
 from __future__ import annotations
 
 import math

@@ -6,6 +6,7 @@ Written for XLA:CPU first (each choice measured on MiniLM; see docs/performance.
 value to the textbook form, which accelerators get where the CPU arrangement was never measured.
 The key masks it takes come from :mod:`flaxheads.layers.masks`.
 """
+
 from __future__ import annotations
 
 from functools import partial
@@ -37,8 +38,7 @@ _CHUNK_BYTES = 4 << 20
 _MAX_AUTO_CHUNKS = 2
 
 
-def attention_chunks(batch: int, num_heads: int, seq: int, itemsize: int = 4,
-                     want: int | str = "auto") -> int:
+def attention_chunks(batch: int, num_heads: int, seq: int, itemsize: int = 4, want: int | str = "auto") -> int:
     """How many batch chunks attention is split into: ``want``, or for ``"auto"`` the
     smallest count whose score chunk is <= 4 MiB, at most 2; always a divisor of ``batch``."""
     if want == "auto":
@@ -92,9 +92,11 @@ def _biased_scores(q: jax.Array, k: jax.Array, key_bias: jax.Array) -> jax.Array
 def _biased_scores_jvp(primals, tangents):
     q, k, key_bias = primals
     dq, dk, _ = tangents  # the mask bias has no derivative
-    return (_biased_scores(q, k, key_bias),
-            jnp.einsum("bqhd,bkhd->bhqk", dq, k, preferred_element_type=jnp.float32)
-            + jnp.einsum("bqhd,bkhd->bhqk", q, dk, preferred_element_type=jnp.float32))
+    return (
+        _biased_scores(q, k, key_bias),
+        jnp.einsum("bqhd,bkhd->bhqk", dq, k, preferred_element_type=jnp.float32)
+        + jnp.einsum("bqhd,bkhd->bhqk", q, dk, preferred_element_type=jnp.float32),
+    )
 
 
 def fused_kernel(q: jax.Array, backend: str) -> Kernel:
@@ -107,8 +109,14 @@ def fused_kernel(q: jax.Array, backend: str) -> Kernel:
     return "xla"
 
 
-def attend_fused(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, causal: bool = False,
-                 implementation: Kernel | None = None) -> jax.Array:
+def attend_fused(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    bias: jax.Array,
+    causal: bool = False,
+    implementation: Kernel | None = None,
+) -> jax.Array:
     """:func:`attend` (no dropout) through ``jax.nn.dot_product_attention``: cuDNN's fused
     kernel where :func:`fused_kernel` says so (the registry asks it with the plan's backend), XLA's
     arrangement with ``implementation="xla"`` (the default).
@@ -124,8 +132,9 @@ def attend_fused(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, caus
     mask = lax.stop_gradient(bias) > jnp.asarray(jnp.finfo(bias.dtype).min / 2, bias.dtype)
     keep = mask
     if causal:  # queries are the last Tq of the Tk positions, as in causal_mask
-        keep = mask & (lax.broadcasted_iota(jnp.int32, (tq, tk), 1)
-                       <= lax.broadcasted_iota(jnp.int32, (tq, tk), 0) + (tk - tq))
+        keep = mask & (
+            lax.broadcasted_iota(jnp.int32, (tq, tk), 1) <= lax.broadcasted_iota(jnp.int32, (tq, tk), 0) + (tk - tq)
+        )
     is_causal = causal and tq == tk  # the kernels' own causal mask is aligned at the first query
     kernel_mask = mask if is_causal else keep
     implementation = implementation or "xla"
@@ -133,20 +142,28 @@ def attend_fused(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, caus
     if implementation == "cudnn":
         try:  # cuDNN takes a mask with the full [Tq, Tk] extent only; shapes it refuses fall back to XLA's
             out = jax.nn.dot_product_attention(
-                q, k, v, mask=jnp.broadcast_to(kernel_mask, (*kernel_mask.shape[:2], tq, tk)), scale=1.0,
-                is_causal=is_causal, implementation="cudnn")
+                q,
+                k,
+                v,
+                mask=jnp.broadcast_to(kernel_mask, (*kernel_mask.shape[:2], tq, tk)),
+                scale=1.0,
+                is_causal=is_causal,
+                implementation="cudnn",
+            )
         except (ValueError, NotImplementedError, RuntimeError):
             implementation = "xla"
     if out is None:
-        out = jax.nn.dot_product_attention(q, k, v, mask=kernel_mask, scale=1.0, is_causal=is_causal,
-                                           implementation=implementation)
+        out = jax.nn.dot_product_attention(
+            q, k, v, mask=kernel_mask, scale=1.0, is_causal=is_causal, implementation=implementation
+        )
     # [B, Tq or 1, nh or 1, 1]: does the query see any key
     seen = jnp.any(keep, axis=-1).transpose(0, 2, 1)[..., None]
     return jnp.where(seen, out, jnp.mean(v, axis=1, keepdims=True).astype(out.dtype))
 
 
-def attend_cpu(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, rate: float,
-               rng: jax.Array | None, causal: bool = False) -> jax.Array:
+def attend_cpu(
+    q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, rate: float, rng: jax.Array | None, causal: bool = False
+) -> jax.Array:
     """softmax(q k^T + bias) v for ``q, k, v [B, T, nh, d]``, ``bias [B, 1, 1, T]``: ``[B, T, nh, d]``.
 
     ``causal=True`` also hides every key after the query's position (decoder attention).
@@ -176,8 +193,16 @@ def attend_cpu(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, rate: 
     return (ctx / denom[..., None]).astype(v.dtype).transpose(0, 2, 1, 3)
 
 
-def attend_plain(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, rate: float,
-                 rng: jax.Array | None, causal: bool = False, float32_products: bool = True) -> jax.Array:
+def attend_plain(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    bias: jax.Array,
+    rate: float,
+    rng: jax.Array | None,
+    causal: bool = False,
+    float32_products: bool = True,
+) -> jax.Array:
     """HF's arrangement of :func:`attend` (same function, same dropout bits), used off CPU and with oneDNN's dots.
 
     ``float32_products=False`` (oneDNN's dots) keeps bf16 scores for bf16 activations, as PyTorch's
@@ -199,8 +224,9 @@ def attend_plain(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, rate
 
 
 @partial(jax.custom_jvp, nondiff_argnums=(4, 5))
-def attend_ynn(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, causal: bool = False,
-               float32_products: bool = False) -> jax.Array:
+def attend_ynn(
+    q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, causal: bool = False, float32_products: bool = False
+) -> jax.Array:
     """:func:`attend_plain` without dropout, arranged for XLA:CPU's YNNPACK reduction fusions to take
     each attention whole, both products included, when the dots are oneDNN's (the plan's
     ``"ynn"`` attention): the row max and the ``exp`` sums in float32, P.V on
@@ -222,25 +248,38 @@ def attend_ynn(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, causal
 
 @attend_ynn.defjvp
 def _attend_ynn_jvp(causal, float32_products, primals, tangents):
-    return jax.jvp(lambda q, k, v, bias: attend_plain(q, k, v, bias, 0.0, None, causal, float32_products),
-                   primals, tangents)
+    return jax.jvp(
+        lambda q, k, v, bias: attend_plain(q, k, v, bias, 0.0, None, causal, float32_products), primals, tangents
+    )
 
 
 #: Every arrangement of one attention, by the names a :class:`~flaxheads.runtime.plan.ComputePlan`
 #: chooses among: each ``(q, k, v, bias, rate, rng, causal, plan) -> context``. ``fused`` and ``ynn``
 #: have no dropout (the plan never picks them for attention with dropout).
 IMPLEMENTATIONS = {
-    "fused": lambda q, k, v, bias, rate, rng, causal, plan: attend_fused(q, k, v, bias, causal,
-                                                                         fused_kernel(q, plan.backend)),
+    "fused": lambda q, k, v, bias, rate, rng, causal, plan: attend_fused(
+        q, k, v, bias, causal, fused_kernel(q, plan.backend)
+    ),
     "cpu": lambda q, k, v, bias, rate, rng, causal, plan: attend_cpu(q, k, v, bias, rate, rng, causal),
-    "plain": lambda q, k, v, bias, rate, rng, causal, plan: attend_plain(q, k, v, bias, rate, rng, causal,
-                                                                         plan.float32_products),
+    "plain": lambda q, k, v, bias, rate, rng, causal, plan: attend_plain(
+        q, k, v, bias, rate, rng, causal, plan.float32_products
+    ),
     "ynn": lambda q, k, v, bias, rate, rng, causal, plan: attend_ynn(q, k, v, bias, causal, plan.float32_products),
 }
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, rate: float, rng: jax.Array | None,
-           causal: bool = False, *, plan: ComputePlan, impl: str | None = None) -> jax.Array:
+def attend(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    bias: jax.Array,
+    rate: float,
+    rng: jax.Array | None,
+    causal: bool = False,
+    *,
+    plan: ComputePlan,
+    impl: str | None = None,
+) -> jax.Array:
     """softmax(q k^T + bias) v (``q, k, v [B, T, nh, d]``, ``bias [B, 1, 1, T]`` or ``[B, 1, Tq, Tk]``)
     in the arrangement ``plan`` picks (:meth:`~flaxheads.runtime.plan.ComputePlan.attention_for`;
     ``impl`` names one instead): :func:`attend_fused` on GPU, :func:`attend_cpu` or :func:`attend_ynn`
@@ -260,8 +299,9 @@ def causal_mask(scores: jax.Array) -> jax.Array:
     return jnp.where(keep, scores, jnp.finfo(scores.dtype).min)
 
 
-def fused_qkv(kernels: tuple[jax.Array, jax.Array, jax.Array], biases: tuple[jax.Array, jax.Array, jax.Array],
-              scale: float) -> tuple[jax.Array, jax.Array]:
+def fused_qkv(
+    kernels: tuple[jax.Array, jax.Array, jax.Array], biases: tuple[jax.Array, jax.Array, jax.Array], scale: float
+) -> tuple[jax.Array, jax.Array]:
     """One ``[H, 3H]`` kernel and ``[3H]`` bias for the q, k, v projections (kernels ``[in, out]``).
 
     The attention scale goes on q's kernel and bias (``H*H + H`` multiplies instead of
@@ -275,9 +315,19 @@ def fused_qkv(kernels: tuple[jax.Array, jax.Array, jax.Array], biases: tuple[jax
     return w, b
 
 
-def self_attention(x: jax.Array, w: jax.Array, b: jax.Array, bias: jax.Array, *, num_heads: int, batch: int,
-                   plan: ComputePlan, rate: float = 0.0, rng: jax.Array | None = None,
-                   causal: bool = False) -> jax.Array:
+def self_attention(
+    x: jax.Array,
+    w: jax.Array,
+    b: jax.Array,
+    bias: jax.Array,
+    *,
+    num_heads: int,
+    batch: int,
+    plan: ComputePlan,
+    rate: float = 0.0,
+    rng: jax.Array | None = None,
+    causal: bool = False,
+) -> jax.Array:
     """Multi-head self-attention context ``[B*T, H]`` of the flattened activation ``x [B*T, H]``:
     one matmul with the fused q/k/v kernel ``w [H, 3H]`` / bias ``b`` (see :func:`fused_qkv`),
     then :func:`attend_chunked` with the key mask ``bias [B, 1, 1, T]``, before the output projection."""
@@ -298,9 +348,19 @@ def self_attention(x: jax.Array, w: jax.Array, b: jax.Array, bias: jax.Array, *,
     return attention_out(in_groups(attend_qkv, groups, rng, qkv, bias).reshape(bt, h))
 
 
-def cross_attention(x: jax.Array, memory: jax.Array, w: jax.Array, b: jax.Array, bias: jax.Array, *,
-                    num_heads: int, batch: int, plan: ComputePlan, rate: float = 0.0,
-                    rng: jax.Array | None = None) -> jax.Array:
+def cross_attention(
+    x: jax.Array,
+    memory: jax.Array,
+    w: jax.Array,
+    b: jax.Array,
+    bias: jax.Array,
+    *,
+    num_heads: int,
+    batch: int,
+    plan: ComputePlan,
+    rate: float = 0.0,
+    rng: jax.Array | None = None,
+) -> jax.Array:
     """Multi-head attention context ``[B*Tq, H]`` of the queries of ``x [B*Tq, H]`` over the keys
     and values of another sequence ``memory [B*Tk, H]`` (an encoder-decoder's cross-attention),
     before the output projection. ``w``/``b`` are the same fused ``[H, 3H]`` q/k/v kernel and
@@ -314,9 +374,18 @@ def cross_attention(x: jax.Array, memory: jax.Array, w: jax.Array, b: jax.Array,
     return attention_out(attend_chunked(q, k, v, bias, plan=plan, rate=rate, rng=rng).reshape(x.shape[0], h))
 
 
-def attend_chunked(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, *, plan: ComputePlan,
-                   rate: float = 0.0, rng: jax.Array | None = None, causal: bool = False,
-                   impl: str | None = None) -> jax.Array:
+def attend_chunked(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    bias: jax.Array,
+    *,
+    plan: ComputePlan,
+    rate: float = 0.0,
+    rng: jax.Array | None = None,
+    causal: bool = False,
+    impl: str | None = None,
+) -> jax.Array:
     """:func:`attend` (``q [B, Tq, nh, d]``, ``k, v [B, Tk, nh, d]``, ``bias [B, 1, 1, Tk]``) in
     independent batch chunks (:func:`attention_chunks`, the plan's ``attention_chunks``): XLA's CPU runtime runs them
     concurrently, so the (single-threaded) softmax/mask fusions of one chunk overlap the
@@ -335,9 +404,12 @@ def attend_chunked(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, *,
     def chunked(q, k, v, bias, rng):
         n = attention_chunks(q.shape[0], num_heads, k.shape[1], jnp.dtype(q.dtype).itemsize, chunks)
         split = (lambda a: jnp.split(a, n, axis=0)) if n > 1 else (lambda a: [a])
-        parts = [attend(qc, kc, vc, bc, rate, None if rng is None else jax.random.fold_in(rng, c), causal,
-                        plan=plan, impl=how)
-                 for c, (qc, kc, vc, bc) in enumerate(zip(split(q), split(k), split(v), split(bias)))]
+        parts = [
+            attend(
+                qc, kc, vc, bc, rate, None if rng is None else jax.random.fold_in(rng, c), causal, plan=plan, impl=how
+            )
+            for c, (qc, kc, vc, bc) in enumerate(zip(split(q), split(k), split(v), split(bias)))
+        ]
         return parts[0] if n == 1 else jnp.concatenate(parts, axis=0)
 
     if groups == 1:

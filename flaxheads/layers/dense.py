@@ -4,6 +4,7 @@ arranged for XLA:CPU's 16-bit dots), ``dense`` and the embedding lookup.
 Written for XLA:CPU first (each choice measured; see docs/performance.md) and equal in value to
 the plain product, which accelerators get.
 """
+
 from __future__ import annotations
 
 from functools import partial

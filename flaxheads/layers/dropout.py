@@ -1,4 +1,5 @@
 """Dropout with a counter-hash mask (cheaper on CPU than ``jax.random.bernoulli``)."""
+
 from __future__ import annotations
 
 import math
@@ -23,7 +24,7 @@ def random_bits(rng: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     key = rng.reshape(-1).astype(jnp.uint32)
     k0, k1 = key[0], key[-1]
     size = math.prod(shape)
-    if size >= 2 ** 32:
+    if size >= 2**32:
         raise ValueError(f"dropout on {size} elements at once is not supported (at most 2**32 - 1)")
     idx = lax.iota(jnp.uint32, size).reshape(shape) if shape else jnp.uint32(0)
 
@@ -42,6 +43,6 @@ def dropout(x: jax.Array, rate: float, rng: jax.Array | None) -> jax.Array:
     if rng is None or rate == 0.0:
         return x
     # keep with probability 1 - rate (to 2**-32), inverted scaling as in HF / PyTorch.
-    threshold = jnp.uint32(min(int(round((1.0 - rate) * 2.0 ** 32)), 2 ** 32 - 1))
+    threshold = jnp.uint32(min(int(round((1.0 - rate) * 2.0**32)), 2**32 - 1))
     keep = random_bits(rng, x.shape) < threshold
     return x * (keep.astype(x.dtype) * jnp.asarray(1.0 / (1.0 - rate), x.dtype))

@@ -1,4 +1,5 @@
 """Fresh params as Hugging Face initialises them."""
+
 from __future__ import annotations
 
 import jax

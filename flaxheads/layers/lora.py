@@ -4,6 +4,7 @@ The adapters of a float kernel are merged into it (``W + s A B``, :func:`flaxhea
 a quantised kernel cannot hold that sum in its codes, so its adapters stay beside it in a
 :class:`LoraKernel`, which :func:`flaxheads.layers.quantized.qmatmul` multiplies.
 """
+
 from __future__ import annotations
 
 import dataclasses

@@ -1,4 +1,5 @@
 """Additive attention masks: the key mask of padded rows and the block-diagonal mask of packed rows."""
+
 from __future__ import annotations
 
 import jax

@@ -3,6 +3,7 @@
 Written for XLA:CPU first (measured on MiniLM; see docs/performance.md) and equal in value to
 the textbook form.
 """
+
 from __future__ import annotations
 
 from functools import partial

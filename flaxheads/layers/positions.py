@@ -3,6 +3,7 @@ per-diagonal scores) and rotary (RoPE).
 
 Pure functions of their arguments: families pick the ones their PyTorch model computes.
 """
+
 from __future__ import annotations
 
 import jax
@@ -39,7 +40,7 @@ def diagonals_to_keys(x: jax.Array) -> jax.Array:
     *lead, t, w = x.shape
     if t == 1:
         return x
-    flat = x.reshape(*lead, t * w)[..., t - 1:t - 1 + t * (w - 1)]
+    flat = x.reshape(*lead, t * w)[..., t - 1 : t - 1 + t * (w - 1)]
     return flat.reshape(*lead, t, w - 1)[..., :t]
 
 

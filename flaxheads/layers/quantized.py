@@ -3,6 +3,7 @@ adapted (:class:`~flaxheads.layers.lora.LoraKernel`) kernel, dequantising inside
 and backward, so a step holds the codes rather than a float copy of the base. How kernels are quantised
 (schemes, blocks, sharded quantisation) is :mod:`flaxheads.model.quantize`.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -60,6 +61,7 @@ def qmatmul(x: jax.Array, kernel) -> jax.Array:
 
 def dequantize_tree(backbone_params, dtype=jnp.float32) -> dict:
     """``backbone_params`` with quantised kernels dequantised and adapted ones merged (``W + s A B``)."""
+
     def dense(x):
         if isinstance(x, LoraKernel):
             return dense(x.base) + x.scaling * jnp.matmul(x.a, x.b, precision=jax.lax.Precision.HIGHEST).astype(dtype)

@@ -14,6 +14,7 @@ forward and what it recomputes.
 ``True`` / ``False`` mean ``full`` / ``none`` (the earlier boolean ``remat``). Every policy computes
 the same values and gradients as ``none``; only memory and time differ.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable

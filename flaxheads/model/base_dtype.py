@@ -11,6 +11,7 @@ refused (:func:`check_trainable_base`) rather than silently widened.
 ``auto`` follows what PEFT users get: bfloat16 only where the base is frozen and the compute
 precision is bfloat16; elsewhere float32, which leaves the float32 programs bitwise unchanged.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -52,8 +53,11 @@ def base_dtype_of(backbone_params: Any) -> str | None:
     """The dtype name of the base's floating-point leaves (None: no such leaf; ``"mixed"``)."""
     # quantised kernels: not stored floats
     leaves = jax.tree.leaves(backbone_params, is_leaf=lambda x: hasattr(x, "qvalue"))
-    names = {jnp.dtype(x.dtype).name for x in leaves
-             if hasattr(x, "dtype") and not hasattr(x, "qvalue") and jnp.issubdtype(x.dtype, jnp.floating)}
+    names = {
+        jnp.dtype(x.dtype).name
+        for x in leaves
+        if hasattr(x, "dtype") and not hasattr(x, "qvalue") and jnp.issubdtype(x.dtype, jnp.floating)
+    }
     return None if not names else names.pop() if len(names) == 1 else "mixed"
 
 
@@ -64,6 +68,8 @@ def check_trainable_base(trained: Mapping) -> None:
         return
     name = base_dtype_of(trained["backbone"])
     if name not in (None, "float32", "float64"):
-        raise TrainingError(f"the backbone is stored in {name} and would be fine-tuned: AdamW's small updates round "
-                            "away in 16-bit weights. Freeze it (freeze_backbone / cache_features), train LoRA "
-                            "adapters on it, or load it with base_dtype=float32 for a full fine-tune")
+        raise TrainingError(
+            f"the backbone is stored in {name} and would be fine-tuned: AdamW's small updates round "
+            "away in 16-bit weights. Freeze it (freeze_backbone / cache_features), train LoRA "
+            "adapters on it, or load it with base_dtype=float32 for a full fine-tune"
+        )

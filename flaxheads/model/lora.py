@@ -17,6 +17,7 @@ kernels, which are ``[out, in]`` (see :mod:`flaxheads.backbones.families.gpt2`);
 (:func:`kernels_out_in`), and PEFT's ``fan_in_fan_out`` follows from it. The default targets
 are the family's :attr:`~flaxheads.backbones.base.Backbone.lora_targets`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -62,15 +63,17 @@ class LoraConfig:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
             raise ConfigError(f"LoRA rank must be an integer >= 1, got {self.rank!r}")
         if not (isinstance(self.alpha, (int, float)) and math.isfinite(self.alpha) and self.alpha > 0):
-            raise ConfigError(f"LoRA alpha must be a number > 0 (the adapter is scaled by alpha / rank), "
-                              f"got {self.alpha!r}")
+            raise ConfigError(
+                f"LoRA alpha must be a number > 0 (the adapter is scaled by alpha / rank), got {self.alpha!r}"
+            )
         if not (isinstance(self.dropout, (int, float)) and 0 <= self.dropout < 1):
             raise ConfigError(f"LoRA dropout must be in [0, 1), got {self.dropout!r}")
         if self.dropout > 0:
             raise ConfigError(
                 f"LoRA dropout {self.dropout} is not supported: flaxheads applies adapters as W + (alpha/r) A B on "
                 "the weights, which is exact for every backbone family only without dropout on the adapter input. "
-                "Use dropout 0 (PEFT's default); the backbone's own dropout still applies while training.")
+                "Use dropout 0 (PEFT's default); the backbone's own dropout still applies while training."
+            )
         if self.targets is not None:
             targets = (self.targets,) if isinstance(self.targets, str) else tuple(self.targets)
             if not targets or not all(isinstance(t, str) and t.strip() for t in targets):
@@ -84,22 +87,34 @@ class LoraConfig:
         return self.alpha / self.rank
 
     def to_dict(self) -> dict:
-        return {"rank": self.rank, "alpha": self.alpha, "dropout": self.dropout,
-                "targets": None if self.targets is None else list(self.targets)}
+        return {
+            "rank": self.rank,
+            "alpha": self.alpha,
+            "dropout": self.dropout,
+            "targets": None if self.targets is None else list(self.targets),
+        }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> LoraConfig:
         t = d.get("targets")
-        return cls(rank=int(d["rank"]), alpha=float(d["alpha"]), dropout=float(d.get("dropout", 0.0)),
-                   targets=None if t is None else tuple(t))
+        return cls(
+            rank=int(d["rank"]),
+            alpha=float(d["alpha"]),
+            dropout=float(d.get("dropout", 0.0)),
+            targets=None if t is None else tuple(t),
+        )
 
 
 # ---- which kernels ------------------------------------------------------------------------------
 
+
 def kernel_modules(backbone_params) -> dict[tuple[str, ...], tuple[int, ...]]:
     """``{module path: kernel shape}`` of every 2-D ``kernel`` in a backbone params tree."""
-    return {k[:-1]: tuple(v.shape) for k, v in flatten_dict(backbone_params).items()
-            if k[-1] == "kernel" and len(getattr(v, "shape", ())) == 2}
+    return {
+        k[:-1]: tuple(v.shape)
+        for k, v in flatten_dict(backbone_params).items()
+        if k[-1] == "kernel" and len(getattr(v, "shape", ())) == 2
+    }
 
 
 def _matches(target: str, module: tuple[str, ...]) -> bool:
@@ -113,8 +128,10 @@ def default_targets(model_type: str, backbone_params) -> tuple[str, ...]:
     :attr:`~flaxheads.backbones.base.Backbone.lora_targets`); :class:`ConfigError` for a type without defaults."""
     fam = family_for(model_type)
     if fam is None or not fam.lora_targets:
-        raise ConfigError(f"no default LoRA targets for model_type {model_type!r}; name them (targets=..., "
-                          f"--lora-targets) from its kernels: {_kernel_names(backbone_params)}")
+        raise ConfigError(
+            f"no default LoRA targets for model_type {model_type!r}; name them (targets=..., "
+            f"--lora-targets) from its kernels: {_kernel_names(backbone_params)}"
+        )
     return fam.lora_targets
 
 
@@ -125,10 +142,12 @@ def resolve_targets(config: LoraConfig, backbone_params, model_type: str) -> lis
     targets = config.targets if config.targets is not None else default_targets(model_type, backbone_params)
     for t in targets:
         if not any(_matches(t, m) for m in modules):
-            raise ConfigError(f"LoRA target {t!r} matches no kernel of this {model_type} backbone; its kernels are "
-                              f"named {_kernel_names(backbone_params)} (paths like "
-                              f"{'/'.join(next(iter(modules), ('?',)))!r}); give names from that list or "
-                              "/-separated globs over the paths")
+            raise ConfigError(
+                f"LoRA target {t!r} matches no kernel of this {model_type} backbone; its kernels are "
+                f"named {_kernel_names(backbone_params)} (paths like "
+                f"{'/'.join(next(iter(modules), ('?',)))!r}); give names from that list or "
+                "/-separated globs over the paths"
+            )
     return [m for m in modules if any(_matches(t, m) for t in targets)]
 
 
@@ -143,6 +162,7 @@ def in_out(shape: Sequence[int], model_type: str) -> tuple[int, int]:
 
 # ---- params --------------------------------------------------------------------------------------
 
+
 def init_lora(config: LoraConfig, backbone_params, model_type: str, rng: jax.Array) -> dict:
     """Fresh adapters as PEFT initialises them: ``A`` uniform in ``±1/sqrt(in)`` (its Kaiming
     uniform with ``a=sqrt(5)``), ``B`` zeros, so the model starts equal to the base."""
@@ -151,8 +171,9 @@ def init_lora(config: LoraConfig, backbone_params, model_type: str, rng: jax.Arr
     for i, m in enumerate(resolve_targets(config, backbone_params, model_type)):
         fan_in, fan_out = in_out(modules[m], model_type)
         bound = 1.0 / math.sqrt(fan_in)
-        flat[m + (A,)] = jax.random.uniform(jax.random.fold_in(rng, i), (fan_in, config.rank), jnp.float32,
-                                            -bound, bound)
+        flat[m + (A,)] = jax.random.uniform(
+            jax.random.fold_in(rng, i), (fan_in, config.rank), jnp.float32, -bound, bound
+        )
         flat[m + (B,)] = jnp.zeros((config.rank, fan_out), jnp.float32)
     return unflatten_dict(flat)
 
@@ -200,14 +221,19 @@ def check_adapters(config: LoraConfig, lora_params, backbone_params, model_type:
         fi, fo = in_out(kernels[m], model_type)
         got = (tuple(have[m][A].shape), tuple(have[m][B].shape))
         if got != ((fi, config.rank), (config.rank, fo)):
-            problems.append(f"{'/'.join(m)}: A {got[0]}, B {got[1]} but the kernel needs A {(fi, config.rank)}, "
-                            f"B {(config.rank, fo)}")
+            problems.append(
+                f"{'/'.join(m)}: A {got[0]}, B {got[1]} but the kernel needs A {(fi, config.rank)}, "
+                f"B {(config.rank, fo)}"
+            )
     if problems:
-        raise ConfigError(f"{where}: the adapters do not fit this {model_type} backbone: {'; '.join(problems[:6])}"
-                          f"{' ...' if len(problems) > 6 else ''}. Load them on the backbone they were trained on.")
+        raise ConfigError(
+            f"{where}: the adapters do not fit this {model_type} backbone: {'; '.join(problems[:6])}"
+            f"{' ...' if len(problems) > 6 else ''}. Load them on the backbone they were trained on."
+        )
 
 
 # ---- models ----------------------------------------------------------------------------------------
+
 
 def with_lora(model, config: LoraConfig | None = None, *, seed: int = 0, params: Mapping | None = None, **options):
     """``model`` with fresh adapters: ``model.lora`` set, ``params["lora"]`` initialised (B = 0,
@@ -218,8 +244,9 @@ def with_lora(model, config: LoraConfig | None = None, *, seed: int = 0, params:
     elif options:
         config = dataclasses.replace(config, **options)
     if getattr(model, "lora", None) is not None:
-        raise ConfigError("this model already has LoRA adapters; merge them first (merge_model) or start from "
-                          "the base model")
+        raise ConfigError(
+            "this model already has LoRA adapters; merge them first (merge_model) or start from the base model"
+        )
     base = dict(model.params if params is None else params)
     if config.targets is None:
         config = dataclasses.replace(config, targets=default_targets(model.model_type, base["backbone"]))
@@ -247,19 +274,34 @@ def adapters_meta(model) -> dict | None:
     if getattr(model, "lora", None) is None:
         return None
     kernels = kernel_modules(model.params["backbone"])
-    return {**model.lora.to_dict(),
-            "modules": {"/".join(m): list(in_out(kernels[m], model.model_type))
-                        for m in adapter_modules(model.params[LORA])}}
+    return {
+        **model.lora.to_dict(),
+        "modules": {
+            "/".join(m): list(in_out(kernels[m], model.model_type)) for m in adapter_modules(model.params[LORA])
+        },
+    }
 
 
 def adapters_diff(saved: Mapping | None, have: Mapping | None) -> list[str]:
     """How two :func:`adapters_meta` records differ (empty when the adapters are interchangeable)."""
     if saved is None or have is None:
-        return [] if saved is have else [f"adapters: checkpoint {'none' if saved is None else 'LoRA'} vs target "
-                                         f"{'none' if have is None else 'LoRA'}"]
-    out = [f"{k}: checkpoint {saved.get(k)!r} vs target {have.get(k)!r}" for k in ("rank", "alpha", "targets")
-           if saved.get(k) != have.get(k)]
+        return (
+            []
+            if saved is have
+            else [
+                f"adapters: checkpoint {'none' if saved is None else 'LoRA'} vs target "
+                f"{'none' if have is None else 'LoRA'}"
+            ]
+        )
+    out = [
+        f"{k}: checkpoint {saved.get(k)!r} vs target {have.get(k)!r}"
+        for k in ("rank", "alpha", "targets")
+        if saved.get(k) != have.get(k)
+    ]
     sm, hm = saved.get("modules", {}), have.get("modules", {})
-    out += [f"{m}: checkpoint {sm.get(m)} vs target {hm.get(m)}" for m in sorted(set(sm) | set(hm))
-            if sm.get(m) != hm.get(m)]
+    out += [
+        f"{m}: checkpoint {sm.get(m)} vs target {hm.get(m)}"
+        for m in sorted(set(sm) | set(hm))
+        if sm.get(m) != hm.get(m)
+    ]
     return out

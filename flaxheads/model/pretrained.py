@@ -1,6 +1,7 @@
 """A model from a Hugging Face folder: :func:`from_pretrained` reads the backbone (eagerly, or onto a
 mesh one tensor at a time) and attaches a pooler and head, HF's own for the architecture unless chosen.
 """
+
 from __future__ import annotations
 
 import os
@@ -27,14 +28,27 @@ from flaxheads.runtime.plan import ComputePlan
 from flaxheads.runtime.sharding import Layout, make_mesh
 
 
-def from_pretrained(path: str | os.PathLike, *, pooler: str | Sequence[str] | Pooler | None = None,
-                    head: str | Head | None = None, num_labels: int | None = None,
-                    problem_type: str | None = None, id2label: dict | Sequence[str] | None = None,
-                    dtype=jnp.float32, seed: int = 0, ignore_mismatched_sizes: bool = False,
-                    pooler_options: dict | None = None, head_options: dict | None = None,
-                    pool_mask: str | None = None, implementation: str = "auto",
-                    remat: bool | str = False, plan: ComputePlan | None = None, base_dtype=None,
-                    quantize: str | None = None, mesh=None) -> SequenceModel:
+def from_pretrained(
+    path: str | os.PathLike,
+    *,
+    pooler: str | Sequence[str] | Pooler | None = None,
+    head: str | Head | None = None,
+    num_labels: int | None = None,
+    problem_type: str | None = None,
+    id2label: dict | Sequence[str] | None = None,
+    dtype=jnp.float32,
+    seed: int = 0,
+    ignore_mismatched_sizes: bool = False,
+    pooler_options: dict | None = None,
+    head_options: dict | None = None,
+    pool_mask: str | None = None,
+    implementation: str = "auto",
+    remat: bool | str = False,
+    plan: ComputePlan | None = None,
+    base_dtype=None,
+    quantize: str | None = None,
+    mesh=None,
+) -> SequenceModel:
     """Load a local HF model folder as backbone and attach a pooler + head.
 
     Defaults to the HF-exact preset for the backbone's ``model_type`` (and copies its
@@ -55,24 +69,24 @@ def from_pretrained(path: str | os.PathLike, *, pooler: str | Sequence[str] | Po
     (:func:`flaxheads.backbones.lazy.load_sharded`), in ``base_dtype`` and, with ``quantize``, each
     layer kernel quantised as soon as it is read; no host copy of the whole model."""
     if quantize is not None:
-
         check_family(HFConfig.from_folder(path).get("model_type"))  # before any weight is read
     path = os.fspath(path)
     loaded = None
     if mesh is not None:
-        loaded = _load_onto_mesh(path, mesh, dtype=dtype, remat=remat, plan=plan, base_dtype=base_dtype,
-                                 quantize=quantize)
+        loaded = _load_onto_mesh(
+            path, mesh, dtype=dtype, remat=remat, plan=plan, base_dtype=base_dtype, quantize=quantize
+        )
     if loaded is not None:
         backbone, state = loaded
     else:
         state = _read_state_if_any(path)  # read once: the backbone's weights and the head's
-        backbone = load_backbone(path, dtype=dtype, state=state or None, remat=remat, implementation=implementation,
-                                 plan=plan)
+        backbone = load_backbone(
+            path, dtype=dtype, state=state or None, remat=remat, implementation=implementation, plan=plan
+        )
     cfg = backbone.config
     labels = _labels(id2label, num_labels, cfg)
     n = len(labels) if labels else int(num_labels or cfg.get("num_labels", 2))
-    seq_head, _ = build_head(cfg, n, pooler=pooler, head=head, pooler_options=pooler_options,
-                                  head_options=head_options)
+    seq_head, _ = build_head(cfg, n, pooler=pooler, head=head, pooler_options=pooler_options, head_options=head_options)
     if isinstance(seq_head.head, TokenLogits):  # its tokens say how many outputs it has
         n = seq_head.head.num_labels
         if labels is not None and len(labels) != n:
@@ -86,30 +100,55 @@ def from_pretrained(path: str | os.PathLike, *, pooler: str | Sequence[str] | Po
         ptype = problem_type or REGRESSION
         if labels is not None and len(labels) != n:
             if id2label is not None:
-                raise ConfigError(f"id2label has {len(labels)} entries but the {type(seq_head.head).__name__} "
-                                 f"outputs {n} values")
+                raise ConfigError(
+                    f"id2label has {len(labels)} entries but the {type(seq_head.head).__name__} outputs {n} values"
+                )
             labels = None  # the backbone config's classification labels do not describe an embedding
     else:
         ptype = problem_type or getattr(cfg, "problem_type", None) or infer_problem_type(n)
     check_problem_type(ptype, n)
     # an explicitly chosen pooler pools the attention mask unless told otherwise, even one equal to the preset's
-    match = match_preset(cfg, n, seq_head.pooler, seq_head.head,
-                         pool_mask if pool_mask is not None or pooler is None else "attention_mask")
+    match = match_preset(
+        cfg,
+        n,
+        seq_head.pooler,
+        seq_head.head,
+        pool_mask if pool_mask is not None or pooler is None else "attention_mask",
+    )
     pad, eos = getattr(cfg, "pad_token_id", None), getattr(cfg, "eos_token_id", None)
     check_pool_mask(match.pool_mask, pad_token_id=pad, eos_token_id=eos, subject=f"{cfg.model_type} backbone {path!r}")
     base = getattr(backbone, "base_model_prefix", "") or ""
     names = match.weight_names
     if isinstance(seq_head.head, TokenLogits):  # its kernel comes from the LM head rows, never from ``score``
         names = tuple((p, n) for p, n in names if not p.startswith("head/"))
-    head_params, report = _init_head(seq_head, cfg.hidden_size, seed, names, state,
-                                     strip_prefixes=[base] if base else [],
-                                     ignore_mismatched_sizes=ignore_mismatched_sizes, source=path)
+    head_params, report = _init_head(
+        seq_head,
+        cfg.hidden_size,
+        seed,
+        names,
+        state,
+        strip_prefixes=[base] if base else [],
+        ignore_mismatched_sizes=ignore_mismatched_sizes,
+        source=path,
+    )
     if isinstance(seq_head.head, TokenLogits):
         head_params, report = _token_logits(seq_head.head, cfg, state, backbone, head_params, report, path)
     params = {"backbone": backbone.params, "head": jax.tree.map(jnp.asarray, head_params)}
-    model = SequenceModel(backbone=backbone, head=seq_head, num_labels=n, problem_type=ptype, params=params,
-                          id2label=labels, pool_mask=match.pool_mask, pad_token_id=pad, eos_token_id=eos,
-                          arch=match.arch, hf_names=match.hf_names, name_or_path=path, report=report)
+    model = SequenceModel(
+        backbone=backbone,
+        head=seq_head,
+        num_labels=n,
+        problem_type=ptype,
+        params=params,
+        id2label=labels,
+        pool_mask=match.pool_mask,
+        pad_token_id=pad,
+        eos_token_id=eos,
+        arch=match.arch,
+        hf_names=match.hf_names,
+        name_or_path=path,
+        report=report,
+    )
     if loaded is not None:  # read in base_dtype, and quantised tensor by tensor, already
         return model
     model = model if base_dtype is None else model.with_base_dtype(base_dtype)
@@ -123,18 +162,20 @@ def _load_onto_mesh(path: str, mesh, *, dtype, remat, plan, base_dtype, quantize
     are not stored tensors (then it loads eagerly and is placed by the run)."""
     from jax.sharding import Mesh, NamedSharding
 
-
     mesh = mesh if isinstance(mesh, Mesh) else make_mesh(mesh)
     config = HFConfig.from_folder(path)
     fam = family_for(config.get("model_type"))
     if fam is None:
-        raise BackboneError(f"{path}: model_type {config.get('model_type')!r} has no native backbone to read onto a "
-                            "mesh; load it without mesh=")
+        raise BackboneError(
+            f"{path}: model_type {config.get('model_type')!r} has no native backbone to read onto a "
+            "mesh; load it without mesh="
+        )
     config = fam.complete_config(config)
     fam.check_config(config)
 
-    layout = Layout.for_model(mesh, abstract_model(path, remat=remat, plan=plan, base_dtype=base_dtype,
-                                                   quantize=quantize))
+    layout = Layout.for_model(
+        mesh, abstract_model(path, remat=remat, plan=plan, base_dtype=base_dtype, quantize=quantize)
+    )
 
     def on_layout(names: tuple[str, ...], shape: tuple[int, ...]) -> NamedSharding:
         return NamedSharding(mesh, layout.spec_of(("backbone",) + names, shape))
@@ -149,11 +190,17 @@ def _load_onto_mesh(path: str, mesh, *, dtype, remat, plan, base_dtype, quantize
         return quantize_onto(x, quantize, lambda part, shape: on_layout(p + (part,), shape))
 
     try:
-        params, rest = load_sharded(path, fam, config, sharding,
-                                    dtype=jnp.float32 if base_dtype is None else base_dtype,
-                                    transform=None if quantize is None else quantized,
-                                    check=lambda shapes: check_params(fam.param_shapes(config), shapes, source=path,
-                                                                      model_type=config.get("model_type")))
+        params, rest = load_sharded(
+            path,
+            fam,
+            config,
+            sharding,
+            dtype=jnp.float32 if base_dtype is None else base_dtype,
+            transform=None if quantize is None else quantized,
+            check=lambda shapes: check_params(
+                fam.param_shapes(config), shapes, source=path, model_type=config.get("model_type")
+            ),
+        )
     except (WeightsNotFoundError, NotLazyLoadable):
         return None
     return fam(config, params, dtype=dtype, remat=remat, plan=plan), rest
@@ -168,24 +215,28 @@ def _init_head(seq_head: SequenceHead, hidden_size: int, seed: int, names, state
     return head_params, LoadReport(pretrained=loaded, new=[p for p in _module_paths(head_params) if p not in done])
 
 
-def _token_logits(head: TokenLogits, cfg, state, backbone, head_params: dict, report: LoadReport,
-                  path: str) -> tuple[dict, LoadReport]:
+def _token_logits(
+    head: TokenLogits, cfg, state, backbone, head_params: dict, report: LoadReport, path: str
+) -> tuple[dict, LoadReport]:
     """The TokenLogits kernel filled from the folder's LM head rows (:mod:`flaxheads.heads.token_logits`)."""
     tied = getattr(cfg, "tie_word_embeddings", False)
     embedding = (getattr(backbone, "params", None) or {}).get("embed_tokens", {}).get("embedding") if tied else None
     w = token_logits.kernel(head, cfg, state or {}, None if embedding is None else jax.device_get(embedding), path)
     inner = dict(head_params["head"])
     inner["classifier"] = {**inner["classifier"], "kernel": w.astype(np.asarray(inner["classifier"]["kernel"]).dtype)}
-    report = LoadReport(pretrained=[p for p in report.pretrained if p[0] != "head/classifier"]
-                        + [("head/classifier", token_logits.describe(head))],
-                        new=[p for p in report.new if p != "head/classifier"])
+    report = LoadReport(
+        pretrained=[p for p in report.pretrained if p[0] != "head/classifier"]
+        + [("head/classifier", token_logits.describe(head))],
+        new=[p for p in report.new if p != "head/classifier"],
+    )
     return {**head_params, "head": inner}, report
 
 
 def _labels(id2label, num_labels, cfg) -> dict[int, str] | None:
     if id2label is not None:
-        labels = ({int(k): str(v) for k, v in id2label.items()} if isinstance(id2label, dict)
-                  else dict(enumerate(id2label)))
+        labels = (
+            {int(k): str(v) for k, v in id2label.items()} if isinstance(id2label, dict) else dict(enumerate(id2label))
+        )
         if num_labels is not None and num_labels != len(labels):
             raise ConfigError(f"num_labels={num_labels} but id2label has {len(labels)} entries")
         if sorted(labels) != list(range(len(labels))):

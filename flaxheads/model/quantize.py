@@ -29,6 +29,7 @@ Families whose every matmul kernel goes through :func:`flaxheads.layers.dense.ma
 quantised base (``"quantize"`` in their :attr:`~flaxheads.backbones.base.Backbone.features`: the
 decoder LLMs); the others fuse or rescale kernels before multiplying and are refused by name.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -68,8 +69,9 @@ def _quantize(kernel: jax.Array, qtype: str, tiles: dict[int, int] | None):
 
     dtype = jnp.result_type(kernel)
     scale = dtype if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits == 16 else jnp.float32
-    return qwix.quantize(jnp.asarray(kernel, jnp.float32), _QTYPES[qtype], channelwise_axes=(1,), tiled_axes=tiles,
-                         scale_dtype=scale)
+    return qwix.quantize(
+        jnp.asarray(kernel, jnp.float32), _QTYPES[qtype], channelwise_axes=(1,), tiled_axes=tiles, scale_dtype=scale
+    )
 
 
 def quantize_kernel(kernel: jax.Array, qtype: str):
@@ -84,9 +86,11 @@ def check_family(model_type: str | None) -> None:
 
     fam = family_for(model_type)
     if fam is None or "quantize" not in fam.features:
-        raise UsageError(f"a quantised base is not available for model_type {model_type!r}: its family fuses or "
-                         "rescales kernels outside the shared matmul; quantised bases serve the decoder LLMs "
-                         "(llama, mistral, qwen2, qwen3, gemma*). Load it in bfloat16 (--base-dtype bfloat16) instead")
+        raise UsageError(
+            f"a quantised base is not available for model_type {model_type!r}: its family fuses or "
+            "rescales kernels outside the shared matmul; quantised bases serve the decoder LLMs "
+            "(llama, mistral, qwen2, qwen3, gemma*). Load it in bfloat16 (--base-dtype bfloat16) instead"
+        )
 
 
 def quantizable(path: tuple[str, ...], shape: tuple[int, ...]) -> bool:
@@ -99,8 +103,7 @@ def quantize_params(backbone_params, qtype: str, model_type: str | None) -> dict
     """``backbone_params`` with every :func:`quantizable` kernel quantised."""
     check_family(model_type)
     flat = flatten_dict(backbone_params)
-    return unflatten_dict({k: quantize_kernel(v, qtype) if quantizable(k, np.shape(v)) else v
-                           for k, v in flat.items()})
+    return unflatten_dict({k: quantize_kernel(v, qtype) if quantizable(k, np.shape(v)) else v for k, v in flat.items()})
 
 
 @lru_cache(maxsize=64)
@@ -114,8 +117,12 @@ def _blockwise(qtype: str, tree: Any, sharding: NamedSharding, tiles: tuple | No
     from flaxheads.runtime.parallel import _per_device
 
     spec = sharding.spec  # a block's codes and scale lie on its device: both split like the kernel
-    fn = _per_device(partial(_quantize, qtype=qtype, tiles=dict(tiles) if tiles else None), sharding.mesh,
-                     in_specs=spec, out_specs=jax.tree.unflatten(tree, (spec, spec)))
+    fn = _per_device(
+        partial(_quantize, qtype=qtype, tiles=dict(tiles) if tiles else None),
+        sharding.mesh,
+        in_specs=spec,
+        out_specs=jax.tree.unflatten(tree, (spec, spec)),
+    )
     return jax.jit(fn)
 
 
@@ -152,5 +159,11 @@ def quantization_of(backbone_params) -> str | None:
 
 def device_bytes(tree) -> int:
     """Bytes the arrays of ``tree`` take on their devices (sub-byte codes packed, as XLA stores them)."""
-    return int(sum(x.on_device_size_in_bytes() if hasattr(x, "on_device_size_in_bytes") else
-                   (np.dtype(x.dtype).itemsize * x.size) for x in jax.tree.leaves(tree)))
+    return int(
+        sum(
+            x.on_device_size_in_bytes()
+            if hasattr(x, "on_device_size_in_bytes")
+            else (np.dtype(x.dtype).itemsize * x.size)
+            for x in jax.tree.leaves(tree)
+        )
+    )

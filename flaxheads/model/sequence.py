@@ -4,6 +4,7 @@ Backbones follow the contract of :mod:`flaxheads.backbones.base` and are called 
 ``backbone(input_ids, attention_mask, params=..., dropout_rng=..., train=...)[0]`` (the last
 hidden state), extra inputs (position ids, token types) included.
 """
+
 from __future__ import annotations
 
 import copy
@@ -77,24 +78,49 @@ class SequenceModel:
         """The mask the pooler sees (GPT-2: ids != pad; BART: ids == eos; else attention mask)."""
         if self.pool_mask not in ("non_pad_token", "eos_token"):
             return attention_mask
-        key, token = (("pad_token_id", self.pad_token_id) if self.pool_mask == "non_pad_token"
-                      else ("eos_token_id", self.eos_token_id))
+        key, token = (
+            ("pad_token_id", self.pad_token_id)
+            if self.pool_mask == "non_pad_token"
+            else ("eos_token_id", self.eos_token_id)
+        )
         if token is None:  # check_pool_mask refuses such a model where one is built from a preset
             raise ConfigError(f"pool_mask {self.pool_mask!r} needs the model's {key}, which is None")
         return (jnp.not_equal if self.pool_mask == "non_pad_token" else jnp.equal)(input_ids, token)
 
-    def features(self, backbone_params, input_ids, attention_mask, *, train: bool = False,
-                 dropout_rng: jax.Array | None = None, **extra) -> tuple[jax.Array, jax.Array]:
+    def features(
+        self,
+        backbone_params,
+        input_ids,
+        attention_mask,
+        *,
+        train: bool = False,
+        dropout_rng: jax.Array | None = None,
+        **extra,
+    ) -> tuple[jax.Array, jax.Array]:
         """Encoder last hidden state [B, T, H] and the pooling mask [B, T]."""
         if "token_type_ids" not in extra and _takes(self.backbone, "token_type_ids"):
             # HF's FlaxElectraModel defaults token types to ones (PyTorch: zeros); pass zeros explicitly.
             extra["token_type_ids"] = jnp.zeros_like(input_ids)
-        out = self.backbone(input_ids, attention_mask=attention_mask, params=backbone_params,
-                            dropout_rng=dropout_rng, train=train, **extra)
+        out = self.backbone(
+            input_ids,
+            attention_mask=attention_mask,
+            params=backbone_params,
+            dropout_rng=dropout_rng,
+            train=train,
+            **extra,
+        )
         return out[0], self.pooling_mask(input_ids, attention_mask)
 
-    def pooler_inputs(self, backbone_params, input_ids, attention_mask, *, train: bool = False,
-                      dropout_rng: jax.Array | None = None, **extra) -> tuple[jax.Array, jax.Array]:
+    def pooler_inputs(
+        self,
+        backbone_params,
+        input_ids,
+        attention_mask,
+        *,
+        train: bool = False,
+        dropout_rng: jax.Array | None = None,
+        **extra,
+    ) -> tuple[jax.Array, jax.Array]:
         """What the pooler reads: :meth:`features`, or, when the pooler reads one token per sequence
         (:meth:`~flaxheads.heads.poolers.Pooler.position`: first token, last non-pad, ...) and the
         backbone can stop there (``"only_at"`` in its features), that token's last hidden state
@@ -106,10 +132,12 @@ class SequenceModel:
         if self.pooled_token_only and pooler is not None and "only_at" in getattr(self.backbone, "features", ()):
             at = pooler.position(pool_mask)
         if at is None:
-            return self.features(backbone_params, input_ids, attention_mask, train=train, dropout_rng=dropout_rng,
-                                 **extra)
-        hidden, _ = self.features(backbone_params, input_ids, attention_mask, train=train, dropout_rng=dropout_rng,
-                                  only_at=at, **extra)
+            return self.features(
+                backbone_params, input_ids, attention_mask, train=train, dropout_rng=dropout_rng, **extra
+            )
+        hidden, _ = self.features(
+            backbone_params, input_ids, attention_mask, train=train, dropout_rng=dropout_rng, only_at=at, **extra
+        )
         return hidden, jnp.ones(hidden.shape[:2], jnp.int32)
 
     def backbone_params(self, params) -> dict:
@@ -118,8 +146,10 @@ class SequenceModel:
         if self.lora is None:
             return params["backbone"]
         if LORA not in params:
-            raise ConfigError("this model has LoRA adapters but the params have no 'lora' subtree; pass the "
-                              "params of the model with adapters (model.params), or merge them (flaxheads.model.lora)")
+            raise ConfigError(
+                "this model has LoRA adapters but the params have no 'lora' subtree; pass the "
+                "params of the model with adapters (model.params), or merge them (flaxheads.model.lora)"
+            )
         return merge_lora(params["backbone"], params[LORA], self.lora, self.model_type)
 
     def with_base_dtype(self, dtype) -> SequenceModel:
@@ -146,33 +176,73 @@ class SequenceModel:
         """This model with fresh LoRA adapters (see :func:`flaxheads.model.lora.with_lora`)."""
         return with_lora(self, config, seed=seed, **options)
 
-    def packed_features(self, backbone_params, input_ids, segment_ids, position_ids, segment_index, segment_mask, *,
-                        train: bool = False, dropout_rng: jax.Array | None = None,
-                        **extra) -> tuple[jax.Array, jax.Array]:
+    def packed_features(
+        self,
+        backbone_params,
+        input_ids,
+        segment_ids,
+        position_ids,
+        segment_index,
+        segment_mask,
+        *,
+        train: bool = False,
+        dropout_rng: jax.Array | None = None,
+        **extra,
+    ) -> tuple[jax.Array, jax.Array]:
         """Rows packing several texts (see :mod:`flaxheads.data.packing`) through the backbone, then
         each text gathered into its own row: hidden ``[R*S, L, H]`` and pooling mask ``[R*S, L]``, as
         the unpacked texts would give them, so every pooler and head applies unchanged."""
         if "packing" not in getattr(self.backbone, "features", ()) or self.pool_mask != "attention_mask":
-            raise ConfigError(f"packed batches need a backbone that restarts positions and keeps attention "
-                              f"within each text (BERT-like encoders) and a pooler on the attention mask; "
-                              f"this {self.model_type} model has neither: train without packing")
-        hidden, _ = self.features(backbone_params, input_ids, (segment_ids > 0).astype(jnp.int32), train=train,
-                                  dropout_rng=dropout_rng, position_ids=position_ids, segment_ids=segment_ids,
-                                  **extra)
+            raise ConfigError(
+                f"packed batches need a backbone that restarts positions and keeps attention "
+                f"within each text (BERT-like encoders) and a pooler on the attention mask; "
+                f"this {self.model_type} model has neither: train without packing"
+            )
+        hidden, _ = self.features(
+            backbone_params,
+            input_ids,
+            (segment_ids > 0).astype(jnp.int32),
+            train=train,
+            dropout_rng=dropout_rng,
+            position_ids=position_ids,
+            segment_ids=segment_ids,
+            **extra,
+        )
         rows, segs, length = segment_index.shape
         texts = hidden[jnp.arange(rows)[:, None, None], segment_index]  # [R, S, L, H]
         return texts.reshape(rows * segs, length, -1), segment_mask.reshape(rows * segs, length)
 
-    def apply_packed(self, params, input_ids, segment_ids, position_ids, segment_index, segment_mask, *,
-                     train: bool = False, dropout_rng: jax.Array | None = None, **extra) -> jax.Array:
+    def apply_packed(
+        self,
+        params,
+        input_ids,
+        segment_ids,
+        position_ids,
+        segment_index,
+        segment_mask,
+        *,
+        train: bool = False,
+        dropout_rng: jax.Array | None = None,
+        **extra,
+    ) -> jax.Array:
         """Logits ``[R*S, num_labels]`` of a packed batch, one row per text slot (empty slots included)."""
         rb, rh = _dropout_keys(train, dropout_rng)
-        hidden, mask = self.packed_features(self.backbone_params(params), input_ids, segment_ids, position_ids,
-                                            segment_index, segment_mask, train=train, dropout_rng=rb, **extra)
+        hidden, mask = self.packed_features(
+            self.backbone_params(params),
+            input_ids,
+            segment_ids,
+            position_ids,
+            segment_index,
+            segment_mask,
+            train=train,
+            dropout_rng=rb,
+            **extra,
+        )
         return self.head_apply(params["head"], hidden, mask, train=train, dropout_rng=rh)
 
-    def head_apply(self, head_params, hidden, mask, *, train: bool = False,
-                   dropout_rng: jax.Array | None = None) -> jax.Array:
+    def head_apply(
+        self, head_params, hidden, mask, *, train: bool = False, dropout_rng: jax.Array | None = None
+    ) -> jax.Array:
         """Pooler + head on hidden states: logits (or embeddings) [B, N], float32."""
         rngs: dict[str, jax.Array] = {}
         if train:
@@ -180,17 +250,28 @@ class SequenceModel:
                 raise ConfigError("train=True needs a dropout_rng")
             rngs["dropout"] = dropout_rng
         # apply's union return covers mutable collections, which this call asks for none of
-        return cast(jax.Array, linen.module(self.head).apply({"params": head_params}, hidden, mask,
-                                                             deterministic=not train, rngs=rngs))
+        return cast(
+            jax.Array,
+            linen.module(self.head).apply({"params": head_params}, hidden, mask, deterministic=not train, rngs=rngs),
+        )
 
-    def apply(self, params, input_ids, attention_mask=None, *, train: bool = False,
-              dropout_rng: jax.Array | None = None, **extra) -> jax.Array:
+    def apply(
+        self,
+        params,
+        input_ids,
+        attention_mask=None,
+        *,
+        train: bool = False,
+        dropout_rng: jax.Array | None = None,
+        **extra,
+    ) -> jax.Array:
         """Logits [B, num_labels] in float32 (embeddings for projection heads)."""
         if attention_mask is None:
             attention_mask = jnp.ones_like(input_ids)
         rb, rh = _dropout_keys(train, dropout_rng)
-        hidden, mask = self.pooler_inputs(self.backbone_params(params), input_ids, attention_mask, train=train,
-                                          dropout_rng=rb, **extra)
+        hidden, mask = self.pooler_inputs(
+            self.backbone_params(params), input_ids, attention_mask, train=train, dropout_rng=rb, **extra
+        )
         return self.head_apply(params["head"], hidden, mask, train=train, dropout_rng=rh)
 
     def __call__(self, input_ids, attention_mask=None, params=None, **kw) -> jax.Array:
@@ -227,8 +308,15 @@ def _takes(fn, name: str) -> bool:
     return name in inspect.signature(fn.__call__).parameters
 
 
-def build_head(hf_config, num_labels: int, *, pooler=None, head=None, pooler_options: dict | None = None,
-               head_options: dict | None = None) -> tuple[SequenceHead, Preset | None]:
+def build_head(
+    hf_config,
+    num_labels: int,
+    *,
+    pooler=None,
+    head=None,
+    pooler_options: dict | None = None,
+    head_options: dict | None = None,
+) -> tuple[SequenceHead, Preset | None]:
     """The HF preset for ``hf_config.model_type`` unless ``pooler``/``head`` choose otherwise."""
     preset = preset_for(hf_config, num_labels)
     pooler_options, head_options = dict(pooler_options or {}), dict(head_options or {})
@@ -237,8 +325,11 @@ def build_head(hf_config, num_labels: int, *, pooler=None, head=None, pooler_opt
     else:
         p = make_pooler(pooler if pooler is not None else "mean", **pooler_options)
     if head is None and not head_options:
-        h: Head = preset.head if preset else LinearHead(
-            num_labels, dropout=float(getattr(hf_config, "hidden_dropout_prob", 0.1) or 0.0))
+        h: Head = (
+            preset.head
+            if preset
+            else LinearHead(num_labels, dropout=float(getattr(hf_config, "hidden_dropout_prob", 0.1) or 0.0))
+        )
     elif isinstance(head, Head):
         h = make_head(head, **head_options)
     else:

@@ -12,6 +12,7 @@ of :mod:`flaxheads.heads.poolers`, ``nnx.Linear``/``nnx.LayerNorm``, which compu
 Dropout draws its masks from the module's ``nnx.Rngs`` (``dropout`` stream), not from the
 functional path's explicit key: with dropout active the two paths draw different masks.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -165,8 +166,9 @@ class MLPHead(_Configured):
             setattr(self, f"dense_{i}", _linear(w, d or w, config.init_std, rngs, config.dense_bias))
             w = d or w
             if config.layer_norm:
-                setattr(self, f"norm_{i}", nnx.LayerNorm(w, epsilon=config.norm_eps, use_bias=config.norm_bias,
-                                                         rngs=rngs))
+                setattr(
+                    self, f"norm_{i}", nnx.LayerNorm(w, epsilon=config.norm_eps, use_bias=config.norm_bias, rngs=rngs)
+                )
         self.out_proj = _linear(w, config.num_labels, config.init_std, rngs, config.out_bias)
 
     def __call__(self, x, deterministic: bool = True):
@@ -216,8 +218,9 @@ class SequenceHead(nnx.Module):
     ``config`` is a :class:`flaxheads.SequenceHead` (e.g. ``model.head``, ``flaxheads.config.from_json(...)``);
     ``params`` (a functional ``params["head"]`` subtree) replaces the fresh initialisation."""
 
-    def __init__(self, config: H.SequenceHead, hidden_size: int, *, rngs: nnx.Rngs | None = None,
-                 params: dict | None = None):
+    def __init__(
+        self, config: H.SequenceHead, hidden_size: int, *, rngs: nnx.Rngs | None = None, params: dict | None = None
+    ):
         rngs = nnx.Rngs(0) if rngs is None else rngs
         self.config = config
         self.pooler = pooler(config.pooler, hidden_size, rngs=rngs)
@@ -230,17 +233,29 @@ class SequenceHead(nnx.Module):
         return self.head(self.pooler(hidden, mask, deterministic), deterministic)
 
 
-_POOLERS = {P.Pool: Pool, P.AttentionPool: AttentionPool, P.DensePooler: DensePooler,
-            P.LateDensePooler: LateDensePooler, P.SequenceSummary: SequenceSummary, P.Concat: Concat}
-_HEADS = {H.LinearHead: LinearHead, H.MLPHead: MLPHead, H.ProjectionHead: ProjectionHead,
-          H.IdentityHead: IdentityHead, H.TokenLogits: LinearHead}
+_POOLERS = {
+    P.Pool: Pool,
+    P.AttentionPool: AttentionPool,
+    P.DensePooler: DensePooler,
+    P.LateDensePooler: LateDensePooler,
+    P.SequenceSummary: SequenceSummary,
+    P.Concat: Concat,
+}
+_HEADS = {
+    H.LinearHead: LinearHead,
+    H.MLPHead: MLPHead,
+    H.ProjectionHead: ProjectionHead,
+    H.IdentityHead: IdentityHead,
+    H.TokenLogits: LinearHead,
+}
 
 
 def _nnx_form(forms: dict, what: str, config, width: int, rngs: nnx.Rngs) -> nnx.Module:
     cls = forms.get(type(config))
     if cls is None:
-        raise ConfigError(f"no NNX form of {what} {type(config).__name__}; NNX {what}s: "
-                          f"{sorted(c.__name__ for c in forms)}")
+        raise ConfigError(
+            f"no NNX form of {what} {type(config).__name__}; NNX {what}s: {sorted(c.__name__ for c in forms)}"
+        )
     return cls(config, width, rngs=rngs)
 
 

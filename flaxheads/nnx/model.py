@@ -13,6 +13,7 @@ Variable types say what trains: the head is ``nnx.Param``; LoRA adapters are :cl
 Every variable carries its logical axis names (``out_sharding``, from the backbone family's
 rule) for :func:`shardings`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -69,25 +70,30 @@ class NNXSequenceModel(nnx.Module):
     ``dropout``); a frozen backbone without adapters runs in inference mode, as
     ``make_train_step(freeze_backbone=True)`` runs it."""
 
-    def __init__(self, model, params: Mapping | None = None, *, freeze_backbone: bool | None = None,
-                 rngs: nnx.Rngs | None = None):
+    def __init__(
+        self, model, params: Mapping | None = None, *, freeze_backbone: bool | None = None, rngs: nnx.Rngs | None = None
+    ):
         params = model.params if params is None else params
         has_lora = getattr(model, "lora", None) is not None
         if has_lora and LORA not in params:
             raise ConfigError("this model has LoRA adapters but the params have no 'lora' subtree")
         self.frozen = bool(has_lora if freeze_backbone is None else freeze_backbone)
         if has_lora and not self.frozen:
-            raise ConfigError("a model with LoRA adapters trains the adapters on a frozen base: leave "
-                              "freeze_backbone unset (or True), or merge the adapters first (fh.lora.merge_model)")
+            raise ConfigError(
+                "a model with LoRA adapters trains the adapters on a frozen base: leave "
+                "freeze_backbone unset (or True), or merge the adapters first (fh.lora.merge_model)"
+            )
         self.rngs = nnx.Rngs(0) if rngs is None else rngs
         axes = model_param_axes(dataclasses.replace(model, params=dict(params)))
-        self.backbone = nnx.data(_variables(params["backbone"], FrozenBase if self.frozen else nnx.Param, axes,
-                                            ("backbone",)))
+        self.backbone = nnx.data(
+            _variables(params["backbone"], FrozenBase if self.frozen else nnx.Param, axes, ("backbone",))
+        )
         self.lora = nnx.data(_variables(params[LORA], LoraParam, axes, (LORA,)) if has_lora else None)
         self.head = SequenceHead(model.head, model.hidden_size, rngs=self.rngs)
         load_head_params(self.head, params["head"])
         for path, var in jax.tree_util.tree_leaves_with_path(
-                nnx.state(self.head, nnx.Param), is_leaf=lambda v: isinstance(v, nnx.Variable)):
+            nnx.state(self.head, nnx.Param), is_leaf=lambda v: isinstance(v, nnx.Variable)
+        ):
             names = axes.get(("head",) + tuple(str(getattr(k, "key", k)) for k in path))
             if names is not None:  # logical names: placed by shardings(), never eagerly (no mesh needed)
                 var.set_metadata("out_sharding", tuple(names))
@@ -115,8 +121,12 @@ class NNXSequenceModel(nnx.Module):
             # mypy cannot resolve jaxlib's PyTreeDef (an alias of a compiled class), so not its comparison
             if jax.tree.structure(_values(mine)) != jax.tree.structure(dict(params[name])):  # type: ignore[operator]
                 raise ConfigError(f"params[{name!r}] does not have this model's structure")
-            jax.tree.map(lambda v, x: v.set_value(jnp.asarray(x)), mine, dict(params[name]),
-                         is_leaf=lambda v: isinstance(v, nnx.Variable))
+            jax.tree.map(
+                lambda v, x: v.set_value(jnp.asarray(x)),
+                mine,
+                dict(params[name]),
+                is_leaf=lambda v: isinstance(v, nnx.Variable),
+            )
         load_head_params(self.head, params["head"])
 
     def to_functional(self):
@@ -133,15 +143,17 @@ class NNXSequenceModel(nnx.Module):
             tree[LORA] = _values(self.lora)
         backbone_train = train and not (self.frozen and self.lora is None)
         key = self.rngs.dropout() if backbone_train else None
-        hidden, mask = fm.pooler_inputs(fm.backbone_params(tree), input_ids, attention_mask, train=backbone_train,
-                                        dropout_rng=key, **extra)
+        hidden, mask = fm.pooler_inputs(
+            fm.backbone_params(tree), input_ids, attention_mask, train=backbone_train, dropout_rng=key, **extra
+        )
         if self.frozen and self.lora is None:
             hidden = jax.lax.stop_gradient(hidden)  # nothing in the backbone trains: no backward through it
         return self.head(hidden, mask, deterministic=not train)
 
 
-def to_nnx(model, params: Mapping | None = None, *, freeze_backbone: bool | None = None,
-           rngs: nnx.Rngs | None = None) -> NNXSequenceModel:
+def to_nnx(
+    model, params: Mapping | None = None, *, freeze_backbone: bool | None = None, rngs: nnx.Rngs | None = None
+) -> NNXSequenceModel:
     """``model`` (a :class:`~flaxheads.SequenceModel`) as an :class:`NNXSequenceModel` on ``params``
     (default ``model.params``). ``freeze_backbone``: the backbone as :class:`FrozenBase` (default:
     frozen when the model has LoRA adapters, else trainable)."""

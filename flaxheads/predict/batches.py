@@ -6,23 +6,23 @@ Batches come from :mod:`flaxheads.data.batching` (``bucket_length``, ``token_bat
 and outputs are gathered by :func:`flaxheads.data.batching.predict_batches`, the pieces training's
 evaluation uses, so a text is padded and computed here as it was there.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import functools
 import warnings
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from jax.sharding import Mesh
 
 from flaxheads.data.batching import bucket_length, pad_rows, predict_batches, token_batch
+from flaxheads.data.tables import DataError
 from flaxheads.runtime.parallel import DATA_AXIS, Parallel
 from flaxheads.training.programs import constants_program, make_eval_step
-from flaxheads.data.tables import DataError
 
 #: Above this many batches a call shows a progress bar (when tqdm is installed).
 PROGRESS_BATCHES = 8
@@ -63,35 +63,52 @@ class Encoded:
         return np.asarray([len(x) for x in self.input_ids], np.int64)
 
 
-def encode(tokenizer, texts: list[str], pairs: list[str] | None, max_length: int, *, truncate: bool = True,
-           rows: Sequence[str] | None = None, add_special_tokens: bool = True) -> Encoded:
+def encode(
+    tokenizer,
+    texts: list[str],
+    pairs: list[str] | None,
+    max_length: int,
+    *,
+    truncate: bool = True,
+    rows: Sequence[str] | None = None,
+    add_special_tokens: bool = True,
+) -> Encoded:
     """Tokenise with the model's tokenizer, cutting to ``max_length`` tokens (longest first for
     pairs, as training did). Texts that needed cutting are found by encoding to one token
     more; ``truncate=False`` refuses them (a :class:`DataError` naming them)."""
+
     def run(t, p, n):
         special = {} if add_special_tokens else {"add_special_tokens": False}  # texts that already hold them
         out = tokenizer(t, p, truncation=True, max_length=n, padding=False, **special)
         ids = [np.asarray(x, np.int32) for x in out["input_ids"]]
-        tt = [np.asarray(x, np.int32) for x in out["token_type_ids"]] \
-            if p is not None and "token_type_ids" in out else None
+        tt = (
+            [np.asarray(x, np.int32) for x in out["token_type_ids"]]
+            if p is not None and "token_type_ids" in out
+            else None
+        )
         return ids, tt
 
     ids, tt = run(texts, pairs, max_length + 1)
     over = np.flatnonzero(np.asarray([len(x) for x in ids]) > max_length)
     if len(over) and not truncate:
         names = [rows[i] if rows is not None else f"texts[{i}]" for i in over[:5]]
-        raise DataError(f"{len(over)} input(s) are longer than the model's {max_length} tokens, e.g. "
-                        f"{', '.join(names)}; shorten them, or allow truncation (truncate=True, the default; "
-                        "the command line truncates unless --no-truncate)")
+        raise DataError(
+            f"{len(over)} input(s) are longer than the model's {max_length} tokens, e.g. "
+            f"{', '.join(names)}; shorten them, or allow truncation (truncate=True, the default; "
+            "the command line truncates unless --no-truncate)"
+        )
     if len(over):
-        cut_ids, cut_tt = run([texts[i] for i in over], None if pairs is None else [pairs[i] for i in over],
-                              max_length)
+        cut_ids, cut_tt = run([texts[i] for i in over], None if pairs is None else [pairs[i] for i in over], max_length)
         for j, i in enumerate(over):
             ids[i] = cut_ids[j]
             if tt is not None:
                 tt[i] = cut_tt[j]
-        warnings.warn(f"{len(over)} of {len(texts)} texts were longer than {max_length} tokens and were truncated "
-                      f"to {max_length}", TruncationWarning, stacklevel=3)
+        warnings.warn(
+            f"{len(over)} of {len(texts)} texts were longer than {max_length} tokens and were truncated "
+            f"to {max_length}",
+            TruncationWarning,
+            stacklevel=3,
+        )
     return Encoded(ids, tt, over)
 
 
@@ -112,8 +129,10 @@ def plan(lengths: np.ndarray, batch_size: int, buckets: Sequence[int]) -> list[t
     """``(indices, padded length)`` per batch: texts sorted by length, cut into batches of
     ``batch_size``, each padded to the bucket of its longest text."""
     order = np.argsort(lengths, kind="stable")
-    return [(idx, bucket_length(int(lengths[idx].max()), buckets))
-            for idx in (order[i:i + batch_size] for i in range(0, len(order), batch_size))]
+    return [
+        (idx, bucket_length(int(lengths[idx].max()), buckets))
+        for idx in (order[i : i + batch_size] for i in range(0, len(order), batch_size))
+    ]
 
 
 def batch_rows(n: int, batch_size: int, width: int) -> int:
@@ -132,14 +151,18 @@ class Runner:
     def __init__(self, model, params, devices=None):
         devices = list(devices if devices is not None else jax.local_devices())
         # a 1-D data mesh over this process's devices: every device computes a slice of each batch
-        self.parallel = Parallel("mesh", Mesh(np.asarray(devices), (DATA_AXIS,))) if len(devices) > 1 \
-            else Parallel("single")
+        self.parallel = (
+            Parallel("mesh", Mesh(np.asarray(devices), (DATA_AXIS,))) if len(devices) > 1 else Parallel("single")
+        )
         self.model = model
         self.params = self.parallel.put_state(params)
         step = make_eval_step(model)
         # program(batch) with the parameters compiled in; otherwise program(params, batch)
-        fixed = constants_program(step, self.params, model.plan, getattr(model.backbone, "dtype", jnp.float32)) \
-            if self.parallel.mode == "single" else None
+        fixed = (
+            constants_program(step, self.params, model.plan, getattr(model.backbone, "dtype", jnp.float32))
+            if self.parallel.mode == "single"
+            else None
+        )
         self.program = fixed or self.parallel.compile(step, donate=False)
         self._forward = fixed or functools.partial(self.program, self.params)
 
@@ -147,8 +170,9 @@ class Runner:
     def width(self) -> int:
         return self.parallel.width
 
-    def __call__(self, enc: Encoded, *, batch_size: int, buckets: Sequence[int], pad_id: int,
-                 progress: bool | None = None) -> np.ndarray:
+    def __call__(
+        self, enc: Encoded, *, batch_size: int, buckets: Sequence[int], pad_id: int, progress: bool | None = None
+    ) -> np.ndarray:
         """Outputs ``[N, K]`` float32 for the encoded texts, in their order."""
         n = len(enc.input_ids)
         if n == 0:

@@ -1,6 +1,7 @@
 """Texts in, predictions out: :class:`Classifier` holds a model with its tokenizer, params,
 labels, problem type and decision threshold, and turns lists of texts (and text pairs) into
 labels and scores, regression values or embeddings."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -56,9 +57,19 @@ class Classifier:
 
     # ---- construction -----------------------------------------------------------------------
     @classmethod
-    def from_model(cls, model: SequenceModel, tokenizer: Tokenizer | str | os.PathLike, *, params: dict | None = None,
-                   threshold: float = 0.5, max_length: int | None = None, buckets: Sequence[int] | None = None,
-                   bucket_step: int = 32, source: str = "", prompts: Prompts | None = None) -> Classifier:
+    def from_model(
+        cls,
+        model: SequenceModel,
+        tokenizer: Tokenizer | str | os.PathLike,
+        *,
+        params: dict | None = None,
+        threshold: float = 0.5,
+        max_length: int | None = None,
+        buckets: Sequence[int] | None = None,
+        bucket_step: int = 32,
+        source: str = "",
+        prompts: Prompts | None = None,
+    ) -> Classifier:
         """Wrap ``model`` (and ``params``, default ``model.params``) with a tokenizer or its folder.
         ``max_length`` defaults to what the tokenizer / model config allows."""
         tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
@@ -73,14 +84,33 @@ class Classifier:
             b = (*b, n)
         b = short_buckets(b)
         labels = model.id2label or {i: f"LABEL_{i}" for i in range(model.num_labels)}
-        return cls(model, tok, model.params if params is None else params, dict(labels), model.problem_type, n, b,
-                   float(threshold), source or model.name_or_path, prompts or Prompts())
+        return cls(
+            model,
+            tok,
+            model.params if params is None else params,
+            dict(labels),
+            model.problem_type,
+            n,
+            b,
+            float(threshold),
+            source or model.name_or_path,
+            prompts or Prompts(),
+        )
 
     @classmethod
-    def from_pretrained(cls, source: str | os.PathLike, *, step: int | str | None = None,
-                        backbone: str | os.PathLike | None = None, threshold: float | None = None,
-                        max_length: int | None = None, bucket_step: int = 32, dtype=None,
-                        revision: str | None = None, verify: bool = False) -> Classifier:
+    def from_pretrained(
+        cls,
+        source: str | os.PathLike,
+        *,
+        step: int | str | None = None,
+        backbone: str | os.PathLike | None = None,
+        threshold: float | None = None,
+        max_length: int | None = None,
+        bucket_step: int = 32,
+        dtype=None,
+        revision: str | None = None,
+        verify: bool = False,
+    ) -> Classifier:
         """Load what :func:`flaxheads.load` loads, the same way: a run folder (``step``: latest by
         default, ``"best"`` or a number), a checkpoint folder, a transformers classifier folder, a
         sentence-transformers folder, a PEFT adapter, a head export (with ``backbone``, default: the
@@ -89,10 +119,16 @@ class Classifier:
         byte against the recorded checksums."""
         got = load_source(source, step=step, backbone=backbone, dtype=dtype, revision=revision, verify=verify)
         tok = load_tokenizer(got.tokenizer_folder)
-        return cls.from_model(got.model, tok, threshold=threshold if threshold is not None else got.threshold or 0.5,
-                              max_length=max_length or got.max_length,
-                              buckets=None if max_length else got.buckets, bucket_step=bucket_step,
-                              source=os.fspath(source), prompts=read_prompts(got.tokenizer_folder))
+        return cls.from_model(
+            got.model,
+            tok,
+            threshold=threshold if threshold is not None else got.threshold or 0.5,
+            max_length=max_length or got.max_length,
+            buckets=None if max_length else got.buckets,
+            bucket_step=bucket_step,
+            source=os.fspath(source),
+            prompts=read_prompts(got.tokenizer_folder),
+        )
 
     # ---- what it is -------------------------------------------------------------------------
     @property
@@ -118,8 +154,12 @@ class Classifier:
 
         texts, cut = fit_pairs(self.template, zip(queries, documents), count, self.max_length)
         if cut:
-            warnings.warn(f"{len(cut)} of {len(texts)} documents were cut at their end to fit the reranker's prompt "
-                          f"in {self.max_length} tokens", TruncationWarning, stacklevel=3)
+            warnings.warn(
+                f"{len(cut)} of {len(texts)} documents were cut at their end to fit the reranker's prompt "
+                f"in {self.max_length} tokens",
+                TruncationWarning,
+                stacklevel=3,
+            )
         return texts
 
     @property
@@ -142,9 +182,17 @@ class Classifier:
         return self._runner
 
     # ---- outputs ----------------------------------------------------------------------------
-    def outputs(self, texts: Sequence[str], text_pairs: Sequence[str] | None = None, *, batch_size: int = 32,
-                truncate: bool = True, progress: bool | None = None, rows: Sequence[str] | None = None,
-                chat_template: bool = False) -> tuple[np.ndarray, int]:
+    def outputs(
+        self,
+        texts: Sequence[str],
+        text_pairs: Sequence[str] | None = None,
+        *,
+        batch_size: int = 32,
+        truncate: bool = True,
+        progress: bool | None = None,
+        rows: Sequence[str] | None = None,
+        chat_template: bool = False,
+    ) -> tuple[np.ndarray, int]:
         """The model's raw outputs ``[N, K]`` (logits, or embeddings) in input order, and how many
         texts were truncated. ``rows``: how to name each input in errors (default ``texts[i]``).
         ``chat_template``: each (prompt, response) pair is written in the tokenizer's chat template
@@ -164,49 +212,94 @@ class Classifier:
         elif chat_template:
             raise UsageError("chat_template=True formats (prompt, response) pairs: give text_pairs (the responses)")
         with phases.phase("tokenising", unless_named=True):
-            enc = encode(self.tokenizer, texts, pairs, self.max_length, truncate=truncate, rows=rows,
-                         add_special_tokens=not chat_template)
+            enc = encode(
+                self.tokenizer,
+                texts,
+                pairs,
+                self.max_length,
+                truncate=truncate,
+                rows=rows,
+                add_special_tokens=not chat_template,
+            )
         with phases.phase("predicting", unless_named=True):
-            out = self.runner()(enc, batch_size=int(batch_size), buckets=self.buckets, pad_id=self.pad_id,
-                            progress=progress)
+            out = self.runner()(
+                enc, batch_size=int(batch_size), buckets=self.buckets, pad_id=self.pad_id, progress=progress
+            )
         return out, len(enc.truncated)
 
-    def predict(self, texts: Sequence[str], text_pairs: Sequence[str] | None = None, *, batch_size: int = 32,
-                top_k: int | None = None, truncate: bool = True, progress: bool | None = None,
-                rows: Sequence[str] | None = None) -> Predictions:
+    def predict(
+        self,
+        texts: Sequence[str],
+        text_pairs: Sequence[str] | None = None,
+        *,
+        batch_size: int = 32,
+        top_k: int | None = None,
+        truncate: bool = True,
+        progress: bool | None = None,
+        rows: Sequence[str] | None = None,
+    ) -> Predictions:
         """Labels and scores (single-label: softmax, the best label, ``top_k`` best; multi-label:
         sigmoid, the labels over :attr:`threshold`; regression: the values), and the raw logits."""
         if self.is_embedding:
-            raise UsageError(f"{self.source}: this model has an embedding head ({type(self.model.head.head).__name__}),"
-                             " not a classifier or regressor; use embed() (flaxheads embed)")
+            raise UsageError(
+                f"{self.source}: this model has an embedding head ({type(self.model.head.head).__name__}),"
+                " not a classifier or regressor; use embed() (flaxheads embed)"
+            )
         if top_k is not None and not 1 <= int(top_k) <= len(self.id2label):
             raise UsageError(f"top_k must be from 1 to the {len(self.id2label)} labels, got {top_k}")
         if top_k is not None and self.problem_type != SINGLE_LABEL:
-            raise UsageError(f"top_k applies to single-label classifiers; this model is {self.problem_type} "
-                             "(multi-label gives every label's score)")
-        logits, cut = self.outputs(texts, text_pairs, batch_size=batch_size, truncate=truncate, progress=progress,
-                                   rows=rows)
-        return Predictions(logits, self.problem_type, self.id2label, self.threshold if self.problem_type == MULTI_LABEL
-                           else 0.5, None if top_k is None else int(top_k), cut)
+            raise UsageError(
+                f"top_k applies to single-label classifiers; this model is {self.problem_type} "
+                "(multi-label gives every label's score)"
+            )
+        logits, cut = self.outputs(
+            texts, text_pairs, batch_size=batch_size, truncate=truncate, progress=progress, rows=rows
+        )
+        return Predictions(
+            logits,
+            self.problem_type,
+            self.id2label,
+            self.threshold if self.problem_type == MULTI_LABEL else 0.5,
+            None if top_k is None else int(top_k),
+            cut,
+        )
 
-    def embed(self, texts: Sequence[str], text_pairs: Sequence[str] | None = None, *, batch_size: int = 32,
-              truncate: bool = True, progress: bool | None = None, rows: Sequence[str] | None = None) -> np.ndarray:
+    def embed(
+        self,
+        texts: Sequence[str],
+        text_pairs: Sequence[str] | None = None,
+        *,
+        batch_size: int = 32,
+        truncate: bool = True,
+        progress: bool | None = None,
+        rows: Sequence[str] | None = None,
+    ) -> np.ndarray:
         """Embeddings ``[N, D]`` float32 of a projection / identity head (normalised when the head normalises)."""
         if not self.is_embedding:
-            raise UsageError(f"{self.source}: this model's head ({type(self.model.head.head).__name__}) gives "
-                             f"{self.problem_type} logits, not embeddings; use predict() (flaxheads predict), or "
-                             "load a sentence-transformers folder / a model with a projection or identity head")
-        return self.outputs(texts, text_pairs, batch_size=batch_size, truncate=truncate, progress=progress,
-                            rows=rows)[0]
+            raise UsageError(
+                f"{self.source}: this model's head ({type(self.model.head.head).__name__}) gives "
+                f"{self.problem_type} logits, not embeddings; use predict() (flaxheads predict), or "
+                "load a sentence-transformers folder / a model with a projection or identity head"
+            )
+        return self.outputs(texts, text_pairs, batch_size=batch_size, truncate=truncate, progress=progress, rows=rows)[
+            0
+        ]
 
     # ---- rerankers and reward models (one output) -------------------------------------------
-    def score(self, pairs: Sequence[tuple[str, str]], *, batch_size: int = 32, truncate: bool = True,
-              progress: bool | None = None) -> np.ndarray:
+    def score(
+        self,
+        pairs: Sequence[tuple[str, str]],
+        *,
+        batch_size: int = 32,
+        truncate: bool = True,
+        progress: bool | None = None,
+    ) -> np.ndarray:
         """One score per ``(query, candidate)`` pair ``[N]`` float32, in input order (a one-output
         model: a reranker's relevance or a reward model's reward, the raw output)."""
         return score_pairs(self, pairs, batch_size=batch_size, truncate=truncate, progress=progress)
 
-    def rank(self, query: str, candidates: Sequence[str], *, top_k: int | None = None,
-             batch_size: int = 32) -> list[dict]:
+    def rank(
+        self, query: str, candidates: Sequence[str], *, top_k: int | None = None, batch_size: int = 32
+    ) -> list[dict]:
         """``candidates`` for ``query``, best first: ``[{"index", "score", "text"}, ...]``."""
         return rank_candidates(self, query, candidates, top_k=top_k, batch_size=batch_size)

@@ -2,6 +2,7 @@
 Parquet, read by :func:`flaxheads.data.tables.read_table`) or plain text, one text per line,
 from a file or stdin; predictions out as CSV or JSON Lines with the input's columns kept;
 embeddings as ``.npy`` or Parquet."""
+
 from __future__ import annotations
 
 import csv
@@ -16,15 +17,14 @@ from typing import Any
 
 import numpy as np
 
-from flaxheads.runtime import phases
-from flaxheads.errors import UsageError
-from flaxheads.disk.files import umask_mode
-from flaxheads.losses import MULTI_LABEL, SINGLE_LABEL
 from flaxheads.data.tables import TABLE_FORMATS, DataError, TextTable, check_utf8, load_source, load_table, read_table
+from flaxheads.disk.files import umask_mode
+from flaxheads.errors import UsageError
+from flaxheads.losses import MULTI_LABEL, SINGLE_LABEL
+from flaxheads.runtime import phases
 
 #: ``--input-format`` values and the extension each reads as.
-INPUT_FORMATS = {"csv": ".csv", "tsv": ".tsv", "jsonl": ".jsonl", "json": ".json", "parquet": ".parquet",
-                 "txt": ".txt"}
+INPUT_FORMATS = {"csv": ".csv", "tsv": ".tsv", "jsonl": ".jsonl", "json": ".json", "parquet": ".parquet", "txt": ".txt"}
 OUTPUT_FORMATS = ("csv", "jsonl")
 STDIO = "-"
 
@@ -48,8 +48,10 @@ def _ext(path: str, fmt: str | None) -> str:
         return ".txt"
     ext = Path(path).suffix.lower()
     if ext not in TABLE_FORMATS and ext != ".txt":
-        raise UsageError(f"--input {path!r}: unknown file type {ext!r}; use a .csv, .tsv, .jsonl, .json, .parquet or "
-                         ".txt file (one text per line), or say which with --input-format")
+        raise UsageError(
+            f"--input {path!r}: unknown file type {ext!r}; use a .csv, .tsv, .jsonl, .json, .parquet or "
+            ".txt file (one text per line), or say which with --input-format"
+        )
     return ext
 
 
@@ -68,19 +70,28 @@ def _text_lines(path: str) -> tuple[list[str], str]:
         return f.read().splitlines(), path
 
 
-def read_input(path: str, *, fmt: str | None = None, text_column: str = "text",
-               text_pair_column: str | None = None) -> InputTable:
+def read_input(
+    path: str, *, fmt: str | None = None, text_column: str = "text", text_pair_column: str | None = None
+) -> InputTable:
     """The rows to predict on; plain text gives one column ``text`` (a line per text)."""
     ext = _ext(path, fmt)
     if ext == ".txt":
         if text_pair_column:
-            raise UsageError("--text-pair-column needs a table input (CSV, TSV, JSON Lines, Parquet); plain text "
-                             "has one text per line")
+            raise UsageError(
+                "--text-pair-column needs a table input (CSV, TSV, JSON Lines, Parquet); plain text "
+                "has one text per line"
+            )
         lines, source = _text_lines(path)
         if not lines:
             raise DataError(f"{source}: no lines (empty input)")
-        return InputTable(["text"], [{"text": x} for x in lines], lines, None,
-                          [f"{source}: line {i + 1}" for i in range(len(lines))], source)
+        return InputTable(
+            ["text"],
+            [{"text": x} for x in lines],
+            lines,
+            None,
+            [f"{source}: line {i + 1}" for i in range(len(lines))],
+            source,
+        )
     if path == STDIO:  # a table on stdin: read through a file of its type
         with tempfile.TemporaryDirectory() as tmp:
             p = os.path.join(tmp, "stdin" + ext)
@@ -95,20 +106,34 @@ def read_input(path: str, *, fmt: str | None = None, text_column: str = "text",
             raise DataError(f"{path}: no column {col!r} (columns: {cols}); choose one with {flag}")
     rows = ds.to_list()
     names = [f"{path}: row {i + 1}, column {text_column!r}" for i in range(len(rows))]
-    return InputTable(cols, rows, [r[text_column] for r in rows],
-                      None if text_pair_column is None else [r[text_pair_column] for r in rows], names, path)
+    return InputTable(
+        cols,
+        rows,
+        [r[text_column] for r in rows],
+        None if text_pair_column is None else [r[text_pair_column] for r in rows],
+        names,
+        path,
+    )
 
 
-def read_labelled_input(path: str, *, fmt: str | None = None, text_column: str = "text",
-                        label_column: str = "label", text_pair_column: str | None = None) -> TextTable:
+def read_labelled_input(
+    path: str,
+    *,
+    fmt: str | None = None,
+    text_column: str = "text",
+    label_column: str = "label",
+    text_pair_column: str | None = None,
+) -> TextTable:
     """A labelled table (``evaluate --input``): a file (its extension, or ``fmt``, says the format), a
     class folder or a packaged corpus, or stdin (``-``, in the table format ``fmt`` names)."""
     opts = dict(text_column=text_column, label_column=label_column, text_pair_column=text_pair_column)
     if path != STDIO and not fmt:
         return load_source(path, **opts)
     if not fmt:
-        raise UsageError("--input - (stdin) needs --input-format (csv, tsv, jsonl, json or parquet): evaluation "
-                         "reads a table with a label column")
+        raise UsageError(
+            "--input - (stdin) needs --input-format (csv, tsv, jsonl, json or parquet): evaluation "
+            "reads a table with a label column"
+        )
     if fmt == "txt":
         raise UsageError("evaluate reads a table with a label column; plain text (--input-format txt) has none")
     source = "<stdin>" if path == STDIO else path
@@ -122,8 +147,7 @@ def read_labelled_input(path: str, *, fmt: str | None = None, text_column: str =
         else:
             raise DataError(f"{path}: file not found")
         try:
-            table = load_table(p, text_column=text_column, label_column=label_column,
-                               text_pair_column=text_pair_column)
+            table = load_table(p, text_column=text_column, label_column=label_column, text_pair_column=text_pair_column)
         except DataError as e:
             raise DataError(str(e).replace(p, source)) from None
     return dataclasses.replace(table, source=source)
@@ -143,8 +167,10 @@ def output_format(path: str, fmt: str | None) -> str:
 def check_new_columns(table: InputTable, new: list[str]) -> None:
     clash = [c for c in new if c in table.columns]
     if clash:
-        raise DataError(f"{table.source}: the input already has column(s) {clash}, which the output adds; rename "
-                        "them in the input (the output keeps every input column)")
+        raise DataError(
+            f"{table.source}: the input already has column(s) {clash}, which the output adds; rename "
+            "them in the input (the output keeps every input column)"
+        )
 
 
 def _csv_value(v):
@@ -213,8 +239,12 @@ def write_embeddings(path: str, table: InputTable, emb: np.ndarray) -> None:
     check_new_columns(table, ["embedding"])
     cols = {c: [r.get(c) for r in table.rows] for c in table.columns}
     cols["embedding"] = [row for row in np.asarray(emb, np.float32)]
-    pt = pa.table({**{c: v for c, v in cols.items() if c != "embedding"},
-                   "embedding": pa.array(cols["embedding"], type=pa.list_(pa.float32()))})
+    pt = pa.table(
+        {
+            **{c: v for c, v in cols.items() if c != "embedding"},
+            "embedding": pa.array(cols["embedding"], type=pa.list_(pa.float32())),
+        }
+    )
     buf = io.BytesIO()
     pq.write_table(pt, buf)
     _atomic_write(path, buf.getvalue())

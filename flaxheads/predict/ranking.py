@@ -1,5 +1,6 @@
 """Scores of (query, candidate) pairs and rankings of candidates, from a one-output model (a
 reranker or reward model): the batched, bucketed forward of :class:`~flaxheads.predict.Classifier`."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -18,15 +19,18 @@ def check_scorer(clf: Classifier) -> None:
     """A scorer has one output that is a score (not an embedding, not class logits)."""
     if clf.is_embedding or clf.model.num_labels != 1:
         what = "an embedding head" if clf.is_embedding else f"{clf.model.num_labels} outputs ({clf.problem_type})"
-        raise UsageError(f"{clf.source}: scoring pairs needs a one-output model (a reranker or reward model); "
-                         f"this one has {what}. Train one with `flaxheads train --objective ...`, or load a "
-                         "cross-encoder / XForSequenceClassification folder with num_labels=1")
+        raise UsageError(
+            f"{clf.source}: scoring pairs needs a one-output model (a reranker or reward model); "
+            f"this one has {what}. Train one with `flaxheads train --objective ...`, or load a "
+            "cross-encoder / XForSequenceClassification folder with num_labels=1"
+        )
 
 
 def split_pairs(pairs) -> tuple[list, list]:
     """``[(query, candidate), ...]`` -> (queries, candidates); a :class:`DataError` names a bad pair."""
-    if isinstance(pairs, (str, bytes)) or (isinstance(pairs, Sequence) and len(pairs) == 2
-                                           and all(isinstance(x, str) for x in pairs)):
+    if isinstance(pairs, (str, bytes)) or (
+        isinstance(pairs, Sequence) and len(pairs) == 2 and all(isinstance(x, str) for x in pairs)
+    ):
         raise DataError("pairs: expected a list of (query, candidate) pairs, got one pair; wrap it in a list")
     queries: list[str] = []
     cands: list[str] = []
@@ -38,8 +42,15 @@ def split_pairs(pairs) -> tuple[list, list]:
     return queries, cands
 
 
-def score_pairs(clf: Classifier, pairs, *, batch_size: int = 32, truncate: bool = True,
-                progress: bool | None = None, rows: Sequence[str] | None = None) -> np.ndarray:
+def score_pairs(
+    clf: Classifier,
+    pairs,
+    *,
+    batch_size: int = 32,
+    truncate: bool = True,
+    progress: bool | None = None,
+    rows: Sequence[str] | None = None,
+) -> np.ndarray:
     """One float32 score per (query, candidate) pair, in input order (the model's raw output)."""
     check_scorer(clf)
     queries, cands = split_pairs(pairs)
@@ -49,8 +60,15 @@ def score_pairs(clf: Classifier, pairs, *, batch_size: int = 32, truncate: bool 
     return np.asarray(out, np.float32)[:, 0]
 
 
-def rank_candidates(clf: Classifier, query: str, candidates: Sequence[str], *, top_k: int | None = None,
-                    batch_size: int = 32, truncate: bool = True) -> list[dict]:
+def rank_candidates(
+    clf: Classifier,
+    query: str,
+    candidates: Sequence[str],
+    *,
+    top_k: int | None = None,
+    batch_size: int = 32,
+    truncate: bool = True,
+) -> list[dict]:
     """``candidates`` best first, as ``{"index", "score", "text"}`` dicts (``top_k`` of them); ties
     keep the input order."""
     if not isinstance(query, str):
@@ -58,8 +76,13 @@ def rank_candidates(clf: Classifier, query: str, candidates: Sequence[str], *, t
     candidates = list(candidates)
     if top_k is not None and int(top_k) < 1:
         raise UsageError(f"top_k must be a positive integer, got {top_k}")
-    scores = score_pairs(clf, [(query, c) for c in candidates], batch_size=batch_size, truncate=truncate,
-                         rows=[f"candidates[{i}]" for i in range(len(candidates))])
+    scores = score_pairs(
+        clf,
+        [(query, c) for c in candidates],
+        batch_size=batch_size,
+        truncate=truncate,
+        rows=[f"candidates[{i}]" for i in range(len(candidates))],
+    )
     order = ranks_order(scores)[:top_k]
     return [{"index": int(i), "score": float(scores[i]), "text": candidates[i]} for i in order]
 
@@ -94,16 +117,19 @@ def ranking_groups(source: str, *, split: str | None = None, input: str | None =
     if not is_checkpoint_folder(source) or run_config(source).get("objective") in (None, "classification"):
         return None
     if bool(split) == bool(input):
-        raise UsageError("give --input (a ranking table: query, passage, label or prompt, chosen, rejected) or "
-                         "--split (the run's own split), one of them")
+        raise UsageError(
+            "give --input (a ranking table: query, passage, label or prompt, chosen, rejected) or "
+            "--split (the run's own split), one of them"
+        )
     if input:
         return load_groups(input, query_column=run_spec(source).data.query_column)
     assert split, "one of input and split is given (checked above)"
     return run_split(source, split)
 
 
-def evaluate_groups(clf: Classifier, table, *, batch_size: int = 32, truncate: bool = True,
-                    progress: bool | None = None) -> tuple[dict, dict]:
+def evaluate_groups(
+    clf: Classifier, table, *, batch_size: int = 32, truncate: bool = True, progress: bool | None = None
+) -> tuple[dict, dict]:
     """Ranking metrics (:func:`~flaxheads.tasks.ranking.metrics.ranking_metrics`) of ``clf``'s scores on
     the groups of ``table`` (a :class:`~flaxheads.data.groups.GroupTable`), and the flat
     ``{"scores", "labels", "groups"}`` they were computed from."""

@@ -1,10 +1,12 @@
 """What :meth:`Classifier.predict <flaxheads.predict.Classifier.predict>` returns: the raw logits
 and, by problem type, the scores and decisions a user reads (softmax and the best label(s),
 sigmoid and the labels over the threshold, or the regression value)."""
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
@@ -74,13 +76,15 @@ class Predictions:
             j = int(np.argmax(self.logits[i]))
             out = {"label": self.label_names[j], "score": float(s[j])}
             if self.top_k:
-                best = np.argsort(-s, kind="stable")[:self.top_k]
+                best = np.argsort(-s, kind="stable")[: self.top_k]
                 out.update(top_labels=[self.label_names[j] for j in best], top_scores=[float(s[j]) for j in best])
             return out
         if self.problem_type == MULTI_LABEL:
             names = self.label_names
-            return {"labels": [names[j] for j in np.flatnonzero(s >= self.threshold)],
-                    "scores": {names[j]: float(s[j]) for j in range(len(names))}}
+            return {
+                "labels": [names[j] for j in np.flatnonzero(s >= self.threshold)],
+                "scores": {names[j]: float(s[j]) for j in range(len(names))},
+            }
         if self.problem_type == REGRESSION:
             return {"value": float(s[0]) if len(s) == 1 else [float(x) for x in s]}
         raise ValueError(f"unknown problem_type {self.problem_type!r}")

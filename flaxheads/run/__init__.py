@@ -8,9 +8,9 @@ keep-best), :mod:`~flaxheads.run.folder` (the run folder's files) and :mod:`~fla
 (heads on cached features, the sweep). The ``flaxheads train`` command parses its flags into a
 spec and calls :func:`train`.
 """
+
 from flaxheads.run.job import Run
 from flaxheads.run.program import train
 from flaxheads.run.spec import CheckpointSpec, DataSpec, DeviceSpec, ModelSpec, OptimSpec, RunSpec, TaskSpec
 
-__all__ = ["Run", "RunSpec", "ModelSpec", "DataSpec", "TaskSpec", "OptimSpec", "CheckpointSpec", "DeviceSpec",
-           "train"]
+__all__ = ["Run", "RunSpec", "ModelSpec", "DataSpec", "TaskSpec", "OptimSpec", "CheckpointSpec", "DeviceSpec", "train"]

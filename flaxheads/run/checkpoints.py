@@ -1,5 +1,6 @@
 """Checkpoints of a run: resuming an interrupted run where it stopped (same params, optimizer state,
 dropout key and data position), and the callback that saves as it trains."""
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,19 @@ from flaxheads.runtime.sharding import abstract
 from flaxheads.training import loop
 
 #: The run settings a resumed run compares with the checkpoint's (a change is warned about).
-RESUME_SETTINGS = ("model", "head_config", "problem_type", "num_labels", "labels", "bf16", "max_length", "data",
-                   "train", "optimizer", "lora")
+RESUME_SETTINGS = (
+    "model",
+    "head_config",
+    "problem_type",
+    "num_labels",
+    "labels",
+    "bf16",
+    "max_length",
+    "data",
+    "train",
+    "optimizer",
+    "lora",
+)
 
 
 def _trim_log(path: Path, step: int) -> None:
@@ -46,14 +58,17 @@ def restore_target(trainer: loop.Trainer, ckr: RunCheckpointer):
     return abstract(state, par.shardings(state)).replace(step=0)
 
 
-def _restore(resume: str | int, every: int | None, ckr: RunCheckpointer, trainer: loop.Trainer, settings: dict,
-             lead: bool):
+def _restore(
+    resume: str | int, every: int | None, ckr: RunCheckpointer, trainer: loop.Trainer, settings: dict, lead: bool
+):
     """The state to resume from (None: start at step 0). ``resume``: auto, never or a step."""
     latest = ckr.latest_step()
     if resume == "never":
         if latest is not None and every != 0:
-            raise CheckpointError(f"--no-resume: {ckr.root} already has checkpoints (latest step {latest}); use a "
-                                  "new --output-dir, or delete that folder to start this run over")
+            raise CheckpointError(
+                f"--no-resume: {ckr.root} already has checkpoints (latest step {latest}); use a "
+                "new --output-dir, or delete that folder to start this run over"
+            )
         return None
     if resume == "auto":
         if latest is None:
@@ -64,8 +79,11 @@ def _restore(resume: str | int, every: int | None, ckr: RunCheckpointer, trainer
     changed = loop.changed_settings(ckr.read_meta(step).get("run"), settings)
     state = ckr.restore(step, target_state=restore_target(trainer, ckr))
     if changed and lead:  # after the restore: a setting that cannot resume is its one error line, not a warning too
-        print("warning: resuming with other settings than the checkpoint's (the run will not repeat an "
-              "uninterrupted one): " + "; ".join(changed[:8]), file=sys.stderr)
+        print(
+            "warning: resuming with other settings than the checkpoint's (the run will not repeat an "
+            "uninterrupted one): " + "; ".join(changed[:8]),
+            file=sys.stderr,
+        )
     if lead:
         print(f"resuming from step {step} ({ckr.root})", flush=True)
         _trim_log(Path(ckr.run_dir) / "metrics.jsonl", step)
@@ -84,9 +102,11 @@ def check_resume_model(out: Path, model_path: str, resume: str | int) -> None:
         return  # no finished step, or a damaged one: the restore reports it
     before = (meta.get("run") or {}).get("model")
     if before and os.path.isdir(before) and os.path.realpath(before) != os.path.realpath(model_path):
-        raise UsageError(f"--output-dir {out} holds a run trained from --model {before} (checkpoint step {step}), "
-                         f"not {model_path}: resume it with --model {before}, or start this one in a new "
-                         "--output-dir")
+        raise UsageError(
+            f"--output-dir {out} holds a run trained from --model {before} (checkpoint step {step}), "
+            f"not {model_path}: resume it with --model {before}, or start this one in a new "
+            "--output-dir"
+        )
 
 
 def open_checkpoints(job: Job, trainer: loop.Trainer, config: dict, lead: bool):
@@ -95,9 +115,15 @@ def open_checkpoints(job: Job, trainer: loop.Trainer, config: dict, lead: bool):
     had_folder = (job.out / "checkpoints").exists()
     name, c = job.best_metric, job.spec.checkpoints
     mode = "min" if name is not None and job.task.lower_is_better(name) else "max"
-    ckr = RunCheckpointer(job.out, job.model, keep=c.keep, best_metric=name, mode=mode,
-                          save_backbone=not (job.optim.freeze_backbone or job.model.lora is not None),
-                          extra_meta={"run": settings})
+    ckr = RunCheckpointer(
+        job.out,
+        job.model,
+        keep=c.keep,
+        best_metric=name,
+        mode=mode,
+        save_backbone=not (job.optim.freeze_backbone or job.model.lora is not None),
+        extra_meta={"run": settings},
+    )
     state0 = _restore(c.resume, c.checkpoint_every, ckr, trainer, settings, lead)
     if c.checkpoint_every == 0:
         ckr.close()

@@ -1,6 +1,7 @@
 """A :class:`~flaxheads.run.spec.RunSpec` checked before any work: settings that conflict or name
 nothing are refused in one line. Settings are named as the ``flaxheads train`` flags spell them
 (``--sweep`` is ``sweep=``), one spelling for the command and the library."""
+
 from __future__ import annotations
 
 import math
@@ -27,8 +28,10 @@ def check_spec(spec: RunSpec) -> RunSpec:
         raise UsageError("--validation-file/--test-file need --train-file (or give one --data file and --split)")
     o, d = spec.optim, spec.devices
     if spec.cached and (d.parallel != "single" or d.mesh or o.accumulation_steps != 1):
-        raise UsageError("--cache-features/--sweep run on one device without gradient accumulation "
-                         "(drop --parallel/--mesh/--accumulation-steps)")
+        raise UsageError(
+            "--cache-features/--sweep run on one device without gradient accumulation "
+            "(drop --parallel/--mesh/--accumulation-steps)"
+        )
     if d.mesh and d.parallel == "pmap":
         raise UsageError(f"--mesh {d.mesh} runs jit over a device mesh; it cannot be combined with --parallel pmap")
     if d.mesh:
@@ -49,26 +52,41 @@ def _check_profile(spec: RunSpec) -> None:
     c = spec.checkpoints
     if c.profile_steps is not None:
         if spec.cached:
-            raise UsageError("--profile-steps profiles fine-tuning steps; heads on cached features "
-                             "(--cache-features/--sweep) have none: drop one of them")
+            raise UsageError(
+                "--profile-steps profiles fine-tuning steps; heads on cached features "
+                "(--cache-features/--sweep) have none: drop one of them"
+            )
         parse_steps(c.profile_steps)
 
 
 def _check_values(spec: RunSpec) -> None:
     """Single values the command's parser checks as it reads them, checked again for Python callers."""
     o, d = spec.optim, spec.data
-    positive = {"batch_size": o.batch_size, "eval_batch_size": o.eval_batch_size, "log_every": o.log_every,
-                "accumulation_steps": o.accumulation_steps, "max_length": d.max_length, "bucket_step": d.bucket_step,
-                "keep": spec.checkpoints.keep, "negatives": d.negatives}
-    for name, v in {**positive, "max_steps": o.max_steps, "eval_every": o.eval_every, "limit": d.limit,
-                    "eval_limit": d.eval_limit}.items():
+    positive = {
+        "batch_size": o.batch_size,
+        "eval_batch_size": o.eval_batch_size,
+        "log_every": o.log_every,
+        "accumulation_steps": o.accumulation_steps,
+        "max_length": d.max_length,
+        "bucket_step": d.bucket_step,
+        "keep": spec.checkpoints.keep,
+        "negatives": d.negatives,
+    }
+    for name, v in {
+        **positive,
+        "max_steps": o.max_steps,
+        "eval_every": o.eval_every,
+        "limit": d.limit,
+        "eval_limit": d.eval_limit,
+    }.items():
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
             raise UsageError(f"{name} must be a positive integer, got {v!r}")
     if not (isinstance(o.epochs, (int, float)) and math.isfinite(o.epochs) and o.epochs > 0):
         raise UsageError(f"epochs must be a number > 0, got {o.epochs!r}")
     if len(d.split) != 3 or min(d.split) < 0 or d.split[0] <= 0 or abs(sum(d.split) - 1) > 1e-6:
-        raise UsageError(f"split {d.split}: expected three fractions train,validation,test with a train fraction > 0 "
-                         "that sum to 1")
+        raise UsageError(
+            f"split {d.split}: expected three fractions train,validation,test with a train fraction > 0 that sum to 1"
+        )
     if spec.task.problem_type is not None and spec.task.problem_type not in PROBLEM_TYPES:
         raise UsageError(f"problem_type {spec.task.problem_type!r} is not one of {', '.join(PROBLEM_TYPES)}")
     if spec.task.objective not in ("classification", *OBJECTIVES):
@@ -85,8 +103,10 @@ def _check_model(spec: RunSpec) -> None:
     if m.pooler != "preset":
         bad = [p for p in m.pooler.split(",") if p not in POOLER_NAMES]
         if bad:
-            raise UsageError(f"--pooler {m.pooler!r}: unknown pooler {bad[0]!r}; valid poolers: "
-                             f"{', '.join(sorted(POOLER_NAMES))}, `preset`, or several names joined by commas")
+            raise UsageError(
+                f"--pooler {m.pooler!r}: unknown pooler {bad[0]!r}; valid poolers: "
+                f"{', '.join(sorted(POOLER_NAMES))}, `preset`, or several names joined by commas"
+            )
     if m.head not in ("linear", "mlp", "preset"):
         raise UsageError(f"--head {m.head!r} is not one of linear, mlp, preset")
     if m.head_hidden and m.head != "mlp":
@@ -96,38 +116,60 @@ def _check_model(spec: RunSpec) -> None:
     if m.base_dtype not in BASE_DTYPES:
         raise UsageError(f"--base-dtype {m.base_dtype!r} is not one of {', '.join(BASE_DTYPES)}")
     if m.quantize is not None and (m.quantize not in QUANTIZATIONS or not spec.base_frozen):
-        raise UsageError(f"--quantize {m.quantize}: expected one of {', '.join(QUANTIZATIONS)} on a base that does not "
-                         "train: add --lora-rank (QLoRA) or --freeze-backbone")
+        raise UsageError(
+            f"--quantize {m.quantize}: expected one of {', '.join(QUANTIZATIONS)} on a base that does not "
+            "train: add --lora-rank (QLoRA) or --freeze-backbone"
+        )
     if m.base_dtype == "bfloat16" and not spec.base_frozen:
-        raise UsageError("--base-dtype bfloat16 stores a base that does not train; this run fine-tunes the backbone, "
-                         "whose small updates would round away in bfloat16: add --freeze-backbone, "
-                         "--cache-features or --lora-rank, or drop --base-dtype")
+        raise UsageError(
+            "--base-dtype bfloat16 stores a base that does not train; this run fine-tunes the backbone, "
+            "whose small updates would round away in bfloat16: add --freeze-backbone, "
+            "--cache-features or --lora-rank, or drop --base-dtype"
+        )
 
 
 def _check_lora(spec: RunSpec) -> None:
     """LoRA settings need a rank (or an adapter folder) and a backbone that runs forward with them."""
     m = spec.model
     if m.lora_from is not None:
-        given = [f for f, v in (("--lora-rank", m.lora_rank), ("--lora-alpha", m.lora_alpha),
-                                ("--lora-targets", m.lora_targets)) if v is not None]
+        given = [
+            f
+            for f, v in (
+                ("--lora-rank", m.lora_rank),
+                ("--lora-alpha", m.lora_alpha),
+                ("--lora-targets", m.lora_targets),
+            )
+            if v is not None
+        ]
         if given:
-            raise UsageError(f"{given[0]} cannot be combined with --lora-from: the adapter folder sets its rank, alpha "
-                             "and targets")
+            raise UsageError(
+                f"{given[0]} cannot be combined with --lora-from: the adapter folder sets its rank, alpha and targets"
+            )
         if not os.path.isdir(m.lora_from):
-            raise UsageError(f"--lora-from {m.lora_from!r} is not a folder (expected a PEFT adapter folder with "
-                             "adapter_config.json)")
+            raise UsageError(
+                f"--lora-from {m.lora_from!r} is not a folder (expected a PEFT adapter folder with adapter_config.json)"
+            )
         if not os.path.isfile(os.path.join(m.lora_from, "adapter_config.json")):
             raise UsageError(f"--lora-from {m.lora_from}: no adapter_config.json; expected a PEFT adapter folder")
     if not spec.trains_adapters:
-        given = [f for f, v in (("--lora-alpha", m.lora_alpha), ("--lora-targets", m.lora_targets),
-                                ("--lora-dropout", m.lora_dropout or None)) if v is not None]
+        given = [
+            f
+            for f, v in (
+                ("--lora-alpha", m.lora_alpha),
+                ("--lora-targets", m.lora_targets),
+                ("--lora-dropout", m.lora_dropout or None),
+            )
+            if v is not None
+        ]
         if given:
             raise UsageError(f"{given[0]} sets up LoRA adapters; it needs --lora-rank (e.g. --lora-rank 8)")
         return
     if spec.optim.freeze_backbone or spec.cached:
         flag = "--lora-rank" if m.lora_rank is not None else "--lora-from"
-        raise UsageError(f"{flag} trains adapters inside the backbone; it cannot run with --freeze-backbone, "
-                         "--cache-features or --sweep (which train the head alone on fixed features)")
+        raise UsageError(
+            f"{flag} trains adapters inside the backbone; it cannot run with --freeze-backbone, "
+            "--cache-features or --sweep (which train the head alone on fixed features)"
+        )
 
 
 def _check_distributed(spec: RunSpec) -> None:
@@ -142,11 +184,14 @@ def _check_distributed(spec: RunSpec) -> None:
     if d.coordinator_address != "auto":
         num_processes, process_id = procs
         if num_processes is None or process_id is None:
-            raise UsageError("--coordinator-address needs --num-processes and --process-id (or `auto` on a "
-                             "cluster JAX can discover)")
+            raise UsageError(
+                "--coordinator-address needs --num-processes and --process-id (or `auto` on a cluster JAX can discover)"
+            )
         if process_id >= num_processes:
-            raise UsageError(f"--process-id {d.process_id} is not below --num-processes {d.num_processes}: "
-                             "processes are numbered 0..N-1")
+            raise UsageError(
+                f"--process-id {d.process_id} is not below --num-processes {d.num_processes}: "
+                "processes are numbered 0..N-1"
+            )
     if spec.checkpoints.output_dir is None:
         raise UsageError("multi-host runs need --output-dir: every process must name the same run folder")
 
@@ -156,8 +201,10 @@ def _check_ranking(spec: RunSpec) -> None:
     t, flat = spec.task, spec.flat()
     bad = [name for name in Ranking.refuses if flat[name]]
     if bad:
-        raise UsageError(f"--{bad[0].replace('_', '-')} does not apply to --objective {t.objective} (a one-score "
-                         "ranker trained on groups): drop it")
+        raise UsageError(
+            f"--{bad[0].replace('_', '-')} does not apply to --objective {t.objective} (a one-score "
+            "ranker trained on groups): drop it"
+        )
     if t.margin is not None and t.objective not in MARGIN_OBJECTIVES:
         raise UsageError(f"--margin applies to --objective {' or '.join(MARGIN_OBJECTIVES)}, not {t.objective}")
     if t.scale is not None and t.objective not in SCALE_OBJECTIVES:

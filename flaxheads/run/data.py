@@ -2,6 +2,7 @@
 stream (large tables, globs, ``stream=True``), or as groups (ranking objectives), finds the label
 space once; :meth:`RunData.task` is the task of that data and :meth:`RunData.tokenize` turns the
 splits into what ``fit`` batches. :func:`run_split` rebuilds a split a run trained on."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -70,8 +71,17 @@ def data_config(spec: RunSpec) -> DataConfig:
     d = spec.data
     sources = {f.name: getattr(d, f.name) for f in dataclasses.fields(TableSources)}
     split = cast("tuple[float, float, float]", tuple(d.split))  # a spec's three fractions (a list read from JSON)
-    return DataConfig(**sources, problem_type=spec.task.problem_type, split=split, seed=spec.seed,
-                      limit=d.limit, label_ids=d.label_ids, labels=d.labels, eval_limit=d.eval_limit, stream=d.stream)
+    return DataConfig(
+        **sources,
+        problem_type=spec.task.problem_type,
+        split=split,
+        seed=spec.seed,
+        limit=d.limit,
+        label_ids=d.label_ids,
+        labels=d.labels,
+        eval_limit=d.eval_limit,
+        stream=d.stream,
+    )
 
 
 def load_data(spec: RunSpec) -> RunData:
@@ -81,9 +91,11 @@ def load_data(spec: RunSpec) -> RunData:
     cfg = data_config(spec)
     if streams(cfg.train_file or cfg.data, cfg.stream):
         if spec.cached:
-            raise UsageError("--cache-features/--sweep encode the whole training split once, in memory; streamed "
-                             "data cannot: train the head with --freeze-backbone, or use --no-stream for a table "
-                             "that fits")
+            raise UsageError(
+                "--cache-features/--sweep encode the whole training split once, in memory; streamed "
+                "data cannot: train the head with --freeze-backbone, or use --no-stream for a table "
+                "that fits"
+            )
         with phases.phase("scanning the data stream"):
             stream = open_stream(cfg)
         return RunData(stream.sources, stream.space, "rows", dataclasses.asdict(cfg), stream=stream)
@@ -98,8 +110,10 @@ def run_split(source: str | os.PathLike, name: str) -> TextTable | GroupTable:
 
     cfg = run_config(os.fspath(source))
     if not cfg.get("data"):
-        raise UsageError(f"--split needs a run folder that recorded its data (config.json); {source} has "
-                         "none: give --input with a labelled file")
+        raise UsageError(
+            f"--split needs a run folder that recorded its data (config.json); {source} has "
+            "none: give --input with a labelled file"
+        )
     if cfg.get("objective", "classification") != "classification":
         tables = _groups(run_spec(source)).tables
     else:
@@ -133,7 +147,7 @@ def _groups(spec: RunSpec) -> RunData:
         assert d.data is not None, "a checked spec names its data when it has no --train-file"
         full = load_groups(d.data, **opts)
         if d.limit and d.data != "bbc_news" and d.limit < len(full):
-            full = full.take(np.sort(np.random.default_rng(spec.seed + 1).permutation(len(full))[:d.limit]))
+            full = full.take(np.sort(np.random.default_rng(spec.seed + 1).permutation(len(full))[: d.limit]))
         tables = split_groups(full, d.split, spec.seed)
         if "train" not in tables:
             raise DataError(f"{d.data}: the split {d.split} of {len(full)} groups leaves no training groups")
@@ -142,10 +156,20 @@ def _groups(spec: RunSpec) -> RunData:
             check_unit_relevance(t, objective)
     with_margins = [t.source for t in tables.values() if t.margins is not None]
     if with_margins and objective not in MARGIN_OBJECTIVES:
-        raise UsageError(f"{with_margins[0]} has a margin column, which the {' and '.join(MARGIN_OBJECTIVES)} "
-                         f"objectives use, not --objective {objective}: drop the column or change the objective")
+        raise UsageError(
+            f"{with_margins[0]} has a margin column, which the {' and '.join(MARGIN_OBJECTIVES)} "
+            f"objectives use, not --objective {objective}: drop the column or change the objective"
+        )
     kind = tables["train"].kind
-    config = {"data": d.data, "train_file": d.train_file, "validation_file": d.validation_file,
-              "test_file": d.test_file, "split": list(d.split), "seed": spec.seed, "limit": d.limit, "kind": kind,
-              "negatives": d.negatives if d.data == "bbc_news" else None}
+    config = {
+        "data": d.data,
+        "train_file": d.train_file,
+        "validation_file": d.validation_file,
+        "test_file": d.test_file,
+        "split": list(d.split),
+        "seed": spec.seed,
+        "limit": d.limit,
+        "kind": kind,
+        "negatives": d.negatives if d.data == "bbc_news" else None,
+    }
     return RunData(tables, None, kind, config)

@@ -2,6 +2,7 @@
 checkpoints (resumed where the folder has them), the memory plan and profile window, the test
 split's metrics at the end and the run folder's files. Heads on cached features are
 :mod:`flaxheads.run.cached`."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,8 +31,12 @@ def fit_until_signal(trainer: loop.Trainer, train, ckpt, callbacks: list, **fit_
     """:func:`loop.fit` with the run's checkpoints; SIGTERM / SIGINT (Ctrl-C, a notebook's interrupt) end
     it at a step boundary with that step saved (:class:`~flaxheads.training.preemption.Interrupted`)."""
     with SignalWatch(checkpoints=None if ckpt is None else ckpt.ckr.root) as watch:
-        res = loop.fit(trainer, train, callbacks=callbacks + ([ckpt] if ckpt is not None else [])
-                       + [StopOnSignal(watch, ckpt)], **fit_kwargs)
+        res = loop.fit(
+            trainer,
+            train,
+            callbacks=callbacks + ([ckpt] if ckpt is not None else []) + [StopOnSignal(watch, ckpt)],
+            **fit_kwargs,
+        )
         if ckpt is not None:
             ckpt.ckr.close()  # wait for the last asynchronous save
     watch.raise_if_signalled(res.step, None if ckpt is None else res.step)
@@ -40,8 +45,9 @@ def fit_until_signal(trainer: loop.Trainer, train, ckpt, callbacks: list, **fit_
 
 def fine_tune(job: Job, callbacks: list, *, progress: bool, argv, started, compile_cache) -> Run:
     """Train ``job`` with ``fit`` (``callbacks`` given to it too) and write its run folder."""
-    trainer = loop.Trainer.build(job.model, job.optim, job.train,
-                                 Parallel.from_config(job.train.parallel, job.train.mesh), task=job.task)
+    trainer = loop.Trainer.build(
+        job.model, job.optim, job.train, Parallel.from_config(job.train.parallel, job.train.mesh), task=job.task
+    )
     job.task.check_devices(job.train.batch_size, trainer.parallel.width)
     config = run_config(job, trainer, argv)
     lead = jax.process_index() == 0
@@ -52,44 +58,89 @@ def fine_tune(job: Job, callbacks: list, *, progress: bool, argv, started, compi
     if lead:
         print(job.model.plan.describe(), flush=True)
     memory = _memory_plan(job, trainer, lead)
-    log = folder.logger(job.optim, job.steps, job.train.log_every, job.task.headline,
-                        report_to=job.report_to, resumed_at=resumed)
+    log = folder.logger(
+        job.optim, job.steps, job.train.log_every, job.task.headline, report_to=job.report_to, resumed_at=resumed
+    )
     evals = {"validation": job.splits["validation"]} if "validation" in job.splits else {}
     window = job.spec.checkpoints.profile_steps
     profile = ProfileWindow(job.out / "profile", *parse_steps(window)) if window and lead else None
     extra = ([ReportPage(job.out)] if lead else []) + ([profile] if profile is not None else [])
     fit_called = time.perf_counter()
-    res = fit_until_signal(trainer, job.splits["train"], ckpt, [log, *callbacks, *extra], evals=evals,
-                           buckets=job.buckets, pad_id=job.pad_id, progress=lead and progress, state=state0,
-                           consume_model=True)  # the run's model is rebuilt from the state below
+    res = fit_until_signal(
+        trainer,
+        job.splits["train"],
+        ckpt,
+        [log, *callbacks, *extra],
+        evals=evals,
+        buckets=job.buckets,
+        pad_id=job.pad_id,
+        progress=lead and progress,
+        state=state0,
+        consume_model=True,
+    )  # the run's model is rebuilt from the state below
     final, predictions = {}, {}
     if "test" in job.splits:
         with phase("evaluating the test split"):
-            final["test"], predictions["test"] = trainer.final(res.state.params, job.splits["test"],
-                                                               buckets=job.buckets, pad_id=job.pad_id)
+            final["test"], predictions["test"] = trainer.final(
+                res.state.params, job.splits["test"], buckets=job.buckets, pad_id=job.pad_id
+            )
     last: dict = next((e["eval"] for e in reversed(res.history) if "eval" in e), {})
     final = {**last, **final}
-    summary = {**job.task.summary_keys(), "steps": res.step, "resumed_from": resumed,
-               "checkpoints": None if ckpt is None else ckpt.ckr.root, "seconds": round(res.seconds, 1),
-               "eval_seconds": round(res.eval_seconds, 1), **_startup(started, res, fit_called),
-               "train_compiles": res.train_compiles, "eval_compiles": res.eval_compiles, "throughput": res.throughput,
-               **({"profile": {"steps": [profile.first, profile.last], "folder": str(job.out / "profile"),
-                               "files": [str(p) for p in profile.traces()]}} if profile is not None else {}),
-               "buckets": list(job.buckets), **({"memory_plan": memory} if memory else {}),
-               "metrics": {n: scalars(r) for n, r in final.items()},
-               "run_folder": str(job.out)}
+    summary = {
+        **job.task.summary_keys(),
+        "steps": res.step,
+        "resumed_from": resumed,
+        "checkpoints": None if ckpt is None else ckpt.ckr.root,
+        "seconds": round(res.seconds, 1),
+        "eval_seconds": round(res.eval_seconds, 1),
+        **_startup(started, res, fit_called),
+        "train_compiles": res.train_compiles,
+        "eval_compiles": res.eval_compiles,
+        "throughput": res.throughput,
+        **(
+            {
+                "profile": {
+                    "steps": [profile.first, profile.last],
+                    "folder": str(job.out / "profile"),
+                    "files": [str(p) for p in profile.traces()],
+                }
+            }
+            if profile is not None
+            else {}
+        ),
+        "buckets": list(job.buckets),
+        **({"memory_plan": memory} if memory else {}),
+        "metrics": {n: scalars(r) for n, r in final.items()},
+        "run_folder": str(job.out),
+    }
     if compile_cache is not None:
-        summary["compile_cache"] = {"folder": str(compile_cache.folder), "loaded": compile_cache.hits,
-                                    "compiled": compile_cache.compiled, "stored": compile_cache.stored}
+        summary["compile_cache"] = {
+            "folder": str(compile_cache.folder),
+            "loaded": compile_cache.hits,
+            "compiled": compile_cache.compiled,
+            "stored": compile_cache.stored,
+        }
     # the validation rows' predictions are those of fit's evaluation at the last step
     worst = worst_of(job, {"validation": res.final_arrays.get("validation"), "test": predictions.get("test")})
-    folder.finish(summary, final, predictions, job.model.id2label, history=res.history, metric=job.task.headline,
-                  worst=worst, tail=f"{res.step} steps in {res.seconds:.0f} s"
-                       + (f" (first step done {summary['seconds_to_first_step']:.0f} s after the start)"
-                          if "seconds_to_first_step" in summary else "") + throughput_note(res.throughput)
-                       + f"; compiles: {res.train_compiles} train, "
-                       f"{res.eval_compiles} eval (buckets {list(job.buckets)})"
-                       + (f"; {compile_cache.summary()}" if compile_cache is not None else ""))
+    folder.finish(
+        summary,
+        final,
+        predictions,
+        job.model.id2label,
+        history=res.history,
+        metric=job.task.headline,
+        worst=worst,
+        tail=f"{res.step} steps in {res.seconds:.0f} s"
+        + (
+            f" (first step done {summary['seconds_to_first_step']:.0f} s after the start)"
+            if "seconds_to_first_step" in summary
+            else ""
+        )
+        + throughput_note(res.throughput)
+        + f"; compiles: {res.train_compiles} train, "
+        f"{res.eval_compiles} eval (buckets {list(job.buckets)})"
+        + (f"; {compile_cache.summary()}" if compile_cache is not None else ""),
+    )
     state = trainer.parallel.get_state(res.state) if trainer.parallel.mode == "pmap" else res.state
     return Run(job.spec, summary, dataclasses.replace(job.model, params=state.params), job.out)
 
@@ -103,8 +154,7 @@ def _memory_plan(job: Job, trainer: loop.Trainer, lead: bool) -> list[str] | Non
     compile = bool(job.train.mesh) or jax.default_backend() != "cpu"
     batch = job.task.largest_batch(job.splits["train"], job.train.batch_size, job.buckets[-1], job.pad_id)
     with phase("compiling"):
-        memory = plan_of(trainer, memory_report(trainer, batch, compile=compile),
-                         *np.shape(batch["input_ids"])).lines()
+        memory = plan_of(trainer, memory_report(trainer, batch, compile=compile), *np.shape(batch["input_ids"])).lines()
     if lead:
         print("\n".join(memory), flush=True)
     return memory
@@ -123,17 +173,21 @@ def _startup(started: float | None, res: loop.FitResult, fit_called: float) -> d
 
 def _intro(job: Job, trainer: loop.Trainer) -> str:
     what = job.task.describe(split_counts(job.splits), job.steps, job.train.batch_size)
-    return (f"{what}, {_training_kind(job)}, {trainer.parallel.width} device(s) ({job.train.parallel}), "
-            f"{job.precision.name} ({job.precision.reason})" + _packing_note(job) + _stream_note(job))
+    return (
+        f"{what}, {_training_kind(job)}, {trainer.parallel.width} device(s) ({job.train.parallel}), "
+        f"{job.precision.name} ({job.precision.reason})" + _packing_note(job) + _stream_note(job)
+    )
 
 
 def _stream_note(job: Job) -> str:
     if not isinstance(job.splits["train"], StreamSplit):
         return ""
     sample = job.splits.get("validation")
-    return (", read from disk as it trains (streamed)"
-            + (f", evaluating on a sample of {len(sample)} validation examples" if isinstance(sample, Split)
-               and job.spec.data.eval_limit else ""))
+    return ", read from disk as it trains (streamed)" + (
+        f", evaluating on a sample of {len(sample)} validation examples"
+        if isinstance(sample, Split) and job.spec.data.eval_limit
+        else ""
+    )
 
 
 def _packing_note(job: Job) -> str:

@@ -2,6 +2,7 @@
 (written while training, by a ``fit`` callback; ``report_to``), ``eval.txt``, ``summary.json``,
 ``evaluation.json``, ``predictions.npz``, ``curve.png``, ``confusion_matrix.png`` and ``report.html``.
 Only process 0 of a multi-process run writes."""
+
 from __future__ import annotations
 
 import json
@@ -30,8 +31,9 @@ class RunLog(loop.Callback):
     """The run's log (``metrics.jsonl``, event files): an entry every ``log_every`` steps (loss,
     throughput, learning rates) and one per evaluation; evaluations are also printed (``lead``)."""
 
-    def __init__(self, sinks: Reporters, optim: OptimConfig, total: int, log_every: int, metric: str,
-                 lead: bool = True):
+    def __init__(
+        self, sinks: Reporters, optim: OptimConfig, total: int, log_every: int, metric: str, lead: bool = True
+    ):
         self.sinks, self.optim, self.total, self.log_every, self.metric = sinks, optim, total, log_every, metric
         self.lead = lead
 
@@ -67,18 +69,29 @@ class RunFolder:
         (self.path / "config.json").write_text(json.dumps(config, indent=2, default=str))
         print(f"run folder: {self.path}\n{intro}", flush=True)
 
-    def logger(self, optim: OptimConfig, total: int, log_every: int, metric: str, *,
-               report_to: Iterable[str] = ("jsonl",), resumed_at: int | None = None) -> RunLog:
+    def logger(
+        self,
+        optim: OptimConfig,
+        total: int,
+        log_every: int,
+        metric: str,
+        *,
+        report_to: Iterable[str] = ("jsonl",),
+        resumed_at: int | None = None,
+    ) -> RunLog:
         """The ``fit`` callback that writes ``metrics.jsonl`` and the event files (``report_to``;
         ``metric``: the one printed per evaluation; ``resumed_at``: the step a resumed run starts
         from, whose log it appends to; else the log starts anew)."""
-        sinks = Reporters(self.path if self.lead else None, report_to,
-                          purge_step=None if resumed_at is None else resumed_at + 1, append=resumed_at is not None)
+        sinks = Reporters(
+            self.path if self.lead else None,
+            report_to,
+            purge_step=None if resumed_at is None else resumed_at + 1,
+            append=resumed_at is not None,
+        )
         self.log = RunLog(sinks, optim, total, log_every, metric, self.lead)
         return self.log
 
-    def write_results(self, summary: dict, final: dict, id2label: dict | None,
-                      predictions: dict | None = None) -> str:
+    def write_results(self, summary: dict, final: dict, id2label: dict | None, predictions: dict | None = None) -> str:
         """``eval.txt``, ``summary.json`` and ``predictions.npz``; returns the eval text."""
         text = "\n\n".join(f"== {n} ==\n{format_table(r, id2label)}" for n, r in final.items())
         if not self.lead:
@@ -86,8 +99,10 @@ class RunFolder:
         (self.path / "eval.txt").write_text(text + "\n")
         (self.path / "evaluation.json").write_text(json.dumps(final, default=_plain))
         if predictions:
-            np.savez(self.path / "predictions.npz",
-                     **{f"{split}_{k}": v for split, arrays in predictions.items() for k, v in arrays.items()})
+            np.savez(
+                self.path / "predictions.npz",
+                **{f"{split}_{k}": v for split, arrays in predictions.items() for k, v in arrays.items()},
+            )
         # last and whole (renamed into place): a run with a summary.json is a finished run
         tmp = self.path / ".summary.json.tmp"
         with phases.temporary(str(tmp)):
@@ -96,8 +111,18 @@ class RunFolder:
                 tmp.replace(self.path / "summary.json")
         return text
 
-    def finish(self, summary: dict, final: dict, predictions: dict, id2label: dict | None, *, history: list[dict],
-               metric: str, tail: str, worst: dict | None = None) -> None:
+    def finish(
+        self,
+        summary: dict,
+        final: dict,
+        predictions: dict,
+        id2label: dict | None,
+        *,
+        history: list[dict],
+        metric: str,
+        tail: str,
+        worst: dict | None = None,
+    ) -> None:
         """The final log line, the result files, plots and ``report.html`` (``metric``: the curve's
         validation metric; ``worst``: the worst-classified examples' table), and the printed report."""
         if self.log is not None:
@@ -117,8 +142,9 @@ class RunFolder:
         plot_curve(self.path / "curve.png", history, metric)
         for name in ("test", "validation"):
             if "confusion_matrix" in final.get(name, {}):
-                plot_confusion_matrix(self.path / "confusion_matrix.png", final[name]["confusion_matrix"],
-                                      id2label, name)
+                plot_confusion_matrix(
+                    self.path / "confusion_matrix.png", final[name]["confusion_matrix"], id2label, name
+                )
                 break
         page = write_report(self.path)
         print(f"\n{text}\n\n{tail}; run folder: {self.path}; report: {page}", flush=True)

@@ -1,6 +1,7 @@
 """What a :class:`~flaxheads.run.spec.RunSpec` resolves to, once (:class:`Job`: the data, model, task
 and the library's settings, made by :func:`flaxheads.run.program.prepare`), what a run returns
 (:class:`Run`) and the ``config.json`` that records every resolved setting."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -71,20 +72,42 @@ def run_config(job: Job, trainer: Trainer | None = None, argv: Sequence[str] | N
     ``trainer`` None: heads on cached features, one device."""
     model, spec = job.model, job.spec
     width, mesh = (1, None) if trainer is None else (trainer.parallel.width, trainer.parallel.mesh)
-    return {"model": job.model_path, **job.task.config_keys(job.splits), "pooler": spec.model.pooler,
-            "head": spec.model.head, "head_config": model.head_config(), "problem_type": model.problem_type,
-            "labels": None if job.data.space is None else job.data.space.names, "num_labels": model.num_labels,
-            "bf16": job.precision.name == "bfloat16", "precision": dataclasses.asdict(job.precision),
-            "compute_plan": model.plan.describe(), "max_length": job.max_length, "buckets": list(job.buckets),
-            "data": job.data.config, "sizes": {n: len(s) for n, s in job.splits.items()},
-            "label_counts": label_counts(job.data), "headline": job.task.headline,
-            "train": dataclasses.asdict(job.train), "optimizer": dataclasses.asdict(job.optim),
-            "checkpoints": {"keep": spec.checkpoints.keep, "best_metric": job.best_metric,
-                            "every": spec.checkpoints.checkpoint_every},
-            "devices": {"parallel": job.train.parallel, "count": jax.device_count(), "width": width,
-                        "processes": jax.process_count(), "platform": jax.devices()[0].platform,
-                        **({"mesh": dict(mesh.shape)} if mesh is not None else {})},
-            "lora": None if model.lora is None else model.lora.to_dict(),
-            "params": {k: count_params(v) for k, v in model.params.items()},
-            "spec": spec.replace(output_dir=str(job.out)).to_dict(),
-            "argv": list(argv) if argv is not None else None, "flaxheads_version": __version__}
+    return {
+        "model": job.model_path,
+        **job.task.config_keys(job.splits),
+        "pooler": spec.model.pooler,
+        "head": spec.model.head,
+        "head_config": model.head_config(),
+        "problem_type": model.problem_type,
+        "labels": None if job.data.space is None else job.data.space.names,
+        "num_labels": model.num_labels,
+        "bf16": job.precision.name == "bfloat16",
+        "precision": dataclasses.asdict(job.precision),
+        "compute_plan": model.plan.describe(),
+        "max_length": job.max_length,
+        "buckets": list(job.buckets),
+        "data": job.data.config,
+        "sizes": {n: len(s) for n, s in job.splits.items()},
+        "label_counts": label_counts(job.data),
+        "headline": job.task.headline,
+        "train": dataclasses.asdict(job.train),
+        "optimizer": dataclasses.asdict(job.optim),
+        "checkpoints": {
+            "keep": spec.checkpoints.keep,
+            "best_metric": job.best_metric,
+            "every": spec.checkpoints.checkpoint_every,
+        },
+        "devices": {
+            "parallel": job.train.parallel,
+            "count": jax.device_count(),
+            "width": width,
+            "processes": jax.process_count(),
+            "platform": jax.devices()[0].platform,
+            **({"mesh": dict(mesh.shape)} if mesh is not None else {}),
+        },
+        "lora": None if model.lora is None else model.lora.to_dict(),
+        "params": {k: count_params(v) for k, v in model.params.items()},
+        "spec": spec.replace(output_dir=str(job.out)).to_dict(),
+        "argv": list(argv) if argv is not None else None,
+        "flaxheads_version": __version__,
+    }

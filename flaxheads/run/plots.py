@@ -1,6 +1,7 @@
 """The run folder's pictures: the training curve and the confusion matrix. Drawn on
 ``matplotlib.figure.Figure`` objects, not pyplot: saving needs no display and changes no global
 matplotlib state (backend, open figures) of the process that calls them."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -15,13 +16,22 @@ def plot_curve(path: Path, history: list[dict], metric: str) -> None:
     evals = [h for h in history if "eval" in h and "validation" in h["eval"]]
     fig = Figure(figsize=(7, 4))
     ax = fig.subplots()
-    ax.plot([h["step"] for h in train], [h["loss"] for h in train], label="train loss (mean since last log)",
-            color="tab:blue")
+    ax.plot(
+        [h["step"] for h in train],
+        [h["loss"] for h in train],
+        label="train loss (mean since last log)",
+        color="tab:blue",
+    )
     ax.set_xlabel("step"), ax.set_ylabel("loss")
     if evals:
         ax2 = ax.twinx()
-        ax2.plot([h["step"] for h in evals], [h["eval"]["validation"][metric] for h in evals], "o-",
-                 color="tab:orange", label=f"validation {metric}")
+        ax2.plot(
+            [h["step"] for h in evals],
+            [h["eval"]["validation"][metric] for h in evals],
+            "o-",
+            color="tab:orange",
+            label=f"validation {metric}",
+        )
         ax2.set_ylabel(f"validation {metric}")
     fig.legend(loc="center right", bbox_to_anchor=(0.85, 0.6))
     ax.set_title("training curve")
@@ -39,8 +49,14 @@ def plot_confusion_matrix(path: Path, matrix, id2label: dict | None, split: str)
     ax.set_xticks(range(len(cm)), names, rotation=45, ha="right"), ax.set_yticks(range(len(cm)), names)
     for i in range(len(cm)):
         for j in range(len(cm)):
-            ax.text(j, i, str(int(cm[i, j])), ha="center", va="center",
-                    color="white" if cm[i, j] > cm.max() / 2 else "black")
+            ax.text(
+                j,
+                i,
+                str(int(cm[i, j])),
+                ha="center",
+                va="center",
+                color="white" if cm[i, j] > cm.max() / 2 else "black",
+            )
     ax.set_xlabel("predicted"), ax.set_ylabel("true"), ax.set_title(f"confusion matrix ({split})")
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -4,6 +4,7 @@ tokenizer, the library's settings), which :func:`train` runs through ``fit``
 (:mod:`flaxheads.run.finetune`) or as heads on cached features (:mod:`flaxheads.run.cached`).
 Every objective runs through it: what differs between them is the job's
 :class:`~flaxheads.tasks.task.Task`'s to say."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -53,17 +54,27 @@ def init_distributed(spec: RunSpec) -> None:
     if d.coordinator_address == "auto":
         jax.distributed.initialize()
     else:
-        jax.distributed.initialize(coordinator_address=d.coordinator_address, num_processes=d.num_processes,
-                                   process_id=d.process_id)
+        jax.distributed.initialize(
+            coordinator_address=d.coordinator_address, num_processes=d.num_processes, process_id=d.process_id
+        )
 
 
 def train_config(spec: RunSpec) -> loop.TrainConfig:
     o, t = spec.optim, spec.task
-    return loop.TrainConfig(epochs=o.epochs, batch_size=o.batch_size, eval_batch_size=o.eval_batch_size,
-                            max_steps=o.max_steps, eval_every=o.eval_every, log_every=o.log_every, seed=spec.seed,
-                            parallel=spec.parallel_mode, mesh=spec.devices.mesh, threshold=t.threshold,
-                            pack=bool(spec.data.pack),
-                            loss_options={"label_smoothing": t.label_smoothing} if t.label_smoothing else {})
+    return loop.TrainConfig(
+        epochs=o.epochs,
+        batch_size=o.batch_size,
+        eval_batch_size=o.eval_batch_size,
+        max_steps=o.max_steps,
+        eval_every=o.eval_every,
+        log_every=o.log_every,
+        seed=spec.seed,
+        parallel=spec.parallel_mode,
+        mesh=spec.devices.mesh,
+        threshold=t.threshold,
+        pack=bool(spec.data.pack),
+        loss_options={"label_smoothing": t.label_smoothing} if t.label_smoothing else {},
+    )
 
 
 def optim_config(spec: RunSpec, steps: int) -> OptimConfig:
@@ -72,10 +83,17 @@ def optim_config(spec: RunSpec, steps: int) -> OptimConfig:
     o = spec.optim
     lr, head_lr = spec.learning_rates
     opt_steps = max(steps // o.accumulation_steps, 1)
-    return OptimConfig(learning_rate=lr, head_learning_rate=head_lr, weight_decay=o.weight_decay,
-                       schedule=o.schedule, warmup_steps=int(o.warmup_ratio * opt_steps), total_steps=opt_steps,
-                       max_grad_norm=o.max_grad_norm or None, accumulation_steps=o.accumulation_steps,
-                       freeze_backbone=spec.frozen)
+    return OptimConfig(
+        learning_rate=lr,
+        head_learning_rate=head_lr,
+        weight_decay=o.weight_decay,
+        schedule=o.schedule,
+        warmup_steps=int(o.warmup_ratio * opt_steps),
+        total_steps=opt_steps,
+        max_grad_norm=o.max_grad_norm or None,
+        accumulation_steps=o.accumulation_steps,
+        freeze_backbone=spec.frozen,
+    )
 
 
 def lora_config(spec: RunSpec) -> LoraConfig | None:
@@ -89,8 +107,7 @@ def lora_config(spec: RunSpec) -> LoraConfig | None:
 def base_dtype(spec: RunSpec, plan: ComputePlan):
     """The storage dtype of the run's base (``--base-dtype``; auto: bfloat16 when it does not train
     and the compute precision is bfloat16)."""
-    return resolve_base_dtype(spec.model.base_dtype, frozen=spec.base_frozen,
-                              compute_dtype=plan.precision.dtype)
+    return resolve_base_dtype(spec.model.base_dtype, frozen=spec.base_frozen, compute_dtype=plan.precision.dtype)
 
 
 def build_model(spec: RunSpec, path: str, space: LabelSpace | None, plan: ComputePlan) -> SequenceModel:
@@ -99,19 +116,40 @@ def build_model(spec: RunSpec, path: str, space: LabelSpace | None, plan: Comput
     id2label = space.id2label if space is not None and space.names else None
     num_labels, problem_type = (space.num_labels, space.problem_type) if space is not None else (1, "regression")
     if m.lora_from is not None:
-        model = load_peft(m.lora_from, backbone=path, id2label=id2label, problem_type=problem_type,
-                          dtype=plan.precision.dtype, plan=plan, remat=m.remat)
+        model = load_peft(
+            m.lora_from,
+            backbone=path,
+            id2label=id2label,
+            problem_type=problem_type,
+            dtype=plan.precision.dtype,
+            plan=plan,
+            remat=m.remat,
+        )
         if model.num_labels != num_labels:
-            raise UsageError(f"--lora-from {m.lora_from}: the adapter's classifier has {model.num_labels} outputs but "
-                             f"the data has {num_labels} labels; continue it on data with the same labels")
+            raise UsageError(
+                f"--lora-from {m.lora_from}: the adapter's classifier has {model.num_labels} outputs but "
+                f"the data has {num_labels} labels; continue it on data with the same labels"
+            )
         model = model.with_base_dtype(base_dtype(spec, plan))
         return model if m.quantize is None else model.with_quantized_base(m.quantize)
     pooler = None if m.pooler == "preset" else m.pooler.split(",") if "," in m.pooler else m.pooler
-    model = from_pretrained(path, pooler=pooler, head=None if m.head == "preset" else m.head, id2label=id2label,
-                            num_labels=num_labels, problem_type=problem_type, dtype=plan.precision.dtype, plan=plan,
-                            seed=spec.seed, ignore_mismatched_sizes=True, base_dtype=base_dtype(spec, plan),
-                            remat=m.remat, quantize=m.quantize, mesh=_param_mesh(spec),
-                            head_options={"hidden_dims": tuple(m.head_hidden)} if m.head_hidden else None)
+    model = from_pretrained(
+        path,
+        pooler=pooler,
+        head=None if m.head == "preset" else m.head,
+        id2label=id2label,
+        num_labels=num_labels,
+        problem_type=problem_type,
+        dtype=plan.precision.dtype,
+        plan=plan,
+        seed=spec.seed,
+        ignore_mismatched_sizes=True,
+        base_dtype=base_dtype(spec, plan),
+        remat=m.remat,
+        quantize=m.quantize,
+        mesh=_param_mesh(spec),
+        head_options={"hidden_dims": tuple(m.head_hidden)} if m.head_hidden else None,
+    )
     cfg = lora_config(spec)
     return model if cfg is None else model.with_lora(cfg, seed=spec.seed)
 
@@ -129,8 +167,12 @@ def usable_max_length(requested: int, tok, model: SequenceModel, path: str) -> i
     """``max_length``, or the model's positions with a warning when it asks for more."""
     limit = model_max_positions(tok, model.backbone.config)
     if limit is not None and requested > limit:
-        print(f"warning: --max-length {requested} is more than the {limit} positions of {path}; "
-              f"using --max-length {limit}", file=sys.stderr, flush=True)
+        print(
+            f"warning: --max-length {requested} is more than the {limit} positions of {path}; "
+            f"using --max-length {limit}",
+            file=sys.stderr,
+            flush=True,
+        )
         return limit
     return requested
 
@@ -139,16 +181,27 @@ def checked_run_folder(spec: RunSpec, model_path: str) -> Path:
     """The run folder, checked before any model loads (a folder, writable, room for ``keep`` checkpoints)."""
     out = spec.run_folder()
     c = spec.checkpoints
-    check_run_folder(out, model_path, trains_backbone=not spec.base_frozen, keep=c.keep,
-                     keep_best=c.keep_best_by != "none", checkpoints=c.checkpoint_every != 0)
+    check_run_folder(
+        out,
+        model_path,
+        trains_backbone=not spec.base_frozen,
+        keep=c.keep,
+        keep_best=c.keep_best_by != "none",
+        checkpoints=c.checkpoint_every != 0,
+    )
     return out
 
 
 def _require_validation(spec: RunSpec, has_validation: bool) -> None:
-    needs = [flag for flag, on in (("--eval-every", spec.optim.eval_every is not None),
-                                    ("--sweep K>1 (picks the best head)", spec.optim.sweep > 1),
-                                    (f"--keep-best-by {spec.checkpoints.keep_best_by}",
-                                     spec.checkpoints.keep_best_by not in ("auto", "none"))) if on]
+    needs = [
+        flag
+        for flag, on in (
+            ("--eval-every", spec.optim.eval_every is not None),
+            ("--sweep K>1 (picks the best head)", spec.optim.sweep > 1),
+            (f"--keep-best-by {spec.checkpoints.keep_best_by}", spec.checkpoints.keep_best_by not in ("auto", "none")),
+        )
+        if on
+    ]
     if needs and not has_validation:
         how = "--validation-file" if spec.data.train_file else "a validation fraction in --split (e.g. 0.8,0.1,0.1)"
         raise UsageError(f"{needs[0]} needs a validation split, and this run has none: give {how}")
@@ -176,18 +229,46 @@ def prepare(spec: RunSpec) -> Job:
         splits = data.tokenize(tok, max_length)
     buckets = make_buckets(max_length, min(spec.data.bucket_step, max_length))
     tcfg = train_config(spec)
-    pack, share = resolve_pack(spec.data.pack, model, splits["train"], tcfg, buckets, spec.cached) if task.packs \
+    pack, share = (
+        resolve_pack(spec.data.pack, model, splits["train"], tcfg, buckets, spec.cached)
+        if task.packs
         else (False, None)
+    )
     tcfg = dataclasses.replace(tcfg, pack=pack)
-    steps = head_steps(spec, model, splits["train"], buckets) if spec.cached else \
-        loop.total_steps(len(splits["train"]), tcfg)
-    return Job(spec, path, model, task, data, splits, buckets, max_length,
-               tok.pad_token_id if tok.pad_token_id is not None else 0, out, tcfg, optim_config(spec, steps), steps,
-               best, plan.precision, report_to, share if pack else None)
+    steps = (
+        head_steps(spec, model, splits["train"], buckets)
+        if spec.cached
+        else loop.total_steps(len(splits["train"]), tcfg)
+    )
+    return Job(
+        spec,
+        path,
+        model,
+        task,
+        data,
+        splits,
+        buckets,
+        max_length,
+        tok.pad_token_id if tok.pad_token_id is not None else 0,
+        out,
+        tcfg,
+        optim_config(spec, steps),
+        steps,
+        best,
+        plan.precision,
+        report_to,
+        share if pack else None,
+    )
 
 
-def resolve_pack(want: bool | None, model: SequenceModel, train: Split, tcfg: loop.TrainConfig,
-                 buckets: tuple[int, ...], cached: bool) -> tuple[bool, float | None]:
+def resolve_pack(
+    want: bool | None,
+    model: SequenceModel,
+    train: Split,
+    tcfg: loop.TrainConfig,
+    buckets: tuple[int, ...],
+    cached: bool,
+) -> tuple[bool, float | None]:
     """Whether the run packs, and the packed share of the padded token slots
     (``training.packing.packed_slot_share``; None where nothing would pack).
 
@@ -203,9 +284,16 @@ def resolve_pack(want: bool | None, model: SequenceModel, train: Split, tcfg: lo
     return (share <= AUTO_PACK_SHARE if want is None else want), share
 
 
-def train(spec: RunSpec | None = None, *, callbacks: Sequence[loop.Callback] = (), progress: bool = True,
-          argv: Sequence[str] | None = None, started: float | None = None, compile_cache=None,
-          **settings: Any) -> Run:
+def train(
+    spec: RunSpec | None = None,
+    *,
+    callbacks: Sequence[loop.Callback] = (),
+    progress: bool = True,
+    argv: Sequence[str] | None = None,
+    started: float | None = None,
+    compile_cache=None,
+    **settings: Any,
+) -> Run:
     """Run ``spec`` (or ``RunSpec.from_kwargs(**settings)``; both: the spec with those settings
     changed): the run folder with ``config.json``, ``metrics.jsonl`` and TensorBoard events
     (``report_to``), checkpoints (resumed when the folder has them), the final metrics,

@@ -8,6 +8,7 @@ address on the network, so it opens from disk with the browser offline. Every nu
 from ``summary.json`` carries it exactly in a ``data-value`` attribute (``data-key`` names it:
 ``metrics/<split>/<metric>``, ``throughput/<key>``), so a test can hold the page to the summary.
 """
+
 from __future__ import annotations
 
 import html
@@ -76,13 +77,14 @@ def _section(title: str, body: str, sid: str) -> str:
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b")
 
 
-def svg_curve(series: dict[str, list[tuple[float, float]]], *, title: str, ylabel: str, width: int = 640,
-              height: int = 260) -> str:
+def svg_curve(
+    series: dict[str, list[tuple[float, float]]], *, title: str, ylabel: str, width: int = 640, height: int = 260
+) -> str:
     """Inline SVG lines of ``{name: [(step, value), ...]}`` with axes, ticks and a legend; each point
     has a tooltip (``<title>``)."""
     pts = [(x, y) for s in series.values() for x, y in s if math.isfinite(y)]
     if not pts:
-        return f"<p class=\"muted\">{_e(title)}: nothing logged yet.</p>"
+        return f'<p class="muted">{_e(title)}: nothing logged yet.</p>'
     left, right, top, bottom = 60, 150, 24, 36
     x0, x1 = min(p[0] for p in pts), max(p[0] for p in pts)
     y0, y1 = min(p[1] for p in pts), max(p[1] for p in pts)
@@ -98,34 +100,45 @@ def svg_curve(series: dict[str, list[tuple[float, float]]], *, title: str, ylabe
     def sy(y):
         return top + (1 - (y - y0) / (y1 - y0)) * h
 
-    out = [f'<svg class="curve" role="img" aria-label="{_e(title)}" viewBox="0 0 {width} {height}" '
-           f'width="{width}" height="{height}">',
-           f'<text x="{left}" y="15" class="ttl">{_e(title)}</text>',
-           f'<line x1="{left}" y1="{top + h}" x2="{left + w}" y2="{top + h}" class="axis"/>',
-           f'<line x1="{left}" y1="{top}" x2="{left}" y2="{top + h}" class="axis"/>']
+    out = [
+        f'<svg class="curve" role="img" aria-label="{_e(title)}" viewBox="0 0 {width} {height}" '
+        f'width="{width}" height="{height}">',
+        f'<text x="{left}" y="15" class="ttl">{_e(title)}</text>',
+        f'<line x1="{left}" y1="{top + h}" x2="{left + w}" y2="{top + h}" class="axis"/>',
+        f'<line x1="{left}" y1="{top}" x2="{left}" y2="{top + h}" class="axis"/>',
+    ]
     for i in range(5):
         yv = y0 + (y1 - y0) * i / 4
         out.append(f'<text x="{left - 6}" y="{sy(yv) + 4:.1f}" class="tick" text-anchor="end">{fmt(yv)}</text>')
     for xv in sorted({round(x0 + (x1 - x0) * i / 4) for i in range(5)}):  # whole steps, each once
         out.append(f'<text x="{sx(xv):.1f}" y="{top + h + 16}" class="tick" text-anchor="middle">{xv}</text>')
     out.append(f'<text x="{left + w / 2}" y="{height - 4}" class="tick" text-anchor="middle">step</text>')
-    out.append(f'<text x="12" y="{top + h / 2}" class="tick" transform="rotate(-90 12 {top + h / 2})" '
-               f'text-anchor="middle">{_e(ylabel)}</text>')
+    out.append(
+        f'<text x="12" y="{top + h / 2}" class="tick" transform="rotate(-90 12 {top + h / 2})" '
+        f'text-anchor="middle">{_e(ylabel)}</text>'
+    )
     for i, (name, s) in enumerate(series.items()):
         s = [(x, y) for x, y in s if math.isfinite(y)]
         if not s:
             continue
         color = PALETTE[i % len(PALETTE)]
         d = " ".join(f"{'M' if j == 0 else 'L'}{sx(x):.1f},{sy(y):.1f}" for j, (x, y) in enumerate(s))
-        out.append(f'<g class="series" data-series="{_e(name)}"><path d="{d}" stroke="{color}" fill="none" '
-                   f'stroke-width="1.8"/>')
-        out += [f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="2.5" fill="{color}"><title>{_e(name)} at step '
-                f'{x:.0f}: {fmt(y)}</title></circle>' for x, y in s]
+        out.append(
+            f'<g class="series" data-series="{_e(name)}"><path d="{d}" stroke="{color}" fill="none" '
+            f'stroke-width="1.8"/>'
+        )
+        out += [
+            f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="2.5" fill="{color}"><title>{_e(name)} at step '
+            f"{x:.0f}: {fmt(y)}</title></circle>"
+            for x, y in s
+        ]
         out.append("</g>")
         ly = top + 14 * i + 6
-        out.append(f'<g class="legend" data-series="{_e(name)}"><rect x="{left + w + 10}" y="{ly - 8}" width="10" '
-                   f'height="10" fill="{color}"/><text x="{left + w + 24}" y="{ly + 1}" class="tick">{_e(name)}'
-                   '</text></g>')
+        out.append(
+            f'<g class="legend" data-series="{_e(name)}"><rect x="{left + w + 10}" y="{ly - 8}" width="10" '
+            f'height="10" fill="{color}"/><text x="{left + w + 24}" y="{ly + 1}" class="tick">{_e(name)}'
+            "</text></g>"
+        )
     out.append("</svg>")
     return "".join(out)
 
@@ -133,22 +146,40 @@ def svg_curve(series: dict[str, list[tuple[float, float]]], *, title: str, ylabe
 def curves(log: list[dict], metric: str | None) -> str:
     train = [e for e in log if "loss" in e and "eval" not in e and "final" not in e]
     evals = [e for e in log if "eval" in e]
-    parts = [svg_curve({"train loss": [(e["step"], e["loss"]) for e in train]}, title="training loss (mean since the "
-                       "last log line)", ylabel="loss")]
+    parts = [
+        svg_curve(
+            {"train loss": [(e["step"], e["loss"]) for e in train]},
+            title="training loss (mean since the last log line)",
+            ylabel="loss",
+        )
+    ]
     metrics = sorted({k for e in evals for r in e["eval"].values() for k in r})
     show: list[str] = [metric] if metric is not None and metric in metrics else metrics[:3]
     if evals:
-        parts.append(svg_curve({f"{split} {k}": [(e["step"], e["eval"][split][k]) for e in evals if k in
-                                                 e["eval"].get(split, {})]
-                                for split in sorted({s for e in evals for s in e["eval"]}) for k in show},
-                               title="evaluation", ylabel=", ".join(show)))
+        parts.append(
+            svg_curve(
+                {
+                    f"{split} {k}": [(e["step"], e["eval"][split][k]) for e in evals if k in e["eval"].get(split, {})]
+                    for split in sorted({s for e in evals for s in e["eval"]})
+                    for k in show
+                },
+                title="evaluation",
+                ylabel=", ".join(show),
+            )
+        )
     if any("tokens_per_s" in e for e in train):
-        parts.append(svg_curve({"tokens/s": [(e["step"], e["tokens_per_s"]) for e in train if "tokens_per_s" in e]},
-                               title="throughput (token slots per second)", ylabel="tokens/s"))
+        parts.append(
+            svg_curve(
+                {"tokens/s": [(e["step"], e["tokens_per_s"]) for e in train if "tokens_per_s" in e]},
+                title="throughput (token slots per second)",
+                ylabel="tokens/s",
+            )
+        )
     return "".join(parts)
 
 
 # ---- sections ---------------------------------------------------------------------------------
+
 
 def _metrics_section(summary: dict | None, live: dict | None) -> str:
     if summary and summary.get("metrics"):
@@ -158,11 +189,14 @@ def _metrics_section(summary: dict | None, live: dict | None) -> str:
         results, key = {n: {k: v for k, v in r.items() if isinstance(v, (int, float))} for n, r in live.items()}, "live"
         note = "latest evaluation (the run is still training)"
     else:
-        return "<p class=\"muted\">No evaluation yet.</p>"
+        return '<p class="muted">No evaluation yet.</p>'
     names = sorted({k for r in results.values() for k in r})
-    rows = [[f"<th>{_e(k)}</th>"] + [_num(f"{key}/{split}/{k}", r[k]) if k in r else "<td></td>"
-                                     for split, r in results.items()] for k in names]
-    return f"<p class=\"muted\">{_e(note)}</p>" + _table(["metric", *results], rows, "metrics")
+    rows = [
+        [f"<th>{_e(k)}</th>"]
+        + [_num(f"{key}/{split}/{k}", r[k]) if k in r else "<td></td>" for split, r in results.items()]
+        for k in names
+    ]
+    return f'<p class="muted">{_e(note)}</p>' + _table(["metric", *results], rows, "metrics")
 
 
 def _per_class_section(evaluation: dict | None, id2name: list[str] | None) -> str:
@@ -172,26 +206,38 @@ def _per_class_section(evaluation: dict | None, id2name: list[str] | None) -> st
     if r is None:
         return ""
     parts = []
-    name = (lambda i: id2name[i] if id2name and i < len(id2name) else str(i))
+    name = lambda i: id2name[i] if id2name and i < len(id2name) else str(i)
     if "per_class" in r:
         pc = r["per_class"]
         cols = [k for k in ("precision", "recall", "f1", "support") if k in pc]
-        rows = [[f"<th>{_e(name(i))}</th>"] + [_num(f"per_class/{split}/{name(i)}/{c}", pc[c][i]) for c in cols]
-                for i in range(len(pc[cols[0]]))]
+        rows = [
+            [f"<th>{_e(name(i))}</th>"] + [_num(f"per_class/{split}/{name(i)}/{c}", pc[c][i]) for c in cols]
+            for i in range(len(pc[cols[0]]))
+        ]
         parts.append(f"<h3>per class ({_e(split)})</h3>" + _table(["class", *cols], rows))
     if "per_label_f1" in r:
-        rows = [[f"<th>{_e(name(i))}</th>", _num(f"per_label_f1/{split}/{name(i)}", v)]
-                for i, v in enumerate(r["per_label_f1"])]
-        parts.append(f"<h3>per label ({_e(split)}, threshold {fmt(r.get('threshold'))})</h3>"
-                     + _table(["label", "f1"], rows))
+        rows = [
+            [f"<th>{_e(name(i))}</th>", _num(f"per_label_f1/{split}/{name(i)}", v)]
+            for i, v in enumerate(r["per_label_f1"])
+        ]
+        parts.append(
+            f"<h3>per label ({_e(split)}, threshold {fmt(r.get('threshold'))})</h3>" + _table(["label", "f1"], rows)
+        )
     if "confusion_matrix" in r:
         cm = r["confusion_matrix"]
         top = max((max(row) for row in cm), default=1) or 1
-        rows = [[f"<th>{_e(name(i))}</th>"] + [f'<td class="num cm" style="background:rgba(31,119,180,'
-                                                f'{0.08 + 0.8 * v / top:.2f})">{v}</td>' for v in row]
-                for i, row in enumerate(cm)]
-        parts.append(f"<h3>confusion matrix ({_e(split)}: rows true, columns predicted)</h3>"
-                     + _table(["true \\ predicted", *[name(i) for i in range(len(cm))]], rows, "cm"))
+        rows = [
+            [f"<th>{_e(name(i))}</th>"]
+            + [
+                f'<td class="num cm" style="background:rgba(31,119,180,{0.08 + 0.8 * v / top:.2f})">{v}</td>'
+                for v in row
+            ]
+            for i, row in enumerate(cm)
+        ]
+        parts.append(
+            f"<h3>confusion matrix ({_e(split)}: rows true, columns predicted)</h3>"
+            + _table(["true \\ predicted", *[name(i) for i in range(len(cm))]], rows, "cm")
+        )
     return "".join(parts)
 
 
@@ -199,9 +245,11 @@ def _worst_section(worst: dict | None) -> str:
     if not worst or not worst.get("rows"):
         return ""
     cols = worst["columns"]
-    rows = [[f"<td>{_e(r.get(c, ''))}</td>" if c == "text" else f"<td>{fmt(r.get(c, ''))}</td>" for c in cols]
-            for r in worst["rows"]]
-    return f"<p class=\"muted\">{_e(worst['note'])}</p>" + _table(cols, rows, "worst")
+    rows = [
+        [f"<td>{_e(r.get(c, ''))}</td>" if c == "text" else f"<td>{fmt(r.get(c, ''))}</td>" for c in cols]
+        for r in worst["rows"]
+    ]
+    return f'<p class="muted">{_e(worst["note"])}</p>' + _table(cols, rows, "worst")
 
 
 def _data_section(config: dict) -> str:
@@ -210,8 +258,10 @@ def _data_section(config: dict) -> str:
     out = _table(["split", "rows"], [[f"<th>{_e(n)}</th>", _num(f"sizes/{n}", v)] for n, v in sizes.items()])
     if counts:
         labels = sorted({k for c in counts.values() for k in c}, key=str)
-        rows = [[f"<th>{_e(lab)}</th>"] + [f'<td class="num">{fmt(counts[s].get(lab, 0))}</td>' for s in counts]
-                for lab in labels]
+        rows = [
+            [f"<th>{_e(lab)}</th>"] + [f'<td class="num">{fmt(counts[s].get(lab, 0))}</td>' for s in counts]
+            for lab in labels
+        ]
         out += "<h3>label counts</h3>" + _table(["label", *counts], rows)
     d = config.get("data") or {}
     src = {k: v for k, v in d.items() if v not in (None, False, [], {})}
@@ -232,16 +282,25 @@ def _throughput_section(summary: dict | None, log: list[dict]) -> str:
     if not t:
         last = next((e for e in reversed(log) if "tokens_per_s" in e), None)
         if last is None:
-            return "<p class=\"muted\">No throughput logged yet.</p>"
-        t = {k: last[k] for k in ("examples_per_s", "tokens_per_s", "step_seconds", "model_tflops_per_s", "mfu")
-             if k in last}
+            return '<p class="muted">No throughput logged yet.</p>'
+        t = {
+            k: last[k]
+            for k in ("examples_per_s", "tokens_per_s", "step_seconds", "model_tflops_per_s", "mfu")
+            if k in last
+        }
         note = f"the last log line (step {last['step']})"
     else:
         note = "the run's steps after the first (its compile), evaluations left out (summary.json)"
     rows = [[f"<th>{_e(k)}</th>", _num(f"throughput/{k}", v)] for k, v in t.items()]
-    extra = "" if "mfu" in t else ("<p class=\"muted\">MFU is left out: the device's peak is not known "
-                                   "(CPUs, or a kind not in flaxheads.training.flops.PEAK_TFLOPS).</p>")
-    return f"<p class=\"muted\">{_e(note)}</p>" + _table(["", "value"], rows) + extra
+    extra = (
+        ""
+        if "mfu" in t
+        else (
+            '<p class="muted">MFU is left out: the device\'s peak is not known '
+            "(CPUs, or a kind not in flaxheads.training.flops.PEAK_TFLOPS).</p>"
+        )
+    )
+    return f'<p class="muted">{_e(note)}</p>' + _table(["", "value"], rows) + extra
 
 
 def _memory_section(config: dict, summary: dict | None) -> str:
@@ -254,13 +313,15 @@ def _checkpoint_section(run: Path, config: dict, summary: dict | None) -> str:
     root = run / "checkpoints"
     steps = sorted(int(p.name) for p in root.iterdir() if p.is_dir() and p.name.isdigit()) if root.is_dir() else []
     q = shlex.quote(str(run))
-    out = (f"<p>checkpoints: {', '.join(map(str, steps)) or 'none'} in <code>{_e(root)}</code></p>"
-           f"<p>Resume or extend (the same spec; it continues from the latest checkpoint):</p>"
-           f"<pre>python -c \"import flaxheads as fh; fh.train(fh.RunSpec.from_run({_e(repr(str(run)))}))\"</pre>"
-           f"<p>Export the trained model, predict with it, rebuild this page:</p>"
-           f"<pre>flaxheads export --from {_e(q)} --format transformers --out exported\n"
-           f"flaxheads predict {_e(q)} --input new.csv --output predicted.csv\n"
-           f"flaxheads report {_e(q)}</pre>")
+    out = (
+        f"<p>checkpoints: {', '.join(map(str, steps)) or 'none'} in <code>{_e(root)}</code></p>"
+        f"<p>Resume or extend (the same spec; it continues from the latest checkpoint):</p>"
+        f'<pre>python -c "import flaxheads as fh; fh.train(fh.RunSpec.from_run({_e(repr(str(run)))}))"</pre>'
+        f"<p>Export the trained model, predict with it, rebuild this page:</p>"
+        f"<pre>flaxheads export --from {_e(q)} --format transformers --out exported\n"
+        f"flaxheads predict {_e(q)} --input new.csv --output predicted.csv\n"
+        f"flaxheads report {_e(q)}</pre>"
+    )
     return out
 
 
@@ -271,9 +332,11 @@ def _profile_section(run: Path, summary: dict | None) -> str:
         return ""
     steps = prof.get("steps") if prof else None
     lis = "".join(f"<li><code>{_e(p.relative_to(run))}</code></li>" for p in files)
-    return (f"<p>A jax.profiler trace of steps {_e(steps[0])} to {_e(steps[1])}:</p>" if steps else "") + \
-        f"<ul>{lis}</ul><p><code>tensorboard --logdir {_e(shlex.quote(str(run)))}</code> (profile tab), or open " \
+    return (
+        (f"<p>A jax.profiler trace of steps {_e(steps[0])} to {_e(steps[1])}:</p>" if steps else "")
+        + f"<ul>{lis}</ul><p><code>tensorboard --logdir {_e(shlex.quote(str(run)))}</code> (profile tab), or open "
         "the <code>.trace.json.gz</code> in Perfetto.</p>"
+    )
 
 
 STYLE = """
@@ -322,31 +385,64 @@ def render(run: str | Path, *, live: dict | None = None) -> str:
     metric = _headline(config, objective)
     labels = config.get("labels")
     steps = (summary or {}).get("steps") or max((e.get("step", 0) for e in log), default=0)
-    status = (f"finished: {steps} steps in {(summary or {}).get('seconds', '?')} s" if summary else
-              f"training: step {steps} of {_total(config)}")
+    status = (
+        f"finished: {steps} steps in {(summary or {}).get('seconds', '?')} s"
+        if summary
+        else f"training: step {steps} of {_total(config)}"
+    )
     sections = [
         _section("Metrics", _metrics_section(summary, live), "metrics"),
-        _section("Curves", curves(log, metric) if log else "<p class=\"muted\">metrics.jsonl is missing "
-                 "(report_to without jsonl) or empty.</p>", "curves"),
-        _section("Per class and confusion matrix" if objective == "classification" else "Ranking metrics",
-                 _per_class_section(evaluation, labels) or "<p class=\"muted\">See Metrics.</p>", "classes"),
-        _section("Worst-classified examples", _worst_section(worst) or "<p class=\"muted\">None recorded (a ranking "
-                 "run, a run without texts in memory, or still training).</p>", "worst"),
+        _section(
+            "Curves",
+            curves(log, metric)
+            if log
+            else '<p class="muted">metrics.jsonl is missing (report_to without jsonl) or empty.</p>',
+            "curves",
+        ),
+        _section(
+            "Per class and confusion matrix" if objective == "classification" else "Ranking metrics",
+            _per_class_section(evaluation, labels) or '<p class="muted">See Metrics.</p>',
+            "classes",
+        ),
+        _section(
+            "Worst-classified examples",
+            _worst_section(worst)
+            or '<p class="muted">None recorded (a ranking run, a run without texts in memory, or still training).</p>',
+            "worst",
+        ),
         _section("Throughput", _throughput_section(summary, log), "throughput"),
         _section("Data", _data_section(config), "data"),
         _section("Memory plan and devices", _memory_section(config, summary), "memory"),
         _section("Checkpoints, resume and export", _checkpoint_section(run, config, summary), "checkpoints"),
-        _section("Profile", _profile_section(run, summary) or "<p class=\"muted\">No profile (--profile-steps A:B "
-                 "records one).</p>", "profile"),
+        _section(
+            "Profile",
+            _profile_section(run, summary) or '<p class="muted">No profile (--profile-steps A:B records one).</p>',
+            "profile",
+        ),
         _section("Spec", _spec_tables(spec), "spec"),
     ]
-    nav = "".join(f'<a href="#{sid}">{sid}</a>' for sid in ("metrics", "curves", "classes", "worst", "throughput",
-                                                           "data", "memory", "checkpoints", "profile", "spec"))
-    return ("<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\">"
-            f"<meta name=\"viewport\" content=\"width=device-width\"><title>{_e(run.name)}: flaxheads run</title>"
-            f"<style>{STYLE}</style></head><body><header><h1>{_e(run.name)}</h1>"
-            f"<p>{_e(config.get('model', '?'))} &middot; {_e(task)} &middot; <span id=\"status\">{_e(status)}</span>"
-            f"</p><nav>{nav}</nav></header><main>{''.join(sections)}</main><script>{SCRIPT}</script></body></html>")
+    nav = "".join(
+        f'<a href="#{sid}">{sid}</a>'
+        for sid in (
+            "metrics",
+            "curves",
+            "classes",
+            "worst",
+            "throughput",
+            "data",
+            "memory",
+            "checkpoints",
+            "profile",
+            "spec",
+        )
+    )
+    return (
+        '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
+        f'<meta name="viewport" content="width=device-width"><title>{_e(run.name)}: flaxheads run</title>'
+        f"<style>{STYLE}</style></head><body><header><h1>{_e(run.name)}</h1>"
+        f'<p>{_e(config.get("model", "?"))} &middot; {_e(task)} &middot; <span id="status">{_e(status)}</span>'
+        f"</p><nav>{nav}</nav></header><main>{''.join(sections)}</main><script>{SCRIPT}</script></body></html>"
+    )
 
 
 def _headline(config: dict, objective: str) -> str | None:
@@ -363,7 +459,7 @@ def _total(config: dict) -> str:
 
 def _spec_tables(spec: dict) -> str:
     if not spec:
-        return "<p class=\"muted\">config.json records no spec.</p>"
+        return '<p class="muted">config.json records no spec.</p>'
     return "".join(f"<h3>{_e(g)}</h3>" + _kv(v) if isinstance(v, dict) else _kv({g: v}) for g, v in spec.items())
 
 
@@ -373,8 +469,10 @@ def report_run(run: str | Path) -> Path:
     if not (run / "config.json").is_file():
         from flaxheads.errors import UsageError
 
-        raise UsageError(f"{run} has no config.json: not a flaxheads run folder (give the folder a training run "
-                         "wrote, e.g. runs/<time>-<data>)")
+        raise UsageError(
+            f"{run} has no config.json: not a flaxheads run folder (give the folder a training run "
+            "wrote, e.g. runs/<time>-<data>)"
+        )
     return write_report(run)
 
 

@@ -1,6 +1,7 @@
 """What the report page shows that a run knows while it runs: the label counts of its splits, its
 worst-classified validation (else test) examples (with their text), the page rewritten at each evaluation, and the
 throughput line of the run's last printed line."""
+
 from __future__ import annotations
 
 import sys
@@ -35,8 +36,12 @@ class ReportPage(loop.Callback):
             write_report(self.run_dir, live=results)
         except OSError as e:
             self.failed = True
-            print(f"warning: could not write {self.run_dir / 'report.html'}: {e.strerror or e}; training goes on "
-                  "(`flaxheads report` writes it again)", file=sys.stderr, flush=True)
+            print(
+                f"warning: could not write {self.run_dir / 'report.html'}: {e.strerror or e}; training goes on "
+                "(`flaxheads report` writes it again)",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def label_counts(data) -> dict[str, dict[str, int]] | None:
@@ -81,34 +86,62 @@ def worst_examples(job, split: str, arrays: dict | None, k: int = WORST) -> dict
         return None
     logits, y = np.asarray(arrays["logits"], np.float64), np.asarray(arrays["labels"])
     names = (job.data.space.names if job.data.space is not None else None) or None
-    name = (lambda i: str(names[int(i)]) if names else str(int(i)))
+    name = lambda i: str(names[int(i)]) if names else str(int(i))
     pt = job.model.problem_type
     if pt == SINGLE_LABEL:
         z = logits - logits.max(1, keepdims=True)
         logp = z - np.log(np.exp(z).sum(1, keepdims=True))
         loss = -logp[np.arange(len(y)), y.astype(np.int64)]
         order = np.argsort(-loss, kind="stable")[:k]
-        rows = [{"row": int(i), "text": texts[i], "true": name(y[i]), "predicted": name(logits[i].argmax()),
-                 "p(true)": float(np.exp(-loss[i])), "loss": float(loss[i])} for i in order]
+        rows = [
+            {
+                "row": int(i),
+                "text": texts[i],
+                "true": name(y[i]),
+                "predicted": name(logits[i].argmax()),
+                "p(true)": float(np.exp(-loss[i])),
+                "loss": float(loss[i]),
+            }
+            for i in order
+        ]
         cols = ["row", "text", "true", "predicted", "p(true)", "loss"]
     elif pt == MULTI_LABEL:
         p = 1 / (1 + np.exp(-logits))
         loss = -(y * np.log(np.clip(p, 1e-12, 1)) + (1 - y) * np.log(np.clip(1 - p, 1e-12, 1))).sum(1)
         thr = job.spec.task.threshold
         order = np.argsort(-loss, kind="stable")[:k]
-        rows = [{"row": int(i), "text": texts[i], "true": ", ".join(name(j) for j in np.flatnonzero(y[i] >= 0.5)),
-                 "predicted": ", ".join(name(j) for j in np.flatnonzero(p[i] >= thr)), "loss": float(loss[i])}
-                for i in order]
+        rows = [
+            {
+                "row": int(i),
+                "text": texts[i],
+                "true": ", ".join(name(j) for j in np.flatnonzero(y[i] >= 0.5)),
+                "predicted": ", ".join(name(j) for j in np.flatnonzero(p[i] >= thr)),
+                "loss": float(loss[i]),
+            }
+            for i in order
+        ]
         cols = ["row", "text", "true", "predicted", "loss"]
     else:
         pred = logits[:, 0]
         err = np.abs(pred - np.asarray(y, np.float64).reshape(-1))
         order = np.argsort(-err, kind="stable")[:k]
-        rows = [{"row": int(i), "text": texts[i], "true": float(np.asarray(y).reshape(-1)[i]),
-                 "predicted": float(pred[i]), "abs error": float(err[i])} for i in order]
+        rows = [
+            {
+                "row": int(i),
+                "text": texts[i],
+                "true": float(np.asarray(y).reshape(-1)[i]),
+                "predicted": float(pred[i]),
+                "abs error": float(err[i]),
+            }
+            for i in order
+        ]
         cols = ["row", "text", "true", "predicted", "abs error"]
-    return {"split": split, "note": f"the {len(rows)} {split} examples with the largest loss (row: the {split} "
-                                    "split's row)", "columns": cols, "rows": rows}
+    return {
+        "split": split,
+        "note": f"the {len(rows)} {split} examples with the largest loss (row: the {split} split's row)",
+        "columns": cols,
+        "rows": rows,
+    }
 
 
 def throughput_note(t: dict) -> str:

@@ -9,6 +9,7 @@ a training line's keys as ``train/<key>`` (``loss``, ``grad_norm``, ``lr_head``,
 ``epoch``...), an evaluation's as ``<split>/<metric>``, the final metrics as ``final/<split>/<metric>``;
 characters TensorBoard refuses in a tag become ``_`` (``ndcg@10`` is ``ndcg_10``).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -37,8 +38,9 @@ def resolve_report_to(value: str | Sequence[str] | None) -> tuple[str, ...]:
         return ()
     bad = [n for n in names if n not in REPORTERS]
     if bad or not names:
-        raise UsageError(f"--report-to {','.join(names)!s}: expected one or more of {', '.join(REPORTERS)} joined "
-                         "by commas, or none")
+        raise UsageError(
+            f"--report-to {','.join(names)!s}: expected one or more of {', '.join(REPORTERS)} joined by commas, or none"
+        )
     return tuple(dict.fromkeys(names))
 
 
@@ -75,8 +77,12 @@ class EventWriter:
             with contextlib.suppress(OSError):
                 self.file.close()
             self.file = None
-        print(f"warning: could not write TensorBoard events in {self.folder}: {e.strerror or e}; training goes "
-              "on (metrics.jsonl keeps every entry)", file=sys.stderr, flush=True)
+        print(
+            f"warning: could not write TensorBoard events in {self.folder}: {e.strerror or e}; training goes "
+            "on (metrics.jsonl keeps every entry)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def write(self, entry: dict) -> None:
         if self.file is not None:
@@ -98,8 +104,14 @@ class Reporters:
     """The run's log sinks: ``metrics.jsonl`` (``append``: after what is there; else an earlier
     run's log is removed) and the event files, as ``report_to`` says."""
 
-    def __init__(self, run_dir: str | Path | None, report_to: Iterable[str], *, purge_step: int | None = None,
-                 append: bool = True):
+    def __init__(
+        self,
+        run_dir: str | Path | None,
+        report_to: Iterable[str],
+        *,
+        purge_step: int | None = None,
+        append: bool = True,
+    ):
         folder = Path(run_dir) if run_dir is not None else None
         names = tuple(report_to) if folder is not None else ()
         if folder is not None and not append:

@@ -9,6 +9,7 @@ run folder, and running it again resumes that run.
 Keyword arguments reach their group by name (:meth:`RunSpec.from_kwargs`, :meth:`RunSpec.replace`):
 every field name is unique across the groups.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -130,8 +131,14 @@ class DeviceSpec:
     process_id: int | None = None
 
 
-GROUPS: dict[str, type] = {"model": ModelSpec, "data": DataSpec, "task": TaskSpec, "optim": OptimSpec,
-                           "checkpoints": CheckpointSpec, "devices": DeviceSpec}
+GROUPS: dict[str, type] = {
+    "model": ModelSpec,
+    "data": DataSpec,
+    "task": TaskSpec,
+    "optim": OptimSpec,
+    "checkpoints": CheckpointSpec,
+    "devices": DeviceSpec,
+}
 #: field name -> its group
 FIELD_GROUP: dict[str, str] = {f.name: g for g, cls in GROUPS.items() for f in dataclasses.fields(cls)}
 _TUPLES = {"head_hidden", "lora_targets", "labels", "split", "report_to"}
@@ -164,14 +171,17 @@ class RunSpec:
                 continue
             group = FIELD_GROUP.get(name)
             if group is None:
-                raise UsageError(f"{name!r} is not a run setting; the settings are: seed, "
-                                 + ", ".join(sorted(FIELD_GROUP)))
+                raise UsageError(
+                    f"{name!r} is not a run setting; the settings are: seed, " + ", ".join(sorted(FIELD_GROUP))
+                )
             if name == "report_to" and isinstance(value, str):  # "tensorboard,jsonl", as the flag spells it
                 value = tuple(v.strip() for v in value.split(",") if v.strip())
-            groups.setdefault(group, {})[name] = tuple(value) if name in _TUPLES and value is not None \
-                and not isinstance(value, str) else value
-        return dataclasses.replace(self, **top, **{g: dataclasses.replace(getattr(self, g), **v)
-                                                   for g, v in groups.items()})
+            groups.setdefault(group, {})[name] = (
+                tuple(value) if name in _TUPLES and value is not None and not isinstance(value, str) else value
+            )
+        return dataclasses.replace(
+            self, **top, **{g: dataclasses.replace(getattr(self, g), **v) for g, v in groups.items()}
+        )
 
     def flat(self) -> dict[str, Any]:
         """Every field by its flat name (what :meth:`from_kwargs` takes)."""
@@ -186,8 +196,9 @@ class RunSpec:
     def from_dict(cls, d: Mapping[str, Any]) -> RunSpec:
         """The spec of :meth:`to_dict` (unknown keys are refused by name)."""
         if not isinstance(d, Mapping):
-            raise UsageError(f"a run spec is a JSON object of groups {', '.join(GROUPS)} and seed; "
-                             f"got {type(d).__name__}")
+            raise UsageError(
+                f"a run spec is a JSON object of groups {', '.join(GROUPS)} and seed; got {type(d).__name__}"
+            )
         flat: dict[str, Any] = {}
         for key, value in d.items():
             if key == "seed":
@@ -196,8 +207,9 @@ class RunSpec:
                 known = {f.name for f in dataclasses.fields(GROUPS[key])}
                 bad = sorted(set(value) - known)
                 if bad:
-                    raise UsageError(f"run spec group {key!r} has no setting {bad[0]!r}; it has "
-                                     f"{', '.join(sorted(known))}")
+                    raise UsageError(
+                        f"run spec group {key!r} has no setting {bad[0]!r}; it has {', '.join(sorted(known))}"
+                    )
                 flat.update(value)
             else:
                 raise UsageError(f"run spec key {key!r} is not one of {', '.join(GROUPS)}, seed")
@@ -214,8 +226,10 @@ class RunSpec:
         except json.JSONDecodeError as e:
             raise UsageError(f"{path} is not valid JSON ({e}); the run folder is damaged") from None
         if not isinstance(cfg, dict) or "spec" not in cfg:
-            raise UsageError(f"{path} records no run spec: the run was made by an older flaxheads; start it again "
-                             "with the same settings")
+            raise UsageError(
+                f"{path} records no run spec: the run was made by an older flaxheads; start it again "
+                "with the same settings"
+            )
         return cls.from_dict(cfg["spec"])
 
     @property
@@ -266,8 +280,9 @@ def settle_precision(name: str | None) -> str:
     if name is None:
         name = os.environ.get(PRECISION_ENV, "").strip() or "auto"
         if name not in PRECISIONS:
-            raise UsageError(f"${PRECISION_ENV}={name!r} is not a precision: expected one of {', '.join(PRECISIONS)} "
-                             "(or unset it)")
+            raise UsageError(
+                f"${PRECISION_ENV}={name!r} is not a precision: expected one of {', '.join(PRECISIONS)} (or unset it)"
+            )
     elif name not in PRECISIONS:
         raise UsageError(f"precision {name!r} is not one of {', '.join(PRECISIONS)}")
     return name

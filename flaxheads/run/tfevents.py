@@ -7,6 +7,7 @@ hides the steps an interrupted run had logged from there on) and summaries of ``
 scalars. Writing them directly keeps TensorBoard logging free of protobuf, TensorFlow and torch
 (tensorboardX's writer imports torch where it is installed: seconds at every run's start).
 """
+
 from __future__ import annotations
 
 import os
@@ -65,16 +66,21 @@ def _field(number: int, payload: bytes) -> bytes:
     return _varint(number << 3 | 2) + _varint(len(payload)) + payload
 
 
-def event(step: int, *, wall_time: float | None = None, file_version: str | None = None,
-          session_start: bool = False, scalars: Iterable[tuple[str, float]] = ()) -> bytes:
+def event(
+    step: int,
+    *,
+    wall_time: float | None = None,
+    file_version: str | None = None,
+    session_start: bool = False,
+    scalars: Iterable[tuple[str, float]] = (),
+) -> bytes:
     """A serialized ``Event``: wall_time (1, double), step (2, int64), file_version (3, string),
     summary (5: repeated value (1) of tag (1, string) and simple_value (2, float)), session_log
     (7: status (1) START = 1)."""
     out = b"\x09" + struct.pack("<d", time.time() if wall_time is None else wall_time) + b"\x10" + _varint(step)
     if file_version is not None:
         out += _field(3, file_version.encode())
-    values = b"".join(_field(1, _field(1, tag.encode()) + b"\x15" + struct.pack("<f", value))
-                      for tag, value in scalars)
+    values = b"".join(_field(1, _field(1, tag.encode()) + b"\x15" + struct.pack("<f", value)) for tag, value in scalars)
     if values:
         out += _field(5, values)
     if session_start:

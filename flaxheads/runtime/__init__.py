@@ -12,6 +12,7 @@
 The process-level settings (flags, malloc, compile cache) are applied only by programs
 (the ``flaxheads`` command, benchmarks, examples), never on import.
 """
+
 from flaxheads.runtime.plan import ComputePlan
 
 __all__ = ["ComputePlan"]

@@ -10,6 +10,7 @@ one whose tree breaks the Flax conventions further overrides
 A parameter the rule does not recognise gets ``None`` on every dimension (replicated).
 :mod:`flaxheads.training.sharding` maps these names onto device-mesh axes.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -25,17 +26,60 @@ Axes = tuple[str | None, ...]
 _KERNELS: dict[str, tuple[str, str]] = {}
 for _names, _axes in (
     # attention input projections (q, fused qkv) and key/value projections (fewer heads under GQA)
-    (("query", "q_proj", "q_lin", "query_proj", "pos_query_proj", "Wqkv", "qkv", "qkv_proj", "c_attn",
-      "query_key_value"), (EMBED, HEADS)),
+    (
+        (
+            "query",
+            "q_proj",
+            "q_lin",
+            "query_proj",
+            "pos_query_proj",
+            "Wqkv",
+            "qkv",
+            "qkv_proj",
+            "c_attn",
+            "query_key_value",
+        ),
+        (EMBED, HEADS),
+    ),
     (("key", "value", "k_proj", "v_proj", "k_lin", "v_lin", "key_proj", "value_proj", "pos_key_proj"), (EMBED, KV)),
     # attention output projections
-    (("o_proj", "out_lin", "attention/output/dense", "attention/dense", "attn/c_proj", "attn/Wo",
-      "self_attn/out_proj", "encoder_attn/out_proj", "attn/out_proj", "attention/out_proj"), (HEADS, EMBED)),
+    (
+        (
+            "o_proj",
+            "out_lin",
+            "attention/output/dense",
+            "attention/dense",
+            "attn/c_proj",
+            "attn/Wo",
+            "self_attn/out_proj",
+            "encoder_attn/out_proj",
+            "attn/out_proj",
+            "attention/out_proj",
+        ),
+        (HEADS, EMBED),
+    ),
     # feed-forward input (gated or not) and output projections
-    (("intermediate/dense", "gate_proj", "up_proj", "gate_up_proj", "fc1", "lin1", "c_fc", "ffn", "mlp/Wi", "w1",
-      "w3", "dense_h_to_4h"), (EMBED, MLP)),
-    (("output/dense", "down_proj", "fc2", "lin2", "ffn_output", "mlp/c_proj", "mlp/Wo", "w2", "dense_4h_to_h"),
-     (MLP, EMBED)),
+    (
+        (
+            "intermediate/dense",
+            "gate_proj",
+            "up_proj",
+            "gate_up_proj",
+            "fc1",
+            "lin1",
+            "c_fc",
+            "ffn",
+            "mlp/Wi",
+            "w1",
+            "w3",
+            "dense_h_to_4h",
+        ),
+        (EMBED, MLP),
+    ),
+    (
+        ("output/dense", "down_proj", "fc2", "lin2", "ffn_output", "mlp/c_proj", "mlp/Wo", "w2", "dense_4h_to_h"),
+        (MLP, EMBED),
+    ),
 ):
     for _n in _names:
         _KERNELS[_n] = _axes

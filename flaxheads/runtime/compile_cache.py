@@ -4,6 +4,7 @@ executables instead of compiling them again.
 The folder is per jax version and per CPU (model name and instruction-set flags): an executable
 compiled for one CPU's vector extensions must never run on another that shares the home folder.
 """
+
 from __future__ import annotations
 
 import os
@@ -16,8 +17,11 @@ from flaxheads.runtime.cpu import cpu_fingerprint
 #: ``FLAXHEADS_COMPILE_CACHE``: a folder for the persistent compilation cache, or ``0`` to turn it off.
 CACHE_ENV = "FLAXHEADS_COMPILE_CACHE"
 # JAX records a "miss" as it writes the new entry
-_REQUEST, _HIT, _WRITE = ("/jax/compilation_cache/compile_requests_use_cache", "/jax/compilation_cache/cache_hits",
-                          "/jax/compilation_cache/cache_misses")
+_REQUEST, _HIT, _WRITE = (
+    "/jax/compilation_cache/compile_requests_use_cache",
+    "/jax/compilation_cache/cache_hits",
+    "/jax/compilation_cache/cache_misses",
+)
 
 #: JAX's warning when XLA cannot serialize a compiled program. jaxlib 0.12's XLA:CPU fails so on
 #: every program with oneDNN's matmul calls: such programs compile again in each run, which
@@ -58,10 +62,12 @@ class CompileCache:
 
     def summary(self) -> str:
         lost = self.compiled - self.stored
-        note = f"; {lost} could not be stored (XLA cannot save oneDNN's products) and compile in every run" \
-            if lost else ""
-        return (f"compile cache: {self.hits} loaded, {self.compiled} compiled, {self.stored} stored{note} "
-                f"({self.folder})")
+        note = (
+            f"; {lost} could not be stored (XLA cannot save oneDNN's products) and compile in every run" if lost else ""
+        )
+        return (
+            f"compile cache: {self.hits} loaded, {self.compiled} compiled, {self.stored} stored{note} ({self.folder})"
+        )
 
 
 def enable_compile_cache(folder: str | os.PathLike | None = None) -> CompileCache | None:

@@ -1,4 +1,5 @@
 """The host's CPU (model name, instruction sets) and the installed jax version."""
+
 from __future__ import annotations
 
 import hashlib

@@ -1,4 +1,5 @@
 """What a command's process logs: one line per failed save, not every writer thread's traceback."""
+
 from __future__ import annotations
 
 import logging

@@ -4,6 +4,7 @@ local devices, as JAX recommends in place of ``jax.pmap``), or ``jit`` over a na
 (``data`` x ``fsdp`` x ``tensor``, see :mod:`flaxheads.runtime.sharding`): the batch split over
 ``data`` x ``fsdp``, params and optimizer state sharded by their logical axis names (all
 replicated on a data-only mesh). The mesh path spans hosts through ``jax.distributed``."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -37,6 +38,7 @@ def _per_device(fn: Callable, mesh: Mesh | AbstractMesh, in_specs, out_specs) ->
     shard_map = getattr(jax, "shard_map", None)
     if shard_map is None:
         from jax.experimental.shard_map import shard_map as experimental_shard_map
+
         shard_map = experimental_shard_map
     # the checks' switch was renamed (check_rep -> check_vma)
     check = "check_vma" if "check_vma" in inspect.signature(shard_map).parameters else "check_rep"
@@ -62,12 +64,15 @@ def _process_block(sharding: NamedSharding, parts: int) -> tuple[int, int]:
     """(index, count): this process holds block ``index`` of ``count`` equal, contiguous blocks of
     the rows of an array with ``parts`` row shards (processes that share rows hold the same block)."""
     # an index of None: the device holds the whole array
-    starts = sorted({int(idx[0].start or 0) if idx else 0
-                     for idx in sharding.addressable_devices_indices_map((parts,)).values()})
+    starts = sorted(
+        {int(idx[0].start or 0) if idx else 0 for idx in sharding.addressable_devices_indices_map((parts,)).values()}
+    )
     k = len(starts)
     if starts != list(range(starts[0], starts[0] + k)) or starts[0] % k:
-        raise TrainingError(f"this process's devices hold batch shards {starts} of {parts}, not one contiguous "
-                            "block; order the mesh so each host's devices are neighbours on the batch axes")
+        raise TrainingError(
+            f"this process's devices hold batch shards {starts} of {parts}, not one contiguous "
+            "block; order the mesh so each host's devices are neighbours on the batch axes"
+        )
     return starts[0] // k, parts // k
 
 
@@ -148,8 +153,15 @@ class Parallel:
         """Mesh mode: the NamedSharding of every leaf of ``tree`` (params, a state) by the layout."""
         return self._layout.shardings(tree)
 
-    def compile(self, step_fn: Callable, *, donate: bool = True, like: Any = None,
-                returns_state: bool | None = None, options: Mapping[str, str] | None = None) -> Callable:
+    def compile(
+        self,
+        step_fn: Callable,
+        *,
+        donate: bool = True,
+        like: Any = None,
+        returns_state: bool | None = None,
+        options: Mapping[str, str] | None = None,
+    ) -> Callable:
         """Jit (single/mesh) or pmap a ``(state_or_params, batch) -> out`` function.
 
         Mesh mode: ``like`` is the first argument's tree (arrays or ``jax.eval_shape`` leaves);
@@ -168,13 +180,23 @@ class Parallel:
             rep, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P(DATA_AXIS))
             state_out = donate if returns_state is None else returns_state
             per_device = _per_device(step_fn, mesh, (P(), P(DATA_AXIS)), (P(), P()) if state_out else P(DATA_AXIS))
-            return jax.jit(per_device, in_shardings=(rep, rows), out_shardings=(rep, rep) if state_out else rows,
-                           donate_argnums=donate_argnums, compiler_options=options)
+            return jax.jit(
+                per_device,
+                in_shardings=(rep, rows),
+                out_shardings=(rep, rep) if state_out else rows,
+                donate_argnums=donate_argnums,
+                compiler_options=options,
+            )
         rep = self._layout.replicated()
         first = rep if like is None else self.shardings(like)
         out = (first, rep) if (donate if returns_state is None else returns_state) else rep
-        return jax.jit(step_fn, in_shardings=(first, self._layout.batch()), out_shardings=out,
-                       donate_argnums=donate_argnums, compiler_options=options)
+        return jax.jit(
+            step_fn,
+            in_shardings=(first, self._layout.batch()),
+            out_shardings=out,
+            donate_argnums=donate_argnums,
+            compiler_options=options,
+        )
 
     def put_state(self, tree, *, reuse: bool = False):
         """Place a pytree (state or params; host arrays, or arrays placed elsewhere, such as
@@ -210,8 +232,10 @@ class Parallel:
             rows = NamedSharding(local_data_mesh(), P(DATA_AXIS))
             return {k: jax.device_put(np.asarray(v), rows) for k, v in batch.items()}
         data, count = self._layout.batch(), self.local_rows_fraction[1]
-        return {k: jax.make_array_from_process_local_data(data, np.asarray(v), (len(v) * count, *np.shape(v)[1:]))
-                for k, v in batch.items()}
+        return {
+            k: jax.make_array_from_process_local_data(data, np.asarray(v), (len(v) * count, *np.shape(v)[1:]))
+            for k, v in batch.items()
+        }
 
     def put_rows(self, batch: dict) -> dict:
         """Place a *global* batch: this process's rows of it (multi-host mesh), then :meth:`put_batch`."""
@@ -250,7 +274,9 @@ def process_rows(batch: dict, process_index: int, process_count: int) -> dict:
         return batch
     n = len(next(iter(batch.values())))
     if n % process_count:
-        raise TrainingError(f"global batch of {n} rows does not split over {process_count} processes; use a batch "
-                            f"size that is a multiple of {process_count}")
+        raise TrainingError(
+            f"global batch of {n} rows does not split over {process_count} processes; use a batch "
+            f"size that is a multiple of {process_count}"
+        )
     k = n // process_count
-    return {key: v[process_index * k:(process_index + 1) * k] for key, v in batch.items()}
+    return {key: v[process_index * k : (process_index + 1) * k] for key, v in batch.items()}

@@ -13,6 +13,7 @@ under its final name, and the previous output stays as it was.
 
 Before the watcher, while the command imports its libraries, :func:`flaxheads.cli.guard_imports`
 ends it in one line: the command guards its own imports; ``import flaxheads`` reads no ``sys.argv``."""
+
 from __future__ import annotations
 
 import contextlib

@@ -10,6 +10,7 @@ function of its arguments and its plan.
 docs/performance.md has the measurements behind each default; the field docstrings say what each
 choice was measured against.
 """
+
 from __future__ import annotations
 
 import os
@@ -71,17 +72,27 @@ class ComputePlan:
         if self.dots not in DOTS:
             raise ConfigError(f"compute plan: dots {self.dots!r} is not one of {DOTS}")
         if self.attention not in ATTENTION_IMPLS[1:]:
-            raise ConfigError(f"attention implementation {self.attention!r} is not known: expected one of "
-                              f"{', '.join(ATTENTION_IMPLS)}")
+            raise ConfigError(
+                f"attention implementation {self.attention!r} is not known: expected one of "
+                f"{', '.join(ATTENTION_IMPLS)}"
+            )
         if self.layer_norm not in ("reductions", "products"):
             raise ConfigError(f"compute plan: layer_norm {self.layer_norm!r} is not 'reductions' or 'products'")
 
     # ---- building ---------------------------------------------------------------------------------
     @classmethod
-    def for_host(cls, *, attention: str | None = None, precision: str = "float32",
-                 attention_chunks: int | str = "auto", xla_flags: str | None = None, backend: str | None = None,
-                 cpu: CpuInfo | None = None, jax_version: str | None = None,
-                 gpu_capability: str | None = None) -> ComputePlan:
+    def for_host(
+        cls,
+        *,
+        attention: str | None = None,
+        precision: str = "float32",
+        attention_chunks: int | str = "auto",
+        xla_flags: str | None = None,
+        backend: str | None = None,
+        cpu: CpuInfo | None = None,
+        jax_version: str | None = None,
+        gpu_capability: str | None = None,
+    ) -> ComputePlan:
         """The plan for this process: ``backend`` (default JAX's), ``xla_flags`` (default
         ``$XLA_FLAGS``: XLA reads them once, so they are the process's), ``jax_version`` (default the
         installed one) and the user's choices: ``attention`` (one of :data:`ATTENTION_IMPLS`, default
@@ -93,23 +104,40 @@ class ComputePlan:
             backend = jax.default_backend()
         want = (attention or os.environ.get(ATTENTION_ENV) or "auto").strip().lower()
         if want not in ATTENTION_IMPLS:
-            raise ConfigError(f"attention implementation {want!r} (argument or ${ATTENTION_ENV}) is not known: "
-                              f"expected one of {', '.join(ATTENTION_IMPLS)}; unset ${ATTENTION_ENV} for the default")
+            raise ConfigError(
+                f"attention implementation {want!r} (argument or ${ATTENTION_ENV}) is not known: "
+                f"expected one of {', '.join(ATTENTION_IMPLS)}; unset ${ATTENTION_ENV} for the default"
+            )
         on_cpu = backend == "cpu"
         xla = XlaSetting.parse(os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags)
         dots = xla.dots if on_cpu else "xla"
         gradient = {}
-        if (on_cpu and dots == "eigen" and os.environ.get(OPT_OUT_ENV, "1") != "0"
-                and version_tuple(jax_version or installed_jax()) >= (0, 11)):  # measured on jax 0.12 only
+        if (
+            on_cpu
+            and dots == "eigen"
+            and os.environ.get(OPT_OUT_ENV, "1") != "0"
+            and version_tuple(jax_version or installed_jax()) >= (0, 11)
+        ):  # measured on jax 0.12 only
             gradient = dict(YNN_PROGRAM_OPTIONS)
-        plan = cls(backend=backend, dots=dots, ynn_reductions=xla.ynn_reductions,
-                   layer_norm="products" if on_cpu and dots != "xla" and xla.ynn_reductions else "reductions",
-                   attention_chunks=attention_chunks, gradient_options=tuple(sorted(gradient.items())),
-                   precision=choose_precision(precision, backend=backend, cpu=cpu, jax_version=jax_version,
-                                              gpu_capability=gpu_capability))
+        plan = cls(
+            backend=backend,
+            dots=dots,
+            ynn_reductions=xla.ynn_reductions,
+            layer_norm="products" if on_cpu and dots != "xla" and xla.ynn_reductions else "reductions",
+            attention_chunks=attention_chunks,
+            gradient_options=tuple(sorted(gradient.items())),
+            precision=choose_precision(
+                precision, backend=backend, cpu=cpu, jax_version=jax_version, gpu_capability=gpu_capability
+            ),
+        )
         if want == "auto":
-            want = ("fused" if backend == "gpu" else
-                    "ynn" if plan.onednn and plan.ynn_reductions else plan.unfused_attention)
+            want = (
+                "fused"
+                if backend == "gpu"
+                else "ynn"
+                if plan.onednn and plan.ynn_reductions
+                else plan.unfused_attention
+            )
         return plan.replace(attention=want)
 
     def replace(self, **changes: Any) -> ComputePlan:
@@ -162,8 +190,9 @@ class ComputePlan:
         whatever was asked."""
         how = self.attention if impl in (None, "auto") else impl
         if how not in ATTENTION_IMPLS[1:]:
-            raise ConfigError(f"attention implementation {how!r} is not known: expected one of "
-                              f"{', '.join(ATTENTION_IMPLS)}")
+            raise ConfigError(
+                f"attention implementation {how!r} is not known: expected one of {', '.join(ATTENTION_IMPLS)}"
+            )
         if how in ("fused", "ynn") and dropout:
             return self.unfused_attention
         return how
@@ -203,8 +232,11 @@ class ComputePlan:
         """One line for a run report."""
         parts = [f"backend {self.backend}", f"precision {self.precision.name}"]
         if self.backend == "cpu":
-            parts += [f"dots {self.dots}", f"reductions {'YNNPACK' if self.ynn_reductions else 'XLA'}",
-                      f"LayerNorm {self.layer_norm}"]
+            parts += [
+                f"dots {self.dots}",
+                f"reductions {'YNNPACK' if self.ynn_reductions else 'XLA'}",
+                f"LayerNorm {self.layer_norm}",
+            ]
         parts.append(f"attention {self.attention}")
         if self.gradient_options:
             parts.append("train steps: YNNPACK's dots and reductions")

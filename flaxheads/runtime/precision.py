@@ -7,6 +7,7 @@ the fp32 GEMM), so bfloat16 there would cost speed and precision. With AVX512-BF
 jax 0.12) the bf16 GEMM ran 1.9x the fp32 one, the MiniLM train step 1.23x and the forward 1.5x, at
 equal test accuracy.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -34,8 +35,14 @@ class Precision:
         return jnp.bfloat16 if self.name == "bfloat16" else jnp.float32
 
 
-def choose_precision(want: str = "auto", *, backend: str | None = None, cpu: CpuInfo | None = None,
-                     jax_version: str | None = None, gpu_capability: str | None = None) -> Precision:
+def choose_precision(
+    want: str = "auto",
+    *,
+    backend: str | None = None,
+    cpu: CpuInfo | None = None,
+    jax_version: str | None = None,
+    gpu_capability: str | None = None,
+) -> Precision:
     """Resolve ``want`` (one of :data:`PRECISIONS`) for this host. ``float32``/``bfloat16`` are kept
     as asked; ``auto`` picks bfloat16 only where the hardware multiplies it natively and JAX reaches
     that (module docstring). The keywords default to this process's backend, CPU and jax."""
@@ -62,5 +69,7 @@ def choose_precision(want: str = "auto", *, backend: str | None = None, cpu: Cpu
         return Precision("bfloat16", f"auto: {cpu.model or 'this CPU'} has {units}")
     if cpu.bf16:
         return Precision("float32", f"auto: jax {jax_version} does not use this CPU's {units} (jax >= 0.11 does)")
-    return Precision("float32", f"auto: {cpu.model or 'this CPU'} has no bfloat16 matrix instructions "
-                                "(bfloat16 matmuls would run converted)")
+    return Precision(
+        "float32",
+        f"auto: {cpu.model or 'this CPU'} has no bfloat16 matrix instructions (bfloat16 matmuls would run converted)",
+    )

@@ -17,6 +17,7 @@ that holds params (the params themselves, a train state, optimizer moments).
 The computation is written globally (``jax.jit`` with these shardings): the loss and the
 updates equal the single-device ones up to float reassociation.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -39,7 +40,13 @@ MESH_AXES = (DATA, FSDP, TENSOR)
 BATCH = "batch"
 #: Logical name -> mesh axis (or axes, outer first). Override per run with ``Parallel(rules=...)``.
 DEFAULT_RULES: Mapping[str, str | tuple[str, ...]] = {
-    BATCH: (DATA, FSDP), EMBED: FSDP, HEADS: TENSOR, KV: TENSOR, MLP: TENSOR, VOCAB: TENSOR}
+    BATCH: (DATA, FSDP),
+    EMBED: FSDP,
+    HEADS: TENSOR,
+    KV: TENSOR,
+    MLP: TENSOR,
+    VOCAB: TENSOR,
+}
 
 
 def parse_mesh(text: str | Mapping[str, int]) -> dict[str, int]:
@@ -55,8 +62,10 @@ def parse_mesh(text: str | Mapping[str, int]) -> dict[str, int]:
             except ValueError:
                 eq = ""
             if not eq:
-                raise TrainingError(f"mesh {text!r}: expected axis=size pairs joined by commas, e.g. data=2,fsdp=4 "
-                                    f"(axes: {', '.join(MESH_AXES)})")
+                raise TrainingError(
+                    f"mesh {text!r}: expected axis=size pairs joined by commas, e.g. data=2,fsdp=4 "
+                    f"(axes: {', '.join(MESH_AXES)})"
+                )
     shape = {}
     for name, size in items:
         if name not in MESH_AXES:
@@ -96,8 +105,10 @@ def make_mesh(shape: str | Mapping[str, int] | None = None, devices=None) -> Mes
         sizes[free[0]] = len(devs) // fixed
     dims = tuple(sizes.get(a, 1) for a in MESH_AXES)
     if math.prod(dims) != len(devs):
-        raise TrainingError(f"mesh {dict(zip(MESH_AXES, dims))} needs {math.prod(dims)} devices but there are "
-                            f"{len(devs)}; make the sizes multiply to {len(devs)}")
+        raise TrainingError(
+            f"mesh {dict(zip(MESH_AXES, dims))} needs {math.prod(dims)} devices but there are "
+            f"{len(devs)}; make the sizes multiply to {len(devs)}"
+        )
     return Mesh(np.asarray(devs, dtype=object).reshape(dims), MESH_AXES)
 
 
@@ -192,7 +203,8 @@ class Layout:
     def shardings(self, tree) -> Any:
         """NamedShardings for every leaf of ``tree`` (params, a train state, optimizer state)."""
         return jax.tree_util.tree_map_with_path(
-            lambda p, x: NamedSharding(self.mesh, self.spec_of(path_names(p), tuple(np.shape(x)))), tree)
+            lambda p, x: NamedSharding(self.mesh, self.spec_of(path_names(p), tuple(np.shape(x)))), tree
+        )
 
 
 def replicated_layout(mesh: Mesh, rules: Mapping[str, Any] | None = None) -> Layout:
@@ -204,8 +216,12 @@ def shard_bytes(tree, shardings) -> int:
     """Bytes one device holds of ``tree`` (arrays or ShapeDtypeStructs) under ``shardings``."""
     leaves, shards = jax.tree.leaves(tree), jax.tree.leaves(shardings)
     # bits, so that 4-bit codes count half a byte (as XLA stores them)
-    return int(sum(math.prod(s.shard_shape(tuple(np.shape(x)))) * jax.dtypes.itemsize_bits(x.dtype) // 8
-                   for x, s in zip(leaves, shards, strict=True)))
+    return int(
+        sum(
+            math.prod(s.shard_shape(tuple(np.shape(x)))) * jax.dtypes.itemsize_bits(x.dtype) // 8
+            for x, s in zip(leaves, shards, strict=True)
+        )
+    )
 
 
 def abstract(tree, shardings) -> Any:

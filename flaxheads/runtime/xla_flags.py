@@ -27,6 +27,7 @@ What is chosen (:func:`cpu_xla_flags`; docs/performance.md has the A/B numbers a
 XLA reads its flags once, when the backend starts: :func:`configure_xla` must run before the first
 JAX computation, and :class:`XlaSetting` tells what the process's flags asked for.
 """
+
 from __future__ import annotations
 
 import os
@@ -55,7 +56,8 @@ ONEDNN_ALONE_FLAGS: tuple[str, ...] = EIGEN_FLAGS + _ONEDNN
 #: compiler option: what train steps get back where :data:`CPU_FLAGS` kept the dots from them for
 #: the process (:attr:`~.plan.ComputePlan.gradient_options`).
 YNN_PROGRAM_OPTIONS: dict[str, str] = {
-    "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT,LIBRARY_FUSION_TYPE_REDUCE"}
+    "xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT,LIBRARY_FUSION_TYPE_REDUCE"
+}
 
 #: Set to ``0`` to make :func:`configure_xla` a no-op and train steps' own options empty
 #: (e.g. to compare against XLA's defaults).
@@ -79,8 +81,10 @@ def split_flags(xla_flags: str) -> list[str]:
     try:
         return shlex.split(xla_flags)
     except ValueError as e:
-        raise ConfigError(f"XLA_FLAGS={xla_flags!r} cannot be split into flags ({e}): expected space-separated "
-                          "--name=value flags; fix its quoting") from None
+        raise ConfigError(
+            f"XLA_FLAGS={xla_flags!r} cannot be split into flags ({e}): expected space-separated "
+            "--name=value flags; fix its quoting"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -102,9 +106,10 @@ class XlaSetting:
             values[name] = value.strip().lower()
         on = ("true", "1")
         ynn = values.get("--xla_cpu_experimental_ynn_fusion_type")
-        return cls(None if ynn is None else frozenset(t for t in ynn.split(",") if t),
-                   values.get("--xla_cpu_use_onednn") in on
-                   and values.get("--xla_cpu_experimental_onednn_custom_call") in on)
+        return cls(
+            None if ynn is None else frozenset(t for t in ynn.split(",") if t),
+            values.get("--xla_cpu_use_onednn") in on and values.get("--xla_cpu_experimental_onednn_custom_call") in on,
+        )
 
     @classmethod
     def of_process(cls) -> XlaSetting:

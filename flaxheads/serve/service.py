@@ -116,8 +116,9 @@ class Service:
         clf, n = self.clf, self.clf.max_length
         if clf.template is not None:  # an LLM reranker (TokenLogits): each (query, text) is one text in its prompt
             at = [i for i, x in enumerate(inputs) if isinstance(x, tuple)]
-            written = clf.prompts_of([inputs[i][0] for i in at], [inputs[i][1] for i in at], truncate=truncate) \
-                if at else []
+            written = (
+                clf.prompts_of([inputs[i][0] for i in at], [inputs[i][1] for i in at], truncate=truncate) if at else []
+            )
             inputs = list(inputs)
             for i, text in zip(at, written):
                 inputs[i] = text

@@ -3,6 +3,7 @@
 Averaging per-batch accuracies or F1s is wrong whenever batches differ in size or class mix;
 these functions take the concatenated predictions of every example exactly once.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -51,10 +52,14 @@ def single_label_metrics(logits, labels, num_labels: int) -> dict:
     cm = confusion_matrix(y, pred, num_labels)
     prf = per_class_prf(cm)
     seen = (cm.sum(0) + cm.sum(1)) > 0
-    return {"accuracy": float((pred == y).mean()) if y.size else 0.0,
-            "macro_f1": float(prf["f1"][seen].mean()) if seen.any() else 0.0, "mcc": matthews_corrcoef(cm),
-            "per_class": {k: v.tolist() for k, v in prf.items()}, "confusion_matrix": cm.tolist(),
-            "absent": np.flatnonzero(cm.sum(1) == 0).tolist()}
+    return {
+        "accuracy": float((pred == y).mean()) if y.size else 0.0,
+        "macro_f1": float(prf["f1"][seen].mean()) if seen.any() else 0.0,
+        "mcc": matthews_corrcoef(cm),
+        "per_class": {k: v.tolist() for k, v in prf.items()},
+        "confusion_matrix": cm.tolist(),
+        "absent": np.flatnonzero(cm.sum(1) == 0).tolist(),
+    }
 
 
 def _f1(tp, fp, fn):
@@ -68,9 +73,13 @@ def multi_label_metrics(logits, labels, threshold: float = 0.5) -> dict:
     pred = prob >= threshold
     tp, fp, fn = (pred & y).sum(0), (pred & ~y).sum(0), (~pred & y).sum(0)
     per = _f1(tp, fp, fn)
-    return {"micro_f1": float(_f1(tp.sum(), fp.sum(), fn.sum())), "macro_f1": float(per.mean()),
-            "per_label_f1": per.tolist(), "subset_accuracy": float((pred == y).all(1).mean()) if y.size else 0.0,
-            "threshold": threshold}
+    return {
+        "micro_f1": float(_f1(tp.sum(), fp.sum(), fn.sum())),
+        "macro_f1": float(per.mean()),
+        "per_label_f1": per.tolist(),
+        "subset_accuracy": float((pred == y).all(1).mean()) if y.size else 0.0,
+        "threshold": threshold,
+    }
 
 
 def _rank(x: np.ndarray) -> np.ndarray:
@@ -129,21 +138,30 @@ def format_table(metrics: dict, id2label: dict[int, str] | None = None) -> str:
         w = max([len(s) for s in names] + [9])
         lines.append(f"{'class':<{w}}  precision  recall     f1  support")
         for i, name in enumerate(names):
-            lines.append(f"{name:<{w}}  {pc['precision'][i]:9.4f}  {pc['recall'][i]:6.4f}  {pc['f1'][i]:5.4f}  "
-                         f"{int(pc['support'][i]):7d}")
-        lines.append(f"{'accuracy':<{w}}  {metrics['accuracy']:.4f}   macro-F1 {metrics['macro_f1']:.4f}   "
-                     f"MCC {metrics['mcc']:.4f}   n={int(sum(pc['support']))}")
+            lines.append(
+                f"{name:<{w}}  {pc['precision'][i]:9.4f}  {pc['recall'][i]:6.4f}  {pc['f1'][i]:5.4f}  "
+                f"{int(pc['support'][i]):7d}"
+            )
+        lines.append(
+            f"{'accuracy':<{w}}  {metrics['accuracy']:.4f}   macro-F1 {metrics['macro_f1']:.4f}   "
+            f"MCC {metrics['mcc']:.4f}   n={int(sum(pc['support']))}"
+        )
         if metrics.get("absent"):
-            lines.append("no examples of " + ", ".join(names[i] for i in metrics["absent"]) +
-                         " in this split (left out of macro-F1 unless predicted)")
+            lines.append(
+                "no examples of "
+                + ", ".join(names[i] for i in metrics["absent"])
+                + " in this split (left out of macro-F1 unless predicted)"
+            )
     elif "per_label_f1" in metrics:
         f1 = metrics["per_label_f1"]
         names = [str((id2label or {}).get(i, i)) for i in range(len(f1))]
         w = max([len(s) for s in names] + [5])
         lines.append(f"{'label':<{w}}  f1")
         lines += [f"{nm:<{w}}  {v:.4f}" for nm, v in zip(names, f1)]
-        lines.append(f"micro-F1 {metrics['micro_f1']:.4f}  macro-F1 {metrics['macro_f1']:.4f}  "
-                     f"(threshold {metrics['threshold']})")
+        lines.append(
+            f"micro-F1 {metrics['micro_f1']:.4f}  macro-F1 {metrics['macro_f1']:.4f}  "
+            f"(threshold {metrics['threshold']})"
+        )
     else:
         lines.append("  ".join(f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, float)))
     return "\n".join(lines)

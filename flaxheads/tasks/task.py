@@ -8,6 +8,7 @@ whether lower is better, a line that says what it trains, its largest batch, its
 (each ranking objective) is the other one. One :class:`~flaxheads.training.loop.Trainer` and one
 ``fit`` serve both.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -93,8 +94,10 @@ class Task:
         split, _, name = flag.partition("/")
         valid = self.metric_names()
         if split != "validation" or name not in valid:
-            raise UsageError(f"--keep-best-by {flag!r}: a {self.name} run evaluates validation/<metric> with metric "
-                             f"one of {', '.join(valid)} (or use `auto` / `none`)")
+            raise UsageError(
+                f"--keep-best-by {flag!r}: a {self.name} run evaluates validation/<metric> with metric "
+                f"one of {', '.join(valid)} (or use `auto` / `none`)"
+            )
         return flag
 
 
@@ -125,8 +128,13 @@ class Classification(Task):
 
     def metric_names(self) -> list[str]:
         n, k = 2, max(self.num_labels, 1)
-        labels = (np.arange(n) % k if self.problem_type == SINGLE_LABEL else np.zeros((n, k))
-                  if self.problem_type == MULTI_LABEL else np.zeros((n, k) if k > 1 else n))
+        labels = (
+            np.arange(n) % k
+            if self.problem_type == SINGLE_LABEL
+            else np.zeros((n, k))
+            if self.problem_type == MULTI_LABEL
+            else np.zeros((n, k) if k > 1 else n)
+        )
         m = compute_metrics(self.problem_type, np.zeros((n, k)), labels, k)
         return sorted(name for name, v in m.items() if isinstance(v, float) and name != "threshold")
 

@@ -1,6 +1,7 @@
 """What :func:`~flaxheads.training.loop.fit` tells as it trains: :class:`Callback` (and :func:`hooks`,
 one from plain functions), and :class:`FitCheckpointing`, the callback that saves a run at fit's
 evaluations, so it has no schedule of its own to drift from fit's."""
+
 from __future__ import annotations
 
 import json
@@ -49,16 +50,21 @@ class _Hooks(Callback):
             self._fns[name](*args)
 
 
-def hooks(*, on_step_end: Callable | None = None, on_evaluate: Callable | None = None,
-          on_end: Callable | None = None) -> Callback:
+def hooks(
+    *, on_step_end: Callable | None = None, on_evaluate: Callable | None = None, on_end: Callable | None = None
+) -> Callback:
     """A :class:`Callback` from plain functions with the methods' signatures."""
     return _Hooks(on_step_end, on_evaluate, on_end)
 
 
 def flat_metrics(results: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
     """``{"validation": {"accuracy": 0.9, ...}}`` -> ``{"validation/accuracy": 0.9, ...}`` (scalars only)."""
-    return {f"{split}/{k}": float(v) for split, r in results.items() for k, v in r.items()
-            if isinstance(v, (int, float, np.number)) and not isinstance(v, bool)}
+    return {
+        f"{split}/{k}": float(v)
+        for split, r in results.items()
+        for k, v in r.items()
+        if isinstance(v, (int, float, np.number)) and not isinstance(v, bool)
+    }
 
 
 class FitCheckpointing(Callback):
@@ -71,8 +77,7 @@ class FitCheckpointing(Callback):
     pmap, whose state has a leading device axis); None saves it as placed (single device or
     mesh-replicated arrays, copied asynchronously)."""
 
-    def __init__(self, ckr: RunCheckpointer, *, every: int | None = None,
-                 host_state: Callable | None = None):
+    def __init__(self, ckr: RunCheckpointer, *, every: int | None = None, host_state: Callable | None = None):
         self.ckr, self.every, self.host_state = ckr, every, host_state
         self.saved: list[int] = []
 
@@ -80,8 +85,7 @@ class FitCheckpointing(Callback):
         if self.every != 0:
             m = flat_metrics(results)
             if self.ckr.best_metric is not None and self.ckr.best_metric not in m:
-                raise KeyError(f"best metric {self.ckr.best_metric!r} is not among the evaluation metrics "
-                               f"{sorted(m)}")
+                raise KeyError(f"best metric {self.ckr.best_metric!r} is not among the evaluation metrics {sorted(m)}")
             self._save(state, step, m)
 
     def on_step_end(self, state, step: int, metrics=None) -> None:

@@ -17,6 +17,7 @@ Memory is bounded: when the cache would exceed ``max_bytes`` it is written to
 refused with the size it would need. Batches from :meth:`FeatureCache.batches` have the
 shape ``make_head_train_step`` takes: ``hidden``, ``pool_mask``, ``labels``, ``weights``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -78,8 +79,9 @@ class FeatureCache:
     def nbytes(self) -> int:
         return int(sum(b.hidden.nbytes + b.mask.nbytes for b in self.buckets))
 
-    def batches(self, batch_size: int, *, seed: int = 0, epoch: int = 0, shuffle: bool = True,
-                labels: np.ndarray | None = None) -> Iterator[dict]:
+    def batches(
+        self, batch_size: int, *, seed: int = 0, epoch: int = 0, shuffle: bool = True, labels: np.ndarray | None = None
+    ) -> Iterator[dict]:
         """One epoch of batches ``{hidden, pool_mask, labels, weights, index}``.
 
         Each batch comes from one bucket and is padded to ``batch_size`` with weight-0 rows
@@ -92,7 +94,7 @@ class FeatureCache:
         plan = []
         for bi, b in enumerate(self.buckets):
             rows = rng.permutation(len(b.index)) if shuffle else np.arange(len(b.index))
-            plan += [(bi, rows[i:i + batch_size]) for i in range(0, len(rows), batch_size)]
+            plan += [(bi, rows[i : i + batch_size]) for i in range(0, len(rows), batch_size)]
         if shuffle:
             plan = [plan[i] for i in rng.permutation(len(plan))]
         for bi, rows in plan:
@@ -100,8 +102,12 @@ class FeatureCache:
 
     def _collate(self, b: Bucket, rows: np.ndarray, batch_size: int, labels: np.ndarray) -> dict:
         idx = b.index[rows]
-        return {"hidden": pad_rows(b.hidden[rows], batch_size), "pool_mask": pad_mask(b.mask[rows], batch_size),
-                **labelled_rows(labels[idx], batch_size), "index": pad_rows(idx, batch_size, fill=-1)}
+        return {
+            "hidden": pad_rows(b.hidden[rows], batch_size),
+            "pool_mask": pad_mask(b.mask[rows], batch_size),
+            **labelled_rows(labels[idx], batch_size),
+            "index": pad_rows(idx, batch_size, fill=-1),
+        }
 
     @property
     def num_examples(self) -> int:
@@ -125,8 +131,10 @@ def choose_level(pooler, level: str = "auto") -> str:
     if level == "auto":
         return "pooled" if reduction(pooler) is not None else "token"
     if level == "pooled" and reduction(pooler) is None:
-        raise TrainingError(f"{type(pooler).__name__} reads every token (learned weighting); it cannot train on "
-                            "pooled features. Use level='token' (or 'auto').")
+        raise TrainingError(
+            f"{type(pooler).__name__} reads every token (learned weighting); it cannot train on "
+            "pooled features. Use level='token' (or 'auto')."
+        )
     return level
 
 
@@ -174,8 +182,9 @@ class Encoder:
         if (rows, length) in self.batch_seconds:
             return length
         longer = sorted(t for r, t in self.batch_seconds if r == rows and t > length)
-        if longer and pad_to_longer(batches, length, longer[0], self.batch_seconds[rows, longer[0]],
-                                    self.compile_seconds):
+        if longer and pad_to_longer(
+            batches, length, longer[0], self.batch_seconds[rows, longer[0]], self.compile_seconds
+        ):
             return longer[0]
         return length
 
@@ -192,23 +201,35 @@ def make_encoder(model, level: str, reductions: Sequence[str] = (), *, constants
     Pooled: features ``[B, R, H]``, one position per reduction (a head reads one of them as
     a one-token sequence); token: the hidden states and the pooling mask. ``constants``: see
     :class:`Encoder`."""
-    one_token = (level == "pooled" and len(reductions) == 1 and reductions[0] in POOL_POSITIONS
-                 and getattr(model, "pooled_token_only", False)
-                 and "only_at" in getattr(model.backbone, "features", ()))
+    one_token = (
+        level == "pooled"
+        and len(reductions) == 1
+        and reductions[0] in POOL_POSITIONS
+        and getattr(model, "pooled_token_only", False)
+        and "only_at" in getattr(model.backbone, "features", ())
+    )
 
     def encode(bparams, batch):
         if one_token:  # the last layer at the cached token alone (see SequenceModel.pooler_inputs)
             pmask = model.pooling_mask(batch["input_ids"], batch["attention_mask"])
-            hidden, _ = model.features(bparams, batch["input_ids"], batch["attention_mask"], train=False,
-                                       only_at=POOL_POSITIONS[reductions[0]](pmask), **extra_inputs(batch))
+            hidden, _ = model.features(
+                bparams,
+                batch["input_ids"],
+                batch["attention_mask"],
+                train=False,
+                only_at=POOL_POSITIONS[reductions[0]](pmask),
+                **extra_inputs(batch),
+            )
             return hidden.astype(jnp.float32), jnp.ones(hidden.shape[:2], jnp.int32)
-        hidden, pmask = model.features(bparams, batch["input_ids"], batch["attention_mask"], train=False,
-                                       **extra_inputs(batch))
+        hidden, pmask = model.features(
+            bparams, batch["input_ids"], batch["attention_mask"], train=False, **extra_inputs(batch)
+        )
         hidden = hidden.astype(jnp.float32)  # SequenceHead casts to float32 first: cache what it sees
         if level == "pooled":
             v = jnp.stack([POOL_FUNCTIONS[r](hidden, pmask) for r in reductions], axis=1)
             return v, jnp.ones(v.shape[:2], jnp.int32)
         return hidden, pmask.astype(jnp.int32)
+
     return Encoder(encode, model.plan, constants, getattr(model.backbone, "dtype", jnp.float32))
 
 
@@ -236,17 +257,18 @@ def _reductions(model, lvl: str, reductions: Sequence[str] | None) -> tuple[str,
     return (fixed,)
 
 
-def _storage(groups: dict, lvl: str, width: int, h: int, dtype, max_bytes: int,
-             directory) -> tuple[Callable, bool]:
+def _storage(groups: dict, lvl: str, width: int, h: int, dtype, max_bytes: int, directory) -> tuple[Callable, bool]:
     """``(alloc, on_disk)``: ``alloc(t, n) -> (hidden, mask)`` arrays for bucket ``t``, in memory, or
     memory maps in ``directory`` when the whole cache would exceed ``max_bytes``."""
     itemsize = np.dtype(dtype).itemsize
     need = sum(len(ix) * (width if lvl == "pooled" else t) * (h * itemsize + 4) for t, ix in groups.items())
     to_disk = need > max_bytes
     if to_disk and directory is None:
-        raise TrainingError(f"the {lvl} feature cache needs {need / 2**20:.0f} MiB > max_bytes="
-                            f"{max_bytes / 2**20:.0f} MiB: pass directory= to keep it on disk (memory-mapped), "
-                            "raise max_bytes, store dtype=np.float16, or shorten the texts (smaller buckets).")
+        raise TrainingError(
+            f"the {lvl} feature cache needs {need / 2**20:.0f} MiB > max_bytes="
+            f"{max_bytes / 2**20:.0f} MiB: pass directory= to keep it on disk (memory-mapped), "
+            "raise max_bytes, store dtype=np.float16, or shorten the texts (smaller buckets)."
+        )
     if to_disk:
         os.makedirs(directory, exist_ok=True)
 
@@ -254,8 +276,10 @@ def _storage(groups: dict, lvl: str, width: int, h: int, dtype, max_bytes: int,
         shape = (n, width if lvl == "pooled" else t, h)
         if not to_disk:
             return np.empty(shape, dtype), np.empty(shape[:2], np.int32)
-        return (np.lib.format.open_memmap(os.path.join(directory, f"hidden_{t}.npy"), "w+", dtype, shape),
-                np.lib.format.open_memmap(os.path.join(directory, f"mask_{t}.npy"), "w+", np.int32, shape[:2]))
+        return (
+            np.lib.format.open_memmap(os.path.join(directory, f"hidden_{t}.npy"), "w+", dtype, shape),
+            np.lib.format.open_memmap(os.path.join(directory, f"mask_{t}.npy"), "w+", np.int32, shape[:2]),
+        )
 
     return alloc, to_disk
 
@@ -288,8 +312,8 @@ def encode_groups(lengths: Sequence[int], batch_size: int, buckets: Sequence[int
     order = np.argsort(-lens, kind="stable")
     padded = np.empty(len(order), np.int64)
     for s in range(0, len(order), batch_size):
-        batch = order[s:s + batch_size]
-        padded[s:s + len(batch)] = bucket_length(int(lens[batch[0]]), buckets)
+        batch = order[s : s + batch_size]
+        padded[s : s + len(batch)] = bucket_length(int(lens[batch[0]]), buckets)
     return {int(t): order[padded == t] for t in sorted(set(padded.tolist()))}
 
 
@@ -304,8 +328,14 @@ def pad_to_longer(batches: int, length: int, longer: int, batch_seconds: float, 
     return batches * batch_seconds * (1 - length / longer) < compile_seconds
 
 
-def _encode_rows(enc, backbone_params, batches: Iterator[tuple[int, int, dict]], hid: np.ndarray,
-                 msk: np.ndarray, on_rows: Callable[[int], None]) -> tuple[float, float]:
+def _encode_rows(
+    enc,
+    backbone_params,
+    batches: Iterator[tuple[int, int, dict]],
+    hid: np.ndarray,
+    msk: np.ndarray,
+    on_rows: Callable[[int], None],
+) -> tuple[float, float]:
     """Encode ``(first row, row count, batch)`` items into ``hid``/``msk``; each result is copied
     out after the next batch is dispatched, so the host copy overlaps the device's work.
     Returns the seconds of the first dispatch (it traces and compiles a new shape) and of all."""
@@ -316,19 +346,30 @@ def _encode_rows(enc, backbone_params, batches: Iterator[tuple[int, int, dict]],
             first = time.perf_counter() - t0
         if pending is not None:
             s, k, f, m = pending
-            hid[s:s + k] = np.asarray(f[:k]).astype(hid.dtype)
-            msk[s:s + k] = np.asarray(m[:k])
+            hid[s : s + k] = np.asarray(f[:k]).astype(hid.dtype)
+            msk[s : s + k] = np.asarray(m[:k])
             on_rows(k)
         pending = launched
     assert first is not None, "the loop runs at least once (for the closing None)"
     return first, time.perf_counter() - t0
 
 
-def cache_features(model, backbone_params, split, *, batch_size: int = 32,
-                   buckets: Sequence[int] = (32, 64, 128, 256, 512), level: str = "auto", dtype=np.float32,
-                   max_bytes: int = 2 << 30, directory: str | os.PathLike | None = None,
-                   labels: np.ndarray | None = None, progress: Callable[[int, int], None] | None = None,
-                   reductions: Sequence[str] | None = None, encoder: Callable | None = None) -> FeatureCache:
+def cache_features(
+    model,
+    backbone_params,
+    split,
+    *,
+    batch_size: int = 32,
+    buckets: Sequence[int] = (32, 64, 128, 256, 512),
+    level: str = "auto",
+    dtype=np.float32,
+    max_bytes: int = 2 << 30,
+    directory: str | os.PathLike | None = None,
+    labels: np.ndarray | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    reductions: Sequence[str] | None = None,
+    encoder: Callable | None = None,
+) -> FeatureCache:
     """Encode ``split`` (``.input_ids``: list of 1-D token arrays, optional ``.token_type_ids``,
     ``.labels``; e.g. ``flaxheads.data.splits.Split``) once with ``model``'s backbone.
 
@@ -365,9 +406,10 @@ def cache_features(model, backbone_params, split, *, batch_size: int = 32,
         n_batches = -(-len(index) // batch_size)
         # pooled features keep no length, so a short group's few batches may run padded further
         run_at = measured.length_for(batch_size, t, n_batches) if lvl == "pooled" and measured is not None else t
-        rows = (index[s:s + batch_size] for s in range(0, len(index), batch_size))
-        batches = ((s * batch_size, len(r), token_batch(ids, tt, r, batch_size, run_at, pad))
-                   for s, r in enumerate(rows))
+        rows = (index[s : s + batch_size] for s in range(0, len(index), batch_size))
+        batches = (
+            (s * batch_size, len(r), token_batch(ids, tt, r, batch_size, run_at, pad)) for s, r in enumerate(rows)
+        )
         first, total = _encode_rows(enc, backbone_params, batches, hid, msk, on_rows)
         if measured is not None:
             measured.record(batch_size, run_at, n_batches, first, total)
@@ -377,15 +419,28 @@ def cache_features(model, backbone_params, split, *, batch_size: int = 32,
         out.append(Bucket(1 if lvl == "pooled" else t, index, hid, msk))
     out.reverse()  # shortest first, as the groups are numbered
     if lvl == "pooled" and len(out) > 1:  # one bucket: batches need not respect the encode lengths
-        out = [Bucket(1, np.concatenate([b.index for b in out]), np.concatenate([b.hidden for b in out]),
-                      np.concatenate([b.mask for b in out]))]
-    return FeatureCache(lvl, reds, model.hidden_size, out, None if labels is None else np.asarray(labels),
-                        encode_seconds=time.perf_counter() - t0,
-                        directory=os.fspath(directory) if to_disk and directory is not None else None)
+        out = [
+            Bucket(
+                1,
+                np.concatenate([b.index for b in out]),
+                np.concatenate([b.hidden for b in out]),
+                np.concatenate([b.mask for b in out]),
+            )
+        ]
+    return FeatureCache(
+        lvl,
+        reds,
+        model.hidden_size,
+        out,
+        None if labels is None else np.asarray(labels),
+        encode_seconds=time.perf_counter() - t0,
+        directory=os.fspath(directory) if to_disk and directory is not None else None,
+    )
 
 
-def predict_cache(predict: Callable[[dict], np.ndarray], cache: FeatureCache, batch_size: int = 256, *,
-                  axis: int = 0) -> np.ndarray:
+def predict_cache(
+    predict: Callable[[dict], np.ndarray], cache: FeatureCache, batch_size: int = 256, *, axis: int = 0
+) -> np.ndarray:
     """``predict(batch)`` for every cached example, in example order: its outputs carry the batch
     rows on ``axis`` (0; 1 for a sweep's ``[K, B, N]``), the result has ``num_examples`` there."""
     n = cache.num_examples
@@ -402,7 +457,9 @@ def predict_cache(predict: Callable[[dict], np.ndarray], cache: FeatureCache, ba
 def predict_cached(model, head_params, cache: FeatureCache, batch_size: int = 256) -> np.ndarray:
     """Logits ``[n, N]`` for every cached example, in example order (inference mode)."""
     if len(cache.reductions) > 1:
-        raise TrainingError("this cache holds several reductions; predict with flaxheads.training.sweep on one of "
-                            "them (sweep.predict_all), or build a cache with the pooler's own reduction only")
+        raise TrainingError(
+            "this cache holds several reductions; predict with flaxheads.training.sweep on one of "
+            "them (sweep.predict_all), or build a cache with the pooler's own reduction only"
+        )
     f = jax.jit(lambda hp, hdn, m: model.head_apply(hp, hdn, m, train=False))
     return predict_cache(lambda b: f(head_params, b["hidden"], b["pool_mask"]), cache, batch_size)

@@ -15,10 +15,12 @@ gradients), 2 when frozen (forward only). The attention products have no weights
 frozen. For BERT this is ``6 N_matmul B T + 12 L T^2 H B + 6 (H^2 + H labels) B``, ``bench/mfu.py``'s
 formula.
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 #: Families whose FFN is gated (three matrices: gate, up, down; ``intermediate_size`` is one branch).
 GATED_FFN = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "modernbert")
@@ -26,11 +28,27 @@ GATED_FFN = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_te
 #: Dense matmul peak TFLOP/s per device, (bfloat16, float32 as JAX runs it: TF32 on NVIDIA tensor
 #: cores, bf16 passes on TPU), from the vendors' data sheets; the longest matching name wins.
 PEAK_TFLOPS: dict[str, tuple[float, float]] = {
-    "H100 PCIe": (756.0, 378.0), "H100": (989.0, 494.7), "H200": (989.0, 494.7), "H800": (989.0, 494.7),
-    "GH200": (989.0, 494.7), "B200": (2250.0, 1100.0), "A100": (312.0, 156.0), "A800": (312.0, 156.0),
-    "L40S": (362.0, 183.0), "L4": (121.0, 60.0), "A10G": (70.0, 35.0), "A10": (125.0, 62.5), "V100": (125.0, 15.7),
-    "TPU v2": (22.5, 22.5), "TPU v3": (61.5, 61.5), "TPU v4": (275.0, 275.0), "TPU v5 lite": (197.0, 197.0),
-    "TPU v5e": (197.0, 197.0), "TPU v5p": (459.0, 459.0), "TPU v5": (459.0, 459.0), "TPU v6 lite": (918.0, 918.0),
+    "H100 PCIe": (756.0, 378.0),
+    "H100": (989.0, 494.7),
+    "H200": (989.0, 494.7),
+    "H800": (989.0, 494.7),
+    "GH200": (989.0, 494.7),
+    "B200": (2250.0, 1100.0),
+    "A100": (312.0, 156.0),
+    "A800": (312.0, 156.0),
+    "L40S": (362.0, 183.0),
+    "L4": (121.0, 60.0),
+    "A10G": (70.0, 35.0),
+    "A10": (125.0, 62.5),
+    "V100": (125.0, 15.7),
+    "TPU v2": (22.5, 22.5),
+    "TPU v3": (61.5, 61.5),
+    "TPU v4": (275.0, 275.0),
+    "TPU v5 lite": (197.0, 197.0),
+    "TPU v5e": (197.0, 197.0),
+    "TPU v5p": (459.0, 459.0),
+    "TPU v5": (459.0, 459.0),
+    "TPU v6 lite": (918.0, 918.0),
     "TPU v6e": (918.0, 918.0),
 }
 
@@ -55,7 +73,7 @@ class Dims:
     gated: bool = False
 
     @classmethod
-    def of(cls, config: Mapping[str, Any]) -> "Dims":
+    def of(cls, config: Mapping[str, Any]) -> Dims:
         """From an HF config (BERT-style keys, DistilBERT's ``dim``/``n_layers``, GPT-2's ``n_embd``,
         BART's ``d_model``; encoder-decoders count both stacks' self-attention and FFN)."""
         c = dict(config.items()) if not isinstance(config, dict) else config
@@ -67,8 +85,7 @@ class Dims:
         head_dim = int(_first(c, "head_dim", default=h // heads))
         kv_heads = int(_first(c, "num_key_value_heads", default=heads))
         inter = int(_first(c, "intermediate_size", "encoder_ffn_dim", "n_inner", "hidden_dim", default=4 * h))
-        return cls(h, int(layers), inter, heads * head_dim, kv_heads * head_dim,
-                   gated=c.get("model_type") in GATED_FFN)
+        return cls(h, int(layers), inter, heads * head_dim, kv_heads * head_dim, gated=c.get("model_type") in GATED_FFN)
 
     @property
     def layer_matmul_params(self) -> int:
@@ -87,7 +104,7 @@ class StepFlops:
     per_param: float = 6.0  # FLOPs per backbone weight per token: 6 trains, 4 LoRA, 2 frozen
 
     @classmethod
-    def of(cls, model, *, frozen: bool = False) -> "StepFlops":
+    def of(cls, model, *, frozen: bool = False) -> StepFlops:
         """The count for ``model`` (a ``SequenceModel``); ``frozen``: its backbone does not train."""
         head = sum(int(x.size) for x in _leaves(model.params.get("head", {})) if len(x.shape) >= 2)
         per = 2.0 if frozen else 4.0 if getattr(model, "lora", None) is not None else 6.0

@@ -11,6 +11,7 @@ The steps fit runs are :mod:`~flaxheads.training.trainer`'s (``TrainConfig``, ``
 callbacks :mod:`~flaxheads.training.callbacks`' and the log of its steps
 :mod:`~flaxheads.training.step_log`'s; their names are importable from here too.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,8 +33,22 @@ from flaxheads.training.step_log import TIMED, StepLog
 from flaxheads.training.steps import TrainState
 from flaxheads.training.trainer import TrainConfig, Trainer, abstract_state, steps_per_epoch, total_steps
 
-__all__ = ["Callback", "FitCheckpointing", "FitResult", "TIMED", "TrainConfig", "Trainer", "abstract_state",
-           "changed_settings", "fit", "flat_metrics", "hooks", "steps_per_epoch", "total_steps", "train_batches"]
+__all__ = [
+    "Callback",
+    "FitCheckpointing",
+    "FitResult",
+    "TIMED",
+    "TrainConfig",
+    "Trainer",
+    "abstract_state",
+    "changed_settings",
+    "fit",
+    "flat_metrics",
+    "hooks",
+    "steps_per_epoch",
+    "total_steps",
+    "train_batches",
+]
 
 
 @dataclasses.dataclass
@@ -54,8 +69,10 @@ class FitResult:
 
 def _check_batch_sizes(cfg: TrainConfig, par: Parallel) -> None:
     if cfg.batch_size % par.width or cfg.eval_batch_size % par.width:
-        raise TrainingError(f"batch sizes ({cfg.batch_size}, eval {cfg.eval_batch_size}) must be multiples of the "
-                            f"{par.width} data-parallel devices; change --batch-size/--eval-batch-size")
+        raise TrainingError(
+            f"batch sizes ({cfg.batch_size}, eval {cfg.eval_batch_size}) must be multiples of the "
+            f"{par.width} data-parallel devices; change --batch-size/--eval-batch-size"
+        )
 
 
 def train_batches(trainer: Trainer, train: Split | StreamSplit | None = None) -> Callable[..., Iterable[dict]]:
@@ -69,16 +86,28 @@ def train_batches(trainer: Trainer, train: Split | StreamSplit | None = None) ->
         return stream_batches if streamed else iterate_batches
     backbone = trainer.model.backbone
     if "packing" not in getattr(backbone, "features", ()):
-        raise TrainingError(f"packing needs a backbone that keeps packed texts apart; the "
-                            f"{trainer.model.model_type} backbone does not: train without packing")
+        raise TrainingError(
+            f"packing needs a backbone that keeps packed texts apart; the "
+            f"{trainer.model.model_type} backbone does not: train without packing"
+        )
     packed = partial(stream_batches, pack=True) if streamed else iterate_packed_batches
     return partial(packed, first_position=backbone.first_position(), row_multiple=trainer.parallel.width)
 
 
-def fit(trainer: Trainer, train: Split, *, evals: Mapping[str, Split] | None = None,
-        buckets: Sequence[int] = (128,), pad_id: int = 0, state: TrainState | None = None,
-        start_step: int | None = None, callbacks: Sequence[Callback] = (), progress: bool = True,
-        group_by_length: bool = True, consume_model: bool = False) -> FitResult:
+def fit(
+    trainer: Trainer,
+    train: Split,
+    *,
+    evals: Mapping[str, Split] | None = None,
+    buckets: Sequence[int] = (128,),
+    pad_id: int = 0,
+    state: TrainState | None = None,
+    start_step: int | None = None,
+    callbacks: Sequence[Callback] = (),
+    progress: bool = True,
+    group_by_length: bool = True,
+    consume_model: bool = False,
+) -> FitResult:
     """Train ``trainer.model`` on ``train``; evaluate ``evals`` ({name: Split}) every
     ``cfg.eval_every`` steps (default: each epoch) and at the end.
 
@@ -110,13 +139,17 @@ def fit(trainer: Trainer, train: Split, *, evals: Mapping[str, Split] | None = N
         nonlocal eval_seconds
         t = time.perf_counter()
         if s == total:  # the last evaluation keeps its arrays (FitResult.final_arrays)
-            both = {name: trainer.final(placed.params, split, buckets=buckets, pad_id=pad_id)
-                    for name, split in (evals or {}).items()}
+            both = {
+                name: trainer.final(placed.params, split, buckets=buckets, pad_id=pad_id)
+                for name, split in (evals or {}).items()
+            }
             results = {name: r for name, (r, _) in both.items()}
             arrays.update({name: a for name, (_, a) in both.items()})
         else:
-            results = {name: trainer.evaluate(placed.params, split, buckets=buckets, pad_id=pad_id)
-                       for name, split in (evals or {}).items()}
+            results = {
+                name: trainer.evaluate(placed.params, split, buckets=buckets, pad_id=pad_id)
+                for name, split in (evals or {}).items()
+            }
         eval_seconds += time.perf_counter() - t
         log.pause(time.perf_counter() - t)
         if results:
@@ -130,16 +163,28 @@ def fit(trainer: Trainer, train: Split, *, evals: Mapping[str, Split] | None = N
         cb.on_begin(placed, step)
     while step < total:
         epoch, offset = divmod(step, spe)
-        for batch in batches(train, cfg.batch_size, buckets, seed=cfg.seed, epoch=epoch, start=offset,
-                             pad_id=pad_id, group_by_length=group_by_length):
+        for batch in batches(
+            train,
+            cfg.batch_size,
+            buckets,
+            seed=cfg.seed,
+            epoch=epoch,
+            start=offset,
+            pad_id=pad_id,
+            group_by_length=group_by_length,
+        ):
             with jax.profiler.StepTraceAnnotation("train", step_num=step + 1):  # a profile's step markers
                 placed, m = trainer.step(placed, batch)  # m holds host values: the step has finished
             if first_step_seconds is None:
                 first_step_seconds = time.perf_counter() - entered
             step, offset = step + 1, offset + 1
-            m.update(step=step, epoch=epoch + offset / spe, padding=padding_fraction(batch),
-                     tokens=int(np.size(batch["input_ids"])),
-                     flops=trainer.flops.of_batch(batch) if trainer.flops is not None else 0.0)
+            m.update(
+                step=step,
+                epoch=epoch + offset / spe,
+                padding=padding_fraction(batch),
+                tokens=int(np.size(batch["input_ids"])),
+                flops=trainer.flops.of_batch(batch) if trainer.flops is not None else 0.0,
+            )
             entry = log.step(m, step)
             if entry is not None:
                 history.append(entry)
@@ -155,5 +200,15 @@ def fit(trainer: Trainer, train: Split, *, evals: Mapping[str, Split] | None = N
         evaluate(step)
     for cb in callbacks:
         cb.on_end(placed, step)
-    return FitResult(placed, step, history, trainer.train_traces.count, trainer.eval_traces.count,
-                     time.perf_counter() - t0, first_step_seconds, eval_seconds, log.summary(), arrays)
+    return FitResult(
+        placed,
+        step,
+        history,
+        trainer.train_traces.count,
+        trainer.eval_traces.count,
+        time.perf_counter() - t0,
+        first_step_seconds,
+        eval_seconds,
+        log.summary(),
+        arrays,
+    )

@@ -14,12 +14,14 @@ The plan is for the backend that compiles it: on a CPU host it is XLA:CPU's prog
 assignment is close to, but not the same as, a GPU's or TPU's (docs/performance.md has the
 comparison with measured peaks).
 """
+
 from __future__ import annotations
 
 import dataclasses
 import math
 import os
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -39,9 +41,16 @@ from flaxheads.training.optim import OptimConfig
 #: Device memory in bytes of the devices a plan is checked against (the vendors' figures; an
 #: accelerator's usable memory is a little less: the runtime and its libraries take some).
 DEVICES: Mapping[str, int] = {
-    "H100 80GB": 80 * 10**9, "H200 141GB": 141 * 10**9, "B200 192GB": 192 * 10**9,
-    "A100 40GB": 40 * 10**9, "A100 80GB": 80 * 10**9, "L4 24GB": 24 * 10**9, "RTX 4090 24GB": 24 * 10**9,
-    "TPU v5e 16GB": 16 * 2**30, "TPU v5p 95GB": 95 * 2**30, "TPU v6e 32GB": 32 * 2**30,
+    "H100 80GB": 80 * 10**9,
+    "H200 141GB": 141 * 10**9,
+    "B200 192GB": 192 * 10**9,
+    "A100 40GB": 40 * 10**9,
+    "A100 80GB": 80 * 10**9,
+    "L4 24GB": 24 * 10**9,
+    "RTX 4090 24GB": 24 * 10**9,
+    "TPU v5e 16GB": 16 * 2**30,
+    "TPU v5p 95GB": 95 * 2**30,
+    "TPU v6e 32GB": 32 * 2**30,
 }
 #: Share of a device's memory a plan may fill and still be said to fit (runtime, fragmentation).
 FIT_SHARE = 0.9
@@ -51,6 +60,7 @@ FIT_SHARE = 0.9
 class MemoryPlan:
     """Bytes per device of one train step. ``peak``: XLA's arguments + outputs + temporaries less the
     outputs written over donated arguments (None where the backend reports no analysis)."""
+
     model: str
     layout: str
     batch: tuple[int, int]
@@ -79,14 +89,18 @@ class MemoryPlan:
     def lines(self, devices: Mapping[str, int] | None = None) -> list[str]:
         """The plan as printed by ``flaxheads plan`` and at the start of ``flaxheads train``."""
         b, t = self.batch
-        out = [f"memory plan per device ({self.model}, {self.layout}, batch {b} x {t}, compiled for {self.backend}):",
-               f"  base {gib(self.base)}, adapters {gib(self.adapters)}, head {gib(self.head)}, "
-               f"optimizer state {gib(self.opt_state)}",
-               f"  activations and workspace {gib(self.activations)}, peak {gib(self.peak)}"]
+        out = [
+            f"memory plan per device ({self.model}, {self.layout}, batch {b} x {t}, compiled for {self.backend}):",
+            f"  base {gib(self.base)}, adapters {gib(self.adapters)}, head {gib(self.head)}, "
+            f"optimizer state {gib(self.opt_state)}",
+            f"  activations and workspace {gib(self.activations)}, peak {gib(self.peak)}",
+        ]
         fit = self.fits(devices)
-        out.append("  fits: " + (", ".join(n for n, ok in fit.items() if ok) or "none of the listed devices")
-                   + ("; too big for: " + ", ".join(n for n, ok in fit.items() if not ok)
-                      if not all(fit.values()) else ""))
+        out.append(
+            "  fits: "
+            + (", ".join(n for n, ok in fit.items() if ok) or "none of the listed devices")
+            + ("; too big for: " + ", ".join(n for n, ok in fit.items() if not ok) if not all(fit.values()) else "")
+        )
         out += [f"  note: {n}" for n in self.notes]
         return out
 
@@ -96,13 +110,24 @@ class MemoryPlan:
 
 def gib(n: int | None) -> str:
     """Bytes as GiB (MiB below 16 MiB); ``?`` for None."""
-    return "?" if n is None else f"{n / 2 ** 30:.2f} GiB" if n >= 2 ** 24 else f"{n / 2 ** 20:.2f} MiB"
+    return "?" if n is None else f"{n / 2**30:.2f} GiB" if n >= 2**24 else f"{n / 2**20:.2f} MiB"
 
 
-def plan_memory(model, *, batch_size: int, max_length: int, mesh: str | Mapping[str, int] | None = None,
-                lora: LoraConfig | None = None, base_dtype: str = "auto", precision: str = "float32",
-                remat: bool | str = False, freeze_backbone: bool = False, quantize: str | None = None,
-                num_labels: int | None = None, compile: bool = True) -> MemoryPlan:
+def plan_memory(
+    model,
+    *,
+    batch_size: int,
+    max_length: int,
+    mesh: str | Mapping[str, int] | None = None,
+    lora: LoraConfig | None = None,
+    base_dtype: str = "auto",
+    precision: str = "float32",
+    remat: bool | str = False,
+    freeze_backbone: bool = False,
+    quantize: str | None = None,
+    num_labels: int | None = None,
+    compile: bool = True,
+) -> MemoryPlan:
     """The per-device memory of training ``model`` (a folder with a ``config.json``, weights not
     needed, or a :class:`~flaxheads.model.sequence.SequenceModel`) on batches of ``batch_size`` x
     ``max_length`` tokens over ``mesh`` (``"fsdp=8"``; None: one device). ``lora``, ``base_dtype``
@@ -122,30 +147,47 @@ def plan_memory(model, *, batch_size: int, max_length: int, mesh: str | Mapping[
         stored = resolve_base_dtype(base_dtype, frozen=frozen, compute_dtype=dtype)
         if quantize is not None and not frozen:
             raise UsageError("a quantised base cannot be fine-tuned: add LoRA adapters (--lora) or freeze it")
-        build = dict(num_labels=num_labels, dtype=dtype, remat=remat, lora=lora, base_dtype=stored,
-                     quantize=quantize, plan=ComputePlan.for_host(precision=precision))
+        build = dict(
+            num_labels=num_labels,
+            dtype=dtype,
+            remat=remat,
+            lora=lora,
+            base_dtype=stored,
+            quantize=quantize,
+            plan=ComputePlan.for_host(precision=precision),
+        )
         model = abstract_model(folder, **build)
     devices = _mesh_devices(mesh)
     if devices > jax.device_count():
-        raise UsageError(f"mesh {mesh} needs {devices} devices but this process has {jax.device_count()} "
-                         f"({jax.default_backend()}); plan it with `flaxheads plan` (which forces {devices} host "
-                         f"devices), or start Python with XLA_FLAGS=--xla_force_host_platform_device_count={devices} "
-                         "JAX_PLATFORMS=cpu")
+        raise UsageError(
+            f"mesh {mesh} needs {devices} devices but this process has {jax.device_count()} "
+            f"({jax.default_backend()}); plan it with `flaxheads plan` (which forces {devices} host "
+            f"devices), or start Python with XLA_FLAGS=--xla_force_host_platform_device_count={devices} "
+            "JAX_PLATFORMS=cpu"
+        )
     mesh_text = mesh if mesh is None or isinstance(mesh, str) else ",".join(f"{a}={s}" for a, s in mesh.items())
     cfg = TrainConfig(batch_size=batch_size, parallel="mesh" if mesh else "single", mesh=mesh_text or None)
-    trainer = Trainer.build(model, OptimConfig(freeze_backbone=freeze_backbone), cfg,
-                            Parallel.from_config(cfg.parallel, cfg.mesh))
+    trainer = Trainer.build(
+        model, OptimConfig(freeze_backbone=freeze_backbone), cfg, Parallel.from_config(cfg.parallel, cfg.mesh)
+    )
     if batch_size % trainer.parallel.width:
-        raise UsageError(f"batch size {batch_size} does not split over the mesh's {trainer.parallel.width} "
-                         "data-parallel devices: make it a multiple of them")
+        raise UsageError(
+            f"batch size {batch_size} does not split over the mesh's {trainer.parallel.width} "
+            "data-parallel devices: make it a multiple of them"
+        )
     batch = plan_batch(model, batch_size, max_length)
     layers = int(getattr(model.backbone.config, "num_hidden_layers", 0) or 0)
     if compile and folder is not None and layers > EXTRAPOLATE_ABOVE:
-        report = _extrapolated(memory_report(trainer, batch, compile=False), folder, build, layers,
-                               lambda m: _report(m, cfg, freeze_backbone, batch))
+        report = _extrapolated(
+            memory_report(trainer, batch, compile=False),
+            folder,
+            build,
+            layers,
+            lambda m: _report(m, cfg, freeze_backbone, batch),
+        )
         notes.append(f"XLA's figures compiled at 2 and 3 of the {layers} layers and extended linearly")
     else:
-            report = memory_report(trainer, batch, compile=compile)
+        report = memory_report(trainer, batch, compile=compile)
     return plan_of(trainer, report, batch_size, max_length, notes)
 
 
@@ -159,10 +201,19 @@ def plan_of(trainer, report, batch_size: int, max_length: int, notes: Sequence[s
     notes = list(notes)
     if report.xla_arguments is None:
         notes.append("state only: the train step was not compiled for the plan")
-    return MemoryPlan(model=os.path.basename(model.name_or_path.rstrip("/")) or model.model_type,
-                      layout=report.layout, batch=(batch_size, max_length), base=part["backbone"],
-                      adapters=part[LORA], head=part["head"], opt_state=report.opt_state, activations=report.xla_temp,
-                      peak=report.xla_total, backend=jax.default_backend(), notes=tuple(notes))
+    return MemoryPlan(
+        model=os.path.basename(model.name_or_path.rstrip("/")) or model.model_type,
+        layout=report.layout,
+        batch=(batch_size, max_length),
+        base=part["backbone"],
+        adapters=part[LORA],
+        head=part["head"],
+        opt_state=report.opt_state,
+        activations=report.xla_temp,
+        peak=report.xla_total,
+        backend=jax.default_backend(),
+        notes=tuple(notes),
+    )
 
 
 def lora_from_flags(rank: int | None, alpha: float | None = None, targets=None) -> LoraConfig | None:
@@ -176,8 +227,9 @@ EXTRAPOLATE_ABOVE = 4
 
 
 def _report(model, cfg, freeze_backbone: bool, batch):
-    trainer = Trainer.build(model, OptimConfig(freeze_backbone=freeze_backbone), cfg,
-                            Parallel.from_config(cfg.parallel, cfg.mesh))
+    trainer = Trainer.build(
+        model, OptimConfig(freeze_backbone=freeze_backbone), cfg, Parallel.from_config(cfg.parallel, cfg.mesh)
+    )
     return memory_report(trainer, batch)
 
 
@@ -201,12 +253,17 @@ def plan_batch(model, batch_size: int, max_length: int) -> dict[str, jax.ShapeDt
     rows = (batch_size, max_length)
 
     if model.problem_type in (MULTI_LABEL, REGRESSION):
-        labels = jax.ShapeDtypeStruct((batch_size, model.num_labels) if model.num_labels > 1 else (batch_size,),
-                                      jnp.float32)
+        labels = jax.ShapeDtypeStruct(
+            (batch_size, model.num_labels) if model.num_labels > 1 else (batch_size,), jnp.float32
+        )
     else:
         labels = jax.ShapeDtypeStruct((batch_size,), jnp.int32)
-    batch = {"input_ids": jax.ShapeDtypeStruct(rows, jnp.int32), "attention_mask": jax.ShapeDtypeStruct(rows, jnp.int32),
-             "labels": labels, "weights": jax.ShapeDtypeStruct((batch_size,), jnp.float32)}
+    batch = {
+        "input_ids": jax.ShapeDtypeStruct(rows, jnp.int32),
+        "attention_mask": jax.ShapeDtypeStruct(rows, jnp.int32),
+        "labels": labels,
+        "weights": jax.ShapeDtypeStruct((batch_size,), jnp.float32),
+    }
     return batch
 
 
@@ -217,17 +274,40 @@ def _mesh_devices(mesh: str | Mapping[str, int] | None) -> int:
     return math.prod(s for s in parse_mesh(mesh).values() if s > 0)
 
 
-def plan_from_flags(*, model: str, mesh: str | None, batch_size: int, max_length: int, lora_rank: int | None,
-                    lora_alpha: float | None, lora_targets, base_dtype: str, precision: str | None, bf16: bool,
-                    remat: str, quantize: str | None, freeze_backbone: bool, json: bool, **_ignored) -> str:
+def plan_from_flags(
+    *,
+    model: str,
+    mesh: str | None,
+    batch_size: int,
+    max_length: int,
+    lora_rank: int | None,
+    lora_alpha: float | None,
+    lora_targets,
+    base_dtype: str,
+    precision: str | None,
+    bf16: bool,
+    remat: str,
+    quantize: str | None,
+    freeze_backbone: bool,
+    json: bool,
+    **_ignored,
+) -> str:
     """``flaxheads plan``: the plan of the flags (the mesh's host devices forced first), as text or JSON."""
     import json as _json
 
     force_host_devices(_mesh_devices(mesh))
-    plan = plan_memory(model, batch_size=batch_size, max_length=max_length, mesh=mesh,
-                       lora=lora_from_flags(lora_rank, lora_alpha, lora_targets), base_dtype=base_dtype,
-                       precision="bfloat16" if bf16 else precision or "float32", remat=remat, quantize=quantize,
-                       freeze_backbone=freeze_backbone)
+    plan = plan_memory(
+        model,
+        batch_size=batch_size,
+        max_length=max_length,
+        mesh=mesh,
+        lora=lora_from_flags(lora_rank, lora_alpha, lora_targets),
+        base_dtype=base_dtype,
+        precision="bfloat16" if bf16 else precision or "float32",
+        remat=remat,
+        quantize=quantize,
+        freeze_backbone=freeze_backbone,
+    )
     return _json.dumps(plan.to_dict()) if json else "\n".join(plan.lines())
 
 
@@ -246,7 +326,8 @@ def plan_table(plans: Sequence[tuple[str, MemoryPlan]], devices: Sequence[str]) 
     rows = []
     for label, p in plans:
         fit = p.fits({d: DEVICES[d] for d in devices})
-        rows.append(f"| {label} | {p.layout} | {gib(p.base)} | {gib(p.adapters)} | {gib(p.opt_state)} | "
-                    f"{gib(p.activations)} | {gib(p.peak)} | " + " | ".join("fits" if fit[d] else "no" for d in devices)
-                    + " |")
+        rows.append(
+            f"| {label} | {p.layout} | {gib(p.base)} | {gib(p.adapters)} | {gib(p.opt_state)} | "
+            f"{gib(p.activations)} | {gib(p.peak)} | " + " | ".join("fits" if fit[d] else "no" for d in devices) + " |"
+        )
     return "\n".join([head, rule, *rows])

@@ -6,10 +6,12 @@ batch; every task's pooler + head reads the same hidden states. The objective is
 examples that carry its label (per-task example weights, so a batch may mix examples
 labelled for different tasks). :meth:`MultiTaskModel.task_model` gives one task as a plain
 :class:`flaxheads.SequenceModel` (predict, export, ``checkpoint.save_head``)."""
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence, cast
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -17,10 +19,10 @@ import optax
 
 from flaxheads.data.batching import extra_inputs
 from flaxheads.errors import TrainingError
-from flaxheads.losses import check_problem_type, infer_problem_type, loss_fn
-from flaxheads.model.sequence import build_head
 from flaxheads.heads import linen
 from flaxheads.heads.heads import SequenceHead
+from flaxheads.losses import check_problem_type, infer_problem_type, loss_fn
+from flaxheads.model.sequence import build_head
 
 _HEAD_KEYS = ("pooler", "head", "pooler_options", "head_options")
 
@@ -40,8 +42,9 @@ class Task:
     def __post_init__(self):
         check_problem_type(self.problem_type, self.num_labels)
         if self.weight < 0:
-            raise TrainingError(f"task {self.name!r}: loss weight must be >= 0 (0 trains nothing for it), got "
-                                f"{self.weight}")
+            raise TrainingError(
+                f"task {self.name!r}: loss weight must be >= 0 (0 trains nothing for it), got {self.weight}"
+            )
 
 
 @dataclasses.dataclass
@@ -59,21 +62,31 @@ class MultiTaskModel:
     def features(self, backbone_params, input_ids, attention_mask, **kw):
         return self.base.features(backbone_params, input_ids, attention_mask, **kw)
 
-    def heads_apply(self, heads_params: dict, hidden, mask, *, train: bool = False,
-                    dropout_rng: jax.Array | None = None) -> dict[str, jax.Array]:
+    def heads_apply(
+        self, heads_params: dict, hidden, mask, *, train: bool = False, dropout_rng: jax.Array | None = None
+    ) -> dict[str, jax.Array]:
         """Every task's logits from one set of hidden states."""
         if train and dropout_rng is None:
             raise ValueError("train=True needs a dropout_rng")
         out: dict[str, jax.Array] = {}
         for i, t in enumerate(self.tasks):
             rngs = {"dropout": jax.random.fold_in(dropout_rng, i)} if train and dropout_rng is not None else {}
-            logits = linen.module(t.head).apply({"params": heads_params[t.name]}, hidden, mask,
-                                                deterministic=not train, rngs=rngs)
+            logits = linen.module(t.head).apply(
+                {"params": heads_params[t.name]}, hidden, mask, deterministic=not train, rngs=rngs
+            )
             out[t.name] = cast(jax.Array, logits)  # apply returns the output alone when nothing is mutable
         return out
 
-    def apply(self, params: dict, input_ids, attention_mask=None, *, train: bool = False,
-              dropout_rng: jax.Array | None = None, **extra) -> dict[str, jax.Array]:
+    def apply(
+        self,
+        params: dict,
+        input_ids,
+        attention_mask=None,
+        *,
+        train: bool = False,
+        dropout_rng: jax.Array | None = None,
+        **extra,
+    ) -> dict[str, jax.Array]:
         """``{task: logits [B, N_task]}`` from one backbone forward."""
         if attention_mask is None:
             attention_mask = jnp.ones_like(input_ids)
@@ -83,8 +96,9 @@ class MultiTaskModel:
             if dropout_rng is None:
                 raise ValueError("train=True needs a dropout_rng")
             rb, rh = jax.random.split(dropout_rng)
-        hidden, mask = self.features(params["backbone"], input_ids, attention_mask, train=train, dropout_rng=rb,
-                                     **extra)
+        hidden, mask = self.features(
+            params["backbone"], input_ids, attention_mask, train=train, dropout_rng=rb, **extra
+        )
         return self.heads_apply(params["heads"], hidden, mask, train=train, dropout_rng=rh)
 
     def loss(self, logits: dict, labels: dict, weights: dict | jax.Array) -> tuple[jax.Array, dict]:
@@ -105,9 +119,16 @@ class MultiTaskModel:
         """Task ``name`` as a plain :class:`SequenceModel` (its head, the shared backbone)."""
         params = self.params if params is None else params
         t = self.tasks[self.names.index(name)]
-        return dataclasses.replace(self.base, head=t.head, num_labels=t.num_labels, problem_type=t.problem_type,
-                                   id2label=t.id2label, arch=None, hf_names=(),
-                                   params={"backbone": params["backbone"], "head": params["heads"][name]})
+        return dataclasses.replace(
+            self.base,
+            head=t.head,
+            num_labels=t.num_labels,
+            problem_type=t.problem_type,
+            id2label=t.id2label,
+            arch=None,
+            hf_names=(),
+            params={"backbone": params["backbone"], "head": params["heads"][name]},
+        )
 
 
 def multitask(model, tasks: Sequence[dict], *, seed: int = 0) -> MultiTaskModel:
@@ -130,24 +151,34 @@ def multitask(model, tasks: Sequence[dict], *, seed: int = 0) -> MultiTaskModel:
         id2label = spec.pop("id2label", None)
         unknown = set(spec) - set(_HEAD_KEYS)
         if unknown:
-            raise TrainingError(f"task {name!r}: unknown keys {sorted(unknown)}; a task takes name, num_labels, "
-                                f"problem_type, weight, loss_options, id2label and {', '.join(_HEAD_KEYS)}")
+            raise TrainingError(
+                f"task {name!r}: unknown keys {sorted(unknown)}; a task takes name, num_labels, "
+                f"problem_type, weight, loss_options, id2label and {', '.join(_HEAD_KEYS)}"
+            )
         if not any(spec.values()) and n == model.num_labels:
             head, hp = model.head, model.params["head"]
         else:
-            head, _ = build_head(model.backbone.config, n, pooler=spec.get("pooler"), head=spec.get("head"),
-                                 pooler_options=spec.get("pooler_options"), head_options=spec.get("head_options"))
+            head, _ = build_head(
+                model.backbone.config,
+                n,
+                pooler=spec.get("pooler"),
+                head=spec.get("head"),
+                pooler_options=spec.get("pooler_options"),
+                head_options=spec.get("head_options"),
+            )
             hp = linen.init_head(head, h, jax.random.PRNGKey(seed + i))
         out.append(Task(name, head, n, ptype, weight, lopts, id2label))
         heads[name] = hp
     return MultiTaskModel(model, out, {"backbone": model.params["backbone"], "heads": heads})
 
 
-def make_multitask_train_step(mt: MultiTaskModel, tx: optax.GradientTransformation, *,
-                              freeze_backbone: bool = False) -> Callable:
+def make_multitask_train_step(
+    mt: MultiTaskModel, tx: optax.GradientTransformation, *, freeze_backbone: bool = False
+) -> Callable:
     """``step(state, batch) -> (state, metrics)`` with ``state = (step, params, opt_state, rng)``
     as a dict. ``batch``: ``input_ids``, ``attention_mask``, ``labels`` ({task: [B, ...]}),
     ``weights`` ([B] or {task: [B]}). Metrics: ``loss`` and ``loss/<task>``."""
+
     def trainable(p):
         return {"heads": p["heads"]} if freeze_backbone else p
 
@@ -159,13 +190,16 @@ def make_multitask_train_step(mt: MultiTaskModel, tx: optax.GradientTransformati
             params = {**state["params"], **t}
             if freeze_backbone:
                 rb, rh = jax.random.split(key)
-                hidden, mask = mt.features(params["backbone"], batch["input_ids"], batch["attention_mask"],
-                                           train=False, **extra)
-                logits = mt.heads_apply(params["heads"], jax.lax.stop_gradient(hidden), mask, train=True,
-                                        dropout_rng=rh)
+                hidden, mask = mt.features(
+                    params["backbone"], batch["input_ids"], batch["attention_mask"], train=False, **extra
+                )
+                logits = mt.heads_apply(
+                    params["heads"], jax.lax.stop_gradient(hidden), mask, train=True, dropout_rng=rh
+                )
             else:
-                logits = mt.apply(params, batch["input_ids"], batch["attention_mask"], train=True, dropout_rng=key,
-                                  **extra)
+                logits = mt.apply(
+                    params, batch["input_ids"], batch["attention_mask"], train=True, dropout_rng=key, **extra
+                )
             total, per = mt.loss(logits, batch["labels"], batch["weights"])
             return total, per
 
@@ -179,8 +213,13 @@ def make_multitask_train_step(mt: MultiTaskModel, tx: optax.GradientTransformati
     return step
 
 
-def init_multitask_state(mt: MultiTaskModel, tx: optax.GradientTransformation, *, freeze_backbone: bool = False,
-                         seed: int = 0) -> dict:
+def init_multitask_state(
+    mt: MultiTaskModel, tx: optax.GradientTransformation, *, freeze_backbone: bool = False, seed: int = 0
+) -> dict:
     t = {"heads": mt.params["heads"]} if freeze_backbone else mt.params
-    return {"step": jnp.zeros((), jnp.int32), "params": mt.params, "opt_state": tx.init(t),
-            "rng": jax.random.PRNGKey(seed)}
+    return {
+        "step": jnp.zeros((), jnp.int32),
+        "params": mt.params,
+        "opt_state": tx.init(t),
+        "rng": jax.random.PRNGKey(seed),
+    }

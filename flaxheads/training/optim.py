@@ -6,6 +6,7 @@ The optimizer always acts on the *trainable* subtree of the params (see :func:`t
 backbone, ``{"lora": ..., "head": ...}`` with LoRA adapters, so a frozen backbone has no
 gradients and no optimizer moments at all.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -55,8 +56,10 @@ class OptimConfig:
         if self.accumulation_steps < 1:
             raise TrainingError(f"accumulation_steps must be >= 1 (1: no accumulation), got {self.accumulation_steps}")
         if self.learning_rate < 0 or (self.head_learning_rate or 0) < 0:
-            raise TrainingError(f"learning rates must be >= 0, got learning_rate={self.learning_rate}, "
-                                f"head_learning_rate={self.head_learning_rate}")
+            raise TrainingError(
+                f"learning rates must be >= 0, got learning_rate={self.learning_rate}, "
+                f"head_learning_rate={self.head_learning_rate}"
+            )
 
 
 def trainable(params: dict, freeze_backbone: bool) -> dict:
@@ -149,6 +152,7 @@ def clip_by_global_norm(max_norm: float, fold: bool = False) -> optax.GradientTr
     ``max_norm / norm``, instead of divided elementwise by the norm: XLA fuses a multiply into each
     consumer (Adam's moments read the gradient directly), where optax's divide was written out as
     a clipped copy of every gradient first. Values equal optax's to a rounding."""
+
     def update(updates, state, params=None):
         del params
         norm = global_norm(updates, fold)
@@ -158,8 +162,9 @@ def clip_by_global_norm(max_norm: float, fold: bool = False) -> optax.GradientTr
     return optax.GradientTransformation(optax.init_empty_state, update)
 
 
-def make_optimizer(cfg: OptimConfig, *, head_learning_rate=None, weight_decay=None,
-                   fold_reductions: bool = False) -> optax.GradientTransformation:
+def make_optimizer(
+    cfg: OptimConfig, *, head_learning_rate=None, weight_decay=None, fold_reductions: bool = False
+) -> optax.GradientTransformation:
     """The optax transformation for the trainable subtree (``{"backbone","head"}`` or ``{"head"}``).
 
     Clip by global norm (over everything trained) -> AdamW per group (head group may have

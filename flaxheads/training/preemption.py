@@ -17,13 +17,15 @@ SIGTERM there: its preemption service tells every process and picks a step all o
 (:func:`jax.experimental.multihost_utils.reached_preemption_sync_point`, asked at every step).
 A SIGINT on one process is handed to that service as a SIGTERM to itself.
 """
+
 from __future__ import annotations
 
 import os
 import signal
 import sys
+from collections.abc import Callable
 from types import FrameType
-from typing import Any, Callable
+from typing import Any
 
 import jax
 from jax.experimental import multihost_utils
@@ -52,8 +54,10 @@ class Interrupted(Exception):
 
     def line(self) -> str:
         if self.saved is None:
-            return (f"interrupted at step {self.step}; no checkpoint saved (checkpoints are off: "
-                    "--checkpoint-every 0); a rerun starts over")
+            return (
+                f"interrupted at step {self.step}; no checkpoint saved (checkpoints are off: "
+                "--checkpoint-every 0); a rerun starts over"
+            )
         return f"interrupted at step {self.step}; checkpoint saved; rerun the same command to resume"
 
 
@@ -72,8 +76,13 @@ class SignalWatch:
 
     ``checkpoints`` is the folder whose latest finished step the abort line names."""
 
-    def __init__(self, *, multihost: bool | None = None, checkpoints: str | os.PathLike | None = None,
-                 write: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        *,
+        multihost: bool | None = None,
+        checkpoints: str | os.PathLike | None = None,
+        write: Callable[[str], None] | None = None,
+    ):
         self.multihost = jax.process_count() > 1 if multihost is None else multihost
         self.checkpoints = checkpoints
         self.signum: int | None = None
@@ -81,7 +90,7 @@ class SignalWatch:
         self._write = write or (lambda line: print(line, file=sys.stderr, flush=True))
         self._previous: dict[int, Callable[[int, FrameType | None], Any] | int | signal.Handlers | None] = {}
 
-    def __enter__(self) -> "SignalWatch":
+    def __enter__(self) -> SignalWatch:
         for s in SIGNALS:
             if self.multihost and s == signal.SIGTERM:
                 continue  # the distributed runtime's preemption notifier listens to it
@@ -105,8 +114,10 @@ class SignalWatch:
     def _abort(self, signum: int) -> None:
         steps = finished_steps(self.checkpoints)
         kept = f"the latest checkpoint (step {steps[-1]}) is intact" if steps else "no checkpoint was saved"
-        self._write(f"interrupted again after step {self.step}; stopped without saving it; {kept}; "
-                    "rerun the same command to resume")
+        self._write(
+            f"interrupted again after step {self.step}; stopped without saving it; {kept}; "
+            "rerun the same command to resume"
+        )
         os._exit(exit_code(self.signum or signum))
 
     def due(self, step: int) -> bool:

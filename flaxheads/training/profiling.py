@@ -5,6 +5,7 @@ step A-1 has finished and stops once step B has, so it holds those steps only (e
 
 Written to ``<dir>/plugins/profile/<time>/`` (``*.xplane.pb`` for TensorBoard's profile plugin,
 ``*.trace.json.gz`` for Perfetto / chrome://tracing). Only process 0 traces."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -22,8 +23,10 @@ def parse_steps(text: str) -> tuple[int, int]:
     except ValueError:
         a = b = 0
     if not 1 <= a <= b:
-        raise UsageError(f"--profile-steps {text}: expected A:B, two step numbers with 1 <= A <= B (e.g. 20:25: "
-                         "steps 20 to 25, both included)")
+        raise UsageError(
+            f"--profile-steps {text}: expected A:B, two step numbers with 1 <= A <= B (e.g. 20:25: "
+            "steps 20 to 25, both included)"
+        )
     return a, b
 
 

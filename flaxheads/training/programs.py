@@ -5,9 +5,10 @@ how many programs a jitted function compiled (one per padded shape it has seen).
 Training's steps are in :mod:`flaxheads.training.steps`, how a program runs on devices in
 :mod:`flaxheads.runtime.parallel`.
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -19,13 +20,16 @@ from flaxheads.runtime.plan import ComputePlan
 
 def make_eval_step(model) -> Callable:
     """``eval_step(params, batch) -> logits`` [B, N] float32, inference mode."""
+
     def eval_step(params, batch):
         return model.apply(params, batch["input_ids"], batch["attention_mask"], train=False, **extra_inputs(batch))
+
     return eval_step
 
 
-def constants_program(fn: Callable, params, plan: ComputePlan, dtype=jnp.float32, *,
-                      force: bool | None = None) -> Callable | None:
+def constants_program(
+    fn: Callable, params, plan: ComputePlan, dtype=jnp.float32, *, force: bool | None = None
+) -> Callable | None:
     """``jax.jit(batch -> fn(params, batch))`` with ``params`` compiled in as constants, for an
     inference program whose parameters stay the same over many calls, where ``plan`` says so for
     their size and the compute ``dtype`` (:meth:`~flaxheads.runtime.plan.ComputePlan.constant_weights`;
@@ -54,5 +58,6 @@ class TraceCounter:
             self.count += 1
             self.shapes.append(tuple(np.shape(x) for x in jax.tree.leaves(args[-1])[:1]))
             return fn(*args)
+
         counted.__name__ = getattr(fn, "__name__", "step")
         return counted

@@ -1,5 +1,6 @@
 """The loop's log of its steps: throughput (examples, tokens, model FLOPs per second, MFU), the mean
 loss between log lines, the whole run's throughput and the progress bar."""
+
 from __future__ import annotations
 
 import time
@@ -19,8 +20,11 @@ class StepLog:
 
     def __init__(self, every: int, total: int, start: int, progress: bool, peak: float | None = None):
         self.every, self.total, self.peak = every, total, peak
-        self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, smoothing=0.1) \
-            if progress and jax.process_index() == 0 else None
+        self.bar = (
+            tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, smoothing=0.1)
+            if progress and jax.process_index() == 0
+            else None
+        )
         self.last = time.perf_counter()
         self.window = self._zero()
         self.run, self.run_seconds = self._zero(), 0.0
@@ -40,8 +44,11 @@ class StepLog:
     def rates(self, totals: dict, seconds: float) -> dict:
         """examples / tokens / model TFLOP/s, seconds per step and MFU (where the peak is known)."""
         s = max(seconds, 1e-9)
-        out = {"examples_per_s": totals["examples"] / s, "tokens_per_s": totals["tokens"] / s,
-               "step_seconds": s / max(totals["steps"], 1)}
+        out = {
+            "examples_per_s": totals["examples"] / s,
+            "tokens_per_s": totals["tokens"] / s,
+            "step_seconds": s / max(totals["steps"], 1),
+        }
         if totals["flops"]:
             out["model_tflops_per_s"] = totals["flops"] / s / 1e12
             if self.peak:
@@ -66,12 +73,19 @@ class StepLog:
             m.update(self.rates(self.window, now - self.last))
             m["loss_avg"] = float(np.mean(self.losses))
             self.last, self.window, self.losses = now, self._zero(), []
-            entry = {"step": step, "epoch": m["epoch"], "loss": m["loss_avg"], "step_loss": m["loss"],
-                     "grad_norm": m["grad_norm"], **{k: m[k] for k in TIMED if k in m}}
+            entry = {
+                "step": step,
+                "epoch": m["epoch"],
+                "loss": m["loss_avg"],
+                "step_loss": m["loss"],
+                "grad_norm": m["grad_norm"],
+                **{k: m[k] for k in TIMED if k in m},
+            }
             if self.bar is not None:
                 extra = {"tok_s": f"{m['tokens_per_s']:.0f}"} | ({"mfu": f"{m['mfu']:.1%}"} if "mfu" in m else {})
-                self.bar.set_postfix(loss=f"{m['loss']:.4f}", ex_s=f"{m['examples_per_s']:.1f}", **extra,
-                                     ep=f"{m['epoch']:.2f}")
+                self.bar.set_postfix(
+                    loss=f"{m['loss']:.4f}", ex_s=f"{m['examples_per_s']:.1f}", **extra, ep=f"{m['epoch']:.2f}"
+                )
         if self.bar is not None:
             self.bar.update(1)
         return entry

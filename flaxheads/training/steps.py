@@ -13,9 +13,11 @@
 Data parallelism is in :mod:`flaxheads.runtime.parallel`, the loop in :mod:`flaxheads.training.loop`; the
 inference-mode eval step, which prediction shares, is in :mod:`flaxheads.training.programs`.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -23,10 +25,11 @@ import optax
 from flax import struct
 
 from flaxheads.data.batching import extra_inputs
+from flaxheads.data.packing import PACKED_KEYS, example_targets, is_packed
 from flaxheads.errors import TrainingError
 from flaxheads.losses import SINGLE_LABEL
 from flaxheads.training.optim import global_norm, merge, trainable
-from flaxheads.data.packing import PACKED_KEYS, example_targets, is_packed
+
 
 class TrainState(struct.PyTreeNode):
     """Everything a training run carries between steps (a pytree; checkpoint it as is).
@@ -41,11 +44,16 @@ class TrainState(struct.PyTreeNode):
     rng: jax.Array
 
 
-def create_state(params: dict, tx: optax.GradientTransformation, *, freeze_backbone: bool = False,
-                 seed: int = 0) -> TrainState:
+def create_state(
+    params: dict, tx: optax.GradientTransformation, *, freeze_backbone: bool = False, seed: int = 0
+) -> TrainState:
     """A fresh state at step 0 (optimizer initialised on the trainable subtree only)."""
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                      opt_state=tx.init(trainable(params, freeze_backbone)), rng=jax.random.PRNGKey(seed))
+    return TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        opt_state=tx.init(trainable(params, freeze_backbone)),
+        rng=jax.random.PRNGKey(seed),
+    )
 
 
 def step_key(state: TrainState, axis_name: str | None = None) -> jax.Array:
@@ -81,8 +89,16 @@ def _apply_grads(state, tx, trained, objective, denom_local, axis_name, fold: bo
     return trained, opt_state, {"loss": loss, "grad_norm": global_norm(grads, fold), "weight": total}
 
 
-def _make_step(model, tx, logits_of: Callable, *, freeze_backbone: bool, loss_options: dict | None,
-               axis_name: str | None, loss: tuple[Callable, str] | None = None) -> Callable:
+def _make_step(
+    model,
+    tx,
+    logits_of: Callable,
+    *,
+    freeze_backbone: bool,
+    loss_options: dict | None,
+    axis_name: str | None,
+    loss: tuple[Callable, str] | None = None,
+) -> Callable:
     """The one train step: ``logits_of(state, trained, batch, key)`` is all that differs between
     training on token ids and training a head on precomputed features."""
     loss_options = dict(loss_options or {})
@@ -97,16 +113,23 @@ def _make_step(model, tx, logits_of: Callable, *, freeze_backbone: bool, loss_op
         def objective(t):
             return lf(logits_of(state, t, batch, key), labels, weights)
 
-        trained, opt_state, metrics = _apply_grads(state, tx, trainable(state.params, freeze_backbone), objective,
-                                                   denom, axis_name, model.plan.fold_reductions)
+        trained, opt_state, metrics = _apply_grads(
+            state, tx, trainable(state.params, freeze_backbone), objective, denom, axis_name, model.plan.fold_reductions
+        )
         return state.replace(step=state.step + 1, params=merge(state.params, trained), opt_state=opt_state), metrics
 
     return step
 
 
-def make_train_step(model, tx: optax.GradientTransformation, *, freeze_backbone: bool = False,
-                    loss_options: dict | None = None, axis_name: str | None = None,
-                    loss: tuple[Callable, str] | None = None) -> Callable:
+def make_train_step(
+    model,
+    tx: optax.GradientTransformation,
+    *,
+    freeze_backbone: bool = False,
+    loss_options: dict | None = None,
+    axis_name: str | None = None,
+    loss: tuple[Callable, str] | None = None,
+) -> Callable:
     """``train_step(state, batch) -> (state, metrics)`` (not jitted; ``Parallel.compile`` jits it).
 
     ``axis_name`` is the pmap axis to reduce over (None for one device or for jit over a mesh,
@@ -114,46 +137,80 @@ def make_train_step(model, tx: optax.GradientTransformation, *, freeze_backbone:
     ``(loss(logits, labels, weights), problem type of its normaliser)`` instead of the model's own
     (a :class:`~flaxheads.tasks.task.Task`'s ``step_loss``)."""
     if freeze_backbone and getattr(model, "lora", None) is not None:
-        raise TrainingError("freeze_backbone=True trains the head alone on the base backbone's features, but this "
-                            "model has LoRA adapters: train without freeze_backbone (the base stays frozen and "
-                            "only the adapters and the head train), or merge the adapters first")
+        raise TrainingError(
+            "freeze_backbone=True trains the head alone on the base backbone's features, but this "
+            "model has LoRA adapters: train without freeze_backbone (the base stays frozen and "
+            "only the adapters and the head train), or merge the adapters first"
+        )
     if freeze_backbone:
         # the backbone only runs forward, outside the differentiated function: the head step on its features
         head_step = make_head_train_step(model, tx, loss_options=loss_options, axis_name=axis_name, loss=loss)
 
         def frozen_step(state: TrainState, batch: dict):
             if is_packed(batch):
-                hidden, pmask = model.packed_features(state.params["backbone"], batch["input_ids"],
-                                                      *(batch[k] for k in PACKED_KEYS), **extra_inputs(batch))
+                hidden, pmask = model.packed_features(
+                    state.params["backbone"],
+                    batch["input_ids"],
+                    *(batch[k] for k in PACKED_KEYS),
+                    **extra_inputs(batch),
+                )
             else:
-                hidden, pmask = model.pooler_inputs(state.params["backbone"], batch["input_ids"],
-                                                    batch["attention_mask"], train=False, **extra_inputs(batch))
+                hidden, pmask = model.pooler_inputs(
+                    state.params["backbone"],
+                    batch["input_ids"],
+                    batch["attention_mask"],
+                    train=False,
+                    **extra_inputs(batch),
+                )
             labels, weights = example_targets(batch)
-            return head_step(state, {"hidden": jax.lax.stop_gradient(hidden), "pool_mask": pmask,
-                                     "labels": labels, "weights": weights})
+            return head_step(
+                state,
+                {"hidden": jax.lax.stop_gradient(hidden), "pool_mask": pmask, "labels": labels, "weights": weights},
+            )
 
         return frozen_step
 
     def logits_of(state, t, batch, key):
         if is_packed(batch):
-            return model.apply_packed(merge(state.params, t), batch["input_ids"], *(batch[k] for k in PACKED_KEYS),
-                                      train=True, dropout_rng=key, **extra_inputs(batch))
-        return model.apply(merge(state.params, t), batch["input_ids"], batch["attention_mask"], train=True,
-                           dropout_rng=key, **extra_inputs(batch))
+            return model.apply_packed(
+                merge(state.params, t),
+                batch["input_ids"],
+                *(batch[k] for k in PACKED_KEYS),
+                train=True,
+                dropout_rng=key,
+                **extra_inputs(batch),
+            )
+        return model.apply(
+            merge(state.params, t),
+            batch["input_ids"],
+            batch["attention_mask"],
+            train=True,
+            dropout_rng=key,
+            **extra_inputs(batch),
+        )
 
-    return _make_step(model, tx, logits_of, freeze_backbone=False, loss_options=loss_options, axis_name=axis_name,
-                      loss=loss)
+    return _make_step(
+        model, tx, logits_of, freeze_backbone=False, loss_options=loss_options, axis_name=axis_name, loss=loss
+    )
 
 
-def make_head_train_step(model, tx: optax.GradientTransformation, *, loss_options: dict | None = None,
-                         axis_name: str | None = None, loss: tuple[Callable, str] | None = None) -> Callable:
+def make_head_train_step(
+    model,
+    tx: optax.GradientTransformation,
+    *,
+    loss_options: dict | None = None,
+    axis_name: str | None = None,
+    loss: tuple[Callable, str] | None = None,
+) -> Callable:
     """``head_train_step(state, batch) -> (state, metrics)`` on precomputed backbone features.
 
     ``batch`` holds ``hidden`` [B, T, H] (or any features the pooler takes), ``pool_mask`` [B, T],
     ``labels``, ``weights``. The state's optimizer must be built with ``freeze_backbone=True``;
     ``params["backbone"]`` is carried along untouched (it may be an empty dict)."""
+
     def logits_of(state, t, batch, key):
         return model.head_apply(t["head"], batch["hidden"], batch["pool_mask"], train=True, dropout_rng=key)
 
-    return _make_step(model, tx, logits_of, freeze_backbone=True, loss_options=loss_options, axis_name=axis_name,
-                      loss=loss)
+    return _make_step(
+        model, tx, logits_of, freeze_backbone=True, loss_options=loss_options, axis_name=axis_name, loss=loss
+    )

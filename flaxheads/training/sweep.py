@@ -15,6 +15,7 @@ schedule scaled to the head's peak learning rate, dropout key ``fold_in(PRNGKey(
 The best head on validation becomes a normal :class:`flaxheads.SequenceModel` head
 (:meth:`SweepResult.best_model`), which ``flaxheads.checkpoint.save_head`` saves like any other.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -54,11 +55,17 @@ class Variant:
         return f"lr={self.learning_rate:g} wd={self.weight_decay:g} seed={self.seed}{p}"
 
 
-def grid(learning_rates: Sequence[float], weight_decays: Sequence[float] = (0.0,), seeds: Sequence[int] = (0,),
-         poolers: Sequence[str | None] = (None,)) -> list[Variant]:
+def grid(
+    learning_rates: Sequence[float],
+    weight_decays: Sequence[float] = (0.0,),
+    seeds: Sequence[int] = (0,),
+    poolers: Sequence[str | None] = (None,),
+) -> list[Variant]:
     """The full product of the given settings."""
-    return [Variant(float(lr), float(wd), int(s), p)
-            for lr, wd, s, p in itertools.product(learning_rates, weight_decays, seeds, poolers)]
+    return [
+        Variant(float(lr), float(wd), int(s), p)
+        for lr, wd, s, p in itertools.product(learning_rates, weight_decays, seeds, poolers)
+    ]
 
 
 def head_with_reduction(head: SequenceHead, reduction: str | None) -> SequenceHead:
@@ -70,8 +77,9 @@ def head_with_reduction(head: SequenceHead, reduction: str | None) -> SequenceHe
         return SequenceHead(Pool(reduction), head.head)
     if isinstance(p, DensePooler):
         return SequenceHead(dataclasses.replace(p, source=reduction), head.head)
-    raise TrainingError(f"{type(p).__name__} has no fixed reduction to vary; sweep poolers only for Pool or "
-                        "DensePooler")
+    raise TrainingError(
+        f"{type(p).__name__} has no fixed reduction to vary; sweep poolers only for Pool or DensePooler"
+    )
 
 
 def _reductions(model, variants: Sequence[Variant], cache: FeatureCache) -> np.ndarray:
@@ -83,8 +91,10 @@ def _reductions(model, variants: Sequence[Variant], cache: FeatureCache) -> np.n
         return np.zeros(len(variants), np.int32)
     missing = sorted({w for w in want if w not in cache.reductions}, key=str)  # None: a pooler without one
     if missing:
-        raise TrainingError(f"the cache holds reductions {cache.reductions}, the sweep needs {missing}: build it "
-                            f"with cache_features(..., reductions={tuple(sorted(set(want), key=str))})")
+        raise TrainingError(
+            f"the cache holds reductions {cache.reductions}, the sweep needs {missing}: build it "
+            f"with cache_features(..., reductions={tuple(sorted(set(want), key=str))})"
+        )
     return np.asarray([cache.reductions.index(w) for w in want], np.int32)
 
 
@@ -133,18 +143,22 @@ def _head_tx(cfg: OptimConfig, lr, wd, fold_reductions: bool = False):
 
 def _sweep_step(model, cfg: OptimConfig, level: str, loss_options: dict | None):
     """The pure ``step(state, batch) -> (state, losses [K])`` of :func:`make_sweep_step`."""
+
     def one(params, opt_state, lr, wd, rng, r, step, batch):
         hidden, mask = _select(batch, r, level)
-        head_step = make_head_train_step(model, _head_tx(cfg, lr, wd, model.plan.fold_reductions),
-                                         loss_options=loss_options)
-        new, metrics = head_step(TrainState(step, {"head": params}, opt_state, rng),
-                                 {"hidden": hidden, "pool_mask": mask, "labels": batch["labels"],
-                                  "weights": batch["weights"]})
+        head_step = make_head_train_step(
+            model, _head_tx(cfg, lr, wd, model.plan.fold_reductions), loss_options=loss_options
+        )
+        new, metrics = head_step(
+            TrainState(step, {"head": params}, opt_state, rng),
+            {"hidden": hidden, "pool_mask": mask, "labels": batch["labels"], "weights": batch["weights"]},
+        )
         return new.params["head"], new.opt_state, metrics["loss"]
 
     def step(state: SweepState, batch: dict):
         p, o, loss = jax.vmap(one, in_axes=(0, 0, 0, 0, 0, 0, None, None))(
-            state.params, state.opt_state, state.lr, state.wd, state.rng, state.reduction, state.step, batch)
+            state.params, state.opt_state, state.lr, state.wd, state.rng, state.reduction, state.step, batch
+        )
         return dataclasses.replace(state, step=state.step + 1, params=p, opt_state=o), loss
 
     return step
@@ -154,8 +168,9 @@ def make_sweep_step(model, cfg: OptimConfig, *, level: str = "pooled", loss_opti
     """``step(state, batch) -> (state, losses [K])``, jitted with the state donated.
     ``batch``: ``hidden [B, R, H]`` (pooled) or ``[B, T, H]`` (token), ``pool_mask``, ``labels``,
     ``weights``. Each head takes ``make_head_train_step``'s step (the weighted-mean loss)."""
-    return Parallel().compile(_sweep_step(model, cfg, level, loss_options),
-                              options=model.plan.compiler_options(gradients=True))
+    return Parallel().compile(
+        _sweep_step(model, cfg, level, loss_options), options=model.plan.compiler_options(gradients=True)
+    )
 
 
 def make_sweep_scan(model, cfg: OptimConfig, *, level: str = "pooled", loss_options: dict | None = None):
@@ -173,6 +188,7 @@ def make_sweep_scan(model, cfg: OptimConfig, *, level: str = "pooled", loss_opti
         def body(s, b):
             new, loss = step(s, {k: v for k, v in b.items() if k != "valid"})
             return jax.tree.map(lambda x, y: jnp.where(b["valid"], x, y), new, s), loss
+
         state, losses = jax.lax.scan(body, state, batches)
         return state, jnp.sum(jnp.where(batches["valid"][:, None], losses, 0.0), axis=0)
 
@@ -189,9 +205,11 @@ def _select(batch: dict, r, level: str):
 
 def make_sweep_predict(model, level: str = "pooled"):
     """``predict(params [K,...], reduction [K], batch) -> logits [K, B, N]`` (inference mode)."""
+
     def one(p, r, batch):
         hidden, mask = _select(batch, r, level)
         return model.head_apply(p, hidden, mask, train=False)
+
     return jax.jit(jax.vmap(one, in_axes=(0, 0, None)))
 
 
@@ -244,8 +262,8 @@ class SweepResult:
     variants: list[Variant]
     params: Any
     reductions: np.ndarray
-    losses: np.ndarray            # [epochs, K] mean training loss per epoch
-    scores: np.ndarray | None     # [K] validation metric (higher is better), None without validation
+    losses: np.ndarray  # [epochs, K] mean training loss per epoch
+    scores: np.ndarray | None  # [K] validation metric (higher is better), None without validation
     metric: str | None
     best: int
     seconds: float
@@ -259,8 +277,13 @@ class SweepResult:
         v = self.variants[self.best]
         head = head_with_reduction(model.head, v.pooler)
         same = v.pooler is None
-        return dataclasses.replace(model, head=head, params={**model.params, "head": self.head_params(self.best)},
-                                   arch=model.arch if same else None, hf_names=model.hf_names if same else ())
+        return dataclasses.replace(
+            model,
+            head=head,
+            params={**model.params, "head": self.head_params(self.best)},
+            arch=model.arch if same else None,
+            hf_names=model.hf_names if same else (),
+        )
 
     def table(self) -> str:
         rows = [f"| # | head | final train loss | {self.metric or 'val'} |", "| --- | --- | --- | --- |"]
@@ -278,10 +301,21 @@ def steps_per_epoch(cache: FeatureCache | Sequence[int], batch_size: int) -> int
     return sum(_batches_per_pass(n, batch_size) for n in sizes)
 
 
-def sweep(model, train: FeatureCache, variants: Sequence[Variant], *, optim: OptimConfig | None = None,
-          epochs: int = 20, batch_size: int = 32, val: FeatureCache | None = None, seed: int = 0,
-          loss_options: dict | None = None, metric: str | None = None,
-          max_scan_bytes: int = MAX_SCAN_BYTES, max_steps: int | None = None) -> SweepResult:
+def sweep(
+    model,
+    train: FeatureCache,
+    variants: Sequence[Variant],
+    *,
+    optim: OptimConfig | None = None,
+    epochs: int = 20,
+    batch_size: int = 32,
+    val: FeatureCache | None = None,
+    seed: int = 0,
+    loss_options: dict | None = None,
+    metric: str | None = None,
+    max_scan_bytes: int = MAX_SCAN_BYTES,
+    max_steps: int | None = None,
+) -> SweepResult:
     """Train ``len(variants)`` heads at once on cached features; pick the best on ``val``.
 
     ``optim`` supplies everything but the per-head learning rate and weight decay
@@ -331,13 +365,15 @@ def sweep(model, train: FeatureCache, variants: Sequence[Variant], *, optim: Opt
         name = metric or headline(model.problem_type)
         logits = predict_all(model, state.params, state.reduction, val)
         rows = np.sort(np.concatenate([b.index for b in val.buckets]))  # the cached examples only
-        scores = np.asarray([compute_metrics(model.problem_type, lg[rows], val.labels[rows], model.num_labels)[name]
-                             for lg in logits])
+        scores = np.asarray(
+            [compute_metrics(model.problem_type, lg[rows], val.labels[rows], model.num_labels)[name] for lg in logits]
+        )
         best = int(np.argmax(scores))
     return SweepResult(variants, params, reds, np.stack(losses), scores, name, best, seconds, steps)
 
 
 # ---- the `train --cache-features / --sweep K` program path -----------------------------------
+
 
 def sweep_variants(k: int, lr: float, weight_decay: float, seed: int) -> list[Variant]:
     """``k`` heads around ``lr``: learning rates log-spaced over [lr/10, lr*10], weight decay
@@ -346,5 +382,7 @@ def sweep_variants(k: int, lr: float, weight_decay: float, seed: int) -> list[Va
         raise TrainingError(f"--sweep needs K >= 1, got {k}")
     if k == 1:
         return [Variant(lr, weight_decay, seed)]
-    return [Variant(float(lr * 10 ** (-1 + 2 * i / (k - 1))), weight_decay if i % 2 == 0 else 0.0, seed + i)
-            for i in range(k)]
+    return [
+        Variant(float(lr * 10 ** (-1 + 2 * i / (k - 1))), weight_decay if i % 2 == 0 else 0.0, seed + i)
+        for i in range(k)
+    ]

@@ -1,6 +1,7 @@
 """What :func:`~flaxheads.training.loop.fit` runs: the loop's settings (:class:`TrainConfig`, and the
 length of a run they give) and :class:`Trainer`, the compiled train and eval steps of one model,
 optimizer, parallel mode and :class:`~flaxheads.tasks.task.Task`."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -52,8 +53,9 @@ def total_steps(n: int, cfg: TrainConfig) -> int:
 
 def abstract_state(model, tx: optax.GradientTransformation, optim: OptimConfig, cfg: TrainConfig) -> TrainState:
     """The shapes of a fresh train state (``jax.eval_shape``; works on abstract ``model.params``)."""
-    return jax.eval_shape(lambda p: create_state(p, tx, freeze_backbone=optim.freeze_backbone, seed=cfg.seed),
-                          model.params)
+    return jax.eval_shape(
+        lambda p: create_state(p, tx, freeze_backbone=optim.freeze_backbone, seed=cfg.seed), model.params
+    )
 
 
 @dataclasses.dataclass
@@ -74,8 +76,9 @@ class Trainer:
     flops: StepFlops | None = None  # model FLOPs of a step (None: the backbone's config has no sizes to count)
 
     @classmethod
-    def build(cls, model, optim: OptimConfig, cfg: TrainConfig, parallel: Parallel | None = None, *,
-              task: Task | None = None) -> Trainer:
+    def build(
+        cls, model, optim: OptimConfig, cfg: TrainConfig, parallel: Parallel | None = None, *, task: Task | None = None
+    ) -> Trainer:
         """Compile the steps. ``task`` defaults to the model's own classification task."""
         task = task if task is not None else Classification.of(model, cfg.threshold)
         task.check(model, pack=cfg.pack)
@@ -83,13 +86,28 @@ class Trainer:
         tx = make_optimizer(optim, fold_reductions=model.plan.fold_reductions)
         axis = DATA_AXIS if parallel.mode == "pmap" else None
         tt, et = TraceCounter(), TraceCounter()
-        step = make_train_step(model, tx, freeze_backbone=optim.freeze_backbone, loss_options=cfg.loss_options,
-                               axis_name=axis, loss=task.step_loss(model, cfg.loss_options))
+        step = make_train_step(
+            model,
+            tx,
+            freeze_backbone=optim.freeze_backbone,
+            loss_options=cfg.loss_options,
+            axis_name=axis,
+            loss=task.step_loss(model, cfg.loss_options),
+        )
         like = abstract_state(model, tx, optim, cfg)
-        return cls(model, optim, cfg, parallel, tx, parallel.compile(tt.wrap(step), like=like,
-                                                                     options=model.plan.compiler_options(gradients=True)),
-                   parallel.compile(et.wrap(make_eval_step(model)), donate=False, like=like.params), tt, et, task,
-                   _step_flops(model, optim))
+        return cls(
+            model,
+            optim,
+            cfg,
+            parallel,
+            tx,
+            parallel.compile(tt.wrap(step), like=like, options=model.plan.compiler_options(gradients=True)),
+            parallel.compile(et.wrap(make_eval_step(model)), donate=False, like=like.params),
+            tt,
+            et,
+            task,
+            _step_flops(model, optim),
+        )
 
     def peak_flops(self) -> float | None:
         """The dense peak FLOP/s of the devices the step runs on (None: unknown, e.g. CPUs)."""
@@ -97,8 +115,12 @@ class Trainer:
         return None if one is None else one * self.parallel.width
 
     def init_state(self, params: dict | None = None) -> TrainState:
-        return create_state(self.model.params if params is None else params, self.tx,
-                            freeze_backbone=self.optim.freeze_backbone, seed=self.cfg.seed)
+        return create_state(
+            self.model.params if params is None else params,
+            self.tx,
+            freeze_backbone=self.optim.freeze_backbone,
+            seed=self.cfg.seed,
+        )
 
     def abstract_state(self) -> TrainState:
         """The shapes of :meth:`init_state` (``jax.eval_shape``; nothing allocated)."""
@@ -114,8 +136,9 @@ class Trainer:
         """Logits and labels of every real example (weight > 0), in order, each exactly once.
         ``params`` must be placed for the parallel mode (``parallel.put_state``)."""
         par = self.parallel
-        logits, kept = predict_batches(lambda b: par.get_rows(self.eval_step(params, par.put_rows(b))), batches,
-                                       keys=("labels",))
+        logits, kept = predict_batches(
+            lambda b: par.get_rows(self.eval_step(params, par.put_rows(b))), batches, keys=("labels",)
+        )
         if logits is None:
             return np.zeros((0, self.model.num_labels), np.float32), np.zeros((0,))
         return logits, kept["labels"]

@@ -2,6 +2,7 @@
 several offsets or overwritten in the header, ``config.json`` invalid or missing any one key, damaged
 tokenizer files. Every one either still loads (a key with a default) or raises a ``FlaxheadsError``
 naming the file and what to do; no other exception, and ``flaxheads train`` says it in one line."""
+
 from __future__ import annotations
 
 import json
@@ -9,11 +10,11 @@ import os
 import shutil
 
 import pytest
+from hf_tiny import tiny_torch_model
 
 from flaxheads import from_pretrained
 from flaxheads.errors import FlaxheadsError
 from flaxheads.interop.tokenizers import load_tokenizer
-from hf_tiny import tiny_torch_model
 
 pytestmark = pytest.mark.full
 
@@ -82,8 +83,16 @@ def tokenizer_folder(tiny_bert):  # each test breaks a copy
     return tiny_bert
 
 
-@pytest.mark.parametrize("case", ["tokenizer.json cut", "tokenizer.json garbage", "tokenizer_config.json invalid",
-                                  "vocab.txt garbage", "vocab.txt empty"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "tokenizer.json cut",
+        "tokenizer.json garbage",
+        "tokenizer_config.json invalid",
+        "vocab.txt garbage",
+        "vocab.txt empty",
+    ],
+)
 def test_broken_tokenizer_files(tmp_path, tokenizer_folder, case):
     d = _copy(tokenizer_folder, tmp_path / "tok")
     name = case.split()[0]
@@ -92,7 +101,9 @@ def test_broken_tokenizer_files(tmp_path, tokenizer_folder, case):
         data = open(path, "rb").read()
         open(path, "wb").write(data[: len(data) // 2])
     else:
-        open(path, "wb").write({"garbage": b"\xff\xfe\x00\x01" * 50, "invalid": b"{ bad", "empty": b""}[case.split()[1]])
+        open(path, "wb").write(
+            {"garbage": b"\xff\xfe\x00\x01" * 50, "invalid": b"{ bad", "empty": b""}[case.split()[1]]
+        )
     if name == "vocab.txt":  # read only when there is no tokenizer.json
         os.remove(os.path.join(d, "tokenizer.json"))
     _fails_cleanly(lambda p: load_tokenizer(p)("hello world"), d, name if name != "vocab.txt" else d, "again")

@@ -1,4 +1,5 @@
 """What every registered family declares on its Backbone class (the facts other modules ask it for)."""
+
 import pytest
 
 from flaxheads.backbones.base import BackboneError, HFConfig

@@ -1,5 +1,6 @@
 """Orbax checkpoints: head round trips, head without backbone, attaching heads, retention,
 interrupted saves, corrupt/incompatible checkpoints, sharded restore, the listing command."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,16 +18,17 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
 
 import flaxheads as fh
 from flaxheads import checkpoint as ck
 from flaxheads.checkpoint.meta import OWN_KEYS
 from flaxheads.errors import FlaxheadsError
+from flaxheads.heads import linen
 from flaxheads.heads.heads import IdentityHead, LinearHead, MLPHead, ProjectionHead, SequenceHead
 from flaxheads.heads.poolers import AttentionPool, Concat, DensePooler, Pool, SequenceSummary
 from flaxheads.heads.presets import PRESETS
-from flaxheads.heads import linen
 
 pytestmark = pytest.mark.full
 
@@ -37,6 +39,7 @@ REPO = os.path.dirname(TESTS)
 
 
 # ---- tiny backbones (random PyTorch models saved as safetensors, loaded by flaxheads) ----------
+
 
 @pytest.fixture(scope="module")
 def folders(tiny_model):
@@ -65,9 +68,15 @@ def _with_head(model, head: SequenceHead, seed=0, dtype=jnp.float32, num_labels=
     v = linen.module(head).init(jax.random.PRNGKey(seed), jnp.zeros((1, 1, H)), jnp.ones((1, 1), jnp.int32))
     hp = jax.tree.map(lambda x: x.astype(dtype), _perturb(v.get("params", {}), seed))
     n = num_labels or head.head.out_features() or H
-    return dataclasses.replace(model, head=head, params={"backbone": model.params["backbone"], "head": hp},
-                               num_labels=n, id2label=None if n != 3 else model.id2label, arch=None,
-                               hf_names=())
+    return dataclasses.replace(
+        model,
+        head=head,
+        params={"backbone": model.params["backbone"], "head": hp},
+        num_labels=n,
+        id2label=None if n != 3 else model.id2label,
+        arch=None,
+        hf_names=(),
+    )
 
 
 def _hidden(seed=1, b=3, t=7):
@@ -92,8 +101,9 @@ POOLERS = {
     "dense_bert": DensePooler(activation="tanh"),
     "dense_deberta": DensePooler(features=24, activation="gelu", dropout=0.1, source="mean"),
     "summary_proj": SequenceSummary(summary_type="first", use_proj=True, last_dropout=0.1),
-    "summary_labels": SequenceSummary(summary_type="mean", use_proj=True, proj_to_labels=True, num_labels=3,
-                                      activation=None, first_dropout=0.1),
+    "summary_labels": SequenceSummary(
+        summary_type="mean", use_proj=True, proj_to_labels=True, num_labels=3, activation=None, first_dropout=0.1
+    ),
     "summary_cls_index": SequenceSummary(summary_type="cls_index", use_proj=False),
     "concat": Concat((Pool("cls"), Pool("mean"), DensePooler(features=8, source="last"))),
 }
@@ -106,8 +116,11 @@ HEADS = {
     "identity": IdentityHead(),
 }
 # every pooler with a linear head, every head behind a pooler with params and behind one without
-CASES = ([(p, "linear") for p in POOLERS] + [("dense_bert", h) for h in HEADS if h != "linear"]
-         + [("mean", h) for h in HEADS if h != "linear"])
+CASES = (
+    [(p, "linear") for p in POOLERS]
+    + [("dense_bert", h) for h in HEADS if h != "linear"]
+    + [("mean", h) for h in HEADS if h != "linear"]
+)
 
 
 def _roundtrip(tmp_path, model, dtype_name):
@@ -118,8 +131,9 @@ def _roundtrip(tmp_path, model, dtype_name):
     assert fh.config.to_dict(got.head) == fh.config.to_dict(model.head)
     _assert_tree_equal(got.params, model.params["head"])
     hidden, mask = _hidden()
-    np.testing.assert_array_equal(model.head_apply(got.params, hidden, mask),
-                                  model.head_apply(model.params["head"], hidden, mask))
+    np.testing.assert_array_equal(
+        model.head_apply(got.params, hidden, mask), model.head_apply(model.params["head"], hidden, mask)
+    )
     return got
 
 
@@ -178,17 +192,21 @@ def test_checkpoint_errors_are_flaxheads_value_errors():
         assert issubclass(err, FlaxheadsError) and issubclass(err, ValueError)
         assert getattr(fh, err.__name__) is err
     # what is missing or already there is also the OSError code that caught those before
-    assert issubclass(ck.CheckpointNotFoundError, FlaxheadsError) and issubclass(ck.CheckpointNotFoundError,
-                                                                                 FileNotFoundError)
-    assert issubclass(ck.CheckpointExistsError, FlaxheadsError) and issubclass(ck.CheckpointExistsError,
-                                                                               FileExistsError)
+    assert issubclass(ck.CheckpointNotFoundError, FlaxheadsError) and issubclass(
+        ck.CheckpointNotFoundError, FileNotFoundError
+    )
+    assert issubclass(ck.CheckpointExistsError, FlaxheadsError) and issubclass(
+        ck.CheckpointExistsError, FileExistsError
+    )
 
 
 # ---- head without the backbone; attaching to other backbones ----------------------------------
 
+
 @flax.struct.dataclass
 class State:
     """A TrainState-like pytree: arrays + a static field that must not be saved."""
+
     step: jax.Array
     params: dict
     opt_state: optax.OptState
@@ -199,12 +217,15 @@ class State:
 def _state(model, seed=0, lr=1e-2):
     tx = optax.adam(lr)
     params = {"backbone": model.params["backbone"], "head": _perturb(model.params["head"], seed)}
-    st = State(step=jnp.asarray(0, jnp.int32), params=params, opt_state=tx.init(params),
-               rng=jax.random.PRNGKey(seed), tx=tx)
+    st = State(
+        step=jnp.asarray(0, jnp.int32), params=params, opt_state=tx.init(params), rng=jax.random.PRNGKey(seed), tx=tx
+    )
     # one real update so the optimiser moments are not zeros (the backbone's gradient is zero,
     # so every state of a model shares its backbone, as in a frozen-backbone run)
-    g = {"backbone": jax.tree.map(jnp.zeros_like, params["backbone"]),
-         "head": _perturb(jax.tree.map(jnp.zeros_like, params["head"]), seed + 1)}
+    g = {
+        "backbone": jax.tree.map(jnp.zeros_like, params["backbone"]),
+        "head": _perturb(jax.tree.map(jnp.zeros_like, params["head"]), seed + 1),
+    }
     upd, opt = tx.update(g, st.opt_state, params)
     return st.replace(step=st.step + 1, params=optax.apply_updates(params, upd), opt_state=opt)
 
@@ -266,8 +287,9 @@ def test_attach_head_to_second_backbone_same_width(tmp_path, bert, folders):
     assert moved.arch is None and moved.hf_names == ()  # a BERT head is not RoBERTa's HF head
     assert moved.params["backbone"] is roberta.params["backbone"]
     hidden, mask = _hidden()
-    np.testing.assert_array_equal(moved.head_apply(moved.params["head"], hidden, mask),
-                                  trained.head_apply(trained.params["head"], hidden, mask))
+    np.testing.assert_array_equal(
+        moved.head_apply(moved.params["head"], hidden, mask), trained.head_apply(trained.params["head"], hidden, mask)
+    )
     ids = jnp.array([[0, 5, 6, 7, 2], [0, 8, 2, 1, 1]])
     out = moved.apply(moved.params, ids, (ids != 1).astype(jnp.int32))
     assert out.shape == (2, 3) and bool(jnp.all(jnp.isfinite(out)))
@@ -294,24 +316,31 @@ def test_attach_last_token_head_needs_pad_token(tmp_path, folders):
     # the documented way out: pool the last attended token instead
     moved = fh.attach_head(nopad, ckpt, pool_mask="attention_mask")
     hidden, mask = _hidden()
-    np.testing.assert_array_equal(moved.head_apply(moved.params["head"], hidden, mask),
-                                  gpt2.head_apply(ckpt.params, hidden, mask))
+    np.testing.assert_array_equal(
+        moved.head_apply(moved.params["head"], hidden, mask), gpt2.head_apply(ckpt.params, hidden, mask)
+    )
     # onto another GPT-2 with a pad token it is the HF GPT-2 head
     assert fh.attach_head(fh.from_pretrained(folders["gpt2"]), ckpt).arch == "gpt2"
 
 
 def test_attach_eos_pooling_needs_eos_token(tmp_path, bert):
     assert bert.eos_token_id is None
-    bart_like = dataclasses.replace(bert, head=SequenceHead(Pool("last"), LinearHead(3)), pool_mask="eos_token",
-                                    eos_token_id=2, arch=None, hf_names=(),
-                                    params={**bert.params, "head": _with_head(
-                                        bert, SequenceHead(Pool("last"), LinearHead(3))).params["head"]})
+    bart_like = dataclasses.replace(
+        bert,
+        head=SequenceHead(Pool("last"), LinearHead(3)),
+        pool_mask="eos_token",
+        eos_token_id=2,
+        arch=None,
+        hf_names=(),
+        params={**bert.params, "head": _with_head(bert, SequenceHead(Pool("last"), LinearHead(3))).params["head"]},
+    )
     fh.save_head(tmp_path, bart_like)
     with pytest.raises(ck.HeadMismatchError, match="eos_token_id"):
         fh.attach_head(bert, fh.load_head(tmp_path))
 
 
 # ---- retention, best, async and interrupted saves ----------------------------------------------
+
 
 def test_retention_keep_latest_and_best(tmp_path, bert):
     st = _state(bert)
@@ -369,13 +398,18 @@ def _stub_model(seed=0):
     need no transformers import, and the checkpoint code needs nothing else of a backbone."""
     import types
 
-    backbone = types.SimpleNamespace(config=types.SimpleNamespace(hidden_size=H, model_type="stub"),
-                                     dtype=jnp.float32)
+    backbone = types.SimpleNamespace(config=types.SimpleNamespace(hidden_size=H, model_type="stub"), dtype=jnp.float32)
     head = SequenceHead(DensePooler(), LinearHead(3))
     hp = _perturb(linen.init_head(head, H, jax.random.PRNGKey(seed)), seed)
     bp = {"w": jax.random.normal(jax.random.PRNGKey(seed + 1), (256, 256))}
-    return fh.SequenceModel(backbone=backbone, head=head, num_labels=3, problem_type="single_label_classification",
-                            params={"backbone": bp, "head": hp}, name_or_path="stub")
+    return fh.SequenceModel(
+        backbone=backbone,
+        head=head,
+        num_labels=3,
+        problem_type="single_label_classification",
+        params={"backbone": bp, "head": hp},
+        name_or_path="stub",
+    )
 
 
 _KILLER = textwrap.dedent("""
@@ -416,8 +450,16 @@ def test_killed_during_save_leaves_previous_checkpoint(tmp_path):
     """SIGKILL at two points of an async save of step 2 (both processes run side by side)."""
     script = tmp_path / "killer.py"
     script.write_text(_KILLER.format(tests=TESTS, here=HERE))
-    procs = {w: subprocess.Popen([sys.executable, str(script), str(tmp_path / w), w], stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True, cwd=REPO) for w in ("step", "item")}
+    procs = {
+        w: subprocess.Popen(
+            [sys.executable, str(script), str(tmp_path / w), w],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+        )
+        for w in ("step", "item")
+    }
     model = _stub_model()
     st = _state(model)
     for where, proc in procs.items():
@@ -444,6 +486,7 @@ def test_killed_during_save_leaves_previous_checkpoint(tmp_path):
 
 # ---- corrupt and incompatible checkpoints ------------------------------------------------------
 
+
 def _two_steps(run, model):
     st1, st2 = _state(model, 1), _state(model, 2)
     with fh.RunCheckpointer(run, model, save_backbone=False) as ckr:
@@ -455,8 +498,11 @@ def _two_steps(run, model):
 def _data_files(folder):
     out = []
     for d, _, files in os.walk(folder):
-        out += [os.path.join(d, f) for f in files if os.sep + "d" + os.sep in os.path.join(d, f) + os.sep
-                and os.path.basename(d) == "d"]
+        out += [
+            os.path.join(d, f)
+            for f in files
+            if os.sep + "d" + os.sep in os.path.join(d, f) + os.sep and os.path.basename(d) == "d"
+        ]
     return sorted(out, key=os.path.getsize)
 
 
@@ -497,8 +543,9 @@ def test_corrupt_checkpoint_is_reported_and_previous_step_loads(tmp_path, bert, 
 
 def test_incompatible_head_config_is_reported(tmp_path, bert):
     _two_steps(tmp_path, bert)
-    other = _with_head(bert, SequenceHead(DensePooler(activation="tanh"),
-                                          MLPHead(3, activation="tanh", input_dropout=0.1)))
+    other = _with_head(
+        bert, SequenceHead(DensePooler(activation="tanh"), MLPHead(3, activation="tanh", input_dropout=0.1))
+    )
     with pytest.raises(ck.IncompatibleCheckpointError, match=r"head\.type: checkpoint 'linear' vs target 'mlp'"):
         fh.RunCheckpointer(tmp_path, other, save_backbone=False).restore(target_state=_state(other))
     # other labels count: same kinds, other shapes
@@ -538,6 +585,7 @@ def test_missing_checkpoints_are_clear(tmp_path, bert):
 
 # ---- sharded / multi-device -------------------------------------------------------------------
 
+
 def test_restore_onto_mesh_and_onto_one_device(tmp_path, bert):
     assert jax.device_count() >= 2, "conftest forces 4 CPU devices"
     mesh = Mesh(np.array(jax.devices()), ("data",))
@@ -548,8 +596,10 @@ def test_restore_onto_mesh_and_onto_one_device(tmp_path, bert):
         ckr.save(1, on_mesh)  # saved from the mesh
     ckr = fh.RunCheckpointer(tmp_path, bert)
     # onto the training run's mesh sharding, given explicitly or taken from the target's leaves
-    for got in (ckr.restore(target_state=st, sharding=replicated),
-                ckr.restore(target_state=jax.device_put(_state(bert, 4), replicated))):
+    for got in (
+        ckr.restore(target_state=st, sharding=replicated),
+        ckr.restore(target_state=jax.device_put(_state(bert, 4), replicated)),
+    ):
         for x in jax.tree.leaves(got):
             assert x.sharding == replicated
         _assert_tree_equal(got.params, st.params)
@@ -564,13 +614,17 @@ def test_restore_onto_mesh_and_onto_one_device(tmp_path, bert):
     assert all(x.sharding.device_set == {jax.devices()[0]} for x in jax.tree.leaves(fh.load_head(tmp_path).params))
     # a head sharded over the mesh's data axis (a model-parallel kernel) restores onto one device
     kernel_sharded = jax.tree.map(
-        lambda x: jax.device_put(x, NamedSharding(mesh, P(None, "data")) if x.ndim == 2 and x.shape[1] % 4 == 0
-                                 else replicated), st.params["head"])
+        lambda x: jax.device_put(
+            x, NamedSharding(mesh, P(None, "data")) if x.ndim == 2 and x.shape[1] % 4 == 0 else replicated
+        ),
+        st.params["head"],
+    )
     fh.save_head(tmp_path / "sharded", bert, kernel_sharded)
     _assert_tree_equal(fh.load_head(tmp_path / "sharded").params, st.params["head"])
 
 
 # ---- the listing / meta command -----------------------------------------------------------------
+
 
 def test_checkpoints_command_lists_and_prints_meta(tmp_path, bert, capsys):
     from flaxheads.cli.main import main

@@ -1,5 +1,6 @@
 """What a folder is: one function answers (flaxheads.checkpoint.kinds.folder_kind), and every reader
 (fh.load, flaxheads export, flaxheads.interop.import_model, flaxheads checkpoints) asks it."""
+
 from __future__ import annotations
 
 import ast
@@ -18,22 +19,25 @@ def _folder(tmp_path, *files: str, dirs: tuple[str, ...] = ()):
     return tmp_path
 
 
-@pytest.mark.parametrize("files, dirs, kind", [
-    (("config.json", "model.safetensors"), (), FolderKind.TRANSFORMERS),
-    (("config.json", "pytorch_model.bin"), (), FolderKind.TRANSFORMERS),
-    (("modules.json", "config.json", "model.safetensors"), ("1_Pooling",), FolderKind.SENTENCE_TRANSFORMERS),
-    (("adapter_config.json", "adapter_model.safetensors"), (), FolderKind.PEFT_ADAPTER),
-    (("head_config.json", "head.safetensors"), (), FolderKind.HEAD_EXPORT),
-    (("model.onnx", "config.json", "tokenizer.json"), (), FolderKind.ONNX),
-    # weights beside model.onnx: a transformers folder that also has an ONNX file
-    (("model.onnx", "config.json", "model.safetensors"), (), FolderKind.TRANSFORMERS),
-    # a run folder: its config.json is the run's, not a model's
-    (("config.json", "metrics.jsonl"), ("checkpoints/3/meta",), FolderKind.RUN),
-    (("config.json", "metrics.jsonl"), (), FolderKind.RUN),  # a run that saved no checkpoint
-    ((), ("3/meta", "5/meta"), FolderKind.RUN),  # a checkpoint root
-    (("tokenizer.json",), (), None),
-    ((), (), None),
-])
+@pytest.mark.parametrize(
+    "files, dirs, kind",
+    [
+        (("config.json", "model.safetensors"), (), FolderKind.TRANSFORMERS),
+        (("config.json", "pytorch_model.bin"), (), FolderKind.TRANSFORMERS),
+        (("modules.json", "config.json", "model.safetensors"), ("1_Pooling",), FolderKind.SENTENCE_TRANSFORMERS),
+        (("adapter_config.json", "adapter_model.safetensors"), (), FolderKind.PEFT_ADAPTER),
+        (("head_config.json", "head.safetensors"), (), FolderKind.HEAD_EXPORT),
+        (("model.onnx", "config.json", "tokenizer.json"), (), FolderKind.ONNX),
+        # weights beside model.onnx: a transformers folder that also has an ONNX file
+        (("model.onnx", "config.json", "model.safetensors"), (), FolderKind.TRANSFORMERS),
+        # a run folder: its config.json is the run's, not a model's
+        (("config.json", "metrics.jsonl"), ("checkpoints/3/meta",), FolderKind.RUN),
+        (("config.json", "metrics.jsonl"), (), FolderKind.RUN),  # a run that saved no checkpoint
+        ((), ("3/meta", "5/meta"), FolderKind.RUN),  # a checkpoint root
+        (("tokenizer.json",), (), None),
+        ((), (), None),
+    ],
+)
 def test_folder_kind(tmp_path, files, dirs, kind):
     assert folder_kind(_folder(tmp_path, *files, dirs=dirs)) is kind
 
@@ -59,9 +63,14 @@ def test_a_kind_is_its_short_name_and_says_what_it_is():
 def _code_names(module) -> set[str]:
     """The names and string constants a module's code uses (docstrings left out)."""
     tree = ast.parse(inspect.getsource(module))
-    docs = {id(n.body[0].value) for n in ast.walk(tree)
-            if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef)) and n.body
-            and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    docs = {
+        id(n.body[0].value)
+        for n in ast.walk(tree)
+        if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef))
+        and n.body
+        and isinstance(n.body[0], ast.Expr)
+        and isinstance(n.body[0].value, ast.Constant)
+    }
     out = set()
     for n in ast.walk(tree):
         if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs:
@@ -83,8 +92,18 @@ def test_the_readers_ask_it():
     import flaxheads.interop as interop
     import flaxheads.interop.transformers as transformers
 
-    own = ("adapter_config.json", "head_config.json", "modules.json", "model.onnx", "metrics.jsonl", "HEAD_CONFIG",
-           "ADAPTER_CONFIG", "ONNX_FILE", "is_checkpoint_folder", "is_adapter_folder")
+    own = (
+        "adapter_config.json",
+        "head_config.json",
+        "modules.json",
+        "model.onnx",
+        "metrics.jsonl",
+        "HEAD_CONFIG",
+        "ADAPTER_CONFIG",
+        "ONNX_FILE",
+        "is_checkpoint_folder",
+        "is_adapter_folder",
+    )
     for module in (formats, sources, interop, transformers, listing):
         names = _code_names(module)
         assert "folder_kind" in names, module.__name__

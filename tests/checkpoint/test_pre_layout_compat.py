@@ -1,5 +1,6 @@
 """Files written by flaxheads before its package was laid out by concept still load, and give the
 logits that code computed (tests/fixtures/pre_layout: see its README.txt and make_pre_layout.py)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,8 +14,15 @@ import optax
 import pytest
 
 import flaxheads as fh
-from flaxheads.checkpoint import (RunCheckpointer, attach_head, list_checkpoints, load_backbone_params, load_head,
-                                  read_meta, verify_checkpoint)
+from flaxheads.checkpoint import (
+    RunCheckpointer,
+    attach_head,
+    list_checkpoints,
+    load_backbone_params,
+    load_head,
+    read_meta,
+    verify_checkpoint,
+)
 from flaxheads.training.steps import create_state
 
 pytestmark = pytest.mark.legacy
@@ -102,8 +110,9 @@ def test_head_export_gives_old_logits(fix, batch):
 @pytest.mark.parametrize("which", ["head", "run"])
 def test_model_from_checkpoint_gives_old_logits(fix, batch, which):
     root, expected = fix
-    model = fh.checkpoint.model_from_checkpoint(os.path.join(root, expected[which]["path"]),
-                                     backbone=os.path.join(root, "backbone"))
+    model = fh.checkpoint.model_from_checkpoint(
+        os.path.join(root, expected[which]["path"]), backbone=os.path.join(root, "backbone")
+    )
     np.testing.assert_allclose(_logits(model, *batch), expected[which]["logits"], **TOL)
 
 

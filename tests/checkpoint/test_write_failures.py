@@ -1,6 +1,7 @@
 """A checkpoint save that the disk refuses (read-only, full) fails at once with one
 :class:`CheckpointWriteError` naming the step, the OS's reason and the step that is kept; the
 previous step stays the latest and restores."""
+
 from __future__ import annotations
 
 import errno
@@ -10,9 +11,9 @@ import time
 import jax
 import numpy as np
 import pytest
+from test_checkpoint import _state, _stub_model
 
 from flaxheads.checkpoint import CheckpointWriteError, RunCheckpointer
-from test_checkpoint import _state, _stub_model
 
 
 @pytest.mark.parametrize("code", [errno.EROFS, errno.ENOSPC])
@@ -36,8 +37,10 @@ def test_a_refused_step_folder_fails_that_save_at_once(tmp_path, monkeypatch, co
         ckr.wait_until_finished()
     assert time.monotonic() - t < 30  # no wait on Orbax's timeouts (5 minutes and more)
     root = os.path.join(tmp_path, "checkpoints")
-    assert str(e.value).startswith(f"could not write checkpoint {root}/2: {os.strerror(code)}; the latest complete "
-                                   f"checkpoint is step 1 ({root}/1), intact")
+    assert str(e.value).startswith(
+        f"could not write checkpoint {root}/2: {os.strerror(code)}; the latest complete "
+        f"checkpoint is step 1 ({root}/1), intact"
+    )
     monkeypatch.undo()
     ckr.close()
     again = RunCheckpointer(tmp_path, model)

@@ -1,5 +1,6 @@
 """Shared pieces of the command-line tests: a tiny random BERT folder, small data files, and
 running ``flaxheads`` in-process or as a separate process."""
+
 from __future__ import annotations
 
 import json
@@ -9,9 +10,9 @@ import subprocess
 import sys
 
 import numpy as np
+from train_helpers import WORDS
 
 from flaxheads.cli.main import main
-from train_helpers import WORDS
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TESTS = os.path.join(REPO, "tests")
@@ -48,8 +49,14 @@ def run_cli(capsys, *argv) -> tuple[int, str, str]:
 
 def run_process(*argv, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     """``python -m flaxheads ARGV`` as a separate process (what a user's shell runs)."""
-    return subprocess.run([sys.executable, "-m", "flaxheads", *map(str, argv)], capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "flaxheads", *map(str, argv)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def error_lines(err: str) -> list[str]:
@@ -80,16 +87,38 @@ def free_port() -> int:
 def two_processes(argv, out) -> list[str]:
     """``flaxheads ARGV --output-dir OUT`` as two processes of one JAX job over loopback, one CPU device
     each: their logs (both must exit 0)."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=1 "
-                        "--xla_cpu_collective_call_terminate_timeout_seconds=60"}
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=1 --xla_cpu_collective_call_terminate_timeout_seconds=60",
+    }
     port, procs = free_port(), []
     try:
         for pid in range(2):
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "flaxheads", *map(str, argv), "--output-dir", str(out), "--coordinator-address",
-                 f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(pid)],
-                cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "flaxheads",
+                        *map(str, argv),
+                        "--output-dir",
+                        str(out),
+                        "--coordinator-address",
+                        f"127.0.0.1:{port}",
+                        "--num-processes",
+                        "2",
+                        "--process-id",
+                        str(pid),
+                    ],
+                    cwd=REPO,
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )
+            )
         logs = [p.communicate(timeout=900)[0] for p in procs]
     finally:
         for p in procs:

@@ -1,4 +1,5 @@
 """Fixtures of the CLI tests (pytest finds them here: the test modules do not import them)."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,13 +1,14 @@
 """`flaxheads checkpoints`: a truncated array file passes the plain listing (which reads, and checks
 the checksums of, the JSON items only) and fails verification, which reads every array and hashes
 every file; a folder that is not a run is named in one line (exit 2), and `--verify` checks its files."""
+
 import json
 import os
 
 import pytest
+from cli_helpers import run_cli
 
 import flaxheads as fh
-from cli_helpers import run_cli
 
 pytestmark = pytest.mark.full
 

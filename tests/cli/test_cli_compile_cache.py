@@ -1,10 +1,11 @@
 """The persistent compilation cache: a second identical ``flaxheads train`` loads every program the
 first one compiled (JAX's own cache counters, as reported in ``summary.json``)."""
+
 import json
 
 import pytest
-
 from cli_helpers import run_process, train_args, write_csv
+
 from flaxheads.runtime.compile_cache import default_cache_dir
 from flaxheads.runtime.cpu import cpu_fingerprint
 
@@ -12,8 +13,10 @@ pytestmark = pytest.mark.full
 
 
 def _train(model, data, out, cache) -> dict:
-    proc = run_process(*train_args(model, data, out, "--max-steps", "2", "--batch-size", "4", "--checkpoint-every",
-                                   "0"), env={"FLAXHEADS_COMPILE_CACHE": str(cache)})
+    proc = run_process(
+        *train_args(model, data, out, "--max-steps", "2", "--batch-size", "4", "--checkpoint-every", "0"),
+        env={"FLAXHEADS_COMPILE_CACHE": str(cache)},
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads((out / "summary.json").read_text())
 

@@ -1,5 +1,6 @@
 """examples/demo.py: on a tiny BERT folder that has a trained classifier, the logits it prints are
 PyTorch's for the same folder and texts; on the packaged MiniLM it runs end to end (slow)."""
+
 import ast
 import os
 import subprocess
@@ -7,7 +8,6 @@ import sys
 
 import numpy as np
 import pytest
-
 from cli_helpers import REPO
 from train_helpers import tiny_bert_folder
 
@@ -24,7 +24,7 @@ def _demo(*argv, timeout: float = 600) -> subprocess.CompletedProcess:
 
 def _printed_logits(stdout: str) -> np.ndarray:
     rows = stdout.split("logits (", 1)[1].splitlines()[1:]
-    return np.asarray([ast.literal_eval(r[r.index("["):]) for r in rows if "[" in r])
+    return np.asarray([ast.literal_eval(r[r.index("[") :]) for r in rows if "[" in r])
 
 
 def test_demo_logits_equal_pytorch(tmp_path):

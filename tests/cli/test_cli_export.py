@@ -1,6 +1,7 @@
 """``flaxheads export``: from a model folder, a head checkpoint (frozen backbone) and a run
 folder whose checkpoints saved a trained backbone, to each format; errors exit 2 with one line
 and write nothing."""
+
 import numpy as np
 import pytest
 
@@ -8,12 +9,12 @@ torch = pytest.importorskip("torch")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from cli_helpers import SMALL, assert_one_line_error, run_cli, write_csv  # noqa: E402
+from hf_tiny import padded_batch, tiny_torch_model  # noqa: E402
 from transformers import AutoModelForSequenceClassification  # noqa: E402
 
 import flaxheads as fh  # noqa: E402
 from flaxheads.cli.main import build_parser, main  # noqa: E402
-from cli_helpers import SMALL, assert_one_line_error, run_cli, write_csv  # noqa: E402
-from hf_tiny import padded_batch, tiny_torch_model  # noqa: E402
 
 pytestmark = pytest.mark.full
 
@@ -46,8 +47,12 @@ def test_export_from_model_folder(src, tmp_path, capsys):
     assert "wrote transformers export" in capsys.readouterr().out
     model = fh.interop.load_transformers(src)
     ids, mask = padded_batch("electra", model.backbone.config)
-    np.testing.assert_allclose(_pt_logits(tmp_path / "pt", ids, mask),
-                               np.asarray(model(jnp.asarray(ids), jnp.asarray(mask))), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(
+        _pt_logits(tmp_path / "pt", ids, mask),
+        np.asarray(model(jnp.asarray(ids), jnp.asarray(mask))),
+        atol=1e-4,
+        rtol=0,
+    )
 
 
 def test_export_from_head_checkpoint(src, tmp_path):
@@ -58,8 +63,10 @@ def test_export_from_head_checkpoint(src, tmp_path):
     ids, mask = padded_batch("electra", model.backbone.config)
     want = np.asarray(model.apply(params, jnp.asarray(ids), jnp.asarray(mask)))
 
-    assert main(["export", "--from", str(tmp_path / "ckpt"), "--format", "transformers",
-                 "--out", str(tmp_path / "pt")]) == 0
+    assert (
+        main(["export", "--from", str(tmp_path / "ckpt"), "--format", "transformers", "--out", str(tmp_path / "pt")])
+        == 0
+    )
     np.testing.assert_allclose(_pt_logits(tmp_path / "pt", ids, mask), want, atol=1e-4, rtol=0)
 
     assert main(["export", "--from", str(tmp_path / "ckpt"), "--format", "head", "--out", str(tmp_path / "h")]) == 0
@@ -68,7 +75,11 @@ def test_export_from_head_checkpoint(src, tmp_path):
     from safetensors.numpy import load_file
 
     assert sorted(load_file(tmp_path / "h" / "head.safetensors")) == [
-        "classifier.dense.bias", "classifier.dense.weight", "classifier.out_proj.bias", "classifier.out_proj.weight"]
+        "classifier.dense.bias",
+        "classifier.dense.weight",
+        "classifier.out_proj.bias",
+        "classifier.out_proj.weight",
+    ]
     for a, b in zip(jax.tree.leaves(params["head"]), jax.tree.leaves(hp)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -83,8 +94,10 @@ def test_export_from_run_folder_with_trained_backbone(src, tmp_path):
     want = np.asarray(model.apply(params, jnp.asarray(ids), jnp.asarray(mask)))
     before = np.asarray(model(jnp.asarray(ids), jnp.asarray(mask)))
     assert np.abs(want - before).max() > 1e-3  # the trained backbone matters
-    assert main(["export", "--from", str(tmp_path / "run"), "--format", "transformers",
-                 "--out", str(tmp_path / "pt")]) == 0
+    assert (
+        main(["export", "--from", str(tmp_path / "run"), "--format", "transformers", "--out", str(tmp_path / "pt")])
+        == 0
+    )
     np.testing.assert_allclose(_pt_logits(tmp_path / "pt", ids, mask), want, atol=1e-4, rtol=0)
 
 
@@ -118,11 +131,26 @@ def test_checkpoint_whose_backbone_folder_moved_needs_backbone_option(src, tmp_p
     code, _, err = run_cli(capsys, "export", "--from", tmp_path / "ckpt", "--format", "transformers", "--out", out)
     assert_one_line_error(code, err, "--backbone")
     assert not out.exists()
-    assert main(["export", "--from", str(tmp_path / "ckpt"), "--format", "transformers", "--out", str(out),
-                 "--backbone", str(src)]) == 0
+    assert (
+        main(
+            [
+                "export",
+                "--from",
+                str(tmp_path / "ckpt"),
+                "--format",
+                "transformers",
+                "--out",
+                str(out),
+                "--backbone",
+                str(src),
+            ]
+        )
+        == 0
+    )
     ids, mask = padded_batch("electra", model.backbone.config)
-    np.testing.assert_allclose(_pt_logits(out, ids, mask), np.asarray(model(jnp.asarray(ids), jnp.asarray(mask))),
-                               atol=1e-4, rtol=0)
+    np.testing.assert_allclose(
+        _pt_logits(out, ids, mask), np.asarray(model(jnp.asarray(ids), jnp.asarray(mask))), atol=1e-4, rtol=0
+    )
 
 
 def test_sentence_transformers_export_of_a_trained_run(bert_folder, tmp_path, capsys):
@@ -133,10 +161,43 @@ def test_sentence_transformers_export_of_a_trained_run(bert_folder, tmp_path, ca
 
     run = tmp_path / "run"
     data = write_csv(tmp_path / "d.csv", 30)
-    assert main(["train", "--model", bert_folder, "--data", data, "--output-dir", str(run), *SMALL,
-                 "--max-steps", "2", "--batch-size", "6", "--lr", "1e-2", "--pooler", "mean", "--head", "linear"]) == 0
-    code, out, _ = run_cli(capsys, "export", "--from", run, "--format", "sentence-transformers", "--out",
-                           tmp_path / "st", "--max-seq-length", "16")
+    assert (
+        main(
+            [
+                "train",
+                "--model",
+                bert_folder,
+                "--data",
+                data,
+                "--output-dir",
+                str(run),
+                *SMALL,
+                "--max-steps",
+                "2",
+                "--batch-size",
+                "6",
+                "--lr",
+                "1e-2",
+                "--pooler",
+                "mean",
+                "--head",
+                "linear",
+            ]
+        )
+        == 0
+    )
+    code, out, _ = run_cli(
+        capsys,
+        "export",
+        "--from",
+        run,
+        "--format",
+        "sentence-transformers",
+        "--out",
+        tmp_path / "st",
+        "--max-seq-length",
+        "16",
+    )
     assert code == 0 and "wrote sentence-transformers export" in out
     texts = ["stock market bank", "goal match team player", "vote"]
     st = SentenceTransformer(str(tmp_path / "st"), device="cpu")
@@ -144,13 +205,20 @@ def test_sentence_transformers_export_of_a_trained_run(bert_folder, tmp_path, ca
     got = st.encode(texts, convert_to_numpy=True)
     model = fh.checkpoint.model_from_checkpoint(run)
     enc = AutoTokenizer.from_pretrained(bert_folder)(texts, padding=True, return_tensors="np")
-    want = np.asarray(model(jnp.asarray(enc["input_ids"]), jnp.asarray(enc["attention_mask"]),
-                            token_type_ids=jnp.asarray(enc["token_type_ids"])))
+    want = np.asarray(
+        model(
+            jnp.asarray(enc["input_ids"]),
+            jnp.asarray(enc["attention_mask"]),
+            token_type_ids=jnp.asarray(enc["token_type_ids"]),
+        )
+    )
     assert got.shape == (3, 3)
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
-    untrained = np.asarray(fh.from_pretrained(bert_folder, pooler="mean", head="linear", num_labels=3,
-                                            ignore_mismatched_sizes=True)(
-        jnp.asarray(enc["input_ids"]), jnp.asarray(enc["attention_mask"])))
+    untrained = np.asarray(
+        fh.from_pretrained(bert_folder, pooler="mean", head="linear", num_labels=3, ignore_mismatched_sizes=True)(
+            jnp.asarray(enc["input_ids"]), jnp.asarray(enc["attention_mask"])
+        )
+    )
     assert np.abs(untrained - want).max() > 1e-3  # the export carries the trained run, not a fresh head
 
 
@@ -162,8 +230,27 @@ def test_default_run_exports_to_a_transformers_pipeline(bert_folder, tmp_path, c
 
     run = tmp_path / "run"
     data = write_csv(tmp_path / "d.csv", 30)
-    assert main(["train", "--model", bert_folder, "--data", data, "--output-dir", str(run), *SMALL,
-                 "--max-steps", "3", "--batch-size", "6", "--lr", "1e-2"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--model",
+                bert_folder,
+                "--data",
+                data,
+                "--output-dir",
+                str(run),
+                *SMALL,
+                "--max-steps",
+                "3",
+                "--batch-size",
+                "6",
+                "--lr",
+                "1e-2",
+            ]
+        )
+        == 0
+    )
     code, out, err = run_cli(capsys, "export", "--from", run, "--format", "transformers", "--out", tmp_path / "pt")
     assert code == 0, err
     texts = ["stock market bank", "goal match team player", "vote", "bank goal vote match"]
@@ -187,8 +274,29 @@ def test_onnx_export_of_a_run(bert_folder, tmp_path, capsys):
 
     run = tmp_path / "run"
     data = write_csv(tmp_path / "d.csv", 30)
-    assert main(["train", "--model", bert_folder, "--data", data, "--output-dir", str(run), *SMALL,
-                 "--max-steps", "2", "--batch-size", "6", "--pooler", "cls,max", "--head", "mlp"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--model",
+                bert_folder,
+                "--data",
+                data,
+                "--output-dir",
+                str(run),
+                *SMALL,
+                "--max-steps",
+                "2",
+                "--batch-size",
+                "6",
+                "--pooler",
+                "cls,max",
+                "--head",
+                "mlp",
+            ]
+        )
+        == 0
+    )
     code, out, err = run_cli(capsys, "export", "--from", run, "--format", "onnx", "--out", tmp_path / "onnx")
     assert code == 0 and "wrote onnx export" in out, err
     texts = ["stock market bank", "goal match team player player goal", "vote"]

@@ -1,6 +1,7 @@
 """``flaxheads train --lora-*`` and ``flaxheads export [--peft]``: a LoRA run saves adapters (not the
 base), resumes where it stopped with the same result, exports merged weights PyTorch transformers
 loads and a PEFT folder peft loads, both with the run's logits; bad flags are one-line errors."""
+
 import json
 
 import numpy as np
@@ -9,18 +10,36 @@ import pytest
 torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
 
+from cli_helpers import assert_one_line_error, run_cli, train_args, write_csv  # noqa: E402
+from hf_tiny import padded_batch  # noqa: E402
 from transformers import AutoModelForSequenceClassification  # noqa: E402
 
 import flaxheads as fh  # noqa: E402
-from cli_helpers import assert_one_line_error, run_cli, train_args, write_csv  # noqa: E402
 from flaxheads.cli.main import main  # noqa: E402
-from hf_tiny import padded_batch  # noqa: E402
 
 pytestmark = pytest.mark.full
 
 # the HF head (BERT's pooler + classifier), so the run exports to transformers and PEFT
-LORA = ["--pooler", "preset", "--head", "preset", "--lora-rank", "4", "--lora-alpha", "8", "--lora-targets",
-        "query,value", "--batch-size", "8", "--schedule", "constant", "--warmup-ratio", "0", "--lr", "5e-3"]
+LORA = [
+    "--pooler",
+    "preset",
+    "--head",
+    "preset",
+    "--lora-rank",
+    "4",
+    "--lora-alpha",
+    "8",
+    "--lora-targets",
+    "query,value",
+    "--batch-size",
+    "8",
+    "--schedule",
+    "constant",
+    "--warmup-ratio",
+    "0",
+    "--lr",
+    "5e-3",
+]
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +73,9 @@ def test_resumed_run_repeats_the_uninterrupted_one(bert_folder, data, run, tmp_p
     assert run_cli(capsys, *train_args(bert_folder, data, out, *LORA, "--max-steps", "2"))[0] == 0
     code, stdout, _ = run_cli(capsys, *train_args(bert_folder, data, out, *LORA, "--max-steps", "4"))
     assert code == 0 and "resuming from step 2" in stdout
-    np.testing.assert_array_equal(np.load(out / "predictions.npz")["test_logits"],
-                                  np.load(run / "predictions.npz")["test_logits"])
+    np.testing.assert_array_equal(
+        np.load(out / "predictions.npz")["test_logits"], np.load(run / "predictions.npz")["test_logits"]
+    )
 
 
 def test_export_merged_and_peft(bert_folder, run, tmp_path, capsys):  # noqa: F811
@@ -68,24 +88,33 @@ def test_export_merged_and_peft(bert_folder, run, tmp_path, capsys):  # noqa: F8
 
     code, _, err = run_cli(capsys, "export", "--from", run, "--format", "transformers", "--out", tmp_path / "pt")
     assert code == 0, err
-    np.testing.assert_allclose(_logits(AutoModelForSequenceClassification.from_pretrained(tmp_path / "pt"), ids,
-                                       mask), ours, atol=1e-5, rtol=1e-4)
+    np.testing.assert_allclose(
+        _logits(AutoModelForSequenceClassification.from_pretrained(tmp_path / "pt"), ids, mask),
+        ours,
+        atol=1e-5,
+        rtol=1e-4,
+    )
 
-    code, stdout, _ = run_cli(capsys, "export", "--from", run, "--format", "transformers", "--peft",
-                              "--out", tmp_path / "peft")
+    code, stdout, _ = run_cli(
+        capsys, "export", "--from", run, "--format", "transformers", "--peft", "--out", tmp_path / "peft"
+    )
     assert code == 0 and "PEFT adapter" in stdout
     base = AutoModelForSequenceClassification.from_pretrained(bert_folder, num_labels=3, ignore_mismatched_sizes=True)
-    np.testing.assert_allclose(_logits(peft.PeftModel.from_pretrained(base, tmp_path / "peft"), ids, mask), ours,
-                               atol=1e-5, rtol=1e-4)
+    np.testing.assert_allclose(
+        _logits(peft.PeftModel.from_pretrained(base, tmp_path / "peft"), ids, mask), ours, atol=1e-5, rtol=1e-4
+    )
 
 
-@pytest.mark.parametrize("flags,needles", [
-    (["--lora-rank", "0"], ["--lora-rank", "positive integer"]),
-    (["--lora-rank", "4", "--lora-targets", "q_proj,v_proj"], ["'q_proj' matches no kernel", "query", "value"]),
-    (["--lora-rank", "4", "--lora-dropout", "0.1"], ["dropout 0.1 is not supported"]),
-    (["--lora-alpha", "16"], ["--lora-alpha", "needs --lora-rank"]),
-    (["--lora-rank", "4", "--freeze-backbone"], ["--lora-rank", "--freeze-backbone"]),
-])
+@pytest.mark.parametrize(
+    "flags,needles",
+    [
+        (["--lora-rank", "0"], ["--lora-rank", "positive integer"]),
+        (["--lora-rank", "4", "--lora-targets", "q_proj,v_proj"], ["'q_proj' matches no kernel", "query", "value"]),
+        (["--lora-rank", "4", "--lora-dropout", "0.1"], ["dropout 0.1 is not supported"]),
+        (["--lora-alpha", "16"], ["--lora-alpha", "needs --lora-rank"]),
+        (["--lora-rank", "4", "--freeze-backbone"], ["--lora-rank", "--freeze-backbone"]),
+    ],
+)
 def test_bad_lora_flags_are_one_line_errors(bert_folder, data, tmp_path, capsys, flags, needles):  # noqa: F811
     code, _, err = run_cli(capsys, *train_args(bert_folder, data, tmp_path / "r", *flags))
     assert_one_line_error(code, err, *needles)
@@ -93,8 +122,9 @@ def test_bad_lora_flags_are_one_line_errors(bert_folder, data, tmp_path, capsys,
 
 
 def test_peft_export_needs_adapters(bert_folder, run, tmp_path, capsys):  # noqa: F811
-    code, _, err = run_cli(capsys, "export", "--from", bert_folder, "--format", "transformers", "--peft",
-                           "--out", tmp_path / "x")
+    code, _, err = run_cli(
+        capsys, "export", "--from", bert_folder, "--format", "transformers", "--peft", "--out", tmp_path / "x"
+    )
     assert_one_line_error(code, err, "--peft", "no LoRA adapters")
     code, _, err = run_cli(capsys, "export", "--from", run, "--format", "head", "--peft", "--out", tmp_path / "y")
     assert_one_line_error(code, err, "--peft", "--format transformers")
@@ -106,8 +136,9 @@ def peft_adapter(bert_folder, tmp_path_factory):  # noqa: F811
     ``(folder, PeftModel)``."""
     torch.manual_seed(0)
     base = AutoModelForSequenceClassification.from_pretrained(bert_folder, num_labels=3, ignore_mismatched_sizes=True)
-    pm = peft.get_peft_model(base, peft.LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8,
-                                                   target_modules=["query", "value"]))
+    pm = peft.get_peft_model(
+        base, peft.LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8, target_modules=["query", "value"])
+    )
     with torch.no_grad():
         for _, p in pm.named_parameters():
             if p.requires_grad:
@@ -160,19 +191,29 @@ def test_train_continues_a_peft_adapter(bert_folder, data, peft_adapter, tmp_pat
     folder, pm = peft_adapter
     start = fh.interop.load_peft(folder)
     out = tmp_path / "run"
-    code, _, err = run_cli(capsys, *train_args(bert_folder, data, out, "--lora-from", folder, "--max-steps", "3",
-                                               "--batch-size", "8", "--lr", "5e-3"))
+    code, _, err = run_cli(
+        capsys,
+        *train_args(
+            bert_folder, data, out, "--lora-from", folder, "--max-steps", "3", "--batch-size", "8", "--lr", "5e-3"
+        ),
+    )
     assert code == 0, err
     model = fh.checkpoint.model_from_checkpoint(out)
     assert model.lora == start.lora
     ids, mask = padded_batch("bert", model.backbone.config)
     assert np.abs(np.asarray(model(ids, mask)) - np.asarray(start(ids, mask))).max() > 1e-3  # it trained
-    code, _, err = run_cli(capsys, "export", "--from", out, "--format", "transformers", "--peft", "--out",
-                           tmp_path / "peft")
+    code, _, err = run_cli(
+        capsys, "export", "--from", out, "--format", "transformers", "--peft", "--out", tmp_path / "peft"
+    )
     assert code == 0, err
     base = AutoModelForSequenceClassification.from_pretrained(bert_folder, num_labels=3, ignore_mismatched_sizes=True)
-    np.testing.assert_allclose(_logits(peft.PeftModel.from_pretrained(base, tmp_path / "peft"), ids, mask),
-                               np.asarray(model(ids, mask)), atol=1e-5, rtol=0)
-    code, _, err = run_cli(capsys, *train_args(bert_folder, data, tmp_path / "r2", "--lora-from", folder,
-                                               "--lora-rank", "4"))
+    np.testing.assert_allclose(
+        _logits(peft.PeftModel.from_pretrained(base, tmp_path / "peft"), ids, mask),
+        np.asarray(model(ids, mask)),
+        atol=1e-5,
+        rtol=0,
+    )
+    code, _, err = run_cli(
+        capsys, *train_args(bert_folder, data, tmp_path / "r2", "--lora-from", folder, "--lora-rank", "4")
+    )
     assert_one_line_error(code, err, "--lora-rank", "--lora-from")

@@ -1,11 +1,12 @@
 """The `flaxheads` command itself: its subcommands, the console script, and the error policy
 (a user's mistake: one `error:` line and exit 2; a bug: its traceback)."""
+
 from importlib import metadata
 
 import pytest
+from cli_helpers import assert_one_line_error, run_cli, run_process
 
 import flaxheads.cli.checkpoints as checkpoints_cli
-from cli_helpers import assert_one_line_error, run_cli, run_process
 from flaxheads.cli.main import build_parser, main, one_line
 from flaxheads.errors import FlaxheadsError, UsageError
 
@@ -42,8 +43,10 @@ def test_usage_error_is_a_flaxheads_error():
 
 
 def test_a_multi_line_message_prints_as_one_line():
-    assert one_line(FlaxheadsError("incompatible head config:\n  head.type: 'linear' vs 'mlp'\n  num_labels: 3 vs 2")) \
+    assert (
+        one_line(FlaxheadsError("incompatible head config:\n  head.type: 'linear' vs 'mlp'\n  num_labels: 3 vs 2"))
         == "incompatible head config: head.type: 'linear' vs 'mlp'; num_labels: 3 vs 2"
+    )
 
 
 def test_user_error_in_a_subcommand_is_one_line(monkeypatch, capsys, tmp_path):

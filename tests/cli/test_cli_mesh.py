@@ -1,18 +1,34 @@
 """`flaxheads train --mesh`: a run on a data x fsdp x tensor mesh (the 4 CPU devices of the
 conftest) is the one-device run; it prints each device's memory at the start; a run
 checkpointed on one mesh resumes on another; bad mesh flags are one-line errors."""
+
 import json
 import shutil
 
 import numpy as np
 import pytest
-
 from cli_helpers import assert_one_line_error, run_cli, train_args, write_csv
 
 pytestmark = pytest.mark.full
 
-STEPS = ["--max-steps", "4", "--batch-size", "4", "--eval-batch-size", "4", "--log-every", "1", "--lr", "1e-3",
-         "--head-lr", "1e-2", "--checkpoint-every", "2", "--keep", "5"]
+STEPS = [
+    "--max-steps",
+    "4",
+    "--batch-size",
+    "4",
+    "--eval-batch-size",
+    "4",
+    "--log-every",
+    "1",
+    "--lr",
+    "1e-3",
+    "--head-lr",
+    "1e-2",
+    "--checkpoint-every",
+    "2",
+    "--keep",
+    "5",
+]
 
 
 @pytest.fixture(scope="module")
@@ -51,12 +67,15 @@ def test_mesh_run_is_the_single_device_run_and_resumes_on_another_mesh(bert_fold
     np.testing.assert_allclose(_logits(resumed), _logits(single), atol=1e-5)
 
 
-@pytest.mark.parametrize("flags, needle", [
-    (["--mesh", "data=2,model=2"], "unknown axis 'model'"),
-    (["--mesh", "fsdp=3"], "4 devices do not split into groups of 3"),
-    (["--mesh", "fsdp=2", "--parallel", "pmap"], "cannot be combined with --parallel pmap"),
-    (["--mesh", "fsdp=2", "--cache-features"], "--mesh"),
-])
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--mesh", "data=2,model=2"], "unknown axis 'model'"),
+        (["--mesh", "fsdp=3"], "4 devices do not split into groups of 3"),
+        (["--mesh", "fsdp=2", "--parallel", "pmap"], "cannot be combined with --parallel pmap"),
+        (["--mesh", "fsdp=2", "--cache-features"], "--mesh"),
+    ],
+)
 def test_bad_mesh_flags(bert_folder, data, tmp_path, capsys, flags, needle):
     code, _, err = run_cli(capsys, *train_args(bert_folder, data, tmp_path / "run", "--max-steps", "1", *flags))
     assert_one_line_error(code, err, needle)

@@ -2,6 +2,7 @@
 folder (metrics.jsonl, summary, predictions), checkpoints and resume, LoRA on pmap, the scores
 ``rank`` and ``Classifier.score`` give against the training run's own test scores, and bad
 ranking input as one line naming the row."""
+
 from __future__ import annotations
 
 import csv
@@ -10,7 +11,6 @@ import os
 
 import numpy as np
 import pytest
-
 from cli_helpers import SMALL, run_cli
 from train_helpers import WORDS
 
@@ -26,8 +26,9 @@ def _preference_rows(n: int, seed: int) -> list[dict]:
     for _ in range(n):
         a, b = rng.choice(len(TOPICS), 2, replace=False)
         words = lambda t, k: " ".join(rng.choice(TOPICS[t], k))  # noqa: E731
-        rows.append({"prompt": words(a, 3), "chosen": words(a, 5), "rejected": words(b, 5),
-                     "margin": float(rng.integers(0, 3))})  # TRL's per-pair margin column
+        rows.append(
+            {"prompt": words(a, 3), "chosen": words(a, 5), "rejected": words(b, 5), "margin": float(rng.integers(0, 3))}
+        )  # TRL's per-pair margin column
     return rows
 
 
@@ -42,8 +43,10 @@ def _write(path, rows) -> str:
 @pytest.fixture(scope="module")
 def preference_files(tmp_path_factory):
     d = tmp_path_factory.mktemp("pref")
-    return {name: _write(d / f"{name}.csv", _preference_rows(n, seed))
-            for name, n, seed in (("train", 24, 0), ("validation", 8, 1), ("test", 8, 2))}
+    return {
+        name: _write(d / f"{name}.csv", _preference_rows(n, seed))
+        for name, n, seed in (("train", 24, 0), ("validation", 8, 1), ("test", 8, 2))
+    }
 
 
 @pytest.fixture(scope="module")
@@ -51,10 +54,34 @@ def pairwise_run(bert_folder, preference_files, tmp_path_factory):
     from flaxheads.cli.main import main
 
     out = tmp_path_factory.mktemp("pairwise") / "run"
-    argv = ["train", "--objective", "pairwise", "--model", bert_folder, "--train-file", preference_files["train"],
-            "--validation-file", preference_files["validation"], "--test-file", preference_files["test"],
-            "--batch-size", "4", "--max-steps", "4", "--eval-every", "2", "--lr", "1e-3", "--pooler", "preset",
-            "--head", "preset", "--output-dir", str(out), *SMALL]
+    argv = [
+        "train",
+        "--objective",
+        "pairwise",
+        "--model",
+        bert_folder,
+        "--train-file",
+        preference_files["train"],
+        "--validation-file",
+        preference_files["validation"],
+        "--test-file",
+        preference_files["test"],
+        "--batch-size",
+        "4",
+        "--max-steps",
+        "4",
+        "--eval-every",
+        "2",
+        "--lr",
+        "1e-3",
+        "--pooler",
+        "preset",
+        "--head",
+        "preset",
+        "--output-dir",
+        str(out),
+        *SMALL,
+    ]
     assert main(argv) == 0
     return out, argv
 
@@ -69,8 +96,9 @@ def test_pairwise_run_folder_and_resume(pairwise_run, capsys):
     assert set(summary["metrics"]["test"]) >= {"pairwise_accuracy", "ndcg@10", "mrr@10", "map"}
     config = json.loads((out / "config.json").read_text())
     assert config["group_size"] == 2 and config["sizes"] == {"train": 24, "validation": 8, "test": 8}
-    code, stdout, _ = run_cli(capsys, *[a if a != "4" or argv[i - 1] != "--max-steps" else "6"
-                                        for i, a in enumerate(argv)])
+    code, stdout, _ = run_cli(
+        capsys, *[a if a != "4" or argv[i - 1] != "--max-steps" else "6" for i, a in enumerate(argv)]
+    )
     assert code == 0 and "resuming from step 4" in stdout
     assert json.loads((out / "summary.json").read_text())["resumed_from"] == 4
 
@@ -102,12 +130,22 @@ def test_rank_and_score_reproduce_the_runs_test_scores(pairwise_run, preference_
     for items in by_query.values():
         order = sorted(items, key=lambda x: -x[0])
         assert [k for _, k in order] == list(range(1, len(items) + 1))
-    code, _, err = run_cli(capsys, "rank", out, "--input", preference_files["test"], "--preference", "--output",
-                           tmp_path / "prefs.jsonl", "--no-progress")
+    code, _, err = run_cli(
+        capsys,
+        "rank",
+        out,
+        "--input",
+        preference_files["test"],
+        "--preference",
+        "--output",
+        tmp_path / "prefs.jsonl",
+        "--no-progress",
+    )
     assert code == 0, err
     prefs_out = [json.loads(x) for x in (tmp_path / "prefs.jsonl").read_text().splitlines()]
-    np.testing.assert_allclose([[r["chosen_score"], r["rejected_score"]] for r in prefs_out],
-                               saved["test_scores"].reshape(-1, 2), atol=1e-5)
+    np.testing.assert_allclose(
+        [[r["chosen_score"], r["rejected_score"]] for r in prefs_out], saved["test_scores"].reshape(-1, 2), atol=1e-5
+    )
     assert [r["prefers_chosen"] for r in prefs_out] == [r["chosen_score"] > r["rejected_score"] for r in prefs_out]
     top = clf.rank(pairs[0][0], [pairs[0][1], pairs[1][1]])
     assert [t["index"] for t in top] == ([0, 1] if scores[0] >= scores[1] else [1, 0])
@@ -121,8 +159,9 @@ def test_cross_encoder_export_of_the_run_predicts_its_test_scores(pairwise_run, 
     out, _ = pairwise_run
     with open(preference_files["test"]) as f:
         pairs = [(r["prompt"], r[k]) for r in csv.DictReader(f) for k in ("chosen", "rejected")]
-    code, _, err = run_cli(capsys, "export", "--from", out, "--format", "cross-encoder", "--out", tmp_path / "ce",
-                           "--max-seq-length", "16")
+    code, _, err = run_cli(
+        capsys, "export", "--from", out, "--format", "cross-encoder", "--out", tmp_path / "ce", "--max-seq-length", "16"
+    )
     assert code == 0, err
     got = CrossEncoder(str(tmp_path / "ce"), device="cpu").predict(pairs, convert_to_numpy=True)
     np.testing.assert_allclose(np.asarray(got).reshape(-1), np.load(out / "predictions.npz")["test_scores"], atol=1e-5)
@@ -137,41 +176,97 @@ def test_listwise_with_lora_on_pmap_and_ragged_groups(bert_folder, tmp_path):
     for q in range(16):
         t, query = q % len(TOPICS), f"{' '.join(rng.choice(TOPICS[q % len(TOPICS)], 2))} w{q}"  # distinct queries
         rows.append({"query": query, "passage": " ".join(rng.choice(TOPICS[t], 4)), "label": 1})
-        rows += [{"query": query, "passage": " ".join(rng.choice(TOPICS[(t + 1) % len(TOPICS)], 4)), "label": 0}
-                 for _ in range(int(rng.integers(1, 4)))]
+        rows += [
+            {"query": query, "passage": " ".join(rng.choice(TOPICS[(t + 1) % len(TOPICS)], 4)), "label": 0}
+            for _ in range(int(rng.integers(1, 4)))
+        ]
     data = _write(tmp_path / "rank.csv", rows)
     out = tmp_path / "run"
-    assert main(["train", "--objective", "listwise", "--model", bert_folder, "--data", data, "--split", "0.75,0.25,0",
-                 "--batch-size", "4", "--max-steps", "3", "--parallel", "pmap", "--lora-rank", "2",
-                 "--output-dir", str(out), *SMALL]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--objective",
+                "listwise",
+                "--model",
+                bert_folder,
+                "--data",
+                data,
+                "--split",
+                "0.75,0.25,0",
+                "--batch-size",
+                "4",
+                "--max-steps",
+                "3",
+                "--parallel",
+                "pmap",
+                "--lora-rank",
+                "2",
+                "--output-dir",
+                str(out),
+                *SMALL,
+            ]
+        )
+        == 0
+    )
     config = json.loads((out / "config.json").read_text())
     assert config["devices"]["width"] >= 2 and config["lora"]["rank"] == 2 and config["group_size"] == 4
     assert json.loads((out / "summary.json").read_text())["metrics"]["validation"]["groups"] == 4
 
 
-@pytest.mark.parametrize("rows,needle", [
-    ([{"query": "a", "passage": "x", "label": 0}, {"query": "a", "passage": "y", "label": 0},
-      {"query": "b", "passage": "z", "label": 1}, {"query": "b", "passage": "w", "label": 0}],
-     "rows 1, 2: the group of query 'a' has no relevant candidate"),
-    ([{"query": "a", "passage": "x", "label": 1}, {"query": "a", "passage": " ", "label": 0}],
-     "row 2, column 'passage': text is empty"),
-    ([{"query": "a", "text": "x", "label": 1}], "no column 'passage'"),
-    ([{"prompt": "a", "chosen": "x", "rejected": ""}], "row 1, column 'rejected': text is empty"),
-    ([{"query": "a", "passage": "x", "label": "yes"}, {"query": "a", "passage": "y", "label": 0}],
-     "row 1, column 'label': relevance 'yes' is not a finite number"),
-    ([{"prompt": p, "chosen": "x", "rejected": "y", "margin": 1} for p in "ab"],
-     "has a margin column, which the pairwise and hinge objectives use, not --objective listwise"),
-    ([{"prompt": "a", "chosen": "x", "rejected": "y", "margin": "big"}],
-     "row 1, column 'margin': 'big' is not a finite"),
-    ([{"query": "a", "passages": ["x", "y"], "labels": [3, 0]}],
-     "row 1: relevance 3 is above 1; --objective pointwise"),
-])
+@pytest.mark.parametrize(
+    "rows,needle",
+    [
+        (
+            [
+                {"query": "a", "passage": "x", "label": 0},
+                {"query": "a", "passage": "y", "label": 0},
+                {"query": "b", "passage": "z", "label": 1},
+                {"query": "b", "passage": "w", "label": 0},
+            ],
+            "rows 1, 2: the group of query 'a' has no relevant candidate",
+        ),
+        (
+            [{"query": "a", "passage": "x", "label": 1}, {"query": "a", "passage": " ", "label": 0}],
+            "row 2, column 'passage': text is empty",
+        ),
+        ([{"query": "a", "text": "x", "label": 1}], "no column 'passage'"),
+        ([{"prompt": "a", "chosen": "x", "rejected": ""}], "row 1, column 'rejected': text is empty"),
+        (
+            [{"query": "a", "passage": "x", "label": "yes"}, {"query": "a", "passage": "y", "label": 0}],
+            "row 1, column 'label': relevance 'yes' is not a finite number",
+        ),
+        (
+            [{"prompt": p, "chosen": "x", "rejected": "y", "margin": 1} for p in "ab"],
+            "has a margin column, which the pairwise and hinge objectives use, not --objective listwise",
+        ),
+        (
+            [{"prompt": "a", "chosen": "x", "rejected": "y", "margin": "big"}],
+            "row 1, column 'margin': 'big' is not a finite",
+        ),
+        (
+            [{"query": "a", "passages": ["x", "y"], "labels": [3, 0]}],
+            "row 1: relevance 3 is above 1; --objective pointwise",
+        ),
+    ],
+)
 def test_bad_ranking_input_is_one_line_naming_the_row(rows, needle, bert_folder, tmp_path, capsys):
     data = tmp_path / "bad.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     objective = "pointwise" if "pointwise" in needle else "listwise"
-    code, _, err = run_cli(capsys, "train", "--objective", objective, "--model", bert_folder, "--train-file", data,
-                           "--output-dir", tmp_path / "run", *SMALL)
+    code, _, err = run_cli(
+        capsys,
+        "train",
+        "--objective",
+        objective,
+        "--model",
+        bert_folder,
+        "--train-file",
+        data,
+        "--output-dir",
+        tmp_path / "run",
+        *SMALL,
+    )
     assert code == 2 and err.count("\n") == 1 and err.startswith("error: ") and needle in err, err
     assert not os.path.exists(tmp_path / "run")
 
@@ -204,7 +299,18 @@ def test_a_ranking_run_checks_its_run_folder_before_loading(preference_files, tm
     monkeypatch.setattr(program, "from_pretrained", never)
     plain = tmp_path / "plain"
     plain.write_text("keep me")
-    code, _, err = run_cli(capsys, "train", "--objective", "pairwise", "--model", tmp_path,
-                           "--train-file", preference_files["train"], "--output-dir", plain / "run", *SMALL)
+    code, _, err = run_cli(
+        capsys,
+        "train",
+        "--objective",
+        "pairwise",
+        "--model",
+        tmp_path,
+        "--train-file",
+        preference_files["train"],
+        "--output-dir",
+        plain / "run",
+        *SMALL,
+    )
     assert code == 2 and err.count("\n") == 1 and "which is a file, not a folder" in err, err
     assert plain.read_text() == "keep me"

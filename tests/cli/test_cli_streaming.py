@@ -1,14 +1,15 @@
 """`flaxheads train` on streamed tables (--stream, or a large file / glob): a run from shards, its
 one-line refusals and `evaluate --split`; two processes, each reading only its rows of every batch,
 train the single process's run, and resume their own run mid-epoch bitwise."""
+
 import json
 import os
 import shutil
 
 import numpy as np
 import pytest
-
 from cli_helpers import SMALL, assert_one_line_error, run_cli, two_processes, write_csv
+
 from flaxheads.cli.main import main
 
 pytestmark = pytest.mark.full
@@ -26,9 +27,27 @@ def _shards(tmp_path, n=3, rows=30):
 def test_streamed_run_from_shards(bert_folder, tmp_path, capsys):
     glob = _shards(tmp_path)
     out = tmp_path / "run"
-    code, stdout, err = run_cli(capsys, "train", "--model", bert_folder, "--data", glob, "--split", "0.6,0.2,0.2",
-                                *SMALL, "--max-steps", "4", "--batch-size", "4", "--eval-limit", "5",
-                                "--output-dir", out, "--log-every", "1")
+    code, stdout, err = run_cli(
+        capsys,
+        "train",
+        "--model",
+        bert_folder,
+        "--data",
+        glob,
+        "--split",
+        "0.6,0.2,0.2",
+        *SMALL,
+        "--max-steps",
+        "4",
+        "--batch-size",
+        "4",
+        "--eval-limit",
+        "5",
+        "--output-dir",
+        out,
+        "--log-every",
+        "1",
+    )
     assert code == 0, err
     assert "read from disk as it trains (streamed), evaluating on a sample of 5 validation examples" in stdout
     cfg = json.loads((out / "config.json").read_text())
@@ -57,9 +76,28 @@ def test_streamed_run_from_shards(bert_folder, tmp_path, capsys):
     # drift from the unpacked one's by up to 2% here, in memory too: the batches are equal, see
     # test_streaming.py, and so are the gradients at the start)
     packed = tmp_path / "packed"
-    code, stdout, err = run_cli(capsys, "train", "--model", bert_folder, "--data", glob, "--split", "0.6,0.2,0.2",
-                                *SMALL, "--max-steps", "4", "--batch-size", "4", "--eval-limit", "5",
-                                "--output-dir", packed, "--pack", "--log-every", "1")
+    code, stdout, err = run_cli(
+        capsys,
+        "train",
+        "--model",
+        bert_folder,
+        "--data",
+        glob,
+        "--split",
+        "0.6,0.2,0.2",
+        *SMALL,
+        "--max-steps",
+        "4",
+        "--batch-size",
+        "4",
+        "--eval-limit",
+        "5",
+        "--output-dir",
+        packed,
+        "--pack",
+        "--log-every",
+        "1",
+    )
     assert code == 0, err
     assert "short texts packed (--no-pack to turn off)" in stdout
     plain, got = _losses(out), _losses(packed)
@@ -67,10 +105,24 @@ def test_streamed_run_from_shards(bert_folder, tmp_path, capsys):
     assert got[1] == pytest.approx(plain[1], rel=1e-6)
     np.testing.assert_allclose([got[s] for s in plain], list(plain.values()), rtol=5e-2)
 
-    for extra, needle in ((["--limit", "10"], "--limit samples a table held in memory"),
-                          (["--cache-features"], "streamed data cannot")):
-        code, _, err = run_cli(capsys, "train", "--model", bert_folder, "--data", glob, *SMALL, "--max-steps", "1",
-                               "--output-dir", tmp_path / "x", *extra)
+    for extra, needle in (
+        (["--limit", "10"], "--limit samples a table held in memory"),
+        (["--cache-features"], "streamed data cannot"),
+    ):
+        code, _, err = run_cli(
+            capsys,
+            "train",
+            "--model",
+            bert_folder,
+            "--data",
+            glob,
+            *SMALL,
+            "--max-steps",
+            "1",
+            "--output-dir",
+            tmp_path / "x",
+            *extra,
+        )
         assert_one_line_error(code, err, needle)
 
 
@@ -98,9 +150,35 @@ def _restore(step_dir):
 @pytest.mark.serial
 def test_two_processes_train_the_single_process_batches_and_resume_mid_epoch(bert_folder, tmp_path):
     data = write_csv(tmp_path / "d.csv", 40, seed=4)
-    run = ["train", "--model", bert_folder, "--data", data, "--stream", "--split", "0.6,0.2,0.2", *SMALL,
-           "--max-steps", "9", "--batch-size", "4", "--eval-batch-size", "4", "--log-every", "1",
-           "--checkpoint-every", "2", "--keep", "10", "--keep-best-by", "none", "--lr", "1e-3", "--head-lr", "1e-2"]
+    run = [
+        "train",
+        "--model",
+        bert_folder,
+        "--data",
+        data,
+        "--stream",
+        "--split",
+        "0.6,0.2,0.2",
+        *SMALL,
+        "--max-steps",
+        "9",
+        "--batch-size",
+        "4",
+        "--eval-batch-size",
+        "4",
+        "--log-every",
+        "1",
+        "--checkpoint-every",
+        "2",
+        "--keep",
+        "10",
+        "--keep-best-by",
+        "none",
+        "--lr",
+        "1e-3",
+        "--head-lr",
+        "1e-2",
+    ]
     single, multi, cut = tmp_path / "single", tmp_path / "multi", tmp_path / "cut"
     assert main([*run, "--output-dir", str(single)]) == 0
     logs = two_processes(run, multi)
@@ -111,8 +189,9 @@ def test_two_processes_train_the_single_process_batches_and_resume_mid_epoch(ber
     a, b = _losses(single), _losses(multi)
     assert sorted(b) == list(range(1, 10))
     np.testing.assert_allclose([b[s] for s in range(1, 10)], [a[s] for s in range(1, 10)], rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(np.load(multi / "predictions.npz")["test_logits"],
-                               np.load(single / "predictions.npz")["test_logits"], atol=1e-5)
+    np.testing.assert_allclose(
+        np.load(multi / "predictions.npz")["test_logits"], np.load(single / "predictions.npz")["test_logits"], atol=1e-5
+    )
     # the two-process run stopped after its step-4 checkpoint (mid-epoch) and run again: the same run, bitwise
     shutil.copytree(multi, cut)
     for d in os.listdir(cut / "checkpoints"):

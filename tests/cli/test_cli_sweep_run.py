@@ -1,6 +1,7 @@
 """`train --cache-features --sweep K` stops at --max-steps and writes the run folder every run writes
 (config.json, metrics.jsonl, the marker), so `evaluate RUN --split test` scores its saved head on
 the run's own test split; stopping at exactly one epoch's steps gives the heads one epoch gives."""
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,22 @@ def test_sweep_run_honours_max_steps_and_evaluates(tmp_path, capsys):
     model = tiny_bert_folder(tmp_path / "bert")
     data = _data_csv(tmp_path / "data.csv")
     run = tmp_path / "run"
-    common = ["--model", model, "--data", data, "--split", "0.6,0.2,0.2", "--cache-features", "--sweep", "2",
-              "--batch-size", "4", "--max-length", "16", "--no-progress"]
+    common = [
+        "--model",
+        model,
+        "--data",
+        data,
+        "--split",
+        "0.6,0.2,0.2",
+        "--cache-features",
+        "--sweep",
+        "2",
+        "--batch-size",
+        "4",
+        "--max-length",
+        "16",
+        "--no-progress",
+    ]
     assert main(["train", *common, "--max-steps", "4", "--output-dir", str(run)]) == 0
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 4 and (run / "checkpoints" / "4").is_dir()  # 6 batches an epoch: stopped inside it
@@ -38,10 +53,11 @@ def test_sweep_run_honours_max_steps_and_evaluates(tmp_path, capsys):
 
 
 def test_sweep_max_steps_of_one_epoch_is_that_epoch(tmp_path):
+    from train_helpers import random_split, tiny_bert_folder
+
     from flaxheads import from_pretrained
     from flaxheads.training.features import cache_features
     from flaxheads.training.sweep import steps_per_epoch, sweep, sweep_variants
-    from train_helpers import random_split, tiny_bert_folder
 
     model = from_pretrained(tiny_bert_folder(tmp_path / "bert"), num_labels=3)
     cache = cache_features(model, model.params["backbone"], random_split(20), batch_size=8, buckets=(16, 32))

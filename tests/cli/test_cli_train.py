@@ -1,16 +1,16 @@
 """`flaxheads train` end to end on a tiny random BERT folder and small files: the run folder, and
 every flag whose effect is checked against a run without it (or against scikit-learn / scipy)."""
+
 import json
 
 import numpy as np
 import pytest
+from cli_helpers import CLASSES, SMALL, assert_one_line_error, run_cli, run_process, train_args, write_csv, write_jsonl
+from train_helpers import WORDS
 
-from cli_helpers import (CLASSES, SMALL, assert_one_line_error, run_cli, run_process,
-                         train_args, write_csv, write_jsonl)
 from flaxheads.cli.main import main
 from flaxheads.runtime import ComputePlan
 from flaxheads.runtime.precision import choose_precision
-from train_helpers import WORDS
 
 pytestmark = pytest.mark.full
 
@@ -44,14 +44,39 @@ def _config(run) -> dict:
 def files(tmp_path_factory):
     """Train / validation / test CSV files (24 / 6 / 6 rows, three classes)."""
     d = tmp_path_factory.mktemp("files")
-    return {"train": write_csv(d / "train.csv", 24, seed=1), "validation": write_csv(d / "val.csv", 6, seed=2),
-            "test": write_csv(d / "test.csv", 6, seed=3)}
+    return {
+        "train": write_csv(d / "train.csv", 24, seed=1),
+        "validation": write_csv(d / "val.csv", 6, seed=2),
+        "test": write_csv(d / "test.csv", 6, seed=3),
+    }
 
 
 def _file_args(files, out, *extra):
-    return ["train", "--train-file", files["train"], "--validation-file", files["validation"], "--test-file",
-            files["test"], "--output-dir", out, *SMALL, "--max-steps", "4", "--batch-size", "4", "--log-every", "1",
-            "--checkpoint-every", "0", "--lr", "1e-3", "--head-lr", "1e-2", *extra]
+    return [
+        "train",
+        "--train-file",
+        files["train"],
+        "--validation-file",
+        files["validation"],
+        "--test-file",
+        files["test"],
+        "--output-dir",
+        out,
+        *SMALL,
+        "--max-steps",
+        "4",
+        "--batch-size",
+        "4",
+        "--log-every",
+        "1",
+        "--checkpoint-every",
+        "0",
+        "--lr",
+        "1e-3",
+        "--head-lr",
+        "1e-2",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -65,12 +90,38 @@ def baseline(bert_folder, files, tmp_path_factory):
 def test_end_to_end_run_folder(bert_folder, tmp_path, capsys):
     data = write_csv(tmp_path / "d.csv", 45)
     out = tmp_path / "run"
-    code, printed, _ = run_cli(capsys, *train_args(bert_folder, data, out, "--bucket-step", "8", "--epochs", "2",
-                                                   "--batch-size", "12", "--lr", "5e-3", "--head-lr", "1e-2",
-                                                   "--log-every", "2", "--checkpoint-every", "0"))
+    code, printed, _ = run_cli(
+        capsys,
+        *train_args(
+            bert_folder,
+            data,
+            out,
+            "--bucket-step",
+            "8",
+            "--epochs",
+            "2",
+            "--batch-size",
+            "12",
+            "--lr",
+            "5e-3",
+            "--head-lr",
+            "1e-2",
+            "--log-every",
+            "2",
+            "--checkpoint-every",
+            "0",
+        ),
+    )
     assert code == 0
-    for name in ("config.json", "metrics.jsonl", "curve.png", "confusion_matrix.png", "eval.txt", "summary.json",
-                 "predictions.npz"):
+    for name in (
+        "config.json",
+        "metrics.jsonl",
+        "curve.png",
+        "confusion_matrix.png",
+        "eval.txt",
+        "summary.json",
+        "predictions.npz",
+    ):
         assert (out / name).is_file(), name
     assert not (out / "checkpoints").exists()  # --checkpoint-every 0 leaves no empty folder
     cfg = _config(out)
@@ -94,9 +145,24 @@ def test_end_to_end_run_folder(bert_folder, tmp_path, capsys):
 
 def test_frozen_backbone_and_pmap(bert_folder, tmp_path):
     out = tmp_path / "probe"
-    _run(*train_args(bert_folder, write_csv(tmp_path / "d.csv", 30, seed=1), out, "--freeze-backbone",
-                     "--max-steps", "4", "--batch-size", "8", "--eval-batch-size", "8", "--parallel", "pmap",
-                     "--checkpoint-every", "0"))
+    _run(
+        *train_args(
+            bert_folder,
+            write_csv(tmp_path / "d.csv", 30, seed=1),
+            out,
+            "--freeze-backbone",
+            "--max-steps",
+            "4",
+            "--batch-size",
+            "8",
+            "--eval-batch-size",
+            "8",
+            "--parallel",
+            "pmap",
+            "--checkpoint-every",
+            "0",
+        )
+    )
     cfg = _config(out)
     assert cfg["optimizer"]["freeze_backbone"] and cfg["optimizer"]["learning_rate"] == 5e-3
     assert cfg["devices"]["width"] == 4
@@ -132,22 +198,39 @@ def test_pack_trains_the_same_batches_with_less_padding(bert_folder, files, base
     assert sum(padding[0]) < sum(padding[1]), padding
 
 
-
 def test_short_texts_pack_unless_told_not_to(bert_folder, tmp_path, capsys):
     """Neither --pack nor --no-pack: texts of 2-5 tokens in 64-token buckets pack on their own
     (said on the first line, recorded in config.json); --no-pack keeps them padded."""
     words = ["good", "bad", "fine", "awful", "nice great", "poor sad"]
     data = tmp_path / "short.csv"
-    data.write_text("text,label\n" + "".join(f"{words[i % 6]},{'pos' if i % 6 in (0, 2, 4) else 'neg'}\n"
-                                                for i in range(60)))
-    common = ("train", "--data", str(data), "--model", bert_folder, "--max-length", "64", "--bucket-step", "64",
-              "--max-steps", "2", "--batch-size", "8", "--checkpoint-every", "0", "--no-progress")
+    data.write_text(
+        "text,label\n" + "".join(f"{words[i % 6]},{'pos' if i % 6 in (0, 2, 4) else 'neg'}\n" for i in range(60))
+    )
+    common = (
+        "train",
+        "--data",
+        str(data),
+        "--model",
+        bert_folder,
+        "--max-length",
+        "64",
+        "--bucket-step",
+        "64",
+        "--max-steps",
+        "2",
+        "--batch-size",
+        "8",
+        "--checkpoint-every",
+        "0",
+        "--no-progress",
+    )
     code, printed, _ = run_cli(capsys, *common, "--output-dir", str(tmp_path / "auto"))
     assert code == 0 and "short texts packed" in printed
     assert _config(tmp_path / "auto")["train"]["pack"] is True
     code, printed, _ = run_cli(capsys, *common, "--no-pack", "--output-dir", str(tmp_path / "off"))
     assert code == 0 and "packed" not in printed
     assert _config(tmp_path / "off")["train"]["pack"] is False
+
 
 def test_bf16_runs_the_backbone_in_bfloat16(bert_folder, files, baseline, tmp_path):
     out = tmp_path / "bf16"
@@ -187,9 +270,27 @@ def test_gradient_accumulation_equals_one_big_batch(bert_folder, tmp_path):
     test = write_csv(tmp_path / "te.csv", 6, seed=5)
 
     def run(name, *extra):
-        _run("train", "--model", bert_folder, "--train-file", train, "--test-file", test, "--pooler", "preset",
-             "--head", "preset", "--output-dir", tmp_path / name, *SMALL, "--checkpoint-every", "0", "--lr", "1e-2",
-             *extra)
+        _run(
+            "train",
+            "--model",
+            bert_folder,
+            "--train-file",
+            train,
+            "--test-file",
+            test,
+            "--pooler",
+            "preset",
+            "--head",
+            "preset",
+            "--output-dir",
+            tmp_path / name,
+            *SMALL,
+            "--checkpoint-every",
+            "0",
+            "--lr",
+            "1e-2",
+            *extra,
+        )
         return _predictions(tmp_path / name)[0]
 
     one_big = run("big", "--batch-size", "8", "--max-steps", "1")
@@ -210,17 +311,34 @@ def test_text_pair_column_is_read(bert_folder, tmp_path):
         rows.append(f"{noise},{' '.join(rng.choice(CLASSES[c], size=5))},{c}")
     (tmp_path / "pairs.csv").write_text("\n".join(rows) + "\n")
     out = tmp_path / "pairs"
-    _run(*train_args(bert_folder, tmp_path / "pairs.csv", out, "--text-pair-column", "pair", "--split",
-                     "0.6,0.2,0.2", "--epochs", "4", "--batch-size", "12", "--lr", "5e-3", "--head-lr", "1e-2",
-                     "--checkpoint-every", "0"))
+    _run(
+        *train_args(
+            bert_folder,
+            tmp_path / "pairs.csv",
+            out,
+            "--text-pair-column",
+            "pair",
+            "--split",
+            "0.6,0.2,0.2",
+            "--epochs",
+            "4",
+            "--batch-size",
+            "12",
+            "--lr",
+            "5e-3",
+            "--head-lr",
+            "1e-2",
+            "--checkpoint-every",
+            "0",
+        )
+    )
     assert _config(out)["data"]["text_pair_column"] == "pair"
     assert _summary(out)["metrics"]["test"]["accuracy"] >= 0.8
 
 
 def test_mlp_head_with_hidden_widths(bert_folder, files, tmp_path):
     out = tmp_path / "mlp"
-    _run(*_file_args(files, out, "--model", bert_folder, "--head", "mlp", "--head-hidden", "24,12", "--max-steps",
-                     "1"))
+    _run(*_file_args(files, out, "--model", bert_folder, "--head", "mlp", "--head-hidden", "24,12", "--max-steps", "1"))
     cfg = _config(out)
     h = 32  # hidden width of the tiny BERT; mean pooling has no params
     assert cfg["params"]["head"] == (h * 24 + 24) + (24 * 12 + 12) + (12 * 3 + 3)
@@ -230,11 +348,23 @@ def test_mlp_head_with_hidden_widths(bert_folder, files, tmp_path):
 def test_problem_type_overrides_the_guess(bert_folder, tmp_path):
     """Integer labels guess single-label; --problem-type regression trains one output on them."""
     rng = np.random.default_rng(0)
-    (tmp_path / "ints.csv").write_text("text,label\n" + "".join(
-        f"{' '.join(rng.choice(WORDS, 5))},{i % 3}\n" for i in range(24)))
+    (tmp_path / "ints.csv").write_text(
+        "text,label\n" + "".join(f"{' '.join(rng.choice(WORDS, 5))},{i % 3}\n" for i in range(24))
+    )
     out = tmp_path / "reg"
-    _run(*train_args(bert_folder, tmp_path / "ints.csv", out, "--problem-type", "regression", "--max-steps", "2",
-                     "--checkpoint-every", "0"))
+    _run(
+        *train_args(
+            bert_folder,
+            tmp_path / "ints.csv",
+            out,
+            "--problem-type",
+            "regression",
+            "--max-steps",
+            "2",
+            "--checkpoint-every",
+            "0",
+        )
+    )
     cfg = _config(out)
     assert cfg["problem_type"] == "regression" and cfg["num_labels"] == 1
     assert {"mse", "pearson", "spearman"} <= set(_summary(out)["metrics"]["test"])
@@ -244,11 +374,24 @@ def test_multi_label_metrics_match_scikit_learn(bert_folder, tmp_path):
     from sklearn.metrics import accuracy_score, f1_score
 
     rng = np.random.default_rng(0)
-    rows = [{"text": " ".join(rng.choice(WORDS, 5)), "label": [x for x in ("x", "y", "z") if rng.random() < 0.5]}
-            for _ in range(40)]
+    rows = [
+        {"text": " ".join(rng.choice(WORDS, 5)), "label": [x for x in ("x", "y", "z") if rng.random() < 0.5]}
+        for _ in range(40)
+    ]
     out = tmp_path / "ml"
-    _run(*train_args(bert_folder, write_jsonl(tmp_path / "ml.jsonl", rows), out, "--max-steps", "3",
-                     "--checkpoint-every", "0", "--threshold", "0.45"))
+    _run(
+        *train_args(
+            bert_folder,
+            write_jsonl(tmp_path / "ml.jsonl", rows),
+            out,
+            "--max-steps",
+            "3",
+            "--checkpoint-every",
+            "0",
+            "--threshold",
+            "0.45",
+        )
+    )
     assert _config(out)["problem_type"] == "multi_label_classification"
     logits, labels = _predictions(out)
     pred = 1 / (1 + np.exp(-logits.astype(np.float64))) >= 0.45
@@ -264,11 +407,23 @@ def test_regression_metrics_match_scipy(bert_folder, tmp_path):
     from sklearn.metrics import mean_squared_error
 
     rng = np.random.default_rng(0)
-    (tmp_path / "r.csv").write_text("text,score\n" + "".join(
-        f"{' '.join(rng.choice(WORDS, 5))},{rng.normal():.3f}\n" for _ in range(40)))
+    (tmp_path / "r.csv").write_text(
+        "text,score\n" + "".join(f"{' '.join(rng.choice(WORDS, 5))},{rng.normal():.3f}\n" for _ in range(40))
+    )
     out = tmp_path / "r"
-    _run(*train_args(bert_folder, tmp_path / "r.csv", out, "--label-column", "score", "--max-steps", "3",
-                     "--checkpoint-every", "0"))
+    _run(
+        *train_args(
+            bert_folder,
+            tmp_path / "r.csv",
+            out,
+            "--label-column",
+            "score",
+            "--max-steps",
+            "3",
+            "--checkpoint-every",
+            "0",
+        )
+    )
     logits, labels = _predictions(out)
     pred = logits.reshape(-1).astype(np.float64)
     got = _summary(out)["metrics"]["test"]
@@ -284,12 +439,26 @@ def test_keep_best_by(bert_folder, tmp_path, capsys):
 
     rng = np.random.default_rng(1)
     data = tmp_path / "r.csv"
-    data.write_text("text,score\n" + "".join(f"{' '.join(rng.choice(WORDS, 5))},{rng.normal():.3f}\n"
-                                             for _ in range(30)))
-    common = ["--label-column", "score", "--max-steps", "5", "--eval-every", "1", "--batch-size", "4", "--lr",
-              "3e-2", "--keep", "1"]
-    code, _, err = run_cli(capsys, *train_args(bert_folder, data, tmp_path / "bad", *common,
-                                               "--keep-best-by", "validation/accuracy"))
+    data.write_text(
+        "text,score\n" + "".join(f"{' '.join(rng.choice(WORDS, 5))},{rng.normal():.3f}\n" for _ in range(30))
+    )
+    common = [
+        "--label-column",
+        "score",
+        "--max-steps",
+        "5",
+        "--eval-every",
+        "1",
+        "--batch-size",
+        "4",
+        "--lr",
+        "3e-2",
+        "--keep",
+        "1",
+    ]
+    code, _, err = run_cli(
+        capsys, *train_args(bert_folder, data, tmp_path / "bad", *common, "--keep-best-by", "validation/accuracy")
+    )
     assert_one_line_error(code, err, "--keep-best-by 'validation/accuracy'", "mse, pearson, spearman")
     _run(*train_args(bert_folder, data, tmp_path / "none", *common, "--keep-best-by", "none"))
     rows = list_checkpoints(tmp_path / "none")
@@ -307,18 +476,39 @@ def test_label_only_in_test_file(bert_folder, tmp_path, capsys):
     train = write_csv(tmp_path / "train.csv", 12)
     test = tmp_path / "test.csv"
     test.write_text("text,label\nfilm music actor,entertainment\n")
-    code, _, err = run_cli(capsys, "train", "--model", bert_folder, "--train-file", train, "--test-file", test,
-                           "--no-progress", "--output-dir", tmp_path / "r")
-    assert_one_line_error(code, err, "test.csv: row 1, column 'label': label 'entertainment' appears only in the "
-                                     "test split")
+    code, _, err = run_cli(
+        capsys,
+        "train",
+        "--model",
+        bert_folder,
+        "--train-file",
+        train,
+        "--test-file",
+        test,
+        "--no-progress",
+        "--output-dir",
+        tmp_path / "r",
+    )
+    assert_one_line_error(
+        code, err, "test.csv: row 1, column 'label': label 'entertainment' appears only in the test split"
+    )
 
 
 def test_module_and_help():
     """`python -m flaxheads train` is the same program; its help names the flags."""
     out = run_process("train", "--help", timeout=300)
     assert out.returncode == 0 and "bbc_news" in out.stdout
-    for flag in ("--data", "--freeze-backbone", "--parallel", "--coordinator-address", "--max-length", "--bf16",
-                 "--accumulation-steps", "--output-dir", "--keep-best-by"):
+    for flag in (
+        "--data",
+        "--freeze-backbone",
+        "--parallel",
+        "--coordinator-address",
+        "--max-length",
+        "--bf16",
+        "--accumulation-steps",
+        "--output-dir",
+        "--keep-best-by",
+    ):
         assert flag in out.stdout
 
 
@@ -329,6 +519,21 @@ def test_star_ratings_train_as_their_classes_and_label_ids_keeps_ids(bert_folder
     data.write_text("\n".join(rows) + "\n")
     for extra, names in (((), ["1", "2", "3"]), (("--label-ids",), ["0", "1", "2", "3"])):
         out = tmp_path / f"run{len(extra)}"
-        _run("train", "--model", bert_folder, "--train-file", data, "--output-dir", out, *SMALL, "--max-steps", "1",
-             "--batch-size", "4", "--checkpoint-every", "0", *extra)
+        _run(
+            "train",
+            "--model",
+            bert_folder,
+            "--train-file",
+            data,
+            "--output-dir",
+            out,
+            *SMALL,
+            "--max-steps",
+            "1",
+            "--batch-size",
+            "4",
+            "--checkpoint-every",
+            "0",
+            *extra,
+        )
         assert _config(out)["labels"] == names and _config(out)["num_labels"] == len(names)

@@ -4,6 +4,7 @@ mount permission; elsewhere the test skips and says why. Also the run folder's l
 ``checkpoints/`` inside a writable run folder, and resuming with another ``--model``, are one line and
 exit 2 before any model loads. (A disk that stops taking checkpoints during training is
 tests/test_faults.py's case, with a file size limit.)"""
+
 from __future__ import annotations
 
 import contextlib
@@ -15,8 +16,8 @@ import sys
 import pytest
 
 import flaxheads as fh
-from flaxheads.disk import preflight
 from flaxheads.cli.main import main
+from flaxheads.disk import preflight
 
 pytestmark = pytest.mark.full
 
@@ -68,8 +69,25 @@ def _data(tmp_path) -> str:
 
 
 def _train(bert, data, out, *extra):
-    return ["train", "--model", bert, "--data", data, "--output-dir", out, "--max-length", "16", "--bucket-step",
-            "16", "--batch-size", "4", "--max-steps", "2", "--no-progress", *extra]
+    return [
+        "train",
+        "--model",
+        bert,
+        "--data",
+        data,
+        "--output-dir",
+        out,
+        "--max-length",
+        "16",
+        "--bucket-step",
+        "16",
+        "--batch-size",
+        "4",
+        "--max-steps",
+        "2",
+        "--no-progress",
+        *extra,
+    ]
 
 
 def test_a_read_only_checkpoints_folder_is_refused_before_the_model_loads(bert, tmp_path, capfd, monkeypatch):
@@ -137,9 +155,27 @@ def test_an_export_over_quota_ends_in_one_line(bert, tmp_path):
         from cli_helpers import REPO
 
         env = {**os.environ, "PYTHONPATH": REPO}  # 64 MB free to statvfs: the preflight passes, the quota binds
-        got = subprocess.run(["setpriv", "--inh-caps=-sys_resource", "--bounding-set=-sys_resource", sys.executable,
-                              "-m", "flaxheads", "export", "--from", bert, "--format", "transformers", "--out", out],
-                             capture_output=True, text=True, env=env, timeout=300)
+        got = subprocess.run(
+            [
+                "setpriv",
+                "--inh-caps=-sys_resource",
+                "--bounding-set=-sys_resource",
+                sys.executable,
+                "-m",
+                "flaxheads",
+                "export",
+                "--from",
+                bert,
+                "--format",
+                "transformers",
+                "--out",
+                out,
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+        )
         lines = got.stderr.strip().splitlines()
         assert got.returncode == 1 and len(lines) == 1 and "Disk quota exceeded" in lines[0], got.stderr
         assert os.listdir(disk) == []

@@ -1,5 +1,6 @@
 """``flaxheads predict | embed | evaluate`` on a tiny run folder, and model sources by hub id
 through a local hub cache (never the network)."""
+
 from __future__ import annotations
 
 import csv
@@ -9,8 +10,8 @@ import shutil
 
 import numpy as np
 import pytest
-
 from cli_helpers import SMALL, assert_one_line_error, run_cli, write_csv
+
 from flaxheads.predict import Classifier
 
 pytestmark = pytest.mark.full
@@ -22,12 +23,34 @@ def run(bert_folder, tmp_path_factory):
     from flaxheads.cli.main import main
 
     d = tmp_path_factory.mktemp("predict_run")
-    files = {n: write_csv(d / f"{n}.csv", k, seed=s) for n, k, s in (("train", 36, 0), ("validation", 9, 1),
-                                                                      ("test", 15, 2))}
+    files = {
+        n: write_csv(d / f"{n}.csv", k, seed=s) for n, k, s in (("train", 36, 0), ("validation", 9, 1), ("test", 15, 2))
+    }
     out = d / "run"
-    code = main(["train", "--model", bert_folder, "--train-file", files["train"], "--validation-file",
-                 files["validation"], "--test-file", files["test"], "--output-dir", str(out), *SMALL,
-                 "--batch-size", "4", "--eval-batch-size", "8", "--max-steps", "12", "--lr", "3e-3"])
+    code = main(
+        [
+            "train",
+            "--model",
+            bert_folder,
+            "--train-file",
+            files["train"],
+            "--validation-file",
+            files["validation"],
+            "--test-file",
+            files["test"],
+            "--output-dir",
+            str(out),
+            *SMALL,
+            "--batch-size",
+            "4",
+            "--eval-batch-size",
+            "8",
+            "--max-steps",
+            "12",
+            "--lr",
+            "3e-3",
+        ]
+    )
     assert code == 0
     return {"dir": str(out), **files}
 
@@ -60,8 +83,9 @@ def test_predict_csv_keeps_columns_and_order(run, tmp_path, capsys):
     out = tmp_path / "pred.csv"
     mask = os.umask(0o022)
     try:
-        code, _, _ = run_cli(capsys, "predict", run["dir"], "--input", run["test"], "--output", out, "--top-k", "2",
-                             "--batch-size", "5")
+        code, _, _ = run_cli(
+            capsys, "predict", run["dir"], "--input", run["test"], "--output", out, "--top-k", "2", "--batch-size", "5"
+        )
     finally:
         os.umask(mask)
     assert code == 0
@@ -114,8 +138,19 @@ def test_predict_text_lines_from_stdin_to_jsonl(run, tmp_path, capsys, monkeypat
 def test_predict_text_pairs(run, bert_folder, tmp_path, capsys):
     data = write_csv(tmp_path / "pairs.csv", 7, pair=True)
     out = tmp_path / "p.jsonl"
-    code, _, _ = run_cli(capsys, "predict", run["dir"], "--input", data, "--text-pair-column", "pair",
-                         "--output", out, "--batch-size", "3")
+    code, _, _ = run_cli(
+        capsys,
+        "predict",
+        run["dir"],
+        "--input",
+        data,
+        "--text-pair-column",
+        "pair",
+        "--output",
+        out,
+        "--batch-size",
+        "3",
+    )
     assert code == 0
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     clf = Classifier.from_pretrained(run["dir"])
@@ -125,10 +160,13 @@ def test_predict_text_pairs(run, bert_folder, tmp_path, capsys):
     assert not np.allclose(pred.logits, alone.logits)  # the pair reached the model
 
 
-@pytest.mark.parametrize("content, needles", [
-    ("text,label\nstock market,business\n,sport\n", ["row 2", "column 'text'", "empty"]),
-    ("words,label\nstock market,business\n", ["no column 'text'", "--text-column"]),
-])
+@pytest.mark.parametrize(
+    "content, needles",
+    [
+        ("text,label\nstock market,business\n,sport\n", ["row 2", "column 'text'", "empty"]),
+        ("words,label\nstock market,business\n", ["no column 'text'", "--text-column"]),
+    ],
+)
 def test_bad_input_files_exit_2_with_one_line(run, tmp_path, capsys, content, needles):
     bad = tmp_path / "bad.csv"
     bad.write_text(content)
@@ -163,8 +201,9 @@ def test_bad_arguments_exit_2_with_one_line(run, tmp_path, capsys):
 def st_folder(bert_folder, tmp_path_factory):
     import flaxheads as fh
 
-    model = fh.from_pretrained(bert_folder, pooler="mean", head="projection",
-                               head_options={"features": (8,), "normalize": True})
+    model = fh.from_pretrained(
+        bert_folder, pooler="mean", head="projection", head_options={"features": (8,), "normalize": True}
+    )
     return str(fh.interop.export_sentence_transformers(model, tmp_path_factory.mktemp("st") / "st"))
 
 
@@ -173,8 +212,9 @@ def test_embed_npy_and_parquet(st_folder, tmp_path, capsys):
     from sentence_transformers import SentenceTransformer
 
     data = write_csv(tmp_path / "d.csv", 9)
-    code, _, _ = run_cli(capsys, "embed", st_folder, "--input", data, "--output", tmp_path / "e.npy",
-                         "--batch-size", "4")
+    code, _, _ = run_cli(
+        capsys, "embed", st_folder, "--input", data, "--output", tmp_path / "e.npy", "--batch-size", "4"
+    )
     assert code == 0
     emb = np.load(tmp_path / "e.npy")
     texts = [r["text"] for r in csv.DictReader(open(data))]
@@ -188,6 +228,7 @@ def test_embed_npy_and_parquet(st_folder, tmp_path, capsys):
 
 
 # ---- hub ids through a local hub cache ----------------------------------------------------------------------
+
 
 def hub_cache(root, repo: str, folder: str, rev: str = "0123456789abcdef0123456789abcdef01234567") -> str:
     """``folder``'s files laid out as the hub cache does: models--org--name/snapshots/<rev>/, refs/main."""
@@ -215,8 +256,7 @@ def test_hub_id_from_the_local_cache_offline(run, bert_folder, tmp_path, capsys,
     code, stdout, _ = run_cli(capsys, "predict", "acme/tiny-bert", "--input", txt)
     assert code == 0 and json.loads(stdout)["text"] == "stock market"
     code, _, err = run_cli(capsys, "predict", "acme/missing", "--input", txt)
-    assert_one_line_error(code, err, "'acme/missing'", "not in the local hub cache", "HF_HUB_OFFLINE=1",
-                          "local folder")
+    assert_one_line_error(code, err, "'acme/missing'", "not in the local hub cache", "HF_HUB_OFFLINE=1", "local folder")
 
 
 def test_hub_id_without_network_is_a_clear_error(tmp_path):
@@ -224,9 +264,19 @@ def test_hub_id_without_network_is_a_clear_error(tmp_path):
     from cli_helpers import run_process
 
     (tmp_path / "t.txt").write_text("hello\n")
-    proc = run_process("predict", "acme/nothing-here", "--input", tmp_path / "t.txt", timeout=120,
-                       env={"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9",
-                            "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_ETAG_TIMEOUT": "2"})
+    proc = run_process(
+        "predict",
+        "acme/nothing-here",
+        "--input",
+        tmp_path / "t.txt",
+        timeout=120,
+        env={
+            "HF_HUB_OFFLINE": "0",
+            "HF_ENDPOINT": "http://127.0.0.1:9",
+            "HF_HUB_CACHE": str(tmp_path / "hub"),
+            "HF_HUB_ETAG_TIMEOUT": "2",
+        },
+    )
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and not ln.startswith("warning:")]
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert "could not be downloaded" in lines[0] and "local folder" in lines[0]
@@ -256,7 +306,12 @@ def test_sources_run_steps_checkpoint_and_head_export(run, bert_folder, tmp_path
     # a head export sits on the backbone folder given (here the untrained one, as attach_head does)
     head = fh.interop.export_head(fh.checkpoint.model_from_checkpoint(run["dir"], head_only=True), tmp_path / "head")
     clf = Classifier.from_pretrained(head, backbone=bert_folder, max_length=16)
-    ref = _apply_one(fh.attach_head(fh.from_pretrained(bert_folder, num_labels=3, ignore_mismatched_sizes=True),
-                                    fh.load_head(run["dir"])), bert_folder, text)
+    ref = _apply_one(
+        fh.attach_head(
+            fh.from_pretrained(bert_folder, num_labels=3, ignore_mismatched_sizes=True), fh.load_head(run["dir"])
+        ),
+        bert_folder,
+        text,
+    )
     np.testing.assert_allclose(clf.predict([text]).logits[0], ref, atol=1e-5)
     assert clf.id2label == {0: "business", 1: "politics", 2: "sport"}

@@ -2,6 +2,7 @@
 disk without room for the checkpoints) says so in one line and exits 2 before it loads a model; the
 checkpoint size it estimates from the weights' headers bounds what Orbax really writes. An export that fails
 to write (a file size limit: EFBIG, as a full disk gives ENOSPC) exits 1 in one line, the previous export intact."""
+
 from __future__ import annotations
 
 import os
@@ -10,8 +11,8 @@ import jax
 import numpy as np
 import pytest
 
-from flaxheads.disk import preflight
 from flaxheads.cli.main import main
+from flaxheads.disk import preflight
 
 pytestmark = pytest.mark.full
 
@@ -23,9 +24,9 @@ def bert(tiny_bert):
 
 def _fail(capfd, argv, monkeypatch=None):
     # a model loaded would mean the check came too late
+    import flaxheads.cli.predict as P
     import flaxheads.formats as E
     import flaxheads.run.program as F
-    import flaxheads.cli.predict as P
 
     if monkeypatch is not None:
         for mod, name in ((F, "build_model"), (P, "load_classifier"), (E, "import_model")):
@@ -130,8 +131,10 @@ def test_an_export_that_cannot_be_written_keeps_the_previous_one(tmp_path, bert,
     code = main(argv)
     err = capfd.readouterr().err
     assert code == 1, err
-    assert err.strip().splitlines() == [f"error: could not write the export {out}: File too large; the existing "
-                                        f"{out} is unchanged; free some space or fix the disk and export again"]
+    assert err.strip().splitlines() == [
+        f"error: could not write the export {out}: File too large; the existing "
+        f"{out} is unchanged; free some space or fix the disk and export again"
+    ]
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert os.listdir(tmp_path) == ["export"]  # no temporary folder left beside it
 
@@ -170,5 +173,7 @@ def test_a_refused_table_write_is_one_line(tmp_path, bert, capfd, monkeypatch):
     data.write_text("text\n" + "".join(f"w{i} w{i + 1} w{i + 2}\n" for i in range(4)))
     code = main(["predict", bert, "--input", str(data), "--output", str(tmp_path / "p.csv")])
     err = capfd.readouterr().err.strip().splitlines()
-    assert code == 1 and err == [f"error: could not write {tmp_path / 'p.csv'}: No space left on device; free some "
-                                 "space or fix the disk and rerun"], err
+    assert code == 1 and err == [
+        f"error: could not write {tmp_path / 'p.csv'}: No space left on device; free some "
+        "space or fix the disk and rerun"
+    ], err

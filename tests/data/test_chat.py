@@ -1,4 +1,5 @@
 """Chat-template pairs (issue 58, item 3): flaxheads' rendering equals transformers' apply_chat_template."""
+
 from __future__ import annotations
 
 import os
@@ -32,8 +33,14 @@ def folder(tmp_path_factory):
     words = ["<pad>", "<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(40)]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-                                   pad_token="<pad>", model_input_names=["input_ids", "attention_mask"])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        model_input_names=["input_ids", "attention_mask"],
+    )
     fast.chat_template = TEMPLATE
     path = tmp_path_factory.mktemp("chat_tokenizer")
     fast.save_pretrained(path)
@@ -48,8 +55,12 @@ def test_chat_pairs_equal_apply_chat_template(folder, system):
 
     tok = AutoTokenizer.from_pretrained(folder)
     head = [{"role": "system", "content": system}] if system is not None else []
-    want = [tok.apply_chat_template(head + [{"role": "user", "content": p}, {"role": "assistant", "content": r}],
-                                    tokenize=False) for p, r in PAIRS]
+    want = [
+        tok.apply_chat_template(
+            head + [{"role": "user", "content": p}, {"role": "assistant", "content": r}], tokenize=False
+        )
+        for p, r in PAIRS
+    ]
     assert has_chat_template(folder)
     assert chat_pairs(folder, PAIRS, system=system) == want
     assert "<s><|system|>" in want[0] and "\\u00c9" not in want[1]  # the template ran, tojson kept the accent
@@ -62,8 +73,9 @@ def test_render_chat_generation_prompt_and_errors(folder, tmp_path):
 
     template, special = read_chat_template(folder)
     messages = [{"role": "user", "content": "hi"}]
-    want = AutoTokenizer.from_pretrained(folder).apply_chat_template(messages, tokenize=False,
-                                                                     add_generation_prompt=True)
+    want = AutoTokenizer.from_pretrained(folder).apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
     assert render_chat(messages, template, special, add_generation_prompt=True) == want
     with pytest.raises(ChatTemplateError, match="unknown role tool"):
         render_chat([{"role": "tool", "content": "x"}], template, special)
@@ -77,32 +89,46 @@ def test_rank_preference_writes_pairs_in_the_chat_template(folder, tmp_path, cap
     import json
 
     import numpy as np
+    from hf_tiny import save_tiny
     from transformers import AutoTokenizer
 
     import flaxheads as fh
-    from hf_tiny import save_tiny
-
     from flaxheads.cli.main import main
 
     rm, _ = save_tiny(tmp_path / "rm", "qwen3", num_labels=1, layers=1)
     for name in os.listdir(folder):
         shutil.copy(os.path.join(folder, name), rm)
-    rows = [{"prompt": "w1 w2", "chosen": "w3 w4 w5", "rejected": "w6"},
-            {"prompt": "w7", "chosen": "w8", "rejected": "w9 w10"}]
+    rows = [
+        {"prompt": "w1 w2", "chosen": "w3 w4 w5", "rejected": "w6"},
+        {"prompt": "w7", "chosen": "w8", "rejected": "w9 w10"},
+    ]
     prefs = tmp_path / "prefs.jsonl"
     prefs.write_text("".join(json.dumps(r) + "\n" for r in rows))
     scored = {}
     for mode in ("auto", "off"):
         out = tmp_path / f"{mode}.jsonl"
-        code = main(["rank", rm, "--input", str(prefs), "--preference", "--chat-template", mode, "--output", str(out),
-                     "--no-progress"])
+        code = main(
+            [
+                "rank",
+                rm,
+                "--input",
+                str(prefs),
+                "--preference",
+                "--chat-template",
+                mode,
+                "--output",
+                str(out),
+                "--no-progress",
+            ]
+        )
         assert code == 0, capsys.readouterr().err
         scored[mode] = [json.loads(line) for line in out.read_text().splitlines()]
     tok, model = AutoTokenizer.from_pretrained(rm), fh.from_pretrained(rm)
     for r, got in zip(rows, scored["auto"]):
         for key in ("chosen", "rejected"):
-            text = tok.apply_chat_template([{"role": "user", "content": r["prompt"]},
-                                            {"role": "assistant", "content": r[key]}], tokenize=False)
+            text = tok.apply_chat_template(
+                [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r[key]}], tokenize=False
+            )
             ids = np.asarray([tok(text, add_special_tokens=False)["input_ids"]])
             ref = float(np.asarray(model.apply(model.params, ids, np.ones_like(ids)))[0, 0])
             assert abs(got[f"{key}_score"] - ref) < 1e-5

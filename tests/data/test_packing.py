@@ -1,26 +1,44 @@
 """Packed batches: several texts per row give the logits, losses and trained params of the same
 texts unpacked (the unpacked model is the reference, itself parity-tested against PyTorch)."""
+
 from __future__ import annotations
 
 import jax
 import numpy as np
 import pytest
-
-import flaxheads as fh
-from flaxheads.errors import FlaxheadsError, TrainingError
-from flaxheads.training import loop
-from flaxheads.data.splits import Split, batch_plan, collate
-from flaxheads.training.optim import OptimConfig
-from flaxheads.data.packing import (AUTO_PACK_SHARE, first_fit, iterate_packed_batches, merge_rare_shapes,
-                                        packed_batch, packed_shape, packed_slot_share)
 from hf_tiny import save_tiny
 from train_helpers import random_split
+
+import flaxheads as fh
+from flaxheads.data.packing import (
+    AUTO_PACK_SHARE,
+    first_fit,
+    iterate_packed_batches,
+    merge_rare_shapes,
+    packed_batch,
+    packed_shape,
+    packed_slot_share,
+)
+from flaxheads.data.splits import Split, batch_plan, collate
+from flaxheads.errors import FlaxheadsError, TrainingError
+from flaxheads.training import loop
+from flaxheads.training.optim import OptimConfig
 
 pytestmark = pytest.mark.full
 
 BUCKETS = (32, 64)  # the default bucket step: short texts pad to 32 unpacked
-POOLERS = ["cls", "first_non_pad", "last", "mean", "max", "mean_sqrt_len", "weighted_mean", "attention", "bert",
-           ["cls", "mean", "max"]]
+POOLERS = [
+    "cls",
+    "first_non_pad",
+    "last",
+    "mean",
+    "max",
+    "mean_sqrt_len",
+    "weighted_mean",
+    "attention",
+    "bert",
+    ["cls", "mean", "max"],
+]
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +60,12 @@ def _split(n=11, seed=0, lengths=(3, 9), pad=0):
 
 def test_first_fit_and_layout():
     assert first_fit([5, 3, 4, 2, 6], 8) == [[0, 1], [2, 3], [4]]
-    split = Split("t", [np.arange(10, 10 + n) for n in (5, 3, 4)], np.array([0, 1, 2]),
-                  token_type_ids=[np.full(n, 1) for n in (5, 3, 4)])
+    split = Split(
+        "t",
+        [np.arange(10, 10 + n) for n in (5, 3, 4)],
+        np.array([0, 1, 2]),
+        token_type_ids=[np.full(n, 1) for n in (5, 3, 4)],
+    )
     b = packed_batch(split, [0, 1, 2], 4, (8,), pad_id=0, first_position=2)
     assert b["input_ids"].shape == (2, 8) and b["segment_index"].shape == (2, 2, 8)
     np.testing.assert_array_equal(b["segment_ids"][0], [1, 1, 1, 1, 1, 2, 2, 2])
@@ -55,7 +77,6 @@ def test_first_fit_and_layout():
     assert b["token_type_ids"][0].tolist() == [1] * 8 and b["token_type_ids"][1, 4:].tolist() == [0] * 4
     with pytest.raises(TrainingError, match="does not fit"):
         first_fit([9], 8)
-
 
 
 def test_rare_shapes_merge_into_larger_ones_in_use():
@@ -81,8 +102,9 @@ def test_iterate_packed_batches_pads_rare_shapes():
     own = [packed_shape(split, idx, 8, BUCKETS) for idx in batch_plan(split.lengths, 8, seed=0, epoch=0, shuffle=False)]
     assert own[0] == (1, 32, 8, 32) and set(own[1:]) == {(1, 64, 8, 32)}
     batches = list(iterate_packed_batches(split, 8, BUCKETS, seed=0, epoch=0, shuffle=False))
-    assert {(b["input_ids"].shape[0], b["input_ids"].shape[1], *b["segment_index"].shape[1:]) for b in batches} \
-        == {(1, 64, 8, 32)}  # a compile fewer
+    assert {(b["input_ids"].shape[0], b["input_ids"].shape[1], *b["segment_index"].shape[1:]) for b in batches} == {
+        (1, 64, 8, 32)
+    }  # a compile fewer
     assert sum(int(b["weights"].sum()) for b in batches) == len(split)
     np.testing.assert_array_equal(batches[0]["input_ids"][0, :16], np.concatenate(split.input_ids[:8]))
     resumed = list(iterate_packed_batches(split, 8, BUCKETS, seed=0, epoch=0, shuffle=False, start=1))
@@ -92,24 +114,28 @@ def test_iterate_packed_batches_pads_rare_shapes():
         packed_batch(split, np.arange(8, 16), 8, BUCKETS, shape=(1, 32, 8, 32))
 
 
-
 def test_packed_slot_share_counts_both_layouts():
     """The share is the packed batches' token slots over the padded batches' (rows x bucket)."""
     split = _split(200, seed=5, lengths=(5, 8))
     plan = batch_plan(split.lengths, 8, seed=0, epoch=0, group_by_length=True)
     padded = sum(b["input_ids"].size for b in (collate(split, idx, 8, BUCKETS) for idx in plan))
-    packed = sum(b["input_ids"].size for b in iterate_packed_batches(split, 8, BUCKETS, seed=0, epoch=0,
-                                                                        group_by_length=True))
+    packed = sum(
+        b["input_ids"].size for b in iterate_packed_batches(split, 8, BUCKETS, seed=0, epoch=0, group_by_length=True)
+    )
     share = packed_slot_share(split, 8, BUCKETS, seed=0)
     assert share == pytest.approx(packed / padded)
     assert share <= AUTO_PACK_SHARE  # 8 texts of 5-7 tokens: one 64-token row against 8 rows of 32
     long = _split(40, seed=5, lengths=(40, 60))
     assert packed_slot_share(long, 8, BUCKETS) > AUTO_PACK_SHARE  # one text per row: nothing to gain
 
+
 def _packed_forward(model):
     """``model.apply_packed`` on a packed batch dict, jitted (eagerly each operation compiles on its own)."""
-    return jax.jit(lambda p, b: model.apply_packed(p, b["input_ids"], b["segment_ids"], b["position_ids"],
-                                                   b["segment_index"], b["segment_mask"]))
+    return jax.jit(
+        lambda p, b: model.apply_packed(
+            p, b["input_ids"], b["segment_ids"], b["position_ids"], b["segment_index"], b["segment_mask"]
+        )
+    )
 
 
 def test_padded_packed_batch_gives_the_same_logits(bert):
@@ -128,10 +154,10 @@ def test_padded_packed_batch_gives_the_same_logits(bert):
     s_slots, p_slots = small["weights"].reshape(-1) > 0, padded["weights"].reshape(-1) > 0
     np.testing.assert_allclose(logits(padded)[p_slots], logits(small)[s_slots], atol=1e-5, rtol=0)
 
+
 def _packed_vs_plain(model, split, first_position, atol=1e-5):
     idx = np.arange(len(split))
-    packed = packed_batch(split, idx, len(idx), BUCKETS, pad_id=model.pad_token_id or 0,
-                          first_position=first_position)
+    packed = packed_batch(split, idx, len(idx), BUCKETS, pad_id=model.pad_token_id or 0, first_position=first_position)
     plain = collate(split, idx, len(idx), BUCKETS, pad_id=model.pad_token_id or 0)
     assert packed["input_ids"].size < plain["input_ids"].size / 2  # the point of packing
     got = np.asarray(_packed_forward(model)(model.params, packed))
@@ -140,8 +166,12 @@ def _packed_vs_plain(model, split, first_position, atol=1e-5):
     # which example each real slot holds: read its tokens back through segment_index
     texts = {tuple(x.tolist()): i for i, x in enumerate(split.input_ids)}
     rows, segs, _ = packed["segment_index"].shape
-    members = [texts[tuple(packed["input_ids"][r, packed["segment_index"][r, s][packed["segment_mask"][r, s] > 0]]
-                           .tolist())] for r in range(rows) for s in range(segs) if packed["weights"][r, s] > 0]
+    members = [
+        texts[tuple(packed["input_ids"][r, packed["segment_index"][r, s][packed["segment_mask"][r, s] > 0]].tolist())]
+        for r in range(rows)
+        for s in range(segs)
+        if packed["weights"][r, s] > 0
+    ]
     assert sorted(members) == list(idx)
     np.testing.assert_allclose(got[slots], want[members], atol=atol, rtol=0)
     assert np.abs(want).max() > 1e-3
@@ -163,8 +193,9 @@ def test_packed_roberta_restarts_positions_after_pad(roberta):
 def _fit(folder, pack: bool, parallel="single", freeze=False):
     model = fh.from_pretrained(folder, num_labels=3)
     cfg = loop.TrainConfig(batch_size=8, max_steps=4, log_every=1, eval_every=100, pack=pack, parallel=parallel)
-    trainer = loop.Trainer.build(model, OptimConfig(learning_rate=3e-3, total_steps=4, schedule="constant",
-                                                    freeze_backbone=freeze), cfg)
+    trainer = loop.Trainer.build(
+        model, OptimConfig(learning_rate=3e-3, total_steps=4, schedule="constant", freeze_backbone=freeze), cfg
+    )
     res = loop.fit(trainer, _split(20, seed=3, lengths=(3, 12)), buckets=BUCKETS, progress=False)
     losses = [h["loss"] for h in res.history if "loss" in h]
     return losses, trainer.parallel.get_state(res.state).params
@@ -197,5 +228,9 @@ def test_packing_refused_where_texts_cannot_be_kept_apart(tmp_path):
     with pytest.raises(TrainingError, match="packing"):
         loop.fit(trainer, _split(4), buckets=BUCKETS, progress=False)
     with pytest.raises(FlaxheadsError, match="packed"):
-        model.apply_packed(model.params, *(np.zeros((1, 8), np.int32),) * 3, np.zeros((1, 1, 8), np.int32),
-                           np.ones((1, 1, 8), np.int32))
+        model.apply_packed(
+            model.params,
+            *(np.zeros((1, 8), np.int32),) * 3,
+            np.zeros((1, 1, 8), np.int32),
+            np.ones((1, 1, 8), np.int32),
+        )

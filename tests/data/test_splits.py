@@ -1,27 +1,34 @@
 """Data loading (CSV / JSONL / Parquet / class folders / packaged BBC News), labels, splits,
 tokenisation, batches, and the errors for bad data."""
+
 import json
 
 import numpy as np
 import pytest
 
+from flaxheads.data import splits as D
 from flaxheads.data import tables as T
 from flaxheads.data.batching import make_buckets
-from flaxheads.data import splits as D
 
-ROWS = [("the stock market fell", "business"), ("a late goal won the match", "sport"),
-        ("the minister called an election", "politics"), ("shares and profit rose", "business"),
-        ("the team player scored", "sport"), ("the party won the vote", "politics")]
+ROWS = [
+    ("the stock market fell", "business"),
+    ("a late goal won the match", "sport"),
+    ("the minister called an election", "politics"),
+    ("shares and profit rose", "business"),
+    ("the team player scored", "sport"),
+    ("the party won the vote", "politics"),
+]
 
 
 def _csv(path, rows, header="text,label"):
-    path.write_text(header + "\n" + "\n".join(f'"{t}",{l}' for t, l in rows) + "\n")
+    path.write_text(header + "\n" + "\n".join(f'"{t}",{y}' for t, y in rows) + "\n")
     return str(path)
 
 
 @pytest.fixture(scope="module")
 def tok(tiny_bert):
     from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(tiny_bert)
 
 
@@ -29,7 +36,7 @@ def test_csv_jsonl_parquet_give_the_same_table(tmp_path):
     import pandas as pd
 
     c = T.load_table(_csv(tmp_path / "d.csv", ROWS))
-    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps({"text": t, "label": l}) for t, l in ROWS))
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps({"text": t, "label": y}) for t, y in ROWS))
     j = T.load_table(tmp_path / "d.jsonl")
     pd.DataFrame(ROWS, columns=["text", "label"]).to_parquet(tmp_path / "d.parquet")
     p = T.load_table(tmp_path / "d.parquet")
@@ -42,8 +49,12 @@ def test_csv_jsonl_parquet_give_the_same_table(tmp_path):
 
 
 def test_label_kinds(tmp_path):
-    (tmp_path / "m.jsonl").write_text("\n".join(json.dumps(r) for r in [
-        {"text": "a b", "label": ["x", "y"]}, {"text": "c", "label": ["y"]}, {"text": "d", "label": []}]))
+    (tmp_path / "m.jsonl").write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in [{"text": "a b", "label": ["x", "y"]}, {"text": "c", "label": ["y"]}, {"text": "d", "label": []}]
+        )
+    )
     t = T.load_table(tmp_path / "m.jsonl")
     s = T.infer_label_space(t)
     assert s.problem_type == "multi_label_classification" and s.names == ["x", "y"]
@@ -78,7 +89,11 @@ def test_stratified_split_is_seeded_and_proportional():
     parts = D.split_indices(100, (0.8, 0.1, 0.1), 0, y)
     assert sorted(np.concatenate(parts).tolist()) == list(range(100))
     for c, n in enumerate([50, 30, 20]):
-        assert [int((y[p] == c).sum()) for p in parts] == [round(0.8 * n), round(0.1 * n), n - round(0.8 * n) - round(0.1 * n)]
+        assert [int((y[p] == c).sum()) for p in parts] == [
+            round(0.8 * n),
+            round(0.1 * n),
+            n - round(0.8 * n) - round(0.1 * n),
+        ]
     again = D.split_indices(100, (0.8, 0.1, 0.1), 0, y)
     other = D.split_indices(100, (0.8, 0.1, 0.1), 1, y)
     assert all(np.array_equal(a, b) for a, b in zip(parts, again))
@@ -109,7 +124,7 @@ def test_text_pairs_get_token_types(tmp_path, tok):
 @pytest.mark.parametrize("processes", [2, 3])
 def test_tokenize_shared_tokenizes_a_share_each_and_gives_all_the_whole_split(tmp_path, tok, processes):
     rows = [(f"{t} {k}", b) for k in range(3) for t, b in ROWS]  # 18 rows, pairs from a second column
-    (tmp_path / "p.csv").write_text("a,b,label\n" + "".join(f"{t},{t[::-1]},{l}\n" for t, l in rows))
+    (tmp_path / "p.csv").write_text("a,b,label\n" + "".join(f"{t},{t[::-1]},{y}\n" for t, y in rows))
     t = T.load_table(tmp_path / "p.csv", text_column="a", text_pair_column="b")
     labels = T.encode_labels(t, T.infer_label_space(t))
     want = D.tokenize(t, labels, tok, 12)
@@ -119,12 +134,14 @@ def test_tokenize_shared_tokenizes_a_share_each_and_gives_all_the_whole_split(tm
         def call(texts, pairs, **kw):
             seen.setdefault(me, []).extend(texts)
             return tok(texts, pairs, **kw)
+
         return call
 
     # what each process holds after its own share is tokenized, as all_gather_ragged returns it
     parts = [D.tokenize(t.take(range(p, len(t), processes)), labels[p::processes], tok, 12) for p in range(processes)]
     for me in range(processes):
         calls = iter(["input_ids", "token_type_ids"])
+
         def gather(arrays, me=me, calls=calls):
             field = next(calls)
             return [arrays if p == me else getattr(parts[p], field) for p in range(processes)]
@@ -156,12 +173,15 @@ def test_batch_plan_is_a_function_of_seed_and_epoch():
     assert np.concatenate(plain).tolist() == list(range(37))
 
 
-@pytest.mark.parametrize("content,kw,match", [
-    ("text,label\nhello,a\n", {"label_column": "y"}, r"d\.csv: no column 'y' \(columns: \['text', 'label'\]\)"),
-    ('text,label\nhello,a\n"",b\n', {}, r"d\.csv: row 2, column 'text': text is (missing|empty)"),
-    ("text,label\nhello,a\nworld,\n", {}, r"d\.csv: row 2, column 'label': label is missing"),
-    ("text,label\n", {}, r"d\.csv: no rows \(empty dataset\)"),
-])
+@pytest.mark.parametrize(
+    "content,kw,match",
+    [
+        ("text,label\nhello,a\n", {"label_column": "y"}, r"d\.csv: no column 'y' \(columns: \['text', 'label'\]\)"),
+        ('text,label\nhello,a\n"",b\n', {}, r"d\.csv: row 2, column 'text': text is (missing|empty)"),
+        ("text,label\nhello,a\nworld,\n", {}, r"d\.csv: row 2, column 'label': label is missing"),
+        ("text,label\n", {}, r"d\.csv: no rows \(empty dataset\)"),
+    ],
+)
 def test_bad_tables_name_file_row_column(tmp_path, content, kw, match):
     (tmp_path / "d.csv").write_text(content)
     with pytest.raises(T.DataError, match=match):
@@ -172,8 +192,11 @@ def test_label_only_in_test_is_an_error(tmp_path):
     train = _csv(tmp_path / "train.csv", ROWS)
     test = _csv(tmp_path / "test.csv", [("a film and an actor", "entertainment"), ("goal", "sport")])
     cfg = D.DataConfig(data=None, train_file=train, test_file=test)
-    with pytest.raises(T.DataError, match=r"test\.csv: row 1, column 'label': label 'entertainment' appears only "
-                                          r"in the test split but not in train"):
+    with pytest.raises(
+        T.DataError,
+        match=r"test\.csv: row 1, column 'label': label 'entertainment' appears only "
+        r"in the test split but not in train",
+    ):
         D.load_splits(cfg)
 
 
@@ -196,8 +219,9 @@ def test_load_splits_from_one_file_is_stratified(tmp_path):
         assert labels[n].sum() == len(tables[n]) // 2
 
 
-@pytest.mark.parametrize("counts, size", [((40, 13, 7), 16), ((445, 381, 417, 511, 401), 64), ((3, 3, 3), 4),
-                                          ((10,), 7), ((1, 1, 98), 10)])
+@pytest.mark.parametrize(
+    "counts, size", [((40, 13, 7), 16), ((445, 381, 417, 511, 401), 64), ((3, 3, 3), 4), ((10,), 7), ((1, 1, 98), 10)]
+)
 def test_limit_keeps_exactly_that_many_in_proportion(counts, size):
     """``--limit N`` gives N examples (per-class rounding alone gave 65 for 64 of BBC News' classes),
     each class within one of its share, as scikit-learn's stratified split allots them."""

@@ -1,16 +1,17 @@
 """Streamed tables (flaxheads.data.streaming): hash splits, the scan's label space and bad-row
 errors against the in-memory reader's, the tokens against in-memory tokenisation, epochs that see
 every row once in an order that is a pure function of (seed, epoch, step), and per-host rows."""
+
 import json
 
 import jax
 import numpy as np
 import pytest
+from train_helpers import WORDS
 
-from flaxheads.data import tables as T
 from flaxheads.data import splits as D
 from flaxheads.data import streaming as S
-from train_helpers import WORDS
+from flaxheads.data import tables as T
 
 CLASSES = ("business", "sport", "politics")
 #: rows in several Arrow chunks, and several shuffle windows of batches of 8
@@ -73,8 +74,12 @@ def test_hash_split_partitions_the_rows_and_is_stable(big):
 @pytest.mark.parametrize("kind", ["names", "ids", "floats", "lists"])
 def test_scan_finds_the_label_space_the_in_memory_reader_infers(tmp_path, kind):
     rows = _rows(40)
-    value = {"names": lambda i, c: c, "ids": lambda i, c: CLASSES.index(c) * 2, "floats": lambda i, c: i / 7,
-             "lists": lambda i, c: [c] + (["urgent"] if i % 4 == 0 else [])}[kind]
+    value = {
+        "names": lambda i, c: c,
+        "ids": lambda i, c: CLASSES.index(c) * 2,
+        "floats": lambda i, c: i / 7,
+        "lists": lambda i, c: [c] + (["urgent"] if i % 4 == 0 else []),
+    }[kind]
     path = tmp_path / "d.jsonl"
     path.write_text("".join(json.dumps({"text": t, "label": value(i, c)}) + "\n" for i, (t, c) in enumerate(rows)))
     want = T.infer_label_space(T.load_table(path))
@@ -106,8 +111,12 @@ def test_bad_row_deep_in_a_large_file_gives_the_in_memory_message(tmp_path, bad)
     elif bad == "no label":
         rows[at][1] = ""
     path = tmp_path / "bad.jsonl"
-    path.write_text("".join(json.dumps({"text": t, "label": (7 if bad == "mixed kinds" and i == at else c)}) + "\n"
-                            for i, (t, c) in enumerate(rows)))
+    path.write_text(
+        "".join(
+            json.dumps({"text": t, "label": (7 if bad == "mixed kinds" and i == at else c)}) + "\n"
+            for i, (t, c) in enumerate(rows)
+        )
+    )
     got = _stream_error(str(path))
     assert f"row {at + 1}" in got and str(path) in got
     assert got == _in_memory_error(str(path))
@@ -172,10 +181,16 @@ def test_an_epoch_sees_every_row_once_and_resumes_mid_epoch(big, tok):
     assert len(a) == -(-n // 8)
     assert sum(int(b["weights"].sum()) for b in a) == n
     # each row once: the multiset of token sequences equals the file's
-    seqs = sorted(tuple(x[m > 0].tolist())
-                  for b in a for x, m, w in zip(b["input_ids"], b["attention_mask"], b["weights"]) if w > 0)
-    want = sorted(tuple(np.asarray(x).tolist())
-                  for x in tok([t for t, _ in _rows(N)], truncation=True, max_length=16, padding=False)["input_ids"])
+    seqs = sorted(
+        tuple(x[m > 0].tolist())
+        for b in a
+        for x, m, w in zip(b["input_ids"], b["attention_mask"], b["weights"])
+        if w > 0
+    )
+    want = sorted(
+        tuple(np.asarray(x).tolist())
+        for x in tok([t for t, _ in _rows(N)], truncation=True, max_length=16, padding=False)["input_ids"]
+    )
     assert seqs == want
     # a pure function of (seed, epoch, start): from batch 13 (mid window 3) on, the same batches
     tail = _epoch(train, seed=1, epoch=0, start=13)
@@ -183,8 +198,11 @@ def test_an_epoch_sees_every_row_once_and_resumes_mid_epoch(big, tok):
     for x, y in zip(a[13:], tail):
         assert x.keys() == y.keys() and all(np.array_equal(x[k], y[k]) for k in x)
     b = _epoch(train, seed=1, epoch=1)
-    assert not all(np.array_equal(x["input_ids"], y["input_ids"]) for x, y in zip(a, b) if x["input_ids"].shape ==
-                   y["input_ids"].shape)
+    assert not all(
+        np.array_equal(x["input_ids"], y["input_ids"])
+        for x, y in zip(a, b)
+        if x["input_ids"].shape == y["input_ids"].shape
+    )
     # grouping by length pads less than the same rows ungrouped
     flat = _epoch(train, seed=1, epoch=0, group_by_length=False)
     assert sum(x["input_ids"].size for x in a) < sum(x["input_ids"].size for x in flat)
@@ -224,11 +242,21 @@ def test_each_process_tokenizes_and_holds_only_its_rows(big, tok, monkeypatch):
 def _examples(batch) -> list:
     """(tokens, label) of every real example of a batch, packed or not, sorted."""
     if "segment_ids" not in batch:
-        return sorted((tuple(x[m > 0].tolist()), int(y)) for x, m, w, y in
-                      zip(batch["input_ids"], batch["attention_mask"], batch["weights"], batch["labels"]) if w > 0)
+        return sorted(
+            (tuple(x[m > 0].tolist()), int(y))
+            for x, m, w, y in zip(batch["input_ids"], batch["attention_mask"], batch["weights"], batch["labels"])
+            if w > 0
+        )
     rows, slots, _ = batch["segment_index"].shape
-    return sorted((tuple(batch["input_ids"][r, batch["segment_index"][r, s][batch["segment_mask"][r, s] > 0]].tolist()),
-                   int(batch["labels"][r, s])) for r in range(rows) for s in range(slots) if batch["weights"][r, s] > 0)
+    return sorted(
+        (
+            tuple(batch["input_ids"][r, batch["segment_index"][r, s][batch["segment_mask"][r, s] > 0]].tolist()),
+            int(batch["labels"][r, s]),
+        )
+        for r in range(rows)
+        for s in range(slots)
+        if batch["weights"][r, s] > 0
+    )
 
 
 def test_packed_stream_holds_the_unpacked_batches_and_resumes(tmp_path, tok, monkeypatch):
@@ -270,7 +298,7 @@ def test_shards_glob_and_file_order_per_epoch(tmp_path, tok):
     d = tmp_path / "shards"
     d.mkdir()
     for k in range(3):
-        _csv(d / f"part-{k}.csv", rows[k * 200:(k + 1) * 200])
+        _csv(d / f"part-{k}.csv", rows[k * 200 : (k + 1) * 200])
     assert S.streams(str(d / "part-*.csv"), None) and not S.streams(str(d / "part-0.csv"), None)
     sd = S.open_stream(_cfg(str(d / "part-*.csv"), split=(1.0, 0.0, 0.0)))
     assert sd.counts["train"] == 600 and sd.sources["train"].files == tuple(str(d / f"part-{k}.csv") for k in range(3))
@@ -284,8 +312,9 @@ def test_shards_glob_and_file_order_per_epoch(tmp_path, tok):
 
 def test_labels_and_eval_limit_in_memory_too(tmp_path):
     path = _csv(tmp_path / "d.csv", _rows(300))
-    tables, space, labels = D.load_splits(D.DataConfig(data=path, labels=("sport", "politics", "business"),
-                                                       eval_limit=12))
+    tables, space, labels = D.load_splits(
+        D.DataConfig(data=path, labels=("sport", "politics", "business"), eval_limit=12)
+    )
     assert space.names == ["sport", "politics", "business"]
     full, _, _ = D.load_splits(D.DataConfig(data=path))
     assert len(tables["validation"]) == 12 and len(full["validation"]) == 30

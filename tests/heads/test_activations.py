@@ -1,13 +1,13 @@
 """flaxheads' activations (explicit derivatives) against transformers' ``ACT2FN`` in PyTorch: values,
 reverse-mode and forward-mode derivatives, and the same values with oneDNN's dots, where the
 derivatives read their pre-activation behind a barrier."""
-from __future__ import annotations
 
-import numpy as np
-import pytest
+from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
 from flaxheads.layers.activations import get_activation
 

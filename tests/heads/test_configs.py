@@ -2,20 +2,21 @@
 disk did not change when they were split off: every form and preset serialises to the bytes the
 code before the split wrote (tests/fixtures/configs_before_split.json), and the files of
 tests/fixtures/pre_layout load and write back byte for byte."""
+
 import dataclasses
 import json
 import os
 
 import flax.linen as nn
 import pytest
+from hf_tiny import head_specs, pooler_specs, tiny_config
 
 import flaxheads as fh
-from flaxheads.heads.presets import PRESETS, preset_for
 from flaxheads.checkpoint import read_meta
 from flaxheads.errors import ConfigError
-from flaxheads.interop.head_files import HEAD_CONFIG, HEAD_WEIGHTS, export_head, load_head_export
 from flaxheads.heads import linen
-from hf_tiny import head_specs, pooler_specs, tiny_config
+from flaxheads.heads.presets import PRESETS, preset_for
+from flaxheads.interop.head_files import HEAD_CONFIG, HEAD_WEIGHTS, export_head, load_head_export
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures")
 
@@ -59,8 +60,13 @@ def test_pre_layout_head_export_writes_back_byte_identical(tmp_path):
     src = os.path.join(FIXTURES, "pre_layout", "head_export")
     head, params, cfg = load_head_export(src)
     own = {"format", "flaxheads_version", "sequence_head", "hf_names", "params"}
-    out = export_head(head, tmp_path / "again", params=params, hf_names=cfg["hf_names"],
-                      meta={k: v for k, v in cfg.items() if k not in own})
+    out = export_head(
+        head,
+        tmp_path / "again",
+        params=params,
+        hf_names=cfg["hf_names"],
+        meta={k: v for k, v in cfg.items() if k not in own},
+    )
     with open(os.path.join(src, HEAD_CONFIG)) as f:
         old = f.read()
     with open(os.path.join(out, HEAD_CONFIG)) as f:

@@ -1,15 +1,16 @@
 """Heads, JSON configs of every pooler/head/preset, and composition errors."""
+
 import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hf_tiny import head_specs, pooler_specs, tiny_config
 
 import flaxheads as fh
-from flaxheads.heads.presets import PRESETS, preset_for
 from flaxheads.heads import linen
-from hf_tiny import head_specs, pooler_specs, tiny_config
+from flaxheads.heads.presets import PRESETS, preset_for
 
 ALL_POOLERS, ALL_HEADS = pooler_specs(), head_specs()
 
@@ -62,15 +63,18 @@ def test_mlp_head_structure():
     assert params["out_proj"]["kernel"].shape == (16, 5) and "norm_1" in params
 
 
-@pytest.mark.parametrize("bad,match", [
-    (lambda: fh.LinearHead(0), "num_labels must be a positive integer"),
-    (lambda: fh.MLPHead(3, dropout=1.5), r"dropout must be in \[0, 1\)"),
-    (lambda: fh.MLPHead(3, activation="gelu_fancy"), "unknown activation"),
-    (lambda: fh.ProjectionHead(features=()), "at least one output width"),
-    (lambda: fh.make_head("svm"), "valid heads"),
-    (lambda: fh.config.from_dict({"type": "linear", "num_labels": 2, "dropuot": 0.1}), "unknown fields"),
-    (lambda: fh.config.from_dict({"type": "nope"}), "unknown config type"),
-])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (lambda: fh.LinearHead(0), "num_labels must be a positive integer"),
+        (lambda: fh.MLPHead(3, dropout=1.5), r"dropout must be in \[0, 1\)"),
+        (lambda: fh.MLPHead(3, activation="gelu_fancy"), "unknown activation"),
+        (lambda: fh.ProjectionHead(features=()), "at least one output width"),
+        (lambda: fh.make_head("svm"), "valid heads"),
+        (lambda: fh.config.from_dict({"type": "linear", "num_labels": 2, "dropuot": 0.1}), "unknown fields"),
+        (lambda: fh.config.from_dict({"type": "nope"}), "unknown config type"),
+    ],
+)
 def test_bad_head_configs(bad, match):
     with pytest.raises(ValueError, match=match):
         bad()

@@ -1,6 +1,7 @@
 """One-token poolers on BERT-like, DeBERTa and decoder backbones: the last layer runs at the pooled token alone
 (``only_at``). The logits must be what PyTorch's full encoder gives, the gradients what torch
 autograd gives through it, and the compiled program must do less work."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -12,22 +13,41 @@ torch = pytest.importorskip("torch")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from hf_tiny import DECODERS, assert_grads_match, padded_batch, save_tiny  # noqa: E402
 
 import flaxheads as fh  # noqa: E402
 from flaxheads.backbones.base import BackboneError  # noqa: E402
 from flaxheads.backbones.registry import load_backbone  # noqa: E402
-from hf_tiny import DECODERS, assert_grads_match, padded_batch, save_tiny  # noqa: E402
 
 pytestmark = pytest.mark.full
 
-ONE_TOKEN = [("cls", {}), ("first_non_pad", {}), ("last", {}), ("bert", {}), ("dense", {"source": "last"}),
-             ("xlnet", {"summary_type": "first"}), ("xlnet", {"summary_type": "last"})]
-EVERY_TOKEN = [("mean", {}), ("max", {}), ("attention", {}), (["cls", "mean"], {}), (["cls", "last"], {}),
-               ("xlnet", {"summary_type": "mean"})]
+ONE_TOKEN = [
+    ("cls", {}),
+    ("first_non_pad", {}),
+    ("last", {}),
+    ("bert", {}),
+    ("dense", {"source": "last"}),
+    ("xlnet", {"summary_type": "first"}),
+    ("xlnet", {"summary_type": "last"}),
+]
+EVERY_TOKEN = [
+    ("mean", {}),
+    ("max", {}),
+    ("attention", {}),
+    (["cls", "mean"], {}),
+    (["cls", "last"], {}),
+    ("xlnet", {"summary_type": "mean"}),
+]
 
 
-V3 = dict(relative_attention=True, position_buckets=8, pos_att_type=["p2c", "c2p"], share_att_key=True,
-          norm_rel_ebd="layer_norm", position_biased_input=False)
+V3 = dict(
+    relative_attention=True,
+    position_buckets=8,
+    pos_att_type=["p2c", "c2p"],
+    share_att_key=True,
+    norm_rel_ebd="layer_norm",
+    position_biased_input=False,
+)
 DEBERTA = {  # the relative-attention arrangements whose scores are read at the query's diagonal offset
     "v3": V3,
     "v2": dict(relative_attention=True, pos_att_type=["p2c", "c2p"], share_att_key=False, max_relative_positions=6),
@@ -45,8 +65,15 @@ def tiny(tiny_model):
 
 
 def _model(path, pooler, options, **kw):
-    return fh.from_pretrained(path, pooler=pooler, pooler_options=options or None, head="linear", num_labels=3,
-                              ignore_mismatched_sizes=True, **kw)
+    return fh.from_pretrained(
+        path,
+        pooler=pooler,
+        pooler_options=options or None,
+        head="linear",
+        num_labels=3,
+        ignore_mismatched_sizes=True,
+        **kw,
+    )
 
 
 def _torch_hidden(pt, ids, mask):
@@ -61,7 +88,8 @@ SIDES = ("right", "left")
 # Every one-token pooler on BERT; on the other encoders the first position and the last non-pad one
 # (the backbone's one-query path is the same whichever pooler names the position).
 ONE_TOKEN_CASES = [("bert", p, o) for p, o in ONE_TOKEN] + [
-    (arch, p, o) for arch in ("roberta", "distilbert") for p, o in ONE_TOKEN if p in ("cls", "last")]
+    (arch, p, o) for arch in ("roberta", "distilbert") for p, o in ONE_TOKEN if p in ("cls", "last")
+]
 
 
 @pytest.mark.parametrize("arch,pooler,options", ONE_TOKEN_CASES, ids=lambda v: str(v))
@@ -82,8 +110,9 @@ def test_one_token_poolers_give_the_full_encoders_logits(tiny, arch, pooler, opt
 
 # Every arrangement at the last non-pad token (an offset that moves with the padding side); the first
 # token and the first non-pad one on v3 and the convolution layer.
-DEBERTA_CASES = [(v, "last") for v in sorted(DEBERTA)] + [(v, p) for v in ("v3", "conv")
-                                                          for p in ("deberta", "first_non_pad")]
+DEBERTA_CASES = [(v, "last") for v in sorted(DEBERTA)] + [
+    (v, p) for v in ("v3", "conv") for p in ("deberta", "first_non_pad")
+]
 
 
 @pytest.mark.parametrize("variant,pooler", DEBERTA_CASES)
@@ -138,8 +167,10 @@ def test_the_compiled_forward_does_less_work(tiny):
     assert flops(m) < 0.85 * full  # 2 layers: the last one at 1 of 9 positions
 
 
-@pytest.mark.parametrize("name,cancelled", [("bert", "attention.self.key.bias"),
-                                             ("deberta_v3", "pos_key_proj.bias"), ("deberta_c2p", "key_proj.bias")])
+@pytest.mark.parametrize(
+    "name,cancelled",
+    [("bert", "attention.self.key.bias"), ("deberta_v3", "pos_key_proj.bias"), ("deberta_c2p", "key_proj.bias")],
+)
 def test_gradients_match_torch_autograd_through_the_full_encoder(tiny, name, cancelled):
     """A train step's gradients (no dropout): d sum(logits * w) for every backbone weight, against
     PyTorch's XForSequenceClassification, which computes every position of the last layer."""
@@ -151,11 +182,17 @@ def test_gradients_match_torch_autograd_through_the_full_encoder(tiny, name, can
     pt.zero_grad()
     (pt(torch.tensor(ids), attention_mask=torch.tensor(mask)).logits * torch.tensor(w)).sum().backward()
     prefix = pt.base_model_prefix + "."
-    ref = {k[len(prefix):]: p.grad.numpy().copy() for k, p in pt.named_parameters()
-           if k.startswith(prefix) and p.grad is not None and not k.endswith("pooler.dense.weight")
-           and not k.endswith("pooler.dense.bias")}
+    ref = {
+        k[len(prefix) :]: p.grad.numpy().copy()
+        for k, p in pt.named_parameters()
+        if k.startswith(prefix)
+        and p.grad is not None
+        and not k.endswith("pooler.dense.weight")
+        and not k.endswith("pooler.dense.bias")
+    }
     g = jax.jit(jax.grad(lambda bp: jnp.sum(m.apply({**m.params, "backbone": bp}, ids, mask) * w)))(
-        m.params["backbone"])
+        m.params["backbone"]
+    )
     ours = m.backbone.state_from_params(g)
     assert_grads_match(ours, ref, softmax_cancelled=lambda k: k.endswith(cancelled))
 
@@ -170,8 +207,9 @@ def test_remat_and_training_mode(tiny):
 
     for a, b in zip(jax.tree.leaves(grads(plain)), jax.tree.leaves(grads(remat))):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=0)
-    train = jax.jit(lambda p, k: plain.apply(p, ids, mask, train=True, dropout_rng=k))(plain.params,
-                                                                                      jax.random.PRNGKey(0))
+    train = jax.jit(lambda p, k: plain.apply(p, ids, mask, train=True, dropout_rng=k))(
+        plain.params, jax.random.PRNGKey(0)
+    )
     assert train.shape == (3, 3) and np.isfinite(np.asarray(train)).all()
     assert not np.allclose(np.asarray(train), np.asarray(plain.apply(plain.params, ids, mask)))
 

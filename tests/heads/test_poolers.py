@@ -1,27 +1,31 @@
 """Poolers: hand-computed values, left/right padding, all-padding rows, and sentence-transformers."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import flaxheads as fh
-from flaxheads.heads import poolers as P
 from flaxheads.heads import linen
+from flaxheads.heads import poolers as P
 
 # one row, T=4, H=2; positions 0..2 real, 3 padding
 H1 = np.array([[[1.0, -2.0], [3.0, 0.0], [5.0, 4.0], [100.0, 100.0]]], np.float32)
 M1 = np.array([[1, 1, 1, 0]])
 
 
-@pytest.mark.parametrize("name,expected", [
-    ("cls", [1.0, -2.0]),
-    ("first_non_pad", [1.0, -2.0]),
-    ("last", [5.0, 4.0]),
-    ("mean", [3.0, 2.0 / 3.0]),
-    ("max", [5.0, 4.0]),
-    ("mean_sqrt_len", [9.0 / np.sqrt(3), 2.0 / np.sqrt(3)]),
-    ("weighted_mean", [(1 * 1 + 2 * 3 + 3 * 5) / 6.0, (1 * -2 + 0 + 3 * 4) / 6.0]),
-])
+@pytest.mark.parametrize(
+    "name,expected",
+    [
+        ("cls", [1.0, -2.0]),
+        ("first_non_pad", [1.0, -2.0]),
+        ("last", [5.0, 4.0]),
+        ("mean", [3.0, 2.0 / 3.0]),
+        ("max", [5.0, 4.0]),
+        ("mean_sqrt_len", [9.0 / np.sqrt(3), 2.0 / np.sqrt(3)]),
+        ("weighted_mean", [(1 * 1 + 2 * 3 + 3 * 5) / 6.0, (1 * -2 + 0 + 3 * 4) / 6.0]),
+    ],
+)
 def test_hand_computed_values(name, expected):
     out = P.POOL_FUNCTIONS[name](jnp.asarray(H1), jnp.asarray(M1))
     np.testing.assert_allclose(np.asarray(out)[0], expected, rtol=1e-6)
@@ -32,8 +36,8 @@ def _left(h, m):
     hl, ml = np.zeros_like(h), np.zeros_like(m)
     for i in range(h.shape[0]):
         n = int(m[i].sum())
-        hl[i, h.shape[1] - n:], ml[i, h.shape[1] - n:] = h[i, :n], 1
-        hl[i, :h.shape[1] - n] = 7.0  # junk in padding must not matter
+        hl[i, h.shape[1] - n :], ml[i, h.shape[1] - n :] = h[i, :n], 1
+        hl[i, : h.shape[1] - n] = 7.0  # junk in padding must not matter
     return hl, ml
 
 
@@ -111,10 +115,13 @@ def test_names_are_validated():
 
 def test_dense_pooler_and_summary_shapes():
     h, m = jnp.ones((2, 3, 8)), jnp.ones((2, 3))
-    for pooler, width in [(fh.make_pooler("bert"), 8), (fh.make_pooler("deberta", features=8, dropout=0.1), 8),
-                          (fh.make_pooler("dense", features=5, source="mean"), 5),
-                          (fh.SequenceSummary(proj_to_labels=True, num_labels=3), 3),
-                          (fh.SequenceSummary(use_proj=False), 8)]:
+    for pooler, width in [
+        (fh.make_pooler("bert"), 8),
+        (fh.make_pooler("deberta", features=8, dropout=0.1), 8),
+        (fh.make_pooler("dense", features=5, source="mean"), 5),
+        (fh.SequenceSummary(proj_to_labels=True, num_labels=3), 3),
+        (fh.SequenceSummary(use_proj=False), 8),
+    ]:
         params = linen.module(pooler).init(jax.random.PRNGKey(0), h, m)
         assert linen.module(pooler).apply(params, h, m).shape == (2, width) and pooler.out_features(8) == width
 
@@ -122,8 +129,14 @@ def test_dense_pooler_and_summary_shapes():
 # ---- sentence-transformers' Pooling as the reference --------------------------------------
 
 # ST 5.7's "cls" is the first unmasked token (position 0 under right padding): our first_non_pad.
-ST_MODES = {"first_non_pad": "cls", "mean": "mean", "max": "max", "mean_sqrt_len": "mean_sqrt_len_tokens",
-            "weighted_mean": "weightedmean", "last": "lasttoken"}
+ST_MODES = {
+    "first_non_pad": "cls",
+    "mean": "mean",
+    "max": "max",
+    "mean_sqrt_len": "mean_sqrt_len_tokens",
+    "weighted_mean": "weightedmean",
+    "last": "lasttoken",
+}
 
 
 @pytest.mark.parametrize("side", ["right", "left"])
@@ -131,6 +144,7 @@ ST_MODES = {"first_non_pad": "cls", "mean": "mean", "max": "max", "mean_sqrt_len
 def test_matches_sentence_transformers_pooling(name, side):
     torch = pytest.importorskip("torch")
     import sentence_transformers
+
     try:
         from sentence_transformers.sentence_transformer.modules import Pooling
     except ImportError:

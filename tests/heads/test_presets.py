@@ -1,4 +1,5 @@
 """The one decision "is this (pooler, head, pool mask) the backbone's HF preset" and the one pool-mask check."""
+
 import pytest
 
 from flaxheads.backbones.base import HFConfig

@@ -1,5 +1,6 @@
 """LLM rerankers scored from two tokens' logits (TokenLogits): a tiny random Qwen3 causal LM built with
 transformers' Qwen3ForCausalLM is the reference; its seq-cls export loads in Qwen3ForSequenceClassification."""
+
 from __future__ import annotations
 
 import json
@@ -11,10 +12,26 @@ import pytest
 
 pytest.importorskip("tokenizers")
 
-WORDS = ["<pad>", "<bos>", "<eos>", "<unk>", "no", "yes", "maybe", "<|im_start|>", "<|im_end|>", "system", "user",
-         "assistant", "<think>", "</think>"]
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+WORDS = [
+    "<pad>",
+    "<bos>",
+    "<eos>",
+    "<unk>",
+    "no",
+    "yes",
+    "maybe",
+    "<|im_start|>",
+    "<|im_end|>",
+    "system",
+    "user",
+    "assistant",
+    "<think>",
+    "</think>",
+]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def _save_tokenizer(path: str) -> None:

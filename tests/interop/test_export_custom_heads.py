@@ -5,6 +5,7 @@ own backbone classes do the encoding); flaxheads reads the folder back from conf
 
 Parametrised to cover every pooler (on BERT), every head (on RoBERTa) and one combination per
 family (BERT, RoBERTa, DeBERTa-v3, ModernBERT, a left-padded decoder)."""
+
 import json
 import os
 
@@ -14,20 +15,25 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import jax  # noqa: E402
+from hf_tiny import padded_batch, tiny_torch_model  # noqa: E402
 from transformers import AutoModelForSequenceClassification  # noqa: E402
 
 import flaxheads as fh  # noqa: E402
 from flaxheads.interop.files import ExportError  # noqa: E402
 from flaxheads.interop.remote_code import CODE_FILE  # noqa: E402
-from hf_tiny import padded_batch, tiny_torch_model  # noqa: E402
 
 # on the legacy stack (transformers 4.57) too: all but the pooler and head sweeps (they exercise the
 # exported PyTorch code, the same file on both stacks)
 
 #: every pooler flaxheads names (parametric ones with non-default options), concatenations included
 POOLERS = {
-    "cls": ("cls", {}), "first_non_pad": ("first_non_pad", {}), "last": ("last", {}), "mean": ("mean", {}),
-    "max": ("max", {}), "mean_sqrt_len": ("mean_sqrt_len", {}), "weighted_mean": ("weighted_mean", {}),
+    "cls": ("cls", {}),
+    "first_non_pad": ("first_non_pad", {}),
+    "last": ("last", {}),
+    "mean": ("mean", {}),
+    "max": ("max", {}),
+    "mean_sqrt_len": ("mean_sqrt_len", {}),
+    "weighted_mean": ("weighted_mean", {}),
     "attention": ("attention", {}),
     "dense": ("dense", {"features": 24, "activation": "gelu", "source": "mean"}),
     "deberta": ("deberta", {}),
@@ -39,8 +45,10 @@ HEADS = {
     "linear": ("linear", {"dropout": 0.2}),
     "linear_no_bias": ("linear", {"use_bias": False}),
     "mlp": ("mlp", {"hidden_dims": (16, 8), "activation": "relu"}),
-    "mlp_layer_norm": ("mlp", {"hidden_dims": (None,), "layer_norm": True, "norm_bias": False, "dense_bias": False,
-                               "activation": "gelu_new"}),
+    "mlp_layer_norm": (
+        "mlp",
+        {"hidden_dims": (None,), "layer_norm": True, "norm_bias": False, "dense_bias": False, "activation": "gelu_new"},
+    ),
     "projection": ("projection", {"features": (12, 6), "activation": "silu", "normalize": True}),
     "identity": ("identity", {"normalize": True}),
 }
@@ -68,20 +76,26 @@ def folders(tmp_path_factory):
             pt.save_pretrained(d, safe_serialization=True)
             made[arch] = (str(d), pt.config)
         return made[arch]
+
     return get
 
 
 def _perturbed(model, seed=0):
     """The model with every head weight moved: a trained head, not the fresh one (zero query, zero biases)."""
     rng = np.random.default_rng(seed)
-    model.params = {**model.params, "head": jax.tree.map(
-        lambda x: np.asarray(x) + rng.normal(0, 0.2, np.shape(x)).astype(np.float32), model.params["head"])}
+    model.params = {
+        **model.params,
+        "head": jax.tree.map(
+            lambda x: np.asarray(x) + rng.normal(0, 0.2, np.shape(x)).astype(np.float32), model.params["head"]
+        ),
+    }
     return model
 
 
 def _torch_logits(folder, ids, mask):
-    pt, info = AutoModelForSequenceClassification.from_pretrained(folder, trust_remote_code=True,
-                                                                  output_loading_info=True)
+    pt, info = AutoModelForSequenceClassification.from_pretrained(
+        folder, trust_remote_code=True, output_loading_info=True
+    )
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     with torch.no_grad():
         return pt.eval()(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()
@@ -89,9 +103,17 @@ def _torch_logits(folder, ids, mask):
 
 def _check(folders, tmp_path, arch, side, pooler, head, pooler_options=None, head_options=None):
     src, cfg = folders(arch)
-    model = _perturbed(fh.from_pretrained(src, pooler=pooler, head=head, pooler_options=pooler_options or None,
-                                          head_options=head_options or None, num_labels=3,
-                                          ignore_mismatched_sizes=True))
+    model = _perturbed(
+        fh.from_pretrained(
+            src,
+            pooler=pooler,
+            head=head,
+            pooler_options=pooler_options or None,
+            head_options=head_options or None,
+            num_labels=3,
+            ignore_mismatched_sizes=True,
+        )
+    )
     out = tmp_path / "out"
     fh.interop.export_transformers(model, out)
     ids, mask = padded_batch(arch, cfg, side)
@@ -130,8 +152,9 @@ def test_folder_contents_and_import_without_its_code(folders, tmp_path):
     flaxheads reads it back with the Python file gone (it never runs it); the multi-label threshold
     is recorded."""
     src, cfg = folders("bert")
-    model = _perturbed(fh.from_pretrained(src, pooler="max", head="mlp", id2label=["a", "b", "c"],
-                                          problem_type=fh.losses.MULTI_LABEL))
+    model = _perturbed(
+        fh.from_pretrained(src, pooler="max", head="mlp", id2label=["a", "b", "c"], problem_type=fh.losses.MULTI_LABEL)
+    )
     fh.interop.export_transformers(model, tmp_path / "out", threshold=0.3)
     raw = json.loads((tmp_path / "out" / "config.json").read_text())
     model_class = raw["auto_map"]["AutoModelForSequenceClassification"]
@@ -153,8 +176,9 @@ def test_folder_contents_and_import_without_its_code(folders, tmp_path):
 
     os.remove(tmp_path / "out" / CODE_FILE)
     back = fh.interop.load_transformers(tmp_path / "out")
-    np.testing.assert_array_equal(np.asarray(back.apply(back.params, ids, mask)),
-                                  np.asarray(model.apply(model.params, ids, mask)))
+    np.testing.assert_array_equal(
+        np.asarray(back.apply(back.params, ids, mask)), np.asarray(model.apply(model.params, ids, mask))
+    )
     assert back.id2label == {0: "a", 1: "b", 2: "c"} and back.problem_type == fh.losses.MULTI_LABEL
 
 
@@ -165,15 +189,17 @@ def test_lora_model_exports_merged(folders, tmp_path):
     model.params = {**model.params, "lora": jax.tree.map(lambda x: np.asarray(x) + 0.1, model.params["lora"])}
     fh.interop.export_transformers(model, tmp_path / "out")
     ids, mask = padded_batch("bert", cfg)
-    np.testing.assert_allclose(_torch_logits(tmp_path / "out", ids, mask),
-                               np.asarray(model.apply(model.params, ids, mask)), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(
+        _torch_logits(tmp_path / "out", ids, mask), np.asarray(model.apply(model.params, ids, mask)), atol=1e-5, rtol=0
+    )
 
 
 @pytest.mark.legacy
 def test_broken_folders_say_what_is_wrong(folders, tmp_path):
     src, _ = folders("bert")
-    fh.interop.export_transformers(_perturbed(fh.from_pretrained(src, pooler="attention", head="linear")),
-                                   tmp_path / "out")
+    fh.interop.export_transformers(
+        _perturbed(fh.from_pretrained(src, pooler="attention", head="linear")), tmp_path / "out"
+    )
     raw = json.loads((tmp_path / "out" / "config.json").read_text())
     raw["sequence_head"]["head"]["num_labels"] = 5
     (tmp_path / "out" / "config.json").write_text(json.dumps(raw))
@@ -190,14 +216,22 @@ def test_head_only_source_cannot_be_a_transformers_folder(folders, tmp_path):
         fh.interop.export_transformers(model, tmp_path / "out")
 
 
-@pytest.mark.skipif(not __import__("flaxheads.backbones.hf_flax", fromlist=["available"]).available(),
-                    reason="HF Flax models need transformers < 5")
+@pytest.mark.skipif(
+    not __import__("flaxheads.backbones.hf_flax", fromlist=["available"]).available(),
+    reason="HF Flax models need transformers < 5",
+)
 @pytest.mark.legacy
 def test_backbone_without_native_family_is_refused(tmp_path):
     """A backbone on HF's Flax code: no transformers folder (nothing checks it against PyTorch's AutoModel)."""
     tiny_torch_model("bert").save_pretrained(tmp_path / "src", safe_serialization=True)
-    model = fh.from_pretrained(tmp_path / "src", pooler="mean", head="linear", num_labels=3,
-                               implementation="hf_flax", ignore_mismatched_sizes=True)
+    model = fh.from_pretrained(
+        tmp_path / "src",
+        pooler="mean",
+        head="linear",
+        num_labels=3,
+        implementation="hf_flax",
+        ignore_mismatched_sizes=True,
+    )
     with pytest.raises(ExportError, match="no native flaxheads family"):
         fh.interop.export_transformers(model, tmp_path / "out")
     assert not (tmp_path / "out").exists()

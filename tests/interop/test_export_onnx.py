@@ -1,6 +1,7 @@
 """``--format onnx``: onnxruntime runs ``model.onnx`` with flaxheads' logits (within 1e-4) on padded
 batches of other sizes than the traced one, for HF presets and custom poolers + heads on BERT,
 RoBERTa, DeBERTa-v3, ModernBERT and a left-padded decoder; the folder carries labels and tokenizer."""
+
 import json
 
 import jax
@@ -10,16 +11,23 @@ import pytest
 pytest.importorskip("torch")
 ort = pytest.importorskip("onnxruntime", reason="onnxruntime is not installed on this stack")
 
-import flaxheads as fh  # noqa: E402
 from hf_tiny import padded_batch, tiny_torch_model  # noqa: E402
+
+import flaxheads as fh  # noqa: E402
 
 #: (arch, padding side, pooler, head, head options); pooler None = the family's HF preset. The legacy
 #: stack (torch 2.13's exporter) runs an encoder preset, a decoder preset and a custom pooler + head;
 #: the newest stack runs them all.
 CASES = [
     pytest.param("bert", "right", None, None, {}, marks=pytest.mark.legacy),
-    pytest.param("bert", "right", ["cls", "attention"], "mlp", {"hidden_dims": (16,), "layer_norm": True},
-                 marks=pytest.mark.legacy),
+    pytest.param(
+        "bert",
+        "right",
+        ["cls", "attention"],
+        "mlp",
+        {"hidden_dims": (16,), "layer_norm": True},
+        marks=pytest.mark.legacy,
+    ),
     ("roberta", "right", "max", "linear", {}),
     ("deberta-v2", "right", None, None, {}),
     ("modernbert", "right", "weighted_mean", "projection", {"features": 3, "normalize": True}),
@@ -36,13 +44,22 @@ def _run(folder, names, ids, mask):
 
 
 @pytest.mark.full  # export round trips through onnxruntime
-@pytest.mark.parametrize("arch,side,pooler,head,options", CASES,
-                         ids=[f"{c[0]}-{c[3] or 'preset'}" for c in (getattr(c, "values", c) for c in CASES)])
+@pytest.mark.parametrize(
+    "arch,side,pooler,head,options",
+    CASES,
+    ids=[f"{c[0]}-{c[3] or 'preset'}" for c in (getattr(c, "values", c) for c in CASES)],
+)
 def test_onnxruntime_logits_equal_flaxheads(arch, side, pooler, head, options, tmp_path):
     over = {"pooler_hidden_act": "gelu"} if arch == "deberta-v2" else {}
     tiny_torch_model(arch, num_labels=3, seed=4, **over).save_pretrained(tmp_path / "src", safe_serialization=True)
-    model = fh.from_pretrained(tmp_path / "src", pooler=pooler, head=head, head_options=options or None,
-                               id2label=["x", "y", "z"], ignore_mismatched_sizes=True)
+    model = fh.from_pretrained(
+        tmp_path / "src",
+        pooler=pooler,
+        head=head,
+        head_options=options or None,
+        id2label=["x", "y", "z"],
+        ignore_mismatched_sizes=True,
+    )
     fh.interop.export_onnx(model, tmp_path / "onnx")
     cfg = json.loads((tmp_path / "onnx" / "config.json").read_text())
     assert cfg["id2label"] == {"0": "x", "1": "y", "2": "z"} and cfg["problem_type"] == model.problem_type
@@ -61,7 +78,9 @@ def test_onnxruntime_logits_equal_flaxheads(arch, side, pooler, head, options, t
 @pytest.mark.legacy
 def test_onnx_folder_is_not_read_back_as_weights(tmp_path):
     tiny_torch_model("bert", num_labels=2).save_pretrained(tmp_path / "src", safe_serialization=True)
-    fh.interop.export_onnx(fh.from_pretrained(tmp_path / "src", pooler="mean", head="linear",
-                                              ignore_mismatched_sizes=True), tmp_path / "onnx")
+    fh.interop.export_onnx(
+        fh.from_pretrained(tmp_path / "src", pooler="mean", head="linear", ignore_mismatched_sizes=True),
+        tmp_path / "onnx",
+    )
     with pytest.raises(fh.FlaxheadsError, match="ONNX export.*onnxruntime"):
         fh.interop.load_transformers(tmp_path / "onnx")

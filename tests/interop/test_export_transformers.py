@@ -1,6 +1,7 @@
 """flaxheads <-> PyTorch transformers: every HF-exact preset exports to a folder that
 ``AutoModelForSequenceClassification`` loads with no missing/unexpected keys and the same
 logits, imports back with identical params; heads without a Flax backbone export head-only."""
+
 import json
 import os
 
@@ -11,15 +12,15 @@ torch = pytest.importorskip("torch")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from hf_tiny import padded_batch, tiny_torch_model  # noqa: E402
 from transformers import AutoModelForSequenceClassification  # noqa: E402
 
 import flaxheads as fh  # noqa: E402
+from flaxheads.backbones.registry import family_for  # noqa: E402
+from flaxheads.heads import linen  # noqa: E402
 from flaxheads.heads.presets import preset_for  # noqa: E402
 from flaxheads.interop.head_files import load_head_export  # noqa: E402
-from flaxheads.heads import linen  # noqa: E402
-from flaxheads.backbones.registry import family_for  # noqa: E402
 from flaxheads.interop.transformers import ExportError  # noqa: E402
-from hf_tiny import padded_batch, tiny_torch_model  # noqa: E402
 
 pytestmark = pytest.mark.legacy
 
@@ -102,8 +103,13 @@ def test_tokenizer_files_are_copied(tmp_path):
 def test_head_sentence_transformers_cannot_express_points_to_head_export(tmp_path):
     pt = tiny_torch_model("bert")
     pt.save_pretrained(tmp_path / "src", safe_serialization=True)
-    model = fh.from_pretrained(tmp_path / "src", pooler=["mean", "attention"], head="mlp",
-                               head_options={"hidden_dims": (16,), "layer_norm": True}, num_labels=3)
+    model = fh.from_pretrained(
+        tmp_path / "src",
+        pooler=["mean", "attention"],
+        head="mlp",
+        head_options={"hidden_dims": (16,), "layer_norm": True},
+        num_labels=3,
+    )
     with pytest.raises(ExportError, match="format='head'"):
         fh.interop.export_sentence_transformers(model, tmp_path / "out")
     assert not (tmp_path / "out").exists()
@@ -151,8 +157,9 @@ def _run_torch_head(pt, arch, hidden, mask):
         return pt(input_ids=ids, attention_mask=torch.tensor(mask)).logits.numpy()
 
 
-@pytest.mark.parametrize("arch,over", [("xlnet", {}), ("deberta-v2", {}),
-                                       ("modernbert", {"classifier_pooling": "mean"})])
+@pytest.mark.parametrize(
+    "arch,over", [("xlnet", {}), ("deberta-v2", {}), ("modernbert", {"classifier_pooling": "mean"})]
+)
 def test_head_only_export_loads_into_pytorch_head(arch, over, tmp_path):
     """No Flax backbone for these: the head export must load into the PyTorch head modules
     (strict on the head's names) and give the same logits on the same hidden states."""
@@ -164,8 +171,13 @@ def test_head_only_export_loads_into_pytorch_head(arch, over, tmp_path):
     mask = np.array([[1] * 7, [1] * 4 + [0] * 3, [1] * 2 + [0] * 5])
     params = linen.module(head).init(jax.random.PRNGKey(3), jnp.asarray(hidden), jnp.asarray(mask))["params"]
     params = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.PRNGKey(4), x.shape), params)
-    fh.interop.export_head(head, tmp_path / "head", params=params, hf_names=preset.hf_names,
-                   meta={"arch": arch, "num_labels": pt.config.num_labels})
+    fh.interop.export_head(
+        head,
+        tmp_path / "head",
+        params=params,
+        hf_names=preset.hf_names,
+        meta={"arch": arch, "num_labels": pt.config.num_labels},
+    )
     from safetensors.torch import load_file
 
     res = pt.load_state_dict(load_file(tmp_path / "head" / "head.safetensors"), strict=False)
@@ -197,8 +209,13 @@ def test_export_needs_no_torch(tmp_path):
     pt = tiny_torch_model("bert", seed=6)
     pt.save_pretrained(tmp_path / "src", safe_serialization=True)
     (tmp_path / "src" / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a"]))
-    r = subprocess.run([sys.executable, "-c", _NO_TORCH, str(tmp_path / "src"), str(tmp_path / "out")],
-                       capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", _NO_TORCH, str(tmp_path / "src"), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     pt2, info = AutoModelForSequenceClassification.from_pretrained(tmp_path / "out" / "pt", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]

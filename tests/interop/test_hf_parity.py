@@ -1,16 +1,17 @@
 """Every HF-exact preset gives PyTorch transformers' logits on the same weights."""
+
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
 import jax.numpy as jnp  # noqa: E402
+from hf_tiny import padded_batch, tiny_torch_model  # noqa: E402
 
 import flaxheads as fh  # noqa: E402
-from flaxheads.heads.presets import preset_for  # noqa: E402
 from flaxheads.backbones.weights import head_from_hf  # noqa: E402
 from flaxheads.heads import linen
-from hf_tiny import padded_batch, tiny_torch_model  # noqa: E402
+from flaxheads.heads.presets import preset_for  # noqa: E402
 
 pytestmark = pytest.mark.legacy
 
@@ -50,17 +51,20 @@ def _run_torch_head(pt, arch, hidden, mask):
         return pt(input_ids=ids, attention_mask=torch.tensor(mask)).logits.numpy()
 
 
-@pytest.mark.parametrize("arch,over", [
-    ("xlnet", {}),
-    # no activation: None where the config allows it (transformers 4), "linear" where it must be a str (5)
-    ("xlnet", {"summary_type": "mean", "summary_activation": None if TRANSFORMERS_4 else "linear"}),
-    ("xlnet", {"summary_type": "first", "summary_use_proj": False}),
-    ("xlnet", {"summary_type": "cls_index", "summary_first_dropout": 0.1}),
-    ("deberta-v2", {}),
-    ("deberta-v2", {"pooler_hidden_act": "tanh"}),
-    ("modernbert", {"classifier_pooling": "cls"}),
-    ("modernbert", {"classifier_pooling": "mean", "classifier_bias": True, "norm_bias": True}),
-])
+@pytest.mark.parametrize(
+    "arch,over",
+    [
+        ("xlnet", {}),
+        # no activation: None where the config allows it (transformers 4), "linear" where it must be a str (5)
+        ("xlnet", {"summary_type": "mean", "summary_activation": None if TRANSFORMERS_4 else "linear"}),
+        ("xlnet", {"summary_type": "first", "summary_use_proj": False}),
+        ("xlnet", {"summary_type": "cls_index", "summary_first_dropout": 0.1}),
+        ("deberta-v2", {}),
+        ("deberta-v2", {"pooler_hidden_act": "tanh"}),
+        ("modernbert", {"classifier_pooling": "cls"}),
+        ("modernbert", {"classifier_pooling": "mean", "classifier_bias": True, "norm_bias": True}),
+    ],
+)
 def test_head_on_hidden_states_matches_pytorch(arch, over):
     pt = tiny_torch_model(arch, **over)
     preset = preset_for(pt.config, pt.config.num_labels)
@@ -69,6 +73,7 @@ def test_head_on_hidden_states_matches_pytorch(arch, over):
     hidden = rng.normal(size=(3, 7, pt.config.hidden_size)).astype(np.float32)
     mask = np.array([[1] * 7, [1] * 4 + [0] * 3, [1] * 2 + [0] * 5])
     import jax
+
     init = linen.module(head).init(jax.random.PRNGKey(0), jnp.asarray(hidden), jnp.asarray(mask))["params"]
     state = {k: v.numpy() for k, v in pt.state_dict().items()}
     params, loaded, new = head_from_hf(init, preset.hf_names, state)
@@ -94,7 +99,9 @@ def test_gpt2_without_pad_token_is_a_clear_error(tmp_path):
     model = fh.from_pretrained(tmp_path, pool_mask="attention_mask")
     assert model.pool_mask == "attention_mask"
     # GPT-2's head weights still load, but pooled by the attention mask it is not GPT2ForSequenceClassification
-    assert model.arch is None and model.hf_names == () and [p for p, _ in model.report.pretrained] == ["head/classifier"]
+    assert (
+        model.arch is None and model.hf_names == () and [p for p, _ in model.report.pretrained] == ["head/classifier"]
+    )
     # so it exports with flaxheads' own PyTorch code instead of GPT-2's class
     fh.interop.export_transformers(model, tmp_path / "out")
     assert (tmp_path / "out" / "modeling_flaxheads.py").is_file()

@@ -1,5 +1,6 @@
 """Importing PyTorch folders: pytorch_model.bin through torch.load(weights_only=True) only,
 and every bad input a clear error with nothing half-written."""
+
 import json
 import os
 
@@ -9,11 +10,11 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import jax.numpy as jnp  # noqa: E402
+from hf_tiny import padded_batch, tiny_torch_model  # noqa: E402
 from safetensors.numpy import load_file, save_file  # noqa: E402
 
 import flaxheads as fh  # noqa: E402
 from flaxheads.interop import transformers as tf_folder  # noqa: E402
-from hf_tiny import padded_batch, tiny_torch_model  # noqa: E402
 
 pytestmark = pytest.mark.legacy
 
@@ -45,8 +46,9 @@ def test_pytorch_model_bin_imports_with_same_logits(tmp_path):
     assert (tmp_path / "pytorch_model.bin").exists() and not (tmp_path / "model.safetensors").exists()
     model = fh.interop.load_transformers(tmp_path)
     ids, mask = padded_batch("distilbert", pt.config)
-    np.testing.assert_allclose(np.asarray(model(jnp.asarray(ids), jnp.asarray(mask))), _logits(pt, ids, mask),
-                               atol=1e-4, rtol=0)
+    np.testing.assert_allclose(
+        np.asarray(model(jnp.asarray(ids), jnp.asarray(mask))), _logits(pt, ids, mask), atol=1e-4, rtol=0
+    )
     # and out again as safetensors: a bin -> safetensors conversion
     fh.interop.export_transformers(model, tmp_path / "out")
     from transformers import AutoModelForSequenceClassification
@@ -72,8 +74,9 @@ def test_pickle_that_is_not_a_plain_state_dict_is_refused(bert, tmp_path, payloa
     d.mkdir()
     (d / "config.json").write_text((src / "config.json").read_text())
     marker = tmp_path / "pwned"
-    obj = {"evil": {"x": _Evil(str(marker))}, "module": pt.classifier,
-           "nested": {"state_dict": pt.state_dict()}}[payload]
+    obj = {"evil": {"x": _Evil(str(marker))}, "module": pt.classifier, "nested": {"state_dict": pt.state_dict()}}[
+        payload
+    ]
     torch.save(obj, d / "pytorch_model.bin")
     with pytest.raises(ValueError, match="refused to load|flat state dict") as e:
         fh.interop.load_transformers(d)
@@ -103,8 +106,9 @@ def test_mismatched_shapes(bert, tmp_path):
     _, src = bert
     d = _copy(src, tmp_path / "m")
     state = load_file(src / "model.safetensors")
-    bad = dict(state, **{"classifier.weight": np.zeros((5, 32), np.float32),
-                         "classifier.bias": np.zeros(5, np.float32)})
+    bad = dict(
+        state, **{"classifier.weight": np.zeros((5, 32), np.float32), "classifier.bias": np.zeros(5, np.float32)}
+    )
     save_file(bad, d / "model.safetensors")
     with pytest.raises(ValueError, match=r"classifier has shape \(32, 5\).*needs \(32, 3\).*ignore_mismatched_sizes"):
         fh.interop.load_transformers(d)

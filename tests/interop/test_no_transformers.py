@@ -1,5 +1,6 @@
 """With transformers not importable, flaxheads still tokenises (tokenizer.json), trains, saves a head
 checkpoint and exports; PyTorch transformers then loads the export with the trained logits."""
+
 import json
 import os
 import subprocess
@@ -9,9 +10,8 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-from transformers import AutoModelForSequenceClassification, AutoTokenizer  # noqa: E402
-
 from train_helpers import tiny_bert_folder  # noqa: E402
+from transformers import AutoModelForSequenceClassification, AutoTokenizer  # noqa: E402
 
 pytestmark = pytest.mark.legacy
 
@@ -60,8 +60,13 @@ def test_tokenize_train_checkpoint_export_without_transformers(tmp_path):
     src = tiny_bert_folder(tmp_path / "src")
     assert os.path.isfile(os.path.join(src, "tokenizer.json"))
     out = tmp_path / "out"
-    r = subprocess.run([sys.executable, "-c", _SCRIPT, src, str(out), json.dumps(TEXTS)], capture_output=True,
-                       text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=900)
+    r = subprocess.run(
+        [sys.executable, "-c", _SCRIPT, src, str(out), json.dumps(TEXTS)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        timeout=900,
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     got = np.load(out / "result.npz")
     ref = AutoTokenizer.from_pretrained(src)(TEXTS, padding=True, truncation=True, return_tensors="np")

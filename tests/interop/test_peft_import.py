@@ -2,6 +2,7 @@
 ``modules_to_save``) loads on its base folder with ``PeftModel``'s logits, a BERT-like and a
 left-padded decoder family; it exports back to PEFT with the same logits; an adapter whose base
 is missing says so."""
+
 import json
 import shutil
 
@@ -11,10 +12,10 @@ import pytest
 torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft", reason="peft is not installed on this stack")
 
+from hf_tiny import padded_batch, tiny_torch_model  # noqa: E402
 from transformers import AutoModelForSequenceClassification  # noqa: E402
 
 import flaxheads as fh  # noqa: E402
-from hf_tiny import padded_batch, tiny_torch_model  # noqa: E402
 
 pytestmark = pytest.mark.legacy
 
@@ -34,8 +35,9 @@ def adapter(request, tmp_path_factory):
     tiny_torch_model(arch, num_labels=2, seed=3).save_pretrained(d / "base", safe_serialization=True)
     torch.manual_seed(0)
     base = AutoModelForSequenceClassification.from_pretrained(d / "base", num_labels=3, ignore_mismatched_sizes=True)
-    model = peft.get_peft_model(base, peft.LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8, lora_dropout=0.0,
-                                                      target_modules=TARGETS[arch]))
+    model = peft.get_peft_model(
+        base, peft.LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8, lora_dropout=0.0, target_modules=TARGETS[arch])
+    )
     with torch.no_grad():
         for _, p in model.named_parameters():
             if p.requires_grad:
@@ -60,8 +62,9 @@ def test_logits_equal_peft_and_export_round_trips(adapter, tmp_path):
     cfg = json.loads((tmp_path / "again" / "adapter_config.json").read_text())
     assert cfg["base_model_name_or_path"] == str(base)
     fresh = AutoModelForSequenceClassification.from_pretrained(base, num_labels=3, ignore_mismatched_sizes=True)
-    np.testing.assert_allclose(_logits(peft.PeftModel.from_pretrained(fresh, tmp_path / "again"), ids, mask), ref,
-                               atol=1e-5, rtol=0)
+    np.testing.assert_allclose(
+        _logits(peft.PeftModel.from_pretrained(fresh, tmp_path / "again"), ids, mask), ref, atol=1e-5, rtol=0
+    )
 
 
 def test_base_from_option_and_missing_base(adapter, tmp_path):
@@ -74,5 +77,6 @@ def test_base_from_option_and_missing_base(adapter, tmp_path):
         fh.interop.load_peft(moved)
     ids, mask = padded_batch(arch, pm.config)
     model = fh.interop.load_transformers(moved, backbone=base)  # the transformers import routes adapters here too
-    np.testing.assert_allclose(np.asarray(model.apply(model.params, ids, mask)), _logits(pm, ids, mask),
-                               atol=1e-5, rtol=0)
+    np.testing.assert_allclose(
+        np.asarray(model.apply(model.params, ids, mask)), _logits(pm, ids, mask), atol=1e-5, rtol=0
+    )

@@ -2,11 +2,11 @@
 transformers ``XForSequenceClassification`` with ``num_labels=1`` (a decoder family's last-token
 ``score`` head) and a reranker as a sentence-transformers ``CrossEncoder`` folder, each giving
 the flaxheads scores."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from hf_tiny import padded_batch, tiny_torch_model
 
 pytestmark = pytest.mark.legacy
@@ -21,8 +21,9 @@ def perturbed(params, seed: int) -> dict:
 
     leaves, tree = jax.tree.flatten(jax.device_get(params))
     rng = np.random.default_rng(seed)
-    return jax.tree.unflatten(tree, [np.asarray(x) + 0.05 * rng.standard_normal(np.shape(x)).astype(np.float32)
-                                     for x in leaves])
+    return jax.tree.unflatten(
+        tree, [np.asarray(x) + 0.05 * rng.standard_normal(np.shape(x)).astype(np.float32) for x in leaves]
+    )
 
 
 def test_reward_model_exports_as_sequence_classification_with_one_label(tmp_path):
@@ -48,8 +49,12 @@ def test_reward_model_exports_as_sequence_classification_with_one_label(tmp_path
     np.testing.assert_allclose(ours, ref, atol=1e-5)
 
 
-PAIRS = [("stock market falls", "the bank share profit fell"), ("goal match", "team player score goal match again"),
-         ("film award", "vote"), ("phone", "computer software internet game phone music actor award song")]
+PAIRS = [
+    ("stock market falls", "the bank share profit fell"),
+    ("goal match", "team player score goal match again"),
+    ("film award", "vote"),
+    ("phone", "computer software internet game phone music actor award song"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -118,8 +123,14 @@ def test_non_preset_heads_export_as_modular_cross_encoder(bert_folder, tmp_path,
     from flaxheads.model.pretrained import from_pretrained
     from flaxheads.predict import Classifier
 
-    model = from_pretrained(bert_folder, pooler=pooler, head=head, num_labels=1, problem_type="regression",
-                            head_options={"hidden_dims": (8,)} if head == "mlp" else None)
+    model = from_pretrained(
+        bert_folder,
+        pooler=pooler,
+        head=head,
+        num_labels=1,
+        problem_type="regression",
+        head_options={"hidden_dims": (8,)} if head == "mlp" else None,
+    )
     assert not is_preset(model)
     out = export_cross_encoder(model, tmp_path / "ce")
     ours = Classifier.from_model(model, bert_folder).score(PAIRS)

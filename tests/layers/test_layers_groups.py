@@ -3,19 +3,19 @@ the same values and gradients as one pass over the batch.
 
 A compute plan built from oneDNN's flags changes the arrangement traced (groups, plain attention),
 not the XLA running it."""
-from __future__ import annotations
 
-import numpy as np
-import pytest
+from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
-from flaxheads.runtime import ComputePlan
-from flaxheads.runtime.xla_flags import ONEDNN_ALONE_FLAGS
 from flaxheads.layers import attention
 from flaxheads.layers.attention import attend_chunked, attend_plain, attention_groups
 from flaxheads.layers.masks import mask_bias, segment_bias
+from flaxheads.runtime import ComputePlan
+from flaxheads.runtime.xla_flags import ONEDNN_ALONE_FLAGS
 
 B, T, NH, D = 4, 768, 4, 8  # 37.7 MB of float32 scores: past the 32 MiB where groups start
 
@@ -33,12 +33,12 @@ def onednn(monkeypatch):
 def test_groups_only_with_onednn_dots_and_large_scores(onednn):
     f32 = jnp.float32
     assert attention_groups(32, 12, 256, 256, f32, _plan("")) == 1
-    assert attention_groups(32, 12, 256, 256, f32, onednn) == 16   # 100 MB: groups of 2 rows, ~6 MB each
+    assert attention_groups(32, 12, 256, 256, f32, onednn) == 16  # 100 MB: groups of 2 rows, ~6 MB each
     assert attention_groups(128, 12, 128, 128, f32, onednn) == 16  # 100 MB: 13 groups wanted, 16 divides the batch
-    assert attention_groups(32, 12, 128, 128, f32, onednn) == 1    # 25 MB: one pass
+    assert attention_groups(32, 12, 128, 128, f32, onednn) == 1  # 25 MB: one pass
     assert attention_groups(8, 12, 256, 256, f32, onednn) == 1
-    assert attention_groups(30, 12, 256, 256, f32, onednn) == 15   # 94 MB: 12 wanted, the next divisor of 30
-    assert attention_groups(31, 12, 256, 256, f32, onednn) == 31   # a prime batch: one row per group
+    assert attention_groups(30, 12, 256, 256, f32, onednn) == 15  # 94 MB: 12 wanted, the next divisor of 30
+    assert attention_groups(31, 12, 256, 256, f32, onednn) == 31  # a prime batch: one row per group
     assert attention_groups(B, NH, T, T, f32, onednn) == B
     assert attention_groups(32, 12, 256, 256, jnp.bfloat16, onednn) == 1  # measured slower in bf16
 
@@ -64,6 +64,7 @@ def test_grouped_attention_equals_one_pass(onednn, segments):
 
     def loss(f):
         return lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v)))
+
     g1 = jax.jit(jax.grad(loss(grouped), argnums=(0, 1, 2)))(q, k, v)
     g2 = jax.jit(jax.grad(loss(whole), argnums=(0, 1, 2)))(q, k, v)
     for a, b in zip(g1, g2):
@@ -84,6 +85,7 @@ def test_grouped_self_attention_equals_one_pass(onednn):
 
     def grouped(x, w):
         return attention.self_attention(x, w, b, bias, num_heads=NH, batch=B, plan=onednn)
+
     assert " scan[" in str(jax.make_jaxpr(grouped)(x, w))
     np.testing.assert_allclose(jax.jit(grouped)(x, w), jax.jit(one_pass)(x, w), atol=2e-6, rtol=1e-5)
     gg = jax.jit(jax.grad(lambda x, w: jnp.sum(grouped(x, w) ** 2), argnums=(0, 1)))(x, w)
@@ -97,7 +99,9 @@ def test_grouped_dropout_is_deterministic_and_differs_per_group(onednn):
     q, k = (jnp.asarray(np.repeat(r.normal(size=(1, T, NH, D)), B, axis=0), jnp.float32) for _ in range(2))
     v = jnp.ones_like(q)  # every output element is the kept probability mass of its row
     bias = mask_bias(jnp.ones((B, T), jnp.int32), jnp.float32)
-    assert attention_groups(B, NH, T, T, jnp.float32, onednn) == B  # one row per group: the rows differ only by their group
+    assert (
+        attention_groups(B, NH, T, T, jnp.float32, onednn) == B
+    )  # one row per group: the rows differ only by their group
     f = jax.jit(lambda rng: attend_chunked(q, k, v, bias, plan=onednn, rate=0.5, rng=rng))
     a = np.asarray(f(jax.random.key(0)))
     np.testing.assert_array_equal(a, f(jax.random.key(0)))

@@ -1,23 +1,24 @@
 """bfloat16 activations keep their statistics in float32, as PyTorch's autocast does: LayerNorm's
 mean and variance, the attention softmax's max, exp and sum. Params stay float32."""
-from __future__ import annotations
 
-import numpy as np
-import pytest
+from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
-from flaxheads.runtime import ComputePlan
 from flaxheads.layers.attention import attend
 from flaxheads.layers.dense import matmul
 from flaxheads.layers.masks import mask_bias
 from flaxheads.layers.norms import layer_norm
+from flaxheads.runtime import ComputePlan
 
 H = 16
 
 
 PLAN = ComputePlan.for_host(backend="cpu", xla_flags="")  # XLA's defaults: the CPU-tuned attention
+
 
 def _x(dtype):
     r = np.random.default_rng(0)
@@ -40,7 +41,8 @@ def test_bf16_layer_norm_is_the_float32_one_rounded_once():
     ct = _x(jnp.bfloat16)[::-1]
     gx, gs = jax.grad(lambda x, s: jnp.vdot(layer_norm(x, s, bias, 1e-12).astype(jnp.float32), ct), (0, 1))(x, scale)
     wx, ws = jax.grad(lambda x, s: jnp.vdot(layer_norm(x, s, bias, 1e-12), ct.astype(jnp.float32)), (0, 1))(
-        x.astype(jnp.float32), scale)
+        x.astype(jnp.float32), scale
+    )
     assert gx.dtype == jnp.bfloat16 and gs.dtype == jnp.float32
     np.testing.assert_array_equal(np.asarray(gx, np.float32), np.asarray(wx.astype(jnp.bfloat16), np.float32))
     np.testing.assert_allclose(gs, ws, rtol=1e-2, atol=1e-2)  # scale's gradient sums bf16-rounded products
@@ -73,7 +75,9 @@ def test_bf16_attention_softmax_runs_in_float32(impl):
     assert {name for name, _ in found} >= {"exp", "reduce_max", "reduce_sum"}, found
     assert all(dt == jnp.float32 for _, dt in found), found
     out = attend(q, k, v, bias, 0.0, None, plan=PLAN, impl=impl)
-    want = attend(*(a.astype(jnp.float32) for a in (q, k, v)), bias.astype(jnp.float32), 0.0, None, plan=PLAN, impl=impl)
+    want = attend(
+        *(a.astype(jnp.float32) for a in (q, k, v)), bias.astype(jnp.float32), 0.0, None, plan=PLAN, impl=impl
+    )
     assert out.dtype == jnp.bfloat16
     # only the P.V operand and the output are rounded to bf16: within a few bf16 ulps of float32
     np.testing.assert_allclose(np.asarray(out, np.float32), want, atol=2e-2)
@@ -88,11 +92,12 @@ def test_bf16_layer_norm_matches_pytorch_autocast():
     x = _x(jnp.bfloat16)
     tx = torch.from_numpy(np.asarray(x, np.float32)).to(torch.bfloat16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        want = torch.nn.functional.layer_norm(tx, (H,), torch.from_numpy(np.asarray(scale)),
-                                              torch.from_numpy(np.asarray(bias)), 1e-12)
+        want = torch.nn.functional.layer_norm(
+            tx, (H,), torch.from_numpy(np.asarray(scale)), torch.from_numpy(np.asarray(bias)), 1e-12
+        )
     got = np.asarray(layer_norm(x, scale, bias, 1e-12), np.float32)
     want = want.to(torch.bfloat16).float().numpy()
-    np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=1e-6)
+    np.testing.assert_allclose(got, want, rtol=2**-7, atol=1e-6)
 
 
 def _matmul_operands():
@@ -161,10 +166,12 @@ plan = ComputePlan.for_host()  # this process's flags
 
 def loss(x, kernel, q, k, v):
     y, a = matmul(x, kernel, plan), attend(q, k, v, bias, 0.0, None, plan=plan)
-    return (y * y).astype(jnp.float32).sum() + (a * a).astype(jnp.float32).sum()  # (a convert right after a dot becomes its output type)
+    # (a convert right after a dot becomes its output type)
+    return (y * y).astype(jnp.float32).sum() + (a * a).astype(jnp.float32).sum()
 
 def loss32(x, kernel, q, k, v):
-    return ((x @ kernel) ** 2).sum() + (attend(q, k, v, bias.astype(jnp.float32), 0.0, None, plan=plan, impl="plain") ** 2).sum()
+    a = attend(q, k, v, bias.astype(jnp.float32), 0.0, None, plan=plan, impl="plain")
+    return ((x @ kernel) ** 2).sum() + (a**2).sum()
 
 args = (x, kernel, q, k, v)
 grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
@@ -202,7 +209,9 @@ def test_onednn_dots_keep_bf16_outputs_and_the_gradients(flags):
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     if not out["calls"]:
-        pytest.skip("this jaxlib's XLA:CPU made no oneDNN matmul calls with these flags (jax 0.10, or a build without oneDNN)")
+        pytest.skip(
+            "this jaxlib's XLA:CPU made no oneDNN matmul calls with these flags (jax 0.10, or a build without oneDNN)"
+        )
     # the forward arrangement; a differentiated program runs the plain one's derivative either way
     assert out["impl"] == ("plain" if flags == "ONEDNN_ALONE_FLAGS" else "ynn")
     # forward, dx, dW of the dense layer; scores, P.V and their four gradients in attention

@@ -7,6 +7,7 @@ rewrite that goes wrong shows only in the gradients (jaxlib 0.12 once fused a GE
 pre-activation the derivative still read, and the forward stayed exact). Each side runs in its own
 process, since XLA reads its flags once; the models are PyTorch's (random, small but above
 oneDNN's size threshold of 2^24 flops per product)."""
+
 from __future__ import annotations
 
 import json
@@ -14,10 +15,9 @@ import os
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
-
-import jax
 
 from flaxheads.runtime.cpu import CpuInfo
 from flaxheads.runtime.xla_flags import ONEDNN_FLAGS
@@ -25,8 +25,10 @@ from tests.hf_tiny import save_tiny
 
 #: flaxheads chooses these flags only on CPUs with AMX (``host.xla_flags.cpu_xla_flags``): elsewhere no
 #: program of its runs oneDNN's dots, and the check would spend minutes on flags nobody gets
-pytestmark = [pytest.mark.full,
-              pytest.mark.skipif(not CpuInfo.read().amx, reason="oneDNN's dots are chosen only on CPUs with AMX")]
+pytestmark = [
+    pytest.mark.full,
+    pytest.mark.skipif(not CpuInfo.read().amx, reason="oneDNN's dots are chosen only on CPUs with AMX"),
+]
 
 #: hidden 128, feed-forward 512, 4 heads: at 8 x 64 tokens every dense product is >= 2^24 flops
 SIZES = {
@@ -72,8 +74,14 @@ print(json.dumps({"onednn_calls": calls, "attention": bb.plan.attention}))
 def _grads(jobs, out, xla_flags, what="grad"):
     env = {**os.environ, "XLA_FLAGS": xla_flags, "FLAXHEADS_XLA_DEFAULTS": "0", "JAX_PLATFORMS": "cpu"}
     env.pop("FLAXHEADS_ATTENTION", None)
-    r = subprocess.run([sys.executable, "-c", _GRADS, json.dumps(jobs), str(out), what], env=env, capture_output=True,
-                       text=True, timeout=900, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    r = subprocess.run(
+        [sys.executable, "-c", _GRADS, json.dumps(jobs), str(out), what],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1]), np.load(out)
 
@@ -83,8 +91,9 @@ def _onednn_and_xla(tmp_path, what):
     jobs = [(arch, save_tiny(tmp_path / arch, arch, **over)[0]) for arch, over in SIZES.items()]
     info, onednn = _grads(jobs, tmp_path / "onednn.npz", " ".join(ONEDNN_FLAGS), what)
     if info["onednn_calls"] == 0:
-        pytest.skip("this jaxlib's XLA:CPU made no oneDNN matmul calls with these flags (jax 0.10, or a build "
-                    "without oneDNN)")
+        pytest.skip(
+            "this jaxlib's XLA:CPU made no oneDNN matmul calls with these flags (jax 0.10, or a build without oneDNN)"
+        )
     plain, xla = _grads(jobs, tmp_path / "xla.npz", "--xla_cpu_experimental_ynn_fusion_type=", what)
     assert sorted(onednn.files) == sorted(xla.files)
     return info, plain, onednn, xla

@@ -3,6 +3,7 @@ are the reference) on a tiny BERT and a tiny Qwen3 decoder; each keeps what it s
 listing of saved residuals: save-named exactly the named attention / feed-forward outputs) and the
 compiled backward keeps less with more recomputation (XLA's memory analysis: full <= save-dots <=
 none); the names reach a run through ``--remat`` and the spec."""
+
 import contextlib
 import io
 
@@ -13,13 +14,13 @@ pytest.importorskip("torch")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from hf_tiny import padded_batch  # noqa: E402
 from jax.ad_checkpoint import print_saved_residuals  # noqa: E402
 
 from flaxheads.backbones.base import BackboneError  # noqa: E402
 from flaxheads.backbones.registry import load_backbone  # noqa: E402
 from flaxheads.errors import ConfigError, UsageError  # noqa: E402
 from flaxheads.layers.remat import REMAT_POLICIES, remat_policy  # noqa: E402
-from hf_tiny import padded_batch  # noqa: E402
 
 pytestmark = pytest.mark.full
 
@@ -66,8 +67,9 @@ def test_policies_keep_what_they_say(folders):
     path, pt = folders["bert"]
     ids, mask = padded_batch("bert", pt.config)
     saved = {policy: _saved(load_backbone(path, remat=policy), ids, mask) for policy in REMAT_POLICIES}
-    named = {p: sorted(line.split("named '")[1].split("'")[0] for line in s if "named '" in line)
-             for p, s in saved.items()}
+    named = {
+        p: sorted(line.split("named '")[1].split("'")[0] for line in s if "named '" in line) for p, s in saved.items()
+    }
     layers = pt.config.num_hidden_layers
     assert named["save-named"] == ["attention_out"] * layers + ["mlp_out"] * layers  # exactly the named outputs
     assert named["full"] == named["save-dots"] == []
@@ -93,10 +95,10 @@ def test_compiled_memory_orders_the_policies(folders):
 
 def test_names_and_flags(folders):
     from flaxheads.cli.train import build_parser, spec_from_args
-    from flaxheads.runtime import ComputePlan
     from flaxheads.run.checks import check_spec
     from flaxheads.run.program import build_model
     from flaxheads.run.spec import RunSpec
+    from flaxheads.runtime import ComputePlan
 
     assert (remat_policy(True), remat_policy(False), remat_policy(None)) == ("full", "none", "none")
     with pytest.raises(ConfigError, match="not one of none, full, save-dots, save-named"):

@@ -3,6 +3,7 @@ adapters and optimizer state stay float32 and the optimizer holds nothing of the
 forward stays within bfloat16 rounding of the float32 base; a LoRA run on it exports merged
 (transformers) and as PEFT adapters that PyTorch loads with flaxheads' logits, and checkpoints
 load it back as it was trained; a base that would be fine-tuned in bfloat16 is refused."""
+
 import numpy as np
 import pytest
 
@@ -11,18 +12,18 @@ peft = pytest.importorskip("peft")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from hf_tiny import padded_batch  # noqa: E402
 from safetensors.numpy import load_file  # noqa: E402
 from transformers import AutoModelForSequenceClassification  # noqa: E402
 
 import flaxheads as fh  # noqa: E402
-from flaxheads.model.base_dtype import base_dtype_of, resolve_base_dtype  # noqa: E402
 from flaxheads.checkpoint import RunCheckpointer  # noqa: E402
 from flaxheads.errors import TrainingError, UsageError  # noqa: E402
 from flaxheads.interop.peft import export_peft  # noqa: E402
+from flaxheads.model.base_dtype import base_dtype_of, resolve_base_dtype  # noqa: E402
 from flaxheads.model.lora import delta, merge_model  # noqa: E402
 from flaxheads.training.optim import OptimConfig, make_optimizer  # noqa: E402
 from flaxheads.training.steps import create_state, make_train_step  # noqa: E402
-from hf_tiny import padded_batch  # noqa: E402
 
 pytestmark = pytest.mark.full
 
@@ -57,12 +58,24 @@ def _logits(m, ids, mask):
 
 def _train(model, *, freeze_backbone=False, steps=3, lr=5e-2):
     ids, mask = padded_batch("bert", model.backbone.config)
-    tx = make_optimizer(OptimConfig(learning_rate=lr, head_learning_rate=lr, warmup_steps=0, total_steps=steps,
-                                    schedule="constant", freeze_backbone=freeze_backbone))
+    tx = make_optimizer(
+        OptimConfig(
+            learning_rate=lr,
+            head_learning_rate=lr,
+            warmup_steps=0,
+            total_steps=steps,
+            schedule="constant",
+            freeze_backbone=freeze_backbone,
+        )
+    )
     state = create_state(model.params, tx, freeze_backbone=freeze_backbone)
     step = jax.jit(make_train_step(model, tx, freeze_backbone=freeze_backbone))
-    batch = {"input_ids": jnp.asarray(ids), "attention_mask": jnp.asarray(mask), "labels": jnp.asarray([0, 1, 2]),
-             "weights": jnp.ones(3)}
+    batch = {
+        "input_ids": jnp.asarray(ids),
+        "attention_mask": jnp.asarray(mask),
+        "labels": jnp.asarray([0, 1, 2]),
+        "weights": jnp.ones(3),
+    }
     for _ in range(steps):
         state, _ = step(state, batch)
     return state, ids, mask
@@ -151,14 +164,13 @@ def test_frozen_bf16_base_head_only_and_fine_tune_refused(bert):
 
 def test_run_spec_and_flag(bert):
     from flaxheads.cli.train import build_parser, spec_from_args
-    from flaxheads.runtime import ComputePlan
     from flaxheads.run.checks import check_spec
     from flaxheads.run.program import base_dtype, build_model
     from flaxheads.run.spec import RunSpec
+    from flaxheads.runtime import ComputePlan
 
     path, _ = bert
-    spec = spec_from_args(build_parser().parse_args(["--model", path, "--lora-rank", "4", "--base-dtype",
-                                                     "bfloat16"]))
+    spec = spec_from_args(build_parser().parse_args(["--model", path, "--lora-rank", "4", "--base-dtype", "bfloat16"]))
     assert spec.model.base_dtype == "bfloat16"
     plan = ComputePlan.for_host()
     model = build_model(check_spec(spec), path, None, plan)

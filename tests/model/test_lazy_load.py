@@ -3,6 +3,7 @@ the eager loader's, on the layout's shardings (really split), in the asked dtype
 holds about one tensor at a time, not the model (tracemalloc, which numpy reports to); the same
 through ``from_pretrained(mesh=...)``, head included, and quantised while reading. The reader: the
 stored bytes of every dtype, boxes read in the fewest runs, each process's box, damaged files."""
+
 import json
 import os
 import struct
@@ -16,6 +17,7 @@ pytest.importorskip("torch")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from hf_tiny import save_tiny  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
 import flaxheads as fh  # noqa: E402
@@ -24,13 +26,11 @@ from flaxheads.backbones.lazy import _box, param_shapes, param_sources, read_par
 from flaxheads.backbones.registry import family_for  # noqa: E402
 from flaxheads.backbones.safetensors_file import SafetensorsFile, bytes_read  # noqa: E402
 from flaxheads.backbones.weights import WeightsError, read_state_dict  # noqa: E402
-from flaxheads.model.abstract import abstract_model  # noqa: E402
 from flaxheads.layers.quantized import is_quantized  # noqa: E402
+from flaxheads.model.abstract import abstract_model  # noqa: E402
 from flaxheads.runtime.sharding import Layout, make_mesh  # noqa: E402
-from hf_tiny import save_tiny  # noqa: E402
 
-pytestmark = [pytest.mark.full,
-              pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 (fake CPU) devices")]
+pytestmark = [pytest.mark.full, pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 (fake CPU) devices")]
 
 
 def _load(path, dtype=jnp.float32):
@@ -42,8 +42,13 @@ def _load(path, dtype=jnp.float32):
     cfg = fam.complete_config(HFConfig.from_folder(path))
     tracemalloc.start()
     try:
-        lazy = read_params_sharded(path, fam, cfg, dtype=dtype,
-                                   shardings=lambda p, s: NamedSharding(mesh, layout.spec_of(("backbone",) + p, s)))
+        lazy = read_params_sharded(
+            path,
+            fam,
+            cfg,
+            dtype=dtype,
+            shardings=lambda p, s: NamedSharding(mesh, layout.spec_of(("backbone",) + p, s)),
+        )
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -63,9 +68,13 @@ def test_sharded_params_equal_the_eager_loaders(tmp_path, arch):
         assert a.sharding.spec == layout.spec_of(("backbone",) + names, a.shape)
         split += any(s is not None for s in a.sharding.spec)
     assert split > 4  # kernels and tables really are split over the devices
-    bf16 = read_params_sharded(path, family_for(arch), HFConfig.from_folder(path),
-                               lambda p, s: NamedSharding(layout.mesh, layout.spec_of(("backbone",) + p, s)),
-                               dtype=jnp.bfloat16)
+    bf16 = read_params_sharded(
+        path,
+        family_for(arch),
+        HFConfig.from_folder(path),
+        lambda p, s: NamedSharding(layout.mesh, layout.spec_of(("backbone",) + p, s)),
+        dtype=jnp.bfloat16,
+    )
     for a, b in zip(jax.tree.leaves(bf16), jax.tree.leaves(eager), strict=True):
         assert a.dtype == jnp.bfloat16
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b.astype(jnp.bfloat16)))
@@ -75,8 +84,9 @@ def test_sharded_params_equal_the_eager_loaders(tmp_path, arch):
 
 
 def test_host_memory_is_one_tensor_not_the_model(tmp_path):
-    path, _ = save_tiny(tmp_path / "bert", "bert", seed=0, layers=2, vocab_size=4096, hidden_size=256,
-                         intermediate_size=1024)
+    path, _ = save_tiny(
+        tmp_path / "bert", "bert", seed=0, layers=2, vocab_size=4096, hidden_size=256, intermediate_size=1024
+    )
     model, _, lazy, peak = _load(path)
     sizes = [x.nbytes for x in jax.tree.leaves(model.params["backbone"])]
     tracemalloc.start()
@@ -105,15 +115,24 @@ def test_a_param_computed_from_several_tensors_is_refused():
 
 
 def test_from_pretrained_onto_a_mesh_reads_tensors_not_the_model(tmp_path):
-    path, _ = save_tiny(tmp_path / "llama", "llama", seed=2, vocab_size=512, hidden_size=128, intermediate_size=512,
-                        head_dim=32, num_hidden_layers=4)
+    path, _ = save_tiny(
+        tmp_path / "llama",
+        "llama",
+        seed=2,
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=512,
+        head_dim=32,
+        num_hidden_layers=4,
+    )
     eager = fh.from_pretrained(path, num_labels=3, ignore_mismatched_sizes=True)
     sizes = [x.nbytes for x in jax.tree.leaves(eager.params["backbone"])]
     before = bytes_read()
     tracemalloc.start()
     try:
-        lazy = fh.from_pretrained(path, num_labels=3, ignore_mismatched_sizes=True, mesh="fsdp=4",
-                                  base_dtype=jnp.bfloat16)
+        lazy = fh.from_pretrained(
+            path, num_labels=3, ignore_mismatched_sizes=True, mesh="fsdp=4", base_dtype=jnp.bfloat16
+        )
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -130,8 +149,18 @@ def test_from_pretrained_onto_a_mesh_reads_tensors_not_the_model(tmp_path):
 
 
 # ---- the reader ------------------------------------------------------------------------------------
-DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "I64": np.int64,
-          "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+DTYPES = {
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+}
 
 
 @pytest.fixture(scope="module")
@@ -140,8 +169,10 @@ def stored(tmp_path_factory):
     from safetensors.numpy import load_file, save_file
 
     rng = np.random.default_rng(0)
-    tensors = {name: (rng.standard_normal((5, 6, 7)) if name[0] == "F" else rng.integers(0, 100, (5, 6, 7))).astype(dt)
-               for name, dt in DTYPES.items()}
+    tensors = {
+        name: (rng.standard_normal((5, 6, 7)) if name[0] == "F" else rng.integers(0, 100, (5, 6, 7))).astype(dt)
+        for name, dt in DTYPES.items()
+    }
     tensors.update(scalar=np.array(2.5, np.float32), empty=np.zeros((0, 3), np.int32))
     path = str(tmp_path_factory.mktemp("stored") / "t.safetensors")
     save_file(tensors, path, metadata={"format": "np"})
@@ -157,12 +188,15 @@ def test_the_reader_returns_the_stored_bytes_of_every_dtype(stored):
             assert got.dtype == want.dtype and got.shape == want.shape and got.tobytes() == want.tobytes(), name
 
 
-@pytest.mark.parametrize("box, reads", [
-    ((slice(1, 4),), 1),                                  # rows: the leading axis cut, one contiguous read
-    ((slice(None), slice(2, 5)), 5),                      # columns: a read per row
-    ((slice(1, 3), slice(0, 6), slice(4, 7)), 2 * 6),     # 3-D: a read per row segment
-    ((slice(2, 3), slice(1, 2)), 1),                      # one row of one plane: contiguous again
-])
+@pytest.mark.parametrize(
+    "box, reads",
+    [
+        ((slice(1, 4),), 1),  # rows: the leading axis cut, one contiguous read
+        ((slice(None), slice(2, 5)), 5),  # columns: a read per row
+        ((slice(1, 3), slice(0, 6), slice(4, 7)), 2 * 6),  # 3-D: a read per row segment
+        ((slice(2, 3), slice(1, 2)), 1),  # one row of one plane: contiguous again
+    ],
+)
 def test_a_box_is_read_in_its_contiguous_runs(stored, monkeypatch, box, reads):
     path, ref = stored
     calls = []
@@ -201,15 +235,15 @@ def _damage(path, how):
     if how == "header past the end":
         raw[:8] = struct.pack("<Q", len(raw))
     elif how == "offsets out of bounds":
-        header = json.loads(raw[8:8 + n])
+        header = json.loads(raw[8 : 8 + n])
         name = next(k for k in header if k != "__metadata__")
         header[name]["data_offsets"][1] += 1 << 20
         text = json.dumps(header, separators=(",", ":")).encode()
         text += b" " * (n - len(text))
         assert len(text) == n
-        raw[8:8 + n] = text
+        raw[8 : 8 + n] = text
     else:  # the data cut: the offsets lie past the end of what is left
-        del raw[len(raw) - 100:]
+        del raw[len(raw) - 100 :]
     open(path, "wb").write(bytes(raw))
 
 
@@ -244,8 +278,17 @@ def llama_folder(tmp_path_factory):
     # hidden 128: the 4-bit schemes' blocks of 64 inputs are used, not one block per channel. On fsdp=4
     # o_proj and down_proj (split by outputs) are quantised shard by shard, the others (inputs split
     # in 32s, less than a block) as one program: both ways are compared with the eager model
-    path, _ = save_tiny(tmp_path_factory.mktemp("q") / "llama", "llama", seed=3, vocab_size=512, hidden_size=128,
-                        intermediate_size=256, head_dim=32, num_hidden_layers=1, num_key_value_heads=4)
+    path, _ = save_tiny(
+        tmp_path_factory.mktemp("q") / "llama",
+        "llama",
+        seed=3,
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        head_dim=32,
+        num_hidden_layers=1,
+        num_key_value_heads=4,
+    )
     return path
 
 
@@ -259,10 +302,12 @@ def test_quantised_while_reading_is_the_eager_quantised_model(llama_folder, qtyp
     for (p, a), (_, b) in zip(got, want):
         assert a.dtype == b.dtype, p
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(p))
-    layout = Layout.for_model(make_mesh("fsdp=4"), abstract_model(llama_folder, base_dtype=base_dtype,
-                                                                   quantize=qtype))
-    kernels = [(p, k) for p, k in jax.tree_util.tree_leaves_with_path(lazy.params["backbone"], is_leaf=is_quantized)
-               if is_quantized(k)]
+    layout = Layout.for_model(make_mesh("fsdp=4"), abstract_model(llama_folder, base_dtype=base_dtype, quantize=qtype))
+    kernels = [
+        (p, k)
+        for p, k in jax.tree_util.tree_leaves_with_path(lazy.params["backbone"], is_leaf=is_quantized)
+        if is_quantized(k)
+    ]
     assert len(kernels) == 7  # q, k, v, o, gate, up, down of the one layer
     split = 0
     for p, k in kernels:

@@ -3,6 +3,7 @@ GPT-2 (``Conv1D`` kernels, ``fan_in_fan_out``) and Llama-style decoders; after t
 merged transformers export and the PEFT adapter folder load in PyTorch with flaxheads' logits;
 the base stays bitwise unchanged and the optimizer holds moments for adapters + head only;
 adapters survive checkpoints and are checked against the backbone they are loaded on."""
+
 import copy
 import os
 
@@ -14,6 +15,7 @@ peft = pytest.importorskip("peft")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from hf_tiny import padded_batch, save_tiny  # noqa: E402
 from transformers import AutoModelForSequenceClassification  # noqa: E402
 
 import flaxheads as fh  # noqa: E402
@@ -25,7 +27,6 @@ from flaxheads.interop.peft import ADAPTER_CONFIG, export_peft  # noqa: E402
 from flaxheads.model.lora import LoraConfig, adapter_modules, merge_model  # noqa: E402
 from flaxheads.training.optim import OptimConfig, make_optimizer  # noqa: E402
 from flaxheads.training.steps import create_state, make_train_step  # noqa: E402
-from hf_tiny import padded_batch, save_tiny  # noqa: E402
 
 
 def _has_decoder() -> bool:
@@ -36,8 +37,13 @@ def _has_decoder() -> bool:
     return True
 
 
-DECODER = pytest.param("llama", ("q_proj", "v_proj"), marks=pytest.mark.skipif(
-    not _has_decoder(), reason="no native decoder backbone (flaxheads.backbones.families.decoder) in this tree"))
+DECODER = pytest.param(
+    "llama",
+    ("q_proj", "v_proj"),
+    marks=pytest.mark.skipif(
+        not _has_decoder(), reason="no native decoder backbone (flaxheads.backbones.families.decoder) in this tree"
+    ),
+)
 # (arch, targets): BERT's attention projections, GPT-2's fused Conv1D c_attn plus the MLP input
 CASES = [("bert", ("query", "value")), ("gpt2", ("c_attn", "c_fc")), DECODER]
 
@@ -57,8 +63,12 @@ def _peft_model(pt, model, lora):
     PyTorch module names (the params trees follow them under the base model prefix)."""
     cfg, prefix = model.lora, pt.base_model_prefix
     names = {m: f"{prefix}." + ".".join(m) for m in adapter_modules(lora)}
-    pm = peft.get_peft_model(copy.deepcopy(pt), peft.LoraConfig(
-        task_type="SEQ_CLS", r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=0.0, target_modules=list(names.values())))
+    pm = peft.get_peft_model(
+        copy.deepcopy(pt),
+        peft.LoraConfig(
+            task_type="SEQ_CLS", r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=0.0, target_modules=list(names.values())
+        ),
+    )
     with torch.no_grad():
         for m, ab in adapter_modules(lora).items():
             mod = pm.base_model.model.get_submodule(names[m])
@@ -72,8 +82,9 @@ def _torch_logits(m, ids, mask):
         return m(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()
 
 
-@pytest.mark.parametrize("arch,targets", CASES + [("deberta-v2", ("query_proj", "value_proj")),
-                                                   ("modernbert", ("Wqkv", "Wi"))])
+@pytest.mark.parametrize(
+    "arch,targets", CASES + [("deberta-v2", ("query_proj", "value_proj")), ("modernbert", ("Wqkv", "Wi"))]
+)
 def test_same_logits_as_peft(folders, arch, targets):
     path, pt = folders(arch)
     model = fh.from_pretrained(path).with_lora(rank=4, alpha=8, targets=targets)
@@ -91,12 +102,24 @@ def test_same_logits_as_peft(folders, arch, targets):
 def _train(model, steps=3, lr=5e-2, seed=0):
     cfg = model.backbone.config
     ids, mask = padded_batch(model.model_type, cfg, seed=seed)
-    tx = make_optimizer(OptimConfig(learning_rate=lr, head_learning_rate=lr, warmup_steps=0, total_steps=steps,
-                                    schedule="constant", weight_decay=0.01))
+    tx = make_optimizer(
+        OptimConfig(
+            learning_rate=lr,
+            head_learning_rate=lr,
+            warmup_steps=0,
+            total_steps=steps,
+            schedule="constant",
+            weight_decay=0.01,
+        )
+    )
     state = create_state(model.params, tx)
     step = jax.jit(make_train_step(model, tx))
-    batch = {"input_ids": jnp.asarray(ids), "attention_mask": jnp.asarray(mask),
-             "labels": jnp.asarray([0, 1, 2]), "weights": jnp.ones(3)}
+    batch = {
+        "input_ids": jnp.asarray(ids),
+        "attention_mask": jnp.asarray(mask),
+        "labels": jnp.asarray([0, 1, 2]),
+        "weights": jnp.ones(3),
+    }
     for _ in range(steps):
         state, _ = step(state, batch)
     return state, ids, mask
@@ -156,8 +179,13 @@ def test_peft_folder_layout(folders, tmp_path):
     model = fh.from_pretrained(path).with_lora(rank=2, alpha=4)
     export_peft(model, tmp_path / "peft")
     cfg = json.loads((tmp_path / "peft" / ADAPTER_CONFIG).read_text())
-    assert (cfg["peft_type"], cfg["task_type"], cfg["r"], cfg["lora_alpha"], cfg["fan_in_fan_out"]) == \
-        ("LORA", "SEQ_CLS", 2, 4.0, True)
+    assert (cfg["peft_type"], cfg["task_type"], cfg["r"], cfg["lora_alpha"], cfg["fan_in_fan_out"]) == (
+        "LORA",
+        "SEQ_CLS",
+        2,
+        4.0,
+        True,
+    )
     assert cfg["target_modules"] == ["transformer.h.0.attn.c_attn", "transformer.h.1.attn.c_attn"]
     assert cfg["modules_to_save"] == ["score"]
     w = load_file(tmp_path / "peft" / "adapter_model.safetensors")
@@ -168,10 +196,11 @@ def test_peft_folder_layout(folders, tmp_path):
 
 def test_every_family_has_default_targets():
     """The default targets of every model type a native family serves select kernels of its tree."""
+    from hf_tiny import tiny_config
+
     from flaxheads.backbones.base import HFConfig
     from flaxheads.backbones.registry import FAMILIES
     from flaxheads.model.lora import resolve_targets
-    from hf_tiny import tiny_config
 
     for fam in FAMILIES:
         for model_type in fam.model_types:
@@ -197,7 +226,9 @@ def test_targets_and_settings_are_checked(folders):
     # a glob over the whole path picks one layer's kernels
     one = model.with_lora(rank=2, targets=("encoder/layer/1/*/query", "encoder/layer/1/*/value"))
     assert sorted("/".join(m) for m in adapter_modules(one.params["lora"])) == [
-        "encoder/layer/1/attention/self/query", "encoder/layer/1/attention/self/value"]
+        "encoder/layer/1/attention/self/query",
+        "encoder/layer/1/attention/self/value",
+    ]
     with pytest.raises(ConfigError, match="already has LoRA adapters"):
         one.with_lora()
     with pytest.raises(TrainingError, match="LoRA adapters"):
@@ -219,10 +250,12 @@ def test_checkpoints_store_adapters_apart(folders, tmp_path):
 
     fresh = create_state(model.params, make_optimizer(OptimConfig()))
     restored = RunCheckpointer(tmp_path / "run", model, read_only=True).restore(target_state=fresh)
-    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), restored.params,
-                 state.params)
-    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), restored.opt_state,
-                 state.opt_state)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), restored.params, state.params
+    )
+    jax.tree.map(
+        lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), restored.opt_state, state.opt_state
+    )
     run_model = fh.checkpoint.model_from_checkpoint(tmp_path / "run")
     np.testing.assert_allclose(np.asarray(run_model(ids, mask)), want, atol=1e-6)
 
@@ -230,11 +263,13 @@ def test_checkpoints_store_adapters_apart(folders, tmp_path):
     other = fh.from_pretrained(path).with_lora(rank=2, alpha=8)
     with pytest.raises(IncompatibleCheckpointError, match="rank: checkpoint 4 vs target 2"):
         RunCheckpointer(tmp_path / "run", other, read_only=True).restore(
-            target_state=create_state(other.params, make_optimizer(OptimConfig())))
+            target_state=create_state(other.params, make_optimizer(OptimConfig()))
+        )
     plain = fh.from_pretrained(path)
     with pytest.raises(IncompatibleCheckpointError, match="adapters"):
         RunCheckpointer(tmp_path / "run", plain, read_only=True).restore(
-            target_state=create_state(plain.params, make_optimizer(OptimConfig())))
+            target_state=create_state(plain.params, make_optimizer(OptimConfig()))
+        )
 
 
 def test_adapters_saved_with_head_load_on_their_base_only(folders, tmp_path):
@@ -245,8 +280,9 @@ def test_adapters_saved_with_head_load_on_their_base_only(folders, tmp_path):
     assert os.path.isdir(tmp_path / "adapters" / "0" / "lora")
     base = fh.from_pretrained(path)
     loaded = load_adapters(tmp_path / "adapters", fh.attach_head(base, fh.load_head(tmp_path / "adapters")))
-    np.testing.assert_allclose(np.asarray(loaded(ids, mask)), np.asarray(model.apply(state.params, ids, mask)),
-                               atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(loaded(ids, mask)), np.asarray(model.apply(state.params, ids, mask)), atol=1e-6
+    )
     # another base of the same architecture and shapes: refused (adapters only fit their base weights)
     other_path, _ = save_tiny(tmp_path / "other", "bert", seed=9, layers=2)
     with pytest.raises(IncompatibleCheckpointError, match="other base weights"):

@@ -3,11 +3,11 @@ its published construction, bitsandbytes' ``create_normal_map``, with scipy's no
 blocks and int8 channels dequantise to what the published schemes give (numpy), the arrays' device
 bytes are the packed codes plus scales, the quantised matmul's backward equals the dequantised
 kernel's, and a QLoRA model exports as a PEFT adapter that peft loads on the float base."""
-import numpy as np
-import pytest
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
 import flaxheads as fh
 from flaxheads.errors import UsageError
@@ -66,11 +66,16 @@ def _same_levels(got, ref, x, step):
 
 def test_int8_per_channel_and_int4_blocks_against_numpy():
     w = _kernel()
-    _same_levels(np.asarray(dequantize(quantize_kernel(w, "int8"))), _symmetric(w, 127, 0), w,
-                 np.abs(w).max(axis=0) / 127.5)
+    _same_levels(
+        np.asarray(dequantize(quantize_kernel(w, "int8"))), _symmetric(w, 127, 0), w, np.abs(w).max(axis=0) / 127.5
+    )
     blocks = w.T.reshape(-1, BLOCK)
-    _same_levels(np.asarray(dequantize(quantize_kernel(w, "int4"))).T.reshape(-1, BLOCK), _symmetric(blocks, 7, 1), blocks,
-                 np.abs(blocks).max(axis=1, keepdims=True) / 7.5)
+    _same_levels(
+        np.asarray(dequantize(quantize_kernel(w, "int4"))).T.reshape(-1, BLOCK),
+        _symmetric(blocks, 7, 1),
+        blocks,
+        np.abs(blocks).max(axis=1, keepdims=True) / 7.5,
+    )
 
 
 def test_device_bytes_are_packed_codes_plus_scales():
@@ -100,8 +105,9 @@ def test_quantised_matmul_gradient_is_the_dequantised_kernels():
     dense = dequantize(q)
     np.testing.assert_allclose(np.asarray(qmatmul(x, q)), np.asarray(x @ dense), rtol=1e-5, atol=1e-6)
     g = jax.grad(lambda x: jnp.sum(jnp.sin(qmatmul(x, q))))(x)
-    np.testing.assert_allclose(np.asarray(g), np.asarray(jax.grad(lambda x: jnp.sum(jnp.sin(x @ dense)))(x)),
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(g), np.asarray(jax.grad(lambda x: jnp.sum(jnp.sin(x @ dense)))(x)), rtol=1e-5, atol=1e-6
+    )
 
 
 def test_a_family_without_shared_matmuls_is_refused(tiny_bert):
@@ -113,14 +119,15 @@ def test_a_family_without_shared_matmuls_is_refused(tiny_bert):
 def test_qlora_exports_as_peft_on_the_float_base(tmp_path):
     torch = pytest.importorskip("torch")
     peft = pytest.importorskip("peft")
-    from transformers import AutoModelForSequenceClassification
     from hf_tiny import padded_batch, save_tiny
+    from transformers import AutoModelForSequenceClassification
 
     base, _ = save_tiny(tmp_path / "base", "qwen3", seed=3, hidden_size=128, intermediate_size=256, head_dim=32)
     model = fh.from_pretrained(base, num_labels=3, ignore_mismatched_sizes=True).with_lora(rank=4)
     rng = np.random.RandomState(0)  # adapters off their init, as after training
-    model.params["lora"] = jax.tree.map(lambda a: a + 0.05 * rng.standard_normal(a.shape).astype(np.float32),
-                                        model.params["lora"])
+    model.params["lora"] = jax.tree.map(
+        lambda a: a + 0.05 * rng.standard_normal(a.shape).astype(np.float32), model.params["lora"]
+    )
     qlora = model.with_quantized_base("nf4")
     assert quantization_of(qlora.params["backbone"]) == "nf4"
     ids, mask = padded_batch("qwen3", type("C", (), {"vocab_size": 99, "pad_token_id": 0})(), "left")

@@ -1,12 +1,14 @@
 """examples/nnx_encoder.py: a user's NNX encoder with a flaxheads pooler and head trains, and its
 head, exported, gives the same logits on the functional path."""
+
 import importlib.util
 import os
 
 import numpy as np
 
-EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples",
-                       "nnx_encoder.py")
+EXAMPLE = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples", "nnx_encoder.py"
+)
 
 
 def test_own_nnx_encoder(tmp_path):

@@ -1,18 +1,19 @@
 """NNX poolers and heads against the functional (Linen) path: every pooler x every head, and every
 HF preset, on one tiny BERT's hidden states, with the same params: the same logits and the same
 gradients (params and hidden states), bit for bit in float32."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from hf_tiny import H, head_specs, padded_batch, pooler_specs, tiny_config
 
 import flaxheads as fh
-from flaxheads.heads.presets import PRESETS, preset_for
 from flaxheads import nnx as fnnx
 from flaxheads.errors import ConfigError
 from flaxheads.heads import linen
-from hf_tiny import H, head_specs, padded_batch, pooler_specs, tiny_config
+from flaxheads.heads.presets import PRESETS, preset_for
 
 POOLERS, HEADS = pooler_specs(), head_specs()
 
@@ -35,8 +36,11 @@ def _perturbed(seq, hidden, mask, seed=0):
 
 
 def _drop_empty(tree):
-    return {k: _drop_empty(v) if isinstance(v, dict) else v for k, v in tree.items()
-            if not (isinstance(v, dict) and not _drop_empty(v))}
+    return {
+        k: _drop_empty(v) if isinstance(v, dict) else v
+        for k, v in tree.items()
+        if not (isinstance(v, dict) and not _drop_empty(v))
+    }
 
 
 def check_same(seq, hidden, mask):
@@ -49,8 +53,9 @@ def check_same(seq, hidden, mask):
     got = mod(hidden, mask)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     w = jnp.asarray(np.random.default_rng(0).normal(size=want.shape), jnp.float32)
-    g_params, g_hidden = jax.grad(lambda p, h: jnp.sum(linen.module(seq).apply({"params": p}, h, mask) * w),
-                                  argnums=(0, 1))(params, hidden)
+    g_params, g_hidden = jax.grad(
+        lambda p, h: jnp.sum(linen.module(seq).apply({"params": p}, h, mask) * w), argnums=(0, 1)
+    )(params, hidden)
     n_params, n_hidden = nnx.grad(lambda m, h: jnp.sum(m(h, mask) * w), argnums=(0, 1))(mod, hidden)
     np.testing.assert_array_equal(np.asarray(n_hidden), np.asarray(g_hidden))
     n_params = _drop_empty(nnx.to_pure_dict(n_params))

@@ -2,19 +2,20 @@
 whole models (BERT with several heads, a left-padded Qwen3 with its preset), ``nnx.split`` /
 ``nnx.merge`` to and from the params tree, 20 ``nnx.Optimizer`` steps against ``make_train_step``
 (LoRA, frozen base), the mesh, and head checkpoints / exports in both directions."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from flax import nnx
+from hf_tiny import padded_batch, save_tiny, tiny_config
 
 import flaxheads as fh
 from flaxheads import nnx as fnnx
 from flaxheads.errors import ConfigError
 from flaxheads.runtime.sharding import Layout, make_mesh, path_names
 from flaxheads.training.steps import create_state, make_train_step
-from hf_tiny import padded_batch, save_tiny, tiny_config
 
 pytestmark = pytest.mark.full
 
@@ -57,8 +58,10 @@ def check_model(model, ids, mask):
     reference = (want, value, g_want)
     _assert_close(logits, want, "logits")
     _assert_close(n_value, value, "loss")
-    g_got = {"backbone": nnx.to_pure_dict(g_got["backbone"]), "head": fnnx.layers._drop_empty(
-        nnx.to_pure_dict(g_got["head"]))}
+    g_got = {
+        "backbone": nnx.to_pure_dict(g_got["backbone"]),
+        "head": fnnx.layers._drop_empty(nnx.to_pure_dict(g_got["head"])),
+    }
     assert jax.tree.structure(g_got) == jax.tree.structure(g_want)
     for (p, a), b in zip(jax.tree_util.tree_leaves_with_path(g_got), jax.tree.leaves(g_want)):
         _assert_close(a, b, jax.tree_util.keystr(p))
@@ -74,8 +77,10 @@ def test_bert_model_and_mesh(bert):
     mesh = make_mesh({"data": 1, "fsdp": 2, "tensor": 2})
     shardings = fnnx.shardings(nm, mesh)
     # every param is placed as the functional Layout places it (the logical axes of its family)
-    placed = {path_names(p): s.spec for p, s in
-              jax.tree_util.tree_leaves_with_path(Layout.for_model(mesh, model).shardings(model.params))}
+    placed = {
+        path_names(p): s.spec
+        for p, s in jax.tree_util.tree_leaves_with_path(Layout.for_model(mesh, model).shardings(model.params))
+    }
     got = {path_names(p)[:-1]: s.spec for p, s in jax.tree_util.tree_leaves_with_path(shardings)}
     assert {k: got[k] for k in placed} == placed and any(len(s) for s in placed.values())
     kernel = nm.backbone["encoder"]["layer"]["0"]["attention"]["self"]["query"]["kernel"]
@@ -112,8 +117,9 @@ def test_split_merge_and_params_tree(bert):
     graphdef, state = nnx.split(nm)
     # the state's paths are the params tree's: its Params are the trainable part, FrozenBase the base
     assert sorted(nnx.to_pure_dict(nnx.state(nm, nnx.Param))) == ["head", "lora"]
-    assert jax.tree.all(jax.tree.map(np.array_equal, nnx.to_pure_dict(nnx.state(nm, fnnx.FrozenBase))["backbone"],
-                                     params["backbone"]))
+    assert jax.tree.all(
+        jax.tree.map(np.array_equal, nnx.to_pure_dict(nnx.state(nm, fnnx.FrozenBase))["backbone"], params["backbone"])
+    )
     assert jax.tree.all(jax.tree.map(np.array_equal, nm.params(), params))
     back = nnx.merge(graphdef, state)
     np.testing.assert_array_equal(np.asarray(back(ids, mask)), np.asarray(model.apply(params, ids, mask)))
@@ -131,8 +137,12 @@ def _batches(n, seed=0):
     ids, mask = padded_batch("bert", tiny_config("bert"))
     rng = np.random.default_rng(seed)
     for _ in range(n):
-        yield {"input_ids": jnp.asarray(rng.permutation(ids)), "attention_mask": jnp.asarray(mask),
-               "labels": jnp.asarray(rng.integers(0, 3, size=3)), "weights": jnp.ones(3, jnp.float32)}
+        yield {
+            "input_ids": jnp.asarray(rng.permutation(ids)),
+            "attention_mask": jnp.asarray(mask),
+            "labels": jnp.asarray(rng.integers(0, 3, size=3)),
+            "weights": jnp.ones(3, jnp.float32),
+        }
 
 
 @pytest.mark.parametrize("case", ["lora", "frozen"])
@@ -142,8 +152,12 @@ def test_nnx_optimizer_matches_make_train_step(bert, case):
     freeze = case == "frozen"
     if case == "lora":
         model = model.with_lora(rank=2)
-        model = type(model)(**{**model.__dict__, "params": {**model.params, "lora": jax.tree.map(
-            lambda x: x + 0.05, model.params["lora"])}})
+        model = type(model)(
+            **{
+                **model.__dict__,
+                "params": {**model.params, "lora": jax.tree.map(lambda x: x + 0.05, model.params["lora"])},
+            }
+        )
     tx = optax.adamw(1e-2)
     step = jax.jit(make_train_step(model, tx, freeze_backbone=freeze))
     state = create_state(model.params, tx, freeze_backbone=freeze)
@@ -185,8 +199,9 @@ def test_checkpoints_and_exports_both_ways(bert, tmp_path):
     np.testing.assert_array_equal(np.asarray(loaded.apply(loaded.params, ids, mask)), np.asarray(want))
     fh.interop.export_head(nm.to_functional(), tmp_path / "export")
     seq, head_params, _ = fh.interop.load_head_export(tmp_path / "export")
-    np.testing.assert_array_equal(np.asarray(base.head_apply(head_params, *base.features(
-        base.params["backbone"], ids, mask))), np.asarray(want))
+    np.testing.assert_array_equal(
+        np.asarray(base.head_apply(head_params, *base.features(base.params["backbone"], ids, mask))), np.asarray(want)
+    )
     fh.interop.export_transformers(nm.to_functional(), tmp_path / "hf")
     back = fh.interop.load_transformers(tmp_path / "hf")
     np.testing.assert_array_equal(np.asarray(back.apply(back.params, ids, mask)), np.asarray(want))
@@ -199,5 +214,6 @@ def test_checkpoints_and_exports_both_ways(bert, tmp_path):
     fh.interop.export_head(base, tmp_path / "export2", params=params["head"])
     seq, head_params, _ = fh.interop.load_head_export(tmp_path / "export2")
     hidden, pmask = base.features(base.params["backbone"], ids, mask)
-    np.testing.assert_array_equal(np.asarray(fnnx.SequenceHead(seq, base.hidden_size, params=head_params)(
-        hidden, pmask)), np.asarray(ref))
+    np.testing.assert_array_equal(
+        np.asarray(fnnx.SequenceHead(seq, base.hidden_size, params=head_params)(hidden, pmask)), np.asarray(ref)
+    )

@@ -1,20 +1,31 @@
 """Classifier.predict / embed against PyTorch transformers' pipeline and sentence-transformers,
 on tiny random models with a real WordPiece tokenizer (all-MiniLM-L6-v2's)."""
+
 from __future__ import annotations
 
 import warnings
 
 import numpy as np
 import pytest
+from predict_helpers import TEXTS, minilm_path, tiny_bert_classifier
 
 from flaxheads.errors import FlaxheadsError
 from flaxheads.predict import Classifier, TruncationWarning
-from predict_helpers import TEXTS, minilm_path, tiny_bert_classifier
 
 pytestmark = pytest.mark.full
 
-PAIRS = ["a second text", "Profits", "match report", "film", "the vote was close", "new phone", "games",
-         "sport", "colours", "markets"]
+PAIRS = [
+    "a second text",
+    "Profits",
+    "match report",
+    "film",
+    "the vote was close",
+    "new phone",
+    "games",
+    "sport",
+    "colours",
+    "markets",
+]
 
 
 def pipeline_scores(folder, texts, **kw) -> np.ndarray:
@@ -132,11 +143,16 @@ def test_truncation_counts_and_refusal(single):
         clf.predict(["short"])  # nothing cut, no warning
 
 
-@pytest.mark.parametrize("bad, where", [(["ok", ""], r"texts\[1\]: text is empty"),
-                                        (["ok", "fine", None], r"texts\[2\]: text is missing"),
-                                        (["ok", 3], r"texts\[1\]: text is not text \(int\)"),
-                                        (["  "], r"texts\[0\]: text is empty"),
-                                        ("one string", "one string")])
+@pytest.mark.parametrize(
+    "bad, where",
+    [
+        (["ok", ""], r"texts\[1\]: text is empty"),
+        (["ok", "fine", None], r"texts\[2\]: text is missing"),
+        (["ok", 3], r"texts\[1\]: text is not text \(int\)"),
+        (["  "], r"texts\[0\]: text is empty"),
+        ("one string", "one string"),
+    ],
+)
 def test_bad_inputs_name_the_position(single, bad, where):
     clf = Classifier.from_pretrained(single)
     with pytest.raises(FlaxheadsError, match=where):
@@ -171,8 +187,12 @@ def tiny_st(tmp_path_factory, single):
     """A sentence-transformers folder (mean pooling, a tanh Dense layer, Normalize) written by export."""
     import flaxheads as fh
 
-    model = fh.from_pretrained(single, pooler="mean", head="projection",
-                               head_options={"features": (16,), "activation": "tanh", "normalize": True})
+    model = fh.from_pretrained(
+        single,
+        pooler="mean",
+        head="projection",
+        head_options={"features": (16,), "activation": "tanh", "normalize": True},
+    )
     out = tmp_path_factory.mktemp("st") / "st"
     return str(fh.interop.export_sentence_transformers(model, out))
 
@@ -243,11 +263,17 @@ def test_prediction_with_constant_weights_equals_sentence_transformers():
 
     from flaxheads.runtime.xla_flags import ONEDNN_FLAGS
 
-    env = {**os.environ, "XLA_FLAGS": " ".join(ONEDNN_FLAGS), "FLAXHEADS_XLA_DEFAULTS": "0",
-           "JAX_PLATFORMS": "cpu", "PYTHONPATH": os.path.dirname(os.path.abspath(__file__))}
+    env = {
+        **os.environ,
+        "XLA_FLAGS": " ".join(ONEDNN_FLAGS),
+        "FLAXHEADS_XLA_DEFAULTS": "0",
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": os.path.dirname(os.path.abspath(__file__)),
+    }
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    r = subprocess.run([sys.executable, "-c", _CONSTANTS], env=env, capture_output=True, text=True, timeout=900,
-                       cwd=root)
+    r = subprocess.run(
+        [sys.executable, "-c", _CONSTANTS], env=env, capture_output=True, text=True, timeout=900, cwd=root
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     if out["calls"] == 0:

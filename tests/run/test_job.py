@@ -1,6 +1,7 @@
 """A spec resolved into the library's settings: one set of defaults (``RunSpec()`` gives the
 ``TrainConfig`` and ``OptimConfig`` their own defaults), the learning rates a run picks, and the
 run folder's default name."""
+
 from __future__ import annotations
 
 import dataclasses

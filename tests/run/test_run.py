@@ -3,6 +3,7 @@ same run folder with bitwise-equal logged losses and metrics, for classification
 objective; a run interrupted from Python (SIGINT, as a notebook's interrupt sends) and called again
 resumes bitwise; the spec round-trips through the run's config.json; ``fh.load`` / ``fh.export``
 read and write what the run saved."""
+
 from __future__ import annotations
 
 import csv
@@ -25,8 +26,16 @@ pytestmark = pytest.mark.full
 
 TOPICS = [WORDS[32:38], WORDS[38:43], WORDS[43:48], WORDS[48:53]]
 #: One setting, two spellings: the command's flags and the library's keywords.
-SETTINGS = {"max_length": 16, "bucket_step": 16, "batch_size": 4, "max_steps": 6, "eval_every": 3, "log_every": 1,
-            "lr": 3e-3, "keep": 2}
+SETTINGS = {
+    "max_length": 16,
+    "bucket_step": 16,
+    "batch_size": 4,
+    "max_steps": 6,
+    "eval_every": 3,
+    "log_every": 1,
+    "lr": 3e-3,
+    "keep": 2,
+}
 
 
 def _argv(settings: dict) -> list[str]:
@@ -67,10 +76,19 @@ def files(tmp_path_factory):
         w.writerow(["prompt", "chosen", "rejected"])
         for _ in range(32):
             a, b = rng.choice(len(TOPICS), 2, replace=False)
-            w.writerow([" ".join(rng.choice(TOPICS[a], 3)), " ".join(rng.choice(TOPICS[a], 5)),
-                        " ".join(rng.choice(TOPICS[b], 5))])
-    return {"bert": tiny_bert_folder(d / "bert", num_labels=3), "news": str(d / "news.csv"),
-            "pref": str(d / "pref.csv"), "dir": d}
+            w.writerow(
+                [
+                    " ".join(rng.choice(TOPICS[a], 3)),
+                    " ".join(rng.choice(TOPICS[a], 5)),
+                    " ".join(rng.choice(TOPICS[b], 5)),
+                ]
+            )
+    return {
+        "bert": tiny_bert_folder(d / "bert", num_labels=3),
+        "news": str(d / "news.csv"),
+        "pref": str(d / "pref.csv"),
+        "dir": d,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +108,12 @@ def classification(files):
             run = [x for x in jax.live_arrays() if id(x) not in earlier]
             live.update(params=_bytes(state.params), state=_bytes(state), all=_bytes(run))
 
-    run = fh.train(**base, output_dir=str(d / "lib"), progress=False,
-                   callbacks=[fh.training.loop.hooks(on_step_end=after_first_step)])
+    run = fh.train(
+        **base,
+        output_dir=str(d / "lib"),
+        progress=False,
+        callbacks=[fh.training.loop.hooks(on_step_end=after_first_step)],
+    )
     return d / "cli", d / "lib", run, base, live
 
 
@@ -166,8 +188,15 @@ def test_a_ranking_run_from_python_equals_the_command(files):
     from flaxheads.cli.main import main
 
     d = files["dir"]
-    base = dict(SETTINGS, model=files["bert"], data=files["pref"], objective="pairwise", pooler="preset",
-                head="preset", split="0.5,0.25,0.25")
+    base = dict(
+        SETTINGS,
+        model=files["bert"],
+        data=files["pref"],
+        objective="pairwise",
+        pooler="preset",
+        head="preset",
+        split="0.5,0.25,0.25",
+    )
     assert main(["train", *_argv(base), "--no-progress", "--output-dir", str(d / "rank_cli")]) == 0
     run = fh.train(**dict(base, split=(0.5, 0.25, 0.25)), output_dir=str(d / "rank_lib"), progress=False)
     assert _rows(d / "rank_cli" / "metrics.jsonl") == _rows(d / "rank_lib" / "metrics.jsonl")
@@ -176,16 +205,19 @@ def test_a_ranking_run_from_python_equals_the_command(files):
     assert isinstance(run.model, fh.SequenceModel) and run.model.num_labels == 1
 
 
-@pytest.mark.parametrize("settings,needle", [
-    ({"bogus": 1}, "'bogus' is not a run setting"),
-    ({"sweep": 2, "parallel": "pmap"}, "--cache-features/--sweep run on one device"),
-    ({"lora_rank": 4, "freeze_backbone": True}, "--lora-rank trains adapters inside the backbone"),
-    ({"objective": "listwise", "pack": True}, "--pack does not apply to --objective listwise"),
-    ({"objective": "ranking"}, "objective 'ranking' is not one of classification"),
-    ({"batch_size": 0}, "batch_size must be a positive integer"),
-    ({"split": (0.5, 0.6, 0.1)}, "that sum to 1"),
-    ({"resume": "latest"}, "resume 'latest': expected auto, never or a step number"),
-])
+@pytest.mark.parametrize(
+    "settings,needle",
+    [
+        ({"bogus": 1}, "'bogus' is not a run setting"),
+        ({"sweep": 2, "parallel": "pmap"}, "--cache-features/--sweep run on one device"),
+        ({"lora_rank": 4, "freeze_backbone": True}, "--lora-rank trains adapters inside the backbone"),
+        ({"objective": "listwise", "pack": True}, "--pack does not apply to --objective listwise"),
+        ({"objective": "ranking"}, "objective 'ranking' is not one of classification"),
+        ({"batch_size": 0}, "batch_size must be a positive integer"),
+        ({"split": (0.5, 0.6, 0.1)}, "that sum to 1"),
+        ({"resume": "latest"}, "resume 'latest': expected auto, never or a step number"),
+    ],
+)
 def test_bad_settings_are_refused_before_any_work(settings, needle, tmp_path):
     with pytest.raises(UsageError, match=needle.replace("(", r"\(").replace(")", r"\)")):
         fh.train(**settings, output_dir=str(tmp_path / "r"))

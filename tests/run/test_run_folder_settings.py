@@ -1,5 +1,6 @@
 """``--report-to`` and ``--profile-steps``: the flags reach the spec (and its JSON), bad values are
 refused in one line before any work, and a log entry's TensorBoard tags."""
+
 from __future__ import annotations
 
 import pytest
@@ -67,9 +68,14 @@ def test_event_files_read_back_by_tensorboard_with_a_resumed_runs_purge(tmp_path
     again.add_scalars(3, [("train/loss", 7.0)])
     again.add_scalars(2**40, [("validation/ndcg_10", -0.25)])  # int64 steps, negative values
     again.close()
-    assert event_scalars(tmp_path) == {("train/loss", 1, 1.0), ("train/loss", 2, 0.5), ("train/loss", 3, 7.0),
-                                       ("train/lr_head", 1, 0.5), ("train/lr_head", 2, 0.5),
-                                       ("validation/ndcg_10", 2**40, -0.25)}
+    assert event_scalars(tmp_path) == {
+        ("train/loss", 1, 1.0),
+        ("train/loss", 2, 0.5),
+        ("train/loss", 3, 7.0),
+        ("train/lr_head", 1, 0.5),
+        ("train/lr_head", 2, 0.5),
+        ("validation/ndcg_10", 2**40, -0.25),
+    }
     # a record whose bytes changed is dropped by the reader: the checksums are read, not ignored
     data = bytearray(again.path.read_bytes())
     data[-6] ^= 1

@@ -6,6 +6,7 @@ rebuilds it, and headless Chromium (Debian's ``chromium``) renders it offline wi
 for a single-label, a multi-label, a regression and a ranking run.
 
 Four tiny runs on the shared ``tiny_bert`` folder, made once for the module."""
+
 from __future__ import annotations
 
 import csv
@@ -52,8 +53,15 @@ def runs(tiny_bert, tmp_path_factory):
             w.writerow([_words(rng, a, 3), _words(rng, a, 5), _words(rng, b, 5)])
     with open(d / "tags.jsonl", "w") as f:
         for _ in range(30):
-            f.write(json.dumps({"text": _words(rng, int(rng.integers(3)), 5),
-                                "label": [x for x in ("x", "y", "z") if rng.random() < 0.5]}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "text": _words(rng, int(rng.integers(3)), 5),
+                        "label": [x for x in ("x", "y", "z") if rng.random() < 0.5],
+                    }
+                )
+                + "\n"
+            )
     with open(d / "score.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["text", "score"])
@@ -64,8 +72,10 @@ def runs(tiny_bert, tmp_path_factory):
         "multi": dict(data=str(d / "tags.jsonl"), max_steps=2, report_to="jsonl"),
         "regression": dict(data=str(d / "score.csv"), label_column="score", max_steps=2),
     }
-    return {name: fh.train(model=tiny_bert, **SMALL, **s, output_dir=str(d / name), progress=False)
-            for name, s in specs.items()}
+    return {
+        name: fh.train(model=tiny_bert, **SMALL, **s, output_dir=str(d / name), progress=False)
+        for name, s in specs.items()
+    }
 
 
 def _log(run) -> list[dict]:
@@ -94,8 +104,15 @@ def test_tensorboard_reads_back_exactly_the_jsonl_values(runs, name):
     got, want = event_scalars(run.folder / "tensorboard"), _jsonl_scalars(log)
     assert got == want
     tags = {t for t, _, _ in got}
-    assert {"train/loss", "train/grad_norm", "train/lr_head", "train/padding", "train/examples_per_s",
-            "train/tokens_per_s", "train/step_seconds"} <= tags
+    assert {
+        "train/loss",
+        "train/grad_norm",
+        "train/lr_head",
+        "train/padding",
+        "train/examples_per_s",
+        "train/tokens_per_s",
+        "train/step_seconds",
+    } <= tags
     assert "train/lr_backbone" in tags  # a fine-tune: both parameter groups' rates
     assert any(t.startswith("validation/") for t in tags) and any(t.startswith("final/test/") for t in tags)
 
@@ -210,8 +227,11 @@ def test_the_report_page_holds_the_summary_and_no_address(runs, name):
         p = np.exp(logits - logits.max(1, keepdims=True))
         p /= p.sum(1, keepdims=True)
         ids = {v: k for k, v in run.model.id2label.items()}
-        np.testing.assert_allclose([r["p(true)"] for r in worst["rows"]],
-                                   [p[i, ids[r["true"]]] for i, r in enumerate(worst["rows"])], rtol=1e-4)
+        np.testing.assert_allclose(
+            [r["p(true)"] for r in worst["rows"]],
+            [p[i, ids[r["true"]]] for i, r in enumerate(worst["rows"])],
+            rtol=1e-4,
+        )
 
 
 def test_flaxheads_report_rebuilds_the_page(runs, tmp_path, capsys):
@@ -227,6 +247,7 @@ def test_flaxheads_report_rebuilds_the_page(runs, tmp_path, capsys):
 
 # ---- a real browser ---------------------------------------------------------------------------------
 
+
 def _chromium() -> str | None:
     return shutil.which("chromium") or shutil.which("chromium-browser")
 
@@ -237,9 +258,21 @@ OFFLINE = ["--host-resolver-rules=MAP * ~NOTFOUND", "--proxy-server=127.0.0.1:9"
 
 def _browse(page: Path, *extra: str) -> tuple[str, str]:
     """(stdout, stderr) of headless Chromium opening ``page`` from disk, offline, console on stderr."""
-    cmd = [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
-           "--enable-logging=stderr", "--v=0", *OFFLINE, "--virtual-time-budget=3000",
-           f"--user-data-dir={page.parent / '.chromium'}", *extra, page.resolve().as_uri()]
+    cmd = [
+        _chromium(),
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--no-first-run",
+        "--enable-logging=stderr",
+        "--v=0",
+        *OFFLINE,
+        "--virtual-time-budget=3000",
+        f"--user-data-dir={page.parent / '.chromium'}",
+        *extra,
+        page.resolve().as_uri(),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     return out.stdout, out.stderr
 

@@ -1,5 +1,6 @@
 """flaxheads.runtime: the XLA flags and precision chosen from the host's CPU, the compute plan made
 from them, what the programs set before JAX starts, and what they leave alone."""
+
 from __future__ import annotations
 
 import json
@@ -8,22 +9,29 @@ import platform
 import subprocess
 import sys
 
-import pytest
-
 import jax.numpy as jnp
+import pytest
 
 from flaxheads.errors import ConfigError
 from flaxheads.runtime import ComputePlan, malloc, xla_flags
 from flaxheads.runtime.cpu import CpuInfo, cpu_fingerprint
 from flaxheads.runtime.precision import choose_precision
-from flaxheads.runtime.xla_flags import (CPU_FLAGS, EIGEN_FLAGS, ONEDNN_ALONE_FLAGS, ONEDNN_FLAGS, OPT_OUT_ENV,
-                                      YNN_PROGRAM_OPTIONS, XlaSetting, configure_xla, cpu_xla_flags)
+from flaxheads.runtime.xla_flags import (
+    CPU_FLAGS,
+    EIGEN_FLAGS,
+    ONEDNN_ALONE_FLAGS,
+    ONEDNN_FLAGS,
+    OPT_OUT_ENV,
+    YNN_PROGRAM_OPTIONS,
+    XlaSetting,
+    configure_xla,
+    cpu_xla_flags,
+)
 
 YNN = "--xla_cpu_experimental_ynn_fusion_type"
 EPYC = CpuInfo("AMD EPYC 7B13", frozenset({"sse2", "avx", "avx2", "fma"}))
 ZEN5 = CpuInfo("AMD EPYC 9B45", frozenset({"sse2", "avx", "avx2", "fma", "avx512f", "avx512_bf16"}))
-XEON = CpuInfo("Intel(R) Xeon(R) Platinum 8481C", frozenset({"avx2", "avx512f", "avx512_bf16", "amx_tile",
-                                                             "amx_bf16"}))
+XEON = CpuInfo("Intel(R) Xeon(R) Platinum 8481C", frozenset({"avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}))
 ONEDNN, ONEDNN_ALONE, AVX2, EIGEN = (" ".join(f) for f in (ONEDNN_FLAGS, ONEDNN_ALONE_FLAGS, CPU_FLAGS, EIGEN_FLAGS))
 
 
@@ -83,73 +91,88 @@ def test_amx_hosts_get_onednn_dots(fresh):
     assert p.activation_barrier and not p.float32_products and p.attention_groups
 
 
-@pytest.mark.parametrize("flags, on", [
-    (ONEDNN, True),
-    (ONEDNN_ALONE, False),  # YNNPACK off: XLA's own softmax
-    (AVX2, False),  # Eigen's dots (AVX2): the CPU arrangement
-    (f"{YNN}=reduce,dot --xla_cpu_use_onednn=true --xla_cpu_experimental_onednn_custom_call=true", False),
-    ("", False),
-])
+@pytest.mark.parametrize(
+    "flags, on",
+    [
+        (ONEDNN, True),
+        (ONEDNN_ALONE, False),  # YNNPACK off: XLA's own softmax
+        (AVX2, False),  # Eigen's dots (AVX2): the CPU arrangement
+        (f"{YNN}=reduce,dot --xla_cpu_use_onednn=true --xla_cpu_experimental_onednn_custom_call=true", False),
+        ("", False),
+    ],
+)
 def test_ynn_attention_follows_the_flags(flags, on):
     assert (plan(flags).attention == "ynn") is on
     assert plan(flags, backend="gpu").attention == "fused"
     assert plan(flags, backend="tpu").attention == "plain"
 
 
-@pytest.mark.parametrize("flags, on", [
-    (ONEDNN, True),
-    ("--xla_cpu_use_onednn=true --xla_cpu_experimental_onednn_custom_call=true", False),  # YNNPACK takes the dots
-    (f"{YNN}= --xla_cpu_use_onednn=True --xla_cpu_experimental_onednn_custom_call=1", True),
-    (f"{YNN}=reduce --xla_cpu_use_onednn=true --xla_cpu_experimental_onednn_custom_call=true", True),
-    (f"{YNN}=reduce,dot --xla_cpu_use_onednn=true --xla_cpu_experimental_onednn_custom_call=true", False),
-    (ONEDNN + " --xla_cpu_use_onednn=false", False),  # the last setting counts
-    ("", False),
-])
+@pytest.mark.parametrize(
+    "flags, on",
+    [
+        (ONEDNN, True),
+        ("--xla_cpu_use_onednn=true --xla_cpu_experimental_onednn_custom_call=true", False),  # YNNPACK takes the dots
+        (f"{YNN}= --xla_cpu_use_onednn=True --xla_cpu_experimental_onednn_custom_call=1", True),
+        (f"{YNN}=reduce --xla_cpu_use_onednn=true --xla_cpu_experimental_onednn_custom_call=true", True),
+        (f"{YNN}=reduce,dot --xla_cpu_use_onednn=true --xla_cpu_experimental_onednn_custom_call=true", False),
+        (ONEDNN + " --xla_cpu_use_onednn=false", False),  # the last setting counts
+        ("", False),
+    ],
+)
 def test_onednn_dots_follow_the_flags(flags, on):
     assert XlaSetting.parse(flags).onednn_dots is on
     assert plan(flags).onednn is on and plan(flags).float32_products is not on
     assert not plan(flags, backend="gpu").onednn  # the CPU's flags say nothing of a GPU's dots
 
 
-@pytest.mark.parametrize("flags, nbytes, dtype, backend, on", [
-    (ONEDNN, 90 << 20, "float32", "cpu", True),
-    (ONEDNN_ALONE, 90 << 20, jnp.float32, "cpu", True),
-    (ONEDNN, 90 << 20, jnp.bfloat16, "cpu", False),  # longer compiles than it gains
-    (ONEDNN, (1 << 30) + 1, "float32", "cpu", False),
-    (ONEDNN, 90 << 20, "float32", "gpu", False),
-    (AVX2, 90 << 20, "float32", "cpu", False),  # Eigen's dots reorder nothing
-    ("", 90 << 20, "float32", "cpu", False),
-])
+@pytest.mark.parametrize(
+    "flags, nbytes, dtype, backend, on",
+    [
+        (ONEDNN, 90 << 20, "float32", "cpu", True),
+        (ONEDNN_ALONE, 90 << 20, jnp.float32, "cpu", True),
+        (ONEDNN, 90 << 20, jnp.bfloat16, "cpu", False),  # longer compiles than it gains
+        (ONEDNN, (1 << 30) + 1, "float32", "cpu", False),
+        (ONEDNN, 90 << 20, "float32", "gpu", False),
+        (AVX2, 90 << 20, "float32", "cpu", False),  # Eigen's dots reorder nothing
+        ("", 90 << 20, "float32", "cpu", False),
+    ],
+)
 def test_constant_weights_only_where_onednn_prepacks_them(flags, nbytes, dtype, backend, on):
     assert plan(flags, backend=backend).constant_weights(nbytes, dtype) is on
 
 
-@pytest.mark.parametrize("flags, on", [
-    ("", True),  # XLA's default: YNNPACK's fusions, reductions among them
-    (AVX2, True),
-    (EIGEN, False),
-    (ONEDNN, True),
-    (ONEDNN_ALONE, False),
-    (f"{YNN}=reduce,eltwise", True),
-    (f"{YNN}=dot --xla_force_host_platform_device_count=8", False),
-    (f"{YNN}=reduce {YNN}=", False),  # the last setting counts
-])
+@pytest.mark.parametrize(
+    "flags, on",
+    [
+        ("", True),  # XLA's default: YNNPACK's fusions, reductions among them
+        (AVX2, True),
+        (EIGEN, False),
+        (ONEDNN, True),
+        (ONEDNN_ALONE, False),
+        (f"{YNN}=reduce,eltwise", True),
+        (f"{YNN}=dot --xla_force_host_platform_device_count=8", False),
+        (f"{YNN}=reduce {YNN}=", False),  # the last setting counts
+    ],
+)
 def test_ynn_reductions_follow_the_flags(flags, on):
     assert plan(flags).ynn_reductions is on
 
 
-@pytest.mark.parametrize("flags, backend, jax_version, on", [
-    (AVX2, "cpu", "0.12.0.1", True),  # the AVX2 setting: train steps get YNNPACK back
-    (f"--xla_force_host_platform_device_count=4 {YNN}=", "cpu", "0.11.0", True),
-    ("", "cpu", "0.12.0.1", False),  # XLA's defaults already have it
-    (ONEDNN, "cpu", "0.12.0.1", False),  # oneDNN keeps the dots (AMX)
-    (ONEDNN_ALONE, "cpu", "0.12.0.1", False),
-    (EIGEN, "cpu", "0.12.0.1", True),
-    (f"{YNN}=reduce,eltwise", "cpu", "0.12.0.1", True),  # Eigen's dots still
-    (f"{YNN}=individual_dot", "cpu", "0.12.0.1", False),  # a user's own list with YNNPACK's dots
-    (AVX2, "gpu", "0.12.0.1", False),
-    (AVX2, "cpu", "0.10.2", False),  # measured on jax 0.12 only
-])
+@pytest.mark.parametrize(
+    "flags, backend, jax_version, on",
+    [
+        (AVX2, "cpu", "0.12.0.1", True),  # the AVX2 setting: train steps get YNNPACK back
+        (f"--xla_force_host_platform_device_count=4 {YNN}=", "cpu", "0.11.0", True),
+        ("", "cpu", "0.12.0.1", False),  # XLA's defaults already have it
+        (ONEDNN, "cpu", "0.12.0.1", False),  # oneDNN keeps the dots (AMX)
+        (ONEDNN_ALONE, "cpu", "0.12.0.1", False),
+        (EIGEN, "cpu", "0.12.0.1", True),
+        (f"{YNN}=reduce,eltwise", "cpu", "0.12.0.1", True),  # Eigen's dots still
+        (f"{YNN}=individual_dot", "cpu", "0.12.0.1", False),  # a user's own list with YNNPACK's dots
+        (AVX2, "gpu", "0.12.0.1", False),
+        (AVX2, "cpu", "0.10.2", False),  # measured on jax 0.12 only
+    ],
+)
 def test_gradient_compiler_options_follow_the_process_setting(fresh, flags, backend, jax_version, on):
     p = plan(flags, backend=backend, jax_version=jax_version)
     assert p.compiler_options(gradients=True) == (YNN_PROGRAM_OPTIONS if on else {})
@@ -166,15 +189,18 @@ def test_gradient_programs_opt_out_and_their_reductions(fresh):
     assert plan(EIGEN).fold_reductions
 
 
-@pytest.mark.parametrize("flags, on", [
-    (AVX2, True),  # Eigen's dots, YNNPACK's reductions (AVX2)
-    (f"--xla_force_host_platform_device_count=8 {YNN}=reduce,eltwise", True),
-    ("", False),  # XLA's default: YNNPACK would take the products too
-    (EIGEN, False),  # measured with reductions there
-    (ONEDNN, True),  # oneDNN's dots, YNNPACK's reductions (AMX)
-    (ONEDNN_ALONE, False),
-    (f"{YNN}=reduce,individual_dot", False),
-])
+@pytest.mark.parametrize(
+    "flags, on",
+    [
+        (AVX2, True),  # Eigen's dots, YNNPACK's reductions (AVX2)
+        (f"--xla_force_host_platform_device_count=8 {YNN}=reduce,eltwise", True),
+        ("", False),  # XLA's default: YNNPACK would take the products too
+        (EIGEN, False),  # measured with reductions there
+        (ONEDNN, True),  # oneDNN's dots, YNNPACK's reductions (AMX)
+        (ONEDNN_ALONE, False),
+        (f"{YNN}=reduce,individual_dot", False),
+    ],
+)
 def test_layer_norm_products_follow_the_flags(flags, on):
     assert plan(flags).layer_norm_products is on
     assert not plan(flags, backend="gpu").layer_norm_products
@@ -242,10 +268,13 @@ CPU part\t: 0xd4f
 """
 
 
-@pytest.mark.parametrize("text, model, kind, flags", [
-    (X86_CPUINFO, "Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz", "AMX", ONEDNN_FLAGS),
-    (ARM_CPUINFO, "0xd4f", "NEON", ()),  # nothing measured on ARM: XLA's defaults
-])
+@pytest.mark.parametrize(
+    "text, model, kind, flags",
+    [
+        (X86_CPUINFO, "Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz", "AMX", ONEDNN_FLAGS),
+        (ARM_CPUINFO, "0xd4f", "NEON", ()),  # nothing measured on ARM: XLA's defaults
+    ],
+)
 def test_cpu_info_reads_the_first_processor(tmp_path, text, model, kind, flags):
     path = tmp_path / "cpuinfo"
     path.write_text(text)
@@ -259,16 +288,19 @@ def test_unreadable_cpuinfo_is_an_unknown_cpu(tmp_path):
     assert cpu.flags == frozenset() and cpu.kind == "unknown" and not cpu.amx
 
 
-@pytest.mark.parametrize("kw, name", [
-    (dict(backend="cpu", cpu=EPYC, jax_version="0.12.0.1"), "float32"),       # no bf16 matrix instructions
-    (dict(backend="cpu", cpu=XEON, jax_version="0.12.0.1"), "bfloat16"),      # AMX, reached by jax >= 0.11
-    (dict(backend="cpu", cpu=XEON, jax_version="0.10.2"), "float32"),         # AMX, but jax 0.10 does not use it
-    (dict(backend="cpu", cpu=ZEN5, jax_version="0.12.0.1"), "bfloat16"),      # AVX512-BF16
-    (dict(backend="cpu", cpu=ZEN5, jax_version="0.10.2"), "float32"),
-    (dict(backend="gpu", gpu_capability="9.0"), "bfloat16"),
-    (dict(backend="gpu", gpu_capability="7.0"), "float32"),                    # V100: no bf16 tensor cores
-    (dict(backend="tpu"), "bfloat16"),
-])
+@pytest.mark.parametrize(
+    "kw, name",
+    [
+        (dict(backend="cpu", cpu=EPYC, jax_version="0.12.0.1"), "float32"),  # no bf16 matrix instructions
+        (dict(backend="cpu", cpu=XEON, jax_version="0.12.0.1"), "bfloat16"),  # AMX, reached by jax >= 0.11
+        (dict(backend="cpu", cpu=XEON, jax_version="0.10.2"), "float32"),  # AMX, but jax 0.10 does not use it
+        (dict(backend="cpu", cpu=ZEN5, jax_version="0.12.0.1"), "bfloat16"),  # AVX512-BF16
+        (dict(backend="cpu", cpu=ZEN5, jax_version="0.10.2"), "float32"),
+        (dict(backend="gpu", gpu_capability="9.0"), "bfloat16"),
+        (dict(backend="gpu", gpu_capability="7.0"), "float32"),  # V100: no bf16 tensor cores
+        (dict(backend="tpu"), "bfloat16"),
+    ],
+)
 def test_auto_precision_follows_the_hardware(kw, name):
     got = choose_precision("auto", **kw)
     assert got.name == name and got.reason.startswith("auto: ")
@@ -303,8 +335,10 @@ def test_importing_flaxheads_changes_nothing_and_the_flag_reaches_xla():
         assert r.returncode == 0, r.stderr[-2000:]
         out[mode] = r.stdout.strip().splitlines()[-1]
     assert out["on"] == "False"
-    assert out["off"] == "True", ("XLA's CPU default no longer uses YNNPACK fusions: re-measure whether "
-                                  "flaxheads.runtime.xla_flags.CPU_FLAGS still helps (bench/train_step.py)")
+    assert out["off"] == "True", (
+        "XLA's CPU default no longer uses YNNPACK fusions: re-measure whether "
+        "flaxheads.runtime.xla_flags.CPU_FLAGS still helps (bench/train_step.py)"
+    )
 
 
 class _Mallopt:
@@ -375,8 +409,10 @@ def test_released_heap_pages_leave_the_resident_memory():
     assert before - rss() > 100 * 2**20
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux") or os.uname().machine not in ("x86_64", "aarch64"),
-                    reason="glibc on Linux only")
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or os.uname().machine not in ("x86_64", "aarch64"),
+    reason="glibc on Linux only",
+)
 @pytest.mark.slow
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's heap only")
 @pytest.mark.serial
@@ -442,8 +478,9 @@ def test_compile_cache_reports_what_it_could_not_store(tmp_path, flags):
     """jaxlib 0.12 cannot serialize a program with oneDNN's matmul calls: the run goes on without
     JAX's warning about it, and the summary counts it as compiled, not stored."""
     env = {**os.environ, "XLA_FLAGS": flags, "FLAXHEADS_XLA_DEFAULTS": "0", "JAX_PLATFORMS": "cpu"}
-    r = subprocess.run([sys.executable, "-c", _CACHE, str(tmp_path / "cache")], env=env, capture_output=True,
-                       text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", _CACHE, str(tmp_path / "cache")], env=env, capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["compiled"] >= 1 and 0 <= out["stored"] <= out["compiled"]

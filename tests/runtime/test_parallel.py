@@ -1,6 +1,7 @@
 """Data parallel: one device, pmap over 4 and jit over a 4-device mesh give the same loss and
 params (odd dataset size: the padded last batch puts its padding on some devices only), and the
 multi-host mesh path with two processes on loopback (gloo CPU collectives)."""
+
 import json
 import os
 import socket
@@ -11,12 +12,12 @@ import textwrap
 import jax
 import numpy as np
 import pytest
+from train_helpers import random_split
 
 import flaxheads as fh
-from flaxheads.training.optim import OptimConfig
-from flaxheads.training.loop import TrainConfig, Trainer, fit
 from flaxheads.runtime.parallel import Parallel, process_rows
-from train_helpers import random_split
+from flaxheads.training.loop import TrainConfig, Trainer, fit
+from flaxheads.training.optim import OptimConfig
 
 N_TRAIN, N_EVAL, BATCH, STEPS = 21, 13, 8, 3  # 21 = 8 + 8 + 5: last batch has 3 padding rows
 
@@ -36,15 +37,26 @@ def _run(folder, mode):
     cfg = TrainConfig(batch_size=BATCH, eval_batch_size=BATCH, max_steps=STEPS, seed=1, log_every=1, parallel=mode)
     ocfg = OptimConfig(learning_rate=1e-3, head_learning_rate=1e-2, total_steps=STEPS, warmup_steps=1)
     trainer = Trainer.build(model, ocfg, cfg, Parallel(mode))
-    res = fit(trainer, random_split(N_TRAIN, seed=4), evals={"validation": random_split(N_EVAL, seed=6)},
-              buckets=(16, 24), progress=False, group_by_length=False)
+    res = fit(
+        trainer,
+        random_split(N_TRAIN, seed=4),
+        evals={"validation": random_split(N_EVAL, seed=6)},
+        buckets=(16, 24),
+        progress=False,
+        group_by_length=False,
+    )
     logits, labels = trainer.predict(res.state.params, _eval_batches())
-    return trainer.parallel.get_state(res.state).params, [h["loss"] for h in res.history if "loss" in h], \
-        res.history[-1]["eval"]["validation"], logits
+    return (
+        trainer.parallel.get_state(res.state).params,
+        [h["loss"] for h in res.history if "loss" in h],
+        res.history[-1]["eval"]["validation"],
+        logits,
+    )
 
 
 def _eval_batches():
     from flaxheads.data.splits import iterate_batches
+
     return iterate_batches(random_split(N_EVAL, seed=6), BATCH, (16, 24), shuffle=False)
 
 
@@ -67,9 +79,12 @@ def test_single_pmap_mesh_agree(folder, single):
         np.testing.assert_allclose(logits, g1, atol=1e-5)
         assert ev["accuracy"] == pytest.approx(e1["accuracy"])
     # the run really changed the params
-    assert not np.allclose(p1["head"]["head"]["classifier"]["kernel"],
-                           fh.from_pretrained(folder, pooler="mean", head="linear", num_labels=3)
-                           .params["head"]["head"]["classifier"]["kernel"])
+    assert not np.allclose(
+        p1["head"]["head"]["classifier"]["kernel"],
+        fh.from_pretrained(folder, pooler="mean", head="linear", num_labels=3).params["head"]["head"]["classifier"][
+            "kernel"
+        ],
+    )
 
 
 @pytest.mark.full
@@ -94,8 +109,10 @@ def test_train_steps_compile_with_the_gradient_options(folder, mode):
     # the two libraries' steps train alike
     model.backbone.plan = default_plan
     plain = Trainer.build(model, OptimConfig(learning_rate=1e-3, total_steps=STEPS), cfg, Parallel(mode))
-    params = [p.parallel.get_state(p.train_step(p.parallel.put_state(p.init_state()), batch)[0]).params
-              for p in (trainer, plain)]
+    params = [
+        p.parallel.get_state(p.train_step(p.parallel.put_state(p.init_state()), batch)[0]).params
+        for p in (trainer, plain)
+    ]
     _close(*params)
 
 
@@ -159,8 +176,16 @@ def test_multi_host_mesh_matches_single_process(folder, single, tmp_path, mesh, 
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={local}", "JAX_PLATFORMS": "cpu"}
     port, out = str(_free_port()), str(tmp_path / "res")
     helpers = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: train_helpers
-    procs = [subprocess.Popen([sys.executable, str(script), str(i), port, folder, out, helpers, mesh, str(local)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(i), port, folder, out, helpers, mesh, str(local)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
     logs = []
     for p in procs:
         try:
@@ -172,8 +197,10 @@ def test_multi_host_mesh_matches_single_process(folder, single, tmp_path, mesh, 
     for p, log in zip(procs, logs):
         assert p.returncode == 0, log[-3000:]
     p1, l1, e1, _ = single
-    flat1 = {"/".join(str(getattr(k, "key", k)) for k in path): np.asarray(v)
-             for path, v in jax.tree_util.tree_flatten_with_path(p1)[0]}
+    flat1 = {
+        "/".join(str(getattr(k, "key", k)) for k in path): np.asarray(v)
+        for path, v in jax.tree_util.tree_flatten_with_path(p1)[0]
+    }
     for pid in range(2):
         got = np.load(f"{out}.{pid}.npz")
         assert set(got.files) == set(flat1)

@@ -2,6 +2,7 @@
 them on a data x fsdp x tensor mesh, and training on 8 (forced CPU) devices: one device,
 data=8, data=2,fsdp=4 and fsdp=2,tensor=4 give the same losses and params; a run saved on
 one mesh and restored onto another continues as the uninterrupted run."""
+
 import json
 import os
 import subprocess
@@ -12,9 +13,9 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from flaxheads.runtime.axes import EMBED, HEADS, KV, MLP, VOCAB, generic_param_axes
 from flaxheads.backbones.families.gpt2 import GPT2Backbone
 from flaxheads.errors import TrainingError
+from flaxheads.runtime.axes import EMBED, HEADS, KV, MLP, VOCAB, generic_param_axes
 from flaxheads.runtime.sharding import DEFAULT_RULES, Layout, make_mesh, parse_mesh, spec_for
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sharding_worker.py")
@@ -24,51 +25,54 @@ def _axes(path: str, shape):
     return generic_param_axes(tuple(path.split("/")), shape)
 
 
-@pytest.mark.parametrize("path, shape, want", [
-    # BERT-like (ELECTRA, RoBERTa share it)
-    ("embeddings/word_embeddings/embedding", (99, 32), (VOCAB, EMBED)),
-    ("embeddings/position_embeddings/embedding", (64, 32), (None, EMBED)),
-    ("encoder/layer/0/attention/self/query/kernel", (32, 32), (EMBED, HEADS)),
-    ("encoder/layer/0/attention/self/query/bias", (32,), (HEADS,)),
-    ("encoder/layer/0/attention/self/key/kernel", (32, 32), (EMBED, KV)),
-    ("encoder/layer/0/attention/output/dense/kernel", (32, 32), (HEADS, EMBED)),
-    ("encoder/layer/0/attention/output/dense/bias", (32,), (EMBED,)),
-    ("encoder/layer/0/attention/output/LayerNorm/scale", (32,), (None,)),
-    ("encoder/layer/0/intermediate/dense/kernel", (32, 37), (EMBED, MLP)),
-    ("encoder/layer/0/output/dense/kernel", (37, 32), (MLP, EMBED)),
-    # DistilBERT, ALBERT, BART
-    ("transformer/layer/0/attention/q_lin/kernel", (32, 32), (EMBED, HEADS)),
-    ("transformer/layer/0/ffn/lin2/kernel", (37, 32), (MLP, EMBED)),
-    ("encoder/albert_layer_groups/0/albert_layers/0/attention/dense/kernel", (32, 32), (HEADS, EMBED)),
-    ("encoder/albert_layer_groups/0/albert_layers/0/ffn/kernel", (32, 37), (EMBED, MLP)),
-    ("encoder/albert_layer_groups/0/albert_layers/0/ffn_output/kernel", (37, 32), (MLP, EMBED)),
-    ("decoder/layers/0/encoder_attn/out_proj/kernel", (32, 32), (HEADS, EMBED)),
-    ("decoder/layers/0/fc1/kernel", (32, 37), (EMBED, MLP)),
-    ("shared/embedding", (99, 32), (VOCAB, EMBED)),
-    # the names of the DeBERTa, ModernBERT and Llama-style families
-    ("encoder/layer/0/attention/self/query_proj/kernel", (32, 32), (EMBED, HEADS)),
-    ("encoder/rel_embeddings/embedding", (128, 32), (None, EMBED)),
-    ("embeddings/tok_embeddings/embedding", (99, 32), (VOCAB, EMBED)),
-    ("layers/0/attn/Wqkv/kernel", (32, 96), (EMBED, HEADS)),
-    ("layers/0/attn/Wo/kernel", (32, 32), (HEADS, EMBED)),
-    ("layers/0/mlp/Wi/kernel", (32, 74), (EMBED, MLP)),
-    ("layers/0/mlp/Wo/kernel", (37, 32), (MLP, EMBED)),
-    ("embed_tokens/embedding", (99, 32), (VOCAB, EMBED)),
-    ("layers/0/self_attn/q_proj/kernel", (32, 32), (EMBED, HEADS)),
-    ("layers/0/self_attn/k_proj/kernel", (32, 16), (EMBED, KV)),
-    ("layers/0/self_attn/o_proj/kernel", (32, 32), (HEADS, EMBED)),
-    ("layers/0/mlp/gate_proj/kernel", (32, 37), (EMBED, MLP)),
-    ("layers/0/mlp/up_proj/kernel", (32, 37), (EMBED, MLP)),
-    ("layers/0/mlp/down_proj/kernel", (37, 32), (MLP, EMBED)),
-    ("layers/0/input_layernorm/scale", (32,), (None,)),
-    ("layers/0/self_attn/q_norm/scale", (8,), (None,)),
-    # heads: any other dense layer splits its input; unknown leaves stay whole
-    ("pooler/dense/kernel", (32, 32), (EMBED, None)),
-    ("head/classifier/kernel", (32, 3), (EMBED, None)),
-    ("head/classifier/bias", (3,), (None,)),
-    ("pooler/query", (32,), (None,)),
-    ("layers/0/self_attn/q_proj/lora_a", (32, 4), (None, None)),
-])
+@pytest.mark.parametrize(
+    "path, shape, want",
+    [
+        # BERT-like (ELECTRA, RoBERTa share it)
+        ("embeddings/word_embeddings/embedding", (99, 32), (VOCAB, EMBED)),
+        ("embeddings/position_embeddings/embedding", (64, 32), (None, EMBED)),
+        ("encoder/layer/0/attention/self/query/kernel", (32, 32), (EMBED, HEADS)),
+        ("encoder/layer/0/attention/self/query/bias", (32,), (HEADS,)),
+        ("encoder/layer/0/attention/self/key/kernel", (32, 32), (EMBED, KV)),
+        ("encoder/layer/0/attention/output/dense/kernel", (32, 32), (HEADS, EMBED)),
+        ("encoder/layer/0/attention/output/dense/bias", (32,), (EMBED,)),
+        ("encoder/layer/0/attention/output/LayerNorm/scale", (32,), (None,)),
+        ("encoder/layer/0/intermediate/dense/kernel", (32, 37), (EMBED, MLP)),
+        ("encoder/layer/0/output/dense/kernel", (37, 32), (MLP, EMBED)),
+        # DistilBERT, ALBERT, BART
+        ("transformer/layer/0/attention/q_lin/kernel", (32, 32), (EMBED, HEADS)),
+        ("transformer/layer/0/ffn/lin2/kernel", (37, 32), (MLP, EMBED)),
+        ("encoder/albert_layer_groups/0/albert_layers/0/attention/dense/kernel", (32, 32), (HEADS, EMBED)),
+        ("encoder/albert_layer_groups/0/albert_layers/0/ffn/kernel", (32, 37), (EMBED, MLP)),
+        ("encoder/albert_layer_groups/0/albert_layers/0/ffn_output/kernel", (37, 32), (MLP, EMBED)),
+        ("decoder/layers/0/encoder_attn/out_proj/kernel", (32, 32), (HEADS, EMBED)),
+        ("decoder/layers/0/fc1/kernel", (32, 37), (EMBED, MLP)),
+        ("shared/embedding", (99, 32), (VOCAB, EMBED)),
+        # the names of the DeBERTa, ModernBERT and Llama-style families
+        ("encoder/layer/0/attention/self/query_proj/kernel", (32, 32), (EMBED, HEADS)),
+        ("encoder/rel_embeddings/embedding", (128, 32), (None, EMBED)),
+        ("embeddings/tok_embeddings/embedding", (99, 32), (VOCAB, EMBED)),
+        ("layers/0/attn/Wqkv/kernel", (32, 96), (EMBED, HEADS)),
+        ("layers/0/attn/Wo/kernel", (32, 32), (HEADS, EMBED)),
+        ("layers/0/mlp/Wi/kernel", (32, 74), (EMBED, MLP)),
+        ("layers/0/mlp/Wo/kernel", (37, 32), (MLP, EMBED)),
+        ("embed_tokens/embedding", (99, 32), (VOCAB, EMBED)),
+        ("layers/0/self_attn/q_proj/kernel", (32, 32), (EMBED, HEADS)),
+        ("layers/0/self_attn/k_proj/kernel", (32, 16), (EMBED, KV)),
+        ("layers/0/self_attn/o_proj/kernel", (32, 32), (HEADS, EMBED)),
+        ("layers/0/mlp/gate_proj/kernel", (32, 37), (EMBED, MLP)),
+        ("layers/0/mlp/up_proj/kernel", (32, 37), (EMBED, MLP)),
+        ("layers/0/mlp/down_proj/kernel", (37, 32), (MLP, EMBED)),
+        ("layers/0/input_layernorm/scale", (32,), (None,)),
+        ("layers/0/self_attn/q_norm/scale", (8,), (None,)),
+        # heads: any other dense layer splits its input; unknown leaves stay whole
+        ("pooler/dense/kernel", (32, 32), (EMBED, None)),
+        ("head/classifier/kernel", (32, 3), (EMBED, None)),
+        ("head/classifier/bias", (3,), (None,)),
+        ("pooler/query", (32,), (None,)),
+        ("layers/0/self_attn/q_proj/lora_a", (32, 4), (None, None)),
+    ],
+)
 def test_generic_axes(path, shape, want):
     assert _axes(path, shape) == want
 
@@ -77,14 +81,30 @@ def test_generic_axes(path, shape, want):
 OTHER_DENSE = ("embeddings_project", "embedding_hidden_mapping_in")
 
 
-@pytest.mark.parametrize("arch", ["bert", "roberta", "distilbert", "albert", "electra", "gpt2", "bart", "deberta-v2",
-                                  "modernbert", "llama", "qwen2", "gemma3_text"])
+@pytest.mark.parametrize(
+    "arch",
+    [
+        "bert",
+        "roberta",
+        "distilbert",
+        "albert",
+        "electra",
+        "gpt2",
+        "bart",
+        "deberta-v2",
+        "modernbert",
+        "llama",
+        "qwen2",
+        "gemma3_text",
+    ],
+)
 def test_every_family_weight_has_its_names(arch):
     """Every registered family's attention / feed-forward kernels get their logical names from its
     hook, and every embedding table its embed axis (the names a config.json makes, via eval_shape)."""
+    from hf_tiny import tiny_config
+
     from flaxheads.backbones.base import HFConfig
     from flaxheads.backbones.registry import family_for
-    from hf_tiny import tiny_config
 
     cfg = HFConfig(tiny_config(arch).to_dict())
     fam = family_for(cfg["model_type"])
@@ -129,8 +149,10 @@ def test_optimizer_state_sharded_like_its_params():
     import optax
 
     class M:  # a model-like object: params and a backbone class with the generic hook
-        params = {"backbone": {"layer": {"query": {"kernel": np.zeros((8, 16), np.float32)}}},
-                  "head": {"classifier": {"kernel": np.zeros((8, 3), np.float32)}}}
+        params = {
+            "backbone": {"layer": {"query": {"kernel": np.zeros((8, 16), np.float32)}}},
+            "head": {"classifier": {"kernel": np.zeros((8, 3), np.float32)}},
+        }
         backbone = object()
 
     layout = Layout.for_model(make_mesh("fsdp=2,tensor=2"), M())
@@ -146,14 +168,22 @@ def test_optimizer_state_sharded_like_its_params():
     assert layout.spec_of(("mu",) + q, (4, 4)) == P()  # same path, other shape: not that param
 
 
-@pytest.mark.parametrize("text, want", [("data=2,fsdp=4", {"data": 2, "fsdp": 4}), ("tensor=2", {"tensor": 2}),
-                                        ("fsdp=-1", {"fsdp": -1})])
+@pytest.mark.parametrize(
+    "text, want", [("data=2,fsdp=4", {"data": 2, "fsdp": 4}), ("tensor=2", {"tensor": 2}), ("fsdp=-1", {"fsdp": -1})]
+)
 def test_parse_mesh(text, want):
     assert parse_mesh(text) == want
 
 
-@pytest.mark.parametrize("text, match", [("data=2,model=2", "unknown axis 'model'"), ("data2", "axis=size"),
-                                         ("data=2,data=2", "twice"), ("fsdp=0", "positive")])
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("data=2,model=2", "unknown axis 'model'"),
+        ("data2", "axis=size"),
+        ("data=2,data=2", "twice"),
+        ("fsdp=0", "positive"),
+    ],
+)
 def test_parse_mesh_refuses(text, match):
     with pytest.raises(TrainingError, match=match):
         parse_mesh(text)
@@ -170,19 +200,34 @@ def test_make_mesh_sizes():
 
 # ---- 8 devices, in a subprocess ---------------------------------------------------------------------
 
+
 def _eight_devices_env() -> dict:
     # the conftest's flags with 8 devices instead of 4, and a collective timeout of a minute, not the
     # conftest's 6 s: 8 device threads on 2 cores beside another test can leave one that long
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-             if "device_count" not in f and "terminate_timeout" not in f]
-    return {**os.environ, "JAX_PLATFORMS": "cpu",
-            "XLA_FLAGS": " ".join(["--xla_force_host_platform_device_count=8",
-                                   "--xla_cpu_collective_call_terminate_timeout_seconds=60", *flags])}
+    flags = [
+        f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f and "terminate_timeout" not in f
+    ]
+    return {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": " ".join(
+            [
+                "--xla_force_host_platform_device_count=8",
+                "--xla_cpu_collective_call_terminate_timeout_seconds=60",
+                *flags,
+            ]
+        ),
+    }
 
 
 def _worker(folder, out, case):
-    p = subprocess.run([sys.executable, WORKER, folder, out, case], env=_eight_devices_env(), capture_output=True,
-                       text=True, timeout=1200)
+    p = subprocess.run(
+        [sys.executable, WORKER, folder, out, case],
+        env=_eight_devices_env(),
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     return json.load(open(out + ".json"))
 
@@ -202,12 +247,14 @@ def bert(tiny_bert):
 @pytest.fixture(scope="module")
 def gpt2(tmp_path_factory):
     from hf_tiny import save_tiny
+
     return save_tiny(tmp_path_factory.mktemp("shard_gpt2"), "gpt2", pad_token_id=0)[0]
 
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     from hf_tiny import save_tiny
+
     return save_tiny(tmp_path_factory.mktemp("shard_llama"), "llama")[0]
 
 
@@ -229,7 +276,9 @@ def test_meshes_train_the_single_device_run(family, request, tmp_path):
     assert not any("fsdp" in s or "tensor" in s for s in rep["data=8"]["specs"].values())
     fsdp, tensor = rep["data=2,fsdp=4"]["specs"], rep["fsdp=2,tensor=4"]["specs"]
     assert sum("'fsdp'" in s for s in fsdp.values()) > len(fsdp) // 3
-    assert any("'fsdp', 'tensor'" in s for s in tensor.values()) and any("'tensor', 'fsdp'" in s for s in tensor.values())
+    assert any("'fsdp', 'tensor'" in s for s in tensor.values()) and any(
+        "'tensor', 'fsdp'" in s for s in tensor.values()
+    )
 
 
 @pytest.mark.slow
@@ -264,10 +313,11 @@ def test_fsdp8_holds_an_eighth_of_a_1b_llama_per_device(tmp_path):
 def test_frozen_backbone_on_a_mesh_is_the_single_device_run(bert):
     """Linear probe on fsdp=2,tensor=2 (4 devices): the frozen backbone is sharded but never
     differentiated, the optimizer state covers the head only, and the head ends as on one device."""
+    from train_helpers import random_split
+
     import flaxheads as fh
     from flaxheads.training.loop import TrainConfig, Trainer, fit
     from flaxheads.training.optim import OptimConfig
-    from train_helpers import random_split
 
     heads = []
     for mesh in (None, "fsdp=2,tensor=2"):
@@ -281,6 +331,9 @@ def test_frozen_backbone_on_a_mesh_is_the_single_device_run(bert):
     _close = np.testing.assert_allclose
     for a, b in zip(jax.tree.leaves(heads[0]), jax.tree.leaves(heads[1])):
         _close(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-6)
-    assert not np.allclose(heads[0]["head"]["head"]["classifier"]["kernel"],
-                           fh.from_pretrained(bert, pooler="mean", head="linear", num_labels=3)
-                           .params["head"]["head"]["classifier"]["kernel"])
+    assert not np.allclose(
+        heads[0]["head"]["head"]["classifier"]["kernel"],
+        fh.from_pretrained(bert, pooler="mean", head="linear", num_labels=3).params["head"]["head"]["classifier"][
+            "kernel"
+        ],
+    )

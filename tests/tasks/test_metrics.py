@@ -1,4 +1,5 @@
 """Metrics from all predictions, checked against scikit-learn and scipy."""
+
 import numpy as np
 import pytest
 from scipy import stats

@@ -1,5 +1,6 @@
 """Ranking metrics against scikit-learn (ndcg_score, average_precision_score) and
 sentence-transformers' CrossEncoderRerankingEvaluator's per-query metrics."""
+
 from __future__ import annotations
 
 import numpy as np

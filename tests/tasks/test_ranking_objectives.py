@@ -1,6 +1,7 @@
 """Ranking objectives against the references on the same scores: TRL's reward loss (its
 ``RewardTrainer.compute_loss``), sentence-transformers' CrossEncoder losses (with a stub model
 returning the given scores) and ``torch.nn.MarginRankingLoss``."""
+
 from __future__ import annotations
 
 import collections
@@ -38,10 +39,14 @@ def trl_reward_loss(chosen, rejected, margin=None):
     logits = torch.tensor(np.concatenate([chosen, rejected]))[:, None]
     model = lambda **kw: types.SimpleNamespace(logits=logits)  # noqa: E731
     ident = types.SimpleNamespace(gather=lambda x: x, gather_for_metrics=lambda x: x)
-    trainer = types.SimpleNamespace(model=types.SimpleNamespace(training=True), accelerator=ident,
-                                    args=types.SimpleNamespace(center_rewards_coefficient=None),
-                                    _total_train_tokens=0, _tp_size=1, _metrics=collections.defaultdict(
-                                        lambda: collections.defaultdict(list)))
+    trainer = types.SimpleNamespace(
+        model=types.SimpleNamespace(training=True),
+        accelerator=ident,
+        args=types.SimpleNamespace(center_rewards_coefficient=None),
+        _total_train_tokens=0,
+        _tp_size=1,
+        _metrics=collections.defaultdict(lambda: collections.defaultdict(list)),
+    )
     inputs = {"attention_mask": torch.ones(2 * len(chosen), 3, dtype=torch.long)}
     if margin is not None:
         inputs["margin"] = torch.tensor(margin)
@@ -127,8 +132,10 @@ def test_listnet_equals_listnet_loss_on_ragged_groups():
     sizes = [K, 2, 3, K, 1 + 1, K]
     labels = RNG.integers(0, 4, (G, K)).astype(np.float32)
     loss = ListNetLoss(_stub_cross_encoder(score_of))
-    ref = loss([queries, [docs[g][:n] for g, n in enumerate(sizes)]],
-               [torch.tensor(labels[g, :n]) for g, n in enumerate(sizes)])
+    ref = loss(
+        [queries, [docs[g][:n] for g, n in enumerate(sizes)]],
+        [torch.tensor(labels[g, :n]) for g, n in enumerate(sizes)],
+    )
     mask = np.arange(K)[None, :] < np.asarray(sizes)[:, None]
     ours = listnet(jnp.asarray(SCORES), jnp.asarray(labels), jnp.asarray(mask), ONES)
     assert abs(float(ours) - float(ref)) < 1e-6
@@ -173,11 +180,12 @@ def test_margins_from_the_data_ride_in_a_second_label_column():
     c, r = _pairs()
     margin = RNG.uniform(0, 1, G).astype(np.float32)
     rows = np.stack([np.tile([1.0, 0.0], G), np.repeat(margin, 2)], 1).astype(np.float32)
-    flat = objective_loss("pairwise", 2)(jnp.asarray(np.stack([c, r], 1).reshape(-1, 1)), rows,
-                                         np.full(2 * G, 0.5, np.float32))
+    flat = objective_loss("pairwise", 2)(
+        jnp.asarray(np.stack([c, r], 1).reshape(-1, 1)), rows, np.full(2 * G, 0.5, np.float32)
+    )
     assert abs(float(flat) - trl_reward_loss(c, r, margin)) < 1e-6
-    hinge = objective_loss("hinge", 2, margin=0.5)(jnp.asarray(np.stack([c, r], 1).reshape(-1, 1)), rows,
-                                                   np.full(2 * G, 0.5, np.float32))
+    hinge = objective_loss("hinge", 2, margin=0.5)(
+        jnp.asarray(np.stack([c, r], 1).reshape(-1, 1)), rows, np.full(2 * G, 0.5, np.float32)
+    )
     s, y, m = _preference(c, r)
     assert abs(float(hinge) - float(pairwise_hinge(s, y, m, ONES, margin=0.5 + margin))) < 1e-6
-

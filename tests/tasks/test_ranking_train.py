@@ -1,6 +1,7 @@
 """Grouped batches and the ranking train step: a batch holds whole groups (padded groups and
 candidates weigh nothing), the step's loss is the objective on the model's own scores, and two
 devices (pmap, mesh) give the loss and update of one, which needs each group kept on one device."""
+
 from __future__ import annotations
 
 import jax
@@ -26,14 +27,19 @@ def setup(tmp_path_factory):
 
     folder = tiny_bert_folder(tmp_path_factory.mktemp("rank_bert"), num_labels=1)
     rng = np.random.default_rng(0)
-    table = check_groups(GroupTable(
-        [" ".join(rng.choice(WORDS, 3)) for _ in SIZES],
-        [[" ".join(rng.choice(WORDS, int(rng.integers(2, 9)))) for _ in range(k)] for k in SIZES],
-        [[1.0] + rng.integers(0, 3, k - 1).astype(float).tolist() for k in SIZES], "synthetic",
-        [f"row {i}" for i in range(len(SIZES))]))
+    table = check_groups(
+        GroupTable(
+            [" ".join(rng.choice(WORDS, 3)) for _ in SIZES],
+            [[" ".join(rng.choice(WORDS, int(rng.integers(2, 9)))) for _ in range(k)] for k in SIZES],
+            [[1.0] + rng.integers(0, 3, k - 1).astype(float).tolist() for k in SIZES],
+            "synthetic",
+            [f"row {i}" for i in range(len(SIZES))],
+        )
+    )
     split = tokenize_groups(table, load_tokenizer(folder), 16)
-    model = from_pretrained(folder, pooler="mean", head="linear", num_labels=1, problem_type="regression",
-                            head_options={"dropout": 0.0})  # the step computes what model.apply does
+    model = from_pretrained(
+        folder, pooler="mean", head="linear", num_labels=1, problem_type="regression", head_options={"dropout": 0.0}
+    )  # the step computes what model.apply does
     return model, split
 
 
@@ -46,7 +52,7 @@ def test_batches_hold_whole_groups(setup):
     assert (w > 0).sum(1).tolist() == [4, 2, 2, 0]  # group 1 has 4 candidates, groups 0 and 4 have 2
     assert b["group"].reshape(4, 4)[:, 0].tolist() == [1, 0, 4, -1]
     lo = split.offsets[1]
-    np.testing.assert_array_equal(b["labels"][:4], split.labels[lo:lo + 4])
+    np.testing.assert_array_equal(b["labels"][:4], split.labels[lo : lo + 4])
     assert (b["attention_mask"].sum(1) >= 1).all()  # padding rows attend to one token (no NaN)
 
 
@@ -55,12 +61,18 @@ def test_the_task_answers_the_run(setup):
     and its keys of config.json."""
     _, split = setup
     task = Ranking("listwise", group_size=4, kind="ranking")
-    assert task.describe("6 train / 0 validation / 0 test", 3, 4) == \
-        "6 train / 0 validation / 0 test groups of up to 4 candidates, objective listwise, 3 steps of 4 groups"
+    assert (
+        task.describe("6 train / 0 validation / 0 test", 3, 4)
+        == "6 train / 0 validation / 0 test groups of up to 4 candidates, objective listwise, 3 steps of 4 groups"
+    )
     batch = task.largest_batch(split, 4, 32)
     assert batch["input_ids"].shape == (16, 32) and batch["weights"].reshape(4, 4).sum(1).tolist() == [1, 1, 1, 1]
-    assert task.config_keys({"train": split}) == {"objective": "listwise", "objective_options": {}, "group_size": 4,
-                                                  "rows": {"train": sum(SIZES)}}
+    assert task.config_keys({"train": split}) == {
+        "objective": "listwise",
+        "objective_options": {},
+        "group_size": 4,
+        "rows": {"train": sum(SIZES)},
+    }
 
 
 def _one_step(model, split, mode: str, objective: str):
@@ -77,8 +89,11 @@ def test_step_loss_is_the_objective_and_devices_agree(setup, objective="listwise
         pytest.skip("needs 2 devices")
     model, split = setup
     _, m1, batch = _one_step(model, split, "single", objective)
-    scores = np.asarray(model.apply(model.params, batch["input_ids"], batch["attention_mask"],
-                                    token_type_ids=batch.get("token_type_ids")))[:, 0].reshape(4, 4)
+    scores = np.asarray(
+        model.apply(
+            model.params, batch["input_ids"], batch["attention_mask"], token_type_ids=batch.get("token_type_ids")
+        )
+    )[:, 0].reshape(4, 4)
     w = batch["weights"].reshape(4, 4)
     ref = objective_fn(objective)(scores, batch["labels"].reshape(4, 4), w > 0, w.sum(1))
     assert abs(m1["loss"] - float(ref)) < 1e-5

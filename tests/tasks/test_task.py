@@ -1,5 +1,6 @@
 """What a run asks its task: a classification task's description, metrics, largest batch and
 records; a ranking task's refusals (its groups' answers are in test_ranking_train.py)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -14,8 +15,10 @@ from flaxheads.tasks.task import Classification
 
 def test_classification_answers_the_run():
     task = Classification("single_label_classification", 3)
-    assert task.describe("8 train / 2 validation / 0 test", 6, 4) == \
-        "8 train / 2 validation / 0 test examples, 3 labels, 6 steps of 4"
+    assert (
+        task.describe("8 train / 2 validation / 0 test", 6, 4)
+        == "8 train / 2 validation / 0 test examples, 3 labels, 6 steps of 4"
+    )
     assert task.packs and task.refuses == () and task.config_keys({}) == {} and task.summary_keys() == {}
     logits, labels = np.eye(3)[[0, 1, 2, 1]], np.array([0, 1, 2, 0])
     assert task.metrics(logits, labels) == compute_metrics("single_label_classification", logits, labels, 3)

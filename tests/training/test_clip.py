@@ -1,6 +1,7 @@
 """Gradient clipping and the gradient norm (training.optim): the same values as optax's
 ``clip_by_global_norm`` / ``tree.norm``, the same (empty) optimizer state, and the folded
 sum of squares equal to a float64 sum."""
+
 from __future__ import annotations
 
 import jax
@@ -15,10 +16,12 @@ from flaxheads.training.optim import OptimConfig, clip_by_global_norm, global_no
 
 def _tree(scale: float, seed: int = 0) -> dict:
     rs = np.random.RandomState(seed)
-    return {"emb": jnp.asarray(rs.randn(1000, 384) * scale, jnp.float32),   # folds
-            "odd": jnp.asarray(rs.randn(4099 * 3 + 7) * scale, jnp.float32),  # folds, with a remainder
-            "bias": jnp.asarray(rs.randn(384) * scale, jnp.float32),         # too small to fold
-            "kernel": jnp.asarray(rs.randn(384, 2) * scale, jnp.float32)}
+    return {
+        "emb": jnp.asarray(rs.randn(1000, 384) * scale, jnp.float32),  # folds
+        "odd": jnp.asarray(rs.randn(4099 * 3 + 7) * scale, jnp.float32),  # folds, with a remainder
+        "bias": jnp.asarray(rs.randn(384) * scale, jnp.float32),  # too small to fold
+        "kernel": jnp.asarray(rs.randn(384, 2) * scale, jnp.float32),
+    }
 
 
 @pytest.mark.parametrize("fold", [True, False])

@@ -1,4 +1,5 @@
 """Cached features: a head on the cache computes what it computes on a recomputed backbone."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,19 +31,28 @@ def _recomputed_logits(model, split):
     return np.asarray(full.apply(full.params, ids, mask))
 
 
-@pytest.mark.parametrize("pooler,head,level", [
-    (None, None, "pooled"),            # BERT preset: cls -> dense+tanh pooler (pretrained) -> classifier
-    ("mean", "linear", "pooled"),
-    ("last", "linear", "pooled"),      # one token: the encoder's last layer runs at that token alone
-    ("max", "mlp", "pooled"),
-    ("attention", "linear", "token"),  # learned token weights: full hidden states
-    ("mean", "linear", "token"),       # token level forced for a pool that could be pooled
-])
+@pytest.mark.parametrize(
+    "pooler,head,level",
+    [
+        (None, None, "pooled"),  # BERT preset: cls -> dense+tanh pooler (pretrained) -> classifier
+        ("mean", "linear", "pooled"),
+        ("last", "linear", "pooled"),  # one token: the encoder's last layer runs at that token alone
+        ("max", "mlp", "pooled"),
+        ("attention", "linear", "token"),  # learned token weights: full hidden states
+        ("mean", "linear", "token"),  # token level forced for a pool that could be pooled
+    ],
+)
 def test_cache_equals_recompute(bert_dir, pooler, head, level):
     model = fh.from_pretrained(bert_dir, pooler=pooler, head=head, num_labels=3)
     split = toy_split()
-    cache = cache_features(model, model.params["backbone"], split, batch_size=8, buckets=BUCKETS,
-                           level="auto" if level == "pooled" else level)
+    cache = cache_features(
+        model,
+        model.params["backbone"],
+        split,
+        batch_size=8,
+        buckets=BUCKETS,
+        level="auto" if level == "pooled" else level,
+    )
     assert cache.level == level and len(cache) == len(split.input_ids)
     if level == "token":
         assert sorted(b.length for b in cache.buckets) == [4, 8, 16]  # bucketed, not padded to the longest
@@ -56,12 +66,11 @@ def test_encode_groups_pad_the_fewest_rows_and_no_new_lengths(seed):
     longest text's bucket, never more padded tokens nor other lengths than a batch per bucket."""
     rng = np.random.default_rng(seed)
     buckets, bs = (16, 32, 64, 128), int(rng.choice([4, 8, 32]))
-    lengths = rng.choice([3, 20, 31, 40, 64, 100, 150], size=int(rng.integers(1, 120)),
-                         p=rng.dirichlet(np.ones(7)))
+    lengths = rng.choice([3, 20, 31, 40, 64, 100, 150], size=int(rng.integers(1, 120)), p=rng.dirichlet(np.ones(7)))
     groups = encode_groups(lengths, bs, buckets)
     assert sorted(np.concatenate(list(groups.values())).tolist()) == list(range(len(lengths)))
     own = lambda n: min(b for b in buckets if b >= n) if n <= buckets[-1] else buckets[-1]
-    batches = [(t, idx[s:s + bs]) for t, idx in groups.items() for s in range(0, len(idx), bs)]
+    batches = [(t, idx[s : s + bs]) for t, idx in groups.items() for s in range(0, len(idx), bs)]
     assert sum(len(b) < bs for _, b in batches) <= 1 and len(batches) == -(-len(lengths) // bs)
     assert all(t == own(max(lengths[b])) for t, b in batches)
     per_bucket = {t: sum(own(n) == t for n in lengths) for t in buckets}
@@ -133,11 +142,11 @@ def test_constant_weights_are_prepacked_for_onednn_and_change_no_feature(tmp_pat
     from tests.hf_tiny import save_tiny
 
     path = save_tiny(tmp_path / "bert", "bert", layers=2, hidden_size=128, intermediate_size=512)[0]
-    env = {**os.environ, "XLA_FLAGS": " ".join(ONEDNN_FLAGS), "FLAXHEADS_XLA_DEFAULTS": "0",
-           "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": " ".join(ONEDNN_FLAGS), "FLAXHEADS_XLA_DEFAULTS": "0", "JAX_PLATFORMS": "cpu"}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    r = subprocess.run([sys.executable, "-c", _CONSTANTS, str(path)], env=env, capture_output=True, text=True,
-                       timeout=600, cwd=root)
+    r = subprocess.run(
+        [sys.executable, "-c", _CONSTANTS, str(path)], env=env, capture_output=True, text=True, timeout=600, cwd=root
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     if out["calls"] == 0:
@@ -154,13 +163,13 @@ def test_memory_bound_spills_to_disk_or_refuses(bert_dir, tmp_path):
     split = toy_split()
     with pytest.raises(ValueError, match="directory="):
         cache_features(model, model.params["backbone"], split, buckets=BUCKETS, max_bytes=1000)
-    cache = cache_features(model, model.params["backbone"], split, buckets=BUCKETS, max_bytes=1000,
-                           directory=tmp_path)
+    cache = cache_features(model, model.params["backbone"], split, buckets=BUCKETS, max_bytes=1000, directory=tmp_path)
     assert cache.directory == str(tmp_path)
     assert sorted(os.listdir(tmp_path)) == sorted([f"{k}_{t}.npy" for k in ("hidden", "mask") for t in BUCKETS])
     assert isinstance(cache.buckets[0].hidden, np.memmap)
-    np.testing.assert_allclose(predict_cached(model, model.params["head"], cache), _recomputed_logits(model, split),
-                               atol=1e-5, rtol=0)
+    np.testing.assert_allclose(
+        predict_cached(model, model.params["head"], cache), _recomputed_logits(model, split), atol=1e-5, rtol=0
+    )
 
 
 def test_level_choice_is_checked(bert_dir):
@@ -216,8 +225,12 @@ def test_head_training_on_cache_equals_frozen_backbone_training(bert_dir):
     for b in list(cache.batches(8, seed=0, epoch=0))[:4]:
         keep = b["index"] >= 0
         ids, mask = padded(split, b["index"][keep], 16)
-        full = {"input_ids": np.zeros((8, 16), np.int32), "attention_mask": np.zeros((8, 16), np.int32),
-                "labels": b["labels"], "weights": b["weights"]}
+        full = {
+            "input_ids": np.zeros((8, 16), np.int32),
+            "attention_mask": np.zeros((8, 16), np.int32),
+            "labels": b["labels"],
+            "weights": b["weights"],
+        }
         full["input_ids"][keep], full["attention_mask"][keep] = ids, mask
         full["attention_mask"][~keep, 0] = 1
         s_cache, m1 = head_step(s_cache, {k: b[k] for k in ("hidden", "pool_mask", "labels", "weights")})

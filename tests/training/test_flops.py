@@ -1,17 +1,29 @@
 """The model-FLOP count of a run's MFU (``flaxheads.training.flops``) against hand counts for BERT-base
 and a grouped-query, gated decoder, with the matmul weights counted from transformers' own modules
 (built on the meta device: no memory, no weights); the peak table's lookups."""
+
 from __future__ import annotations
 
 import pytest
 
 from flaxheads.training.flops import Dims, StepFlops, forward_flops, peak_flops
 
-BERT_BASE = {"model_type": "bert", "hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12,
-             "intermediate_size": 3072}
+BERT_BASE = {
+    "model_type": "bert",
+    "hidden_size": 768,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "intermediate_size": 3072,
+}
 #: A Llama-style decoder with 4 key/value heads of 32 query heads and a gated FFN.
-DECODER = {"model_type": "llama", "hidden_size": 2048, "num_hidden_layers": 4, "num_attention_heads": 32,
-           "num_key_value_heads": 4, "intermediate_size": 5632}
+DECODER = {
+    "model_type": "llama",
+    "hidden_size": 2048,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "intermediate_size": 5632,
+}
 
 
 def _torch_matmul_weights(cfg: dict) -> int:
@@ -20,8 +32,9 @@ def _torch_matmul_weights(cfg: dict) -> int:
     tf = pytest.importorskip("transformers")
     with torch.device("meta"):
         if cfg["model_type"] == "bert":
-            model = tf.BertModel(tf.BertConfig(**{k: v for k, v in cfg.items() if k != "model_type"}),
-                                 add_pooling_layer=False)
+            model = tf.BertModel(
+                tf.BertConfig(**{k: v for k, v in cfg.items() if k != "model_type"}), add_pooling_layer=False
+            )
             layers = model.encoder.layer
         else:
             model = tf.LlamaModel(tf.LlamaConfig(**{k: v for k, v in cfg.items() if k != "model_type"}, vocab_size=128))

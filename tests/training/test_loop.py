@@ -1,5 +1,6 @@
 """fit's callbacks: when they are called, and checkpoints taken at exactly the steps fit evaluates
 (the checkpoint callback has no schedule of its own), every N steps and at the end."""
+
 import jax
 import numpy as np
 import pytest
@@ -33,8 +34,11 @@ def model(tiny_bert):
 @pytest.fixture(scope="module")
 def trainer(model):
     # 12 examples in batches of 4: 3 steps per epoch, so fit evaluates at 3, 6, 9 and the last step 10
-    return Trainer.build(model, OptimConfig(learning_rate=1e-3, total_steps=TOTAL),
-                         TrainConfig(batch_size=4, eval_batch_size=4, max_steps=TOTAL, log_every=5))
+    return Trainer.build(
+        model,
+        OptimConfig(learning_rate=1e-3, total_steps=TOTAL),
+        TrainConfig(batch_size=4, eval_batch_size=4, max_steps=TOTAL, log_every=5),
+    )
 
 
 class Recorder(Callback):
@@ -52,8 +56,15 @@ class Recorder(Callback):
 
 
 def _fit(trainer, callbacks, evals=True, state=None):
-    return fit(trainer, random_split(12, seed=1), evals={"validation": random_split(5, seed=2)} if evals else None,
-               buckets=(24,), progress=False, callbacks=callbacks, state=state)
+    return fit(
+        trainer,
+        random_split(12, seed=1),
+        evals={"validation": random_split(5, seed=2)} if evals else None,
+        buckets=(24,),
+        progress=False,
+        callbacks=callbacks,
+        state=state,
+    )
 
 
 def test_callbacks_are_called_at_each_step_after_its_evaluation(trainer):
@@ -99,8 +110,12 @@ def test_checkpoints_without_evaluations_every_n_and_the_end(trainer, model, tmp
 
 def test_pmap_state_is_saved_through_host_state(model, tmp_path):
     par = Parallel("pmap")
-    tr = Trainer.build(model, OptimConfig(learning_rate=1e-3, total_steps=2),
-                       TrainConfig(batch_size=4, eval_batch_size=4, max_steps=2, parallel="pmap"), par)
+    tr = Trainer.build(
+        model,
+        OptimConfig(learning_rate=1e-3, total_steps=2),
+        TrainConfig(batch_size=4, eval_batch_size=4, max_steps=2, parallel="pmap"),
+        par,
+    )
     ckr = fh.RunCheckpointer(tmp_path, model, keep=None)
     res = _fit(tr, [FitCheckpointing(ckr, every=1, host_state=par.get_state)], evals=False)
     got = ckr.restore(target_state=tr.init_state())
@@ -115,4 +130,6 @@ def test_flat_metrics_and_changed_settings():
     res = {"validation": {"accuracy": 0.5, "per_class": {"f1": [0.1]}, "n": 3, "ok": True}}
     assert flat_metrics(res) == {"validation/accuracy": 0.5, "validation/n": 3.0}
     assert changed_settings({"train": {"lr": 1, "seed": 0}}, {"train": {"lr": 2, "seed": 0}, "x": 1}) == [
-        "train.lr: 1 -> 2", "x: None -> 1"]
+        "train.lr: 1 -> 2",
+        "x: None -> 1",
+    ]

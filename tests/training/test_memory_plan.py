@@ -2,6 +2,7 @@
 are transformers' and peft's parameter counts, and XLA's figures for the deep model (compiled at 1
 and 2 layers and extended) match those of the loaded model's own compiled train step; bad input is
 one line, exit 2."""
+
 import json
 
 import numpy as np
@@ -10,14 +11,14 @@ import pytest
 pytest.importorskip("torch")
 
 import jax  # noqa: E402
+from hf_tiny import tiny_config  # noqa: E402
 
 import flaxheads as fh  # noqa: E402
 from flaxheads.cli.main import main  # noqa: E402
-from flaxheads.training.memory_plan import EXTRAPOLATE_ABOVE, plan_batch  # noqa: E402
 from flaxheads.training.loop import TrainConfig, Trainer  # noqa: E402
 from flaxheads.training.memory import memory_report  # noqa: E402
+from flaxheads.training.memory_plan import EXTRAPOLATE_ABOVE, plan_batch  # noqa: E402
 from flaxheads.training.optim import OptimConfig  # noqa: E402
-from hf_tiny import tiny_config  # noqa: E402
 
 pytestmark = pytest.mark.full
 LAYERS = EXTRAPOLATE_ABOVE + 1
@@ -42,13 +43,17 @@ def test_plan_of_a_config_only_folder(llama, capsys):
     from transformers import AutoModel, AutoModelForSequenceClassification
 
     cfg, folder, weights = llama
-    assert main(["plan", "--model", str(folder), "--batch-size", "4", "--max-length", "32", "--lora-rank", "4",
-                 "--json"]) == 0
+    assert (
+        main(["plan", "--model", str(folder), "--batch-size", "4", "--max-length", "32", "--lora-rank", "4", "--json"])
+        == 0
+    )
     plan = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     base = sum(p.numel() for p in AutoModel.from_config(cfg).parameters())
     assert plan["base"] == 4 * base
-    peft = get_peft_model(AutoModelForSequenceClassification.from_config(cfg),
-                          LoraConfig(task_type="SEQ_CLS", r=4, target_modules=["q_proj", "v_proj"]))
+    peft = get_peft_model(
+        AutoModelForSequenceClassification.from_config(cfg),
+        LoraConfig(task_type="SEQ_CLS", r=4, target_modules=["q_proj", "v_proj"]),
+    )
     lora = sum(p.numel() for n, p in peft.named_parameters() if "lora_" in n)
     assert plan["adapters"] == 4 * lora
     assert plan["opt_state"] >= 2 * (plan["adapters"] + plan["head"])  # AdamW's two moments of what trains
@@ -63,10 +68,13 @@ def test_plan_of_a_config_only_folder(llama, capsys):
     np.testing.assert_allclose(plan["activations"], real.xla_temp, rtol=0.1)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--mesh", f"fsdp={jax.device_count() * 2}", "--batch-size", "3"], "does not split over|needs .* devices"),
-    (["--quantize", "nf4"], "quantised base cannot be fine-tuned"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--mesh", f"fsdp={jax.device_count() * 2}", "--batch-size", "3"], "does not split over|needs .* devices"),
+        (["--quantize", "nf4"], "quantised base cannot be fine-tuned"),
+    ],
+)
 def test_bad_plans_are_one_line_exit_2(llama, capsys, argv, message):
     import re
 

@@ -1,13 +1,12 @@
 """Multi-task heads on one backbone forward: each task's logits and loss are those of a separate
 single-task model, the objective is their weighted sum, and training moves every task."""
+
 from __future__ import annotations
 
-import numpy as np
-import pytest
-
 import jax
-import jax.numpy as jnp
+import numpy as np
 import optax
+import pytest
 
 import flaxheads as fh
 from flaxheads.losses import loss_fn
@@ -21,17 +20,29 @@ pytestmark = pytest.mark.full
 def setup(tmp_path_factory):
     d = tiny_bert_dir(tmp_path_factory)
     model = fh.from_pretrained(d, num_labels=3)
-    mt = multitask(model, [
-        {"name": "topic", "num_labels": 3},                                             # the preset head
-        {"name": "tags", "num_labels": 4, "problem_type": "multi_label_classification",
-         "pooler": "mean", "head": "mlp", "weight": 0.5},
-        {"name": "score", "num_labels": 1, "pooler": "max", "head": "linear", "weight": 2.0},
-    ])
+    mt = multitask(
+        model,
+        [
+            {"name": "topic", "num_labels": 3},  # the preset head
+            {
+                "name": "tags",
+                "num_labels": 4,
+                "problem_type": "multi_label_classification",
+                "pooler": "mean",
+                "head": "mlp",
+                "weight": 0.5,
+            },
+            {"name": "score", "num_labels": 1, "pooler": "max", "head": "linear", "weight": 2.0},
+        ],
+    )
     split = toy_split(16)
     ids, mask = padded(split, range(16), 14)
     rng = np.random.default_rng(0)
-    labels = {"topic": split.labels, "tags": (rng.random((16, 4)) < 0.4).astype(np.float32),
-              "score": rng.normal(size=(16,)).astype(np.float32)}
+    labels = {
+        "topic": split.labels,
+        "tags": (rng.random((16, 4)) < 0.4).astype(np.float32),
+        "score": rng.normal(size=(16,)).astype(np.float32),
+    }
     return d, model, mt, ids, mask, labels
 
 
@@ -40,12 +51,14 @@ def test_each_task_equals_its_single_task_model(setup):
     out = jax.jit(mt.apply)(mt.params, ids, mask)  # jitted: eagerly each operation compiles on its own
     assert set(out) == {"topic", "tags", "score"}
     assert out["tags"].shape == (16, 4) and out["score"].shape == (16, 1)
-    np.testing.assert_allclose(np.asarray(out["topic"]), np.asarray(jax.jit(model.apply)(model.params, ids, mask)),
-                               atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(out["topic"]), np.asarray(jax.jit(model.apply)(model.params, ids, mask)), atol=1e-6
+    )
     for name in mt.names:
         single = mt.task_model(name)
-        np.testing.assert_allclose(np.asarray(out[name]), np.asarray(jax.jit(single.apply)(single.params, ids, mask)),
-                                   atol=1e-6)
+        np.testing.assert_allclose(
+            np.asarray(out[name]), np.asarray(jax.jit(single.apply)(single.params, ids, mask)), atol=1e-6
+        )
 
 
 def test_objective_is_the_weighted_sum_of_task_losses(setup):
@@ -70,10 +83,21 @@ def test_objective_is_the_weighted_sum_of_task_losses(setup):
 
 def test_training_step_moves_every_task_and_zero_weight_freezes_a_head(setup):
     _, model, _, ids, mask, labels = setup
-    mt = multitask(model, [{"name": "topic", "num_labels": 3},
-                           {"name": "tags", "num_labels": 4, "problem_type": "multi_label_classification",
-                            "pooler": "mean", "head": "linear", "weight": 0.0},
-                           {"name": "score", "num_labels": 1, "pooler": "max", "head": "linear"}])
+    mt = multitask(
+        model,
+        [
+            {"name": "topic", "num_labels": 3},
+            {
+                "name": "tags",
+                "num_labels": 4,
+                "problem_type": "multi_label_classification",
+                "pooler": "mean",
+                "head": "linear",
+                "weight": 0.0,
+            },
+            {"name": "score", "num_labels": 1, "pooler": "max", "head": "linear"},
+        ],
+    )
     tx = optax.adam(1e-2)
     state = init_multitask_state(mt, tx, freeze_backbone=True)
     step = jax.jit(make_multitask_train_step(mt, tx, freeze_backbone=True))
@@ -98,6 +122,7 @@ def test_full_finetune_gradients_flow_into_the_backbone_from_every_task(setup):
         def f(bp):
             logits = mt.apply({**mt.params, "backbone": bp}, ids, mask)
             return mt.loss(logits, labels, w)[1][name]
+
         return f
 
     # one compiled program for every task's gradient (eagerly: ~200 programs)

@@ -1,6 +1,7 @@
 """SignalWatch in-process: it takes SIGTERM/SIGINT only while entered, gives the previous handlers
 back, leaves a signal the parent ignored (a shell's background job) ignored, and a signal it
 took stops fit after the step in flight (the subprocess tests are tests/test_faults.py)."""
+
 from __future__ import annotations
 
 import os

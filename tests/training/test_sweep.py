@@ -1,6 +1,7 @@
 """vmapped head sweeps: each of K heads equals its own separate training run (a jitted
 make_head_train_step per head, one at a time, on its own slice of the cached reductions), and the
 best head saves as a normal head."""
+
 from __future__ import annotations
 
 import jax
@@ -24,10 +25,12 @@ def setup(tmp_path_factory):
     d = tiny_bert_dir(tmp_path_factory)
     model = fh.from_pretrained(d, num_labels=3)  # BERT preset: pretrained pooler, dropout in the head
     train, val = toy_split(48, seed=0), toy_split(30, seed=1)
-    tc = cache_features(model, model.params["backbone"], train, batch_size=16, buckets=BUCKETS,
-                        reductions=("cls", "mean", "max"))
-    vc = cache_features(model, model.params["backbone"], val, batch_size=16, buckets=BUCKETS,
-                        reductions=("cls", "mean", "max"))
+    tc = cache_features(
+        model, model.params["backbone"], train, batch_size=16, buckets=BUCKETS, reductions=("cls", "mean", "max")
+    )
+    vc = cache_features(
+        model, model.params["backbone"], val, batch_size=16, buckets=BUCKETS, reductions=("cls", "mean", "max")
+    )
     return d, model, train, tc, vc
 
 
@@ -46,8 +49,15 @@ def _separate(model, cache, v: Variant, cfg: OptimConfig, epochs: int, bs: int):
     step = jax.jit(make_head_train_step(m, tx))
     for e in range(epochs):
         for b in cache.batches(bs, seed=0, epoch=e):
-            state, _ = step(state, {"hidden": b["hidden"][:, r:r + 1], "pool_mask": b["pool_mask"][:, :1],
-                                    "labels": b["labels"], "weights": b["weights"]})
+            state, _ = step(
+                state,
+                {
+                    "hidden": b["hidden"][:, r : r + 1],
+                    "pool_mask": b["pool_mask"][:, :1],
+                    "labels": b["labels"],
+                    "weights": b["weights"],
+                },
+            )
     return state.params["head"]
 
 
@@ -58,16 +68,25 @@ def test_sweep_heads_equal_separate_trainings(setup, runs):
     from flaxheads.training.sweep import _batch_bytes, scan_length
 
     _, model, _, tc, _ = setup
-    variants = [Variant(1e-2, 0.0, 0), Variant(3e-3, 0.1, 1), Variant(1e-2, 0.01, 2, "mean"),
-                Variant(5e-3, 0.0, 3, "max")]
-    cfg = OptimConfig(learning_rate=1.0, schedule="linear", warmup_steps=2, max_grad_norm=1.0,
-                      freeze_backbone=True)
+    variants = [
+        Variant(1e-2, 0.0, 0),
+        Variant(3e-3, 0.1, 1),
+        Variant(1e-2, 0.01, 2, "mean"),
+        Variant(5e-3, 0.0, 3, "max"),
+    ]
+    cfg = OptimConfig(learning_rate=1.0, schedule="linear", warmup_steps=2, max_grad_norm=1.0, freeze_backbone=True)
     limit = _batch_bytes(tc, 16) * (3 if runs == 1 else 2)
     assert scan_length(3, _batch_bytes(tc, 16), limit) == (3 if runs == 1 else 2)
     res = sweep(model, tc, variants, optim=cfg, epochs=3, batch_size=16, max_scan_bytes=limit)
     assert res.steps == 9
-    cfg = OptimConfig(learning_rate=1.0, schedule="linear", warmup_steps=2, max_grad_norm=1.0,
-                      freeze_backbone=True, total_steps=res.steps)
+    cfg = OptimConfig(
+        learning_rate=1.0,
+        schedule="linear",
+        warmup_steps=2,
+        max_grad_norm=1.0,
+        freeze_backbone=True,
+        total_steps=res.steps,
+    )
     for k, v in enumerate(variants):
         ref = _separate(model, tc, v, cfg, 3, 16)
         got = res.head_params(k)
@@ -115,8 +134,9 @@ def test_sweep_on_token_level_features(tmp_path_factory):
         # The pool's query starts at 0, where some of its gradient components are rounding-sized;
         # Adam normalises them to full lr-sized steps, so the runs drift by ~1e-4 (not 1e-5 as
         # for pooled features above) while the params themselves move by ~1e-1.
-        for a, b, p0 in zip(jax.tree.leaves(res.head_params(k)), jax.tree.leaves(state.params["head"]),
-                            jax.tree.leaves(params["head"])):
+        for a, b, p0 in zip(
+            jax.tree.leaves(res.head_params(k)), jax.tree.leaves(state.params["head"]), jax.tree.leaves(params["head"])
+        ):
             assert np.abs(np.asarray(b) - np.asarray(p0)).max() > 1e-2
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=5e-4, rtol=0)
     with pytest.raises(ValueError, match="pooled cache"):

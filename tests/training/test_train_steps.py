@@ -1,19 +1,20 @@
 """train_step / eval_step on one device: frozen backbone, accumulation, padding weights,
 resume, buckets and compile counts, optimizer options, bf16."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from train_helpers import random_split, tiny_bert_folder
 
 import flaxheads as fh
 from flaxheads.data.batching import make_buckets
-from flaxheads.training.programs import make_eval_step
 from flaxheads.data.splits import collate
-from flaxheads.training.optim import OptimConfig, decay_mask, make_optimizer, schedule
 from flaxheads.training.loop import TrainConfig, Trainer, fit
+from flaxheads.training.optim import OptimConfig, decay_mask, make_optimizer, schedule
+from flaxheads.training.programs import make_eval_step
 from flaxheads.training.steps import create_state, make_head_train_step, make_train_step
-from train_helpers import random_split, tiny_bert_folder
 
 pytestmark = pytest.mark.full
 
@@ -29,8 +30,9 @@ def dropout_folder(tmp_path_factory):
 
 
 def _model(folder, dropout=0.0, **kw):
-    return fh.from_pretrained(folder, pooler="mean", head="linear", num_labels=3,
-                              head_options={"dropout": dropout}, **kw)
+    return fh.from_pretrained(
+        folder, pooler="mean", head="linear", num_labels=3, head_options={"dropout": dropout}, **kw
+    )
 
 
 def _batch(split, idx, size, buckets=(32,)):
@@ -58,8 +60,10 @@ def test_frozen_backbone_bitwise_unchanged_and_no_backbone_moments(folder):
         state, m = step(state, _batch(split, range(i * 5, i * 5 + 5), 8))
     for a, b in zip(jax.tree.leaves(before["backbone"]), jax.tree.leaves(state.params["backbone"])):
         assert np.array_equal(a, np.asarray(b))  # bitwise
-    moved = [not np.allclose(a, np.asarray(b)) for a, b in zip(jax.tree.leaves(before["head"]),
-                                                                  jax.tree.leaves(state.params["head"]))]
+    moved = [
+        not np.allclose(a, np.asarray(b))
+        for a, b in zip(jax.tree.leaves(before["head"]), jax.tree.leaves(state.params["head"]))
+    ]
     assert all(moved)
 
 
@@ -97,19 +101,20 @@ def test_gradient_accumulation_equals_one_big_step(folder):
     model = _model(folder)
     split = random_split(16, seed=3)
     big_cfg = OptimConfig(learning_rate=1e-3, total_steps=10, warmup_steps=2, max_grad_norm=0.5)
-    acc_cfg = OptimConfig(learning_rate=1e-3, total_steps=10, warmup_steps=2, max_grad_norm=0.5,
-                          accumulation_steps=4)
+    acc_cfg = OptimConfig(learning_rate=1e-3, total_steps=10, warmup_steps=2, max_grad_norm=0.5, accumulation_steps=4)
     tx_big, tx_acc = make_optimizer(big_cfg), make_optimizer(acc_cfg)
     big = create_state(model.params, tx_big)
     acc = create_state(model.params, tx_acc)
     step_big, step_acc = jax.jit(make_train_step(model, tx_big)), jax.jit(make_train_step(model, tx_acc))
-    for rep in range(2):  # two optimizer steps: moments and schedule count must agree too
+    for _ in range(2):  # two optimizer steps: moments and schedule count must agree too
         big, _ = step_big(big, _batch(split, range(16), 16))
         for k in range(4):
             acc, _ = step_acc(acc, _batch(split, range(4 * k, 4 * k + 4), 4))
     _close(big.params, acc.params, 1e-5)
-    assert not np.allclose(np.asarray(big.params["head"]["head"]["classifier"]["kernel"]),
-                           np.asarray(model.params["head"]["head"]["classifier"]["kernel"]))
+    assert not np.allclose(
+        np.asarray(big.params["head"]["head"]["classifier"]["kernel"]),
+        np.asarray(model.params["head"]["head"]["classifier"]["kernel"]),
+    )
 
 
 def test_padding_rows_change_nothing(folder):
@@ -135,6 +140,7 @@ def test_loss_is_models_loss_and_eval_step_is_apply(folder):
     np.testing.assert_allclose(logits, model.apply(model.params, b["input_ids"], b["attention_mask"]), atol=1e-6)
     # torch's CrossEntropyLoss over the 6 real rows (dropout is 0 here)
     import torch
+
     ref = torch.nn.functional.cross_entropy(torch.tensor(np.asarray(logits[:6])), torch.tensor(split.labels[:6]).long())
     np.testing.assert_allclose(float(m["loss"]), float(ref), rtol=1e-5)
 
@@ -157,8 +163,9 @@ def test_resume_repeats_uninterrupted_run(dropout_folder):
     losses_resumed = [h["loss"] for h in half.history + rest.history if "loss" in h]
     np.testing.assert_allclose(losses_full, losses_resumed, rtol=1e-6)
     # and dropout really is on: a different seed changes the loss of step 1
-    other = fit(Trainer.build(model, ocfg, TrainConfig(batch_size=4, max_steps=1, seed=8)), split, buckets=(32,),
-                progress=False)
+    other = fit(
+        Trainer.build(model, ocfg, TrainConfig(batch_size=4, max_steps=1, seed=8)), split, buckets=(32,), progress=False
+    )
     assert other.history[0]["loss"] != losses_full[0]
 
 
@@ -169,8 +176,14 @@ def test_buckets_bound_compiles(folder):
     assert buckets == (16, 32, 48, 64)
     cfg = TrainConfig(batch_size=4, epochs=2, seed=0, log_every=100, eval_batch_size=8)
     trainer = Trainer.build(model, OptimConfig(total_steps=20), cfg)
-    res = fit(trainer, split, evals={"validation": random_split(13, lengths=(3, 60), seed=2)}, buckets=buckets,
-              progress=False, group_by_length=False)
+    res = fit(
+        trainer,
+        split,
+        evals={"validation": random_split(13, lengths=(3, 60), seed=2)},
+        buckets=buckets,
+        progress=False,
+        group_by_length=False,
+    )
     lengths_used = {s[0][1] for s in trainer.train_traces.shapes}
     assert res.step == 20
     assert res.train_compiles == len(lengths_used) <= len(buckets)
@@ -181,9 +194,14 @@ def test_buckets_bound_compiles(folder):
 def test_decay_mask_and_schedules(folder):
     model = _model(folder)
     mask = decay_mask(model.params)
-    flat = {"/".join(k): v for k, v in jax.tree_util.tree_flatten_with_path(mask)[0] and
-            {tuple(str(getattr(p, "key", p)) for p in path): v
-             for path, v in jax.tree_util.tree_flatten_with_path(mask)[0]}.items()}
+    flat = {
+        "/".join(k): v
+        for k, v in jax.tree_util.tree_flatten_with_path(mask)[0]
+        and {
+            tuple(str(getattr(p, "key", p)) for p in path): v
+            for path, v in jax.tree_util.tree_flatten_with_path(mask)[0]
+        }.items()
+    }
     assert flat["backbone/encoder/layer/0/attention/self/query/kernel"]
     assert flat["backbone/embeddings/word_embeddings/embedding"]
     assert not flat["backbone/encoder/layer/0/attention/self/query/bias"]
@@ -211,12 +229,13 @@ def test_head_learning_rate_is_separate(folder):
     model = _model(folder)
     cfg = OptimConfig(learning_rate=0.0, head_learning_rate=1e-2, schedule="constant")
     tx = make_optimizer(cfg)
-    state, _ = jax.jit(make_train_step(model, tx))(create_state(model.params, tx),
-                                                   _batch(random_split(8), range(8), 8))
+    state, _ = jax.jit(make_train_step(model, tx))(create_state(model.params, tx), _batch(random_split(8), range(8), 8))
     for a, b in zip(jax.tree.leaves(model.params["backbone"]), jax.tree.leaves(state.params["backbone"])):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    assert not np.allclose(np.asarray(model.params["head"]["head"]["classifier"]["kernel"]),
-                           np.asarray(state.params["head"]["head"]["classifier"]["kernel"]))
+    assert not np.allclose(
+        np.asarray(model.params["head"]["head"]["classifier"]["kernel"]),
+        np.asarray(state.params["head"]["head"]["classifier"]["kernel"]),
+    )
 
 
 def test_bf16_backbone(folder):

@@ -15,6 +15,7 @@ Its layer also has no dropout after the feed-forward output (BERT has one). The 
 is HF ``FlaxAlbertModel(add_pooling_layer=False)``'s; the pretrained ``albert.pooler`` belongs
 to the ALBERT head preset, not to the backbone.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -57,11 +58,22 @@ def layer_order(config) -> tuple[tuple[int, int], ...]:
     return tuple((int(i / (n / groups)), j) for i in range(n) for j in range(inner))
 
 
-def albert_embeddings(params: dict, input_ids, token_type_ids, position_ids, *, eps: float, dtype, rate: float,
-                      rng: jax.Array | None, plan: ComputePlan) -> jax.Array:
+def albert_embeddings(
+    params: dict,
+    input_ids,
+    token_type_ids,
+    position_ids,
+    *,
+    eps: float,
+    dtype,
+    rate: float,
+    rng: jax.Array | None,
+    plan: ComputePlan,
+) -> jax.Array:
     """BERT's embeddings at ``embedding_size`` (LayerNorm, dropout), projected to ``hidden_size``."""
-    x = bert_embeddings(params, input_ids, token_type_ids, position_ids, eps=eps, dtype=dtype, rate=rate, rng=rng,
-                        plan=plan)
+    x = bert_embeddings(
+        params, input_ids, token_type_ids, position_ids, eps=eps, dtype=dtype, rate=rate, rng=rng, plan=plan
+    )
     return dense(x, params["encoder"]["embedding_hidden_mapping_in"], plan)
 
 
@@ -73,12 +85,28 @@ class AlbertBackbone(BertBackbone):
     base_model_prefix = "albert"
     classifier_dropout_key = "classifier_dropout_prob"
     # transformers' AlbertConfig defaults (ALBERT-xxlarge sizes, no dropout)
-    defaults = {"vocab_size": 30000, "embedding_size": 128, "hidden_size": 4096, "num_hidden_layers": 12,
-                "num_hidden_groups": 1, "num_attention_heads": 64, "intermediate_size": 16384, "inner_group_num": 1,
-                "hidden_act": "gelu_new", "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
-                "max_position_embeddings": 512, "type_vocab_size": 2, "initializer_range": 0.02,
-                "layer_norm_eps": 1e-12, "classifier_dropout_prob": 0.1, "position_embedding_type": "absolute",
-                "pad_token_id": 0, "bos_token_id": 2, "eos_token_id": 3}
+    defaults = {
+        "vocab_size": 30000,
+        "embedding_size": 128,
+        "hidden_size": 4096,
+        "num_hidden_layers": 12,
+        "num_hidden_groups": 1,
+        "num_attention_heads": 64,
+        "intermediate_size": 16384,
+        "inner_group_num": 1,
+        "hidden_act": "gelu_new",
+        "hidden_dropout_prob": 0.0,
+        "attention_probs_dropout_prob": 0.0,
+        "max_position_embeddings": 512,
+        "type_vocab_size": 2,
+        "initializer_range": 0.02,
+        "layer_norm_eps": 1e-12,
+        "classifier_dropout_prob": 0.1,
+        "position_embedding_type": "absolute",
+        "pad_token_id": 0,
+        "bos_token_id": 2,
+        "eos_token_id": 3,
+    }
     family: ClassVar[str] = "ALBERT"
     layout: ClassVar[AlbertLayout] = AlbertLayout()
 
@@ -87,8 +115,10 @@ class AlbertBackbone(BertBackbone):
         super().check_config(config)
         for key in ("num_hidden_groups", "inner_group_num", "embedding_size"):
             if int(config[key]) < 1:
-                raise BackboneError(f"flaxheads' ALBERT backbone cannot run this config: {key} is "
-                                    f"{config[key]}, expected a positive integer (fix config.json)")
+                raise BackboneError(
+                    f"flaxheads' ALBERT backbone cannot run this config: {key} is "
+                    f"{config[key]}, expected a positive integer (fix config.json)"
+                )
 
     @classmethod
     def stack(cls, config) -> Settings:
@@ -103,12 +133,19 @@ class AlbertBackbone(BertBackbone):
     def init_params(cls, config, rng) -> dict:
         init = HFInit(rng, float(config.initializer_range))
         e, h, i = int(config.embedding_size), int(config.hidden_size), int(config.intermediate_size)
-        groups = {str(g): {"albert_layers": {str(j): cls.layout.init_layer(init, h, i)
-                                             for j in range(int(config.inner_group_num))}}
-                  for g in range(int(config.num_hidden_groups))}
-        embeddings = {"word_embeddings": init.embedding(int(config.vocab_size), e),
-                      "position_embeddings": init.embedding(int(config.max_position_embeddings), e),
-                      "token_type_embeddings": init.embedding(int(config.type_vocab_size), e),
-                      "LayerNorm": init.norm(e)}
-        return {"embeddings": embeddings,
-                "encoder": {"embedding_hidden_mapping_in": init.dense(e, h), "albert_layer_groups": groups}}
+        groups = {
+            str(g): {
+                "albert_layers": {str(j): cls.layout.init_layer(init, h, i) for j in range(int(config.inner_group_num))}
+            }
+            for g in range(int(config.num_hidden_groups))
+        }
+        embeddings = {
+            "word_embeddings": init.embedding(int(config.vocab_size), e),
+            "position_embeddings": init.embedding(int(config.max_position_embeddings), e),
+            "token_type_embeddings": init.embedding(int(config.type_vocab_size), e),
+            "LayerNorm": init.norm(e),
+        }
+        return {
+            "embeddings": embeddings,
+            "encoder": {"embedding_hidden_mapping_in": init.dense(e, h), "albert_layer_groups": groups},
+        }

@@ -17,6 +17,7 @@ are HF's (parity-tested against ``FlaxBertModel`` and PyTorch ``BertModel`` to 1
 :class:`BertBackbone` is this module's implementation of the backbone contract
 (:mod:`flaxheads.backbones.base`).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -54,8 +55,10 @@ def check_bert_like(config, *, family: str) -> None:
     else:
         why = activation_problem(getattr(config, "hidden_act", "gelu"))
     if why:
-        raise BackboneError(f"flaxheads' {family} backbone cannot run this config: {why}. Use a checkpoint "
-                            f"without it, or implementation='hf_flax' (transformers < 5) if HF's Flax model has it.")
+        raise BackboneError(
+            f"flaxheads' {family} backbone cannot run this config: {why}. Use a checkpoint "
+            f"without it, or implementation='hf_flax' (transformers < 5) if HF's Flax model has it."
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,10 +100,16 @@ class LayerLayout:
     def init_layer(self, init: HFInit, hidden: int, intermediate: int) -> dict:
         """One freshly initialised layer's params, in this layout."""
         out: dict = {}
-        for part, leaf in (("query", init.dense(hidden, hidden)), ("key", init.dense(hidden, hidden)),
-                           ("value", init.dense(hidden, hidden)), ("attn_out", init.dense(hidden, hidden)),
-                           ("attn_norm", init.norm(hidden)), ("ffn_in", init.dense(hidden, intermediate)),
-                           ("ffn_out", init.dense(intermediate, hidden)), ("ffn_norm", init.norm(hidden))):
+        for part, leaf in (
+            ("query", init.dense(hidden, hidden)),
+            ("key", init.dense(hidden, hidden)),
+            ("value", init.dense(hidden, hidden)),
+            ("attn_out", init.dense(hidden, hidden)),
+            ("attn_norm", init.norm(hidden)),
+            ("ffn_in", init.dense(hidden, intermediate)),
+            ("ffn_out", init.dense(intermediate, hidden)),
+            ("ffn_norm", init.norm(hidden)),
+        ):
             *parents, last = getattr(self, part)
             node = out
             for k in parents:
@@ -127,31 +136,62 @@ class Settings:
     @classmethod
     def from_config(cls, config, layout: LayerLayout = BERT_LAYOUT) -> Settings:
         """BERT's config keys (``num_hidden_layers``, ``layer_norm_eps``, ``hidden_act``, ...)."""
-        return cls(int(config.num_hidden_layers), int(config.num_attention_heads), float(config.layer_norm_eps),
-                   config.hidden_act, float(config.hidden_dropout_prob or 0.0),
-                   float(config.attention_probs_dropout_prob or 0.0), layout)
+        return cls(
+            int(config.num_hidden_layers),
+            int(config.num_attention_heads),
+            float(config.layer_norm_eps),
+            config.hidden_act,
+            float(config.hidden_dropout_prob or 0.0),
+            float(config.attention_probs_dropout_prob or 0.0),
+            layout,
+        )
 
 
 def embed(params: dict, input_ids, token_type_ids, position_ids, *, eps: float, dtype, plan: ComputePlan) -> jax.Array:
     """Word + position + token-type embeddings, LayerNorm: ``[B, T, H]`` (families without
     ``token_type_embeddings``, e.g. DistilBERT, skip that term)."""
     e = params["embeddings"]
-    x = (jnp.take(e["word_embeddings"]["embedding"], input_ids, axis=0)
-         + jnp.take(e["position_embeddings"]["embedding"], position_ids, axis=0))
+    x = jnp.take(e["word_embeddings"]["embedding"], input_ids, axis=0) + jnp.take(
+        e["position_embeddings"]["embedding"], position_ids, axis=0
+    )
     if "token_type_embeddings" in e:
         x = x + jnp.take(e["token_type_embeddings"]["embedding"], token_type_ids, axis=0)
     return layer_norm_p(x.astype(dtype), e["LayerNorm"], eps, plan)
 
 
-def bert_embeddings(params: dict, input_ids, token_type_ids, position_ids, *, eps: float, dtype, rate: float,
-                    rng: jax.Array | None, plan: ComputePlan) -> jax.Array:
+def bert_embeddings(
+    params: dict,
+    input_ids,
+    token_type_ids,
+    position_ids,
+    *,
+    eps: float,
+    dtype,
+    rate: float,
+    rng: jax.Array | None,
+    plan: ComputePlan,
+) -> jax.Array:
     """BERT's embedding module: :func:`embed`, then dropout (the default of :func:`encode`'s ``embeddings``)."""
     return dropout(embed(params, input_ids, token_type_ids, position_ids, eps=eps, dtype=dtype, plan=plan), rate, rng)
 
 
-def layer(p: dict, x: jax.Array, mask_bias: jax.Array, *, num_heads: int, eps: float, act, batch: int,
-          plan: ComputePlan, hidden_dropout: float = 0.0, attn_dropout: float = 0.0, rng: jax.Array | None = None,
-          ffn_chunks: int = 1, layout: LayerLayout = BERT_LAYOUT, queries: jax.Array | None = None) -> jax.Array:
+def layer(
+    p: dict,
+    x: jax.Array,
+    mask_bias: jax.Array,
+    *,
+    num_heads: int,
+    eps: float,
+    act,
+    batch: int,
+    plan: ComputePlan,
+    hidden_dropout: float = 0.0,
+    attn_dropout: float = 0.0,
+    rng: jax.Array | None = None,
+    ffn_chunks: int = 1,
+    layout: LayerLayout = BERT_LAYOUT,
+    queries: jax.Array | None = None,
+) -> jax.Array:
     """One BERT-like layer on the flattened activation ``x [B*T, H]``; ``mask_bias [B, 1, 1, T]``.
 
     ``queries [B*Q, H]`` (rows of ``x``, ``Q`` per sequence): the layer's output at those rows
@@ -164,28 +204,41 @@ def layer(p: dict, x: jax.Array, mask_bias: jax.Array, *, num_heads: int, eps: f
     else:
         r_attn = r_out = r_ffn = None
     if queries is None:
-        ctx = self_attention(x, w, b, mask_bias, num_heads=num_heads, batch=batch, plan=plan, rate=attn_dropout,
-                             rng=r_attn)
+        ctx = self_attention(
+            x, w, b, mask_bias, num_heads=num_heads, batch=batch, plan=plan, rate=attn_dropout, rng=r_attn
+        )
     else:
-        ctx = cross_attention(queries, x, w, b, mask_bias, num_heads=num_heads, batch=batch, plan=plan,
-                              rate=attn_dropout, rng=r_attn)
+        ctx = cross_attention(
+            queries, x, w, b, mask_bias, num_heads=num_heads, batch=batch, plan=plan, rate=attn_dropout, rng=r_attn
+        )
         x = queries
     out = dense(ctx, layout(p, "attn_out"), plan)
     if layout.attn_output_dropout:
         out = dropout(out, hidden_dropout, r_out)
     x = layer_norm_p(out + x, layout(p, "attn_norm"), eps, plan)
-    return _ffn(p, x, eps=eps, act=act, hidden_dropout=hidden_dropout, rng=r_ffn, chunks=ffn_chunks, layout=layout,
-                plan=plan)
+    return _ffn(
+        p, x, eps=eps, act=act, hidden_dropout=hidden_dropout, rng=r_ffn, chunks=ffn_chunks, layout=layout, plan=plan
+    )
 
 
-def _ffn(p: dict, x: jax.Array, *, eps: float, act, hidden_dropout: float, rng, chunks: int,
-         layout: LayerLayout = BERT_LAYOUT, plan: ComputePlan) -> jax.Array:
+def _ffn(
+    p: dict,
+    x: jax.Array,
+    *,
+    eps: float,
+    act,
+    hidden_dropout: float,
+    rng,
+    chunks: int,
+    layout: LayerLayout = BERT_LAYOUT,
+    plan: ComputePlan,
+) -> jax.Array:
     """dense -> act -> dense -> dropout -> residual -> LayerNorm, in ``chunks`` independent row blocks."""
     rows = x.shape[0]
     n = chunks if chunks > 1 and rows % chunks == 0 else 1
     outs = []
     for c in range(n):
-        xc = x[c * rows // n:(c + 1) * rows // n]
+        xc = x[c * rows // n : (c + 1) * rows // n]
         inter = act(dense(xc, layout(p, "ffn_in"), plan))
         r = None if rng is None else (rng if n == 1 else jax.random.fold_in(rng, c))
         out = mlp_out(dense(inter, layout(p, "ffn_out"), plan))
@@ -205,10 +258,19 @@ def dropout_keys(rng: jax.Array | None, num_layers: int, train: bool) -> tuple[j
     return keys[-1], keys[:-1]
 
 
-def run_layers(layers: Sequence[dict], x: jax.Array, attention_mask: jax.Array, stack: Settings, *,
-               rngs: Sequence[jax.Array | None], plan: ComputePlan, ffn_chunks: int = 1,
-               remat: bool | str = False, segment_ids: jax.Array | None = None,
-               only_at: jax.Array | None = None) -> jax.Array:
+def run_layers(
+    layers: Sequence[dict],
+    x: jax.Array,
+    attention_mask: jax.Array,
+    stack: Settings,
+    *,
+    rngs: Sequence[jax.Array | None],
+    plan: ComputePlan,
+    ffn_chunks: int = 1,
+    remat: bool | str = False,
+    segment_ids: jax.Array | None = None,
+    only_at: jax.Array | None = None,
+) -> jax.Array:
     """``stack``'s layers on the embeddings ``x [B, T, H]``: the last hidden state ``[B, T, H]``.
 
     ``layers[i]`` is layer ``i``'s params (the same dict repeated shares weights across depth);
@@ -220,9 +282,18 @@ def run_layers(layers: Sequence[dict], x: jax.Array, attention_mask: jax.Array, 
     bias = mask_bias(attention_mask, x.dtype) if segment_ids is None else segment_bias(segment_ids, x.dtype)
     act = get_activation(stack.activation, barrier=plan.activation_barrier)
     step: Callable[..., jax.Array]  # a partial of layer, then (remat) its checkpointed form
-    step = partial(layer, num_heads=stack.num_heads, eps=stack.eps, act=act, batch=bsz, plan=plan,
-                   hidden_dropout=stack.hidden_dropout, attn_dropout=stack.attn_dropout,
-                   ffn_chunks=ffn_chunks, layout=stack.layout)
+    step = partial(
+        layer,
+        num_heads=stack.num_heads,
+        eps=stack.eps,
+        act=act,
+        batch=bsz,
+        plan=plan,
+        hidden_dropout=stack.hidden_dropout,
+        attn_dropout=stack.attn_dropout,
+        ffn_chunks=ffn_chunks,
+        layout=stack.layout,
+    )
     # remat: keep less than every intermediate for the backward pass and recompute the rest (its
     # policy says what is kept): activation memory stops growing with the layer count
     step = checkpointed(step, remat)
@@ -233,17 +304,32 @@ def run_layers(layers: Sequence[dict], x: jax.Array, attention_mask: jax.Array, 
     if only_at is None:
         return x.reshape(bsz, t, -1)
     if segment_ids is not None:
-        raise BackboneError("only_at and segment_ids (packed rows) cannot be combined: pool packed texts from "
-                            "the full hidden states")
+        raise BackboneError(
+            "only_at and segment_ids (packed rows) cannot be combined: pool packed texts from the full hidden states"
+        )
     rows = jnp.asarray(only_at, jnp.int32).reshape(bsz) + jnp.arange(bsz, dtype=jnp.int32) * t
     return step(layers[last], x, bias, rng=rngs[last], queries=x[rows]).reshape(bsz, 1, -1)
 
 
-def encode(params: dict, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, *, config,
-           plan: ComputePlan, dtype=jnp.float32, dropout_rng: jax.Array | None = None, train: bool = False,
-           ffn_chunks: int = 1, remat: bool | str = False, stack: Settings | None = None,
-           embeddings: Callable[..., jax.Array] = bert_embeddings, segment_ids=None,
-           only_at: jax.Array | None = None) -> jax.Array:
+def encode(
+    params: dict,
+    input_ids,
+    attention_mask=None,
+    token_type_ids=None,
+    position_ids=None,
+    *,
+    config,
+    plan: ComputePlan,
+    dtype=jnp.float32,
+    dropout_rng: jax.Array | None = None,
+    train: bool = False,
+    ffn_chunks: int = 1,
+    remat: bool | str = False,
+    stack: Settings | None = None,
+    embeddings: Callable[..., jax.Array] = bert_embeddings,
+    segment_ids=None,
+    only_at: jax.Array | None = None,
+) -> jax.Array:
     """A BERT-like encoder forward: last hidden state ``[B, T, H]`` in ``dtype``. Pure in ``params``.
 
     What differs between BERT-like families comes in as arguments: ``stack`` (layer count,
@@ -269,13 +355,32 @@ def encode(params: dict, input_ids, attention_mask=None, token_type_ids=None, po
     if position_ids is None:
         position_ids = jnp.broadcast_to(jnp.arange(t), (bsz, t))
     emb_rng, rngs = dropout_keys(dropout_rng, stack.num_layers, train)
-    x = embeddings(params, input_ids, token_type_ids, position_ids, eps=stack.eps, dtype=dtype,
-                   rate=stack.hidden_dropout, rng=emb_rng, plan=plan)
+    x = embeddings(
+        params,
+        input_ids,
+        token_type_ids,
+        position_ids,
+        eps=stack.eps,
+        dtype=dtype,
+        rate=stack.hidden_dropout,
+        rng=emb_rng,
+        plan=plan,
+    )
     layers = stack.layout.layer_list(params)
     if len(layers) != stack.num_layers:
         raise BackboneError(f"the params have {len(layers)} layers but the config has {stack.num_layers}")
-    return run_layers(layers, x, attention_mask, stack, rngs=rngs, plan=plan,
-                      ffn_chunks=ffn_chunks, remat=remat, segment_ids=segment_ids, only_at=only_at)
+    return run_layers(
+        layers,
+        x,
+        attention_mask,
+        stack,
+        rngs=rngs,
+        plan=plan,
+        ffn_chunks=ffn_chunks,
+        remat=remat,
+        segment_ids=segment_ids,
+        only_at=only_at,
+    )
 
 
 class BertBackbone(Backbone):
@@ -293,9 +398,17 @@ class BertBackbone(Backbone):
     base_model_prefix = "bert"
     classifier_dropout_key = "classifier_dropout"
     lora_targets = ("query", "value")
-    defaults = {"hidden_act": "gelu", "hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1,
-                "layer_norm_eps": 1e-12, "type_vocab_size": 2, "position_embedding_type": "absolute",
-                "pad_token_id": 0, "initializer_range": 0.02, "max_position_embeddings": 512}
+    defaults = {
+        "hidden_act": "gelu",
+        "hidden_dropout_prob": 0.1,
+        "attention_probs_dropout_prob": 0.1,
+        "layer_norm_eps": 1e-12,
+        "type_vocab_size": 2,
+        "position_embedding_type": "absolute",
+        "pad_token_id": 0,
+        "initializer_range": 0.02,
+        "max_position_embeddings": 512,
+    }
     features = frozenset({"token_type_ids", "position_ids", "remat", "bf16", "packing", "only_at"})
     extra_inputs: ClassVar[tuple[str, ...]] = ("token_type_ids", "position_ids", "segment_ids", "only_at")
     layout: ClassVar[LayerLayout] = BERT_LAYOUT
@@ -312,10 +425,14 @@ class BertBackbone(Backbone):
     def init_embeddings(cls, config, init: HFInit) -> dict:
         """The top-level modules before the layers (BERT: ``{"embeddings": ...}``), freshly initialised."""
         h = int(config.hidden_size)
-        return {"embeddings": {"word_embeddings": init.embedding(int(config.vocab_size), h),
-                               "position_embeddings": init.embedding(int(config.max_position_embeddings), h),
-                               "token_type_embeddings": init.embedding(int(config.type_vocab_size), h),
-                               "LayerNorm": init.norm(h)}}
+        return {
+            "embeddings": {
+                "word_embeddings": init.embedding(int(config.vocab_size), h),
+                "position_embeddings": init.embedding(int(config.max_position_embeddings), h),
+                "token_type_embeddings": init.embedding(int(config.type_vocab_size), h),
+                "LayerNorm": init.norm(h),
+            }
+        }
 
     @classmethod
     def init_params(cls, config, rng) -> dict:
@@ -346,9 +463,33 @@ class BertBackbone(Backbone):
         """The position id of a text's first token (packed rows restart positions here at each text)."""
         return 0
 
-    def encode(self, params, input_ids, attention_mask, *, train: bool = False, rng=None, token_type_ids=None,
-               position_ids=None, segment_ids=None, only_at=None) -> jax.Array:
-        return encode(params, input_ids, attention_mask, token_type_ids, position_ids, config=self.config,
-                      plan=self.plan, dtype=self.dtype, dropout_rng=rng, train=train, remat=self.remat_policy,
-                      stack=self.stack(self.config), embeddings=self.embeddings(), segment_ids=segment_ids,
-                      only_at=only_at)
+    def encode(
+        self,
+        params,
+        input_ids,
+        attention_mask,
+        *,
+        train: bool = False,
+        rng=None,
+        token_type_ids=None,
+        position_ids=None,
+        segment_ids=None,
+        only_at=None,
+    ) -> jax.Array:
+        return encode(
+            params,
+            input_ids,
+            attention_mask,
+            token_type_ids,
+            position_ids,
+            config=self.config,
+            plan=self.plan,
+            dtype=self.dtype,
+            dropout_rng=rng,
+            train=train,
+            remat=self.remat_policy,
+            stack=self.stack(self.config),
+            embeddings=self.embeddings(),
+            segment_ids=segment_ids,
+            only_at=only_at,
+        )

@@ -30,6 +30,7 @@ scores into ``[.., T, T]`` with a reshape and a slice: no gather, and no scatter
 transformers has no Flax DeBERTa; the params tree follows HF's PyTorch -> Flax naming rule
 (``kernel [in, out]``, ``embedding``, ``scale``; the convolution's ``kernel`` is Flax's ``[k, in/groups, out]``).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -55,8 +56,11 @@ from flaxheads.layers.remat import attention_out, checkpointed, mlp_out
 from flaxheads.runtime.plan import ComputePlan
 
 #: A DeBERTa layer is a BERT layer whose attention projections are named ``*_proj``.
-LAYOUT = LayerLayout(query=("attention", "self", "query_proj"), key=("attention", "self", "key_proj"),
-                     value=("attention", "self", "value_proj"))
+LAYOUT = LayerLayout(
+    query=("attention", "self", "query_proj"),
+    key=("attention", "self", "key_proj"),
+    value=("attention", "self", "value_proj"),
+)
 TOP_LEVEL = ("embeddings", "encoder")
 #: PyTorch buffers some checkpoints carry (no weights)
 BUFFERS = ("embeddings.position_ids",)
@@ -113,19 +117,30 @@ class Settings:
         norm = [x.strip() for x in str(c.get("norm_rel_ebd", "none")).lower().split("|")]
         conv = int(c.get("conv_kernel_size", 0) or 0)
         return cls(
-            num_layers=int(c.num_hidden_layers), num_heads=heads, eps=float(c.layer_norm_eps),
-            act=c.hidden_act, hidden_dropout=float(c.hidden_dropout_prob or 0.0),
+            num_layers=int(c.num_hidden_layers),
+            num_heads=heads,
+            eps=float(c.layer_norm_eps),
+            act=c.hidden_act,
+            hidden_dropout=float(c.hidden_dropout_prob or 0.0),
             attn_dropout=float(c.attention_probs_dropout_prob or 0.0),
-            pos_dropout=float(c.hidden_dropout_prob or 0.0), conv_dropout=float(c.hidden_dropout_prob or 0.0),
+            pos_dropout=float(c.hidden_dropout_prob or 0.0),
+            conv_dropout=float(c.hidden_dropout_prob or 0.0),
             scale=1.0 / math.sqrt(int(c.hidden_size) // heads * factor),
-            relative=bool(c.get("relative_attention", False)), c2p="c2p" in types, p2c="p2c" in types,
-            share_att_key=bool(c.get("share_att_key", False)), buckets=int(c.get("position_buckets", -1)),
-            max_relative=max_rel if max_rel >= 1 else int(c.max_position_embeddings), norm_rel="layer_norm" in norm,
-            conv_kernel=max(conv, 0), conv_groups=int(c.get("conv_groups", 1)),
+            relative=bool(c.get("relative_attention", False)),
+            c2p="c2p" in types,
+            p2c="p2c" in types,
+            share_att_key=bool(c.get("share_att_key", False)),
+            buckets=int(c.get("position_buckets", -1)),
+            max_relative=max_rel if max_rel >= 1 else int(c.max_position_embeddings),
+            norm_rel="layer_norm" in norm,
+            conv_kernel=max(conv, 0),
+            conv_groups=int(c.get("conv_groups", 1)),
             conv_act=c.get("conv_act", "tanh") if conv > 0 else None,
             position_biased_input=bool(c.get("position_biased_input", True)),
-            type_vocab_size=int(c.type_vocab_size or 0), pad_token_id=c.get("pad_token_id"),
-            max_positions=int(c.max_position_embeddings))
+            type_vocab_size=int(c.type_vocab_size or 0),
+            pad_token_id=c.get("pad_token_id"),
+            max_positions=int(c.max_position_embeddings),
+        )
 
 
 # ---- relative positions ---------------------------------------------------------------------------------
@@ -142,17 +157,28 @@ def diagonal_rows(t: int, s: Settings) -> tuple[np.ndarray, np.ndarray]:
 
 
 # ---- layers ---------------------------------------------------------------------------------------------
-def _project_rows(rel: jax.Array, rows: np.ndarray, p: dict, num_heads: int, scale: float = 1.0,
-                  keep_bias_gradient: bool = True) -> jax.Array:
+def _project_rows(
+    rel: jax.Array, rows: np.ndarray, p: dict, num_heads: int, scale: float = 1.0, keep_bias_gradient: bool = True
+) -> jax.Array:
     """The projection ``p`` (times ``scale``) of the relative-embedding ``rows``: ``[len(rows), nh, d]``."""
     bias = p["bias"] if keep_bias_gradient else lax.stop_gradient(p["bias"])
     out = jnp.take(rel, rows, axis=0) @ (p["kernel"] * scale).astype(rel.dtype) + (bias * scale).astype(rel.dtype)
     return out.reshape(len(rows), num_heads, -1)
 
 
-def disentangled_attention(p: dict, x: jax.Array, keep: jax.Array, rel: jax.Array | None, rows, s: Settings, *,
-                           batch: int, rng: jax.Array | None, plan: ComputePlan,
-                           at: jax.Array | None = None) -> jax.Array:
+def disentangled_attention(
+    p: dict,
+    x: jax.Array,
+    keep: jax.Array,
+    rel: jax.Array | None,
+    rows,
+    s: Settings,
+    *,
+    batch: int,
+    rng: jax.Array | None,
+    plan: ComputePlan,
+    at: jax.Array | None = None,
+) -> jax.Array:
     """Attention context ``[B*T, H]`` of ``x [B*T, H]`` before the output projection; ``keep [B, 1, T, T]``
     the pairs that may attend, ``rel [2*span, H]`` the (normalised) relative table, ``rows`` :func:`diagonal_rows`.
     ``at [B]``: the context of that one query position per sequence alone, ``[B, H]`` (keys and
@@ -186,8 +212,9 @@ def disentangled_attention(p: dict, x: jax.Array, keep: jax.Array, rel: jax.Arra
         rel = dropout(rel, s.pos_dropout, r_pos)
         c2p_rows, p2c_rows = rows
         if s.c2p:
-            pk = _project_rows(rel, c2p_rows, k_p if s.share_att_key else sa["pos_key_proj"], nh,
-                               keep_bias_gradient=False)
+            pk = _project_rows(
+                rel, c2p_rows, k_p if s.share_att_key else sa["pos_key_proj"], nh, keep_bias_gradient=False
+            )
             c2p = jnp.einsum("bqhd,nhd->bhqn", q, pk)
             c2p = diagonals_to_keys(c2p) if at is None else jnp.take_along_axis(c2p, c2p_at[:, None, None, :], -1)
             scores = scores + c2p
@@ -210,8 +237,19 @@ def _rows_at(x: jax.Array, at: jax.Array, t: int) -> jax.Array:
     return x[at + jnp.arange(at.shape[0], dtype=at.dtype) * t]
 
 
-def layer(p: dict, x: jax.Array, keep: jax.Array, rel: jax.Array | None, *, rows, s: Settings, batch: int,
-          plan: ComputePlan, rng: jax.Array | None = None, at: jax.Array | None = None) -> jax.Array:
+def layer(
+    p: dict,
+    x: jax.Array,
+    keep: jax.Array,
+    rel: jax.Array | None,
+    *,
+    rows,
+    s: Settings,
+    batch: int,
+    plan: ComputePlan,
+    rng: jax.Array | None = None,
+    at: jax.Array | None = None,
+) -> jax.Array:
     """One DeBERTa layer on the flattened activation ``x [B*T, H]`` (post-LayerNorm, as BERT's);
     ``at [B]``: its output at that one position per sequence alone, ``[B, H]``."""
     r_attn, r_out, r_ffn = jax.random.split(rng, 3) if rng is not None else (None, None, None)
@@ -226,14 +264,27 @@ def layer(p: dict, x: jax.Array, keep: jax.Array, rel: jax.Array | None, *, rows
     return layer_norm_p(out + x, LAYOUT(p, "ffn_norm"), s.eps, plan)
 
 
-def conv_layer(p: dict, embedded: jax.Array, hidden: jax.Array, mask: jax.Array, s: Settings,
-               rng: jax.Array | None, plan: ComputePlan) -> jax.Array:
+def conv_layer(
+    p: dict,
+    embedded: jax.Array,
+    hidden: jax.Array,
+    mask: jax.Array,
+    s: Settings,
+    rng: jax.Array | None,
+    plan: ComputePlan,
+) -> jax.Array:
     """HF's ``ConvLayer``: ``LayerNorm(hidden + act(dropout(conv(embedded))))`` with padded positions
     zeroed before and after; ``embedded``/``hidden`` ``[B, T, H]``, ``mask [B, T, 1]`` (0/1)."""
     pad = (s.conv_kernel - 1) // 2
     c = p["conv"]
-    y = lax.conv_general_dilated(embedded, c["kernel"].astype(embedded.dtype), (1,), [(pad, pad)],
-                                 dimension_numbers=("NWC", "WIO", "NWC"), feature_group_count=s.conv_groups)
+    y = lax.conv_general_dilated(
+        embedded,
+        c["kernel"].astype(embedded.dtype),
+        (1,),
+        [(pad, pad)],
+        dimension_numbers=("NWC", "WIO", "NWC"),
+        feature_group_count=s.conv_groups,
+    )
     act = get_activation(s.conv_act, barrier=plan.activation_barrier)
     y = act(dropout((y + c["bias"].astype(y.dtype)) * mask, s.conv_dropout, rng))
     return layer_norm_p(hidden + y, p["LayerNorm"], s.eps, plan) * mask
@@ -252,9 +303,21 @@ def embed(e: dict, input_ids, token_type_ids, position_ids, s: Settings, dtype, 
     return layer_norm_p(x, e["LayerNorm"], s.eps, plan)
 
 
-def encode(params: dict, input_ids, attention_mask, token_type_ids=None, position_ids=None, *, settings: Settings,
-           plan: ComputePlan, dtype=jnp.float32, rng: jax.Array | None = None, train: bool = False,
-           remat: bool | str = False, only_at: jax.Array | None = None) -> jax.Array:
+def encode(
+    params: dict,
+    input_ids,
+    attention_mask,
+    token_type_ids=None,
+    position_ids=None,
+    *,
+    settings: Settings,
+    plan: ComputePlan,
+    dtype=jnp.float32,
+    rng: jax.Array | None = None,
+    train: bool = False,
+    remat: bool | str = False,
+    only_at: jax.Array | None = None,
+) -> jax.Array:
     """The DeBERTa-v2 forward: last hidden state ``[B, T, H]`` in ``dtype``, computed as ``plan`` arranges
     it (:class:`~flaxheads.runtime.plan.ComputePlan`). Pure in ``params``.
 
@@ -265,16 +328,21 @@ def encode(params: dict, input_ids, attention_mask, token_type_ids=None, positio
     input_ids = jnp.asarray(input_ids)
     bsz, t = input_ids.shape
     if s.position_biased_input and t > s.max_positions:
-        raise BackboneError(f"sequence length {t} exceeds max_position_embeddings {s.max_positions} of this "
-                            "DeBERTa model (absolute positions): truncate the inputs")
+        raise BackboneError(
+            f"sequence length {t} exceeds max_position_embeddings {s.max_positions} of this "
+            "DeBERTa model (absolute positions): truncate the inputs"
+        )
     token_type_ids = jnp.zeros_like(input_ids) if token_type_ids is None else token_type_ids
     position_ids = jnp.broadcast_to(jnp.arange(t), (bsz, t)) if position_ids is None else position_ids
     emb_rng, rngs = dropout_keys(rng, s.num_layers + 1, train)
     conv_rng = rngs.pop()
     valid = jnp.asarray(attention_mask) > 0
     mask = valid[..., None].astype(dtype)
-    x = dropout(embed(params["embeddings"], input_ids, token_type_ids, position_ids, s, dtype, plan) * mask,
-                s.hidden_dropout, emb_rng)
+    x = dropout(
+        embed(params["embeddings"], input_ids, token_type_ids, position_ids, s, dtype, plan) * mask,
+        s.hidden_dropout,
+        emb_rng,
+    )
     keep = valid[:, None, :, None] & valid[:, None, None, :]
     enc = params["encoder"]
     rel, rows = None, None
@@ -304,8 +372,11 @@ def encode(params: dict, input_ids, attention_mask, token_type_ids=None, positio
 def _prune(tree: Mapping, shapes: Mapping) -> dict:
     """``tree`` without the entries ``shapes`` lacks (weights PyTorch ignores too, e.g. the absolute
     position table of a v3 checkpoint that does not use it)."""
-    return {k: (_prune(v, shapes[k]) if isinstance(v, Mapping) and isinstance(shapes[k], Mapping) else v)
-            for k, v in tree.items() if k in shapes}
+    return {
+        k: (_prune(v, shapes[k]) if isinstance(v, Mapping) and isinstance(shapes[k], Mapping) else v)
+        for k, v in tree.items()
+        if k in shapes
+    }
 
 
 class DebertaV2Backbone(Backbone):
@@ -317,12 +388,27 @@ class DebertaV2Backbone(Backbone):
     classifier_dropout_key = "cls_dropout"
     lora_targets = ("query_proj", "value_proj")
     # transformers' DebertaV2Config defaults
-    defaults = {"vocab_size": 128100, "hidden_size": 1536, "num_hidden_layers": 24, "num_attention_heads": 24,
-                "intermediate_size": 6144, "hidden_act": "gelu", "hidden_dropout_prob": 0.1,
-                "attention_probs_dropout_prob": 0.1, "max_position_embeddings": 512, "type_vocab_size": 0,
-                "initializer_range": 0.02, "layer_norm_eps": 1e-7, "relative_attention": False,
-                "max_relative_positions": -1, "pad_token_id": 0, "position_biased_input": True, "pos_att_type": None,
-                "pooler_dropout": 0.0, "pooler_hidden_act": "gelu"}
+    defaults = {
+        "vocab_size": 128100,
+        "hidden_size": 1536,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 24,
+        "intermediate_size": 6144,
+        "hidden_act": "gelu",
+        "hidden_dropout_prob": 0.1,
+        "attention_probs_dropout_prob": 0.1,
+        "max_position_embeddings": 512,
+        "type_vocab_size": 0,
+        "initializer_range": 0.02,
+        "layer_norm_eps": 1e-7,
+        "relative_attention": False,
+        "max_relative_positions": -1,
+        "pad_token_id": 0,
+        "position_biased_input": True,
+        "pos_att_type": None,
+        "pooler_dropout": 0.0,
+        "pooler_hidden_act": "gelu",
+    }
     features = frozenset({"token_type_ids", "position_ids", "remat", "bf16", "only_at"})
     extra_inputs = ("token_type_ids", "position_ids", "only_at")
     settings_class = Settings
@@ -339,21 +425,27 @@ class DebertaV2Backbone(Backbone):
         if h % nh:
             why = f"hidden_size {h} is not divisible by num_attention_heads {nh}"
         elif config.get("attention_head_size", h // nh) != h // nh:
-            why = (f"attention_head_size {config.get('attention_head_size')} != hidden_size / num_attention_heads "
-                   f"({h // nh}); the attention output projection needs them equal")
+            why = (
+                f"attention_head_size {config.get('attention_head_size')} != hidden_size / num_attention_heads "
+                f"({h // nh}); the attention output projection needs them equal"
+            )
         elif buckets > 0 and not 1 <= buckets // 2 < max_rel - 1:
-            why = (f"position_buckets {buckets} with max_relative_positions {max_rel}: log buckets need "
-                   "1 <= position_buckets // 2 < max_relative_positions - 1")
+            why = (
+                f"position_buckets {buckets} with max_relative_positions {max_rel}: log buckets need "
+                "1 <= position_buckets // 2 < max_relative_positions - 1"
+            )
         elif kernel > 0 and kernel % 2 == 0:
             why = f"an even conv_kernel_size ({kernel}): the convolution would not keep the sequence length"
         elif kernel > 0 and h % int(config.get("conv_groups", 1)):
             why = f"hidden_size {h} is not divisible by conv_groups {config.get('conv_groups')}"
         else:
             why = activation_problem(config.hidden_act) or (
-                activation_problem(config.get("conv_act", "tanh")) if kernel > 0 else "")
+                activation_problem(config.get("conv_act", "tanh")) if kernel > 0 else ""
+            )
         if why:
-            raise BackboneError(f"flaxheads' DeBERTa-v2 backbone cannot run this config: {why}. Use a checkpoint "
-                                "without it.")
+            raise BackboneError(
+                f"flaxheads' DeBERTa-v2 backbone cannot run this config: {why}. Use a checkpoint without it."
+            )
 
     @classmethod
     def init_params(cls, config, rng) -> dict:
@@ -388,8 +480,10 @@ class DebertaV2Backbone(Backbone):
         if s.norm_rel:
             enc["LayerNorm"] = init.norm(h)
         if s.conv_kernel > 0:
-            enc["conv"] = {"conv": {"kernel": init.normal((s.conv_kernel, h // s.conv_groups, h)),
-                                    "bias": jnp.zeros(h)}, "LayerNorm": init.norm(h)}
+            enc["conv"] = {
+                "conv": {"kernel": init.normal((s.conv_kernel, h // s.conv_groups, h)), "bias": jnp.zeros(h)},
+                "LayerNorm": init.norm(h),
+            }
         return {"embeddings": emb, "encoder": enc}
 
     @classmethod
@@ -405,7 +499,29 @@ class DebertaV2Backbone(Backbone):
         # [out, in/groups, k]
         return torch_from_tree({k: params[k] for k in TOP_LEVEL if k in params})
 
-    def encode(self, params, input_ids, attention_mask, *, train: bool = False, rng=None, token_type_ids=None,
-               position_ids=None, only_at=None) -> jax.Array:
-        return encode(params, input_ids, attention_mask, token_type_ids, position_ids, settings=self.settings,
-                      plan=self.plan, dtype=self.dtype, rng=rng, train=train, remat=self.remat_policy, only_at=only_at)
+    def encode(
+        self,
+        params,
+        input_ids,
+        attention_mask,
+        *,
+        train: bool = False,
+        rng=None,
+        token_type_ids=None,
+        position_ids=None,
+        only_at=None,
+    ) -> jax.Array:
+        return encode(
+            params,
+            input_ids,
+            attention_mask,
+            token_type_ids,
+            position_ids,
+            settings=self.settings,
+            plan=self.plan,
+            dtype=self.dtype,
+            rng=rng,
+            train=train,
+            remat=self.remat_policy,
+            only_at=only_at,
+        )

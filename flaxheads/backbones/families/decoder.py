@@ -21,6 +21,7 @@ The params tree is the PyTorch module tree with Flax leaf names
 (``layers/<i>/self_attn/q_proj/kernel [in, out]``, ``mlp/gate_proj``, ``input_layernorm/scale``,
 ``embed_tokens/embedding``), so weights map by name both ways.
 """
+
 from __future__ import annotations
 
 from functools import partial
@@ -109,8 +110,21 @@ def _at(a: jax.Array, at: jax.Array) -> jax.Array:
     return jnp.take_along_axis(a, at.reshape((-1, 1) + (1,) * (a.ndim - 2)), axis=1)
 
 
-def self_attention(p: dict, x: jax.Array, cos, sin, keep, bias, *, spec: DecoderSpec, window: int | None,
-                   rate: float, rng, plan: ComputePlan, at: jax.Array | None = None) -> jax.Array:
+def self_attention(
+    p: dict,
+    x: jax.Array,
+    cos,
+    sin,
+    keep,
+    bias,
+    *,
+    spec: DecoderSpec,
+    window: int | None,
+    rate: float,
+    rng,
+    plan: ComputePlan,
+    at: jax.Array | None = None,
+) -> jax.Array:
     """One layer's attention output ``[B, T, H]`` (after ``o_proj``) of the normed input ``x [B, T, H]``;
     ``at [B]``: the output at that one query position per sequence alone, ``[B, 1, H]``."""
     b, t, _ = x.shape
@@ -123,25 +137,59 @@ def self_attention(p: dict, x: jax.Array, cos, sin, keep, bias, *, spec: Decoder
         k = rms_norm(k, p["k_norm"]["scale"], spec.eps, spec.gemma_norm)
     q, k = apply_rotary(q, cq, sq), apply_rotary(k, cos, sin)
     if at is not None:  # one query: its row of the causal / window / padding mask, the textbook order
-        ctx = attend_textbook(q, k, v, jnp.take_along_axis(keep, at.reshape(b, 1, 1, 1), axis=2),
-                              scaling=spec.scaling, softcap=spec.softcap, rate=rate, rng=rng)
+        ctx = attend_textbook(
+            q,
+            k,
+            v,
+            jnp.take_along_axis(keep, at.reshape(b, 1, 1, 1), axis=2),
+            scaling=spec.scaling,
+            softcap=spec.softcap,
+            rate=rate,
+            rng=rng,
+        )
     elif window is None and spec.softcap is None:
         # the plain (causal or bidirectional) case: the shared CPU-tuned attention, key/value heads repeated
         rep = spec.num_heads // spec.num_kv_heads
         k, v = (jnp.repeat(a, rep, axis=2) if rep > 1 else a for a in (k, v))
-        ctx = attend_chunked(q * jnp.asarray(spec.scaling, q.dtype), k, v, bias, plan=plan, rate=rate, rng=rng,
-                             causal=spec.causal)
+        ctx = attend_chunked(
+            q * jnp.asarray(spec.scaling, q.dtype), k, v, bias, plan=plan, rate=rate, rng=rng, causal=spec.causal
+        )
     else:
         ctx = attend_textbook(q, k, v, keep, scaling=spec.scaling, softcap=spec.softcap, rate=rate, rng=rng)
     return linear(attention_out(ctx).reshape(b, q.shape[1], -1), p["o_proj"], plan)
 
 
-def layer(p: dict, x: jax.Array, cos, sin, keep, bias, rng, *, spec: DecoderSpec, window: int | None,
-          rate: float, plan: ComputePlan, at: jax.Array | None = None) -> jax.Array:
+def layer(
+    p: dict,
+    x: jax.Array,
+    cos,
+    sin,
+    keep,
+    bias,
+    rng,
+    *,
+    spec: DecoderSpec,
+    window: int | None,
+    rate: float,
+    plan: ComputePlan,
+    at: jax.Array | None = None,
+) -> jax.Array:
     """One decoder layer on ``x [B, T, H]``; ``at [B]``: its output at that one position alone, ``[B, 1, H]``."""
     norm = partial(rms_norm, eps=spec.eps, gemma=spec.gemma_norm)
-    a = self_attention(p["self_attn"], norm(x, p["input_layernorm"]["scale"]), cos, sin, keep, bias, spec=spec,
-                       window=window, rate=rate, rng=rng, plan=plan, at=at)
+    a = self_attention(
+        p["self_attn"],
+        norm(x, p["input_layernorm"]["scale"]),
+        cos,
+        sin,
+        keep,
+        bias,
+        spec=spec,
+        window=window,
+        rate=rate,
+        rng=rng,
+        plan=plan,
+        at=at,
+    )
     if at is not None:
         x = _at(x, at)
     if spec.sandwich:
@@ -157,9 +205,20 @@ def layer(p: dict, x: jax.Array, cos, sin, keep, bias, rng, *, spec: DecoderSpec
     return x + h
 
 
-def encode(params: dict, input_ids, attention_mask=None, position_ids=None, *, spec: DecoderSpec,
-           plan: ComputePlan, dtype=jnp.float32, dropout_rng: jax.Array | None = None, train: bool = False,
-           remat: bool | str = False, only_at: jax.Array | None = None) -> jax.Array:
+def encode(
+    params: dict,
+    input_ids,
+    attention_mask=None,
+    position_ids=None,
+    *,
+    spec: DecoderSpec,
+    plan: ComputePlan,
+    dtype=jnp.float32,
+    dropout_rng: jax.Array | None = None,
+    train: bool = False,
+    remat: bool | str = False,
+    only_at: jax.Array | None = None,
+) -> jax.Array:
     """Last hidden state ``[B, T, H]`` (after the final norm) in ``dtype``; pure in ``params``,
     computed as ``plan`` arranges it (:class:`~flaxheads.runtime.plan.ComputePlan`).
 
@@ -171,8 +230,10 @@ def encode(params: dict, input_ids, attention_mask=None, position_ids=None, *, s
     attention_mask = jnp.ones_like(input_ids) if attention_mask is None else jnp.asarray(attention_mask)
     for rope in set(spec.ropes):
         if rope.max_len is not None and t > rope.max_len:
-            raise BackboneError(f"dynamic RoPE scaling rescales past max_position_embeddings={rope.max_len} tokens "
-                                f"depending on earlier calls; flaxheads computes it only up to there (got {t})")
+            raise BackboneError(
+                f"dynamic RoPE scaling rescales past max_position_embeddings={rope.max_len} tokens "
+                f"depending on earlier calls; flaxheads computes it only up to there (got {t})"
+            )
     positions = jnp.broadcast_to(jnp.arange(t), (b, t)) if position_ids is None else jnp.asarray(position_ids)
     x = embedding_lookup(params["embed_tokens"]["embedding"], input_ids, spec.pad_token_id).astype(dtype)
     if spec.embed_scale is not None:
@@ -186,8 +247,15 @@ def encode(params: dict, input_ids, attention_mask=None, position_ids=None, *, s
     for i in range(spec.num_layers):
         f = partial(layer, spec=spec, window=spec.windows[i], rate=rate, plan=plan)
         # remat: what the backward pass keeps of the layer, by policy; the rest is recomputed
-        x = checkpointed(f, remat)(params["layers"][str(i)], x, *tables[spec.ropes[i]], keeps[spec.windows[i]], bias,
-                                   rngs[i], at=at if i == spec.num_layers - 1 else None)
+        x = checkpointed(f, remat)(
+            params["layers"][str(i)],
+            x,
+            *tables[spec.ropes[i]],
+            keeps[spec.windows[i]],
+            bias,
+            rngs[i],
+            at=at if i == spec.num_layers - 1 else None,
+        )
     return rms_norm(x, params["norm"]["scale"], spec.eps, spec.gemma_norm)
 
 
@@ -203,8 +271,7 @@ class DecoderBackbone(Backbone):
     features = frozenset({"position_ids", "remat", "bf16", "causal", "only_at", "quantize"})
     extra_inputs = ("position_ids", "only_at")
 
-    def __init__(self, config, params: dict, dtype=jnp.float32, remat: bool = False,
-                 plan: ComputePlan | None = None):
+    def __init__(self, config, params: dict, dtype=jnp.float32, remat: bool = False, plan: ComputePlan | None = None):
         super().__init__(config, params, dtype=dtype, remat=remat, plan=plan)
         self.spec = decoder_spec(self.config)
 
@@ -235,14 +302,24 @@ class DecoderBackbone(Backbone):
             return {"scale": jnp.zeros(dim) if s.gemma_norm else jnp.ones(dim)}
 
         def one_layer():
-            attn = {"q_proj": init.dense(h, q_out, qkv_bias), "k_proj": init.dense(h, kv_out, qkv_bias),
-                    "v_proj": init.dense(h, kv_out, qkv_bias), "o_proj": init.dense(q_out, h, o_bias)}
+            attn = {
+                "q_proj": init.dense(h, q_out, qkv_bias),
+                "k_proj": init.dense(h, kv_out, qkv_bias),
+                "v_proj": init.dense(h, kv_out, qkv_bias),
+                "o_proj": init.dense(q_out, h, o_bias),
+            }
             if s.qk_norm:
                 attn.update(q_norm=norm(s.head_dim), k_norm=norm(s.head_dim))
-            out = {"self_attn": attn, "input_layernorm": norm(h), "post_attention_layernorm": norm(h),
-                   "mlp": {"gate_proj": init.dense(h, s.intermediate, mlp_bias),
-                           "up_proj": init.dense(h, s.intermediate, mlp_bias),
-                           "down_proj": init.dense(s.intermediate, h, mlp_bias)}}
+            out = {
+                "self_attn": attn,
+                "input_layernorm": norm(h),
+                "post_attention_layernorm": norm(h),
+                "mlp": {
+                    "gate_proj": init.dense(h, s.intermediate, mlp_bias),
+                    "up_proj": init.dense(h, s.intermediate, mlp_bias),
+                    "down_proj": init.dense(s.intermediate, h, mlp_bias),
+                },
+            }
             if s.sandwich:
                 out.update(pre_feedforward_layernorm=norm(h), post_feedforward_layernorm=norm(h))
             return out
@@ -250,11 +327,25 @@ class DecoderBackbone(Backbone):
         table = init.embedding(int(config.vocab_size), h)["embedding"]
         if s.pad_token_id is not None:
             table = table.at[s.pad_token_id].set(0.0)
-        return {"embed_tokens": {"embedding": table}, "layers": {str(i): one_layer() for i in range(s.num_layers)},
-                "norm": norm(h)}
+        return {
+            "embed_tokens": {"embedding": table},
+            "layers": {str(i): one_layer() for i in range(s.num_layers)},
+            "norm": norm(h),
+        }
 
-    def encode(self, params, input_ids, attention_mask, *, train: bool = False, rng=None,
-               position_ids=None, only_at=None) -> jax.Array:
-        return encode(params, input_ids, attention_mask, position_ids, spec=self.spec, plan=self.plan,
-                      dtype=self.dtype, dropout_rng=rng, train=train, remat=self.remat_policy, only_at=only_at)
-
+    def encode(
+        self, params, input_ids, attention_mask, *, train: bool = False, rng=None, position_ids=None, only_at=None
+    ) -> jax.Array:
+        return encode(
+            params,
+            input_ids,
+            attention_mask,
+            position_ids,
+            spec=self.spec,
+            plan=self.plan,
+            dtype=self.dtype,
+            dropout_rng=rng,
+            train=train,
+            remat=self.remat_policy,
+            only_at=only_at,
+        )

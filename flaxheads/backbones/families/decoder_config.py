@@ -26,6 +26,7 @@ RoPE: ``rope_parameters`` (transformers 5; Gemma 3 one dict per layer type) or t
 ``default``, ``linear``, ``llama3``, ``yarn`` and ``dynamic`` (inference-time NTK scaling:
 equal to ``default`` up to ``max_position_embeddings`` tokens, refused past it).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -39,56 +40,164 @@ from flaxheads.backbones.base import BackboneError, HFConfig, activation_problem
 
 MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
 #: PyTorch sequence-classification class of each model type (all GenericForSequenceClassification)
-HF_CLASSES = {"llama": "LlamaForSequenceClassification", "mistral": "MistralForSequenceClassification",
-              "qwen2": "Qwen2ForSequenceClassification", "qwen3": "Qwen3ForSequenceClassification",
-              "gemma": "GemmaForSequenceClassification", "gemma2": "Gemma2ForSequenceClassification",
-              "gemma3_text": "Gemma3TextForSequenceClassification"}
+HF_CLASSES = {
+    "llama": "LlamaForSequenceClassification",
+    "mistral": "MistralForSequenceClassification",
+    "qwen2": "Qwen2ForSequenceClassification",
+    "qwen3": "Qwen3ForSequenceClassification",
+    "gemma": "GemmaForSequenceClassification",
+    "gemma2": "Gemma2ForSequenceClassification",
+    "gemma3_text": "Gemma3TextForSequenceClassification",
+}
 GEMMA = ("gemma", "gemma2", "gemma3_text")
 SLIDING, FULL = "sliding_attention", "full_attention"
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
 
-_COMMON = {"attention_dropout": 0.0, "initializer_range": 0.02, "rms_norm_eps": 1e-6, "attention_bias": False,
-           "tie_word_embeddings": False}
+_COMMON = {
+    "attention_dropout": 0.0,
+    "initializer_range": 0.02,
+    "rms_norm_eps": 1e-6,
+    "attention_bias": False,
+    "tie_word_embeddings": False,
+}
 #: transformers 5's config-class defaults for the keys a config.json may omit (RoPE and layer
 #: types are derived in :func:`decoder_spec`, never written back)
 DEFAULTS: dict[str, dict[str, Any]] = {
-    "llama": {**_COMMON, "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
-              "num_hidden_layers": 32, "num_attention_heads": 32, "hidden_act": "silu",
-              "max_position_embeddings": 2048, "mlp_bias": False, "pad_token_id": None, "bos_token_id": 1,
-              "eos_token_id": 2},
-    "mistral": {**_COMMON, "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
-                "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_act": "silu",
-                "max_position_embeddings": 4096 * 32, "sliding_window": 4096, "pad_token_id": None,
-                "bos_token_id": 1, "eos_token_id": 2},
-    "qwen2": {**_COMMON, "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016,
-              "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32, "hidden_act": "silu",
-              "max_position_embeddings": 32768, "use_sliding_window": False, "sliding_window": 4096,
-              "max_window_layers": 28, "pad_token_id": None},
-    "qwen3": {**_COMMON, "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016,
-              "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128,
-              "hidden_act": "silu", "max_position_embeddings": 32768, "use_sliding_window": False,
-              "sliding_window": 4096, "max_window_layers": 28, "pad_token_id": None},
-    "gemma": {**_COMMON, "vocab_size": 256000, "hidden_size": 3072, "intermediate_size": 24576,
-              "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 16, "head_dim": 256,
-              "hidden_act": "gelu_pytorch_tanh", "max_position_embeddings": 8192, "pad_token_id": 0,
-              "eos_token_id": 1, "bos_token_id": 2, "tie_word_embeddings": True},
-    "gemma2": {**_COMMON, "vocab_size": 256000, "hidden_size": 2304, "intermediate_size": 9216,
-               "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
-               "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 8192, "pad_token_id": 0,
-               "eos_token_id": 1, "bos_token_id": 2, "tie_word_embeddings": True, "query_pre_attn_scalar": 256,
-               "sliding_window": 4096, "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0},
-    "gemma3_text": {**_COMMON, "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
-                    "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
-                    "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131072,
-                    "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2, "tie_word_embeddings": True,
-                    "query_pre_attn_scalar": 256, "sliding_window": 4096, "final_logit_softcapping": None,
-                    "attn_logit_softcapping": None, "use_bidirectional_attention": False},
+    "llama": {
+        **_COMMON,
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "hidden_act": "silu",
+        "max_position_embeddings": 2048,
+        "mlp_bias": False,
+        "pad_token_id": None,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+    "mistral": {
+        **_COMMON,
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "hidden_act": "silu",
+        "max_position_embeddings": 4096 * 32,
+        "sliding_window": 4096,
+        "pad_token_id": None,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+    "qwen2": {
+        **_COMMON,
+        "vocab_size": 151936,
+        "hidden_size": 4096,
+        "intermediate_size": 22016,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "hidden_act": "silu",
+        "max_position_embeddings": 32768,
+        "use_sliding_window": False,
+        "sliding_window": 4096,
+        "max_window_layers": 28,
+        "pad_token_id": None,
+    },
+    "qwen3": {
+        **_COMMON,
+        "vocab_size": 151936,
+        "hidden_size": 4096,
+        "intermediate_size": 22016,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "max_position_embeddings": 32768,
+        "use_sliding_window": False,
+        "sliding_window": 4096,
+        "max_window_layers": 28,
+        "pad_token_id": None,
+    },
+    "gemma": {
+        **_COMMON,
+        "vocab_size": 256000,
+        "hidden_size": 3072,
+        "intermediate_size": 24576,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "head_dim": 256,
+        "hidden_act": "gelu_pytorch_tanh",
+        "max_position_embeddings": 8192,
+        "pad_token_id": 0,
+        "eos_token_id": 1,
+        "bos_token_id": 2,
+        "tie_word_embeddings": True,
+    },
+    "gemma2": {
+        **_COMMON,
+        "vocab_size": 256000,
+        "hidden_size": 2304,
+        "intermediate_size": 9216,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": 8192,
+        "pad_token_id": 0,
+        "eos_token_id": 1,
+        "bos_token_id": 2,
+        "tie_word_embeddings": True,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+        "final_logit_softcapping": 30.0,
+        "attn_logit_softcapping": 50.0,
+    },
+    "gemma3_text": {
+        **_COMMON,
+        "vocab_size": 262208,
+        "hidden_size": 2304,
+        "intermediate_size": 9216,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": 131072,
+        "pad_token_id": 0,
+        "eos_token_id": 1,
+        "bos_token_id": 2,
+        "tie_word_embeddings": True,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+        "use_bidirectional_attention": False,
+    },
     # EuroBertConfig (served by flaxheads.backbones.families.eurobert, a bidirectional Llama)
-    "eurobert": {**_COMMON, "vocab_size": 128256, "hidden_size": 768, "intermediate_size": 3072,
-                 "num_hidden_layers": 12, "num_attention_heads": 12, "hidden_act": "silu",
-                 "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "mlp_bias": False, "pad_token_id": 128001,
-                 "bos_token_id": 128000, "eos_token_id": 128001, "mask_token_id": 128002,
-                 "classifier_pooling": "late"},
+    "eurobert": {
+        **_COMMON,
+        "vocab_size": 128256,
+        "hidden_size": 768,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 12,
+        "hidden_act": "silu",
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5,
+        "mlp_bias": False,
+        "pad_token_id": 128001,
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+        "mask_token_id": 128002,
+        "classifier_pooling": "late",
+    },
 }
 
 
@@ -130,8 +239,10 @@ class DecoderSpec:
 
 
 def _fail(config: Mapping, why: str) -> BackboneError:
-    return BackboneError(f"flaxheads' decoder backbone cannot run this {config.get('model_type')} config: {why}. "
-                         "Use a checkpoint without it.")
+    return BackboneError(
+        f"flaxheads' decoder backbone cannot run this {config.get('model_type')} config: {why}. "
+        "Use a checkpoint without it."
+    )
 
 
 def layer_types(config: Mapping) -> list[str]:
@@ -169,8 +280,10 @@ def rope_parameters(config: Mapping) -> dict[str, dict]:
         if given is not None and (FULL in given or SLIDING in given):
             out = {t: dict(given.get(t) or {"rope_type": "default"}) for t in (FULL, SLIDING)}
         else:
-            out = {FULL: {"rope_type": "default", **(given or config.get("rope_scaling") or {})},
-                   SLIDING: {"rope_type": "default"}}
+            out = {
+                FULL: {"rope_type": "default", **(given or config.get("rope_scaling") or {})},
+                SLIDING: {"rope_type": "default"},
+            }
         out[FULL].setdefault("rope_theta", config.get("rope_theta") or 1_000_000.0)
         out[SLIDING].setdefault("rope_theta", config.get("rope_local_base_freq") or 10_000.0)
     else:
@@ -258,8 +371,11 @@ def check_decoder_config(config: HFConfig) -> None:
     if heads % kv:
         raise _fail(config, f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
     if config.get("use_bidirectional_attention") and config["model_type"] != "gemma3_text":
-        raise _fail(config, "use_bidirectional_attention=True; flaxheads computes bidirectional attention for "
-                            "gemma3_text (EmbeddingGemma) and eurobert only, other decoders causally")
+        raise _fail(
+            config,
+            "use_bidirectional_attention=True; flaxheads computes bidirectional attention for "
+            "gemma3_text (EmbeddingGemma) and eurobert only, other decoders causally",
+        )
     why = activation_problem(_activation(config))
     if why:
         raise _fail(config, why)
@@ -291,16 +407,24 @@ def decoder_spec(config: Mapping) -> DecoderSpec:
     if activation is None:  # check_decoder_config says so first
         raise _fail(config, activation_problem(activation))
     return DecoderSpec(
-        model_type=mt, num_layers=int(config["num_hidden_layers"]), hidden=int(config["hidden_size"]),
-        num_heads=heads, num_kv_heads=int(config.get("num_key_value_heads") or heads), head_dim=head_dim,
-        intermediate=int(config["intermediate_size"]), eps=float(config["rms_norm_eps"]),
-        activation=activation, gemma_norm=mt in GEMMA,
+        model_type=mt,
+        num_layers=int(config["num_hidden_layers"]),
+        hidden=int(config["hidden_size"]),
+        num_heads=heads,
+        num_kv_heads=int(config.get("num_key_value_heads") or heads),
+        head_dim=head_dim,
+        intermediate=int(config["intermediate_size"]),
+        eps=float(config["rms_norm_eps"]),
+        activation=activation,
+        gemma_norm=mt in GEMMA,
         embed_scale=float(config["hidden_size"]) ** 0.5 if mt in GEMMA else None,
-        qk_norm=mt in ("qwen3", "gemma3_text"), sandwich=gemma_scaled,
-        scaling=float(config["query_pre_attn_scalar"]) ** -0.5 if gemma_scaled else head_dim ** -0.5,
+        qk_norm=mt in ("qwen3", "gemma3_text"),
+        sandwich=gemma_scaled,
+        scaling=float(config["query_pre_attn_scalar"]) ** -0.5 if gemma_scaled else head_dim**-0.5,
         softcap=None if softcap is None else float(softcap),
         windows=tuple(window if t == SLIDING else None for t in types),
         ropes=tuple(ropes[t] for t in types),
         attention_dropout=float(config.get("attention_dropout") or 0.0),
         pad_token_id=None if config.get("pad_token_id") is None else int(config["pad_token_id"]),
-        causal=not bidirectional and mt != "eurobert")
+        causal=not bidirectional and mt != "eurobert",
+    )

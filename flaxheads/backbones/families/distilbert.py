@@ -13,6 +13,7 @@ fixed at 1e-12 (not a config key).
 Loading checks that the checkpoint's table is that table (a trained table would give other
 outputs); export writes it back for PyTorch.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -26,9 +27,17 @@ from flaxheads.backbones.families.bert import BertBackbone, LayerLayout, Setting
 from flaxheads.layers.init import HFInit
 
 DISTILBERT_LAYOUT = LayerLayout(
-    query=("attention", "q_lin"), key=("attention", "k_lin"), value=("attention", "v_lin"),
-    attn_out=("attention", "out_lin"), attn_norm=("sa_layer_norm",), ffn_in=("ffn", "lin1"), ffn_out=("ffn", "lin2"),
-    ffn_norm=("output_layer_norm",), layers=("transformer", "layer"), attn_output_dropout=False)
+    query=("attention", "q_lin"),
+    key=("attention", "k_lin"),
+    value=("attention", "v_lin"),
+    attn_out=("attention", "out_lin"),
+    attn_norm=("sa_layer_norm",),
+    ffn_in=("ffn", "lin1"),
+    ffn_out=("ffn", "lin2"),
+    ffn_norm=("output_layer_norm",),
+    layers=("transformer", "layer"),
+    attn_output_dropout=False,
+)
 #: DistilBERT's LayerNorms are built with this eps; no config key changes it.
 LAYER_NORM_EPS = 1e-12
 _POSITIONS = "embeddings.position_embeddings.weight"
@@ -51,10 +60,22 @@ class DistilBertBackbone(BertBackbone):
     classifier_dropout_key = "seq_classif_dropout"
     lora_targets = ("q_lin", "v_lin")
     tokenizer_token_types = False
-    defaults = {"vocab_size": 30522, "max_position_embeddings": 512, "sinusoidal_pos_embds": False, "n_layers": 6,
-                "n_heads": 12, "dim": 768, "hidden_dim": 3072, "dropout": 0.1, "attention_dropout": 0.1,
-                "activation": "gelu", "initializer_range": 0.02, "qa_dropout": 0.1, "seq_classif_dropout": 0.2,
-                "pad_token_id": 0}
+    defaults = {
+        "vocab_size": 30522,
+        "max_position_embeddings": 512,
+        "sinusoidal_pos_embds": False,
+        "n_layers": 6,
+        "n_heads": 12,
+        "dim": 768,
+        "hidden_dim": 3072,
+        "dropout": 0.1,
+        "attention_dropout": 0.1,
+        "activation": "gelu",
+        "initializer_range": 0.02,
+        "qa_dropout": 0.1,
+        "seq_classif_dropout": 0.2,
+        "pad_token_id": 0,
+    }
     features = frozenset({"position_ids", "remat", "bf16", "only_at"})
     extra_inputs = ("position_ids", "only_at")
     layout = DISTILBERT_LAYOUT
@@ -82,8 +103,15 @@ class DistilBertBackbone(BertBackbone):
 
     @classmethod
     def stack(cls, config) -> Settings:
-        return Settings(int(config.n_layers), int(config.n_heads), LAYER_NORM_EPS, config.activation,
-                        float(config.dropout or 0.0), float(config.attention_dropout or 0.0), cls.layout)
+        return Settings(
+            int(config.n_layers),
+            int(config.n_heads),
+            LAYER_NORM_EPS,
+            config.activation,
+            float(config.dropout or 0.0),
+            float(config.attention_dropout or 0.0),
+            cls.layout,
+        )
 
     @classmethod
     def intermediate_size(cls, config) -> int:
@@ -107,7 +135,8 @@ class DistilBertBackbone(BertBackbone):
                 raise BackboneError(
                     f"config.json sets sinusoidal_pos_embds but the checkpoint's {_POSITIONS} is not the "
                     "sinusoidal table (trained position embeddings?). flaxheads keeps that table fixed; set "
-                    "sinusoidal_pos_embds to false in config.json to load them as learned embeddings.")
+                    "sinusoidal_pos_embds to false in config.json to load them as learned embeddings."
+                )
         return super().params_from_state(config, state)
 
     def state_from_params(self, params) -> dict:
@@ -133,5 +162,6 @@ class DistilBertBackbone(BertBackbone):
     def encode(  # type: ignore[override]
         self, params, input_ids, attention_mask, *, train: bool = False, rng=None, position_ids=None, only_at=None
     ) -> jax.Array:
-        return super().encode(params, input_ids, attention_mask, train=train, rng=rng, position_ids=position_ids,
-                              only_at=only_at)
+        return super().encode(
+            params, input_ids, attention_mask, train=train, rng=rng, position_ids=position_ids, only_at=only_at
+        )

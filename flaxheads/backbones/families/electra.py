@@ -6,6 +6,7 @@ PyTorch names: ``electra.embeddings...``, ``electra.embeddings_project``,
 ``electra.encoder.layer.<i>...``; the params tree is HF ``FlaxElectraModel``'s. Token types
 default to zeros as in PyTorch (HF's Flax ELECTRA defaulted them to ones).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable

@@ -18,6 +18,7 @@ The params tree is HF ``FlaxGPT2Model``'s (``wte``, ``wpe``, ``h/<i>/...``, ``ln
 2-D ``weight``, so the Flax ``kernel`` of ``c_attn``/``c_proj``/``c_fc`` is ``[out, in]``
 (:func:`conv1d`); the generic name maps in :mod:`~flaxheads.backbones.weights` carry it both ways.
 """
+
 from __future__ import annotations
 
 import math
@@ -40,19 +41,36 @@ from flaxheads.layers.remat import checkpointed, mlp_out
 from flaxheads.runtime.plan import ComputePlan
 
 #: The standard config names other code reads (``config.hidden_size``), as GPT2Config's attribute_map.
-ALIASES = {"hidden_size": "n_embd", "num_attention_heads": "n_head", "num_hidden_layers": "n_layer",
-           "max_position_embeddings": "n_positions"}
+ALIASES = {
+    "hidden_size": "n_embd",
+    "num_attention_heads": "n_head",
+    "num_hidden_layers": "n_layer",
+    "max_position_embeddings": "n_positions",
+}
 
 
 def conv1d(x: jax.Array, p: dict) -> jax.Array:
     """GPT-2's ``Conv1D`` (a dense layer) with the Flax kernel ``[out, in]``."""
     return lax.dot_general(x, p["kernel"].astype(x.dtype), (((x.ndim - 1,), (1,)), ((), ()))) + p["bias"].astype(
-        x.dtype)
+        x.dtype
+    )
 
 
-def block(p: dict, x: jax.Array, mask_bias: jax.Array, *, num_heads: int, eps: float, act, batch: int,
-          scale: float, plan: ComputePlan, resid_dropout: float = 0.0, attn_dropout: float = 0.0,
-          rng: jax.Array | None = None) -> jax.Array:
+def block(
+    p: dict,
+    x: jax.Array,
+    mask_bias: jax.Array,
+    *,
+    num_heads: int,
+    eps: float,
+    act,
+    batch: int,
+    scale: float,
+    plan: ComputePlan,
+    resid_dropout: float = 0.0,
+    attn_dropout: float = 0.0,
+    rng: jax.Array | None = None,
+) -> jax.Array:
     """One GPT-2 block on the flattened activation ``x [B*T, H]``: ``x + attn(ln_1(x))``, then
     ``x + mlp(ln_2(x))``; ``scale`` multiplies the attention scores."""
     r_attn, r_out, r_mlp = jax.random.split(rng, 3) if rng is not None else (None, None, None)
@@ -60,8 +78,18 @@ def block(p: dict, x: jax.Array, mask_bias: jax.Array, *, num_heads: int, eps: f
     kq, kk, kv = jnp.split(a["c_attn"]["kernel"].T, 3, axis=1)
     bq, bk, bv = jnp.split(a["c_attn"]["bias"], 3)
     w, b = fused_qkv((kq, kk, kv), (bq, bk, bv), scale)
-    ctx = self_attention(layer_norm_p(x, p["ln_1"], eps, plan), w, b, mask_bias, num_heads=num_heads, batch=batch,
-                         plan=plan, rate=attn_dropout, rng=r_attn, causal=True)
+    ctx = self_attention(
+        layer_norm_p(x, p["ln_1"], eps, plan),
+        w,
+        b,
+        mask_bias,
+        num_heads=num_heads,
+        batch=batch,
+        plan=plan,
+        rate=attn_dropout,
+        rng=r_attn,
+        causal=True,
+    )
     x = x + dropout(conv1d(ctx, a["c_proj"]), resid_dropout, r_out)
     m = p["mlp"]
     h = act(conv1d(layer_norm_p(x, p["ln_2"], eps, plan), m["c_fc"]))
@@ -76,9 +104,20 @@ def attention_scales(config) -> list[float]:
     return [base / (i + 1) if config.scale_attn_by_inverse_layer_idx else base for i in range(int(config.n_layer))]
 
 
-def encode(params: dict, input_ids, attention_mask=None, position_ids=None, token_type_ids=None, *, config,
-           plan: ComputePlan, dtype=jnp.float32, dropout_rng: jax.Array | None = None, train: bool = False,
-           remat: bool | str = False) -> jax.Array:
+def encode(
+    params: dict,
+    input_ids,
+    attention_mask=None,
+    position_ids=None,
+    token_type_ids=None,
+    *,
+    config,
+    plan: ComputePlan,
+    dtype=jnp.float32,
+    dropout_rng: jax.Array | None = None,
+    train: bool = False,
+    remat: bool | str = False,
+) -> jax.Array:
     """GPT-2 forward: last hidden state ``[B, T, H]`` (after ``ln_f``) in ``dtype``. Pure in ``params``;
     ``plan`` is how the layers compute on this host.
 
@@ -98,8 +137,16 @@ def encode(params: dict, input_ids, attention_mask=None, position_ids=None, toke
     x = dropout(x.astype(dtype), rate("embd_pdrop"), emb_rng).reshape(bsz * t, -1)
     bias = mask_bias(attention_mask, dtype)
     act = get_activation(config.activation_function, barrier=plan.activation_barrier)
-    step = partial(block, num_heads=int(config.n_head), eps=eps, act=act, batch=bsz, plan=plan,
-                   resid_dropout=rate("resid_pdrop"), attn_dropout=rate("attn_pdrop"))
+    step = partial(
+        block,
+        num_heads=int(config.n_head),
+        eps=eps,
+        act=act,
+        batch=bsz,
+        plan=plan,
+        resid_dropout=rate("resid_pdrop"),
+        attn_dropout=rate("attn_pdrop"),
+    )
     for i, scale in enumerate(attention_scales(config)):
         f = partial(step, scale=scale)
         # remat: what the backward pass keeps of the block, by policy; the rest is recomputed
@@ -123,12 +170,26 @@ class GPT2Backbone(Backbone):
     kernels_out_in = True  # Conv1D kernels [out, in]
     tokenizer_token_types = False
     # transformers' GPT2Config defaults
-    defaults = {"vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12,
-                "n_inner": None, "activation_function": "gelu_new", "resid_pdrop": 0.1, "embd_pdrop": 0.1,
-                "attn_pdrop": 0.1, "layer_norm_epsilon": 1e-5, "initializer_range": 0.02,
-                "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
-                "reorder_and_upcast_attn": False, "add_cross_attention": False, "bos_token_id": 50256,
-                "eos_token_id": 50256}
+    defaults = {
+        "vocab_size": 50257,
+        "n_positions": 1024,
+        "n_embd": 768,
+        "n_layer": 12,
+        "n_head": 12,
+        "n_inner": None,
+        "activation_function": "gelu_new",
+        "resid_pdrop": 0.1,
+        "embd_pdrop": 0.1,
+        "attn_pdrop": 0.1,
+        "layer_norm_epsilon": 1e-5,
+        "initializer_range": 0.02,
+        "scale_attn_weights": True,
+        "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False,
+        "add_cross_attention": False,
+        "bos_token_id": 50256,
+        "eos_token_id": 50256,
+    }
     features = frozenset({"position_ids", "token_type_ids", "remat", "bf16", "causal"})
     # HF FlaxGPT2Model's positional order: (input_ids, attention_mask, position_ids)
     extra_inputs = ("position_ids", "token_type_ids")
@@ -152,8 +213,10 @@ class GPT2Backbone(Backbone):
         else:
             why = activation_problem(config.activation_function)
         if why:
-            raise BackboneError(f"flaxheads' GPT-2 backbone cannot run this config: {why}. Use a checkpoint "
-                                "without it, or implementation='hf_flax' (transformers < 5) if HF's Flax model has it.")
+            raise BackboneError(
+                f"flaxheads' GPT-2 backbone cannot run this config: {why}. Use a checkpoint "
+                "without it, or implementation='hf_flax' (transformers < 5) if HF's Flax model has it."
+            )
 
     @classmethod
     def init_params(cls, config, rng) -> dict:
@@ -167,17 +230,47 @@ class GPT2Backbone(Backbone):
             return {"kernel": init.normal((n_out, n_in)) * factor, "bias": jnp.zeros(n_out)}
 
         res = 1.0 / math.sqrt(2 * n)
-        blocks = {str(i): {"ln_1": init.norm(h), "attn": {"c_attn": conv(h, 3 * h), "c_proj": conv(h, h, res)},
-                           "ln_2": init.norm(h), "mlp": {"c_fc": conv(h, inner), "c_proj": conv(inner, h, res)}}
-                  for i in range(n)}
-        return {"wte": init.embedding(int(config.vocab_size), h), "wpe": init.embedding(int(config.n_positions), h),
-                "h": blocks, "ln_f": init.norm(h)}
+        blocks = {
+            str(i): {
+                "ln_1": init.norm(h),
+                "attn": {"c_attn": conv(h, 3 * h), "c_proj": conv(h, h, res)},
+                "ln_2": init.norm(h),
+                "mlp": {"c_fc": conv(h, inner), "c_proj": conv(inner, h, res)},
+            }
+            for i in range(n)
+        }
+        return {
+            "wte": init.embedding(int(config.vocab_size), h),
+            "wpe": init.embedding(int(config.n_positions), h),
+            "h": blocks,
+            "ln_f": init.norm(h),
+        }
 
     @classmethod
     def is_buffer(cls, name: str) -> bool:
         return _is_buffer(name)
 
-    def encode(self, params, input_ids, attention_mask, *, train: bool = False, rng=None, position_ids=None,
-               token_type_ids=None) -> jax.Array:
-        return encode(params, input_ids, attention_mask, position_ids, token_type_ids, config=self.config,
-                      plan=self.plan, dtype=self.dtype, dropout_rng=rng, train=train, remat=self.remat_policy)
+    def encode(
+        self,
+        params,
+        input_ids,
+        attention_mask,
+        *,
+        train: bool = False,
+        rng=None,
+        position_ids=None,
+        token_type_ids=None,
+    ) -> jax.Array:
+        return encode(
+            params,
+            input_ids,
+            attention_mask,
+            position_ids,
+            token_type_ids,
+            config=self.config,
+            plan=self.plan,
+            dtype=self.dtype,
+            dropout_rng=rng,
+            train=train,
+            remat=self.remat_policy,
+        )

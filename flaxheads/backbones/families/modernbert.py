@@ -26,6 +26,7 @@ PyTorch's flash-attention path (unpadded sequences) computes the same function o
 is not a reference here. The params tree follows the PyTorch names (``embeddings``,
 ``layers/<i>/attn/Wqkv``, ..., ``final_norm``) with Flax leaves (HF never had a Flax ModernBERT).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -87,8 +88,11 @@ def _config_problem(config) -> str:
     h, nh, n = int(config.hidden_size), int(config.num_attention_heads), int(config.num_hidden_layers)
     kinds = layer_types(config)
     rp = config.get("rope_parameters")
-    scaled = {k: v.get("rope_type", "default") for k, v in (rp or {}).items()
-              if isinstance(v, Mapping) and v.get("rope_type", "default") != "default"}
+    scaled = {
+        k: v.get("rope_type", "default")
+        for k, v in (rp or {}).items()
+        if isinstance(v, Mapping) and v.get("rope_type", "default") != "default"
+    }
     legacy = config.get("rope_scaling") or {}  # transformers 4.x's one scaling for both kinds
     if legacy.get("rope_type", legacy.get("type", "default")) != "default":
         scaled["rope_scaling"] = legacy.get("rope_type", legacy.get("type"))
@@ -103,8 +107,10 @@ def _config_problem(config) -> str:
     every = config.get("global_attn_every_n_layers")
     if config.get("layer_types") is not None and every and kinds != layer_types(config.replace(layer_types=None)):
         # transformers 5 reads layer_types, 4.x global_attn_every_n_layers: two different models
-        return (f"layer_types {list(kinds)} disagree with global_attn_every_n_layers={every} (transformers 5 "
-                "reads the first, 4.x the second, so the checkpoint means two different models)")
+        return (
+            f"layer_types {list(kinds)} disagree with global_attn_every_n_layers={every} (transformers 5 "
+            "reads the first, 4.x the second, so the checkpoint means two different models)"
+        )
     if scaled:
         return f"rope_type {scaled}; only the 'default' rotary embedding is implemented"
     if LOCAL in kinds and int(config.local_attention) < 0:
@@ -130,11 +136,18 @@ class Settings:
     @classmethod
     def from_config(cls, config) -> Settings:
         kinds = layer_types(config)
-        return cls(int(config.num_attention_heads), float(config.norm_eps), config.hidden_activation,
-                   kinds, tuple((k, rope_theta(config, k)) for k in sorted(set(kinds))),
-                   int(config.local_attention) // 2, config.get("pad_token_id"),
-                   float(config.embedding_dropout or 0.0), float(config.attention_dropout or 0.0),
-                   float(config.mlp_dropout or 0.0))
+        return cls(
+            int(config.num_attention_heads),
+            float(config.norm_eps),
+            config.hidden_activation,
+            kinds,
+            tuple((k, rope_theta(config, k)) for k in sorted(set(kinds))),
+            int(config.local_attention) // 2,
+            config.get("pad_token_id"),
+            float(config.embedding_dropout or 0.0),
+            float(config.attention_dropout or 0.0),
+            float(config.mlp_dropout or 0.0),
+        )
 
 
 # ---- pieces -----------------------------------------------------------------------------------------------
@@ -150,8 +163,9 @@ def linear(x: jax.Array, p: Mapping, plan: ComputePlan) -> jax.Array:
     return y + p["bias"].astype(x.dtype) if "bias" in p else y
 
 
-def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, keep: jax.Array, rate: float = 0.0,
-                     rng: jax.Array | None = None) -> jax.Array:
+def masked_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, keep: jax.Array, rate: float = 0.0, rng: jax.Array | None = None
+) -> jax.Array:
     """softmax over the keys ``keep`` allows (``[N | 1, 1, Tq, Tk]`` bool) of ``q k^T``, times ``v``:
     ``q [N, Tq, nh, d]``, ``k, v [N, Tk, nh, d]`` -> ``[N, Tq, nh, d]``. The softmax runs in
     float32 (as PyTorch's eager attention); hidden entries get exactly zero weight and gradient."""
@@ -160,9 +174,18 @@ def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, keep: jax.Array, 
     return jnp.einsum("bhqk,bkhd->bqhd", dropout(probs, rate, rng), v)
 
 
-def sliding_window_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_valid: jax.Array, half: int, *,
-                             rate: float = 0.0, rng: jax.Array | None = None, impl: str = "auto",
-                             block: int | None = None) -> jax.Array:
+def sliding_window_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    key_valid: jax.Array,
+    half: int,
+    *,
+    rate: float = 0.0,
+    rng: jax.Array | None = None,
+    impl: str = "auto",
+    block: int | None = None,
+) -> jax.Array:
     """Attention of each query to the valid keys within ``half`` positions either side (``|i - j| <= half``):
     ``q, k, v [B, T, nh, d]``, ``key_valid [B, T]`` -> ``[B, T, nh, d]``.
 
@@ -199,8 +222,16 @@ def sliding_window_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_valid
     return out.reshape(b, n * c, nh, d)[:, :t]
 
 
-def global_attention(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, *, plan: ComputePlan,
-                     rate: float = 0.0, rng: jax.Array | None = None) -> jax.Array:
+def global_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    bias: jax.Array,
+    *,
+    plan: ComputePlan,
+    rate: float = 0.0,
+    rng: jax.Array | None = None,
+) -> jax.Array:
     """Attention to every unmasked key (``bias [B, 1, 1, T]``, :func:`~flaxheads.layers.masks.mask_bias`) in the
     arrangement ``plan`` picks. Short sequences: :func:`~flaxheads.layers.attention.attend_chunked` (in the
     plan's ``attention_chunks``). When one ``[B, nh, T, T]`` score tensor would pass
@@ -223,8 +254,20 @@ def global_attention(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array, 
 
 
 # ---- the model --------------------------------------------------------------------------------------------
-def attention(p: Mapping, x: jax.Array, cos: jax.Array, sin: jax.Array, key_valid: jax.Array, bias: jax.Array, *,
-              s: Settings, local: bool, rng, local_impl: str, plan: ComputePlan) -> jax.Array:
+def attention(
+    p: Mapping,
+    x: jax.Array,
+    cos: jax.Array,
+    sin: jax.Array,
+    key_valid: jax.Array,
+    bias: jax.Array,
+    *,
+    s: Settings,
+    local: bool,
+    rng,
+    local_impl: str,
+    plan: ComputePlan,
+) -> jax.Array:
     """``Wqkv`` -> rotary q, k -> global or sliding-window attention -> ``Wo``, on ``x [B, T, H]``."""
     b, t, h = x.shape
     d = h // s.num_heads
@@ -247,20 +290,44 @@ def glu_mlp(p: Mapping, x: jax.Array, act: str, rate: float, rng, plan: ComputeP
     return mlp_out(linear(dropout(act_fn(inp) * gate, rate, rng), p["Wo"], plan))
 
 
-def layer(p: Mapping, x: jax.Array, cos: jax.Array, sin: jax.Array, key_valid: jax.Array, bias: jax.Array, *,
-          s: Settings, local: bool, plan: ComputePlan, rng=None, local_impl: str = "auto") -> jax.Array:
+def layer(
+    p: Mapping,
+    x: jax.Array,
+    cos: jax.Array,
+    sin: jax.Array,
+    key_valid: jax.Array,
+    bias: jax.Array,
+    *,
+    s: Settings,
+    local: bool,
+    plan: ComputePlan,
+    rng=None,
+    local_impl: str = "auto",
+) -> jax.Array:
     """One pre-LayerNorm ModernBERT layer on ``x [B, T, H]`` (no ``attn_norm`` in ``p``: identity)."""
     r_attn, r_out, r_mlp = jax.random.split(rng, 3) if rng is not None else (None, None, None)
     h = norm(x, p["attn_norm"], s.eps, plan) if "attn_norm" in p else x
-    a = attention(p["attn"], h, cos, sin, key_valid, bias, s=s, local=local, rng=r_attn, local_impl=local_impl,
-                  plan=plan)
+    a = attention(
+        p["attn"], h, cos, sin, key_valid, bias, s=s, local=local, rng=r_attn, local_impl=local_impl, plan=plan
+    )
     x = x + dropout(a, s.attention_dropout, r_out)
     return x + glu_mlp(p["mlp"], norm(x, p["mlp_norm"], s.eps, plan), s.act, s.mlp_dropout, r_mlp, plan)
 
 
-def encode(params: Mapping, input_ids, attention_mask=None, position_ids=None, *, settings: Settings,
-           plan: ComputePlan, dtype=jnp.float32, train: bool = False, rng: jax.Array | None = None,
-           remat: bool | str = False, local_impl: str = "auto") -> jax.Array:
+def encode(
+    params: Mapping,
+    input_ids,
+    attention_mask=None,
+    position_ids=None,
+    *,
+    settings: Settings,
+    plan: ComputePlan,
+    dtype=jnp.float32,
+    train: bool = False,
+    rng: jax.Array | None = None,
+    remat: bool | str = False,
+    local_impl: str = "auto",
+) -> jax.Array:
     """ModernBERT's last hidden state ``[B, T, H]`` (after ``final_norm``) in ``dtype``; pure in ``params``.
 
     ``plan`` (:class:`~flaxheads.runtime.plan.ComputePlan`) arranges the products, LayerNorms and global
@@ -298,8 +365,7 @@ class _TruncatedInit(HFInit):
     def normal(self, shape, std: float | None = None):
         self._n += 1
         key = jax.random.fold_in(self.rng, self._n)
-        return (self.std if std is None else std) * jax.random.truncated_normal(key, -self.cutoff, self.cutoff,
-                                                                                 shape)
+        return (self.std if std is None else std) * jax.random.truncated_normal(key, -self.cutoff, self.cutoff, shape)
 
     def linear(self, n_in: int, n_out: int, bias: bool, std: float | None = None) -> dict:
         return {"kernel": self.normal((n_in, n_out), std), **({"bias": jnp.zeros(n_out)} if bias else {})}
@@ -319,20 +385,48 @@ class ModernBertBackbone(Backbone):
     tokenizer_token_types = False
     top_level = TOP_LEVEL
     # transformers' ModernBertConfig defaults (the attention pattern and RoPE bases: layer_types / rope_theta)
-    defaults = {"vocab_size": 50368, "hidden_size": 768, "intermediate_size": 1152, "num_hidden_layers": 22,
-                "num_attention_heads": 12, "hidden_activation": "gelu", "max_position_embeddings": 8192,
-                "initializer_range": 0.02, "initializer_cutoff_factor": 2.0, "norm_eps": 1e-5, "norm_bias": False,
-                "pad_token_id": 50283, "eos_token_id": 50282, "bos_token_id": 50281, "cls_token_id": 50281,
-                "sep_token_id": 50282, "attention_bias": False, "attention_dropout": 0.0, "local_attention": 128,
-                "embedding_dropout": 0.0, "mlp_bias": False, "mlp_dropout": 0.0, "classifier_pooling": "cls",
-                "classifier_dropout": 0.0, "classifier_bias": False, "classifier_activation": "gelu"}
+    defaults = {
+        "vocab_size": 50368,
+        "hidden_size": 768,
+        "intermediate_size": 1152,
+        "num_hidden_layers": 22,
+        "num_attention_heads": 12,
+        "hidden_activation": "gelu",
+        "max_position_embeddings": 8192,
+        "initializer_range": 0.02,
+        "initializer_cutoff_factor": 2.0,
+        "norm_eps": 1e-5,
+        "norm_bias": False,
+        "pad_token_id": 50283,
+        "eos_token_id": 50282,
+        "bos_token_id": 50281,
+        "cls_token_id": 50281,
+        "sep_token_id": 50282,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "local_attention": 128,
+        "embedding_dropout": 0.0,
+        "mlp_bias": False,
+        "mlp_dropout": 0.0,
+        "classifier_pooling": "cls",
+        "classifier_dropout": 0.0,
+        "classifier_bias": False,
+        "classifier_activation": "gelu",
+    }
     features = frozenset({"position_ids", "remat", "bf16"})
     extra_inputs = ("position_ids",)
     settings_class = Settings
     settings: Settings
 
-    def __init__(self, config, params: dict, dtype=jnp.float32, remat: bool = False, local_impl: str = "auto",
-                 plan: ComputePlan | None = None):
+    def __init__(
+        self,
+        config,
+        params: dict,
+        dtype=jnp.float32,
+        remat: bool = False,
+        local_impl: str = "auto",
+        plan: ComputePlan | None = None,
+    ):
         super().__init__(config, params, dtype=dtype, remat=remat, plan=plan)
         self.local_impl = local_impl
 
@@ -341,8 +435,10 @@ class ModernBertBackbone(Backbone):
         super().check_config(config)
         why = _config_problem(config)
         if why:
-            raise BackboneError(f"flaxheads' ModernBERT backbone cannot run this config: {why}. Use a checkpoint "
-                                "without it, or fix config.json if the value is wrong.")
+            raise BackboneError(
+                f"flaxheads' ModernBERT backbone cannot run this config: {why}. Use a checkpoint "
+                "without it, or fix config.json if the value is wrong."
+            )
 
     @classmethod
     def init_params(cls, config, rng) -> dict:
@@ -359,11 +455,28 @@ class ModernBertBackbone(Backbone):
             lp["mlp_norm"] = init.norm(h, nb)
             lp["mlp"] = {"Wi": init.linear(h, 2 * ff, mb), "Wo": init.linear(ff, h, mb, out_std)}
             layers[str(i)] = lp
-        return {"embeddings": {"tok_embeddings": {"embedding": init.normal((int(config.vocab_size), h))},
-                               "norm": init.norm(h, nb)},
-                "layers": layers, "final_norm": init.norm(h, nb)}
+        return {
+            "embeddings": {
+                "tok_embeddings": {"embedding": init.normal((int(config.vocab_size), h))},
+                "norm": init.norm(h, nb),
+            },
+            "layers": layers,
+            "final_norm": init.norm(h, nb),
+        }
 
-    def encode(self, params, input_ids, attention_mask, *, train: bool = False, rng=None,
-               position_ids=None) -> jax.Array:
-        return encode(params, input_ids, attention_mask, position_ids, settings=self.settings, plan=self.plan,
-                      dtype=self.dtype, train=train, rng=rng, remat=self.remat_policy, local_impl=self.local_impl)
+    def encode(
+        self, params, input_ids, attention_mask, *, train: bool = False, rng=None, position_ids=None
+    ) -> jax.Array:
+        return encode(
+            params,
+            input_ids,
+            attention_mask,
+            position_ids,
+            settings=self.settings,
+            plan=self.plan,
+            dtype=self.dtype,
+            train=train,
+            rng=rng,
+            remat=self.remat_policy,
+            local_impl=self.local_impl,
+        )

@@ -9,6 +9,7 @@ things differ from BERT, both in the inputs:
   not from the attention mask, as in PyTorch;
 * token types default to zeros (released checkpoints have a token-type vocabulary of 1).
 """
+
 from __future__ import annotations
 
 import jax
@@ -33,22 +34,45 @@ class RobertaBackbone(BertBackbone):
     def check_config(cls, config) -> None:
         super().check_config(config)
         if getattr(config, "pad_token_id", None) is None:
-            raise BackboneError("a RoBERTa config needs pad_token_id (its position ids count from "
-                                "pad_token_id + 1); set it in config.json (1 in released checkpoints)")
+            raise BackboneError(
+                "a RoBERTa config needs pad_token_id (its position ids count from "
+                "pad_token_id + 1); set it in config.json (1 in released checkpoints)"
+            )
 
     def first_position(self) -> int:
         return int(self.config.pad_token_id) + 1  # positions count from pad_token_id + 1
 
-    def encode(self, params, input_ids, attention_mask, *, train: bool = False, rng=None, token_type_ids=None,
-               position_ids=None, segment_ids=None, only_at=None) -> jax.Array:
+    def encode(
+        self,
+        params,
+        input_ids,
+        attention_mask,
+        *,
+        train: bool = False,
+        rng=None,
+        token_type_ids=None,
+        position_ids=None,
+        segment_ids=None,
+        only_at=None,
+    ) -> jax.Array:
         input_ids = jnp.asarray(input_ids)
         if position_ids is None:
             pad, t, n_pos = int(self.config.pad_token_id), input_ids.shape[1], int(self.config.max_position_embeddings)
             if pad + t >= n_pos:
-                raise BackboneError(f"sequences of {t} tokens need position ids up to {pad + t}, but this "
-                                    f"{self.model_type} model has {n_pos} position embeddings: truncate inputs "
-                                    f"to at most {n_pos - pad - 1} tokens")
+                raise BackboneError(
+                    f"sequences of {t} tokens need position ids up to {pad + t}, but this "
+                    f"{self.model_type} model has {n_pos} position embeddings: truncate inputs "
+                    f"to at most {n_pos - pad - 1} tokens"
+                )
             position_ids = roberta_position_ids(input_ids, pad)
-        return super().encode(params, input_ids, attention_mask, train=train, rng=rng,
-                              token_type_ids=token_type_ids, position_ids=position_ids, segment_ids=segment_ids,
-                              only_at=only_at)
+        return super().encode(
+            params,
+            input_ids,
+            attention_mask,
+            train=train,
+            rng=rng,
+            token_type_ids=token_type_ids,
+            position_ids=position_ids,
+            segment_ids=segment_ids,
+            only_at=only_at,
+        )

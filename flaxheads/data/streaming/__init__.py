@@ -21,6 +21,7 @@ Arrow chunks with Hugging Face ``datasets`` in streaming mode and are never all 
 - **Background tokenisation**: a thread reads and tokenizes the next windows into a bounded
   queue while the devices train.
 """
+
 from __future__ import annotations
 
 from flaxheads.data.streaming.batches import StreamSplit, agreed_length, ordered_batches, stream_batches
@@ -44,7 +45,27 @@ from flaxheads.data.streaming.splits import (
     split_parts,
 )
 
-__all__ = ["CHUNK_ROWS", "PREFETCH_BATCHES", "STREAM_BYTES", "WINDOW_BATCHES", "StreamData", "StreamSource",
-           "StreamSplit", "agreed_length", "char_lengths", "column_values", "file_rows", "label_space", "open_stream",
-           "ordered_batches", "read_chunks", "row_hash", "source_rows", "split_parts", "split_table",
-           "stream_batches", "streams", "table_files"]
+__all__ = [
+    "CHUNK_ROWS",
+    "PREFETCH_BATCHES",
+    "STREAM_BYTES",
+    "WINDOW_BATCHES",
+    "StreamData",
+    "StreamSource",
+    "StreamSplit",
+    "agreed_length",
+    "char_lengths",
+    "column_values",
+    "file_rows",
+    "label_space",
+    "open_stream",
+    "ordered_batches",
+    "read_chunks",
+    "row_hash",
+    "source_rows",
+    "split_parts",
+    "split_table",
+    "stream_batches",
+    "streams",
+    "table_files",
+]

@@ -1,5 +1,6 @@
 """Streamed batches: windows shuffled and grouped by length, tokenized in a background thread, each
 process holding only its rows of every global batch."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,6 +20,7 @@ from flaxheads.data.tables import LabelSpace, TextTable, encode_labels
 from flaxheads.errors import UsageError
 
 # ---- batches -----------------------------------------------------------------------------------
+
 
 @dataclasses.dataclass
 class StreamSplit:
@@ -66,8 +68,15 @@ class StreamSplit:
         pairs = column_values(sub, src.pair_column) if src.pair_column else None
         labels = column_values(sub, src.label_column)
         files = dict.fromkeys(src.files[int(f)] for f in fis)
-        return TextTable(texts, labels, ", ".join(files) or src.files[0], [f"row {r}" for r in rws], pairs,
-                         src.label_column, src.text_column)
+        return TextTable(
+            texts,
+            labels,
+            ", ".join(files) or src.files[0],
+            [f"row {r}" for r in rws],
+            pairs,
+            src.label_column,
+            src.text_column,
+        )
 
     def tokenized(self, where, chunk, idx: np.ndarray) -> Split:
         table = self.rows_table(where, chunk, idx)
@@ -115,8 +124,11 @@ def _background(produce, limit: int) -> Iterator:
 
 
 def _epoch_order(n_files: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
-    return (np.random.default_rng([seed, epoch, 2]).permutation(n_files).tolist() if shuffle and n_files > 1
-            else list(range(n_files)))
+    return (
+        np.random.default_rng([seed, epoch, 2]).permutation(n_files).tolist()
+        if shuffle and n_files > 1
+        else list(range(n_files))
+    )
 
 
 def agreed_length(local_max: int) -> int:
@@ -150,14 +162,26 @@ def _global_rows(local: dict, process: int, processes: int) -> dict:
             full[:, 0] = 1
         if key == "segment_mask":
             full[:, :, 0] = 1
-        full[process * k:(process + 1) * k] = v
+        full[process * k : (process + 1) * k] = v
         out[key] = full
     return out
 
 
-def stream_batches(split: StreamSplit, batch_size: int, buckets: Sequence[int], *, seed: int = 0, epoch: int = 0,
-                   shuffle: bool = True, start: int = 0, pad_id: int = 0, group_by_length: bool = True,
-                   pack: bool = False, first_position: int = 0, row_multiple: int = 1) -> Iterator[dict]:
+def stream_batches(
+    split: StreamSplit,
+    batch_size: int,
+    buckets: Sequence[int],
+    *,
+    seed: int = 0,
+    epoch: int = 0,
+    shuffle: bool = True,
+    start: int = 0,
+    pad_id: int = 0,
+    group_by_length: bool = True,
+    pack: bool = False,
+    first_position: int = 0,
+    row_multiple: int = 1,
+) -> Iterator[dict]:
     """The training batches of one epoch of a streamed split from batch ``start`` on, as
     :func:`~flaxheads.data.splits.iterate_batches` gives them (global batches, padded to a
     bucket, weight-0 padding rows), a pure function of ``(seed, epoch, start)``. In a multi-process
@@ -183,19 +207,28 @@ def stream_batches(split: StreamSplit, batch_size: int, buckets: Sequence[int], 
             if w < first_window:  # resuming: read past (no tokenisation) up to the window of `start`
                 continue
             chars = char_lengths(chunk, split.source.text_column)
-            plan = batch_plan(chars, batch_size, key=(seed, epoch, w), shuffle=shuffle,
-                              group_by_length=group_by_length, group_batches=None)
+            plan = batch_plan(
+                chars,
+                batch_size,
+                key=(seed, epoch, w),
+                shuffle=shuffle,
+                group_by_length=group_by_length,
+                group_batches=None,
+            )
             if w == first_window and not pack:
                 plan = plan[skip:]
-            mine = [idx[me * local:(me + 1) * local] for idx in plan]
+            mine = [idx[me * local : (me + 1) * local] for idx in plan]
             flat = np.concatenate(mine) if mine else np.zeros(0, np.int64)
             toks = split.tokenized(where, chunk, flat) if len(flat) else None
             if toks is None:
                 toks = Split(split.name, [], np.zeros((0,), np.int32))
             bounds = np.cumsum([0] + [len(idx) for idx in mine])
             rows = [np.arange(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
-            shapes = merge_rare_shapes([packed_shape(toks, r, local, buckets, row_multiple=local_rows)
-                                        for r in rows]) if pack else [None] * len(rows)
+            shapes = (
+                merge_rare_shapes([packed_shape(toks, r, local, buckets, row_multiple=local_rows) for r in rows])
+                if pack
+                else [None] * len(rows)
+            )
             # packed shapes are merged over the whole window, so a resumed window reads all of it
             first = skip if w == first_window and pack else 0
             for r, shape in zip(rows[first:], shapes[first:]):
@@ -204,8 +237,16 @@ def stream_batches(split: StreamSplit, batch_size: int, buckets: Sequence[int], 
     local_rows = max(row_multiple // procs, 1)
     for toks, rows, shape in _background(produce, PREFETCH_BATCHES):
         if pack:
-            batch = packed_batch(toks, rows, local, buckets, pad_id=pad_id, first_position=first_position,
-                                 row_multiple=local_rows, shape=agreed_shape(shape))
+            batch = packed_batch(
+                toks,
+                rows,
+                local,
+                buckets,
+                pad_id=pad_id,
+                first_position=first_position,
+                row_multiple=local_rows,
+                shape=agreed_shape(shape),
+            )
         else:
             t = bucket_length(agreed_length(max([len(toks.input_ids[i]) for i in rows] + [1])), buckets)
             batch = collate(toks, rows, local, (t,), pad_id)

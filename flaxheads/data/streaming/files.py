@@ -1,4 +1,5 @@
 """Which tables stream, their files (one or a glob of shards), and their rows read in Arrow chunks."""
+
 from __future__ import annotations
 
 import contextlib
@@ -24,6 +25,7 @@ PREFETCH_BATCHES = 2 * WINDOW_BATCHES
 
 
 # ---- files ---------------------------------------------------------------------------------
+
 
 def table_files(spec: str) -> list[str]:
     """The files of a table: one file, or the sorted matches of a glob (``shards/*.parquet``)."""

@@ -1,5 +1,6 @@
 """The one scan before training: row counts per split, the label space, bad rows, the evaluation
 sample; and the splits it opens."""
+
 from __future__ import annotations
 
 import copy
@@ -77,8 +78,9 @@ class _LabelStats:
         missing = np.asarray(pc.fill_null(missing, True).to_numpy(zero_copy_only=False))
         if missing.any():
             i = int(np.argmax(missing))
-            raise DataError(f"{path}: row {rows[i]}, column {label_column!r}: label is missing. "
-                            "Every row needs a label.")
+            raise DataError(
+                f"{path}: row {rows[i]}, column {label_column!r}: label is missing. Every row needs a label."
+            )
         if pa.types.is_list(t) or pa.types.is_large_list(t):
             kind = "a list"
             if self.width is None:
@@ -109,7 +111,7 @@ class _LabelStats:
                 raise DataError(f"{path}: row {r}, column {label_column!r}: label is missing. Every row needs a label.")
             kind = _label_kind(v)
             self.kinds.setdefault(kind, (path, int(r), v))
-            for x in (v if isinstance(v, list) else [v]):
+            for x in v if isinstance(v, list) else [v]:
                 if isinstance(x, float) and not x.is_integer():
                     self.non_integer = True
                     continue
@@ -128,29 +130,44 @@ class _LabelStats:
                 self.values[key] = (path, int(rows[j]), arr[j].as_py())
 
 
-def label_space(stats: _LabelStats, label_column: str, problem_type: str | None = None, *,
-                label_ids: bool = False, names: Sequence[str] | None = None) -> LabelSpace:
+def label_space(
+    stats: _LabelStats,
+    label_column: str,
+    problem_type: str | None = None,
+    *,
+    label_ids: bool = False,
+    names: Sequence[str] | None = None,
+) -> LabelSpace:
     """The label space a streaming pass found, by :func:`flaxheads.data.tables.infer_label_space`'s
     rules (``names``: given by ``--labels`` instead)."""
     if len(stats.kinds) > 1:
         files = {p for p, _, _ in stats.kinds.values()}
         one = files.pop() if len(files) == 1 else None
-        seen = ", ".join(f"{'' if one else p + ': '}row {r} has {kind} ({v!r})"
-                         for kind, (p, r, v) in stats.kinds.items())
-        raise DataError(f"{one + ': ' if one else ''}column {label_column!r} mixes label kinds: {seen}. Use one kind "
-                        "in every row: a list of "
-                        "label names (multi-label), one class name or integer id (single-label), or a number "
-                        "(regression).")
+        seen = ", ".join(
+            f"{'' if one else p + ': '}row {r} has {kind} ({v!r})" for kind, (p, r, v) in stats.kinds.items()
+        )
+        raise DataError(
+            f"{one + ': ' if one else ''}column {label_column!r} mixes label kinds: {seen}. Use one kind "
+            "in every row: a list of "
+            "label names (multi-label), one class name or integer id (single-label), or a number "
+            "(regression)."
+        )
     kind = next(iter(stats.kinds), "text")
     if problem_type is None:
-        problem_type = (MULTI_LABEL if kind == "a list" else
-                        REGRESSION if kind == "a number" and stats.non_integer else SINGLE_LABEL)
+        problem_type = (
+            MULTI_LABEL
+            if kind == "a list"
+            else REGRESSION
+            if kind == "a number" and stats.non_integer
+            else SINGLE_LABEL
+        )
     if problem_type == REGRESSION:
         return LabelSpace(REGRESSION, None, stats.width or 1)
     if problem_type == MULTI_LABEL and kind != "a list":
         p, r, v = next(iter(stats.kinds.values()))
-        raise DataError(f"{p}: row {r}, column {label_column!r}: multi-label needs a list of label names per row, "
-                        f"got {v!r}")
+        raise DataError(
+            f"{p}: row {r}, column {label_column!r}: multi-label needs a list of label names per row, got {v!r}"
+        )
     if names is not None:
         names = [str(n) for n in names]
     elif kind == "a number":
@@ -171,12 +188,19 @@ def _check_known(stats: _LabelStats, space: LabelSpace, split: str, label_column
     known = set(space.names)
     for key, (p, r, v) in stats.values.items():
         if key not in known:
-            where = ("--labels" if given else "the training split" if split == "train"
-                     else f"the {split} split but not in train")
+            where = (
+                "--labels"
+                if given
+                else "the training split"
+                if split == "train"
+                else f"the {split} split but not in train"
+            )
             what = f"is not among {where}" if given else f"appears only in {where}"
-            raise DataError(f"{p}: row {r}, column {label_column!r}: label {v!r} {what} (known labels: "
-                            f"{space.names}). A model cannot learn a class it never sees: add training examples of "
-                            "it or drop these rows.")
+            raise DataError(
+                f"{p}: row {r}, column {label_column!r}: label {v!r} {what} (known labels: "
+                f"{space.names}). A model cannot learn a class it never sees: add training examples of "
+                "it or drop these rows."
+            )
 
 
 @dataclasses.dataclass
@@ -191,7 +215,7 @@ class _Sample:
         if len(self.heap) >= self.size:
             cand = np.flatnonzero(keys < -self.heap[0][0])
         else:
-            cand = np.argsort(keys)[:self.size]
+            cand = np.argsort(keys)[: self.size]
         if not len(cand):
             return
         sub = chunk.take(cand)
@@ -207,9 +231,15 @@ class _Sample:
 
     def table(self, src: StreamSource) -> TextTable:
         items = sorted(self.heap, key=lambda x: (x[1], x[2]))  # file order
-        return TextTable([x[4] for x in items], [x[6] for x in items], ", ".join(dict.fromkeys(x[3] for x in items)),
-                         [f"row {x[2]}" for x in items], [x[5] for x in items] if src.pair_column else None,
-                         src.label_column, src.text_column)
+        return TextTable(
+            [x[4] for x in items],
+            [x[6] for x in items],
+            ", ".join(dict.fromkeys(x[3] for x in items)),
+            [f"row {x[2]}" for x in items],
+            [x[5] for x in items] if src.pair_column else None,
+            src.label_column,
+            src.text_column,
+        )
 
 
 @dataclasses.dataclass
@@ -240,13 +270,21 @@ def _sources(cfg) -> list[list[StreamSource]]:
     """The splits' sources, grouped by the files one pass reads (a hash split reads its files once)."""
     topt = dict(text_column=cfg.text_column, label_column=cfg.label_column, pair_column=cfg.text_pair_column)
     if cfg.train_file:
-        return [[StreamSource(name, tuple(table_files(f)), **topt)]
-                for name, f in zip(SPLITS, (cfg.train_file, cfg.validation_file, cfg.test_file)) if f]
+        return [
+            [StreamSource(name, tuple(table_files(f)), **topt)]
+            for name, f in zip(SPLITS, (cfg.train_file, cfg.validation_file, cfg.test_file))
+            if f
+        ]
     if not cfg.data:
         raise DataError("no data: give --data (bbc_news, a class folder or a file) or --train-file")
     files = tuple(table_files(cfg.data))
-    return [[StreamSource(name, files, **topt, fractions=tuple(cfg.split), part=k, seed=cfg.seed)
-             for k, name in enumerate(SPLITS) if cfg.split[k] > 0]]
+    return [
+        [
+            StreamSource(name, files, **topt, fractions=tuple(cfg.split), part=k, seed=cfg.seed)
+            for k, name in enumerate(SPLITS)
+            if cfg.split[k] > 0
+        ]
+    ]
 
 
 def open_stream(cfg) -> StreamData:
@@ -255,8 +293,10 @@ def open_stream(cfg) -> StreamData:
     split ``--data``; or ``cfg.labels``), bad rows and labels (:class:`DataError` with file, row and
     column), and the evaluation sample of ``cfg.eval_limit`` validation rows."""
     if cfg.limit:
-        raise UsageError("--limit samples a table held in memory; streamed data is read as it trains: use "
-                         "--max-steps for a short run, or --no-stream for a small table")
+        raise UsageError(
+            "--limit samples a table held in memory; streamed data is read as it trains: use "
+            "--max-steps for a short run, or --no-stream for a small table"
+        )
     groups = _sources(cfg)
     counts: dict[str, int] = {}
     stats: dict[str, _LabelStats] = {}
@@ -269,8 +309,11 @@ def open_stream(cfg) -> StreamData:
                 samples[s.name] = _Sample(cfg.eval_limit)
         for fi, rows, chunk in file_rows(first.files, first.columns):
             path = first.files[fi]
-            parts = (split_parts(row_hash(first.seed, fi, rows), first.fractions) if first.fractions is not None
-                     else np.zeros(len(rows), np.int64))
+            parts = (
+                split_parts(row_hash(first.seed, fi, rows), first.fractions)
+                if first.fractions is not None
+                else np.zeros(len(rows), np.int64)
+            )
             for s in group:
                 keep = np.flatnonzero(parts == s.part) if first.fractions is not None else None
                 r, c = (rows, chunk) if keep is None else (rows[keep], chunk.take(keep))
@@ -287,9 +330,11 @@ def open_stream(cfg) -> StreamData:
     if not cfg.train_file:
         empty = [n for n in sources if not counts[n]]
         if empty:
-            raise DataError(f"{cfg.data}: the split {','.join(f'{f:g}' for f in cfg.split)} of "
-                            f"{sum(counts.values())} examples leaves the {' and '.join(empty)} split empty. Use "
-                            "more examples, larger fractions, or a fraction of 0 for a split you do not want.")
+            raise DataError(
+                f"{cfg.data}: the split {','.join(f'{f:g}' for f in cfg.split)} of "
+                f"{sum(counts.values())} examples leaves the {' and '.join(empty)} split empty. Use "
+                "more examples, larger fractions, or a fraction of 0 for a split you do not want."
+            )
     if "train" not in sources:
         raise DataError(f"{cfg.data}: the split {cfg.split} leaves no training examples")
     given = getattr(cfg, "labels", None)
@@ -324,5 +369,6 @@ def split_table(cfg, name: str) -> TextTable | None:
         rows += [f"row {x}" for x in r]
     if not texts:
         return None
-    return TextTable(texts, labels, ", ".join(files), rows, pairs if src.pair_column else None, src.label_column,
-                     src.text_column)
+    return TextTable(
+        texts, labels, ", ".join(files), rows, pairs if src.pair_column else None, src.label_column, src.text_column
+    )

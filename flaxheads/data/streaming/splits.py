@@ -1,5 +1,6 @@
 """Rows of streamed files, their split (a pure function of (seed, file, row number)) and the
 columns of their Arrow chunks as Python values."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -56,24 +57,31 @@ class StreamSource:
     @property
     def columns(self) -> dict[str, str]:
         """The columns read, each with the flag that names it."""
-        named = ((self.text_column, "--text-column"), (self.pair_column, "--text-pair-column"),
-                 (self.label_column, "--label-column"))
+        named = (
+            (self.text_column, "--text-column"),
+            (self.pair_column, "--text-pair-column"),
+            (self.label_column, "--label-column"),
+        )
         return {c: flag for c, flag in named if c is not None}
 
 
-def file_rows(files: Sequence[str], columns: dict[str, str], order: Sequence[int] | None = None,
-              ) -> Iterator[tuple[int, np.ndarray, Any]]:
+def file_rows(
+    files: Sequence[str],
+    columns: dict[str, str],
+    order: Sequence[int] | None = None,
+) -> Iterator[tuple[int, np.ndarray, Any]]:
     """``(file index, 1-based row numbers, chunk of the columns)`` for every chunk of the files,
     in ``order`` (file indices; default as given). ``columns``: name -> the flag that chose it,
     named when the column is missing."""
-    for fi in (range(len(files)) if order is None else order):
+    for fi in range(len(files)) if order is None else order:
         first = 1
         for chunk in read_chunks(files[fi]):
             if first == 1:
                 for col, flag in columns.items():
                     if col not in chunk.column_names:
-                        raise DataError(f"{files[fi]}: no column {col!r} (columns: {chunk.column_names}); "
-                                        f"choose one with {flag}")
+                        raise DataError(
+                            f"{files[fi]}: no column {col!r} (columns: {chunk.column_names}); choose one with {flag}"
+                        )
             rows = np.arange(first, first + chunk.num_rows, dtype=np.int64)
             first += chunk.num_rows
             yield fi, rows, chunk.select(list(columns))
@@ -95,7 +103,6 @@ def arr_table(arr):
     import pyarrow as pa
 
     return pa.table({"v": arr})
-
 
 
 def _is_json(arr) -> bool:

@@ -12,6 +12,7 @@ Inputs are flat: ``scores [N]``, ``labels [N]`` (relevance, higher is better) an
 * ``map``: scikit-learn's ``average_precision_score`` with relevance > 0 as positive, over the
   groups that have a positive.
 """
+
 from __future__ import annotations
 
 import numpy as np

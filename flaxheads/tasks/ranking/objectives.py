@@ -23,6 +23,7 @@ devices gets the global mean.
 :func:`objective_loss` turns one of them into the ``f(logits, labels, weights)`` the train steps
 call, on flat rows of ``k`` candidates per group (see :mod:`flaxheads.tasks.ranking.batches`).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -50,8 +51,11 @@ def _ordered_pairs(labels, mask):
 def _pairwise(per_pair: Callable, scores, labels, mask, weights, margin):
     s = scores.astype(jnp.float32)
     diff = s[:, :, None] - s[:, None, :]  # s_i - s_j
-    m = jnp.zeros((s.shape[0],), jnp.float32) if margin is None else jnp.broadcast_to(
-        jnp.asarray(margin, jnp.float32), (s.shape[0],))
+    m = (
+        jnp.zeros((s.shape[0],), jnp.float32)
+        if margin is None
+        else jnp.broadcast_to(jnp.asarray(margin, jnp.float32), (s.shape[0],))
+    )
     pairs = _ordered_pairs(labels, mask)
     loss = per_pair(diff, m[:, None, None])
     per_group = jnp.sum(loss * pairs, axis=(1, 2)) / jnp.maximum(jnp.sum(pairs, axis=(1, 2)), 1.0)
@@ -107,8 +111,12 @@ def pointwise_bce(scores, labels, mask, weights, *, pos_weight=None) -> jax.Arra
 
 
 _FUNCTIONS: dict[str, Callable[..., jax.Array]] = {
-    "pairwise": pairwise_logistic, "hinge": pairwise_hinge, "listwise": listwise_softmax, "listnet": listnet,
-    "pointwise": pointwise_bce}
+    "pairwise": pairwise_logistic,
+    "hinge": pairwise_hinge,
+    "listwise": listwise_softmax,
+    "listnet": listnet,
+    "pointwise": pointwise_bce,
+}
 
 
 def objective_fn(name: str, **options) -> Callable[..., jax.Array]:
@@ -145,8 +153,9 @@ def objective_loss(name: str, group_size: int, **options) -> Callable[..., jax.A
         opts = dict(options)
         if labels.ndim == 2:
             if name not in MARGIN_OBJECTIVES:
-                raise ConfigError(f"per-group margins apply to the {' and '.join(MARGIN_OBJECTIVES)} objectives, "
-                                  f"not {name}")
+                raise ConfigError(
+                    f"per-group margins apply to the {' and '.join(MARGIN_OBJECTIVES)} objectives, not {name}"
+                )
             base = opts.get("margin")
             base = (1.0 if name == "hinge" else 0.0) if base is None else base
             opts["margin"] = base + labels[:, 1].reshape(-1, k)[:, 0]

@@ -1,5 +1,6 @@
 """flaxheads' native ALBERT against PyTorch transformers (``AlbertModel`` / ``AlbertForSequenceClassification``
 on the same weights), on both stacks; the params tree against HF's Flax ALBERT on transformers 4.x."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -8,14 +9,26 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import jax  # noqa: E402
+from hf_tiny import (
+    check_bf16_and_remat,
+    check_export,
+    check_gradients,
+    check_hf_flax_tree,  # noqa: E402
+    check_hidden_states,
+    check_logits,
+    check_train_needs_key,
+    dropout_spread_flax,
+    dropout_spread_torch,
+    edited_copy,
+    padded_batch,
+    save_tiny,
+    scale_matrices,
+)
 
 from flaxheads.backbones import hf_flax  # noqa: E402
-from flaxheads.backbones.families.albert import AlbertBackbone  # noqa: E402
 from flaxheads.backbones.base import BackboneError  # noqa: E402
+from flaxheads.backbones.families.albert import AlbertBackbone  # noqa: E402
 from flaxheads.backbones.registry import load_backbone  # noqa: E402
-from hf_tiny import (check_bf16_and_remat, check_export, check_gradients, check_hf_flax_tree,  # noqa: E402
-                     check_hidden_states, check_logits, check_train_needs_key, dropout_spread_flax,
-                     dropout_spread_torch, edited_copy, padded_batch, save_tiny, scale_matrices)
 
 # The tiny default (2 layers, 1 group of 1 layer) already runs one weight set twice. INNER: a
 # group of 2 layers run twice (4 layer runs on 2 weight sets); UNEVEN: HF's group arithmetic with
@@ -46,8 +59,9 @@ def test_gradients_match_torch_autograd(tiny):
     check_gradients(*tiny, "albert", softmax_cancelled=lambda k: k.endswith("attention.key.bias"))
 
 
-@pytest.mark.parametrize("over", [dict(hidden_dropout_prob=0.1), dict(attention_probs_dropout_prob=0.1)],
-                         ids=["hidden", "attention"])
+@pytest.mark.parametrize(
+    "over", [dict(hidden_dropout_prob=0.1), dict(attention_probs_dropout_prob=0.1)], ids=["hidden", "attention"]
+)
 def test_dropout_matches_pytorch_statistically(over, tmp_path):
     """Train-mode spread around the eval output, averaged over 32 copies of a 16 x 16 batch: equal
     to PyTorch's within 8% (measured within 2%). ``hidden_dropout_prob`` acts on the embeddings and
@@ -75,9 +89,14 @@ def test_bf16_logits_and_remat_gradients(tiny):
     check_bf16_and_remat(*tiny, "albert", atol=0.05)  # measured: 0.003 off, on logits up to 0.18
 
 
-@pytest.mark.parametrize("change,match", [({"position_embedding_type": "relative_key"}, "position_embedding_type"),
-                                          ({"num_hidden_groups": 0}, "num_hidden_groups"),
-                                          ({"num_attention_heads": 5}, "not divisible")])
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ({"position_embedding_type": "relative_key"}, "position_embedding_type"),
+        ({"num_hidden_groups": 0}, "num_hidden_groups"),
+        ({"num_attention_heads": 5}, "not divisible"),
+    ],
+)
 def test_refused_config_is_a_clear_error(tiny, tmp_path, change, match):
     with pytest.raises(BackboneError, match=match):
         load_backbone(edited_copy(tiny[0], tmp_path / "bad", **change), implementation="native")
@@ -90,7 +109,8 @@ def test_params_tree_is_hf_flax_albert(tiny):
     ours = load_backbone(tiny[0], implementation="native")
     check_hf_flax_tree(ours, "FlaxAlbertModel", add_pooling_layer=False)
     theirs = load_backbone(tiny[0], implementation="hf_flax").params
-    for (k, a), (k2, b) in zip(jax.tree_util.tree_leaves_with_path(ours.params),
-                               jax.tree_util.tree_leaves_with_path(theirs)):
+    for (k, a), (k2, b) in zip(
+        jax.tree_util.tree_leaves_with_path(ours.params), jax.tree_util.tree_leaves_with_path(theirs)
+    ):
         assert k == k2
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(k))

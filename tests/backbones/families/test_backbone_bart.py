@@ -1,5 +1,6 @@
 """flaxheads' native BART against PyTorch transformers (``BartModel`` / ``BartForSequenceClassification``
 on the same weights), on both stacks; the params tree against HF's Flax BART on transformers 4.x."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -9,16 +10,23 @@ torch = pytest.importorskip("torch")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from hf_tiny import (
+    H,
+    assert_grads_match,
+    padded_batch,
+    perturb_and_export,
+    reweight,
+    tiny_torch_model,  # noqa: E402
+    torch_hidden_grads,
+)
 
 import flaxheads as fh  # noqa: E402
 from flaxheads.backbones import hf_flax
+from flaxheads.backbones.base import BackboneError  # noqa: E402
 from flaxheads.backbones.families import bart
 from flaxheads.backbones.families.bart import BartBackbone  # noqa: E402
-from flaxheads.backbones.base import BackboneError  # noqa: E402
 from flaxheads.backbones.registry import load_backbone  # noqa: E402
 from flaxheads.backbones.weights import read_state_dict  # noqa: E402
-from hf_tiny import (H, assert_grads_match, padded_batch, reweight, tiny_torch_model,  # noqa: E402
-                     torch_hidden_grads, perturb_and_export)
 
 
 def _save(path, **over):
@@ -46,8 +54,14 @@ def test_hidden_states_and_logits_match_pytorch(tiny, side):
     assert isinstance(model.backbone, BartBackbone) and model.arch == "bart" and model.report.new == []
     ids, mask = padded_batch("bart", tm.config, side=side)
     ref_enc, ref_dec = _torch_hidden(tm, ids, mask)
-    enc = bart.encode(model.params["backbone"], ids, mask, settings=model.backbone.settings,
-                      plan=model.backbone.plan, return_encoder=True)
+    enc = bart.encode(
+        model.params["backbone"],
+        ids,
+        mask,
+        settings=model.backbone.settings,
+        plan=model.backbone.plan,
+        return_encoder=True,
+    )
     np.testing.assert_allclose(np.asarray(enc), ref_enc, atol=1e-4, rtol=0)
     np.testing.assert_allclose(np.asarray(model.backbone(ids, mask)[0]), ref_dec, atol=1e-4, rtol=0)
     with torch.no_grad():
@@ -117,12 +131,24 @@ def test_dropout_acts_where_pytorch_does(case, tmp_path):
     pt = _torch_hidden(tm, rep_ids, rep_mask)
     tm.eval()
     key = jax.random.PRNGKey(0)
-    fx = (bart.encode(ours.params, rep_ids, rep_mask, settings=ours.settings, plan=ours.plan, train=True, rng=key,
-                      return_encoder=True),
-          ours.encode(ours.params, rep_ids, rep_mask, train=True, rng=key))
+    fx = (
+        bart.encode(
+            ours.params,
+            rep_ids,
+            rep_mask,
+            settings=ours.settings,
+            plan=ours.plan,
+            train=True,
+            rng=key,
+            return_encoder=True,
+        ),
+        ours.encode(ours.params, rep_ids, rep_mask, train=True, rng=key),
+    )
     valid = rep_mask.astype(bool)
     for name, r, a, b in zip(("encoder", "decoder"), ref, pt, fx):
-        spread_pt, spread_fx = (float(((np.asarray(o) - np.tile(r, (copies, 1, 1))) ** 2)[valid].mean()) for o in (a, b))
+        spread_pt, spread_fx = (
+            float(((np.asarray(o) - np.tile(r, (copies, 1, 1))) ** 2)[valid].mean()) for o in (a, b)
+        )
         assert spread_pt > 1e-5, (name, spread_pt)  # this dropout really acts in PyTorch
         assert abs(spread_fx / spread_pt - 1) < 0.12, (name, spread_fx, spread_pt)
 
@@ -166,8 +192,9 @@ def test_bfloat16_close_to_float32(tiny):
     assert bf.backbone(ids, mask)[0].dtype == jnp.bfloat16
     assert all(x.dtype == jnp.float32 for x in jax.tree_util.tree_leaves(bf.params))
     # logits of size ~0.3 moved ~2e-3 by bfloat16 activations (8-bit mantissa) when measured
-    np.testing.assert_allclose(np.asarray(bf.apply(bf.params, ids, mask)), np.asarray(f32.apply(f32.params, ids, mask)),
-                               atol=1e-2, rtol=0)
+    np.testing.assert_allclose(
+        np.asarray(bf.apply(bf.params, ids, mask)), np.asarray(f32.apply(f32.params, ids, mask)), atol=1e-2, rtol=0
+    )
 
 
 def test_remat_same_gradients(tiny):
@@ -195,8 +222,12 @@ def test_old_checkpoints_with_tied_copies_load(tiny):
     path, tm = tiny
     state = read_state_dict(path)
     table = state["model.shared.weight"]
-    old = {**state, "model.encoder.embed_tokens.weight": table, "model.decoder.embed_tokens.weight": table,
-           "model.encoder.version": np.array([2.0], np.float32)}
+    old = {
+        **state,
+        "model.encoder.embed_tokens.weight": table,
+        "model.decoder.embed_tokens.weight": table,
+        "model.encoder.version": np.array([2.0], np.float32),
+    }
     old.pop("model.shared.weight")
     ours = BartBackbone.from_state(load_backbone(path).config, old)
     ids, mask = padded_batch("bart", tm.config)
@@ -205,14 +236,17 @@ def test_old_checkpoints_with_tied_copies_load(tiny):
         BartBackbone.from_state(ours.config, {**old, "model.decoder.embed_tokens.weight": table + 1.0})
 
 
-@pytest.mark.parametrize("over, match", [
-    (dict(tie_word_embeddings=False), "tie_word_embeddings"),
-    (dict(normalize_before=True), "normalize_before"),
-    (dict(add_final_layer_norm=True), "add_final_layer_norm"),
-    (dict(activation_function="nope"), "unknown activation"),
-    (dict(decoder_attention_heads=5), "not divisible"),
-    (dict(model_type="mbart"), "model_type"),
-])
+@pytest.mark.parametrize(
+    "over, match",
+    [
+        (dict(tie_word_embeddings=False), "tie_word_embeddings"),
+        (dict(normalize_before=True), "normalize_before"),
+        (dict(add_final_layer_norm=True), "add_final_layer_norm"),
+        (dict(activation_function="nope"), "unknown activation"),
+        (dict(decoder_attention_heads=5), "not divisible"),
+        (dict(model_type="mbart"), "model_type"),
+    ],
+)
 def test_refused_configs(tiny, over, match):
     path, _ = tiny
     cfg = load_backbone(path).config.replace(**over)
@@ -242,5 +276,6 @@ def test_params_tree_is_hf_flax_bart(tiny):
     shapes = jax.tree.map(lambda x: x.shape, BartBackbone.param_shapes(ours.config))
     assert shapes == jax.tree.map(np.shape, ours.params)
     ids, mask = padded_batch("bart", tm.config)
-    np.testing.assert_allclose(np.asarray(ours(ids, mask)[0]), np.asarray(hf(ids, mask, params=ours.params)[0]),
-                               atol=1e-4, rtol=0)
+    np.testing.assert_allclose(
+        np.asarray(ours(ids, mask)[0]), np.asarray(hf(ids, mask, params=ours.params)[0]), atol=1e-4, rtol=0
+    )

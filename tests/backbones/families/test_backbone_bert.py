@@ -1,19 +1,19 @@
 """flaxheads' own BERT encoder against HF's FlaxBertModel and PyTorch BertModel (nobody here wrote those)."""
-from __future__ import annotations
 
-import numpy as np
-import pytest
+from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
 import flaxheads as fh
-from flaxheads.runtime import ComputePlan
-from flaxheads.runtime.xla_flags import CPU_FLAGS
 from flaxheads.backbones import hf_flax
 from flaxheads.backbones.families.bert import BertBackbone, encode
-from flaxheads.layers.attention import attention_chunks
 from flaxheads.backbones.registry import load_backbone
+from flaxheads.layers.attention import attention_chunks
+from flaxheads.runtime import ComputePlan
+from flaxheads.runtime.xla_flags import CPU_FLAGS
 from tests.hf_tiny import padded_batch
 
 
@@ -46,8 +46,9 @@ def test_forward_matches_hf_flax_and_pytorch(tiny_bert):
     ours = np.asarray(fast(jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(tt))[0])
     ref_flax = np.asarray(hf(jnp.asarray(ids), jnp.asarray(mask), jnp.asarray(tt))[0])
     with torch.no_grad():
-        ref_pt = tm.bert(torch.tensor(ids), attention_mask=torch.tensor(mask),
-                         token_type_ids=torch.tensor(tt)).last_hidden_state.numpy()
+        ref_pt = tm.bert(
+            torch.tensor(ids), attention_mask=torch.tensor(mask), token_type_ids=torch.tensor(tt)
+        ).last_hidden_state.numpy()
     valid = mask.astype(bool)  # padded positions are free in every implementation; compare the real tokens
     np.testing.assert_allclose(ours[valid], ref_flax[valid], atol=1e-5, rtol=0)
     np.testing.assert_allclose(ours[valid], ref_pt[valid], atol=1e-5, rtol=0)
@@ -79,8 +80,9 @@ def test_chunks_do_not_change_the_result(tiny_bert, chunks):
     ids, mask = padded_batch("bert", tm.config)
     # jitted here and below: eagerly each operation compiles on its own (~80 programs a call)
     a = jax.jit(lambda p: encode(p, ids, mask, config=hf.config, plan=hf.plan.replace(attention_chunks=1)))(params)
-    b = jax.jit(lambda p: encode(p, ids, mask, config=hf.config, plan=hf.plan.replace(attention_chunks=chunks),
-                                 ffn_chunks=3))(params)
+    b = jax.jit(
+        lambda p: encode(p, ids, mask, config=hf.config, plan=hf.plan.replace(attention_chunks=chunks), ffn_chunks=3)
+    )(params)
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=0)
 
 
@@ -105,7 +107,8 @@ def test_chunked_attention_gradients_equal_unchunked(tiny_bert):
 def test_cpu_attention_equals_textbook_attention(rate):
     """The CPU arrangement (bias inside the matmul, normalisation after ``P @ V``, dropout on the
     unnormalised weights) equals softmax(q k^T + bias) -> dropout -> @ v, values and gradients."""
-    from flaxheads.layers.attention import attend_cpu as _attend, attend_plain as _attend_plain
+    from flaxheads.layers.attention import attend_cpu as _attend
+    from flaxheads.layers.attention import attend_plain as _attend_plain
 
     ks = jax.random.split(jax.random.PRNGKey(0), 4)
     q, k, v = (jax.random.normal(ks[i], (2, 7, 3, 4)) for i in range(3))
@@ -189,14 +192,17 @@ def test_layer_norm_and_gelu_equal_references(xla_flags):
     ref = lambda x, s, b: nn.LayerNorm(epsilon=1e-12).apply({"params": {"scale": s, "bias": b}}, x)
     ours = lambda x, s, b: layer_norm(x, s, b, 1e-12, plan.layer_norm_products)
     np.testing.assert_allclose(ours(x, scale, bias), ref(x, scale, bias), atol=2e-6)
-    tl = torch.nn.functional.layer_norm(torch.tensor(np.asarray(x)), (32,), torch.tensor(np.asarray(scale)),
-                                        torch.tensor(np.asarray(bias)), eps=1e-12)
+    tl = torch.nn.functional.layer_norm(
+        torch.tensor(np.asarray(x)), (32,), torch.tensor(np.asarray(scale)), torch.tensor(np.asarray(bias)), eps=1e-12
+    )
     np.testing.assert_allclose(ours(x, scale, bias), tl.numpy(), atol=2e-6)
     lx = ours(x.astype(jnp.bfloat16), scale, bias)  # normalised in float32, rounded once
     assert lx.dtype == jnp.bfloat16
-    np.testing.assert_allclose(np.asarray(lx, np.float32), np.asarray(ref(x.astype(jnp.bfloat16).astype(jnp.float32),
-                                                                          scale, bias).astype(jnp.bfloat16), np.float32),
-                               atol=0.02)
+    np.testing.assert_allclose(
+        np.asarray(lx, np.float32),
+        np.asarray(ref(x.astype(jnp.bfloat16).astype(jnp.float32), scale, bias).astype(jnp.bfloat16), np.float32),
+        atol=0.02,
+    )
     products = "dot_general" in jax.jit(ours).lower(x, scale, bias).as_text()
     assert products is bool(xla_flags)  # the statistics as products only where the flags say so
     assert "dot_general" not in jax.jit(jax.grad(lambda *a: jnp.sum(ours(*a) * w))).lower(x, scale, bias).as_text()
@@ -214,14 +220,15 @@ def test_layer_norm_and_gelu_equal_references(xla_flags):
 def test_dropout_masks_are_unbiased_and_independent():
     """The counter-hash dropout bits: right keep rate, inverted scaling, no correlation between
     neighbours or keys, every bit fair, a pure function of the key."""
-    from flaxheads.layers.dropout import dropout as _dropout, random_bits as _random_bits
+    from flaxheads.layers.dropout import dropout as _dropout
+    from flaxheads.layers.dropout import random_bits as _random_bits
 
     bits = np.asarray(_random_bits(jax.random.PRNGKey(0), (512, 1024)), np.uint64)
-    u = bits / 2.0 ** 32
+    u = bits / 2.0**32
     assert abs(u.mean() - 0.5) < 3e-3 and abs(u.var() - 1 / 12) < 1e-3
     assert abs(np.corrcoef(u[:, :-1].ravel(), u[:, 1:].ravel())[0, 1]) < 5e-3  # neighbours in a row
     assert abs(np.corrcoef(u[:-1].ravel(), u[1:].ravel())[0, 1]) < 5e-3  # neighbours across rows
-    other = np.asarray(_random_bits(jax.random.PRNGKey(1), (512, 1024))) / 2.0 ** 32
+    other = np.asarray(_random_bits(jax.random.PRNGKey(1), (512, 1024))) / 2.0**32
     assert abs(np.corrcoef(u.ravel(), other.ravel())[0, 1]) < 5e-3
     for b in range(32):
         assert abs(((bits >> b) & 1).mean() - 0.5) < 3e-3, f"bit {b} is biased"
@@ -245,9 +252,11 @@ def test_remat_same_gradients(tiny_bert):
 
     def grad_fn(remat):
         def f(p):
-            h = encode(p, ids, mask, config=hf.config, plan=hf.plan, train=True, dropout_rng=jax.random.PRNGKey(3),
-                       remat=remat)
+            h = encode(
+                p, ids, mask, config=hf.config, plan=hf.plan, train=True, dropout_rng=jax.random.PRNGKey(3), remat=remat
+            )
             return jnp.sum(h * w)
+
         return jax.jit(jax.grad(f))
 
     plain, ckpt = grad_fn(False), grad_fn(True)
@@ -296,8 +305,9 @@ def test_gradients_match_hf_flax(tiny_bert):
     leaves = jax.tree_util.tree_leaves_with_path(g_ours)
     assert len(leaves) == len(flat_ref)
     for path_, g in leaves:
-        np.testing.assert_allclose(np.asarray(g), np.asarray(flat_ref[path_]), atol=2e-5, rtol=1e-4,
-                                   err_msg=jax.tree_util.keystr(path_))
+        np.testing.assert_allclose(
+            np.asarray(g), np.asarray(flat_ref[path_]), atol=2e-5, rtol=1e-4, err_msg=jax.tree_util.keystr(path_)
+        )
 
 
 def test_dropout_needs_rng_and_is_active_in_training(tiny_bert):
@@ -336,8 +346,9 @@ def test_native_forward_matches_pytorch(tiny_bert, xla_flags):
     tt[:, 4:] = 1
     ours = np.asarray(_native(path, plan)(jnp.asarray(ids), jnp.asarray(mask), token_type_ids=jnp.asarray(tt))[0])
     with torch.no_grad():
-        ref = tm.bert(torch.tensor(ids), attention_mask=torch.tensor(mask),
-                      token_type_ids=torch.tensor(tt)).last_hidden_state.numpy()
+        ref = tm.bert(
+            torch.tensor(ids), attention_mask=torch.tensor(mask), token_type_ids=torch.tensor(tt)
+        ).last_hidden_state.numpy()
     valid = mask.astype(bool)
     np.testing.assert_allclose(ours[valid], ref[valid], atol=1e-5, rtol=0)
 

@@ -7,6 +7,7 @@ the shared query/key projections, LayerNorm'd relative table, no absolute positi
 positions), the convolution after the first layer, c2p only, p2c only, no relative attention, and
 token types with an ``embed_proj``. The padded batch has rows of 9, 6 and 3 tokens: distances
 up to 8 pass the bucket edge (4) and the clipping (5, 6) of the variants that have them."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,21 +19,39 @@ torch = pytest.importorskip("torch")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from hf_tiny import (
+    DROPOUT_SITES,
+    P,
+    check_bf16_and_remat,
+    check_dropout_site,  # noqa: E402
+    check_export,
+    check_gradients,
+    check_hidden_states,
+    check_logits,
+    check_train_needs_key,
+    edited_copy,
+    padded_batch,
+    reweight,
+    save_tiny,
+)
 
 import flaxheads as fh  # noqa: E402
-from flaxheads.backbones.families import deberta
 from flaxheads.backbones.base import BackboneError, HFConfig  # noqa: E402
+from flaxheads.backbones.families import deberta
 from flaxheads.backbones.families.deberta import DebertaV2Backbone  # noqa: E402
 from flaxheads.backbones.registry import load_backbone  # noqa: E402
 from flaxheads.backbones.weights import read_state_dict  # noqa: E402
 from flaxheads.layers.positions import diagonals_to_keys  # noqa: E402
-from hf_tiny import (DROPOUT_SITES, P, check_bf16_and_remat, check_dropout_site,  # noqa: E402
-                     check_export, check_gradients, check_hidden_states, check_logits, check_train_needs_key,
-                     edited_copy, padded_batch, reweight, save_tiny)
 
 ARCH = "deberta-v2"
-V3 = dict(relative_attention=True, position_buckets=8, pos_att_type=["p2c", "c2p"], share_att_key=True,
-          norm_rel_ebd="layer_norm", position_biased_input=False)
+V3 = dict(
+    relative_attention=True,
+    position_buckets=8,
+    pos_att_type=["p2c", "c2p"],
+    share_att_key=True,
+    norm_rel_ebd="layer_norm",
+    position_biased_input=False,
+)
 VARIANTS = {
     "v3": V3,
     "v2": dict(relative_attention=True, pos_att_type=["p2c", "c2p"], share_att_key=False, max_relative_positions=6),
@@ -45,9 +64,14 @@ VARIANTS = {
 }
 #: gradients softmax removes exactly (ours 0, PyTorch rounding noise): the c2p projection bias, and the
 #: key bias where no p2c term reads the keys
-CANCELLED = {name: (lambda k, p2c=("p2c" in (v.get("pos_att_type") or []) and v.get("relative_attention")):
-                    k.endswith("pos_key_proj.bias") or (not p2c and k.endswith("key_proj.bias")))
-             for name, v in VARIANTS.items()}
+CANCELLED = {
+    name: (
+        lambda k, p2c=("p2c" in (v.get("pos_att_type") or []) and v.get("relative_attention")): (
+            k.endswith("pos_key_proj.bias") or (not p2c and k.endswith("key_proj.bias"))
+        )
+    )
+    for name, v in VARIANTS.items()
+}
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +82,11 @@ def tiny(tiny_model):
 
 def _torch_logits(pt, ids, mask, **inputs):
     with torch.no_grad():
-        return pt(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
-                  **{k: torch.tensor(v) for k, v in inputs.items()}).logits.numpy()
+        return pt(
+            input_ids=torch.tensor(ids),
+            attention_mask=torch.tensor(mask),
+            **{k: torch.tensor(v) for k, v in inputs.items()},
+        ).logits.numpy()
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -81,8 +108,9 @@ def test_left_padding_pools_a_pad_row_as_pytorch(tiny, variant):
     with torch.no_grad():
         ref = pt.base_model(torch.tensor(ids), attention_mask=torch.tensor(mask)).last_hidden_state.numpy()
     np.testing.assert_allclose(np.asarray(model.backbone(ids, mask)[0]), ref, atol=1e-4, rtol=0)
-    np.testing.assert_allclose(np.asarray(model.apply(model.params, ids, mask)), _torch_logits(pt, ids, mask),
-                               atol=1e-4, rtol=0)
+    np.testing.assert_allclose(
+        np.asarray(model.apply(model.params, ids, mask)), _torch_logits(pt, ids, mask), atol=1e-4, rtol=0
+    )
 
 
 def test_token_type_and_position_inputs_match_pytorch(tiny):
@@ -115,11 +143,22 @@ def test_relative_tables_are_transformers(buckets, max_rel, t):
     ``c2p_pos[i, j]`` and ``p2c_pos[j, i]`` from transformers' ``build_relative_position`` (float32 log buckets)."""
     from transformers.models.deberta_v2.modeling_deberta_v2 import build_relative_position
 
-    cfg = HFConfig(dict(hidden_size=8, num_attention_heads=2, num_hidden_layers=1,
-                                          layer_norm_eps=1e-7, hidden_act="gelu", hidden_dropout_prob=0.0,
-                                          attention_probs_dropout_prob=0.0, max_position_embeddings=max_rel,
-                                          type_vocab_size=0, relative_attention=True, position_buckets=buckets,
-                                          pos_att_type=["c2p", "p2c"]))
+    cfg = HFConfig(
+        dict(
+            hidden_size=8,
+            num_attention_heads=2,
+            num_hidden_layers=1,
+            layer_norm_eps=1e-7,
+            hidden_act="gelu",
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            max_position_embeddings=max_rel,
+            type_vocab_size=0,
+            relative_attention=True,
+            position_buckets=buckets,
+            pos_att_type=["c2p", "p2c"],
+        )
+    )
     s = deberta.Settings.from_config(cfg)
     x = torch.zeros(1, t, 1)
     rel = build_relative_position(x, x, bucket_size=buckets, max_position=max_rel)[0].numpy()
@@ -140,15 +179,23 @@ def test_gradients_match_pytorch(tiny, variant):
 def test_dropout_acts_where_pytorch_does(site, tmp_path):
     """One residual branch dominant, the other silenced (absolute-position model): a missing or extra
     dropout site moves the spread ratio 3x or more, the right ones keep it near 1."""
-    check_dropout_site(tmp_path, ARCH, site, attn_out=r"attention\.output\.dense\.",
-                       ffn=r"layer\.\d+\.(intermediate|output)\.dense\.", ffn_out=r"layer\.\d+\.output\.dense\.")
+    check_dropout_site(
+        tmp_path,
+        ARCH,
+        site,
+        attn_out=r"attention\.output\.dense\.",
+        ffn=r"layer\.\d+\.(intermediate|output)\.dense\.",
+        ffn_out=r"layer\.\d+\.output\.dense\.",
+    )
 
 
 #: the dropout sites DeBERTa adds to BERT's: flaxheads' Settings field, the PyTorch module names' ending, and
 #: the weights made large so that the site moves the output (relative scores deciding the attention)
-EXTRA_SITES = {"v2-relative": ("v2", "pos_dropout", "pos_dropout", r"rel_embeddings|(query|key)_proj\.weight"),
-               "v3-relative": ("v3", "pos_dropout", "pos_dropout", r"(query|key)_proj\.weight"),
-               "convolution": ("conv", "conv_dropout", "conv.dropout", r"conv\.conv\.weight")}
+EXTRA_SITES = {
+    "v2-relative": ("v2", "pos_dropout", "pos_dropout", r"rel_embeddings|(query|key)_proj\.weight"),
+    "v3-relative": ("v3", "pos_dropout", "pos_dropout", r"(query|key)_proj\.weight"),
+    "convolution": ("conv", "conv_dropout", "conv.dropout", r"conv\.conv\.weight"),
+}
 
 
 def _mean_spread(run, ref, mask, seeds) -> float:
@@ -164,14 +211,21 @@ def test_relative_table_and_convolution_dropout_match_pytorch(case, tmp_path):
     whole batch, so the spread is averaged over 48 seeds, not over copies of the batch: PyTorch's within
     15% (measured within 6-10% at 24 seeds; a dropout left out makes it 0)."""
     variant, field, module, amplify = EXTRA_SITES[case]
-    path, pt = save_tiny(tmp_path, ARCH, edit=lambda m: reweight(m, zero=r"^$", scale=amplify, factor=6.0),
-                         hidden_dropout_prob=0.3, attention_probs_dropout_prob=0.0, **VARIANTS[variant])
+    path, pt = save_tiny(
+        tmp_path,
+        ARCH,
+        edit=lambda m: reweight(m, zero=r"^$", scale=amplify, factor=6.0),
+        hidden_dropout_prob=0.3,
+        attention_probs_dropout_prob=0.0,
+        **VARIANTS[variant],
+    )
     for name, m in pt.named_modules():
         if isinstance(m, torch.nn.Dropout) and not name.endswith(module):
             m.p = 0.0
     bb = load_backbone(path)
-    bb.settings = dataclasses.replace(bb.settings, **{**dict(hidden_dropout=0.0, pos_dropout=0.0, conv_dropout=0.0),
-                                                      field: 0.3})
+    bb.settings = dataclasses.replace(
+        bb.settings, **{**dict(hidden_dropout=0.0, pos_dropout=0.0, conv_dropout=0.0), field: 0.3}
+    )
     ids, mask = padded_batch(ARCH, pt.config)
     base, tids, tmask = pt.base_model, torch.tensor(ids), torch.tensor(mask)
 
@@ -218,20 +272,24 @@ def test_v3_checkpoint_with_an_unused_position_table_loads(tiny):
     assert "position_embeddings" not in bb.params["embeddings"]
     ids, mask = padded_batch(ARCH, pt.config)
     np.testing.assert_allclose(np.asarray(bb(ids, mask)[0]), np.asarray(load_backbone(path)(ids, mask)[0]), atol=1e-6)
-    assert sorted(bb.state_from_params(bb.params)) == sorted(k[len("deberta."):] for k in read_state_dict(path)
-                                                               if k.startswith("deberta."))
+    assert sorted(bb.state_from_params(bb.params)) == sorted(
+        k[len("deberta.") :] for k in read_state_dict(path) if k.startswith("deberta.")
+    )
 
 
-@pytest.mark.parametrize("change, match", [
-    ({"model_type": "deberta"}, "model_type"),
-    ({"num_attention_heads": 5}, "not divisible"),
-    ({"attention_head_size": 4}, "attention_head_size"),
-    ({"conv_kernel_size": 4}, "even conv_kernel_size"),
-    ({"conv_kernel_size": 3, "conv_groups": 5}, "conv_groups"),
-    ({"conv_kernel_size": 3, "conv_act": "swoosh"}, "swoosh"),
-    ({"hidden_act": "swoosh"}, "swoosh"),
-    ({"position_buckets": 1}, "position_buckets"),
-])
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"model_type": "deberta"}, "model_type"),
+        ({"num_attention_heads": 5}, "not divisible"),
+        ({"attention_head_size": 4}, "attention_head_size"),
+        ({"conv_kernel_size": 4}, "even conv_kernel_size"),
+        ({"conv_kernel_size": 3, "conv_groups": 5}, "conv_groups"),
+        ({"conv_kernel_size": 3, "conv_act": "swoosh"}, "swoosh"),
+        ({"hidden_act": "swoosh"}, "swoosh"),
+        ({"position_buckets": 1}, "position_buckets"),
+    ],
+)
 def test_refused_config_is_a_clear_error(tiny, tmp_path, change, match):
     with pytest.raises(BackboneError, match=match):
         load_backbone(edited_copy(tiny("v3")[0], tmp_path / "bad", **change), implementation="native")

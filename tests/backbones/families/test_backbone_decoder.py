@@ -9,6 +9,7 @@ embeddings only see position differences, so that offset changes nothing but rou
 paddings are compared. The classifier pools the rightmost token that is
 not ``pad_token_id`` (transformers 4.57 and 5 alike: ``argmax(arange(T) * (ids != pad))``; releases
 before 4.48 took the first pad token - 1, which is wrong under left padding)."""
+
 from __future__ import annotations
 
 import json
@@ -22,18 +23,26 @@ transformers = pytest.importorskip("transformers")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from hf_tiny import (
+    DECODERS,
+    check_dropout_spread,
+    check_export,  # noqa: E402
+    check_gradients,
+    check_hidden_states,
+    check_train_needs_key,
+    edited_copy,
+    padded_batch,
+    save_tiny,
+)
 
 import flaxheads as fh  # noqa: E402
 from flaxheads.backbones.base import BackboneError  # noqa: E402
 from flaxheads.backbones.families.decoder import DecoderBackbone, attend_textbook  # noqa: E402
+from flaxheads.backbones.registry import load_backbone  # noqa: E402
+from flaxheads.heads.presets import PoolMaskError  # noqa: E402
 from flaxheads.layers.attention import attend_chunked  # noqa: E402
 from flaxheads.layers.masks import mask_bias  # noqa: E402
-from flaxheads.backbones.registry import load_backbone  # noqa: E402
 from flaxheads.runtime.plan import ComputePlan  # noqa: E402
-from flaxheads.heads.presets import PoolMaskError  # noqa: E402
-from hf_tiny import (DECODERS, check_dropout_spread, check_export,  # noqa: E402
-                     check_gradients, check_hidden_states, check_train_needs_key, edited_copy, padded_batch,
-                     save_tiny)
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
@@ -57,17 +66,22 @@ def _supported(arch: str) -> bool:
 @pytest.fixture(scope="module")
 def tiny(tiny_model):
     """``tiny(arch)`` -> ``(folder, PyTorch model)``."""
+
     def get(arch):
         if not _supported(arch):
             pytest.skip(f"this transformers has no sequence classifier for {arch}")
         return tiny_model(arch, **OVERRIDES.get(arch, {}))
+
     return get
 
 
 def _torch_logits(pt, ids, mask, **inputs):
     with torch.no_grad():
-        return pt(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
-                  **{k: torch.tensor(v) for k, v in inputs.items()}).logits.numpy()
+        return pt(
+            input_ids=torch.tensor(ids),
+            attention_mask=torch.tensor(mask),
+            **{k: torch.tensor(v) for k, v in inputs.items()},
+        ).logits.numpy()
 
 
 @pytest.mark.parametrize("side", ["right", "left"])
@@ -151,7 +165,8 @@ def test_bf16_logits_and_remat_gradients(tiny, arch):
         return jax.jit(jax.grad(lambda p: jnp.sum(bb.encode(p, ids, mask) * w)))
 
     assert "checkpoint" in str(jax.make_jaxpr(grads(remat))(remat.params)) or "remat" in str(
-        jax.make_jaxpr(grads(remat))(remat.params))
+        jax.make_jaxpr(grads(remat))(remat.params)
+    )
     plain = jax.tree.leaves(grads(f32.backbone)(f32.backbone.params))
     for a, b in zip(plain, jax.tree.leaves(grads(remat)(remat.params))):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5 * float(np.abs(a).max()), rtol=0)
@@ -180,9 +195,14 @@ def test_textbook_attention_equals_shared_attention(softcap):
     ours = np.asarray(attend_textbook(q, k, v, jnp.asarray(keep), scaling=0.3, softcap=softcap, rate=0.0, rng=None))
     valid = mask.astype(bool)
     if softcap is None:
-        shared = attend_chunked(q * 0.3, jnp.repeat(k, 2, axis=2), jnp.repeat(v, 2, axis=2),
-                                mask_bias(jnp.asarray(mask), jnp.float32), plan=ComputePlan.for_host(),
-                                causal=True)
+        shared = attend_chunked(
+            q * 0.3,
+            jnp.repeat(k, 2, axis=2),
+            jnp.repeat(v, 2, axis=2),
+            mask_bias(jnp.asarray(mask), jnp.float32),
+            plan=ComputePlan.for_host(),
+            causal=True,
+        )
         np.testing.assert_allclose(ours[valid], np.asarray(shared)[valid], atol=1e-5)
         return
     kr, vr = np.repeat(np.asarray(k), 2, axis=2), np.repeat(np.asarray(v), 2, axis=2)
@@ -192,13 +212,23 @@ def test_textbook_attention_equals_shared_attention(softcap):
     np.testing.assert_allclose(ours[valid], ref[valid], atol=1e-5)
 
 
-@pytest.mark.parametrize("rope", [
-    {"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0},
-    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-     "original_max_position_embeddings": 16, "rope_theta": 500.0},
-    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 500.0},
-    {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 500.0},
-], ids=lambda r: r["rope_type"])
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+            "rope_theta": 500.0,
+        },
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 500.0},
+        {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 500.0},
+    ],
+    ids=lambda r: r["rope_type"],
+)
 def test_rope_scaling_types_match_pytorch(tmp_path, rope):
     """RoPE scaling (small base, so the scaled frequencies matter within 9 positions); ``dynamic``
     equals ``default`` up to ``max_position_embeddings`` and is refused past it."""
@@ -271,14 +301,19 @@ def test_missing_pad_token_is_a_clear_error(tiny, tmp_path):
         fh.from_pretrained(edited_copy(path, tmp_path / "nopad", pad_token_id=None))
 
 
-@pytest.mark.parametrize("change,match", [
-    ({"num_key_value_heads": 3}, "not a multiple"),
-    ({"use_bidirectional_attention": True}, "bidirectional"),
-    ({"hidden_act": "swoosh"}, "swoosh"),
-    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "longrope"),
-    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
-     "partial_rotary_factor"),
-])
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ({"num_key_value_heads": 3}, "not a multiple"),
+        ({"use_bidirectional_attention": True}, "bidirectional"),
+        ({"hidden_act": "swoosh"}, "swoosh"),
+        ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "longrope"),
+        (
+            {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+            "partial_rotary_factor",
+        ),
+    ],
+)
 def test_refused_config_is_a_clear_error(tiny, tmp_path, change, match):
     with pytest.raises(BackboneError, match=match):
         load_backbone(edited_copy(tiny("llama")[0], tmp_path / "bad", **change), implementation="native")

@@ -1,6 +1,7 @@
 """The native DistilBERT backbone against PyTorch transformers on the same tiny random weights:
 hidden states, logits, gradients, dropout (none after the attention output), export, bf16, remat,
 and fixed sinusoidal position embeddings."""
+
 from __future__ import annotations
 
 import inspect
@@ -10,13 +11,28 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from hf_tiny import (
+    DROPOUT_SITES,
+    H,
+    check_bf16_and_remat,
+    check_dropout_site,
+    check_export,
+    check_gradients,  # noqa: E402
+    check_hf_flax_tree,
+    check_hidden_states,
+    check_keep_rate,
+    check_logits,
+    check_train_needs_key,
+    edited_copy,
+    padded_batch,
+    restore_sinusoidal_positions,
+    save_tiny,
+)
+
 from flaxheads.backbones import hf_flax  # noqa: E402
 from flaxheads.backbones.base import BackboneError  # noqa: E402
 from flaxheads.backbones.families.distilbert import DistilBertBackbone  # noqa: E402
 from flaxheads.backbones.registry import load_backbone  # noqa: E402
-from hf_tiny import (DROPOUT_SITES, check_dropout_site, H, check_bf16_and_remat, check_export, check_gradients,  # noqa: E402
-                     check_hf_flax_tree, check_hidden_states, check_keep_rate, check_logits,
-                     check_train_needs_key, edited_copy, padded_batch, restore_sinusoidal_positions, save_tiny)
 
 ATTN_OUT = r"attention\.out_lin\."
 FFN = r"ffn\.lin[12]\."
@@ -32,8 +48,12 @@ def distilbert(tiny_model):
 
 @pytest.fixture(scope="module")
 def sinusoidal(tmp_path_factory):  # its own: transformers' table written over the perturbed positions
-    return save_tiny(tmp_path_factory.mktemp("sinusoidal"), "distilbert", edit=restore_sinusoidal_positions,
-                     sinusoidal_pos_embds=True)
+    return save_tiny(
+        tmp_path_factory.mktemp("sinusoidal"),
+        "distilbert",
+        edit=restore_sinusoidal_positions,
+        sinusoidal_pos_embds=True,
+    )
 
 
 def test_hidden_states_match_pytorch(distilbert):
@@ -63,7 +83,16 @@ def test_embedding_dropout_keep_rate(tmp_path):
 def test_dropout_acts_where_pytorch_does(site, tmp_path):
     """One residual branch dominant, the other silenced. DistilBERT has no dropout after the
     attention output projection: adding one there (as BERT has) moves the ratio ~3x (measured)."""
-    check_dropout_site(tmp_path, "distilbert", site, attn_out=ATTN_OUT, ffn=FFN, ffn_out=FFN_OUT, hidden_rate="dropout", attn_rate="attention_dropout")
+    check_dropout_site(
+        tmp_path,
+        "distilbert",
+        site,
+        attn_out=ATTN_OUT,
+        ffn=FFN,
+        ffn_out=FFN_OUT,
+        hidden_rate="dropout",
+        attn_rate="attention_dropout",
+    )
 
 
 def test_train_needs_a_dropout_key(distilbert):
@@ -84,10 +113,10 @@ def test_sinusoidal_positions_are_a_fixed_table(sinusoidal, tmp_path):
     path, pt = sinusoidal
     bb = check_hidden_states(path, pt, "distilbert")
     assert "position_embeddings" not in bb.params["embeddings"]
-    check_gradients(path, pt, "distilbert", softmax_cancelled=lambda k: "attention.k_lin.bias" in k,
-                    skip=(POSITIONS,))
-    np.testing.assert_allclose(bb.state_from_params(bb.params)[POSITIONS],
-                               pt.state_dict()[f"distilbert.{POSITIONS}"].numpy(), atol=1e-6)
+    check_gradients(path, pt, "distilbert", softmax_cancelled=lambda k: "attention.k_lin.bias" in k, skip=(POSITIONS,))
+    np.testing.assert_allclose(
+        bb.state_from_params(bb.params)[POSITIONS], pt.state_dict()[f"distilbert.{POSITIONS}"].numpy(), atol=1e-6
+    )
     check_export(path, pt, "distilbert", tmp_path / "out")
 
 
@@ -103,8 +132,10 @@ def test_params_tree_is_hf_flax(fixture, request):
     check_hf_flax_tree(load_backbone(request.getfixturevalue(fixture)[0]), "FlaxDistilBertModel")
 
 
-@pytest.mark.parametrize("change,match", [({"n_heads": 5}, "n_heads"), ({"activation": "no_such_act"}, "no_such_act"),
-                                          ({"hidden_size": 48}, "hidden_size")])
+@pytest.mark.parametrize(
+    "change,match",
+    [({"n_heads": 5}, "n_heads"), ({"activation": "no_such_act"}, "no_such_act"), ({"hidden_size": 48}, "hidden_size")],
+)
 def test_unsupported_configs_are_refused(distilbert, tmp_path, change, match):
     with pytest.raises(BackboneError, match=match):
         load_backbone(edited_copy(distilbert[0], tmp_path / "m", **change), implementation="native")

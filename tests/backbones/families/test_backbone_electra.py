@@ -1,5 +1,6 @@
 """The native ELECTRA backbone against PyTorch transformers on the same tiny random weights:
 hidden states (with and without ``embeddings_project``), logits, gradients, dropout, export, bf16, remat."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -8,14 +9,28 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import jax  # noqa: E402
+from hf_tiny import (
+    DROPOUT_SITES,
+    H,
+    check_bf16_and_remat,
+    check_dropout_site,
+    check_dropout_spread,  # noqa: E402
+    check_export,
+    check_gradients,
+    check_hf_flax_tree,
+    check_hidden_states,
+    check_keep_rate,
+    check_logits,
+    check_train_needs_key,
+    edited_copy,
+    padded_batch,
+    save_tiny,
+)
 
 from flaxheads.backbones import hf_flax  # noqa: E402
 from flaxheads.backbones.base import BackboneError  # noqa: E402
 from flaxheads.backbones.families.electra import ElectraBackbone  # noqa: E402
 from flaxheads.backbones.registry import load_backbone  # noqa: E402
-from hf_tiny import (DROPOUT_SITES, check_dropout_site, H, check_bf16_and_remat, check_dropout_spread,  # noqa: E402
-                     check_export, check_gradients, check_hf_flax_tree, check_hidden_states, check_keep_rate,
-                     check_logits, check_train_needs_key, edited_copy, padded_batch, save_tiny)
 
 ATTN_OUT = r"attention\.output\.dense\."
 FFN = r"layer\.\d+\.(intermediate|output)\.dense\."
@@ -86,9 +101,14 @@ def test_bfloat16_and_remat(electra):
     check_bf16_and_remat(*electra, "electra", atol=0.05)
 
 
-@pytest.mark.parametrize("change,match", [({"position_embedding_type": "relative_key_query"}, "relative_key_query"),
-                                          ({"add_cross_attention": True}, "cross-attention"),
-                                          ({"hidden_act": "no_such_act"}, "no_such_act")])
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ({"position_embedding_type": "relative_key_query"}, "relative_key_query"),
+        ({"add_cross_attention": True}, "cross-attention"),
+        ({"hidden_act": "no_such_act"}, "no_such_act"),
+    ],
+)
 def test_unsupported_configs_are_refused(electra, tmp_path, change, match):
     with pytest.raises(BackboneError, match=match):
         load_backbone(edited_copy(electra[0], tmp_path / "m", **change), implementation="native")

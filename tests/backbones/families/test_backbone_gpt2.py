@@ -5,6 +5,7 @@ Padding: given no ``position_ids``, transformers 4.57 and 5.x both number positi
 whatever the attention mask says (``cache_position`` / ``arange``), so a left-padded text sits at
 other positions than the same text right-padded, and gets other hidden states and logits. Each
 test compares with the PyTorch model of the stack it runs on; both stacks agree."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -14,15 +15,27 @@ torch = pytest.importorskip("torch")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from hf_tiny import (
+    check_bf16_and_remat,
+    check_export,
+    check_gradients,
+    check_hf_flax_tree,  # noqa: E402
+    check_hidden_states,
+    check_logits,
+    check_train_needs_key,
+    dropout_spread_flax,
+    dropout_spread_torch,
+    edited_copy,
+    padded_batch,
+    save_tiny,
+    scale_matrices,
+)
 
 import flaxheads as fh  # noqa: E402
 from flaxheads.backbones import hf_flax  # noqa: E402
 from flaxheads.backbones.base import BackboneError  # noqa: E402
 from flaxheads.backbones.families.gpt2 import GPT2Backbone  # noqa: E402
 from flaxheads.backbones.registry import load_backbone  # noqa: E402
-from hf_tiny import (check_bf16_and_remat, check_export, check_gradients, check_hf_flax_tree,  # noqa: E402
-                     check_hidden_states, check_logits, check_train_needs_key, dropout_spread_flax,
-                     dropout_spread_torch, edited_copy, padded_batch, save_tiny, scale_matrices)
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +91,10 @@ def test_causal_attention_both_arrangements(rate):
     out = {f.__name__: f(q, k, v, bias, rate, rng, True) for f in (attend_cpu, attend_plain)}
     np.testing.assert_allclose(out["attend_cpu"], out["attend_plain"], atol=1e-6, rtol=1e-6)
     w = jax.random.normal(ks[3], q.shape)
-    g = [jax.grad(lambda *a: jnp.sum(f(*a, bias, rate, rng, True) * w), argnums=(0, 1, 2))(q, k, v)
-         for f in (attend_cpu, attend_plain)]
+    g = [
+        jax.grad(lambda *a: jnp.sum(f(*a, bias, rate, rng, True) * w), argnums=(0, 1, 2))(q, k, v)
+        for f in (attend_cpu, attend_plain)
+    ]
     for a, b in zip(*g):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
     if rate:
@@ -98,10 +113,15 @@ def test_gradients_match_torch_autograd(tiny):
     check_gradients(*tiny, "gpt2", softmax_cancelled=lambda k: False)
 
 
-@pytest.mark.parametrize("rates", [dict(embd_pdrop=0.1, resid_pdrop=0.0, attn_pdrop=0.0),
-                                   dict(embd_pdrop=0.0, resid_pdrop=0.1, attn_pdrop=0.0),
-                                   dict(embd_pdrop=0.0, resid_pdrop=0.0, attn_pdrop=0.1)],
-                         ids=["embeddings", "residual", "attention"])
+@pytest.mark.parametrize(
+    "rates",
+    [
+        dict(embd_pdrop=0.1, resid_pdrop=0.0, attn_pdrop=0.0),
+        dict(embd_pdrop=0.0, resid_pdrop=0.1, attn_pdrop=0.0),
+        dict(embd_pdrop=0.0, resid_pdrop=0.0, attn_pdrop=0.1),
+    ],
+    ids=["embeddings", "residual", "attention"],
+)
 def test_dropout_matches_pytorch_statistically(rates, tmp_path):
     """Train-mode spread around the eval output, averaged over 32 copies of a 16 x 16 batch, one
     dropout kind at a time: PyTorch's within 8% (measured within 2%). With the matrices scaled up
@@ -128,9 +148,14 @@ def test_bf16_logits_and_remat_gradients(tiny):
     check_bf16_and_remat(*tiny, "gpt2", atol=0.05)  # measured: 0.005 off, on logits up to 0.7
 
 
-@pytest.mark.parametrize("change,match", [({"add_cross_attention": True}, "add_cross_attention"),
-                                          ({"n_head": 5}, "not divisible"),
-                                          ({"activation_function": "swoosh"}, "swoosh")])
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ({"add_cross_attention": True}, "add_cross_attention"),
+        ({"n_head": 5}, "not divisible"),
+        ({"activation_function": "swoosh"}, "swoosh"),
+    ],
+)
 def test_refused_config_is_a_clear_error(tiny, tmp_path, change, match):
     with pytest.raises(BackboneError, match=match):
         load_backbone(edited_copy(tiny[0], tmp_path / "bad", **change), implementation="native")
@@ -141,7 +166,11 @@ def test_config_aliases(tiny):
     bb = load_backbone(tiny[0], implementation="native")
     c = bb.config
     assert (c.hidden_size, c.num_attention_heads, c.num_hidden_layers, c.max_position_embeddings) == (
-        c.n_embd, c.n_head, c.n_layer, c.n_positions) and bb.hidden_size == 32
+        c.n_embd,
+        c.n_head,
+        c.n_layer,
+        c.n_positions,
+    ) and bb.hidden_size == 32
 
 
 @pytest.mark.skipif(not hf_flax.available(), reason="HF's Flax GPT-2 exists only in transformers < 5")
@@ -151,7 +180,8 @@ def test_params_tree_is_hf_flax_gpt2(tiny):
     ours = load_backbone(tiny[0], implementation="native")
     check_hf_flax_tree(ours, "FlaxGPT2Model")
     theirs = load_backbone(tiny[0], implementation="hf_flax").params
-    for (k, a), (k2, b) in zip(jax.tree_util.tree_leaves_with_path(ours.params),
-                               jax.tree_util.tree_leaves_with_path(theirs)):
+    for (k, a), (k2, b) in zip(
+        jax.tree_util.tree_leaves_with_path(ours.params), jax.tree_util.tree_leaves_with_path(theirs)
+    ):
         assert k == k2
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(k))

@@ -6,6 +6,7 @@ positions either side), and most batches are 37 tokens long, right-padded to 37 
 tokens, so every layer kind runs, the window cuts, and the blocked sliding-window attention
 (taken above four half-windows) is what runs. PyTorch's padded positions are free (its
 flash-attention path drops them): outputs are compared on the real tokens."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -15,16 +16,28 @@ torch = pytest.importorskip("torch")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from hf_tiny import (
+    V,
+    assert_grads_match,
+    check_bf16_and_remat,
+    check_export,
+    check_logits,  # noqa: E402
+    check_train_needs_key,
+    dropout_spread_flax,
+    dropout_spread_torch,
+    edited_copy,
+    last_hidden,
+    save_tiny,
+    scale_matrices,
+    torch_hidden_grads,
+)
 
 import flaxheads as fh  # noqa: E402
-from flaxheads.backbones.families import modernbert as mb
 from flaxheads.backbones.base import BackboneError  # noqa: E402
+from flaxheads.backbones.families import modernbert as mb
 from flaxheads.backbones.families.modernbert import ModernBertBackbone  # noqa: E402
 from flaxheads.backbones.registry import load_backbone  # noqa: E402
 from flaxheads.runtime.plan import ComputePlan  # noqa: E402
-from hf_tiny import (V, assert_grads_match, check_bf16_and_remat, check_export, check_logits,  # noqa: E402
-                     check_train_needs_key, dropout_spread_flax, dropout_spread_torch, edited_copy, last_hidden,
-                     save_tiny, scale_matrices, torch_hidden_grads)
 
 KINDS = ["full_attention", "sliding_attention", "full_attention"]
 
@@ -32,8 +45,13 @@ KINDS = ["full_attention", "sliding_attention", "full_attention"]
 def pattern(**extra) -> dict:
     """Config overrides for 3 layers (global, local, global) and a window of 8, in both stacks'
     spelling: transformers 5 reads ``layer_types``, 4.x ``global_attn_every_n_layers``."""
-    return {"num_hidden_layers": 3, "layer_types": list(KINDS), "global_attn_every_n_layers": 2,
-            "local_attention": 8, **extra}
+    return {
+        "num_hidden_layers": 3,
+        "layer_types": list(KINDS),
+        "global_attn_every_n_layers": 2,
+        "local_attention": 8,
+        **extra,
+    }
 
 
 def long_batch(t: int = 37, lengths=(37, 25, 9), seed: int = 0):
@@ -46,8 +64,9 @@ def torch_hidden(pt, ids, mask, impl="eager", **inputs):
     pt.config._attn_implementation = impl
     try:
         with torch.no_grad():
-            return pt.model(torch.tensor(ids), attention_mask=torch.tensor(mask),
-                            **{k: torch.tensor(v) for k, v in inputs.items()}).last_hidden_state.numpy()
+            return pt.model(
+                torch.tensor(ids), attention_mask=torch.tensor(mask), **{k: torch.tensor(v) for k, v in inputs.items()}
+            ).last_hidden_state.numpy()
     finally:
         pt.config._attn_implementation = "eager"
 
@@ -82,9 +101,15 @@ def test_window_and_rope_bases_are_read(tiny, tmp_path):
     path, pt = tiny
     ids, mask = long_batch()
     ref = torch_hidden(pt, ids, mask)
-    for change in ({"local_attention": 64},
-                   {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 160000.0},
-                                        "sliding_attention": {"rope_type": "default", "rope_theta": 20.0}}}):
+    for change in (
+        {"local_attention": 64},
+        {
+            "rope_parameters": {
+                "full_attention": {"rope_type": "default", "rope_theta": 160000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 20.0},
+            }
+        },
+    ):
         folder = edited_copy(path, tmp_path / str(len(list(tmp_path.iterdir()))), **change)
         got = np.asarray(load_backbone(folder)(ids, mask)[0])
         assert np.abs(got - ref)[mask.astype(bool)].max() > 2e-3, change
@@ -93,10 +118,19 @@ def test_window_and_rope_bases_are_read(tiny, tmp_path):
 def test_other_rope_bases_and_every_bias_match_pytorch(tmp_path):
     """Own RoPE bases per layer kind, LayerNorm / attention / MLP biases, a 4-token window."""
     thetas = {"full_attention": 1000.0, "sliding_attention": 50.0}
-    path, pt = save_tiny(tmp_path, "modernbert", **pattern(
-        local_attention=4, norm_bias=True, attention_bias=True, mlp_bias=True,
-        rope_parameters={k: {"rope_type": "default", "rope_theta": v} for k, v in thetas.items()},
-        global_rope_theta=thetas["full_attention"], local_rope_theta=thetas["sliding_attention"]))
+    path, pt = save_tiny(
+        tmp_path,
+        "modernbert",
+        **pattern(
+            local_attention=4,
+            norm_bias=True,
+            attention_bias=True,
+            mlp_bias=True,
+            rope_parameters={k: {"rope_type": "default", "rope_theta": v} for k, v in thetas.items()},
+            global_rope_theta=thetas["full_attention"],
+            local_rope_theta=thetas["sliding_attention"],
+        ),
+    )
     bb = load_backbone(path)
     assert dict(bb.settings.thetas) == thetas and bb.settings.window_half == 2
     assert "bias" in bb.params["layers"]["1"]["attn"]["Wqkv"] and "bias" in bb.params["final_norm"]
@@ -120,7 +154,9 @@ def test_transformers_4_config_format(tiny, tmp_path):
         json.dump(cfg, f)
     bb = load_backbone(folder)
     assert bb.settings.kinds == tuple(KINDS) and dict(bb.settings.thetas) == {
-        "full_attention": 160000.0, "sliding_attention": 10000.0}
+        "full_attention": 160000.0,
+        "sliding_attention": 10000.0,
+    }
     ids, mask = long_batch()
     assert_real_tokens_close(last_hidden(bb, ids, mask), torch_hidden(pt, ids, mask), mask)
 
@@ -184,15 +220,16 @@ def test_blocked_sliding_window_equals_dense_and_numpy(half, block):
     seen = keep.any(-1)[:, 0]  # [B, Tq]: the query sees a valid key
 
     def run(impl):
-        return lambda q, k, v: mb.sliding_window_attention(q, k, v, jnp.asarray(valid), half, impl=impl,
-                                                           block=block)
+        return lambda q, k, v: mb.sliding_window_attention(q, k, v, jnp.asarray(valid), half, impl=impl, block=block)
 
     # jitted: eagerly each operation compiles on its own (~60 programs a case)
     dense, blocked = jax.jit(run("dense"))(q, k, v), jax.jit(run("blocked"))(q, k, v)
     np.testing.assert_allclose(np.asarray(blocked)[seen], np.asarray(dense)[seen], atol=1e-6, rtol=1e-6)
     w = jax.random.normal(jax.random.PRNGKey(5), q.shape) * seen[..., None, None]
-    grads = [jax.jit(jax.grad(lambda *a, f=run(i): jnp.sum(f(*a) * w), argnums=(0, 1, 2)))(q, k, v)
-             for i in ("dense", "blocked")]
+    grads = [
+        jax.jit(jax.grad(lambda *a, f=run(i): jnp.sum(f(*a) * w), argnums=(0, 1, 2)))(q, k, v)
+        for i in ("dense", "blocked")
+    ]
     for a, b in zip(*grads):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
     s = np.einsum("bqhd,bkhd->bhqk", q, k)
@@ -210,8 +247,12 @@ def test_blocked_sliding_window_memory_is_linear_in_t():
     def largest(impl):
         f = lambda q, k, v: jnp.sum(mb.sliding_window_attention(q, k, v, valid, 8, impl=impl))
         jaxpr = jax.make_jaxpr(jax.grad(f, argnums=(0, 1, 2)))(q, k, v)
-        sizes = [int(np.prod(var.aval.shape)) for eqn in jaxpr.jaxpr.eqns for var in eqn.outvars
-                 if hasattr(var.aval, "shape")]
+        sizes = [
+            int(np.prod(var.aval.shape))
+            for eqn in jaxpr.jaxpr.eqns
+            for var in eqn.outvars
+            if hasattr(var.aval, "shape")
+        ]
         return max(sizes)
 
     assert largest("dense") >= 2 * 512 * 512
@@ -244,8 +285,11 @@ def test_long_global_attention_in_query_chunks_is_the_same(tiny, monkeypatch):
     np.testing.assert_allclose(np.asarray(bb(ids, mask)[0]), before, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("rates", [dict(embedding_dropout=0.1), dict(attention_dropout=0.1),
-                                   dict(mlp_dropout=0.1)], ids=["embeddings", "attention", "mlp"])
+@pytest.mark.parametrize(
+    "rates",
+    [dict(embedding_dropout=0.1), dict(attention_dropout=0.1), dict(mlp_dropout=0.1)],
+    ids=["embeddings", "attention", "mlp"],
+)
 def test_dropout_matches_pytorch_statistically(rates, tmp_path):
     """Train-mode spread around the eval output over 32 copies of a 16 x 24 batch, one dropout kind
     at a time (``attention_dropout`` acts on the probabilities and after ``Wo``): PyTorch's within 10%."""
@@ -274,8 +318,9 @@ def test_init_params_are_hf_init(tiny):
     std, the output projections' std divided by sqrt(2 * layers), no ``attn_norm`` in layer 0."""
     path, _ = tiny
     bb = load_backbone(path)
-    fresh = ModernBertBackbone.init_params(bb.config.replace(hidden_size=64, intermediate_size=96,
-                                                             num_attention_heads=4), jax.random.PRNGKey(0))
+    fresh = ModernBertBackbone.init_params(
+        bb.config.replace(hidden_size=64, intermediate_size=96, num_attention_heads=4), jax.random.PRNGKey(0)
+    )
     assert "attn_norm" not in fresh["layers"]["0"] and "attn_norm" in fresh["layers"]["1"]
     std = 0.02
     wqkv, wo = (np.asarray(fresh["layers"]["1"]["attn"][n]["kernel"]) for n in ("Wqkv", "Wo"))
@@ -285,15 +330,26 @@ def test_init_params_are_hf_init(tiny):
     assert shapes == jax.tree.map(np.shape, bb.params)
 
 
-@pytest.mark.parametrize("change,match", [
-    ({"num_attention_heads": 5}, "not divisible"),
-    ({"num_attention_heads": 32}, "odd"),
-    ({"hidden_activation": "swoosh"}, "swoosh"),
-    ({"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
-                          "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}, "linear"),
-    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "dynamic"),
-    ({"layer_types": ["full_attention", "chunked_attention", "full_attention"]}, "layer_types"),
-    ({"layer_types": ["full_attention", "full_attention", "sliding_attention"]}, "global_attn_every_n_layers")])
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ({"num_attention_heads": 5}, "not divisible"),
+        ({"num_attention_heads": 32}, "odd"),
+        ({"hidden_activation": "swoosh"}, "swoosh"),
+        (
+            {
+                "rope_parameters": {
+                    "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                }
+            },
+            "linear",
+        ),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "dynamic"),
+        ({"layer_types": ["full_attention", "chunked_attention", "full_attention"]}, "layer_types"),
+        ({"layer_types": ["full_attention", "full_attention", "sliding_attention"]}, "global_attn_every_n_layers"),
+    ],
+)
 def test_refused_config_is_a_clear_error(tiny, tmp_path, change, match):
     folder = edited_copy(tiny[0], tmp_path / "bad", **change)
     if "global_attn" in match:  # both spellings of the pattern, disagreeing

@@ -1,5 +1,6 @@
 """The native RoBERTa-family backbone (roberta, xlm-roberta, camembert) against PyTorch transformers
 on the same tiny random weights: hidden states, logits, gradients, dropout, export, bf16, remat."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -7,13 +8,26 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from hf_tiny import (
+    DROPOUT_SITES,
+    check_bf16_and_remat,
+    check_dropout_site,
+    check_export,
+    check_gradients,  # noqa: E402
+    check_hf_flax_tree,
+    check_hidden_states,
+    check_keep_rate,
+    check_logits,
+    check_train_needs_key,
+    edited_copy,
+    padded_batch,
+    save_tiny,
+)
+
 from flaxheads.backbones import hf_flax  # noqa: E402
 from flaxheads.backbones.base import BackboneError  # noqa: E402
-from flaxheads.backbones.registry import load_backbone  # noqa: E402
 from flaxheads.backbones.families.roberta import RobertaBackbone  # noqa: E402
-from hf_tiny import (DROPOUT_SITES, check_dropout_site, check_bf16_and_remat, check_export, check_gradients,  # noqa: E402
-                     check_hf_flax_tree, check_hidden_states, check_keep_rate, check_logits,
-                     check_train_needs_key, edited_copy, padded_batch, save_tiny)
+from flaxheads.backbones.registry import load_backbone  # noqa: E402
 
 ATTN_OUT = r"attention\.output\.dense\."
 FFN = r"layer\.\d+\.(intermediate|output)\.dense\."
@@ -42,16 +56,20 @@ def test_position_ids_count_non_pad_tokens(roberta):
     bb = check_hidden_states(path, pt, "roberta", side="left")
     left_ids, left_mask = padded_batch("roberta", pt.config, side="left")
     right_ids, right_mask = padded_batch("roberta", pt.config, side="right")
-    np.testing.assert_allclose(np.asarray(bb(left_ids, left_mask)[0])[left_mask.astype(bool)],
-                               np.asarray(bb(right_ids, right_mask)[0])[right_mask.astype(bool)], atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(bb(left_ids, left_mask)[0])[left_mask.astype(bool)],
+        np.asarray(bb(right_ids, right_mask)[0])[right_mask.astype(bool)],
+        atol=1e-5,
+    )
 
 
 def test_explicit_position_ids_and_token_types(roberta):
     path, pt = roberta
     tt = np.zeros((3, 9), np.int64)
     tt[:, 5:] = 1  # the tiny config has 2 token types
-    check_hidden_states(path, pt, "roberta", position_ids=np.broadcast_to(np.arange(5, 14), (3, 9)).copy(),
-                        token_type_ids=tt)
+    check_hidden_states(
+        path, pt, "roberta", position_ids=np.broadcast_to(np.arange(5, 14), (3, 9)).copy(), token_type_ids=tt
+    )
 
 
 def test_gradients_match_torch_autograd(roberta):
@@ -83,9 +101,14 @@ def test_bfloat16_and_remat(roberta):
     check_bf16_and_remat(*roberta, "roberta", atol=0.05)
 
 
-@pytest.mark.parametrize("change,match", [({"position_embedding_type": "relative_key"}, "relative_key"),
-                                          ({"is_decoder": True}, "decoder"),
-                                          ({"pad_token_id": None}, "pad_token_id")])
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ({"position_embedding_type": "relative_key"}, "relative_key"),
+        ({"is_decoder": True}, "decoder"),
+        ({"pad_token_id": None}, "pad_token_id"),
+    ],
+)
 def test_unsupported_configs_are_refused(roberta, tmp_path, change, match):
     with pytest.raises(BackboneError, match=match):
         load_backbone(edited_copy(roberta[0], tmp_path / "m", **change), implementation="native")
