@@ -22,8 +22,8 @@ import json, sys
 sys.modules["transformers"] = None  # as if not installed: `import transformers` raises ImportError
 import jax, jax.numpy as jnp, numpy as np
 import flaxheads as fh
-from flaxheads import tables
-from flaxheads.training import data as D
+from flaxheads.data import tables
+from flaxheads.data import splits as D
 from flaxheads.training.optim import OptimConfig, make_optimizer
 from flaxheads.training.steps import create_state, make_train_step
 
