@@ -30,7 +30,7 @@ from flaxheads.interop.files import (
     save_safetensors,
     transformers_version,
 )
-from flaxheads.interop.sentence_transformers import (
+from flaxheads.interop.st_modules import (
     _unused_pooler_tensors,
     _write_modules,
     sentence_transformers_modules,
