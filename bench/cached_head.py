@@ -59,7 +59,8 @@ def main(argv=None):
     from flaxheads.data.batching import make_buckets
     from flaxheads.data.splits import split_indices, tokenize
     from flaxheads.data.tables import bbc_news_path, load_class_folder
-    from flaxheads.training.features import cache_features, encode_groups
+    from flaxheads.training.feature_cache import encode_groups
+    from flaxheads.training.features import cache_features
     from flaxheads.training.optim import OptimConfig, make_optimizer
     from flaxheads.training.steps import create_state, make_train_step
     from flaxheads.training.sweep import Variant, grid, sweep

@@ -15,15 +15,8 @@ from flaxheads.run.folder import RunFolder, scalars
 from flaxheads.run.job import Job, Run, run_config, split_counts
 from flaxheads.run.report_data import worst_of
 from flaxheads.run.spec import RunSpec
-from flaxheads.training.features import (
-    FeatureCache,
-    bucket_sizes,
-    cache_features,
-    choose_level,
-    make_encoder,
-    predict_cached,
-    reduction,
-)
+from flaxheads.training.feature_cache import FeatureCache, bucket_sizes, choose_level, reduction
+from flaxheads.training.features import cache_features, make_encoder, predict_cached
 from flaxheads.training.sweep import SweepResult, steps_per_epoch, sweep, sweep_variants
 
 

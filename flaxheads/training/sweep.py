@@ -35,7 +35,7 @@ from flaxheads.heads.heads import SequenceHead
 from flaxheads.heads.poolers import DensePooler, Pool
 from flaxheads.runtime.parallel import Parallel
 from flaxheads.tasks.metrics import compute_metrics, headline
-from flaxheads.training.features import FeatureCache, predict_cache, reduction
+from flaxheads.training.feature_cache import FeatureCache, predict_cache, reduction
 from flaxheads.training.optim import OptimConfig, make_optimizer
 from flaxheads.training.steps import TrainState, make_head_train_step
 from flaxheads.training.trainer import steps_per_epoch as _batches_per_pass

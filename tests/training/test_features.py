@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import flaxheads as fh
-from flaxheads.training.features import bucket_sizes, cache_features, choose_level, encode_groups, predict_cached
+from flaxheads.training.feature_cache import bucket_sizes, choose_level, encode_groups
+from flaxheads.training.features import cache_features, predict_cached
 from tests.feature_helpers import padded, tiny_bert_dir, toy_split
 
 pytestmark = pytest.mark.full

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 
 from flaxheads.backbones.base import Backbone, BackboneError, HFConfig
 from flaxheads.backbones.families import modernbert as mb
+from flaxheads.backbones.families import modernbert_config as mbc
 from flaxheads.backbones.families.bert import dropout_keys
 from flaxheads.backbones.families.decoder import attend_textbook, attention_mask_for
 from flaxheads.layers.attention import attend_chunked
@@ -43,18 +44,18 @@ from flaxheads.layers.positions import apply_rotary, rotary_cos_sin
 from flaxheads.layers.remat import attention_out, checkpointed
 from flaxheads.runtime.plan import ComputePlan
 
-TOP_LEVEL = mb.TOP_LEVEL
+TOP_LEVEL = mbc.TOP_LEVEL
 
 
 def _config_problem(config) -> str:
     """Why :func:`encode` would not compute what PyTorch computes for ``config`` ("" when it does)."""
     local = config.get("local_attention")
-    if mb.LOCAL in mb.layer_types(config) and (not isinstance(local, int) or local < 2):
+    if mbc.LOCAL in mbc.layer_types(config) and (not isinstance(local, int) or local < 2):
         return (
             f"local_attention {local!r} with sliding-attention layers (their window is local_attention // 2 "
             "positions: give a positive even number)"
         )
-    return mb._config_problem(config.replace(local_attention=local or 0))
+    return mbc._config_problem(config.replace(local_attention=local or 0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,13 +75,13 @@ class Settings:
 
     @classmethod
     def from_config(cls, config) -> Settings:
-        kinds = mb.layer_types(config)
+        kinds = mbc.layer_types(config)
         return cls(
             int(config.num_attention_heads),
             float(config.norm_eps),
             config.hidden_activation,
             kinds,
-            tuple((k, mb.rope_theta(config, k)) for k in sorted(set(kinds))),
+            tuple((k, mbc.rope_theta(config, k)) for k in sorted(set(kinds))),
             int(config.get("local_attention") or 0) // 2,
             config.get("pad_token_id"),
             float(config.embedding_dropout or 0.0),
@@ -165,11 +166,11 @@ def encode(
     x = dropout(mb.norm(x, e["norm"], s.eps, plan), s.embedding_dropout, emb_rng)
     d = x.shape[-1] // s.num_heads
     rotary = {kind: rotary_cos_sin(position_ids, d, theta, dtype) for kind, theta in s.thetas}
-    keep = attention_mask_for(attention_mask, s.window) if mb.LOCAL in s.kinds else None
+    keep = attention_mask_for(attention_mask, s.window) if mbc.LOCAL in s.kinds else None
     bias = mask_bias(attention_mask, dtype)
     for i, (kind, r) in enumerate(zip(s.kinds, rngs, strict=True)):
         step = checkpointed(partial(layer, s=s, plan=plan), remat)
-        x = step(params["layers"][str(i)], x, *rotary[kind], keep if kind == mb.LOCAL else None, bias, r)
+        x = step(params["layers"][str(i)], x, *rotary[kind], keep if kind == mbc.LOCAL else None, bias, r)
     return mb.norm(x, params["final_norm"], s.eps, plan)
 
 
@@ -208,7 +209,7 @@ class ModernBertDecoderBackbone(Backbone):
         """HF's init: truncated normal (``initializer_cutoff_factor`` std), a smaller std for ``Wo``s."""
         std = float(config.initializer_range)
         cutoff = config.get("initializer_cutoff_factor")
-        init = mb._TruncatedInit(rng, std, 3.0 if cutoff is None else cutoff)
+        init = mbc._TruncatedInit(rng, std, 3.0 if cutoff is None else cutoff)
         h, ff, n = int(config.hidden_size), int(config.intermediate_size), int(config.num_hidden_layers)
         out_std = std / math.sqrt(2.0 * n)
         nb, ab, mlp_b = bool(config.norm_bias), bool(config.attention_bias), bool(config.mlp_bias)
