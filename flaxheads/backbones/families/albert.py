@@ -25,7 +25,8 @@ from typing import ClassVar
 import jax
 
 from flaxheads.backbones.base import BackboneError
-from flaxheads.backbones.families.bert import BertBackbone, LayerLayout, Settings, bert_embeddings
+from flaxheads.backbones.families.bert import BertBackbone
+from flaxheads.backbones.families.bert_shared import LayerLayout, Settings, bert_embeddings
 from flaxheads.layers.dense import dense
 from flaxheads.layers.init import HFInit
 from flaxheads.runtime.plan import ComputePlan

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flaxheads.backbones.base import Backbone, BackboneError, HFConfig, activation_problem
-from flaxheads.backbones.families.bert import dropout_keys
+from flaxheads.backbones.families.bert_shared import dropout_keys
 from flaxheads.backbones.weights import pick, torch_from_tree, tree_from_torch
 from flaxheads.layers.activations import get_activation
 from flaxheads.layers.attention import cross_attention, fused_qkv, self_attention

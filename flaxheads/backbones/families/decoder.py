@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from flaxheads.backbones.base import Backbone, BackboneError, HFConfig
-from flaxheads.backbones.families.bert import dropout_keys
+from flaxheads.backbones.families.bert_shared import dropout_keys
 from flaxheads.backbones.families.decoder_config import (
     DEFAULTS,
     MODEL_TYPES,

@@ -23,7 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from flaxheads.backbones.base import BackboneError, activation_problem
-from flaxheads.backbones.families.bert import BertBackbone, LayerLayout, Settings, bert_embeddings
+from flaxheads.backbones.families.bert import BertBackbone
+from flaxheads.backbones.families.bert_shared import LayerLayout, Settings, bert_embeddings
 from flaxheads.layers.init import HFInit
 
 DISTILBERT_LAYOUT = LayerLayout(

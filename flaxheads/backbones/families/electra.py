@@ -13,7 +13,8 @@ from collections.abc import Callable
 
 import jax
 
-from flaxheads.backbones.families.bert import BertBackbone, bert_embeddings
+from flaxheads.backbones.families.bert import BertBackbone
+from flaxheads.backbones.families.bert_shared import bert_embeddings
 from flaxheads.layers.dense import dense
 from flaxheads.layers.init import HFInit
 

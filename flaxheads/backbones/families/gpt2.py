@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from flaxheads.backbones.base import Backbone, BackboneError, HFConfig, activation_problem
-from flaxheads.backbones.families.bert import dropout_keys
+from flaxheads.backbones.families.bert_shared import dropout_keys
 from flaxheads.layers.activations import get_activation
 from flaxheads.layers.attention import fused_qkv, self_attention
 from flaxheads.layers.dropout import dropout

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from flaxheads.backbones.base import Backbone, BackboneError, HFConfig
-from flaxheads.backbones.families.bert import dropout_keys
+from flaxheads.backbones.families.bert_shared import dropout_keys
 from flaxheads.backbones.families.modernbert_config import LOCAL, TOP_LEVEL, Settings, _config_problem, _TruncatedInit
 from flaxheads.layers.activations import get_activation
 from flaxheads.layers.attention import attend, attend_chunked

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from flaxheads.backbones.base import Backbone, BackboneError, HFConfig
 from flaxheads.backbones.families import modernbert as mb
 from flaxheads.backbones.families import modernbert_config as mbc
-from flaxheads.backbones.families.bert import dropout_keys
+from flaxheads.backbones.families.bert_shared import dropout_keys
 from flaxheads.backbones.families.decoder import attend_textbook, attention_mask_for
 from flaxheads.layers.attention import attend_chunked
 from flaxheads.layers.dense import embedding_lookup

@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flaxheads.backbones.base import Backbone, BackboneError, HFConfig, activation_problem
-from flaxheads.backbones.families.bert import dropout_keys
+from flaxheads.backbones.families.bert_shared import dropout_keys
 from flaxheads.backbones.families.decoder import linear, rope_cos_sin
 from flaxheads.backbones.families.decoder_config import ROPE_TYPES, Rope, make_rope
 from flaxheads.layers.activations import get_activation
