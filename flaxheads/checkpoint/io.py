@@ -2,7 +2,9 @@
 and the corrupt-step report. Nothing here knows what a head or a model is."""
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import contextvars
 import errno
 import logging
 import os
@@ -272,13 +274,18 @@ def read_json(mgr, root: str, step: int, item: str) -> dict:
 
 
 def restore_arrays(mgr, root: str, step: int, items: dict) -> dict:
-    """Restore {item: abstract tree}; empty trees are returned as given (never written)."""
+    """Restore {item: abstract tree}; empty trees are returned as given (never written). Every file of
+    the items is checked against the step's checksums while Orbax restores them (on a helper thread:
+    xxhash lets go of the GIL, tensorstore reads on its own threads); nothing is returned unless all match."""
     want = {k: v for k, v in items.items() if not is_empty(v)}
     for k in want:
         require_item(mgr, root, step, k)
-    check_step(mgr, root, step, tuple(want))
     out = {k: v for k, v in items.items() if is_empty(v)}
-    if want:
+    if not want:
+        check_step(mgr, root, step, ())
+        return out
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="flaxheads-checksums") as pool:
+        checked = pool.submit(contextvars.copy_context().run, check_step, mgr, root, step, tuple(want))
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -287,8 +294,10 @@ def restore_arrays(mgr, root: str, step: int, items: dict) -> dict:
         except CheckpointError:
             raise
         except Exception as e:
+            checked.result()  # a damaged file explains the failure better than Orbax's message
             raise corrupt(root, step, "/".join(want), mgr.all_steps(), e) from e
-        out.update({k: got[k] for k in want})
+        checked.result()
+    out.update({k: got[k] for k in want})
     return out
 
 

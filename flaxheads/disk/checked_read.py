@@ -7,8 +7,9 @@ several times faster than the kernel copies them from the page cache, so the che
 to the read). The bytes the read wants go straight into the caller's buffer; those of a block it wants
 in part (a tensor's first or last block, a header) that it does not want go into one of two reused
 buffers, hashed with the rest, and are kept: the next tensor, which starts in that block, copies them
-from there without reading them again. A read of several blocks asks the kernel to read ahead
-(``POSIX_FADV_WILLNEED``), so that from a cold disk the pieces do not wait one by one. A process that
+from there without reading them again. The pieces are read in order, so the kernel reads ahead of
+them as of any sequential read (asking it to read a whole 2 GB read's range ahead, ``WILLNEED``, was
+slower from a cold disk: it read the range before the first piece could be hashed). A process that
 reads part of a file (a sharded load) reads and checks the blocks of that part only. A file with no
 block digests is read as it is.
 
@@ -18,16 +19,20 @@ are all busy it cost more than hashing inline, bench/checked_load.py.)
 from __future__ import annotations
 
 import os
+import threading
 
 import numpy as np
 import xxhash
 
-from flaxheads.disk.checksums import Blocks
+from flaxheads.disk.checksums import Blocks, block_digest
 
 _PREADV = hasattr(os, "preadv")
 #: Bytes read then hashed at a time: small enough to stay in the CPU's cache between the two.
 PIECE = 256 << 10
 _KEPT = 2  # partly read blocks kept, checked (a tensor's last block is the next one's first)
+#: Bytes a read from the disk asks for at a time when the page cache does not hold the file.
+COLD_READ = 16 << 20
+_NOWAIT = hasattr(os, "RWF_NOWAIT") and hasattr(os, "preadv")
 
 
 def _pread_into(fd: int, dest: memoryview, offset: int) -> int:
@@ -53,6 +58,7 @@ class CheckedFile:
 
     def __init__(self, fd: int, blocks: Blocks | None):
         self.fd, self.blocks = fd, blocks
+        self._probe = bytearray(1)
         self._kept: list[tuple[int, np.ndarray, tuple]] = []  # (block, buffer, its checked ranges), latest last
 
     def pread(self, n: int, offset: int) -> bytes:
@@ -71,8 +77,6 @@ class CheckedFile:
 
     def _checked(self, dest: memoryview, offset: int) -> int:
         b, end = self.blocks, min(offset + len(dest), self.blocks.size)
-        if end - offset > b.block and hasattr(os, "posix_fadvise"):  # the reads come in pieces: let the disk
-            os.posix_fadvise(self.fd, offset, end - offset, os.POSIX_FADV_WILLNEED)  # read ahead of them
         pos = offset
         while pos < end:
             k = pos // b.block
@@ -81,10 +85,66 @@ class CheckedFile:
             kept = self._kept_part(k, a, z)
             if kept is not None:
                 dest[a - offset:z - offset] = kept
+            elif a == start and z == stop and not self._cached(start):
+                # not in the page cache: this block and the whole ones after it, read in large reads
+                last = (end // b.block) * b.block if end < b.size else end
+                self._read_cold(dest[start - offset:last - offset], start, k)
+                stop = last
             else:
                 self._read_block(k, dest[a - offset:z - offset], a, z)
             pos = stop
         return max(0, end - offset)
+
+    def _cached(self, at: int) -> bool:
+        """Whether the page cache holds the bytes at ``at`` (a one-page read that does not wait for the disk)."""
+        if not _NOWAIT:
+            return True
+        try:
+            return os.preadv(self.fd, [self._probe], at, os.RWF_NOWAIT) > 0
+        except (BlockingIOError, OSError):
+            return False
+
+    def _read_cold(self, view: memoryview, at: int, k0: int) -> None:
+        """Whole blocks from ``k0`` that the page cache does not hold: a helper thread reads them in
+        :data:`COLD_READ`-byte reads (the disk serves large reads fastest) while this one hashes each block
+        as soon as it is in; the thread waits on the disk, not on a core."""
+        b, n = self.blocks, len(view)
+        state = {"done": 0, "finished": False, "stop": False, "error": None}
+        cond = threading.Condition()
+
+        def reader() -> None:
+            pos = 0
+            try:
+                while pos < n and not state["stop"]:
+                    want = min(COLD_READ, n - pos)
+                    got = _pread_into(self.fd, view[pos:pos + want], at + pos)
+                    pos += got
+                    with cond:
+                        state["done"] = pos
+                        cond.notify()
+                    if got < want:
+                        break
+            except BaseException as e:  # noqa: BLE001 (handed to the reading thread)
+                state["error"] = e
+            finally:
+                with cond:
+                    state["finished"] = True
+                    cond.notify()
+
+        thread = threading.Thread(target=reader, name="flaxheads-checked-read", daemon=True)
+        thread.start()
+        try:
+            for k in range(k0, k0 + -(-n // b.block)):
+                start, stop = b.span(k)
+                with cond:
+                    cond.wait_for(lambda: state["done"] >= stop - at or state["finished"])
+                if state["error"] is not None:
+                    raise state["error"]
+                if state["done"] < stop - at or block_digest(view[start - at:stop - at]) != b.digests[k]:
+                    raise b.mismatch(k)  # differs, or the file was cut while open
+        finally:
+            state["stop"] = True
+            thread.join()
 
     def _read_block(self, k: int, part: memoryview, a: int, z: int) -> None:
         """Read block ``k``: its bytes ``[a, z)`` into ``part`` (the caller's buffer), the others into a reused

@@ -1,6 +1,7 @@
-"""The checked reader: any read of any range gives the file's bytes, every one of them checked; a read that
-touches a damaged block is refused naming that block's byte range, one that does not touch it is not (a
-process reading its own part of a file checks the blocks of that part)."""
+"""The checked reader: any read of any range gives the file's bytes, every one of them checked, whether
+the page cache holds the file or not; a read that touches a damaged block is refused naming that
+block's byte range, one that does not touch it is not (a process reading its own part of a file checks
+the blocks of that part)."""
 from __future__ import annotations
 
 import os
@@ -13,9 +14,16 @@ from flaxheads.disk import checksums
 from flaxheads.disk.checked_read import CheckedFile
 
 
-@pytest.fixture
-def file(tmp_path, monkeypatch):
+@pytest.fixture(params=["cached", "from the disk"])
+def file(tmp_path, monkeypatch, request):
+    """A file of 10 blocks and a part; read as the page cache holds it, or as a file it does not hold (read
+    in large reads by a helper thread, each block hashed as it comes in; 2500-byte reads here)."""
+    import flaxheads.disk.checked_read as checked_read
+
     monkeypatch.setattr(checksums, "BLOCK", 1000)
+    if request.param == "from the disk":
+        monkeypatch.setattr(CheckedFile, "_cached", lambda self, at: False)
+        monkeypatch.setattr(checked_read, "COLD_READ", 2500)
     data = np.random.default_rng(0).integers(0, 256, 10_500, dtype=np.uint8).tobytes()  # 10 blocks and a part
     (tmp_path / "x.safetensors").write_bytes(data)
     checksums.write_manifest(tmp_path)
