@@ -1,20 +1,23 @@
 """Reads of a file flaxheads wrote, every byte checked against the file's block digests before it is
 handed out (:class:`~flaxheads.disk.checksums.Blocks`, recorded in ``checksums.json``).
 
-A read of ``[offset, offset + n)`` goes block by block, each block read in :data:`PIECE`-byte pieces,
-each piece hashed right after it is read, while the CPU's cache still holds it (xxh3 hashes cached bytes
-several times faster than the kernel copies them from the page cache, so the check adds a few percent
-to the read). The bytes the read wants go straight into the caller's buffer; those of a block it wants
-in part (a tensor's first or last block, a header) that it does not want go into one of two reused
-buffers, hashed with the rest, and are kept: the next tensor, which starts in that block, copies them
-from there without reading them again. The pieces are read in order, so the kernel reads ahead of
-them as of any sequential read (asking it to read a whole 2 GB read's range ahead, ``WILLNEED``, was
-slower from a cold disk: it read the range before the first piece could be hashed). A process that
-reads part of a file (a sharded load) reads and checks the blocks of that part only. A file with no
-block digests is read as it is.
+A read of ``[offset, offset + n)`` goes block by block. Where the page cache holds the file (a one-byte
+``RWF_NOWAIT`` read tells), each block is read in :data:`PIECE`-byte pieces, each piece hashed right
+after it is read, while the CPU's cache still holds it (xxh3 hashes cached bytes several times faster
+than the kernel copies them from the page cache, so the check adds a few percent to the read). Where
+it does not, a helper thread reads the whole blocks in :data:`COLD_READ`-byte reads (a disk serves
+large reads fastest: 256 KiB pieces read a cold 2 GB file at two thirds of the speed) while this
+thread hashes each block as soon as it is in; the helper waits on the disk, not on a core. The bytes
+the read wants go straight into the caller's buffer; those of a block it wants in part (a tensor's
+first or last block, a header) that it does not want go into one of two reused buffers, hashed with
+the rest, and are kept: the next tensor, which starts in that block, copies them from there without
+reading them again. A process that reads part of a file (a sharded load) reads and checks the blocks
+of that part only. A file with no block digests is read as it is.
 
-(A helper thread hashing one block while the next is read was measured too: on a machine whose cores
-are all busy it cost more than hashing inline, bench/checked_load.py.)
+(Measured and dropped, bench/checked_load.py: hashing on a helper thread while the next block is read
+from the page cache cost more than hashing inline on a machine whose cores are busy; asking the
+kernel to read a whole 2 GB range ahead, ``WILLNEED``, read the range before the first piece could
+be hashed.)
 """
 from __future__ import annotations
 
