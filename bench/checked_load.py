@@ -23,6 +23,7 @@ the checked eager read with manifests of those block sizes (MiB), warm: how the 
 
     .venv/bin/python bench/checked_load.py --sizes 400M,2G --repeats 5
 """
+
 from __future__ import annotations
 
 import os
@@ -52,7 +53,7 @@ def _tensors(nbytes: int, seed: int = 0) -> dict[str, np.ndarray]:
     sizes = [16 << 20, 4 << 20, 16 << 20, 64 << 20]
     while total < nbytes:
         n = min(sizes[i % len(sizes)], nbytes - total) // 4 * 4 or 4
-        out[f"layer.{i}.weight"] = rng.integers(-2**31, 2**31 - 1, n // 4, dtype=np.int32).view(np.float32)
+        out[f"layer.{i}.weight"] = rng.integers(-(2**31), 2**31 - 1, n // 4, dtype=np.int32).view(np.float32)
         total, i = total + n, i + 1
     return out
 
@@ -99,14 +100,18 @@ def _bert_folder(folder: str, nbytes: int) -> str:
     if os.path.isfile(os.path.join(path, checksums.MANIFEST)):
         return path
     layers = max(1, round((nbytes / 4 - 32e6) / 12.6e6))
-    cfg = BertConfig(hidden_size=1024, num_hidden_layers=layers, num_attention_heads=16, intermediate_size=4096,
-                     num_labels=3)
+    cfg = BertConfig(
+        hidden_size=1024, num_hidden_layers=layers, num_attention_heads=16, intermediate_size=4096, num_labels=3
+    )
     with torch.device("meta"):
         shapes = {k: tuple(v.shape) for k, v in BertForSequenceClassification(cfg).state_dict().items()}
     rng = np.random.default_rng(0)
     os.makedirs(path, exist_ok=True)
-    save_file({k: (0.02 * rng.standard_normal(s, dtype=np.float32)) for k, s in shapes.items()},
-              os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {k: (0.02 * rng.standard_normal(s, dtype=np.float32)) for k, s in shapes.items()},
+        os.path.join(path, "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump({**cfg.to_dict(), "architectures": ["BertForSequenceClassification"]}, f)
     checksums.write_manifest(path)
@@ -141,6 +146,7 @@ def _unchecked(call):
             call()
         finally:
             checksums.read_manifest = real
+
     return run
 
 
@@ -166,8 +172,13 @@ def _systems(path: str, root: str | None, model: str | None):
     def eager():
         read_safetensors(path)
 
-    out = {"eager checked": eager, "eager unchecked": _unchecked(eager), "eager safetensors.load_file": load_file,
-           "tensors checked": tensors, "tensors unchecked": _unchecked(tensors)}
+    out = {
+        "eager checked": eager,
+        "eager unchecked": _unchecked(eager),
+        "eager safetensors.load_file": load_file,
+        "tensors checked": tensors,
+        "tensors unchecked": _unchecked(tensors),
+    }
     if root is not None:
         import orbax.checkpoint as ocp
 
@@ -184,10 +195,12 @@ def _systems(path: str, root: str | None, model: str | None):
                 else:
                     got = mgr.restore(1, args=ocp.args.Composite(head=ocp.args.StandardRestore(target["head"])))
                 jax.block_until_ready(got["head"])
+
             return run
 
         out.update({"orbax checked": restore(True), "orbax unchecked": restore(False)})
     if model is not None:
+
         def load():
             checksums.forget()
             jax.block_until_ready(fh.load(model).params)
@@ -205,10 +218,10 @@ def _time(systems: dict, repeats: int, cold: bool, drop_paths: list[str], system
     from flaxheads.runtime.malloc import release_free_memory
 
     times: dict[str, list[float]] = {k: [] for k in systems}
-    for name, call in systems.items():  # first calls (imports, Orbax's first restore), untimed
+    for call in systems.values():  # first calls (imports, Orbax's first restore), untimed
         call()
     for r in range(repeats):
-        for name, call in (systems.items() if r % 2 == 0 else reversed(systems.items())):
+        for name, call in systems.items() if r % 2 == 0 else reversed(systems.items()):
             gc.collect()
             release_free_memory()
             if cold:
@@ -227,7 +240,9 @@ def _report(label: str, times: dict[str, list[float]]) -> None:
         if f"{kind} checked" in med:
             c, u = times[f"{kind} checked"], times[f"{kind} unchecked"]
             ratio = med[f"{kind} checked"] / med[f"{kind} unchecked"]
-            print(f"  {label:5s} {kind:8s} checked / unchecked = {ratio:.3f} (medians), {min(c) / min(u):.3f} (fastest)")
+            print(
+                f"  {label:5s} {kind:8s} checked / unchecked = {ratio:.3f} (medians), {min(c) / min(u):.3f} (fastest)"
+            )
 
 
 def _block_sizes(folder: str, nbytes: int, sizes_mib: list[float], repeats: int) -> None:
@@ -242,10 +257,15 @@ def _block_sizes(folder: str, nbytes: int, sizes_mib: list[float], repeats: int)
         checksums.write_manifest(folder)
         t = _time(systems, repeats, False, [], False)
         med = {k: statistics.median(v) for k, v in t.items()}
-        print(f"  block {mib:4g} MiB: " + ", ".join(
-            f"{kind} {med[f'{kind} checked']:.3f} / {med[f'{kind} unchecked']:.3f} s = "
-            f"{med[f'{kind} checked'] / med[f'{kind} unchecked']:.3f}" for kind in ("eager", "tensors"))
-            + f" (load average {os.getloadavg()[0]:.1f})")
+        print(
+            f"  block {mib:4g} MiB: "
+            + ", ".join(
+                f"{kind} {med[f'{kind} checked']:.3f} / {med[f'{kind} unchecked']:.3f} s = "
+                f"{med[f'{kind} checked'] / med[f'{kind} unchecked']:.3f}"
+                for kind in ("eager", "tensors")
+            )
+            + f" (load average {os.getloadavg()[0]:.1f})"
+        )
 
 
 def checksums_block() -> int:
@@ -265,12 +285,18 @@ def main() -> None:
     ap.add_argument("--block-sizes", default=None, help="MiB, comma-separated: time the checked read per block size")
     ap.add_argument("--keep", action="store_true", help="keep the files written under --dir")
     args = ap.parse_args()
-    print(f"CPU: {cpu_name()} ({os.cpu_count()} cores); load average {os.getloadavg()[0]:.1f}; block "
-          f"{checksums_block() >> 20} MiB")
+    print(
+        f"CPU: {cpu_name()} ({os.cpu_count()} cores); load average {os.getloadavg()[0]:.1f}; block "
+        f"{checksums_block() >> 20} MiB"
+    )
     try:
         if args.block_sizes:
-            _block_sizes(os.path.join(args.dir, "blocks"), _size(args.sizes.split(",")[0]),
-                         [float(x) for x in args.block_sizes.split(",")], args.repeats)
+            _block_sizes(
+                os.path.join(args.dir, "blocks"),
+                _size(args.sizes.split(",")[0]),
+                [float(x) for x in args.block_sizes.split(",")],
+                args.repeats,
+            )
             return
         for text in args.sizes.split(","):
             folder = os.path.join(args.dir, text)

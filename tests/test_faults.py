@@ -5,6 +5,7 @@ Preemption: SIGTERM / SIGINT finish the step in flight, checkpoint it, print one
 a second signal during that save stops at once with the previous checkpoint intact. A disk that stops
 taking the checkpoints (a file size limit: EFBIG, as a full disk gives ENOSPC) ends the run with one
 line and exit 1, the previous checkpoint intact and still the latest."""
+
 from __future__ import annotations
 
 import os
@@ -14,7 +15,6 @@ import sys
 import textwrap
 
 import pytest
-
 from test_resume import REPO, _assert_bitwise, _data_csv, _env, _items, _log, _train_args
 
 pytestmark = pytest.mark.full
@@ -90,12 +90,22 @@ def _signalled(setup, name, signals, *, save_wait=False, limit=None):
     """Runs the waiter into run folder ``name``; sends ``signals[i]`` at the i-th waiting line."""
     root, model, data, script, env = setup
     out = str(root / name)
-    env = {**env, "WAIT_AT": str(WAIT_AT), **({"SAVE_WAIT": "1"} if save_wait else {}),
-           **({"LIMIT": str(limit)} if limit else {})}
+    env = {
+        **env,
+        "WAIT_AT": str(WAIT_AT),
+        **({"SAVE_WAIT": "1"} if save_wait else {}),
+        **({"LIMIT": str(limit)} if limit else {}),
+    }
     err_file = root / f"{name}.stderr"  # a file, not a pipe: a long stderr cannot block the process
     with open(err_file, "w") as err_out:
-        p = subprocess.Popen([sys.executable, script, *_train_args(model, data, out)], cwd=REPO, env=env,
-                             stdout=subprocess.PIPE, stderr=err_out, text=True)
+        p = subprocess.Popen(
+            [sys.executable, script, *_train_args(model, data, out)],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=err_out,
+            text=True,
+        )
         lines, pending = [], list(signals)
         for line in p.stdout:
             lines.append(line)
@@ -113,8 +123,14 @@ def _steps(run):
 def uninterrupted(setup):
     root, model, data, _, env = setup
     out = str(root / "full")
-    r = subprocess.run([sys.executable, "-m", "flaxheads", "train", *_train_args(model, data, out)], cwd=REPO,
-                       env=env, capture_output=True, text=True, timeout=400)
+    r = subprocess.run(
+        [sys.executable, "-m", "flaxheads", "train", *_train_args(model, data, out)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     return out
 
@@ -124,8 +140,9 @@ def uninterrupted(setup):
 def test_signal_saves_the_step_in_flight_and_the_rerun_resumes_bitwise(setup, uninterrupted, sig):
     run, code, out, err = _signalled(setup, f"cut-{sig.name}", [sig])
     assert code == 128 + sig, out[-2000:] + err[-3000:]
-    assert err.strip().splitlines() == [f"interrupted at step {WAIT_AT + 1}; checkpoint saved; rerun the same "
-                                        "command to resume"], err[-3000:]
+    assert err.strip().splitlines() == [
+        f"interrupted at step {WAIT_AT + 1}; checkpoint saved; rerun the same command to resume"
+    ], err[-3000:]
     assert "Traceback" not in out + err
     assert _steps(run)[-1] == WAIT_AT + 1  # the step in flight finished and was saved
     assert not [n for n in os.listdir(os.path.join(run, "checkpoints")) if "tmp" in n]
@@ -135,8 +152,14 @@ def test_signal_saves_the_step_in_flight_and_the_rerun_resumes_bitwise(setup, un
 
 def _resumes_to_the_same_end(setup, run, step, uninterrupted):
     _, model, data, _, env = setup
-    r = subprocess.run([sys.executable, "-m", "flaxheads", "train", *_train_args(model, data, run)], cwd=REPO,
-                       env=env, capture_output=True, text=True, timeout=400)
+    r = subprocess.run(
+        [sys.executable, "-m", "flaxheads", "train", *_train_args(model, data, run)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert f"resuming from step {step}" in r.stdout
     assert _log(uninterrupted) == _log(run)  # every step's loss, grad norm, lr, and every evaluation
@@ -148,8 +171,10 @@ def test_second_signal_during_the_save_keeps_the_previous_checkpoint(setup):
     run, code, out, err = _signalled(setup, "twice", [signal.SIGTERM, signal.SIGINT], save_wait=True)
     assert code == 143, out[-2000:] + err[-3000:]
     assert f"SAVING {WAIT_AT + 1}" in out
-    assert err.strip().splitlines() == [f"interrupted again after step {WAIT_AT + 1}; stopped without saving it; the "
-                                        "latest checkpoint (step 4) is intact; rerun the same command to resume"]
+    assert err.strip().splitlines() == [
+        f"interrupted again after step {WAIT_AT + 1}; stopped without saving it; the "
+        "latest checkpoint (step 4) is intact; rerun the same command to resume"
+    ]
     assert _steps(run) == [4]
 
 
@@ -162,7 +187,8 @@ def test_a_disk_that_stops_taking_checkpoints_ends_the_run_in_one_line(setup, un
     *warnings, last = err.strip().splitlines()
     assert last == (
         f"error: could not write checkpoint {path}/8: File too large; the latest complete checkpoint is step 4 "
-        f"({path}/4), intact; raise the file size limit and rerun the same command to resume"), err[-3000:]
+        f"({path}/4), intact; raise the file size limit and rerun the same command to resume"
+    ), err[-3000:]
     # the report page (rewritten at each evaluation, larger than the limit) is said once, not fatal
     assert all(w.startswith(f"warning: could not write {run}/report.html") for w in warnings), err[-3000:]
     assert _steps(run) == [4]  # the half-written step 8 is never listed as a step
@@ -181,13 +207,32 @@ def test_two_processes_stop_at_the_same_step(setup):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**env, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=1 --xla_cpu_collective_call_terminate_timeout_seconds=60"}
+    env = {
+        **env,
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=1 --xla_cpu_collective_call_terminate_timeout_seconds=60",
+    }
     out = str(root / "two")
-    args = [*_train_args(model, data, out), "--max-steps", "400", "--coordinator-address", f"127.0.0.1:{port}",
-            "--num-processes", "2"]
-    procs = [subprocess.Popen([sys.executable, "-m", "flaxheads", "train", *args, "--process-id", str(i)], cwd=REPO,
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in (0, 1)]
+    args = [
+        *_train_args(model, data, out),
+        "--max-steps",
+        "400",
+        "--coordinator-address",
+        f"127.0.0.1:{port}",
+        "--num-processes",
+        "2",
+    ]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "flaxheads", "train", *args, "--process-id", str(i)],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in (0, 1)
+    ]
     try:
         lines = []
         for line in procs[0].stdout:  # process 0 reports the evaluations (every 4 steps)
@@ -202,8 +247,10 @@ def test_two_processes_stop_at_the_same_step(setup):
                 p.kill()
                 p.wait()
     assert [p.returncode for p in procs] == [143, 130], [x[-2000:] for x in logs]
-    stops = [re.findall(r"^interrupted at step (\d+); checkpoint saved; rerun the same command to resume$", x, re.M)
-             for x in logs]
+    stops = [
+        re.findall(r"^interrupted at step (\d+); checkpoint saved; rerun the same command to resume$", x, re.M)
+        for x in logs
+    ]
     assert stops[0] == stops[1] and len(stops[0]) == 1, logs
     step = int(stops[0][0])
     # process 0 prints step 8's evaluation before it asks the service about step 8: a signal that

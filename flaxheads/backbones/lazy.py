@@ -15,12 +15,14 @@ zero-byte stand-ins (``np.broadcast_to`` of one number per tensor, then of each 
 each leaf says where it came from. A family whose conversion computes new values from several
 tensors (concatenations, splits, arithmetic) is refused by name; it loads with the eager path.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
-from typing import Any, Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -28,9 +30,10 @@ import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 
 from flaxheads.backbones.base import Backbone, BackboneError, HFConfig, strip_prefix
-from flaxheads.runtime.malloc import release_free_memory
 from flaxheads.backbones.safetensors_file import SafetensorsFile, TensorInfo
 from flaxheads.backbones.weights import SAFE, SAFE_INDEX, WeightsNotFoundError
+from flaxheads.runtime.malloc import release_free_memory
+
 
 class NotLazyLoadable(BackboneError):
     """A family whose params are not each one stored tensor (or its transpose): it loads eagerly."""
@@ -50,13 +53,15 @@ def safetensors_files(folder: str) -> list[str]:
     if os.path.isfile(index):
         with open(index) as f:
             return [os.path.join(folder, s) for s in sorted(set(json.load(f)["weight_map"].values()))]
-    raise WeightsNotFoundError(f"{folder!r} has no {SAFE} or {SAFE_INDEX}: the sharded loader reads safetensors "
-                               "only; load it eagerly (from_pretrained) or re-save it with safe_serialization=True")
+    raise WeightsNotFoundError(
+        f"{folder!r} has no {SAFE} or {SAFE_INDEX}: the sharded loader reads safetensors "
+        "only; load it eagerly (from_pretrained) or re-save it with safe_serialization=True"
+    )
 
 
 def _headers(files: list[str]) -> dict[str, tuple[str, TensorInfo]]:
     """``{name: (file, its header entry)}`` of every tensor of ``files`` (no tensor data is read)."""
-    out = {}
+    out: dict[str, tuple[str, TensorInfo]] = {}
     for path in files:
         with SafetensorsFile(path) as f:
             out.update((name, (path, t)) for name, t in f.tensors.items())
@@ -75,10 +80,12 @@ def _stand_ins(shapes: dict[str, tuple[int, ...]], rows: bool) -> dict[str, np.n
     return out
 
 
-def param_sources(family: type[Backbone], config: HFConfig,
-                  shapes: dict[str, tuple[int, ...]]) -> dict[tuple[str, ...], tuple[str, bool]]:
+def param_sources(
+    family: type[Backbone], config: HFConfig, shapes: dict[str, tuple[int, ...]]
+) -> dict[tuple[str, ...], tuple[str, bool]]:
     """``{param path: (tensor name, transposed)}``: where the family's conversion puts each tensor."""
-    base = strip_prefix(dict.fromkeys(shapes), family.base_model_prefix)  # names as the family sees them
+    names_only: dict[str, Any] = dict.fromkeys(shapes)
+    base = strip_prefix(names_only, family.base_model_prefix)  # names as the family sees them
     prefix = "" if set(base) == set(shapes) else family.base_model_prefix + "."
     names = list(base)
     local = {n: shapes[prefix + n] for n in names}
@@ -88,9 +95,11 @@ def param_sources(family: type[Backbone], config: HFConfig,
     for path, leaf in by_number.items():
         leaf = np.asarray(leaf)
         if leaf.size == 0 or any(leaf.strides):
-            raise NotLazyLoadable(f"{family.__name__}: param {'/'.join(path)} is computed from several tensors; the "
-                                "sharded loader reads params that are single tensors (or their transposes): load "
-                                "this family eagerly")
+            raise NotLazyLoadable(
+                f"{family.__name__}: param {'/'.join(path)} is computed from several tensors; the "
+                "sharded loader reads params that are single tensors (or their transposes): load "
+                "this family eagerly"
+            )
         name = names[int(leaf.flat[0])]
         src, shape = local[name], tuple(leaf.shape)
         row = np.asarray(by_row[path])
@@ -99,8 +108,10 @@ def param_sources(family: type[Backbone], config: HFConfig,
         elif len(shape) == 2 and shape == src[::-1]:
             out[path] = (prefix + name, True)
         else:
-            raise NotLazyLoadable(f"{family.__name__}: param {'/'.join(path)} {shape} is a reshaped {name} {src}; the "
-                                "sharded loader reads tensors as they are or transposed: load this family eagerly")
+            raise NotLazyLoadable(
+                f"{family.__name__}: param {'/'.join(path)} {shape} is a reshaped {name} {src}; the "
+                "sharded loader reads tensors as they are or transposed: load this family eagerly"
+            )
     return out
 
 
@@ -114,17 +125,21 @@ class _Index:
     sources: dict[tuple[str, ...], tuple[str, bool]]
 
     @classmethod
-    def of(cls, folder: str | os.PathLike, family: type[Backbone], config: HFConfig) -> "_Index":
+    def of(cls, folder: str | os.PathLike, family: type[Backbone], config: HFConfig) -> _Index:
         files = safetensors_files(os.fspath(folder))
         stored = _headers(files)
         return cls(files, stored, param_sources(family, config, {n: t.shape for n, (_, t) in stored.items()}))
 
     def param_shapes(self) -> dict:
         shape = {n: t.shape for n, (_, t) in self.stored.items()}
-        return unflatten_dict({p: jax.ShapeDtypeStruct(shape[n][::-1] if tr else shape[n], self.stored[n][1].dtype)
-                               for p, (n, tr) in self.sources.items()})
+        return unflatten_dict(
+            {
+                p: jax.ShapeDtypeStruct(shape[n][::-1] if tr else shape[n], self.stored[n][1].dtype)
+                for p, (n, tr) in self.sources.items()
+            }
+        )
 
-    def others(self) -> "StoredTensors":
+    def others(self) -> StoredTensors:
         """The tensors no backbone param is (the head's weights), each read only when looked up."""
         used = {name for name, _ in self.sources.values()}
         return StoredTensors({n: file for n, (file, _) in self.stored.items() if n not in used})
@@ -139,7 +154,7 @@ def param_shapes(folder: str | os.PathLike, family: type[Backbone], config: HFCo
 def _box(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...] | None:
     """``(start, stop)`` per axis of the union of the index boxes of this process's devices (None: it holds
     no part); a box, not the exact union, so that it reads in few runs (a process's shards are neighbours)."""
-    boxes = list(sharding.addressable_devices_indices_map(shape).values())
+    boxes = [tuple(index or ()) for index in sharding.addressable_devices_indices_map(shape).values()]
     if not boxes:
         return None
     out = []
@@ -149,8 +164,14 @@ def _box(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> tuple[tuple
     return tuple(out)
 
 
-def _read_param(file: SafetensorsFile, name: str, shape: tuple[int, ...], transposed: bool,
-                sharding: jax.sharding.Sharding, dtype: Any) -> jax.Array:
+def _read_param(
+    file: SafetensorsFile,
+    name: str,
+    shape: tuple[int, ...],
+    transposed: bool,
+    sharding: jax.sharding.Sharding,
+    dtype: Any,
+) -> jax.Array:
     """One param on ``sharding``: this process's box of tensor ``name`` read (in the stored axes), converted
     to ``dtype`` when floating, and sliced for each device; the buffer goes when this returns."""
     box = _box(sharding, shape)
@@ -162,15 +183,22 @@ def _read_param(file: SafetensorsFile, name: str, shape: tuple[int, ...], transp
         if jnp.issubdtype(part.dtype, jnp.floating) and part.dtype != np.dtype(dtype):
             part = part.astype(dtype)  # rebinding drops the stored-dtype buffer before the devices copy
 
-    def piece(index: tuple[slice, ...]) -> np.ndarray:
-        index = tuple(index) + (slice(None),) * (len(shape) - len(index))
-        return part[tuple(slice(*(i - o for i in s.indices(n)[:2])) for s, n, o in zip(index, shape, origin))]
+    def piece(index: tuple[slice, ...] | None) -> np.ndarray:
+        given = tuple(index or ())
+        full = given + (slice(None),) * (len(shape) - len(given))
+        return part[tuple(slice(*(i - o for i in s.indices(n)[:2])) for s, n, o in zip(full, shape, origin))]
 
     return jax.make_array_from_callback(shape, sharding, piece)
 
 
-def read_params_sharded(folder: str | os.PathLike, family: type[Backbone], config: HFConfig,
-                        shardings: ShardingFn, dtype: Any = jnp.float32, transform: Transform | None = None) -> dict:
+def read_params_sharded(
+    folder: str | os.PathLike,
+    family: type[Backbone],
+    config: HFConfig,
+    shardings: ShardingFn,
+    dtype: Any = jnp.float32,
+    transform: Transform | None = None,
+) -> dict:
     """The family's params tree of ``folder``, each param a ``jax.Array`` on ``shardings(path, shape)``
     in ``dtype`` (floating params; others as stored), read tensor by tensor: each process reads only the
     box its devices hold. ``transform(path, param)``, when given, replaces each param right after it is
@@ -181,8 +209,9 @@ def read_params_sharded(folder: str | os.PathLike, family: type[Backbone], confi
 def _read_params(index: _Index, shardings: ShardingFn, dtype: Any, transform: Transform | None) -> dict:
     # a file flaxheads wrote is checked block by block as it is read (each process: the blocks of its boxes);
     # read in file order, so that the block two tensors share is read and checked once
-    order = sorted(index.sources.items(), key=lambda item: (index.stored[item[1][0]][0],
-                                                            index.stored[item[1][0]][1].offset))
+    order = sorted(
+        index.sources.items(), key=lambda item: (index.stored[item[1][0]][0], index.stored[item[1][0]][1].offset)
+    )
     opened: dict[str, SafetensorsFile] = {}
     flat = {}
     try:
@@ -225,9 +254,15 @@ class StoredTensors(Mapping[str, np.ndarray]):
         return len(self._where)
 
 
-def load_sharded(folder: str | os.PathLike, family: type[Backbone], config: HFConfig, shardings: ShardingFn,
-                 dtype: Any = jnp.float32, transform: Transform | None = None,
-                 check: Callable[[dict], None] | None = None) -> tuple[dict, Mapping[str, np.ndarray]]:
+def load_sharded(
+    folder: str | os.PathLike,
+    family: type[Backbone],
+    config: HFConfig,
+    shardings: ShardingFn,
+    dtype: Any = jnp.float32,
+    transform: Transform | None = None,
+    check: Callable[[dict], None] | None = None,
+) -> tuple[dict, Mapping[str, np.ndarray]]:
     """``(backbone params read tensor by tensor onto shardings, the folder's other tensors)``: what
     :func:`~flaxheads.model.pretrained.from_pretrained` reads for a model placed on a mesh. ``check``, when given, sees
     the params' shapes and stored dtypes (:func:`param_shapes`) before any tensor is read."""

@@ -16,6 +16,7 @@ byte handed out, the header's included, was checked against the file's block dig
 of part of a tensor reads and checks the blocks that part lies in). :meth:`SafetensorsFile.read_all`
 is the eager read: the whole file in one pass into one buffer, each tensor a view of it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,7 +24,7 @@ import json
 import math
 import os
 import struct
-from typing import Sequence
+from collections.abc import Sequence
 
 import ml_dtypes
 import numpy as np
@@ -34,11 +35,22 @@ from flaxheads.disk.checksums import reader_blocks
 
 #: safetensors dtype names -> numpy dtypes (little-endian, as stored)
 DTYPES: dict[str, np.dtype] = {
-    "F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype(ml_dtypes.bfloat16),
-    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn), "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
-    "I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "I16": np.dtype("<i2"), "I8": np.dtype("i1"),
-    "U64": np.dtype("<u8"), "U32": np.dtype("<u4"), "U16": np.dtype("<u2"), "U8": np.dtype("u1"),
-    "BOOL": np.dtype(np.bool_), "C64": np.dtype("<c8"),
+    "F64": np.dtype("<f8"),
+    "F32": np.dtype("<f4"),
+    "F16": np.dtype("<f2"),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "I64": np.dtype("<i8"),
+    "I32": np.dtype("<i4"),
+    "I16": np.dtype("<i2"),
+    "I8": np.dtype("i1"),
+    "U64": np.dtype("<u8"),
+    "U32": np.dtype("<u4"),
+    "U16": np.dtype("<u2"),
+    "U8": np.dtype("u1"),
+    "BOOL": np.dtype(np.bool_),
+    "C64": np.dtype("<c8"),
 }
 #: a header larger than this is not a safetensors header (the format's own reader refuses 100 MB)
 MAX_HEADER = 100 << 20
@@ -52,8 +64,10 @@ def bytes_read() -> int:
 
 def damaged(path: str, what: str) -> WeightsError:
     """The one error of an unreadable file: it names the file and what is wrong with it."""
-    return WeightsError(f"{path}: {what}; the file is truncated or corrupt, as a download that stopped part-way "
-                        "leaves it: download the model again (or re-save it with save_pretrained)")
+    return WeightsError(
+        f"{path}: {what}; the file is truncated or corrupt, as a download that stopped part-way "
+        "leaves it: download the model again (or re-save it with save_pretrained)"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +112,7 @@ class SafetensorsFile:
             self.tensors, self.metadata = self._header()
         except BaseException:
             self.close()  # and forget the number: __del__ runs on this half-made object too, and by then the
-            raise         # number may be another file's
+            raise  # number may be another file's
 
     def _header(self) -> tuple[dict[str, TensorInfo], dict]:
         size = os.fstat(self._fd).st_size
@@ -124,15 +138,19 @@ class SafetensorsFile:
             try:
                 dtype, shape, (begin, end) = DTYPES[t["dtype"]], tuple(int(d) for d in t["shape"]), t["data_offsets"]
             except (KeyError, TypeError, ValueError):
-                raise damaged(self.path, f"tensor {name!r} has no readable dtype, shape and data_offsets in the "
-                              f"header ({str(t)[:120]})") from None
+                raise damaged(
+                    self.path,
+                    f"tensor {name!r} has no readable dtype, shape and data_offsets in the header ({str(t)[:120]})",
+                ) from None
             if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end <= available):
-                raise damaged(self.path, f"tensor {name!r} lies at bytes {begin}..{end}, outside the {available} "
-                              "bytes of data")
+                raise damaged(
+                    self.path, f"tensor {name!r} lies at bytes {begin}..{end}, outside the {available} bytes of data"
+                )
             info = TensorInfo(dtype, shape, data + begin)
             if min(shape, default=0) < 0 or end - begin != info.nbytes:
-                raise damaged(self.path, f"tensor {name!r} has {end - begin} bytes for shape {list(shape)} "
-                              f"{t['dtype']}")
+                raise damaged(
+                    self.path, f"tensor {name!r} has {end - begin} bytes for shape {list(shape)} {t['dtype']}"
+                )
             tensors[name] = info
         meta = header.get("__metadata__") or {}
         return tensors, meta if isinstance(meta, dict) else {}
@@ -142,7 +160,7 @@ class SafetensorsFile:
             os.close(self._fd)
             self._fd = -1
 
-    def __enter__(self) -> "SafetensorsFile":
+    def __enter__(self) -> SafetensorsFile:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -172,16 +190,16 @@ class SafetensorsFile:
         # axes after the last cut one are whole, so each run covers the cut axis' span and all of them
         cut = [a for a, (span, n) in enumerate(zip(lens, info.shape)) if span != n]
         k = cut[-1] if cut else 0
-        strides = [math.prod(info.shape[a + 1:]) for a in range(len(info.shape))]  # in elements
+        strides = [math.prod(info.shape[a + 1 :]) for a in range(len(info.shape))]  # in elements
         run = math.prod(lens[k:]) * info.dtype.itemsize
         first = info.offset + sum(spans[a][0] * strides[a] for a in range(k, len(spans))) * info.dtype.itemsize
         starts = np.zeros((), np.int64) + first
         for a in range(k):  # every combination of the outer axes' indices, in row-major order
-            steps = (np.arange(spans[a][0], spans[a][1], dtype=np.int64) * strides[a] * info.dtype.itemsize)
+            steps = np.arange(spans[a][0], spans[a][1], dtype=np.int64) * strides[a] * info.dtype.itemsize
             starts = starts[..., None] + steps
         dest = memoryview(out.reshape(-1).view(np.uint8))
         for j, at in enumerate(starts.reshape(-1).tolist()):
-            self._read_into(dest[j * run:(j + 1) * run], at, name)
+            self._read_into(dest[j * run : (j + 1) * run], at, name)
         _READ[0] += out.nbytes
         return out
 
@@ -196,7 +214,7 @@ class SafetensorsFile:
         self._read_into(memoryview(buf), start, "(all)")
         out = {}
         for name, t in self.tensors.items():
-            raw = buf[t.offset - start:t.offset - start + t.nbytes]
+            raw = buf[t.offset - start : t.offset - start + t.nbytes]
             if (t.offset - start) % t.dtype.itemsize:
                 raw = raw.copy()
             out[name] = raw.view(t.dtype).reshape(t.shape)

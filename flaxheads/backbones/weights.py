@@ -4,11 +4,13 @@ A Flax ``Dense`` is ``{"kernel": [in, out], "bias": [out]}``; PyTorch ``nn.Linea
 ``{name}.weight [out, in]`` and ``{name}.bias``. A Flax ``LayerNorm`` is
 ``{"scale", "bias"}``; PyTorch's is ``{name}.weight``, ``{name}.bias``.
 """
+
 from __future__ import annotations
 
 import json
 import os
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -31,9 +33,11 @@ class WeightsNotFoundError(WeightsError, FileNotFoundError):
 
 def _unreadable(path: str, err: BaseException) -> WeightsError:
     cause = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
-    return WeightsError(f"{path}: the weights cannot be read ({type(err).__name__}: {cause}); the file is truncated "
-                        "or corrupt, as a download that stopped part-way leaves it: download the model again (or "
-                        "re-save it with save_pretrained)")
+    return WeightsError(
+        f"{path}: the weights cannot be read ({type(err).__name__}: {cause}); the file is truncated "
+        "or corrupt, as a download that stopped part-way leaves it: download the model again (or "
+        "re-save it with save_pretrained)"
+    )
 
 
 def read_safetensors(path: str, *, check: bool = True) -> dict[str, np.ndarray]:
@@ -68,21 +72,33 @@ def read_torch_bin(path: str) -> dict[str, np.ndarray]:
     try:
         import torch
     except ImportError:
-        raise ImportError(f"{path}: reading a pytorch_model.bin needs torch; install flaxheads[torch] or "
-                          "re-save the model with `save_pretrained(folder, safe_serialization=True)`") from None
+        raise ImportError(
+            f"{path}: reading a pytorch_model.bin needs torch; install flaxheads[torch] or "
+            "re-save the model with `save_pretrained(folder, safe_serialization=True)`"
+        ) from None
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise WeightsError(f"{path}: refused to load: it is not a plain PyTorch state dict that "
-                         f"torch.load(weights_only=True) accepts ({type(e).__name__}: {str(e)[:300]}). flaxheads never "
-                         "unpickles arbitrary objects; re-save the weights with save_pretrained(..., "
-                         "safe_serialization=True) from a source you trust.") from None
-    if not isinstance(state, Mapping) or not state or not all(
-            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
-        what = type(state).__name__ if not isinstance(state, Mapping) else \
-            f"a dict with {sorted({type(v).__name__ for v in state.values()}) or 'no'} values"
-        raise WeightsError(f"{path}: expected a flat state dict {{name: tensor}}, found {what}. Save "
-                         "`model.state_dict()` (not the model object, an optimizer or a training dict).")
+        raise WeightsError(
+            f"{path}: refused to load: it is not a plain PyTorch state dict that "
+            f"torch.load(weights_only=True) accepts ({type(e).__name__}: {str(e)[:300]}). flaxheads never "
+            "unpickles arbitrary objects; re-save the weights with save_pretrained(..., "
+            "safe_serialization=True) from a source you trust."
+        ) from None
+    if (
+        not isinstance(state, Mapping)
+        or not state
+        or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items())
+    ):
+        what = (
+            type(state).__name__
+            if not isinstance(state, Mapping)
+            else f"a dict with {sorted({type(v).__name__ for v in state.values()}) or 'no'} values"
+        )
+        raise WeightsError(
+            f"{path}: expected a flat state dict {{name: tensor}}, found {what}. Save "
+            "`model.state_dict()` (not the model object, an optimizer or a training dict)."
+        )
     return {k: (v.float() if v.dtype == torch.bfloat16 else v).detach().cpu().numpy() for k, v in state.items()}
 
 
@@ -158,16 +174,22 @@ def head_to_hf(head_params: Mapping, hf_names: Iterable[tuple[str, str]]) -> dic
 
 
 def _find(state: Mapping[str, np.ndarray], hf_name: str, strip_prefixes: Iterable[str]) -> str | None:
-    candidates = [hf_name] + [hf_name[len(p) + 1:] for p in strip_prefixes if hf_name.startswith(p + ".")]
+    candidates = [hf_name] + [hf_name[len(p) + 1 :] for p in strip_prefixes if hf_name.startswith(p + ".")]
     for c in candidates:
         if f"{c}.weight" in state:
             return c
     return None
 
 
-def head_from_hf(head_params: Mapping, hf_names: Iterable[tuple[str, str]], state: Mapping[str, np.ndarray], *,
-                 strip_prefixes: Iterable[str] = (), ignore_mismatched_sizes: bool = False,
-                 source: str = "checkpoint"):
+def head_from_hf(
+    head_params: Mapping,
+    hf_names: Iterable[tuple[str, str]],
+    state: Mapping[str, np.ndarray],
+    *,
+    strip_prefixes: Iterable[str] = (),
+    ignore_mismatched_sizes: bool = False,
+    source: str = "checkpoint",
+):
     """Copy mapped modules from an HF state dict into (a copy of) ``head_params``.
 
     Returns ``(params, loaded, new)`` where ``loaded`` lists ``(path, hf_name)`` copied and
@@ -218,8 +240,7 @@ def is_embedding(module: str) -> bool:
     return last.endswith(EMBEDDING_SUFFIXES)
 
 
-def tree_from_torch(state: Mapping[str, np.ndarray], *, embedding=is_embedding,
-                    transpose=lambda module: True) -> dict:
+def tree_from_torch(state: Mapping[str, np.ndarray], *, embedding=is_embedding, transpose=lambda module: True) -> dict:
     """HF's PyTorch -> Flax rule for a whole state dict: ``a.b.0.c.weight`` -> ``{"a": {"b": {"0": {"c": ...}}}}``
     with ``weight`` [out, in] -> ``kernel`` [in, out] (``transpose(module)`` False keeps the layout:
     GPT-2's ``Conv1D``), ``weight`` of an embedding -> ``embedding``, 1-D ``weight`` -> ``scale``

@@ -1,5 +1,6 @@
 """The Orbax plumbing: managers, abstract trees, saving and restoring items, picking a step,
 and the corrupt-step report. Nothing here knows what a head or a model is."""
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -44,23 +45,37 @@ def _handlers() -> dict:
 ASYNC_TIMEOUT_S = 600
 
 
-def manager(root: str, *, read_only: bool = False, async_save: bool = True, preservation=None,
-            best_fn: Callable | None = None, best_mode: str = "max") -> ocp.CheckpointManager:
+def manager(
+    root: str,
+    *,
+    read_only: bool = False,
+    async_save: bool = True,
+    preservation=None,
+    best_fn: Callable | None = None,
+    best_mode: str = "max",
+) -> ocp.CheckpointManager:
     """An Orbax manager of the step folders under ``root``, with one handler per item.
 
     A step's folders are created before ``save`` returns, not in the background: a folder that
     cannot be created (read-only, full, gone) fails that save in the caller's thread, and no
     writer thread waits on folders that never come (Orbax's waits run up to 5 minutes)."""
-    opts = dict(create=not read_only, read_only=read_only, enable_async_checkpointing=async_save,
-                cleanup_tmp_directories=not read_only, best_fn=best_fn, best_mode=best_mode,
-                async_options=ocp.AsyncOptions(timeout_secs=ASYNC_TIMEOUT_S, create_directories_asynchronously=False))
+    opts = dict(
+        create=not read_only,
+        read_only=read_only,
+        enable_async_checkpointing=async_save,
+        cleanup_tmp_directories=not read_only,
+        best_fn=best_fn,
+        best_mode=best_mode,
+        async_options=ocp.AsyncOptions(timeout_secs=ASYNC_TIMEOUT_S, create_directories_asynchronously=False),
+    )
     if read_only:
         opts["save_interval_steps"] = 0
     if preservation is not None:
         opts["preservation_policy"] = preservation
     with quiet():  # orbax warns that a read-only manager is read-only
-        return ocp.CheckpointManager(os.path.abspath(root), options=ocp.CheckpointManagerOptions(**opts),
-                                     item_handlers=_handlers())
+        return ocp.CheckpointManager(
+            os.path.abspath(root), options=ocp.CheckpointManagerOptions(**opts), item_handlers=_handlers()
+        )
 
 
 def retention(keep: int | None, best_fn: Callable | None = None, mode: str = "max", keep_best: int = 1):
@@ -68,8 +83,11 @@ def retention(keep: int | None, best_fn: Callable | None = None, mode: str = "ma
     cm = ocp.checkpoint_managers
     policies = [cm.LatestN(n=keep)]
     if best_fn is not None:
-        policies.append(cm.BestN(get_metric_fn=best_fn, reverse=(mode == "min"), n=keep_best,
-                                 keep_checkpoints_without_metrics=False))
+        policies.append(
+            cm.BestN(
+                get_metric_fn=best_fn, reverse=(mode == "min"), n=keep_best, keep_checkpoints_without_metrics=False
+            )
+        )
     return cm.AnyPreservationPolicy(policies)
 
 
@@ -96,12 +114,14 @@ def drop_unawaited_writes() -> None:
 
 # ---- abstract trees ----------------------------------------------------------------------------
 
+
 def first_device() -> jax.sharding.Sharding:
     return jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
 
 def abstract(tree, sharding: jax.sharding.Sharding | None = None):
     """ShapeDtypeStructs for ``tree``; each leaf on ``sharding``, or on its own sharding when None."""
+
     def one(x):
         s = sharding if sharding is not None else getattr(x, "sharding", None)
         return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s if s is not None else first_device())
@@ -120,14 +140,14 @@ def keys_to_data(tree):
 
 def abstract_state(tree, sharding: jax.sharding.Sharding | None = None):
     """Like :func:`abstract`, with typed keys described by their ``key_data``."""
-    return abstract(jax.tree.map(lambda x: jax.eval_shape(jax.random.key_data, x) if _is_key(x) else x, tree),
-                    sharding)
+    return abstract(jax.tree.map(lambda x: jax.eval_shape(jax.random.key_data, x) if _is_key(x) else x, tree), sharding)
 
 
 def data_to_keys(restored, target):
     """Inverse of :func:`keys_to_data`: typed keys where ``target`` has them."""
-    return jax.tree.map(lambda r, t: jax.random.wrap_key_data(r, impl=jax.random.key_impl(t)) if _is_key(t) else r,
-                        restored, target)
+    return jax.tree.map(
+        lambda r, t: jax.random.wrap_key_data(r, impl=jax.random.key_impl(t)) if _is_key(t) else r, restored, target
+    )
 
 
 def is_empty(tree) -> bool:
@@ -135,6 +155,7 @@ def is_empty(tree) -> bool:
 
 
 # ---- folders and steps ----------------------------------------------------------------------------
+
 
 def resolve_root(directory: str | os.PathLike) -> tuple[str, int | None]:
     """(checkpoint root, step) for a run folder, a checkpoint root, or one step's folder."""
@@ -154,8 +175,11 @@ def is_checkpoint_folder(path: str | os.PathLike) -> bool:
     def is_step(p):
         return os.path.basename(p).isdigit() and os.path.isdir(os.path.join(p, META))
 
-    return os.path.isdir(d) and (os.path.isdir(os.path.join(d, CHECKPOINTS_SUBDIR)) or is_step(d)
-                                 or any(is_step(os.path.join(d, x)) for x in os.listdir(d)))
+    return os.path.isdir(d) and (
+        os.path.isdir(os.path.join(d, CHECKPOINTS_SUBDIR))
+        or is_step(d)
+        or any(is_step(os.path.join(d, x)) for x in os.listdir(d))
+    )
 
 
 def pick_step(mgr, root: str, step: int | str | None) -> int:
@@ -168,8 +192,10 @@ def pick_step(mgr, root: str, step: int | str | None) -> int:
     if step == "best":
         best = _best_step(mgr, root, steps)
         if best is None:
-            raise CheckpointError(f"{root}: no checkpoint was saved with a best_metric to pick the best one by; "
-                                  f"pick a step by number (available: {steps}) or 'latest'")
+            raise CheckpointError(
+                f"{root}: no checkpoint was saved with a best_metric to pick the best one by; "
+                f"pick a step by number (available: {steps}) or 'latest'"
+            )
         return best
     if int(step) not in steps:
         raise CheckpointNotFoundError(f"{root}: no checkpoint for step {step}; available steps: {steps}")
@@ -216,13 +242,14 @@ def open_step(directory: str | os.PathLike, step: int | str | None) -> Iterator[
 
 # ---- reading and writing items ----------------------------------------------------------------------
 
+
 def corrupt(root: str, step: int, item: str, steps: list[int], err: BaseException) -> CorruptCheckpointError:
     """The error for an unreadable ``item`` of ``step``, naming the other steps to fall back on."""
     hint = fallback_hint(root, step, steps)
     return CorruptCheckpointError(
         f"checkpoint step {step} at {os.path.join(root, str(step))} is corrupt: its '{item}' item could not be "
-        f"read ({type(err).__name__}: {str(err).strip()[:300]}). Its files are missing, truncated or damaged."
-        + hint)
+        f"read ({type(err).__name__}: {str(err).strip()[:300]}). Its files are missing, truncated or damaged." + hint
+    )
 
 
 def fallback_hint(root: str, step: int, steps: list[int]) -> str:
@@ -230,9 +257,12 @@ def fallback_hint(root: str, step: int, steps: list[int]) -> str:
     others = sorted(s for s in steps if s != step)
     earlier = [s for s in others if s < step]
     pick = earlier[-1] if earlier else (others[-1] if others else None)
-    return (f" Other steps in this folder: {others}; restore one with step={pick} "
-            f"(train: --resume-step {pick}), or delete {os.path.join(root, str(step))}."
-            if others else " There is no other step in this folder.")
+    return (
+        f" Other steps in this folder: {others}; restore one with step={pick} "
+        f"(train: --resume-step {pick}), or delete {os.path.join(root, str(step))}."
+        if others
+        else " There is no other step in this folder."
+    )
 
 
 def seal_step(root: str, step: int) -> None:
@@ -289,8 +319,9 @@ def restore_arrays(mgr, root: str, step: int, items: dict) -> dict:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                got = mgr.restore(step, args=ocp.args.Composite(
-                    **{k: ocp.args.StandardRestore(v) for k, v in want.items()}))
+                got = mgr.restore(
+                    step, args=ocp.args.Composite(**{k: ocp.args.StandardRestore(v) for k, v in want.items()})
+                )
         except CheckpointError:
             raise
         except Exception as e:
@@ -306,10 +337,12 @@ def save_args(arrays: Mapping[str, Any], json_items: Mapping[str, dict]) -> ocp.
     (Qwix codes, which Orbax does not store) is refused: a frozen base is saved by its folder."""
     for k, v in arrays.items():
         if any(is_quantized(x) for x in jax.tree.leaves(v, is_leaf=is_quantized)):
-            raise CheckpointError(f"the checkpoint's {k!r} item holds a quantised base (int8 / int4 / nf4 codes), "
-                                  "which a checkpoint does not store: save it with save_backbone=False (as "
-                                  "flaxheads train does for a frozen or LoRA base; a restore reads the base again "
-                                  "from its folder and quantises it)")
+            raise CheckpointError(
+                f"the checkpoint's {k!r} item holds a quantised base (int8 / int4 / nf4 codes), "
+                "which a checkpoint does not store: save it with save_backbone=False (as "
+                "flaxheads train does for a frozen or LoRA base; a restore reads the base again "
+                "from its folder and quantises it)"
+            )
     items = {k: ocp.args.JsonSave(v) for k, v in json_items.items()}
     items.update({k: ocp.args.StandardSave(v) for k, v in arrays.items() if not is_empty(v)})
     return ocp.args.Composite(**items)
@@ -324,8 +357,9 @@ def item_targets(mgr, root: str, step: int, items: list[str]) -> dict:
     dev, out = first_device(), {}
     for item in items:
         try:
-            out[item] = jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=dev),
-                                     md[item].tree)
+            out[item] = jax.tree.map(
+                lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=dev), md[item].tree
+            )
         except Exception as e:
             raise corrupt(root, step, item, mgr.all_steps(), e) from e
     return out
@@ -333,13 +367,21 @@ def item_targets(mgr, root: str, step: int, items: list[str]) -> dict:
 
 # ---- failed writes ------------------------------------------------------------------------------------
 
+
 def write_failed(root: str, step: int | None, err: BaseException, kept: list[int]) -> CheckpointWriteError:
     """The error for a save of ``step`` under ``root`` that failed, naming what is kept."""
     where = os.path.join(root, str(step)) if step is not None else root
-    keep = (f"the latest complete checkpoint is step {kept[-1]} ({os.path.join(root, str(kept[-1]))}), intact"
-            if kept else "no earlier checkpoint exists")
-    hint = {os.strerror(errno.ENOSPC): "free some space", os.strerror(errno.EFBIG): "raise the file size limit",
-            os.strerror(errno.EDQUOT): "free some quota", os.strerror(errno.EROFS): "use a writable disk"}
+    keep = (
+        f"the latest complete checkpoint is step {kept[-1]} ({os.path.join(root, str(kept[-1]))}), intact"
+        if kept
+        else "no earlier checkpoint exists"
+    )
+    hint = {
+        os.strerror(errno.ENOSPC): "free some space",
+        os.strerror(errno.EFBIG): "raise the file size limit",
+        os.strerror(errno.EDQUOT): "free some quota",
+        os.strerror(errno.EROFS): "use a writable disk",
+    }
     cause = os_error_cause(err) or f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:200]}"
     fix = hint.get(cause, "fix the disk")
     rerun = "rerun the same command to resume" if kept else "rerun the same command (it starts over)"

@@ -4,6 +4,7 @@ checks that compare a saved meta with a target, and the checkpoint errors.
 ``meta`` holds the library version, pooler/head config, problem type, labels, hidden width,
 backbone type and name/path, dtype, and the head's per-leaf shapes with their hash.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -35,11 +36,35 @@ ARRAY_ITEMS = (HEAD, BACKBONE, OPT_STATE, EXTRA, LORA)
 JSON_ITEMS = (STEP, META)
 CHECKPOINTS_SUBDIR = "checkpoints"
 # the keys make_meta writes; anything else in a meta came from extra_meta
-OWN_KEYS = frozenset({
-    "format", "library", "library_version", "created", "head_config", "problem_type", "num_labels", "id2label",
-    "hidden_size", "backbone_model_type", "backbone_name_or_path", "backbone_saved", "dtype", "param_dtype",
-    "pool_mask", "pad_token_id", "eos_token_id", "arch", "hf_names", "head_shapes", "head_shapes_hash",
-    "jax_version", "lora", "base_dtype", "quantize"})
+OWN_KEYS = frozenset(
+    {
+        "format",
+        "library",
+        "library_version",
+        "created",
+        "head_config",
+        "problem_type",
+        "num_labels",
+        "id2label",
+        "hidden_size",
+        "backbone_model_type",
+        "backbone_name_or_path",
+        "backbone_saved",
+        "dtype",
+        "param_dtype",
+        "pool_mask",
+        "pad_token_id",
+        "eos_token_id",
+        "arch",
+        "hf_names",
+        "head_shapes",
+        "head_shapes_hash",
+        "jax_version",
+        "lora",
+        "base_dtype",
+        "quantize",
+    }
+)
 
 
 class CheckpointError(FlaxheadsError):
@@ -75,6 +100,7 @@ class CheckpointExistsError(CheckpointError, FileExistsError):
 
 
 # ---- head shapes ---------------------------------------------------------------------------
+
 
 def key_str(k) -> str:
     """One key of a ``jax.tree_util`` path as text (dict key, attribute name or index)."""
@@ -113,8 +139,13 @@ def expected_head_shapes(head: SequenceHead, hidden_size: int) -> dict:
 def backbone_checksum(backbone_params) -> float:
     """Sum of |w| over every backbone weight (float64 on the host): tells a frozen backbone
     loaded again from its folder apart from another one with the same shapes."""
-    return float(sum(np.abs(np.asarray(_host(x), np.float64)).sum()
-                     for x in jax.tree.leaves(backbone_params) if hasattr(x, "dtype")))
+    return float(
+        sum(
+            np.abs(np.asarray(_host(x), np.float64)).sum()
+            for x in jax.tree.leaves(backbone_params)
+            if hasattr(x, "dtype")
+        )
+    )
 
 
 def _host(x):
@@ -125,6 +156,7 @@ def _host(x):
 
 
 # ---- the meta item -------------------------------------------------------------------------
+
 
 def _dtype_name(x) -> str | None:
     try:
@@ -139,8 +171,9 @@ def functional(model):
     return model.to_functional() if hasattr(model, "to_functional") else model
 
 
-def make_meta(model: SequenceModel, head_params, *, backbone_saved: bool = False,
-              extra: Mapping[str, Any] | None = None) -> dict:
+def make_meta(
+    model: SequenceModel, head_params, *, backbone_saved: bool = False, extra: Mapping[str, Any] | None = None
+) -> dict:
     """The JSON ``meta`` item for ``model`` (an NNX model: its functional form) with ``head_params``."""
     model = functional(model)
     dtypes = sorted({jnp.dtype(x.dtype).name for _, x in _leaves_with_paths(head_params)})
@@ -174,8 +207,10 @@ def make_meta(model: SequenceModel, head_params, *, backbone_saved: bool = False
     if extra:
         clash = set(extra) & OWN_KEYS
         if clash:
-            raise CheckpointError(f"extra_meta keys {sorted(clash)} would overwrite flaxheads' own meta keys; "
-                                  "rename them (the own keys are the ones make_meta writes)")
+            raise CheckpointError(
+                f"extra_meta keys {sorted(clash)} would overwrite flaxheads' own meta keys; "
+                "rename them (the own keys are the ones make_meta writes)"
+            )
         meta.update(extra)
     json.dumps(meta)  # fail now, not inside the async writer, on non-JSON values
     return meta
@@ -188,12 +223,14 @@ def int_keys(d: Mapping | None) -> dict | None:
 
 # ---- checks of a saved meta against a target ------------------------------------------------
 
+
 def check_format(meta: dict, where: str) -> None:
     if meta.get("format") != FORMAT:
         raise IncompatibleCheckpointError(
             f"{where}: meta format is {meta.get('format')!r}, this flaxheads {__version__} reads {FORMAT!r}. "
             "Load it with the flaxheads version that wrote it (meta.library_version="
-            f"{meta.get('library_version')!r}).")
+            f"{meta.get('library_version')!r})."
+        )
 
 
 def build_head(meta: dict, where: str) -> SequenceHead:
@@ -203,10 +240,13 @@ def build_head(meta: dict, where: str) -> SequenceHead:
     except (KeyError, ValueError, TypeError) as e:
         raise IncompatibleCheckpointError(
             f"{where}: cannot build the head from its saved config ({e}). It was written by flaxheads "
-            f"{meta.get('library_version')!r}; this is {__version__}.") from e
+            f"{meta.get('library_version')!r}; this is {__version__}."
+        ) from e
     if not isinstance(head, SequenceHead):
-        raise IncompatibleCheckpointError(f"{where}: head_config is a {type(head).__name__}, not a SequenceHead; "
-                                          "this folder does not hold a flaxheads head checkpoint")
+        raise IncompatibleCheckpointError(
+            f"{where}: head_config is a {type(head).__name__}, not a SequenceHead; "
+            "this folder does not hold a flaxheads head checkpoint"
+        )
     return head
 
 
@@ -237,7 +277,8 @@ def check_params_fit(head: SequenceHead, hidden_size: int, head_params, where: s
     if {p: v[0] for p, v in want.items()} != {p: v[0] for p, v in got.items()}:
         raise IncompatibleCheckpointError(
             f"{where}: the head params do not fit the head config on hidden width {hidden_size}: "
-            f"{shape_diff(want, got)}")
+            f"{shape_diff(want, got)}"
+        )
 
 
 def check_saved_shapes(meta: dict, want: dict, where: str) -> None:
@@ -246,7 +287,8 @@ def check_saved_shapes(meta: dict, want: dict, where: str) -> None:
         raise IncompatibleCheckpointError(
             f"{where}: the saved head config builds parameters of other shapes than the saved ones "
             f"({shape_diff(head_shapes(want), meta.get('head_shapes', {}))}). The checkpoint was written by "
-            f"flaxheads {meta.get('library_version')!r} (this is {__version__}); load it with that version.")
+            f"flaxheads {meta.get('library_version')!r} (this is {__version__}); load it with that version."
+        )
 
 
 def check_resumable(meta: dict, where: str, params: Mapping, model: SequenceModel | None) -> None:
@@ -260,13 +302,15 @@ def check_resumable(meta: dict, where: str, params: Mapping, model: SequenceMode
             f"{'; '.join(diff) if diff else 'same config'}; parameter shapes: "
             f"{shape_diff(head_shapes(params['head']), meta.get('head_shapes', {}))}. "
             f"Resume with the head config in the checkpoint's meta, or start a new run folder "
-            f"(train: --no-resume).")
+            f"(train: --no-resume)."
+        )
     if model is not None:
         for key, have in (("hidden_size", model.hidden_size), ("backbone_model_type", model.model_type)):
             if meta.get(key) != have:
                 raise IncompatibleCheckpointError(
                     f"{where}: checkpoint {key}={meta.get(key)!r} but this run's backbone has {have!r}; "
-                    "resume with the backbone the run was started with, or start a new run folder.")
+                    "resume with the backbone the run was started with, or start a new run folder."
+                )
     if model is not None or meta.get("lora") is not None:
         check_adapters(meta, adapters_meta(model) if model is not None else None, where)
     saved_sum = meta.get("backbone_checksum")
@@ -276,7 +320,8 @@ def check_resumable(meta: dict, where: str, params: Mapping, model: SequenceMode
             raise IncompatibleCheckpointError(
                 f"{where}: the run's frozen backbone was not saved, and the backbone given now differs from the "
                 f"one it was trained with (weight checksum {have_sum!r} vs {saved_sum!r}; saved from "
-                f"{meta.get('backbone_name_or_path')!r}). Load that backbone folder, or start a new run.")
+                f"{meta.get('backbone_name_or_path')!r}). Load that backbone folder, or start a new run."
+            )
 
 
 def check_adapters(meta: dict, have: dict | None, where: str) -> None:
@@ -287,4 +332,5 @@ def check_adapters(meta: dict, have: dict | None, where: str) -> None:
         raise IncompatibleCheckpointError(
             f"{where}: the checkpoint's LoRA adapters do not fit the target model: {'; '.join(diff[:6])}"
             f"{' ...' if len(diff) > 6 else ''}. Use the adapter settings (--lora-*) and backbone the run was "
-            "started with, or start a new run folder.")
+            "started with, or start a new run folder."
+        )

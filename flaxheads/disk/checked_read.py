@@ -19,10 +19,12 @@ from the page cache cost more than hashing inline on a machine whose cores are b
 kernel to read a whole 2 GB range ahead, ``WILLNEED``, read the range before the first piece could
 be hashed.)
 """
+
 from __future__ import annotations
 
 import os
 import threading
+from functools import partial
 
 import numpy as np
 import xxhash
@@ -46,12 +48,26 @@ def _pread_into(fd: int, dest: memoryview, offset: int) -> int:
             got = os.preadv(fd, [dest[done:]], offset + done)
         else:  # no preadv (some platforms): a copy through bytes
             chunk = os.pread(fd, len(dest) - done, offset + done)
-            dest[done:done + len(chunk)] = chunk
+            dest[done : done + len(chunk)] = chunk
             got = len(chunk)
         if got == 0:
             break
         done += got
     return done
+
+
+class _ColdRead:
+    """What the reading thread of :meth:`CheckedFile._read_cold` has done, shared under its condition."""
+
+    def __init__(self) -> None:
+        self.done = 0
+        self.finished = False
+        self.stop = False
+        self.error: BaseException | None = None
+
+
+def _arrived(state: _ColdRead, upto: int) -> bool:
+    return state.done >= upto or state.finished
 
 
 class CheckedFile:
@@ -78,8 +94,13 @@ class CheckedFile:
             raise EOFError(f"{len(dest)} bytes at {offset} run past the end of the file")
         return got
 
+    def _record(self) -> Blocks:
+        assert self.blocks is not None, "a checked read needs the file's block records"
+        return self.blocks
+
     def _checked(self, dest: memoryview, offset: int) -> int:
-        b, end = self.blocks, min(offset + len(dest), self.blocks.size)
+        b = self._record()
+        end = min(offset + len(dest), b.size)
         pos = offset
         while pos < end:
             k = pos // b.block
@@ -87,14 +108,14 @@ class CheckedFile:
             a, z = max(start, offset), min(stop, end)  # the part of block k this read wants
             kept = self._kept_part(k, a, z)
             if kept is not None:
-                dest[a - offset:z - offset] = kept
+                dest[a - offset : z - offset] = kept
             elif a == start and z == stop and not self._cached(start):
                 # not in the page cache: this block and the whole ones after it, read in large reads
                 last = (end // b.block) * b.block if end < b.size else end
-                self._read_cold(dest[start - offset:last - offset], start, k)
+                self._read_cold(dest[start - offset : last - offset], start, k)
                 stop = last
             else:
-                self._read_block(k, dest[a - offset:z - offset], a, z)
+                self._read_block(k, dest[a - offset : z - offset], a, z)
             pos = stop
         return max(0, end - offset)
 
@@ -111,27 +132,27 @@ class CheckedFile:
         """Whole blocks from ``k0`` that the page cache does not hold: a helper thread reads them in
         :data:`COLD_READ`-byte reads (the disk serves large reads fastest) while this one hashes each block
         as soon as it is in; the thread waits on the disk, not on a core."""
-        b, n = self.blocks, len(view)
-        state = {"done": 0, "finished": False, "stop": False, "error": None}
+        b, n = self._record(), len(view)
+        state = _ColdRead()
         cond = threading.Condition()
 
         def reader() -> None:
             pos = 0
             try:
-                while pos < n and not state["stop"]:
+                while pos < n and not state.stop:
                     want = min(COLD_READ, n - pos)
-                    got = _pread_into(self.fd, view[pos:pos + want], at + pos)
+                    got = _pread_into(self.fd, view[pos : pos + want], at + pos)
                     pos += got
                     with cond:
-                        state["done"] = pos
+                        state.done = pos
                         cond.notify()
                     if got < want:
                         break
             except BaseException as e:  # noqa: BLE001 (handed to the reading thread)
-                state["error"] = e
+                state.error = e
             finally:
                 with cond:
-                    state["finished"] = True
+                    state.finished = True
                     cond.notify()
 
         thread = threading.Thread(target=reader, name="flaxheads-checked-read", daemon=True)
@@ -140,46 +161,47 @@ class CheckedFile:
             for k in range(k0, k0 + -(-n // b.block)):
                 start, stop = b.span(k)
                 with cond:
-                    cond.wait_for(lambda: state["done"] >= stop - at or state["finished"])
-                if state["error"] is not None:
-                    raise state["error"]
-                if state["done"] < stop - at or block_digest(view[start - at:stop - at]) != b.digests[k]:
+                    cond.wait_for(partial(_arrived, state, stop - at))
+                if state.error is not None:
+                    raise state.error
+                if state.done < stop - at or block_digest(view[start - at : stop - at]) != b.digests[k]:
                     raise b.mismatch(k)  # differs, or the file was cut while open
         finally:
-            state["stop"] = True
+            state.stop = True
             thread.join()
 
     def _read_block(self, k: int, part: memoryview, a: int, z: int) -> None:
         """Read block ``k``: its bytes ``[a, z)`` into ``part`` (the caller's buffer), the others into a reused
         buffer, hashed in order; :class:`ChecksumError` unless they are the recorded ones. The other bytes are
         kept for the next read that wants them (a tensor's last block is the next one's first)."""
-        start, stop = self.blocks.span(k)
+        blocks = self._record()
+        start, stop = blocks.span(k)
         h = xxhash.xxh3_64()
         buf = None
         if a > start or z < stop:  # the least recently used buffer, reused (no new pages to fault in)
-            buf = self._kept.pop(0)[1] if len(self._kept) >= _KEPT else np.empty(self.blocks.block, np.uint8)
+            buf = self._kept.pop(0)[1] if len(self._kept) >= _KEPT else np.empty(blocks.block, np.uint8)
         view = memoryview(buf) if buf is not None else None
         for lo, hi, into in ((start, a, view), (a, z, None), (z, stop, view)):
             if hi > lo:
-                self._hash_read(h, into[lo - start:hi - start] if into is not None else part, lo, k)
-        if h.hexdigest() != self.blocks.digests[k]:
-            raise self.blocks.mismatch(k)
+                self._hash_read(h, into[lo - start : hi - start] if into is not None else part, lo, k)
+        if h.hexdigest() != blocks.digests[k]:
+            raise blocks.mismatch(k)
         if buf is not None:
             self._kept.append((k, buf, ((start, a), (z, stop))))
 
     def _hash_read(self, h, view: memoryview, at: int, k: int) -> None:
         """Read ``view`` from ``at`` piece by piece into ``h``, each piece hashed while the cache holds it."""
         for i in range(0, len(view), PIECE):
-            piece = view[i:i + PIECE]
+            piece = view[i : i + PIECE]
             if _pread_into(self.fd, piece, at + i) < len(piece):
-                raise self.blocks.mismatch(k)  # the file was cut while open
+                raise self._record().mismatch(k)  # the file was cut while open
             h.update(piece)
 
     def _kept_part(self, k: int, a: int, z: int) -> memoryview | None:
         """Bytes ``[a, z)`` of block ``k`` when a checked read kept them, else None."""
-        start = k * self.blocks.block
+        start = k * self._record().block
         for i, (j, buf, ranges) in enumerate(self._kept):
             if j == k and any(lo <= a and z <= hi for lo, hi in ranges):
                 self._kept.append(self._kept.pop(i))
-                return memoryview(buf)[a - start:z - start]
+                return memoryview(buf)[a - start : z - start]
         return None

@@ -15,6 +15,7 @@ file and the byte range. :func:`full` (``fh.load(..., verify=True)``, ``--verify
 (no blocks) is checked by its sampled SHA-256 as before. A folder without the file (written
 elsewhere) loads as before; for those, :func:`scan_safetensors` checks each header's bounds and every
 tensor for NaN / Inf."""
+
 from __future__ import annotations
 
 import contextlib
@@ -24,7 +25,7 @@ import hashlib
 import json
 import mmap
 import os
-from typing import Iterator
+from collections.abc import Iterator
 
 import xxhash
 
@@ -34,9 +35,11 @@ MANIFEST = "checksums.json"
 FORMAT = "flaxheads-checksums/2"
 _FORMAT_V1 = "flaxheads-checksums/1"
 #: What ``--verify`` does, for the commands that take it.
-VERIFY_HELP = ("also hash every file flaxheads wrote that the command reads with SHA-256 and read every array (the "
-               "default checks every byte it reads by its block checksums); folders written elsewhere: every tensor "
-               "checked for NaN/Inf and the headers' bounds; anything damaged is one line, exit 1")
+VERIFY_HELP = (
+    "also hash every file flaxheads wrote that the command reads with SHA-256 and read every array (the "
+    "default checks every byte it reads by its block checksums); folders written elsewhere: every tensor "
+    "checked for NaN/Inf and the headers' bounds; anything damaged is one line, exit 1"
+)
 #: Block size of the per-block digests (bench/checked_load.py measured 1-16 MiB: see docs/performance.md).
 BLOCK = 4 << 20
 BLOCK_ALGORITHM = "xxh3_64"
@@ -144,8 +147,12 @@ def write_manifest(folder: str | os.PathLike) -> dict:
     """Record the size, SHA-256 and block digests of every file under ``folder`` in ``folder/checksums.json``
     (written to a temporary name and renamed: a cut write leaves no half manifest)."""
     folder = os.fspath(folder)
-    manifest = {"format": FORMAT, "algorithm": "sha256", "blocks": {"algorithm": BLOCK_ALGORITHM, "size": BLOCK},
-                "files": {rel: file_record(os.path.join(folder, rel)) for rel in _files(folder)}}
+    manifest = {
+        "format": FORMAT,
+        "algorithm": "sha256",
+        "blocks": {"algorithm": BLOCK_ALGORITHM, "size": BLOCK},
+        "files": {rel: file_record(os.path.join(folder, rel)) for rel in _files(folder)},
+    }
     manifest["digest"] = _self_digest(manifest)
     tmp = os.path.join(folder, f".{MANIFEST}.tmp")
     with open(tmp, "w") as f:
@@ -184,11 +191,16 @@ def _parse_manifest(path: str) -> dict:
     with open(path) as f:
         manifest = json.load(f)
     fmt = manifest.get("format")
-    if _newer(fmt) or (fmt == FORMAT and manifest.get("blocks", {}).get("algorithm") != BLOCK_ALGORITHM
-                       and manifest.get("digest") == _self_digest(manifest)):
-        raise ChecksumFormatError(f"{path}: written by a newer flaxheads (format {fmt!r}, blocks "
-                                  f"{manifest.get('blocks')}), which this version ({FORMAT}) cannot check; upgrade "
-                                  "flaxheads to load this folder (or delete that file to load it unchecked)")
+    if _newer(fmt) or (
+        fmt == FORMAT
+        and manifest.get("blocks", {}).get("algorithm") != BLOCK_ALGORITHM
+        and manifest.get("digest") == _self_digest(manifest)
+    ):
+        raise ChecksumFormatError(
+            f"{path}: written by a newer flaxheads (format {fmt!r}, blocks "
+            f"{manifest.get('blocks')}), which this version ({FORMAT}) cannot check; upgrade "
+            "flaxheads to load this folder (or delete that file to load it unchecked)"
+        )
     if fmt not in (FORMAT, _FORMAT_V1) or not isinstance(manifest.get("files"), dict):
         raise ValueError(f"expected format {FORMAT!r} with a 'files' object")
     if fmt == FORMAT:
@@ -209,9 +221,11 @@ def read_manifest(folder: str | os.PathLike) -> dict | None:
     except ChecksumFormatError:
         raise
     except (OSError, ValueError, AttributeError, TypeError) as e:
-        raise ChecksumError(f"{path}: the checksum manifest is damaged ({type(e).__name__}: {str(e)[:120]}), so "
-                            "the folder's files cannot be checked; write the folder again (or delete that file "
-                            "to load the folder unchecked)") from None
+        raise ChecksumError(
+            f"{path}: the checksum manifest is damaged ({type(e).__name__}: {str(e)[:120]}), so "
+            "the folder's files cannot be checked; write the folder again (or delete that file "
+            "to load the folder unchecked)"
+        ) from None
 
 
 # ---- checking -----------------------------------------------------------------------------------
@@ -236,22 +250,31 @@ class Blocks:
 
     def mismatch(self, k: int) -> ChecksumError:
         a, b = self.span(k)
-        return ChecksumError(f"{self.path}: bytes {a}..{b} differ from the checksums recorded in {self.manifest} "
-                             "when flaxheads wrote it: the file was changed or damaged since; restore it from a copy "
-                             "or write it again")
+        return ChecksumError(
+            f"{self.path}: bytes {a}..{b} differ from the checksums recorded in {self.manifest} "
+            "when flaxheads wrote it: the file was changed or damaged since; restore it from a copy "
+            "or write it again"
+        )
 
 
 def _cut(path: str, size: int, manifest: str, record: dict) -> ChecksumError:
-    return ChecksumError(f"{path}: {size} bytes where {manifest} records {record.get('size')}: the file was cut or "
-                         "changed since flaxheads wrote it; restore it from a copy or write it again")
+    return ChecksumError(
+        f"{path}: {size} bytes where {manifest} records {record.get('size')}: the file was cut or "
+        "changed since flaxheads wrote it; restore it from a copy or write it again"
+    )
 
 
 def _blocks(folder: str, rel: str, manifest: dict) -> Blocks | None:
     record = manifest["files"][rel]
     if manifest.get("format") != FORMAT or not isinstance(record.get("blocks"), list):
         return None
-    return Blocks(os.path.join(folder, rel), os.path.join(folder, MANIFEST), int(record.get("size", -1)),
-                  int(manifest["blocks"]["size"]), tuple(record["blocks"]))
+    return Blocks(
+        os.path.join(folder, rel),
+        os.path.join(folder, MANIFEST),
+        int(record.get("size", -1)),
+        int(manifest["blocks"]["size"]),
+        tuple(record["blocks"]),
+    )
 
 
 def _first_bad_block(blocks: Blocks) -> int | None:
@@ -268,8 +291,14 @@ def _first_bad_block(blocks: Blocks) -> int | None:
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
             view = memoryview(m)
             try:
-                return next((k for k in range(len(blocks.digests))
-                             if block_digest(view[slice(*blocks.span(k))]) != blocks.digests[k]), None)
+                return next(
+                    (
+                        k
+                        for k in range(len(blocks.digests))
+                        if block_digest(view[slice(*blocks.span(k))]) != blocks.digests[k]
+                    ),
+                    None,
+                )
             finally:
                 view.release()
 
@@ -278,12 +307,20 @@ def _stat(path: str, manifest: str) -> os.stat_result:
     try:
         return os.stat(path)
     except FileNotFoundError:
-        raise ChecksumError(f"{path} is missing: {manifest} lists it as written there; restore it from a copy or "
-                            "write the folder again") from None
+        raise ChecksumError(
+            f"{path} is missing: {manifest} lists it as written there; restore it from a copy or write the folder again"
+        ) from None
 
 
-def check_file(folder: str, rel: str, record: dict, *, whole: bool | None = None, manifest: dict | None = None,
-               streamed: bool = False) -> None:
+def check_file(
+    folder: str,
+    rel: str,
+    record: dict,
+    *,
+    whole: bool | None = None,
+    manifest: dict | None = None,
+    streamed: bool = False,
+) -> None:
     """Check one file of ``folder`` against its ``record``; :class:`ChecksumError` on a difference.
     ``streamed``: the file is read by the checked reader, which checks its blocks as it reads (here
     only its size, unless ``whole``)."""
@@ -303,23 +340,32 @@ def check_file(folder: str, rel: str, record: dict, *, whole: bool | None = None
     if how == "sha256" or (how == "sample" and "sample_sha256" not in record):
         if _sha256_file(path) != record.get("sha256"):
             bad = _first_bad_block(blocks) if blocks is not None else None
-            where = f" (bytes {'..'.join(map(str, blocks.span(bad)))} differ)" if bad is not None else ""
-            raise ChecksumError(f"{path}: its SHA-256 differs from the one recorded in {manifest_path} when flaxheads "
-                                f"wrote it{where}: the file was changed or damaged since; restore it from a copy or "
-                                "write it again")
-    elif how == "blocks":
+            where = (
+                f" (bytes {'..'.join(map(str, blocks.span(bad)))} differ)"
+                if blocks is not None and bad is not None
+                else ""
+            )
+            raise ChecksumError(
+                f"{path}: its SHA-256 differs from the one recorded in {manifest_path} when flaxheads "
+                f"wrote it{where}: the file was changed or damaged since; restore it from a copy or "
+                "write it again"
+            )
+    elif blocks is not None:  # how == "blocks"
         bad = _first_bad_block(blocks)
         if bad is not None:
             raise blocks.mismatch(bad)
     elif _sample_sha256(path, st.st_size) != record["sample_sha256"]:
-        raise ChecksumError(f"{path}: the SHA-256 of its sampled bytes differs from the one recorded in "
-                            f"{manifest_path} when flaxheads wrote it: the file was changed or damaged since; restore "
-                            "it from a copy or write it again")
+        raise ChecksumError(
+            f"{path}: the SHA-256 of its sampled bytes differs from the one recorded in "
+            f"{manifest_path} when flaxheads wrote it: the file was changed or damaged since; restore "
+            "it from a copy or write it again"
+        )
     _CHECKED[key] = True
 
 
-def verify_folder(folder: str | os.PathLike, *, whole: bool | None = None,
-                  only: tuple[str, ...] | None = None) -> int | None:
+def verify_folder(
+    folder: str | os.PathLike, *, whole: bool | None = None, only: tuple[str, ...] | None = None
+) -> int | None:
     """Check every file ``folder``'s manifest lists (``only``: those under these subfolders, and the
     files beside them); returns how many (None: no manifest there). ``whole``: hash whole files with
     SHA-256 too (default: :func:`full_requested`). Safetensors files recorded by blocks are checked
@@ -328,8 +374,11 @@ def verify_folder(folder: str | os.PathLike, *, whole: bool | None = None,
     manifest = read_manifest(folder)
     if manifest is None:
         return None
-    files = {rel: rec for rel, rec in manifest["files"].items()
-             if only is None or "/" not in rel or rel.split("/", 1)[0] in only}
+    files = {
+        rel: rec
+        for rel, rec in manifest["files"].items()
+        if only is None or "/" not in rel or rel.split("/", 1)[0] in only
+    }
     for rel, record in files.items():
         check_file(folder, rel, record, whole=whole, manifest=manifest, streamed=rel.endswith(STREAMED))
     return len(files)

@@ -1,14 +1,14 @@
 """flaxheads' own small files: the marker of a folder it wrote, JSON, and the modes new files get."""
+
 from __future__ import annotations
 
 import json
 import os
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 
 from flaxheads._version import __version__
-
 
 #: The file that marks a folder as written by flaxheads (an export or a run folder): ``--overwrite``
 #: replaces only folders that have it, never one of the user's own.

@@ -4,6 +4,7 @@ training that the checkpoint folder is read-only or full loses the hour.
 
 Sizes are estimated from the parameter shapes in the weights' file headers (nothing is loaded):
 a checkpoint of a fine-tuned model holds the float32 params and Adam's two moments of each."""
+
 from __future__ import annotations
 
 import errno
@@ -19,7 +20,7 @@ from flaxheads.disk.files import MARKER, has_marker
 from flaxheads.errors import UsageError
 
 #: Room kept beyond an estimate: run-folder files, logs, plots, and the estimate's slack.
-MARGIN_BYTES = 32 * 2 ** 20
+MARGIN_BYTES = 32 * 2**20
 MARGIN_SHARE = 0.10
 #: Bytes per parameter of a fine-tuning checkpoint: float32 params + AdamW's first and second moments.
 TRAIN_STATE_BYTES_PER_PARAM = 12
@@ -57,9 +58,13 @@ def _probe(folder: str) -> OSError | None:
 
 
 def _why(e: OSError) -> str:
-    return {errno.EROFS: "the filesystem is read-only", errno.EACCES: "permission denied",
-            errno.EPERM: "permission denied", errno.ENOSPC: "the disk is full",
-            errno.EDQUOT: "the disk quota is exhausted"}.get(e.errno or 0, e.strerror or type(e).__name__)
+    return {
+        errno.EROFS: "the filesystem is read-only",
+        errno.EACCES: "permission denied",
+        errno.EPERM: "permission denied",
+        errno.ENOSPC: "the disk is full",
+        errno.EDQUOT: "the disk quota is exhausted",
+    }.get(e.errno or 0, e.strerror or type(e).__name__)
 
 
 def _size(n: float) -> str:
@@ -96,8 +101,9 @@ def _check_writable(base: str, path: str, what: str) -> None:
     e = _probe(base)
     if e is not None:
         inside = "" if base == os.path.abspath(path) else f" (in {base!r})"
-        raise PreflightError(f"{what} {path!r} cannot be written{inside}: {_why(e)}; choose another folder or fix "
-                             "its permissions")
+        raise PreflightError(
+            f"{what} {path!r} cannot be written{inside}: {_why(e)}; choose another folder or fix its permissions"
+        )
 
 
 def _check_room(base: str, path: str, what: str, need: int) -> None:
@@ -105,18 +111,21 @@ def _check_room(base: str, path: str, what: str, need: int) -> None:
         return
     free = disk_free(base)
     if free < need:
-        raise PreflightError(f"{what} {path!r}: {_size(free)} free on its disk, and this command needs about "
-                             f"{_size(need)} (estimated from the model's parameter shapes); free some space or "
-                             "choose another disk")
+        raise PreflightError(
+            f"{what} {path!r}: {_size(free)} free on its disk, and this command needs about "
+            f"{_size(need)} (estimated from the model's parameter shapes); free some space or "
+            "choose another disk"
+        )
 
 
 # ---- sizes --------------------------------------------------------------------------------------
+
 
 def _safetensors_elements(path: str) -> int:
     """Parameters in a safetensors file, from its JSON header (8-byte length, then the header)."""
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
-        if n > 100 * 2 ** 20:
+        if n > 100 * 2**20:
             raise ValueError("header too large")
         header = json.loads(f.read(n))
     return sum(math.prod(v["shape"]) for k, v in header.items() if k != "__metadata__")
@@ -135,8 +144,9 @@ def weight_elements(folder: str | os.PathLike) -> int | None:
             with open(index) as f:
                 shards = sorted(set(json.load(f)["weight_map"].values()))
             return sum(_safetensors_elements(os.path.join(folder, s)) for s in shards)
-        bins = [os.path.join(folder, n) for n in os.listdir(folder) if n.startswith("pytorch_model") and
-                n.endswith(".bin")]
+        bins = [
+            os.path.join(folder, n) for n in os.listdir(folder) if n.startswith("pytorch_model") and n.endswith(".bin")
+        ]
         return sum(os.path.getsize(b) for b in bins) // 4 or None
     except (OSError, ValueError, KeyError, TypeError):
         return None  # a broken folder is reported by the loader, with its own message
@@ -159,8 +169,9 @@ def folder_bytes(paths: Iterable[str]) -> int:
     return total
 
 
-def checkpoints_bytes(params: int | None, *, trains_backbone: bool, keep: int, keep_best: bool,
-                      existing: int = 0) -> int:
+def checkpoints_bytes(
+    params: int | None, *, trains_backbone: bool, keep: int, keep_best: bool, existing: int = 0
+) -> int:
     """Disk a run's checkpoints need beyond the ``existing`` bytes of its checkpoint folder: ``keep``
     latest steps, the best one, and the one being written before the oldest is deleted. A frozen
     backbone (or LoRA) saves the head alone: only the margin."""
@@ -170,19 +181,43 @@ def checkpoints_bytes(params: int | None, *, trains_backbone: bool, keep: int, k
 
 
 #: The files a run writes into its folder (besides checkpoints/), replaced when it runs again.
-RUN_OUTPUTS = ("config.json", "metrics.jsonl", "eval.txt", "summary.json", "predictions.npz", "curve.png",
-               "confusion_matrix.png", "sweep.md")
+RUN_OUTPUTS = (
+    "config.json",
+    "metrics.jsonl",
+    "eval.txt",
+    "summary.json",
+    "predictions.npz",
+    "curve.png",
+    "confusion_matrix.png",
+    "sweep.md",
+)
 
 
-def check_run_folder(out: str | os.PathLike, model_path: str | os.PathLike, *, trains_backbone: bool, keep: int,
-                     keep_best: bool, checkpoints: bool) -> None:
+def check_run_folder(
+    out: str | os.PathLike,
+    model_path: str | os.PathLike,
+    *,
+    trains_backbone: bool,
+    keep: int,
+    keep_best: bool,
+    checkpoints: bool,
+) -> None:
     """``train``'s run folder: writable, with room for its checkpoints (``checkpoints=False``: the
     run saves none, only its small result files)."""
     _check_own_folder(out)
     ckpts = os.path.join(os.fspath(out), "checkpoints")
     existing = folder_bytes([ckpts])
-    need = checkpoints_bytes(weight_elements(model_path), trains_backbone=trains_backbone, keep=keep,
-                             keep_best=keep_best, existing=existing) if checkpoints else with_margin(0)
+    need = (
+        checkpoints_bytes(
+            weight_elements(model_path),
+            trains_backbone=trains_backbone,
+            keep=keep,
+            keep_best=keep_best,
+            existing=existing,
+        )
+        if checkpoints
+        else with_margin(0)
+    )
     check_folder(out, what="--output-dir", need_bytes=need)
     # a resumed run writes into what is already there: a read-only checkpoints/ (another mount, another
     # owner) would fail at the first save, after the compute; a read-only result file at the end
@@ -234,5 +269,7 @@ def _check_own_folder(out: str | os.PathLike) -> None:
         return
     if any(os.path.exists(os.path.join(out, f)) for f in RUN_FILES):
         return
-    raise PreflightError(f"--output-dir {out!r} holds files that are not a flaxheads run (no {MARKER} marker), and "
-                         "a run would write config.json and more among them: choose a new or empty folder")
+    raise PreflightError(
+        f"--output-dir {out!r} holds files that are not a flaxheads run (no {MARKER} marker), and "
+        "a run would write config.json and more among them: choose a new or empty folder"
+    )

@@ -1,6 +1,7 @@
 """Folders flaxheads did not write carry no checksums: their safetensors files are checked for what
 cannot be (a header out of bounds, overlapping tensors, NaN or Inf values) when every byte is to be
 checked (``--verify``, ``verify=True``)."""
+
 from __future__ import annotations
 
 import json
@@ -11,9 +12,21 @@ import numpy as np
 
 from flaxheads.disk.checksums import DamagedWeightsError, verify_folder
 
-_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
-           "I16": np.int16, "I8": np.int8, "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8,
-           "BOOL": np.bool_, "BF16": None}  # others (float8 kinds) are one byte, not checked for NaN
+_DTYPES = {
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U64": np.uint64,
+    "U32": np.uint32,
+    "U16": np.uint16,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+    "BF16": None,
+}  # others (float8 kinds) are one byte, not checked for NaN
 
 
 def _damaged(path: str, what: str) -> DamagedWeightsError:
@@ -74,8 +87,12 @@ def verify_any(folder: str | os.PathLike) -> tuple[str, int]:
     n = verify_folder(folder, whole=True)
     if n is not None:
         return "checksums", n
-    files = [os.path.join(root, name) for root, _, names in os.walk(folder) for name in sorted(names)
-             if name.endswith(".safetensors")]
+    files = [
+        os.path.join(root, name)
+        for root, _, names in os.walk(folder)
+        for name in sorted(names)
+        if name.endswith(".safetensors")
+    ]
     for p in files:
         scan_safetensors(p)
     return "scanned", len(files)

@@ -1,5 +1,6 @@
 """What every format flaxheads reads and writes shares: atomic output folders, JSON and
 safetensors files, tokenizer files, Flax <-> PyTorch parameter names, and the errors."""
+
 from __future__ import annotations
 
 import contextlib
@@ -7,19 +8,29 @@ import json
 import os
 import shutil
 import tempfile
-from typing import Any, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import numpy as np
 
-from flaxheads.runtime import phases
 from flaxheads.disk.checksums import write_manifest
-from flaxheads.disk.files import MARKER, has_marker, umask_mode, write_json, write_marker
+from flaxheads.disk.files import MARKER, has_marker, umask_mode, write_marker
 from flaxheads.errors import FlaxheadsError, WriteFailedError, os_error_cause
+from flaxheads.runtime import phases
 
 #: Files a tokenizer may consist of (a fast ``tokenizer.json``, its configs, or slow-tokenizer vocabularies).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "vocab.txt", "vocab.json", "merges.txt", "spiece.model", "sentencepiece.bpe.model",
-                   "tokenizer.model")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.txt",
+    "vocab.json",
+    "merges.txt",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "tokenizer.model",
+)
 #: Keys of a backbone ``config.json`` that describe where and how it was saved, not the model.
 _SAVE_KEYS = ("_name_or_path", "transformers_version", "torch_dtype", "dtype")
 
@@ -52,15 +63,21 @@ def atomic_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterator[str]
     so an error never leaves a half-written ``out`` (or a replaced old one) behind."""
     out = os.path.abspath(os.fspath(out))
     if os.path.exists(out) and not os.path.isdir(out):
-        raise OutputExistsError(f"output folder {out!r} is a file, not a folder: choose a new folder (a file is "
-                                "never replaced, --overwrite or not)")
+        raise OutputExistsError(
+            f"output folder {out!r} is a file, not a folder: choose a new folder (a file is "
+            "never replaced, --overwrite or not)"
+        )
     if os.path.exists(out) and os.listdir(out) and not overwrite:
-        raise OutputExistsError(f"output folder {out!r} already exists and is not empty; pass overwrite=True "
-                                "(--overwrite) to replace it, or choose a new folder")
+        raise OutputExistsError(
+            f"output folder {out!r} already exists and is not empty; pass overwrite=True "
+            "(--overwrite) to replace it, or choose a new folder"
+        )
     if os.path.exists(out) and os.listdir(out) and not has_marker(out):
-        raise OutputExistsError(f"output folder {out!r} holds files flaxheads did not write (it has no {MARKER} "
-                                "marker), so it is not replaced, --overwrite or not: choose a new folder, or empty "
-                                "this one yourself")
+        raise OutputExistsError(
+            f"output folder {out!r} holds files flaxheads did not write (it has no {MARKER} "
+            "marker), so it is not replaced, --overwrite or not: choose a new folder, or empty "
+            "this one yourself"
+        )
     parent = os.path.dirname(out)
     os.makedirs(parent, exist_ok=True)
     tmp = None
@@ -77,8 +94,9 @@ def atomic_dir(out: str | os.PathLike, overwrite: bool = False) -> Iterator[str]
         cause = os_error_cause(e) if isinstance(e, Exception) and not isinstance(e, FlaxheadsError) else None
         if cause is not None:
             kept = f"the existing {out} is unchanged" if os.path.exists(out) else f"nothing was written to {out}"
-            raise ExportWriteError(f"could not write the export {out}: {cause}; {kept}; free some space or fix the "
-                                   "disk and export again") from e
+            raise ExportWriteError(
+                f"could not write the export {out}: {cause}; {kept}; free some space or fix the disk and export again"
+            ) from e
         raise
     old = None
     with phases.temporary(tmp), phases.committing():  # a signal waits for both renames, or comes before them
@@ -118,8 +136,11 @@ def save_safetensors(tensors: Mapping[str, np.ndarray], path: str) -> None:
     """float32 tensors in a safetensors file PyTorch loaders accept (``format: pt``)."""
     from safetensors.numpy import save_file
 
-    save_file({k: np.ascontiguousarray(np.asarray(v, dtype=np.float32)) for k, v in tensors.items()}, path,
-              metadata={"format": "pt"})
+    save_file(
+        {k: np.ascontiguousarray(np.asarray(v, dtype=np.float32)) for k, v in tensors.items()},
+        path,
+        metadata={"format": "pt"},
+    )
 
 
 def transformers_version() -> str | None:

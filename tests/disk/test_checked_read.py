@@ -2,6 +2,7 @@
 the page cache holds the file or not; a read that touches a damaged block is refused naming that
 block's byte range, one that does not touch it is not (a process reading its own part of a file checks
 the blocks of that part)."""
+
 from __future__ import annotations
 
 import os
@@ -55,7 +56,7 @@ def test_any_read_gives_the_files_bytes(file):
         for a, n in _ranges(1):
             buf = bytearray(n)
             assert reader.read_into(memoryview(buf), a) == n
-            assert bytes(buf) == data[a:a + n], (a, n)
+            assert bytes(buf) == data[a : a + n], (a, n)
         assert reader.pread(100, 10_450) == data[10_450:]  # short at the end of the file
         with pytest.raises(EOFError):
             reader.read_into(memoryview(bytearray(100)), 10_450)
@@ -78,7 +79,7 @@ def test_only_reads_that_touch_a_damaged_block_are_refused(file):
                 assert re.search(r"x\.safetensors: bytes 4000\.\.5000 differ", str(e.value)), str(e.value)
             else:
                 reader.read_into(memoryview(buf), a)
-                assert bytes(buf) == data[a:a + n]
+                assert bytes(buf) == data[a : a + n]
     finally:
         os.close(fd)
 

@@ -2,9 +2,9 @@
 the digests of its blocks, and a bit flipped anywhere afterwards is found on the default load (never a
 silent load), named by its byte range; a folder written elsewhere is checked with --verify for
 impossible headers and NaN / Inf."""
+
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 import flaxheads as fh
-from flaxheads.disk import checksums, scan
 from flaxheads.checkpoint.meta import CorruptCheckpointError
+from flaxheads.disk import checksums, scan
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +61,14 @@ def test_manifest_matches_coreutils_sha256sum(model, tmp_path):
     assert all(manifest["files"][f]["size"] == os.path.getsize(os.path.join(out, f)) for f in files)
 
 
-@pytest.mark.parametrize("fmt,weights", [("transformers", "model.safetensors"), ("head", "head.safetensors"),
-                                         ("sentence-transformers", "model.safetensors")])
+@pytest.mark.parametrize(
+    "fmt,weights",
+    [
+        ("transformers", "model.safetensors"),
+        ("head", "head.safetensors"),
+        ("sentence-transformers", "model.safetensors"),
+    ],
+)
 def test_a_flipped_byte_in_tensor_data_fails_the_load(model, tiny_bert, tmp_path, fmt, weights):
     out = fh.export(model, tmp_path / fmt, fmt, **({"tokenizer_from": tiny_bert} if fmt != "head" else {}))
     load = (lambda: fh.load(out, backbone=tiny_bert)) if fmt == "head" else (lambda: fh.load(out))
@@ -113,8 +119,7 @@ def test_a_flipped_bit_anywhere_fails_the_default_load_naming_the_byte_range(mod
     fh.load(out)
 
 
-def test_commands_refuse_a_flipped_bit_in_one_line_and_write_nothing(model, tiny_bert, tmp_path, small_blocks,
-                                                                       capsys):
+def test_commands_refuse_a_flipped_bit_in_one_line_and_write_nothing(model, tiny_bert, tmp_path, small_blocks, capsys):
     from flaxheads.cli.main import main
 
     out = fh.export(model, tmp_path / "exp", "transformers", tokenizer_from=tiny_bert)
@@ -122,8 +127,10 @@ def test_commands_refuse_a_flipped_bit_in_one_line_and_write_nothing(model, tiny
     _flip(path, 0.55)
     texts = tmp_path / "texts.txt"
     texts.write_text("sport news\nmarkets fell\n")
-    for command in (lambda to: ["predict", out, "--input", str(texts), "--output", str(tmp_path / f"{to}.jsonl")],
-                    lambda to: ["export", "--from", out, "--format", "head", "--out", str(tmp_path / to)]):
+    for command in (
+        lambda to: ["predict", out, "--input", str(texts), "--output", str(tmp_path / f"{to}.jsonl")],
+        lambda to: ["export", "--from", out, "--format", "head", "--out", str(tmp_path / to)],
+    ):
         for extra in ([], ["--verify"]):
             capsys.readouterr()
             assert main([*command("o"), *extra]) == 1
@@ -137,7 +144,9 @@ def test_verify_hashes_whole_files_with_sha256_and_names_the_range(model, tmp_pa
     fh.load(out, verify=True)
     _flip(os.path.join(out, "config.json"), 0.5)  # same size: the bytes themselves differ
     for verify in (False, True):
-        with pytest.raises(checksums.ChecksumError, match=r"config.json: (its SHA-256 differs.*)?bytes 0\.\.\d+ differ"):
+        with pytest.raises(
+            checksums.ChecksumError, match=r"config.json: (its SHA-256 differs.*)?bytes 0\.\.\d+ differ"
+        ):
             fh.load(out, verify=verify)
 
 
@@ -157,8 +166,12 @@ def test_verify_scans_the_tensors_of_a_folder_written_elsewhere(model, tiny_bert
 
 
 def _orbax_data(step_dir: str, item: str) -> list[str]:
-    return [os.path.join(d, f) for d, _, names in os.walk(os.path.join(step_dir, item)) for f in names
-            if os.path.basename(d) == "d"]
+    return [
+        os.path.join(d, f)
+        for d, _, names in os.walk(os.path.join(step_dir, item))
+        for f in names
+        if os.path.basename(d) == "d"
+    ]
 
 
 def test_a_flipped_byte_in_a_checkpoint_fails_its_load_and_names_the_earlier_step(model, tmp_path):

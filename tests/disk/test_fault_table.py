@@ -7,6 +7,7 @@ refused in one line, on the default path of the library and of the commands (``p
 
 The files are written with 4 KiB blocks, so that a tiny model's files have many and the byte range
 an error names can be told apart from the whole file."""
+
 from __future__ import annotations
 
 import hashlib
@@ -16,15 +17,14 @@ import re
 import shutil
 
 import jax
-import numpy as np
 import optax
 import pytest
+from train_helpers import WORDS
 
 import flaxheads as fh
 from flaxheads.checkpoint.meta import CorruptCheckpointError, DamagedCheckpointError
 from flaxheads.disk import checksums
 from flaxheads.interop.files import atomic_dir
-from train_helpers import WORDS
 
 BLOCK = 4096
 WHERE = {"start": 3, "middle": 0.5, "end": -1}
@@ -101,8 +101,11 @@ def _copy(written, kind, tmp_path) -> str:
 
 
 def _snapshot(folder) -> dict[str, str]:
-    return {os.path.relpath(os.path.join(d, f), folder): hashlib.sha256(open(os.path.join(d, f), "rb").read()).hexdigest()
-            for d, _, names in os.walk(folder) for f in names}
+    return {
+        os.path.relpath(os.path.join(d, f), folder): hashlib.sha256(open(os.path.join(d, f), "rb").read()).hexdigest()
+        for d, _, names in os.walk(folder)
+        for f in names
+    }
 
 
 def _orbax_file(step_dir: str, item: str) -> str:
@@ -134,17 +137,20 @@ def _loads(kind: str, folder: str, written, tiny_bert):
     if kind == "sharded onto a mesh":
         return lambda: fh.from_pretrained(folder, mesh="fsdp=4")
     if kind == "optimizer state":
+
         def resume():
             model = fh.load(folder)
             target = {"step": 0, "params": model.params, "opt_state": written["opt"].init(model.params)}
             return fh.RunCheckpointer(folder, model, read_only=True).restore(target_state=target)
+
         return resume
     return lambda: fh.load(folder)
 
 
 @pytest.mark.parametrize("where", list(WHERE))
-@pytest.mark.parametrize("kind", ["head", "export", "sharded", "sharded onto a mesh", "checkpoint params",
-                                  "optimizer state"])
+@pytest.mark.parametrize(
+    "kind", ["head", "export", "sharded", "sharded onto a mesh", "checkpoint params", "optimizer state"]
+)
 def test_a_flipped_bit_is_refused_in_one_line_and_nothing_whole_changes(written, tiny_bert, tmp_path, kind, where):
     source = {"sharded onto a mesh": "sharded", "checkpoint params": "run", "optimizer state": "run"}.get(kind, kind)
     if kind == "sharded onto a mesh" and jax.device_count() < 4:
@@ -152,12 +158,14 @@ def test_a_flipped_bit_is_refused_in_one_line_and_nothing_whole_changes(written,
     folder = _copy(written, source, tmp_path)
     load = _loads(kind, str(folder), written, tiny_bert)
     if source == "run":
-        path = _orbax_file(os.path.join(folder, "checkpoints", "2"), "backbone" if kind == "checkpoint params"
-                           else "opt_state")
+        path = _orbax_file(
+            os.path.join(folder, "checkpoints", "2"), "backbone" if kind == "checkpoint params" else "opt_state"
+        )
         error = DamagedCheckpointError
     else:
-        name = {"head": "head.safetensors", "export": "model.safetensors"}.get(source,
-                                                                              "model-00002-of-00002.safetensors")
+        name = {"head": "head.safetensors", "export": "model.safetensors"}.get(
+            source, "model-00002-of-00002.safetensors"
+        )
         path, error = os.path.join(folder, name), checksums.ChecksumError
     load()  # whole: loads
     pos = _offset(path, where)
@@ -172,12 +180,19 @@ def test_a_flipped_bit_is_refused_in_one_line_and_nothing_whole_changes(written,
 @pytest.mark.parametrize("kind", ["export", "checkpoint params"])
 def test_a_truncated_file_is_refused_in_one_line(written, tmp_path, kind):
     folder = _copy(written, "export" if kind == "export" else "run", tmp_path)
-    path = (os.path.join(folder, "model.safetensors") if kind == "export"
-            else _orbax_file(os.path.join(folder, "checkpoints", "2"), "backbone"))
+    path = (
+        os.path.join(folder, "model.safetensors")
+        if kind == "export"
+        else _orbax_file(os.path.join(folder, "checkpoints", "2"), "backbone")
+    )
     size = os.path.getsize(path)
     os.truncate(path, size - 100)
-    msg = _refused(lambda: fh.load(str(folder)), path, None,
-                   checksums.ChecksumError if kind == "export" else CorruptCheckpointError)
+    msg = _refused(
+        lambda: fh.load(str(folder)),
+        path,
+        None,
+        checksums.ChecksumError if kind == "export" else CorruptCheckpointError,
+    )
     assert f"{size - 100} bytes where" in msg and f"records {size}" in msg, msg
 
 
@@ -191,7 +206,7 @@ def test_a_damaged_checksums_file_is_named_not_the_files_it_records(written, tmp
     text = open(_manifest(folder)).read()
     if how == "a digest":  # still JSON: its own digest tells
         i = text.index('"blocks": [') + len('"blocks": [') + 3
-        text = text[:i] + ("0" if text[i] != "0" else "1") + text[i + 1:]
+        text = text[:i] + ("0" if text[i] != "0" else "1") + text[i + 1 :]
     else:
         text = text.replace('"files"', '"files', 1)
     open(_manifest(folder), "w").write(text)
@@ -221,9 +236,30 @@ def test_train_resume_refuses_damaged_optimizer_state_in_one_line(tiny_bert, tmp
     data = tmp_path / "d.csv"  # two classes, each with its own words
     data.write_text("text,label\n" + "".join(f"{WORDS[i % 8]} {WORDS[(i + 3) % 8]},{'ab'[i % 2]}\n" for i in range(16)))
     out = tmp_path / "run"
-    args = ["train", "--model", tiny_bert, "--data", data, "--output-dir", out, "--max-length", "16",
-            "--bucket-step", "16", "--no-progress", "--max-steps", "2",
-            "--batch-size", "4", "--checkpoint-every", "1", "--keep", "2", "--split", "0.75,0.25,0"]
+    args = [
+        "train",
+        "--model",
+        tiny_bert,
+        "--data",
+        data,
+        "--output-dir",
+        out,
+        "--max-length",
+        "16",
+        "--bucket-step",
+        "16",
+        "--no-progress",
+        "--max-steps",
+        "2",
+        "--batch-size",
+        "4",
+        "--checkpoint-every",
+        "1",
+        "--keep",
+        "2",
+        "--split",
+        "0.75,0.25,0",
+    ]
     code, _, err = run_cli(capsys, *args)
     assert code == 0, err
     ckpts = out / "checkpoints"

@@ -9,6 +9,7 @@ multi-label head. Formats: transformers (the HF preset's class, or flaxheads' ow
 PEFT (the adapters), sentence-transformers, CrossEncoder, head, ONNX. The library leg runs every cell
 through ``fh.export``; the command's leg (``flaxheads export`` in this process, from each variant's run
 folder) runs a subset that covers every format and every kind of source (test_command_matrix)."""
+
 from __future__ import annotations
 
 import os
@@ -23,14 +24,25 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
 pytest.importorskip("sentence_transformers")
 
-import flaxheads as fh  # noqa: E402
 from hf_tiny import padded_batch, save_tiny  # noqa: E402
 from train_helpers import WORDS, save_word_tokenizer, tiny_bert_folder  # noqa: E402
 
+import flaxheads as fh  # noqa: E402
+
 pytestmark = pytest.mark.full
 
-VARIANTS = ["float32", "bf16 base", "lora", "qlora int8", "qlora int4", "qlora nf4", "nnx", "ranking", "custom",
-            "multi-label"]
+VARIANTS = [
+    "float32",
+    "bf16 base",
+    "lora",
+    "qlora int8",
+    "qlora int4",
+    "qlora nf4",
+    "nnx",
+    "ranking",
+    "custom",
+    "multi-label",
+]
 FORMATS = ["transformers", "peft", "sentence-transformers", "cross-encoder", "head", "onnx"]
 _NO_ADAPTERS = "(writes LoRA adapters, and this model has none|has no LoRA adapters.*export the whole model)"
 _LAST_TOKEN = "pools by 'non_pad_token', but sentence-transformers pools by the attention mask"
@@ -59,8 +71,14 @@ CELLS = [(v, f) for v in VARIANTS for f in FORMATS]
 def _moved(tree, seed: int):
     """Every float leaf moved off its initial value, as training moves it (an export must write these)."""
     rng = np.random.default_rng(seed)
-    return jax.tree.map(lambda a: (np.asarray(a) + 0.05 * rng.standard_normal(np.shape(a))).astype(np.asarray(a).dtype)
-                        if jnp.issubdtype(np.asarray(a).dtype, jnp.floating) else a, tree)
+    return jax.tree.map(
+        lambda a: (
+            (np.asarray(a) + 0.05 * rng.standard_normal(np.shape(a))).astype(np.asarray(a).dtype)
+            if jnp.issubdtype(np.asarray(a).dtype, jnp.floating)
+            else a
+        ),
+        tree,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +86,7 @@ def sources(tmp_path_factory):
     """One tiny BERT (one layer, a word-level tokenizer) and one tiny Qwen3 (with the same tokenizer)."""
     root = tmp_path_factory.mktemp("matrix")
     bert = tiny_bert_folder(root / "bert")
-    qwen, _ = save_tiny(root / "qwen3", "qwen3", seed=3, layers=1, hidden_size=64, intermediate_size=128,
-                        head_dim=16)
+    qwen, _ = save_tiny(root / "qwen3", "qwen3", seed=3, layers=1, hidden_size=64, intermediate_size=128, head_dim=16)
     save_word_tokenizer(qwen)
     return {"bert": bert, "qwen3": qwen}
 
@@ -81,10 +98,15 @@ def _build(variant: str, sources) -> tuple:
         base = fh.from_pretrained(sources["qwen3"], num_labels=3, ignore_mismatched_sizes=True).with_lora(rank=4)
         base.params["lora"], base.params["head"] = _moved(base.params["lora"], 1), _moved(base.params["head"], 2)
         return base.with_quantized_base(variant.split()[1]), base, sources["qwen3"]
-    options = {"float32": {}, "bf16 base": {"base_dtype": jnp.bfloat16}, "lora": {}, "nnx": {},
-               "ranking": {"num_labels": 1, "problem_type": "regression"},
-               "custom": {"pooler": "attention", "head": "mlp", "head_options": {"hidden_dims": (8,)}},
-               "multi-label": {"num_labels": 4, "problem_type": "multi_label_classification"}}[variant]
+    options = {
+        "float32": {},
+        "bf16 base": {"base_dtype": jnp.bfloat16},
+        "lora": {},
+        "nnx": {},
+        "ranking": {"num_labels": 1, "problem_type": "regression"},
+        "custom": {"pooler": "attention", "head": "mlp", "head_options": {"hidden_dims": (8,)}},
+        "multi-label": {"num_labels": 4, "problem_type": "multi_label_classification"},
+    }[variant]
     model = fh.from_pretrained(bert, **{"num_labels": 3, **options}, ignore_mismatched_sizes=True)
     if variant == "lora":
         model = model.with_lora(rank=4)
@@ -105,10 +127,11 @@ def variants(sources):
         if variant not in made:
             made[variant] = _build(variant, sources)
         return made[variant]
+
     return get
 
 
-TEXTS = [" ".join(WORDS[i:i + n]) for i, n in ((0, 7), (9, 2), (20, 4), (30, 1))]
+TEXTS = [" ".join(WORDS[i : i + n]) for i, n in ((0, 7), (9, 2), (20, 4), (30, 1))]
 PAIRS = [(TEXTS[0], TEXTS[1]), (TEXTS[2], TEXTS[3]), (TEXTS[1], TEXTS[2])]
 
 
@@ -138,8 +161,9 @@ def _theirs(fmt: str, out: str, model, reference, source: str) -> tuple[np.ndarr
         if fmt == "peft":
             from peft import PeftModel
 
-            base = AutoModelForSequenceClassification.from_pretrained(source, num_labels=reference.num_labels,
-                                                                      ignore_mismatched_sizes=True)
+            base = AutoModelForSequenceClassification.from_pretrained(
+                source, num_labels=reference.num_labels, ignore_mismatched_sizes=True
+            )
             pt = PeftModel.from_pretrained(base, out).eval()
             want = _ours(reference, ids, mask)  # the adapters on the float base
         else:
@@ -206,17 +230,25 @@ def _options(fmt: str, source: str) -> dict:
 def test_library_matrix(variants, variant, fmt, tmp_path):
     model, reference, source = variants(variant)
     out = str(tmp_path / "out")
-    _check_cell(variant, fmt, lambda: fh.export(model, out, fmt, **_options(fmt, source)), model, reference,
-                source, out)
+    _check_cell(
+        variant, fmt, lambda: fh.export(model, out, fmt, **_options(fmt, source)), model, reference, source, out
+    )
 
 
 #: The command's leg: every format, and every kind of source a run folder holds (a float32 model, a bfloat16
 #: base, LoRA adapters, a quantised base, an NNX model's, a one-score head, custom code, a multi-label head).
 COMMAND_CELLS = [("float32", f) for f in FORMATS] + [
-    ("bf16 base", "transformers"), ("lora", "transformers"), ("lora", "peft"), ("qlora nf4", "transformers"),
+    ("bf16 base", "transformers"),
+    ("lora", "transformers"),
+    ("lora", "peft"),
+    ("qlora nf4", "transformers"),
     ("nnx", "transformers"),
-    ("qlora nf4", "peft"), ("ranking", "cross-encoder"), ("custom", "transformers"), ("custom", "sentence-transformers"),
-    ("multi-label", "sentence-transformers")]
+    ("qlora nf4", "peft"),
+    ("ranking", "cross-encoder"),
+    ("custom", "transformers"),
+    ("custom", "sentence-transformers"),
+    ("multi-label", "sentence-transformers"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -235,6 +267,7 @@ def runs(variants, tmp_path_factory):
                 ckr.save(1, {"step": 1, "params": params, "opt_state": {}})
             made[variant] = (str(run), fh.load(run), source)
         return made[variant]
+
     return get
 
 
@@ -245,8 +278,17 @@ def test_command_matrix(runs, variants, variant, fmt, tmp_path, capsys):
     run, loaded, source = runs(variant)
     _, reference, _ = variants(variant)
     out = str(tmp_path / "out")
-    argv = ["export", "--from", run, "--format", "transformers" if fmt == "peft" else fmt, "--out", out,
-            *(["--peft"] if fmt == "peft" else []), *(["--tokenizer", source] if fmt not in ("head", "peft") else [])]
+    argv = [
+        "export",
+        "--from",
+        run,
+        "--format",
+        "transformers" if fmt == "peft" else fmt,
+        "--out",
+        out,
+        *(["--peft"] if fmt == "peft" else []),
+        *(["--tokenizer", source] if fmt not in ("head", "peft") else []),
+    ]
 
     def export():
         capsys.readouterr()
