@@ -3,7 +3,7 @@
 A folder flaxheads wrote records the xxh3-64 digest of every block of every file (``checksums.json``);
 loading checks each block as it reads it. This bench writes one safetensors file of each size asked
 (float32 tensors of 4-64 MiB and a few small ones, random bytes) and an Orbax checkpoint of the same
-size, and times, interleaved round-robin (docs/performance.md's rules):
+size, and times, interleaved (docs/performance.md's rules):
 
 * ``eager``: ``read_safetensors`` (the whole file, one pass; checked) vs the same reader unchecked, and
   safetensors' own ``load_file`` (what flaxheads used before) for reference;
@@ -15,7 +15,8 @@ size, and times, interleaved round-robin (docs/performance.md's rules):
   as an export writes it) loaded by ``fh.load``, vs the same with the manifest ignored (``--no-model``
   leaves it out).
 
-Each call runs after the heap's free pages were returned; the order is reversed every other round.
+Each kind is timed on its own, checked and unchecked calls alternating (ABBA), each after the heap's
+free pages were returned.
 Page cache warm, and cold: the files' pages dropped before every timed call (``posix_fadvise
 DONTNEED`` on the files; ``--drop-caches``: ``echo 3 > /proc/sys/vm/drop_caches``, root only). Prints
 medians (min..max) and the checked / unchecked ratio of each. ``--block-sizes 1,4,8,16`` instead times
@@ -210,25 +211,30 @@ def _systems(path: str, root: str | None, model: str | None):
 
 
 def _time(systems: dict, repeats: int, cold: bool, drop_paths: list[str], system_wide: bool) -> dict[str, list[float]]:
-    """Seconds of each call, ``repeats`` each: round-robin, in the order given then reversed (ABBA: which
-    system runs after which evens out), the heap's free pages returned and the files' pages dropped
-    (``cold``) before each call."""
+    """Seconds of each call, ``repeats`` each. Each kind (eager, tensors, orbax, fh.load) is timed on its own,
+    its checked and unchecked calls alternating in ABBA order: each follows a call of its own kind as
+    often as the other does (an Orbax restore leaves work behind that slows the next call, whatever it
+    is). The heap's free pages are returned and (``cold``) the files' pages dropped before each call."""
     import gc
 
     from flaxheads.runtime.malloc import release_free_memory
 
     times: dict[str, list[float]] = {k: [] for k in systems}
-    for call in systems.values():  # first calls (imports, Orbax's first restore), untimed
-        call()
-    for r in range(repeats):
-        for name, call in systems.items() if r % 2 == 0 else reversed(systems.items()):
-            gc.collect()
-            release_free_memory()
-            if cold:
-                _drop(drop_paths, system_wide)
-            t0 = time.perf_counter()
-            call()
-            times[name].append(time.perf_counter() - t0)
+    kinds: dict[str, list[str]] = {}
+    for name in systems:
+        kinds.setdefault(name.split()[0], []).append(name)
+    for group in kinds.values():
+        for name in group:  # first calls (imports, Orbax's first restore), untimed
+            systems[name]()
+        for r in range(repeats):
+            for name in (group if r % 2 == 0 else group[::-1]):
+                gc.collect()
+                release_free_memory()
+                if cold:
+                    _drop(drop_paths, system_wide)
+                t0 = time.perf_counter()
+                systems[name]()
+                times[name].append(time.perf_counter() - t0)
     return times
 
 
