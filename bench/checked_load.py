@@ -227,7 +227,7 @@ def _time(systems: dict, repeats: int, cold: bool, drop_paths: list[str], system
         for name in group:  # first calls (imports, Orbax's first restore), untimed
             systems[name]()
         for r in range(repeats):
-            for name in (group if r % 2 == 0 else group[::-1]):
+            for name in group if r % 2 == 0 else group[::-1]:
                 gc.collect()
                 release_free_memory()
                 if cold:
