@@ -1,13 +1,14 @@
 """Reads of a file flaxheads wrote, every byte checked against the file's block digests before it is
 handed out (:class:`~flaxheads.disk.checksums.Blocks`, recorded in ``checksums.json``).
 
-A read of ``[offset, offset + n)`` goes block by block. Where the page cache holds the file (a one-byte
-``RWF_NOWAIT`` read tells), each block is read in :data:`PIECE`-byte pieces, each piece hashed right
-after it is read, while the CPU's cache still holds it (xxh3 hashes cached bytes several times faster
-than the kernel copies them from the page cache, so the check adds a few percent to the read). Where
-it does not, a helper thread reads the whole blocks in :data:`COLD_READ`-byte reads (a disk serves
-large reads fastest: 256 KiB pieces read a cold 2 GB file at two thirds of the speed) while this
-thread hashes each block as soon as it is in; the helper waits on the disk, not on a core. The bytes
+A read of ``[offset, offset + n)`` goes block by block. Where the page cache holds the file, each block
+is read in :data:`PIECE`-byte pieces (``RWF_NOWAIT``: from the page cache alone), each piece hashed
+right after it is read, while the CPU's cache still holds it (xxh3 hashes cached bytes several times
+faster than the kernel copies them from the page cache, so the check adds a few percent to the read).
+From the first piece the page cache does not hold whole, a helper thread reads the read's next whole
+blocks in :data:`COLD_READ`-byte reads (a disk serves large reads fastest: 256 KiB pieces, even with
+the kernel reading ahead of them, read a cold 2 GB file at two thirds of the speed) while this thread
+hashes each block as soon as it is in; the helper waits on the disk, not on a core. The bytes
 the read wants go straight into the caller's buffer; those of a block it wants in part (a tensor's
 first or last block, a header) that it does not want go into one of two reused buffers, hashed with
 the rest, and are kept: the next tensor, which starts in that block, copies them from there without
@@ -77,7 +78,7 @@ class CheckedFile:
 
     def __init__(self, fd: int, blocks: Blocks | None):
         self.fd, self.blocks = fd, blocks
-        self._probe = bytearray(1)
+        self._cold = False  # within a read: the page cache did not hold a piece of it
         self._kept: list[tuple[int, np.ndarray, tuple]] = []  # (block, buffer, its checked ranges), latest last
 
     def pread(self, n: int, offset: int) -> bytes:
@@ -101,6 +102,7 @@ class CheckedFile:
     def _checked(self, dest: memoryview, offset: int) -> int:
         b = self._record()
         end = min(offset + len(dest), b.size)
+        self._cold = False
         pos = offset
         while pos < end:
             k = pos // b.block
@@ -109,8 +111,8 @@ class CheckedFile:
             kept = self._kept_part(k, a, z)
             if kept is not None:
                 dest[a - offset : z - offset] = kept
-            elif a == start and z == stop and not self._cached(start):
-                # not in the page cache: this block and the whole ones after it, read in large reads
+            elif a == start and z == stop and self._cold:
+                # the page cache did not hold the last piece read: the whole blocks from here, in large reads
                 last = (end // b.block) * b.block if end < b.size else end
                 self._read_cold(dest[start - offset : last - offset], start, k)
                 stop = last
@@ -119,14 +121,14 @@ class CheckedFile:
             pos = stop
         return max(0, end - offset)
 
-    def _cached(self, at: int) -> bool:
-        """Whether the page cache holds the bytes at ``at`` (a one-page read that does not wait for the disk)."""
+    def _nowait(self, piece: memoryview, at: int) -> int:
+        """Bytes of ``piece`` read at ``at`` from the page cache alone (``RWF_NOWAIT``: what it holds, no wait)."""
         if not _NOWAIT:
-            return True
+            return 0
         try:
-            return os.preadv(self.fd, [self._probe], at, os.RWF_NOWAIT) > 0
-        except (BlockingIOError, OSError):
-            return False
+            return os.preadv(self.fd, [piece], at, os.RWF_NOWAIT)
+        except OSError:  # EAGAIN: not cached; EOPNOTSUPP: a file system without it
+            return 0
 
     def _read_cold(self, view: memoryview, at: int, k0: int) -> None:
         """Whole blocks from ``k0`` that the page cache does not hold: a helper thread reads them in
@@ -190,11 +192,15 @@ class CheckedFile:
             self._kept.append((k, buf, ((start, a), (z, stop))))
 
     def _hash_read(self, h, view: memoryview, at: int, k: int) -> None:
-        """Read ``view`` from ``at`` piece by piece into ``h``, each piece hashed while the cache holds it."""
+        """Read ``view`` from ``at`` piece by piece into ``h``, each piece hashed while the cache holds it.
+        A piece the page cache does not hold whole marks the read cold (its next whole blocks: large reads)."""
         for i in range(0, len(view), PIECE):
             piece = view[i : i + PIECE]
-            if _pread_into(self.fd, piece, at + i) < len(piece):
-                raise self._record().mismatch(k)  # the file was cut while open
+            got = 0 if self._cold else self._nowait(piece, at + i)
+            if got < len(piece):
+                self._cold = _NOWAIT
+                if _pread_into(self.fd, piece[got:], at + i + got) < len(piece) - got:
+                    raise self._record().mismatch(k)  # the file was cut while open
             h.update(piece)
 
     def _kept_part(self, k: int, a: int, z: int) -> memoryview | None:

@@ -23,7 +23,7 @@ def file(tmp_path, monkeypatch, request):
 
     monkeypatch.setattr(checksums, "BLOCK", 1000)
     if request.param == "from the disk":
-        monkeypatch.setattr(CheckedFile, "_cached", lambda self, at: False)
+        monkeypatch.setattr(CheckedFile, "_nowait", lambda self, piece, at: 0)
         monkeypatch.setattr(checked_read, "COLD_READ", 2500)
     data = np.random.default_rng(0).integers(0, 256, 10_500, dtype=np.uint8).tobytes()  # 10 blocks and a part
     (tmp_path / "x.safetensors").write_bytes(data)
