@@ -59,6 +59,19 @@ def safetensors_files(folder: str) -> list[str]:
     )
 
 
+def _family_names(family: type[Backbone], stored: Mapping[str, Any]) -> dict[str, str]:
+    """``{family's name: name in the file}`` where a hub classifier's own code put the base model under another
+    prefix (GTE's ``new.``): the eager loader renames those in the state dict, this reads them under the
+    family's ``base_model_prefix`` (and so does the head's lookup of the other tensors); else empty."""
+    base = family.base_model_prefix
+    if any(n.startswith(base + ".") for n in stored):
+        return {}
+    for prefix in getattr(family, "custom_prefixes", ()):
+        if any(n.startswith(prefix + ".") for n in stored):
+            return {base + n[len(prefix) :]: n for n in stored if n.startswith(prefix + ".")}
+    return {}
+
+
 def _headers(files: list[str]) -> dict[str, tuple[str, TensorInfo]]:
     """``{name: (file, its header entry)}`` of every tensor of ``files`` (no tensor data is read)."""
     out: dict[str, tuple[str, TensorInfo]] = {}
@@ -123,12 +136,18 @@ class _Index:
     files: list[str]
     stored: dict[str, tuple[str, TensorInfo]]
     sources: dict[tuple[str, ...], tuple[str, bool]]
+    #: the name in the file of a tensor ``stored`` names otherwise (:func:`_family_names`)
+    in_file: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(cls, folder: str | os.PathLike, family: type[Backbone], config: HFConfig) -> _Index:
         files = safetensors_files(os.fspath(folder))
         stored = _headers(files)
-        return cls(files, stored, param_sources(family, config, {n: t.shape for n, (_, t) in stored.items()}))
+        in_file = _family_names(family, stored)
+        renamed = {v: k for k, v in in_file.items()}
+        stored = {renamed.get(n, n): entry for n, entry in stored.items()}
+        sources = param_sources(family, config, {n: t.shape for n, (_, t) in stored.items()})
+        return cls(files, stored, sources, in_file)
 
     def param_shapes(self) -> dict:
         shape = {n: t.shape for n, (_, t) in self.stored.items()}
@@ -142,7 +161,7 @@ class _Index:
     def others(self) -> StoredTensors:
         """The tensors no backbone param is (the head's weights), each read only when looked up."""
         used = {name for name, _ in self.sources.values()}
-        return StoredTensors({n: file for n, (file, _) in self.stored.items() if n not in used})
+        return StoredTensors({n: file for n, (file, _) in self.stored.items() if n not in used}, self.in_file)
 
 
 def param_shapes(folder: str | os.PathLike, family: type[Backbone], config: HFConfig) -> dict:
@@ -220,7 +239,9 @@ def _read_params(index: _Index, shardings: ShardingFn, dtype: Any, transform: Tr
             if file not in opened:
                 opened[file] = SafetensorsFile(file)
             want = info.shape[::-1] if transposed else info.shape
-            leaf = _read_param(opened[file], name, want, transposed, shardings(path, want), dtype)
+            leaf = _read_param(
+                opened[file], index.in_file.get(name, name), want, transposed, shardings(path, want), dtype
+            )
             if transform is not None:
                 leaf = transform(path, leaf)
             # done before the next read: the host buffers and an untransformed param are freed one at a time
@@ -237,12 +258,13 @@ def _read_params(index: _Index, shardings: ShardingFn, dtype: Any, transform: Tr
 class StoredTensors(Mapping[str, np.ndarray]):
     """Tensors of safetensors files by name, each read whole (as stored) when it is looked up, not kept."""
 
-    def __init__(self, where: Mapping[str, str]):
+    def __init__(self, where: Mapping[str, str], in_file: Mapping[str, str] | None = None):
         self._where = dict(where)  # name -> file
+        self._in_file = dict(in_file or {})  # name -> its name in the file, where the two differ
 
     def __getitem__(self, name: str) -> np.ndarray:
         with SafetensorsFile(self._where[name]) as f:
-            return f.read(name)
+            return f.read(self._in_file.get(name, name))
 
     def __contains__(self, name: object) -> bool:  # Mapping's own would read the tensor to answer
         return name in self._where

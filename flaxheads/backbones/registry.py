@@ -129,6 +129,13 @@ def native_config(config: HFConfig) -> tuple[HFConfig, type[Backbone] | None]:
     return config, family_for(config.get("model_type"))
 
 
+def folder_config(path: str | os.PathLike) -> tuple[HFConfig, type[Backbone] | None]:
+    """``(config, family)`` of the folder's ``config.json`` as :func:`native_config` reads it: the one way every
+    path that reads a folder (from_pretrained, the shapes-only model, the read onto a mesh, the transformers
+    import) sees a hub folder written for a model's own code."""
+    return native_config(HFConfig.from_folder(path))
+
+
 def no_backbone_error(path: str, config: HFConfig) -> BackboneError:
     """The refusal of a ``model_type`` no native family serves, with the advice that holds for it: HF's Flax
     model (the ``flaxheads[hf-flax]`` extra) only where transformers 4.x had one."""
@@ -192,7 +199,7 @@ def load_backbone(
             f"model folder {path!r} does not exist: pass a local Hugging Face folder "
             "(config.json + model.safetensors); flaxheads never downloads"
         )
-    config, fam = native_config(HFConfig.from_folder(path))
+    config, fam = folder_config(path)
     if "model_type" not in config:
         raise BackboneError(
             f"{os.path.join(path, 'config.json')} has no 'model_type', so the architecture is "

@@ -13,8 +13,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from flaxheads.backbones.base import BackboneError, HFConfig
-from flaxheads.backbones.registry import family_for, native_model_types
+from flaxheads.backbones.base import BackboneError
+from flaxheads.backbones.registry import folder_config, native_model_types
 from flaxheads.heads.linen import init_head
 from flaxheads.losses import check_problem_type, infer_problem_type
 from flaxheads.model.lora import LORA, LoraConfig, default_targets, init_lora
@@ -42,9 +42,8 @@ def abstract_model(
     adapters (shapes) on the family's targets; ``base_dtype``: the base's storage dtype;
     ``quantize``: a quantised base (:mod:`flaxheads.model.quantize`); ``config_changes``: keys of
     ``config.json`` replaced (a shallower copy of the model, ``num_hidden_layers=2``)."""
-    config = HFConfig.from_folder(path)
+    config, fam = folder_config(path)  # a hub folder for a model's own code reads as its family's config
     config = config.replace(**config_changes) if config_changes else config
-    fam = family_for(config.get("model_type"))
     if fam is None:
         raise BackboneError(
             f"{os.fspath(path)}: model_type {config.get('model_type')!r} has no native flaxheads "

@@ -11,9 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flaxheads.backbones.base import BackboneError, HFConfig, check_params
+from flaxheads.backbones.base import BackboneError, check_params
 from flaxheads.backbones.lazy import NotLazyLoadable, load_sharded
-from flaxheads.backbones.registry import family_for, load_backbone
+from flaxheads.backbones.registry import folder_config, load_backbone
 from flaxheads.backbones.weights import WeightsNotFoundError, head_from_hf, read_state_dict
 from flaxheads.errors import ConfigError
 from flaxheads.heads import linen, token_logits
@@ -69,7 +69,7 @@ def from_pretrained(
     (:func:`flaxheads.backbones.lazy.load_sharded`), in ``base_dtype`` and, with ``quantize``, each
     layer kernel quantised as soon as it is read; no host copy of the whole model."""
     if quantize is not None:
-        check_family(HFConfig.from_folder(path).get("model_type"))  # before any weight is read
+        check_family(folder_config(path)[0].get("model_type"))  # before any weight is read
     path = os.fspath(path)
     loaded = None
     if mesh is not None:
@@ -163,8 +163,7 @@ def _load_onto_mesh(path: str, mesh, *, dtype, remat, plan, base_dtype, quantize
     from jax.sharding import Mesh, NamedSharding
 
     mesh = mesh if isinstance(mesh, Mesh) else make_mesh(mesh)
-    config = HFConfig.from_folder(path)
-    fam = family_for(config.get("model_type"))
+    config, fam = folder_config(path)
     if fam is None:
         raise BackboneError(
             f"{path}: model_type {config.get('model_type')!r} has no native backbone to read onto a "

@@ -193,11 +193,8 @@ def _saved(path) -> dict:
     return dict(load_file(os.path.join(path, "model.safetensors")))
 
 
-@pytest.mark.skipif(not _has("nomic_bert"), reason="transformers has no nomic_bert")
-def test_nomic_hub_config_reads_as_nomic_bert_config(folders, tmp_path):
-    """nomic's ``config.json`` (GPT-2-style keys, ``auto_map`` to its code) on the same weights gives
-    NomicBertForSequenceClassification's logits; a setting transformers' class lacks is refused by name."""
-    path, pt = folders("nomic_bert")
+def _nomic_hub_config(pt) -> dict:
+    """nomic's ``config.json`` of the model ``pt`` (GPT-2-style keys, ``auto_map`` to its code)."""
     c = pt.config
     hub = {
         "model_type": "nomic_bert",
@@ -224,23 +221,12 @@ def test_nomic_hub_config_reads_as_nomic_bert_config(folders, tmp_path):
         "embd_pdrop": 0.0,
         "num_labels": 3,
     }
-    folder = _write(tmp_path / "hub", hub, _saved(path))
-    model = fh.from_pretrained(folder)
-    assert model.model_type == "nomic_bert" and model.arch == "nomic_bert" and model.report.new == []
-    ids, mask = padded_batch("nomic_bert", c)
-    np.testing.assert_allclose(_ours(model, ids, mask), _logits(pt, ids, mask), atol=1e-4, rtol=0)
-    assert "auto_map" not in model.backbone.config and model.backbone.config.hidden_size == H
-    bad = _write(tmp_path / "prenorm", {**hub, "prenorm": True, "qkv_proj_bias": True}, _saved(path))
-    with pytest.raises(BackboneError, match=r"prenorm.*qkv_proj_bias.*NomicBertModel"):
-        load_backbone(bad)
+    return hub
 
 
-@pytest.mark.skipif(not _has("gte"), reason="transformers has no gte")
-def test_gte_hub_folder_with_ntk_scaling_and_new_prefix(folders, tmp_path):
-    """Alibaba's folder (``model_type new``, ``rope_scaling: {type: ntk}``, the classifier under ``new.``)
-    gives GteForSequenceClassification's logits with its pooler and classifier; the frequencies are those
-    of the hub code's NTK formula, ``(theta f) ** (-2i / d) / f ** (2 / d)``."""
-    path, pt = folders("gte")
+def _gte_hub(pt, path) -> tuple[dict, dict]:
+    """Alibaba's ``config.json`` (``model_type new``, NTK scaling, ``auto_map``) and state dict (``new.``) of
+    the model ``pt`` saved at ``path``."""
     c = pt.config
     hub = {
         "model_type": "new",
@@ -271,6 +257,34 @@ def test_gte_hub_folder_with_ntk_scaling_and_new_prefix(folders, tmp_path):
         "num_labels": 3,
     }
     state = {("new" + k[3:] if k.startswith("gte.") else k): v for k, v in _saved(path).items()}
+    return hub, state
+
+
+@pytest.mark.skipif(not _has("nomic_bert"), reason="transformers has no nomic_bert")
+def test_nomic_hub_config_reads_as_nomic_bert_config(folders, tmp_path):
+    """nomic's ``config.json`` (GPT-2-style keys, ``auto_map`` to its code) on the same weights gives
+    NomicBertForSequenceClassification's logits; a setting transformers' class lacks is refused by name."""
+    path, pt = folders("nomic_bert")
+    c, hub = pt.config, _nomic_hub_config(pt)
+    folder = _write(tmp_path / "hub", hub, _saved(path))
+    model = fh.from_pretrained(folder)
+    assert model.model_type == "nomic_bert" and model.arch == "nomic_bert" and model.report.new == []
+    ids, mask = padded_batch("nomic_bert", c)
+    np.testing.assert_allclose(_ours(model, ids, mask), _logits(pt, ids, mask), atol=1e-4, rtol=0)
+    assert "auto_map" not in model.backbone.config and model.backbone.config.hidden_size == H
+    bad = _write(tmp_path / "prenorm", {**hub, "prenorm": True, "qkv_proj_bias": True}, _saved(path))
+    with pytest.raises(BackboneError, match=r"prenorm.*qkv_proj_bias.*NomicBertModel"):
+        load_backbone(bad)
+
+
+@pytest.mark.skipif(not _has("gte"), reason="transformers has no gte")
+def test_gte_hub_folder_with_ntk_scaling_and_new_prefix(folders, tmp_path):
+    """Alibaba's folder (``model_type new``, ``rope_scaling: {type: ntk}``, the classifier under ``new.``)
+    gives GteForSequenceClassification's logits with its pooler and classifier; the frequencies are those
+    of the hub code's NTK formula, ``(theta f) ** (-2i / d) / f ** (2 / d)``."""
+    path, pt = folders("gte")
+    c = pt.config
+    hub, state = _gte_hub(pt, path)
     folder = _write(tmp_path / "hub", hub, state)
     model = fh.from_pretrained(folder)
     assert model.arch == "gte" and model.report.new == []  # pooler and classifier found under new.
@@ -438,6 +452,37 @@ def test_jina_peft_task_adapters_give_peft_logits(folders, tmp_path):
     )
     with pytest.raises(FlaxheadsError, match="already has LoRA adapters"):
         with_task(adapted, "retrieval.query")
+
+
+def _hub_folder(arch: str, pt, path, folder) -> str:
+    """The tiny model of ``arch`` in the form its hub folder takes: a ``config.json`` for the model's own code."""
+    if arch == "nomic_bert":
+        return _write(folder, _nomic_hub_config(pt), _saved(path))
+    if arch == "gte":
+        return _write(folder, *_gte_hub(pt, path))
+    return _jina_hub_folder(pt, path, folder)[0]
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_hub_folders_read_by_every_loading_path(folders, arch, tmp_path):
+    """A hub folder written for the model's own code is the family's on every path that reads a folder, as
+    in from_pretrained: ``fh.load`` (a transformers classifier: GTE's ``New...`` class named as ``Gte...``),
+    the shapes-only model (memory plans, mesh layouts) and the read onto a mesh give PyTorch's logits."""
+    from flaxheads.model.abstract import abstract_model
+
+    path, pt = folders(arch)
+    folder = _hub_folder(arch, pt, path, tmp_path / "hub")
+    ids, mask = padded_batch(arch, pt.config)
+    want = _logits(pt, ids, mask)
+    loaded = fh.load(folder)
+    assert loaded.model_type == arch and loaded.arch == arch
+    np.testing.assert_allclose(_ours(loaded, ids, mask), want, atol=1e-4, rtol=0)
+    shapes = abstract_model(folder)
+    assert shapes.model_type == arch
+    assert jax.tree.map(np.shape, shapes.params) == jax.tree.map(np.shape, loaded.params)
+    on_mesh = fh.from_pretrained(folder, mesh="fsdp=1")
+    assert on_mesh.report.new == []  # the pooler and classifier found, GTE's under new. too
+    np.testing.assert_allclose(_ours(on_mesh, ids, mask), want, atol=1e-4, rtol=0)
 
 
 # ---- refusals -----------------------------------------------------------------------------------------------
