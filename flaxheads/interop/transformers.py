@@ -18,7 +18,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from flaxheads.backbones.base import Backbone, BackboneError, HFConfig
-from flaxheads.backbones.registry import family_for
+from flaxheads.backbones.registry import family_for, folder_config
 from flaxheads.backbones.weights import BIN, BIN_INDEX, SAFE, SAFE_INDEX, head_to_hf
 from flaxheads.checkpoint.kinds import FolderKind, folder_kind
 from flaxheads.disk.files import write_json
@@ -50,8 +50,7 @@ _OTHER_FORMATS = (
 # ---- shared with sentence-transformers' Transformer module --------------------------------------------
 def read_config(folder: str | os.PathLike) -> HFConfig:
     """``config.json`` of a model folder, completed with its native family's defaults (where there is one)."""
-    cfg = HFConfig.from_folder(folder)
-    fam = family_for(cfg.get("model_type"))
+    cfg, fam = folder_config(folder)  # a hub folder for a model's own code: its family's config
     return fam.complete_config(cfg) if fam is not None else cfg
 
 
@@ -255,16 +254,17 @@ def _classifier_config(folder: str) -> HFConfig:
             f"{folder}: no config.json; a transformers model folder has config.json plus weights ({SAFE} or {BIN})"
         )
     raw = read_json(os.path.join(folder, "config.json"))
-    model_type, archs = raw.get("model_type"), raw.get("architectures") or []
     if remote_code.is_flaxheads_config(raw):
         return HFConfig(raw)
+    cfg = read_config(folder)
+    model_type, archs = cfg.get("model_type"), cfg.get("architectures") or []
     if model_type not in PRESETS:
         raise ModelImportError(
             f"{folder}: unknown architecture: model_type {model_type!r} (architectures {archs}) has no "
             f"flaxheads preset; supported model types: {sorted(PRESETS)}. To put a new head on a backbone "
             "flaxheads can load, use flaxheads.from_pretrained(folder, pooler=..., head=...)."
         )
-    return read_config(folder)
+    return cfg
 
 
 def load_transformers(folder: str | os.PathLike, *, allow_new_head: bool = False, **options) -> SequenceModel:
