@@ -24,6 +24,7 @@ from flaxheads.losses import REGRESSION, check_problem_type, infer_problem_type
 from flaxheads.model.abstract import abstract_model
 from flaxheads.model.quantize import check_family, quantizable, quantize_onto
 from flaxheads.model.sequence import LoadReport, SequenceModel, _module_paths, build_head
+from flaxheads.model.task_adapters import check_task, with_task
 from flaxheads.runtime.plan import ComputePlan
 from flaxheads.runtime.sharding import Layout, make_mesh
 
@@ -48,6 +49,7 @@ def from_pretrained(
     base_dtype=None,
     quantize: str | None = None,
     mesh=None,
+    task: str | None = None,
 ) -> SequenceModel:
     """Load a local HF model folder as backbone and attach a pooler + head.
 
@@ -67,9 +69,14 @@ def from_pretrained(
     each param is read from the safetensors tensor by tensor, each process reading only the part its
     devices hold, straight onto its sharding under the default layout
     (:func:`flaxheads.backbones.lazy.load_sharded`), in ``base_dtype`` and, with ``quantize``, each
-    layer kernel quantised as soon as it is read; no host copy of the whole model."""
+    layer kernel quantised as soon as it is read; no host copy of the whole model. ``task``: the task whose
+    adapters the folder holds (Jina Embeddings v3: ``retrieval.query``, ``retrieval.passage``, ``separation``,
+    ``classification``, ``text-matching``), put on the model as LoRA adapters
+    (:func:`~flaxheads.model.task_adapters.with_task`; an unknown name is refused before any weight is read)."""
     if quantize is not None:
         check_family(folder_config(path)[0].get("model_type"))  # before any weight is read
+    if task is not None:
+        check_task(path, folder_config(path)[0], task)
     path = os.fspath(path)
     loaded = None
     if mesh is not None:
@@ -149,6 +156,8 @@ def from_pretrained(
         name_or_path=path,
         report=report,
     )
+    # the task's deltas and adapters go on the weights as read, before a storage dtype or quantisation
+    model = model if task is None else with_task(model, task)
     if loaded is not None:  # read in base_dtype, and quantised tensor by tensor, already
         return model
     model = model if base_dtype is None else model.with_base_dtype(base_dtype)

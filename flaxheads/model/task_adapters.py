@@ -30,7 +30,7 @@ import numpy as np
 from flax.traverse_util import flatten_dict, unflatten_dict
 
 from flaxheads.backbones.families import jina_v3
-from flaxheads.errors import ConfigError
+from flaxheads.errors import ConfigError, UsageError
 from flaxheads.model.lora import LORA, A, B, LoraConfig, check_adapters, merge_lora
 
 
@@ -38,6 +38,22 @@ def task_names(model, folder: str | os.PathLike | None = None) -> list[str]:
     """The tasks whose adapters ``folder`` (default: the folder the model was loaded from) holds."""
     _check_family(model)
     return jina_v3.task_names(os.fspath(folder or model.name_or_path), model.backbone.config)
+
+
+def check_task(folder: str | os.PathLike, config, task: str) -> None:
+    """Refuse, in one line naming the folder's tasks, a ``task`` whose adapters ``folder`` (of ``config``, its
+    family's config) does not hold, or a folder of another family: before any weight is read."""
+    if config.get("model_type") not in jina_v3.JinaV3Backbone.model_types:
+        raise ConfigError(
+            f"task={task!r}: task adapters are Jina Embeddings v3's (model_type jina_embeddings_v3); "
+            f"{os.fspath(folder)} is a {config.get('model_type')}: load it without task"
+        )
+    known = jina_v3.task_names(os.fspath(folder), config)
+    if task not in known and jina_v3.task_dir(task) not in known:
+        raise UsageError(
+            f"unknown task {task!r}: {os.fspath(folder)} has adapters for "
+            f"{', '.join(known) if known else 'no task'}; pass one of those"
+        )
 
 
 def _check_family(model) -> None:
@@ -57,6 +73,7 @@ def with_task(model, task: str, *, merge: bool = False, folder: str | os.PathLik
     source = os.fspath(folder or model.name_or_path)
     if not source:
         raise ConfigError("the model does not know its folder (name_or_path is empty): pass folder=...")
+    check_task(source, model.backbone.config, task)
     ad = jina_v3.task_adapters(source, model.backbone.config, task)
     flat = flatten_dict(model.params["backbone"])
     for path, delta in ad.deltas.items():

@@ -405,13 +405,40 @@ def test_jina_hub_folder_and_its_task_adapters(folders, tmp_path):
         merged = with_task(model, task, merge=True)
         assert merged.lora is None
         np.testing.assert_allclose(_ours(merged, ids, mask), want, atol=1e-4, rtol=0)
-    with pytest.raises(BackboneError, match=r"no adapters for the task 'summarize'.*retrieval.query"):
+    with pytest.raises(FlaxheadsError, match=r"unknown task 'summarize'.*retrieval.query"):
         with_task(model, "summarize")
     absolute = _write(
         tmp_path / "absolute", {**json.load(open(f"{folder}/config.json")), "position_embedding_type": "absolute"}, {}
     )
     with pytest.raises(BackboneError, match="jina-reranker-v2"):
         load_backbone(absolute)
+
+
+@pytest.mark.skipif(not _has("jina_embeddings_v3"), reason="transformers has no jina_embeddings_v3")
+def test_task_chosen_when_loading_is_with_task(folders, tmp_path):
+    """``from_pretrained(folder, task=...)`` and ``fh.load(folder, task=...)`` are ``with_task`` on the model as
+    loaded: the weights with that task's adapters (jina's formula, in PyTorch), different for each task; an
+    unknown task is one line naming the folder's tasks, before any weight is read."""
+    from flaxheads.errors import UsageError
+
+    path, pt = folders("jina_embeddings_v3")
+    folder, refs = _jina_hub_folder(pt, path, tmp_path / "hub")
+    ids, mask = padded_batch("jina_embeddings_v3", pt.config, "left")
+    base = fh.from_pretrained(folder)
+    got = {}
+    for task, ref in refs.items():
+        chosen = fh.from_pretrained(folder, task=task)
+        got[task] = _ours(chosen, ids, mask)
+        np.testing.assert_array_equal(got[task], _ours(with_task(base, task), ids, mask))
+        np.testing.assert_allclose(got[task], _logits(ref, ids, mask), atol=1e-4, rtol=0)
+        np.testing.assert_array_equal(_ours(fh.load(folder, task=task), ids, mask), got[task])
+    assert np.abs(got[TASKS[0]] - got[TASKS[1]]).max() > 1e-2
+    for load in (fh.from_pretrained, fh.load):
+        with pytest.raises(UsageError) as e:
+            load(folder, task="summarize")
+        assert "\n" not in str(e.value) and all(t in str(e.value) for t in TASKS)
+    with pytest.raises(FlaxheadsError, match="jina_embeddings_v3.*load it without task"):
+        fh.from_pretrained(_write(tmp_path / "bert", {"model_type": "bert"}, {}), task="retrieval.query")
 
 
 @pytest.mark.skipif(not _has("jina_embeddings_v3"), reason="transformers has no jina_embeddings_v3")
