@@ -40,14 +40,18 @@ def load(
     dtype: Any = None,
     revision: str | None = None,
     verify: bool = False,
+    task: str | None = None,
 ) -> SequenceModel:
     """The model in ``source``: a run folder (``step``: ``"latest"``, ``"best"`` or a number), a
     checkpoint folder, a transformers classifier, a sentence-transformers folder, a PEFT LoRA
     adapter or a head export (on ``backbone``, default: the folder it names), or a hub id found in
     the local cache. Files flaxheads wrote are checked against their recorded checksums (size and
     sampled bytes; ``verify=True``: every byte); a difference raises
-    :class:`~flaxheads.disk.checksums.ChecksumError`."""
-    return load_source(source, step=step, backbone=backbone, dtype=dtype, revision=revision, verify=verify).model
+    :class:`~flaxheads.disk.checksums.ChecksumError`. ``task``: a transformers folder's task adapters
+    (Jina Embeddings v3), as :func:`flaxheads.from_pretrained` takes it."""
+    return load_source(
+        source, step=step, backbone=backbone, dtype=dtype, revision=revision, verify=verify, task=task
+    ).model
 
 
 def export(

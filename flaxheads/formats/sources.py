@@ -101,20 +101,22 @@ def load_source(
     dtype=None,
     revision: str | None = None,
     verify: bool = False,
+    task: str | None = None,
 ) -> Loaded:
     """The model in ``source`` (a local folder or a hub id), with its tokenizer folder and settings:
     what :func:`flaxheads.load` and :meth:`flaxheads.Classifier.from_pretrained` read through.
 
     ``step``: a run's checkpoint step (an int, ``"latest"`` or ``"best"``); ``backbone``: the
     backbone folder of a head export or of a PEFT adapter, or of a run whose recorded backbone moved;
-    ``verify``: check every byte against the recorded checksums (else their size and sampled bytes)."""
+    ``verify``: check every byte against the recorded checksums (else their size and sampled bytes);
+    ``task``: a transformers folder's task adapters (:func:`flaxheads.from_pretrained`'s ``task``)."""
     path = resolve_model_source(source, revision=revision)
     backbone = None if backbone is None else resolve_model_source(backbone, what="backbone")
     with checksums.full(verify), phase(f"loading the model {path}"):
-        return _load(path, step, backbone, dtype)
+        return _load(path, step, backbone, dtype, task)
 
 
-def _load(path: str, step, backbone: str | None, dtype) -> Loaded:
+def _load(path: str, step, backbone: str | None, dtype, task: str | None = None) -> Loaded:
     if not os.path.isdir(path):
         raise UsageError(
             f"{path!r} is a file; expected a run folder, a checkpoint folder, a transformers or "
@@ -125,6 +127,8 @@ def _load(path: str, step, backbone: str | None, dtype) -> Loaded:
         checksums.verify_folder(path)
     if step not in (None, "latest") and kind is not FolderKind.RUN:
         raise UsageError(f"a checkpoint step ({step!r}) was given, but {path} is not a run or checkpoint folder")
+    if task is not None and kind is not FolderKind.TRANSFORMERS:
+        raise UsageError(f"task={task!r} picks a transformers folder's task adapters; {path} is a {kind.value} folder")
     if kind is FolderKind.PEFT_ADAPTER:
         model = load_peft(path, backbone=backbone, dtype=dtype or jnp.float32)
         return Loaded(model, adapter_tokenizer_folder(path, model.name_or_path), kind)
@@ -138,6 +142,7 @@ def _load(path: str, step, backbone: str | None, dtype) -> Loaded:
             "the backbone option is for head exports and runs"
         )
     options = {} if dtype is None else {"dtype": dtype}
+    options = options if task is None else {**options, "task": task}
     model = import_model(path, **options)  # a transformers folder, or one that says what it lacks
     if kind is FolderKind.SENTENCE_TRANSFORMERS:
         return Loaded(model, path, kind, _sbert_max_length(path))
