@@ -55,6 +55,7 @@ _PUBLIC: dict[str, str] = {
     "MLPHead": "flaxheads.heads.heads",
     "ProjectionHead": "flaxheads.heads.heads",
     "IdentityHead": "flaxheads.heads.heads",
+    "TokenLogits": "flaxheads.heads.heads",
     "SequenceHead": "flaxheads.heads.heads",
     "make_head": "flaxheads.heads.heads",
     "LoraConfig": "flaxheads.model.lora",

@@ -111,6 +111,13 @@ def test_every_name_resolves_without_a_warning():
             assert getattr(fh, name) is importlib.import_module(module), name
 
 
+def test_names_added_since_are_their_modules_objects():
+    """Front-door names newer than 0.2 (not in OLD_NAMES) are the objects of the modules they come from."""
+    from flaxheads.heads import heads
+
+    assert fh.TokenLogits is heads.TokenLogits and "TokenLogits" in fh.__all__
+
+
 def test_star_import_gives_the_front_door():
     ns: dict = {}
     with warnings.catch_warnings():
