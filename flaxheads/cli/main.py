@@ -5,6 +5,12 @@
 Each subcommand module has an ``add_<name>_command(subparsers)`` that registers its parser and
 sets ``func`` (``func(args) -> exit code``); :data:`SUBCOMMANDS` lists them.
 
+Output: what a command tells goes through the ``flaxheads`` logger (:mod:`flaxheads.runtime.logs`)
+at INFO, so ``flaxheads train`` says as it goes what it does (the run folder, the plans, each
+evaluation, the per-class tables, timings); ``-q`` / ``--quiet`` keeps warnings and errors only,
+``-v`` / ``--verbose`` adds the DEBUG lines. A command's results (``predict``'s table, ``plan``'s
+plan, ``export``'s folder) and the progress bar are not log lines.
+
 Error policy: a user's mistake (a :class:`~flaxheads.errors.FlaxheadsError`, bad flags included)
 prints exactly one line ``error: <message>`` to stderr and exits 2, with no traceback; any
 other exception is a bug in flaxheads and keeps its traceback.
@@ -32,7 +38,7 @@ from flaxheads.cli.train import add_train_command
 from flaxheads.disk import checksums
 from flaxheads.errors import FlaxheadsError, WriteFailedError, one_line
 from flaxheads.runtime.compile_cache import enable_compile_cache
-from flaxheads.runtime.logs import quiet_background_saves
+from flaxheads.runtime.logs import quiet_background_saves, verbosity
 from flaxheads.runtime.malloc import configure_malloc
 from flaxheads.runtime.phases import watch_signals
 from flaxheads.runtime.xla_flags import configure_xla
@@ -51,6 +57,11 @@ SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
     add_report_command,
     add_plan_command,
 )
+#: What ``-q`` / ``-v`` make of the command's log (its default: INFO, the run told as it goes).
+VERBOSITY_HELP = {
+    "quiet": "tell nothing but warnings and errors (the log level WARNING)",
+    "verbose": "also tell the debug lines: the memory plan on a CPU host, ... (the log level DEBUG; default: INFO)",
+}
 #: The subcommands that read model folders or checkpoints, and take ``--verify``.
 READERS = ("train", "export", "checkpoints", "predict", "embed", "evaluate", "rank", "serve")
 
@@ -68,8 +79,17 @@ def build_parser() -> Parser:
         add(sub)
     for name in READERS:
         sub.choices[name].add_argument("--verify", action="store_true", help=checksums.VERIFY_HELP)
-    parser.set_defaults(verify=False)
+    for command in sub.choices.values():
+        loud = command.add_mutually_exclusive_group()
+        loud.add_argument("-q", "--quiet", action="store_true", help=VERBOSITY_HELP["quiet"])
+        loud.add_argument("-v", "--verbose", action="store_true", help=VERBOSITY_HELP["verbose"])
+    parser.set_defaults(verify=False, quiet=False, verbose=False)
     return parser
+
+
+def log_level(args: argparse.Namespace) -> str:
+    """The command's log level: ``-q`` WARNING, ``-v`` DEBUG, else INFO."""
+    return "warning" if args.quiet else "debug" if args.verbose else "info"
 
 
 def _prepare_process() -> None:
@@ -93,7 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _prepare_process()
         args = build_parser().parse_args(sys.argv[1:] if argv is None else list(argv))
         # a second identical run loads its programs from the compile cache
-        with checksums.full(args.verify):
+        with checksums.full(args.verify), verbosity(log_level(args)):
             return int(args.func(args, Program(started, enable_compile_cache())) or 0)
     except WriteFailedError as e:
         print(f"error: {one_line(e)}", file=sys.stderr, flush=True)

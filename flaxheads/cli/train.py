@@ -316,7 +316,8 @@ def _output_flags(ap: argparse.ArgumentParser) -> None:
         "--checkpoint-every",
         type=flags.non_negative_int,
         default=None,
-        help="also checkpoint every N steps (default: at each evaluation and the last step; 0: never)",
+        help="also checkpoint every N steps (default: at each evaluation and the last step; 0: the last "
+        "step only, so the run still holds its model)",
     )
     g.add_argument("--keep", type=flags.positive_int, default=3, help="keep the N most recent checkpoints (default 3)")
     g.add_argument(
@@ -401,7 +402,7 @@ def run_command(args: argparse.Namespace, program: Program | None = None) -> int
     """Everything ``flaxheads train`` does: the flags' spec, run."""
     train(
         spec_from_args(args),
-        progress=not args.no_progress,
+        progress=not (args.no_progress or getattr(args, "quiet", False)),  # -q: errors and warnings only
         argv=sys.argv[1:],
         started=None if program is None else program.started,
         compile_cache=None if program is None else program.compile_cache,

@@ -15,9 +15,12 @@ from flaxheads.run.folder import RunFolder, scalars
 from flaxheads.run.job import Job, Run, run_config, split_counts
 from flaxheads.run.report_data import worst_of
 from flaxheads.run.spec import RunSpec
+from flaxheads.runtime.logs import get_logger, use_default_handler
 from flaxheads.training.feature_cache import FeatureCache, bucket_sizes, choose_level, reduction
 from flaxheads.training.features import cache_features, make_encoder, predict_cached
 from flaxheads.training.sweep import SweepResult, steps_per_epoch, sweep, sweep_variants
+
+log = get_logger("flaxheads.run")
 
 
 def head_steps(spec: RunSpec, model, train, buckets) -> int:
@@ -72,6 +75,7 @@ def train_heads(job: Job, caches: dict[str, FeatureCache]) -> SweepResult:
 
 def run_cached(job: Job, argv=None) -> Run:
     """The cached-features program; returns the run."""
+    use_default_handler()
     folder, t = RunFolder(job.out), job.train
     folder.start(
         run_config(job, argv=argv),
@@ -97,10 +101,9 @@ def run_cached(job: Job, argv=None) -> Run:
     final = {n: job.task.metrics(a["logits"], a["labels"]) for n, a in arrays.items()}
     (job.out / "sweep.md").write_text(res.table() + "\n")
     epochs, h = len(res.losses), job.task.headline
-    print(
+    log.info(
         f"encoded {sum(len(c) for c in caches.values())} examples once in {encode_s:.1f} s; trained {k} head(s) "
-        f"x {epochs} epochs in {res.seconds:.1f} s\n{res.table()}",
-        flush=True,
+        f"x {epochs} epochs in {res.seconds:.1f} s\n{res.table()}"
     )
     history = _log(log, res, steps_per_epoch(caches["train"], t.batch_size), final)
     mode = "cached-features" + (f" sweep K={k}" if k > 1 else "")

@@ -1,19 +1,23 @@
 """Checkpoints of a run: resuming an interrupted run where it stopped (same params, optimizer state,
-dropout key and data position), and the callback that saves as it trains."""
+dropout key and data position), and the callback that saves as it trains. Every run that ends
+holds its model: with ``checkpoint_every=0`` the last step (or the step a signal stopped it at) is
+still saved, only the saves along the way are left out."""
 
 from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 from flaxheads.checkpoint import CheckpointError, RunCheckpointer, read_meta
 from flaxheads.checkpoint.meta import CHECKPOINTS_SUBDIR
 from flaxheads.errors import UsageError
 from flaxheads.run.job import Job
+from flaxheads.runtime.logs import get_logger
 from flaxheads.runtime.sharding import abstract
 from flaxheads.training import loop
+
+log = get_logger("flaxheads.run")
 
 #: The run settings a resumed run compares with the checkpoint's (a change is warned about).
 RESUME_SETTINGS = (
@@ -58,13 +62,11 @@ def restore_target(trainer: loop.Trainer, ckr: RunCheckpointer):
     return abstract(state, par.shardings(state)).replace(step=0)
 
 
-def _restore(
-    resume: str | int, every: int | None, ckr: RunCheckpointer, trainer: loop.Trainer, settings: dict, lead: bool
-):
+def _restore(resume: str | int, ckr: RunCheckpointer, trainer: loop.Trainer, settings: dict, lead: bool):
     """The state to resume from (None: start at step 0). ``resume``: auto, never or a step."""
     latest = ckr.latest_step()
     if resume == "never":
-        if latest is not None and every != 0:
+        if latest is not None:  # every run saves at least its last step: a new one would mix with these
             raise CheckpointError(
                 f"--no-resume: {ckr.root} already has checkpoints (latest step {latest}); use a "
                 "new --output-dir, or delete that folder to start this run over"
@@ -79,13 +81,12 @@ def _restore(
     changed = loop.changed_settings(ckr.read_meta(step).get("run"), settings)
     state = ckr.restore(step, target_state=restore_target(trainer, ckr))
     if changed and lead:  # after the restore: a setting that cannot resume is its one error line, not a warning too
-        print(
-            "warning: resuming with other settings than the checkpoint's (the run will not repeat an "
-            "uninterrupted one): " + "; ".join(changed[:8]),
-            file=sys.stderr,
+        log.warning(
+            "resuming with other settings than the checkpoint's (the run will not repeat an "
+            "uninterrupted one): " + "; ".join(changed[:8])
         )
     if lead:
-        print(f"resuming from step {step} ({ckr.root})", flush=True)
+        log.info(f"resuming from step {step} ({ckr.root})")
         _trim_log(Path(ckr.run_dir) / "metrics.jsonl", step)
     return state
 
@@ -110,9 +111,9 @@ def check_resume_model(out: Path, model_path: str, resume: str | int) -> None:
 
 
 def open_checkpoints(job: Job, trainer: loop.Trainer, config: dict, lead: bool):
-    """The checkpoint callback (None with ``checkpoint_every=0``) and the state to resume from."""
+    """The checkpoint callback and the state to resume from. ``checkpoint_every=0``: the callback
+    saves the last step only (and the step a signal stops the run at), so the run keeps its model."""
     settings = json.loads(json.dumps({k: config.get(k) for k in RESUME_SETTINGS}, default=str))
-    had_folder = (job.out / "checkpoints").exists()
     name, c = job.best_metric, job.spec.checkpoints
     mode = "min" if name is not None and job.task.lower_is_better(name) else "max"
     ckr = RunCheckpointer(
@@ -124,12 +125,6 @@ def open_checkpoints(job: Job, trainer: loop.Trainer, config: dict, lead: bool):
         save_backbone=not (job.optim.freeze_backbone or job.model.lora is not None),
         extra_meta={"run": settings},
     )
-    state0 = _restore(c.resume, c.checkpoint_every, ckr, trainer, settings, lead)
-    if c.checkpoint_every == 0:
-        ckr.close()
-        root = Path(ckr.root)
-        if lead and not had_folder and root.is_dir() and not any(root.iterdir()):
-            root.rmdir()  # opened only to look for a run to resume; leave no empty folder behind
-        return None, state0
+    state0 = _restore(c.resume, ckr, trainer, settings, lead)
     host = trainer.parallel.get_state if trainer.parallel.mode == "pmap" else None
     return loop.FitCheckpointing(ckr, every=c.checkpoint_every, host_state=host), state0

@@ -1,11 +1,13 @@
 """A run that trains through :func:`~flaxheads.training.loop.fit`: the trainer of the job, its log,
 checkpoints (resumed where the folder has them), the memory plan and profile window, the test
 split's metrics at the end and the run folder's files. Heads on cached features are
-:mod:`flaxheads.run.cached`."""
+:mod:`flaxheads.run.cached`. What it tells goes to the ``flaxheads.run`` logger
+(:mod:`flaxheads.runtime.logs`)."""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 
 import jax
@@ -18,13 +20,17 @@ from flaxheads.run.checkpoints import open_checkpoints
 from flaxheads.run.folder import RunFolder, scalars
 from flaxheads.run.job import Job, Run, run_config, split_counts
 from flaxheads.run.report_data import ReportPage, throughput_note, worst_of
+from flaxheads.runtime.logs import get_logger, use_default_handler
 from flaxheads.runtime.parallel import Parallel
 from flaxheads.runtime.phases import phase
+from flaxheads.runtime.sharding import parse_mesh
 from flaxheads.training import loop
 from flaxheads.training.memory import memory_report
 from flaxheads.training.memory_plan import plan_of
 from flaxheads.training.preemption import SignalWatch, StopOnSignal
 from flaxheads.training.profiling import ProfileWindow, parse_steps
+
+logger = get_logger("flaxheads.run")
 
 
 def fit_until_signal(trainer: loop.Trainer, train, ckpt, callbacks: list, **fit_kwargs) -> loop.FitResult:
@@ -45,6 +51,7 @@ def fit_until_signal(trainer: loop.Trainer, train, ckpt, callbacks: list, **fit_
 
 def fine_tune(job: Job, callbacks: list, *, progress: bool, argv, started, compile_cache) -> Run:
     """Train ``job`` with ``fit`` (``callbacks`` given to it too) and write its run folder."""
+    use_default_handler()
     trainer = loop.Trainer.build(
         job.model, job.optim, job.train, Parallel.from_config(job.train.parallel, job.train.mesh), task=job.task
     )
@@ -56,7 +63,7 @@ def fine_tune(job: Job, callbacks: list, *, progress: bool, argv, started, compi
     folder = RunFolder(job.out, lead)
     folder.start(config, _intro(job, trainer))
     if lead:
-        print(job.model.plan.describe(), flush=True)
+        logger.info(f"{job.model.plan.describe()}; {job.precision.name}: {job.precision.reason}")
     memory = _memory_plan(job, trainer, lead)
     log = folder.logger(
         job.optim, job.steps, job.train.log_every, job.task.headline, report_to=job.report_to, resumed_at=resumed
@@ -146,17 +153,25 @@ def fine_tune(job: Job, callbacks: list, *, progress: bool, argv, started, compi
 
 
 def _memory_plan(job: Job, trainer: loop.Trainer, lead: bool) -> list[str] | None:
-    """The lines of the step's memory plan (printed by process 0); None under pmap."""
+    """The lines of the step's memory plan where it informs (an accelerator, a mesh that splits
+    the params: told at INFO) or is asked for (DEBUG, e.g. ``flaxheads train -v``); else, and under
+    pmap, None: on a CPU host the plan of one device is the state alone, nothing to decide on."""
     if trainer.parallel.mode == "pmap":
+        return None
+    sizes = parse_mesh(job.train.mesh) if job.train.mesh else {}
+    informs = jax.default_backend() != "cpu" or sizes.get("fsdp", 1) > 1 or sizes.get("tensor", 1) > 1
+    level = logging.INFO if informs else logging.DEBUG
+    if not logger.isEnabledFor(level) and not informs:
         return None
     # every process compiles the same program; the first one reports. XLA's analysis costs a
     # compile: on a CPU host with one device the plan is the state alone
     compile = bool(job.train.mesh) or jax.default_backend() != "cpu"
     batch = job.task.largest_batch(job.splits["train"], job.train.batch_size, job.buckets[-1], job.pad_id)
     with phase("compiling"):
-        memory = plan_of(trainer, memory_report(trainer, batch, compile=compile), *np.shape(batch["input_ids"])).lines()
+        report = memory_report(trainer, batch, compile=compile)
+        memory = plan_of(trainer, report, *np.shape(batch["input_ids"]), compiled=compile).lines()
     if lead:
-        print("\n".join(memory), flush=True)
+        logger.log(level, "\n".join(memory))
     return memory
 
 
@@ -172,10 +187,16 @@ def _startup(started: float | None, res: loop.FitResult, fit_called: float) -> d
 
 
 def _intro(job: Job, trainer: loop.Trainer) -> str:
+    """The run's one start line: the model, the data (rows per split), what trains, the devices."""
     what = job.task.describe(split_counts(job.splits), job.steps, job.train.batch_size)
+    width, kind = trainer.parallel.width, jax.devices()[0].platform
+    devices = f"{width} {kind} device{'s' if width > 1 else ''}" + (
+        f" ({job.train.parallel})" if job.train.parallel != "single" else ""
+    )
     return (
-        f"{what}, {_training_kind(job)}, {trainer.parallel.width} device(s) ({job.train.parallel}), "
-        f"{job.precision.name} ({job.precision.reason})" + _packing_note(job) + _stream_note(job)
+        f"{job.spec.model.model}: {what}, {_training_kind(job)}, {devices}, {job.precision.name}"
+        + _packing_note(job)
+        + _stream_note(job)
     )
 
 

@@ -1,7 +1,9 @@
 """The files of a run folder: ``config.json``, ``metrics.jsonl`` and TensorBoard event files
 (written while training, by a ``fit`` callback; ``report_to``), ``eval.txt``, ``summary.json``,
 ``evaluation.json``, ``predictions.npz``, ``curve.png``, ``confusion_matrix.png`` and ``report.html``.
-Only process 0 of a multi-process run writes."""
+Only process 0 of a multi-process run writes. What a run tells goes to the ``flaxheads.run`` logger
+(:mod:`flaxheads.runtime.logs`): its start line and final metrics table at ``SUMMARY`` (a
+notebook's default), the folder, evaluations, per-class tables and timings at ``INFO``."""
 
 from __future__ import annotations
 
@@ -14,12 +16,15 @@ import numpy as np
 from flaxheads.disk.files import write_marker
 from flaxheads.run.reporters import Reporters
 from flaxheads.runtime import phases
+from flaxheads.runtime.logs import SUMMARY, get_logger
 from flaxheads.tasks.metrics import format_table
 from flaxheads.training import loop
 from flaxheads.training.optim import OptimConfig, learning_rates
 
 #: Keys of fit's step metrics that go to metrics.jsonl (``loop.TIMED``: the wall-clock ones).
 LOGGED = ("epoch", "loss", "loss_avg", "grad_norm", "padding", *loop.TIMED)
+
+log = get_logger("flaxheads.run")
 
 
 def scalars(results: dict) -> dict:
@@ -29,7 +34,7 @@ def scalars(results: dict) -> dict:
 
 class RunLog(loop.Callback):
     """The run's log (``metrics.jsonl``, event files): an entry every ``log_every`` steps (loss,
-    throughput, learning rates) and one per evaluation; evaluations are also printed (``lead``)."""
+    throughput, learning rates) and one per evaluation; evaluations are also told at INFO (``lead``)."""
 
     def __init__(
         self, sinks: Reporters, optim: OptimConfig, total: int, log_every: int, metric: str, lead: bool = True
@@ -50,24 +55,26 @@ class RunLog(loop.Callback):
         self.write({"step": step, "eval": {n: scalars(r) for n, r in results.items()}})
         if self.lead:
             line = ", ".join(f"{n} {self.metric} {r[self.metric]:.4f}" for n, r in results.items())
-            print(f"step {step}: {line}", flush=True)
+            log.info(f"step {step}: {line}")
 
 
 class RunFolder:
-    """One run's folder; ``lead=False`` (processes other than 0) writes and prints nothing."""
+    """One run's folder; ``lead=False`` (processes other than 0) writes and tells nothing."""
 
     def __init__(self, path: Path, lead: bool = True):
         self.path, self.lead = Path(path), lead
         self.log: RunLog | None = None
 
     def start(self, config: dict, intro: str) -> None:
-        """Create the folder, write ``config.json`` and print where the run goes and what it does."""
+        """Create the folder, write ``config.json`` and tell where the run goes (INFO) and, in one
+        line, what it does (``intro``, SUMMARY)."""
         if not self.lead:
             return
         self.path.mkdir(parents=True, exist_ok=True)
         write_marker(self.path, "run")
         (self.path / "config.json").write_text(json.dumps(config, indent=2, default=str))
-        print(f"run folder: {self.path}\n{intro}", flush=True)
+        log.info(f"run folder: {self.path}")
+        log.log(SUMMARY, intro)
 
     def logger(
         self,
@@ -80,7 +87,7 @@ class RunFolder:
         resumed_at: int | None = None,
     ) -> RunLog:
         """The ``fit`` callback that writes ``metrics.jsonl`` and the event files (``report_to``;
-        ``metric``: the one printed per evaluation; ``resumed_at``: the step a resumed run starts
+        ``metric``: the one told per evaluation; ``resumed_at``: the step a resumed run starts
         from, whose log it appends to; else the log starts anew)."""
         sinks = Reporters(
             self.path if self.lead else None,
@@ -124,7 +131,8 @@ class RunFolder:
         worst: dict | None = None,
     ) -> None:
         """The final log line, the result files, plots and ``report.html`` (``metric``: the curve's
-        validation metric; ``worst``: the worst-classified examples' table), and the printed report."""
+        validation metric; ``worst``: the worst-classified examples' table); then the metrics table
+        (SUMMARY), the per-split tables and ``tail`` with the folder and the report (INFO)."""
         if self.log is not None:
             self.log.write({"step": summary["steps"], "final": summary["metrics"]})
             self.log.sinks.close()
@@ -147,7 +155,28 @@ class RunFolder:
                 )
                 break
         page = write_report(self.path)
-        print(f"\n{text}\n\n{tail}; run folder: {self.path}; report: {page}", flush=True)
+        if final:
+            log.log(SUMMARY, metrics_table(final))
+        log.info(f"{text}\n\n{tail}; run folder: {self.path}; report: {page}")
+
+
+def metrics_table(final: dict) -> str:
+    """The scalar metrics of each split as one table, a row per split (``-``: not measured there)."""
+    rows = {n: scalars(r) for n, r in final.items()}
+    cols = list(dict.fromkeys(k for r in rows.values() for k in r))
+    if not cols:
+        return "no metrics"
+    w = max(len(n) for n in rows)
+    widths = [max(len(c), 7) for c in cols]
+
+    def cell(v) -> str:
+        return "-" if v is None else f"{v:d}" if isinstance(v, int) and not isinstance(v, bool) else f"{v:.4f}"
+
+    lines = [" " * w + "".join(f"  {c:>{n}}" for c, n in zip(cols, widths))]
+    lines += [
+        f"{name:<{w}}" + "".join(f"  {cell(r.get(c)):>{n}}" for c, n in zip(cols, widths)) for name, r in rows.items()
+    ]
+    return "\n".join(lines)
 
 
 def _plain(x):

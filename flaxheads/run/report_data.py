@@ -4,7 +4,6 @@ throughput line of the run's last printed line."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -13,10 +12,12 @@ import numpy as np
 from flaxheads.data.splits import Split
 from flaxheads.losses import MULTI_LABEL, REGRESSION, SINGLE_LABEL
 from flaxheads.run.report import write_report
+from flaxheads.runtime.logs import get_logger
 from flaxheads.training import loop
 
 #: Rows of the worst-classified table.
 WORST = 10
+log = get_logger("flaxheads.run")
 
 
 class ReportPage(loop.Callback):
@@ -36,11 +37,9 @@ class ReportPage(loop.Callback):
             write_report(self.run_dir, live=results)
         except OSError as e:
             self.failed = True
-            print(
-                f"warning: could not write {self.run_dir / 'report.html'}: {e.strerror or e}; training goes on "
-                "(`flaxheads report` writes it again)",
-                file=sys.stderr,
-                flush=True,
+            log.warning(
+                f"could not write {self.run_dir / 'report.html'}: {e.strerror or e}; training goes on "
+                "(`flaxheads report` writes it again)"
             )
 
 

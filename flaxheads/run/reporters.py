@@ -15,15 +15,16 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from flaxheads.errors import UsageError
 from flaxheads.run.tfevents import EventFile
+from flaxheads.runtime.logs import get_logger
 
 #: The values ``report_to`` takes (several joined by commas), besides ``none``.
 REPORTERS = ("jsonl", "tensorboard")
+log = get_logger("flaxheads.run")
 #: The run folder's subfolder of TensorBoard event files.
 EVENTS_DIR = "tensorboard"
 
@@ -77,11 +78,9 @@ class EventWriter:
             with contextlib.suppress(OSError):
                 self.file.close()
             self.file = None
-        print(
-            f"warning: could not write TensorBoard events in {self.folder}: {e.strerror or e}; training goes "
-            "on (metrics.jsonl keeps every entry)",
-            file=sys.stderr,
-            flush=True,
+        log.warning(
+            f"could not write TensorBoard events in {self.folder}: {e.strerror or e}; training goes "
+            "on (metrics.jsonl keeps every entry)"
         )
 
     def write(self, entry: dict) -> None:

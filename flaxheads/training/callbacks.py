@@ -70,8 +70,9 @@ def flat_metrics(results: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
 class FitCheckpointing(Callback):
     """Saves a :func:`~flaxheads.training.loop.fit` run through a
     :class:`~flaxheads.checkpoint.RunCheckpointer`: at every evaluation fit makes (with its metrics,
-    for keep-best), every ``every`` steps (None: evaluations and the end only; 0: never) and at the
-    end. Each step is saved once.
+    for keep-best), every ``every`` steps (None: evaluations and the end only) and at the end;
+    ``every=0``: at the end only (with the metrics of an evaluation there), so a finished run always
+    holds its model. Each step is saved once.
 
     ``host_state`` turns the placed state into a saveable one (``parallel.get_state`` under
     pmap, whose state has a leading device axis); None saves it as placed (single device or
@@ -80,21 +81,24 @@ class FitCheckpointing(Callback):
     def __init__(self, ckr: RunCheckpointer, *, every: int | None = None, host_state: Callable | None = None):
         self.ckr, self.every, self.host_state = ckr, every, host_state
         self.saved: list[int] = []
+        self._evaluated: tuple[int, dict] | None = None  # every=0: the latest evaluation, for the end's save
 
     def on_evaluate(self, state, step: int, results) -> None:
+        m = flat_metrics(results)
+        if self.ckr.best_metric is not None and self.ckr.best_metric not in m:
+            raise KeyError(f"best metric {self.ckr.best_metric!r} is not among the evaluation metrics {sorted(m)}")
         if self.every != 0:
-            m = flat_metrics(results)
-            if self.ckr.best_metric is not None and self.ckr.best_metric not in m:
-                raise KeyError(f"best metric {self.ckr.best_metric!r} is not among the evaluation metrics {sorted(m)}")
             self._save(state, step, m)
+        else:
+            self._evaluated = (step, m)
 
     def on_step_end(self, state, step: int, metrics=None) -> None:
         if self.every and step % self.every == 0:
             self._save(state, step)
 
     def on_end(self, state, step: int) -> None:
-        if self.every != 0:
-            self._save(state, step)
+        evaluated = self._evaluated
+        self._save(state, step, evaluated[1] if evaluated is not None and evaluated[0] == step else None)
 
     def _save(self, state, step: int, metrics=None) -> None:
         # saved already: at this step's evaluation, or before a run resumed at this very step

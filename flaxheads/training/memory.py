@@ -54,7 +54,7 @@ class MemoryReport:
 
 
 def _gib(n: int | None) -> str:
-    return "?" if n is None else f"{n / 2**30:.3f} GiB" if n >= 2**24 else f"{n / 2**20:.2f} MiB"
+    return "not estimated" if n is None else f"{n / 2**30:.3f} GiB" if n >= 2**24 else f"{n / 2**20:.2f} MiB"
 
 
 def memory_report(

@@ -72,6 +72,7 @@ class MemoryPlan:
     peak: int | None
     backend: str
     notes: tuple[str, ...] = ()
+    unknown: str | None = None  # why the activations are not estimated (None: they are)
 
     @property
     def state(self) -> int:
@@ -93,14 +94,21 @@ class MemoryPlan:
             f"memory plan per device ({self.model}, {self.layout}, batch {b} x {t}, compiled for {self.backend}):",
             f"  base {gib(self.base)}, adapters {gib(self.adapters)}, head {gib(self.head)}, "
             f"optimizer state {gib(self.opt_state)}",
-            f"  activations and workspace {gib(self.activations)}, peak {gib(self.peak)}",
         ]
-        fit = self.fits(devices)
-        out.append(
-            "  fits: "
-            + (", ".join(n for n, ok in fit.items() if ok) or "none of the listed devices")
-            + ("; too big for: " + ", ".join(n for n, ok in fit.items() if not ok) if not all(fit.values()) else "")
-        )
+        if self.activations is None or self.peak is None:
+            # no figure to judge a device by: the state alone would say every device fits
+            out.append(
+                f"  activation memory and the peak not estimated: {self.unknown or 'XLA reported no buffer sizes'}; "
+                f"the state alone is {gib(self.state)}"
+            )
+        else:
+            out.append(f"  activations and workspace {gib(self.activations)}, peak {gib(self.peak)}")
+            fit = self.fits(devices)
+            out.append(
+                "  fits: "
+                + (", ".join(n for n, ok in fit.items() if ok) or "none of the listed devices")
+                + ("; too big for: " + ", ".join(n for n, ok in fit.items() if not ok) if not all(fit.values()) else "")
+            )
         out += [f"  note: {n}" for n in self.notes]
         return out
 
@@ -109,8 +117,8 @@ class MemoryPlan:
 
 
 def gib(n: int | None) -> str:
-    """Bytes as GiB (MiB below 16 MiB); ``?`` for None."""
-    return "?" if n is None else f"{n / 2**30:.2f} GiB" if n >= 2**24 else f"{n / 2**20:.2f} MiB"
+    """Bytes as GiB (MiB below 16 MiB); ``not estimated`` for None."""
+    return "not estimated" if n is None else f"{n / 2**30:.2f} GiB" if n >= 2**24 else f"{n / 2**20:.2f} MiB"
 
 
 def plan_memory(
@@ -188,19 +196,28 @@ def plan_memory(
         notes.append(f"XLA's figures compiled at 2 and 3 of the {layers} layers and extended linearly")
     else:
         report = memory_report(trainer, batch, compile=compile)
-    return plan_of(trainer, report, batch_size, max_length, notes)
+    return plan_of(trainer, report, batch_size, max_length, notes, compiled=compile)
 
 
-def plan_of(trainer, report, batch_size: int, max_length: int, notes: Sequence[str] = ()) -> MemoryPlan:
-    """The :class:`MemoryPlan` of ``trainer``'s step from its :func:`~flaxheads.training.memory.memory_report`."""
+def plan_of(
+    trainer, report, batch_size: int, max_length: int, notes: Sequence[str] = (), *, compiled: bool = True
+) -> MemoryPlan:
+    """The :class:`MemoryPlan` of ``trainer``'s step from its :func:`~flaxheads.training.memory.memory_report`
+    (``compiled``: whether the report compiled the step; else the plan says so where it has no
+    activations)."""
     model, par = trainer.model, trainer.parallel
     params = trainer.abstract_state().params
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     shardings = par.shardings(params) if par.mode == "mesh" else jax.tree.map(lambda _: one, params)
     part = {k: shard_bytes(params[k], shardings[k]) if k in params else 0 for k in ("backbone", LORA, "head")}
-    notes = list(notes)
+    backend = jax.default_backend()
+    unknown = None
     if report.xla_arguments is None:
-        notes.append("state only: the train step was not compiled for the plan")
+        unknown = (
+            f"XLA:{backend.upper()} reports no buffer sizes for the compiled step"
+            if compiled
+            else "the train step was not compiled for the plan (a second compile; `flaxheads plan` makes it)"
+        )
     return MemoryPlan(
         model=os.path.basename(model.name_or_path.rstrip("/")) or model.model_type,
         layout=report.layout,
@@ -211,8 +228,9 @@ def plan_of(trainer, report, batch_size: int, max_length: int, notes: Sequence[s
         opt_state=report.opt_state,
         activations=report.xla_temp,
         peak=report.xla_total,
-        backend=jax.default_backend(),
+        backend=backend,
         notes=tuple(notes),
+        unknown=unknown,
     )
 
 

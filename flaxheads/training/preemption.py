@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
@@ -30,9 +29,11 @@ from typing import Any
 import jax
 from jax.experimental import multihost_utils
 
+from flaxheads.runtime.logs import get_logger
 from flaxheads.training.loop import Callback, FitCheckpointing
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+log = get_logger("flaxheads.training")
 
 
 def exit_code(signum: int) -> int:
@@ -55,8 +56,8 @@ class Interrupted(Exception):
     def line(self) -> str:
         if self.saved is None:
             return (
-                f"interrupted at step {self.step}; no checkpoint saved (checkpoints are off: "
-                "--checkpoint-every 0); a rerun starts over"
+                f"interrupted at step {self.step}; no checkpoint saved (fit was given none to save with); "
+                "a rerun starts over"
             )
         return f"interrupted at step {self.step}; checkpoint saved; rerun the same command to resume"
 
@@ -74,7 +75,8 @@ class SignalWatch:
     the process at once (see the module docstring). ``multihost``: SIGTERM is left to JAX's
     preemption service, and :meth:`due` asks it for the step every process stops at.
 
-    ``checkpoints`` is the folder whose latest finished step the abort line names."""
+    ``checkpoints`` is the folder whose latest finished step the abort line names; the line goes to
+    ``write`` (default: the ``flaxheads.training`` logger, at ERROR: the process ends after it)."""
 
     def __init__(
         self,
@@ -87,7 +89,7 @@ class SignalWatch:
         self.checkpoints = checkpoints
         self.signum: int | None = None
         self.step = 0  # the last step the loop finished (for the abort line)
-        self._write = write or (lambda line: print(line, file=sys.stderr, flush=True))
+        self._write = write or log.error
         self._previous: dict[int, Callable[[int, FrameType | None], Any] | int | signal.Handlers | None] = {}
 
     def __enter__(self) -> SignalWatch:

@@ -4,6 +4,7 @@ refused in one line before any work, and a log entry's TensorBoard tags."""
 from __future__ import annotations
 
 import pytest
+from log_helpers import fresh_logging
 
 import flaxheads as fh
 from flaxheads.cli.main import main
@@ -87,10 +88,11 @@ def test_a_disk_refusing_the_event_files_is_said_once(tmp_path, capsys):
     from flaxheads.run.reporters import Reporters
 
     (tmp_path / "tensorboard").write_text("a file where the folder goes")
-    sinks = Reporters(tmp_path, ("jsonl", "tensorboard"))
-    for step in (1, 2):
-        sinks.write({"step": step, "loss": 0.5})
-    sinks.close()
+    with fresh_logging():  # the warning goes through the flaxheads logger, and its handler prints it
+        sinks = Reporters(tmp_path, ("jsonl", "tensorboard"))
+        for step in (1, 2):
+            sinks.write({"step": step, "loss": 0.5})
+        sinks.close()
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"warning: could not write TensorBoard events in {tmp_path}")
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
