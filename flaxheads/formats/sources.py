@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from flaxheads.checkpoint import attach_head, model_from_checkpoint, resolve_root
 from flaxheads.checkpoint.heads import HeadCheckpoint
-from flaxheads.checkpoint.kinds import FolderKind, folder_kind
+from flaxheads.checkpoint.kinds import FolderKind, folder_kind, not_loadable
 from flaxheads.checkpoint.meta import CHECKPOINTS_SUBDIR
 from flaxheads.disk import checksums
 from flaxheads.errors import UsageError
@@ -123,10 +123,14 @@ def _load(path: str, step, backbone: str | None, dtype, task: str | None = None)
             "sentence-transformers model folder, or a head export"
         )
     kind = folder_kind(path)
+    if kind is None:  # nothing flaxheads reads: say what the folder holds and what it lacks
+        raise UsageError(not_loadable(path))
     if kind is not FolderKind.RUN:  # a checkpoint step checks its own files as they are read
         checksums.verify_folder(path)
     if step not in (None, "latest") and kind is not FolderKind.RUN:
-        raise UsageError(f"a checkpoint step ({step!r}) was given, but {path} is not a run or checkpoint folder")
+        raise UsageError(
+            f"a checkpoint step ({step!r}) was given, but {path} is {kind.described}, not a run or checkpoint folder"
+        )
     if task is not None and kind is not FolderKind.TRANSFORMERS:
         raise UsageError(f"task={task!r} picks a transformers folder's task adapters; {path} is a {kind.value} folder")
     if kind is FolderKind.PEFT_ADAPTER:
