@@ -200,6 +200,11 @@ def load_backbone(
             "(config.json + model.safetensors); flaxheads never downloads"
         )
     config, fam = folder_config(path)
+    if "model_type" not in config and os.path.isfile(os.path.join(path, ".flaxheads")):  # a run's own config.json
+        raise BackboneError(
+            f"{path} is a flaxheads run folder, not a base model (its config.json holds the run's settings): "
+            f"load the model it trained with fh.load({path!r}) or fh.Classifier.from_pretrained({path!r})"
+        )
     if "model_type" not in config:
         raise BackboneError(
             f"{os.path.join(path, 'config.json')} has no 'model_type', so the architecture is "
