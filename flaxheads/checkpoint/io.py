@@ -186,7 +186,9 @@ def pick_step(mgr, root: str, step: int | str | None) -> int:
     """The step an int, ``None``/``"latest"`` or ``"best"`` names among the finished ones."""
     steps = sorted(mgr.all_steps())
     if not steps:
-        raise CheckpointNotFoundError(f"no checkpoints in {root} (expected step folders such as {root}/0/meta)")
+        from flaxheads.checkpoint.kinds import without_checkpoint  # kinds asks this module what a folder is
+
+        raise CheckpointNotFoundError(without_checkpoint(root))
     if step is None or step == "latest":
         return steps[-1]
     if step == "best":

@@ -8,10 +8,13 @@ so that ``interop/`` can ask it too; :mod:`flaxheads.formats` re-exports it."""
 from __future__ import annotations
 
 import enum
+import json
 import os
 
 from flaxheads.backbones.weights import BIN, BIN_INDEX, SAFE, SAFE_INDEX
 from flaxheads.checkpoint.io import is_checkpoint_folder
+from flaxheads.checkpoint.meta import CHECKPOINTS_SUBDIR
+from flaxheads.disk.files import MARKER
 
 
 class FolderKind(str, enum.Enum):
@@ -59,14 +62,15 @@ _WEIGHTS = (SAFE, SAFE_INDEX, BIN, BIN_INDEX)
 def folder_kind(path: str | os.PathLike) -> FolderKind | None:
     """What the folder ``path`` holds; None when it is not a folder or holds nothing flaxheads reads.
 
-    A run comes first (``checkpoints/`` or step folders inside, or a ``metrics.jsonl`` of a run that
-    saved no checkpoint: its ``config.json`` is the run's, not a model's); then the first of
+    A run comes first (``checkpoints/`` or step folders inside, the run's marker file, or a
+    ``metrics.jsonl`` of a run that saved no checkpoint: its ``config.json`` is the run's, not a
+    model's); then the first of
     ``head_config.json``, ``adapter_config.json``, ``model.onnx`` (with no weights beside it: a
     folder with both is a transformers folder), ``modules.json`` and ``config.json``."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         return None
-    if is_checkpoint_folder(path) or os.path.isfile(os.path.join(path, "metrics.jsonl")):
+    if is_checkpoint_folder(path) or os.path.isfile(os.path.join(path, "metrics.jsonl")) or _run_marker(path):
         return FolderKind.RUN
     for name, kind in _BY_FILE:
         if not os.path.isfile(os.path.join(path, name)):
@@ -75,3 +79,54 @@ def folder_kind(path: str | os.PathLike) -> FolderKind | None:
             continue
         return kind
     return None
+
+
+def _run_marker(path: str) -> bool:
+    """The marker a run writes into its folder first (a run that logs nothing has no metrics.jsonl)."""
+    try:
+        with open(os.path.join(path, MARKER)) as f:
+            return json.load(f).get("kind") == "run"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+#: What each kind of folder holds, for the messages of a folder that cannot be loaded.
+_HOLDS = "a run folder (checkpoints/), a checkpoint folder (<step>/meta), or a model folder (config.json and weights)"
+
+
+def without_checkpoint(path: str | os.PathLike) -> str:
+    """Why the run or checkpoint folder ``path`` has no checkpoint to load, in a sentence that
+    names the folder, what it is and what it lacks."""
+    path = os.path.abspath(os.fspath(path))
+    run = os.path.dirname(path) if os.path.basename(path) == CHECKPOINTS_SUBDIR else path
+    if not (_run_marker(run) or os.path.isfile(os.path.join(run, "config.json"))):
+        return (
+            f"{path} is a checkpoint folder with no finished step: no <step>/meta folders inside (a save "
+            "that was cut off leaves only a temporary folder)"
+        )
+    if os.path.isfile(os.path.join(run, "summary.json")):
+        why = (
+            "the run finished without saving one (earlier flaxheads releases saved nothing with "
+            "checkpoint_every=0); train it again to keep its model"
+        )
+    else:
+        why = (
+            "it was interrupted before its first save, or is still training; rerun the same command "
+            f"(or fh.train(fh.RunSpec.from_run({run!r}))) to train it"
+        )
+    return f"{run} is a run folder with no checkpoint ({CHECKPOINTS_SUBDIR}/<step> folders): {why}"
+
+
+def not_loadable(path: str | os.PathLike) -> str:
+    """The message for a folder :func:`folder_kind` finds nothing in: what it is and what it lacks."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        return f"{path} does not exist; expected {_HOLDS}"
+    if not os.path.isdir(path):
+        return f"{path} is a file, not a folder; expected {_HOLDS}"
+    names = sorted(os.listdir(path))
+    held = "it is empty" if not names else "it holds " + ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
+    return (
+        f"{path} is not a model, run or checkpoint folder: no config.json, {CHECKPOINTS_SUBDIR}/ or "
+        f"<step>/meta ({held}); expected {_HOLDS}"
+    )

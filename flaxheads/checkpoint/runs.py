@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from flaxheads.checkpoint import io
+from flaxheads.checkpoint.kinds import without_checkpoint
 from flaxheads.checkpoint.meta import (
     BACKBONE,
     CHECKPOINTS_SUBDIR,
@@ -122,7 +123,7 @@ class RunCheckpointer:
         self._checksum: float | None = None
         self._pending: int | None = None  # the step of the asynchronous save in flight
         if read_only and not os.path.isdir(self.root):
-            raise CheckpointNotFoundError(f"no checkpoints folder {self.root}")
+            raise CheckpointNotFoundError(without_checkpoint(self.run_dir))
         best_fn = None if best_metric is None else _metric_getter(best_metric)
         self._mgr = io.manager(
             self.root,
