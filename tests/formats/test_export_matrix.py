@@ -309,3 +309,28 @@ def test_a_quantised_base_is_not_saved_in_a_checkpoint(variants, tmp_path):
         with pytest.raises(fh.CheckpointError, match="quantised base.*save_backbone=False"):
             ckr.save(1, {"step": 1, "params": model.params, "opt_state": {}})
     assert not os.path.isdir(tmp_path / "checkpoints" / "1")
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_decoder_classifier_export_is_transformers_class(tiny_model, arch, side, tmp_path):
+    """A tiny Qwen2 / Llama classifier, its head moved as training moves it, through ``fh.export``: transformers
+    loads the folder as its own ``Qwen2ForSequenceClassification`` / ``LlamaForSequenceClassification``, with
+    no missing or unexpected weights, and gives flaxheads' logits within 1e-5 on right- and left-padded rows
+    (both pool the last non-pad token)."""
+    from transformers import AutoModelForSequenceClassification
+
+    path = tiny_model(arch).path
+    model = fh.from_pretrained(path)
+    model.params["head"] = _moved(model.params["head"], 3)
+    out = fh.export(model, tmp_path / "out", format="transformers")
+    pt, info = AutoModelForSequenceClassification.from_pretrained(out, output_loading_info=True)
+    assert (
+        type(pt).__name__
+        == {"qwen2": "Qwen2ForSequenceClassification", "llama": "LlamaForSequenceClassification"}[arch]
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    ids, mask = padded_batch(arch, pt.config, side)
+    with torch.no_grad():
+        theirs = pt.eval()(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()
+    np.testing.assert_allclose(theirs, _ours(model, ids, mask), atol=1e-5, rtol=0)
