@@ -2,7 +2,8 @@
 
 The front door (``import flaxheads as fh``), by concept:
 
-* a run: :func:`train` (a :class:`RunSpec`, or its settings as keywords) -> :class:`Run`
+* a run: :func:`train` (a :class:`RunSpec`, or its settings as keywords) -> :class:`Run`; how much it
+  tells: :func:`set_verbosity`
 * models: :func:`from_pretrained` (a new head on a backbone), :func:`load` (anything flaxheads reads),
   :func:`export` (any of :data:`FORMATS`), :class:`SequenceModel`, :class:`Classifier` (texts in,
   :class:`Predictions` out), :func:`describe`, :func:`load_tokenizer`
@@ -31,6 +32,7 @@ _PUBLIC: dict[str, str] = {
     "train": "flaxheads.run",
     "RunSpec": "flaxheads.run",
     "Run": "flaxheads.run",
+    "set_verbosity": "flaxheads.runtime.logs",
     # models: make, load, export, describe, predict
     "from_pretrained": "flaxheads.model.pretrained",
     "load": "flaxheads.formats",

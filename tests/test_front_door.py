@@ -98,6 +98,22 @@ def test_import_flaxheads_imports_no_heavy_library_and_reads_no_argv():
     assert got.returncode == 0 and got.stdout.strip() == fh.__version__, got.stderr
 
 
+def test_import_flaxheads_leaves_logging_alone():
+    """The front door's set_verbosity is the logging module's; importing flaxheads adds no handler and sets no level."""
+    got = _python("""
+        import logging
+        import flaxheads as fh
+        logger = logging.getLogger("flaxheads")
+        assert not logger.handlers and logger.level == logging.NOTSET and logger.propagate
+        assert not logging.getLogger().handlers
+        from flaxheads.runtime import logs
+        assert fh.set_verbosity is logs.set_verbosity
+        fh.set_verbosity("warning")
+        assert logger.level == logging.WARNING and [type(h).__name__ for h in logger.handlers] == ["PlainHandler"]
+    """)
+    assert got.returncode == 0, got.stderr
+
+
 def test_at_most_50_names_each_once():
     assert len(fh.__all__) <= 50 and len(set(fh.__all__)) == len(fh.__all__)
 
