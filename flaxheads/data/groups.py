@@ -30,6 +30,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from flaxheads.data.batching import bucket_length, token_batch
+from flaxheads.data.objects import Columns, DataObject
 from flaxheads.data.splits import SPLITS, batch_plan, split_indices
 from flaxheads.data.tables import DataError, _read_text, bbc_news_path, read_table
 
@@ -146,10 +147,17 @@ def detect_layout(cols: Sequence[str]) -> str:
     return "rows"
 
 
-def load_group_table(path: str | os.PathLike, *, query_column: str | None = None) -> GroupTable:
-    """A preference or ranking table (CSV / TSV / JSON Lines / Parquet); the layout follows the columns."""
+def load_group_table(path: str | os.PathLike | DataObject, *, query_column: str | None = None) -> GroupTable:
+    """A preference or ranking table (CSV / TSV / JSON Lines / Parquet, or an in-memory table of
+    :mod:`flaxheads.data.objects`); the layout follows the columns."""
+    if isinstance(path, DataObject):
+        return _group_table(Columns(path), str(path), query_column)
     path = os.fspath(path)
-    ds = read_table(path)
+    return _group_table(read_table(path), path, query_column)
+
+
+def _group_table(ds, path: str, query_column: str | None) -> GroupTable:
+    """The groups of ``ds`` (a ``datasets.Dataset`` or :class:`~flaxheads.data.objects.Columns`)."""
     cols = list(ds.column_names)
     layout = detect_layout(cols)
     q = query_column or ("prompt" if layout == "preference" and "prompt" in cols else "query")
@@ -272,8 +280,10 @@ def bbc_news_groups(negatives: int = 3, seed: int = 0, limit: int | None = None,
     return check_groups(GroupTable(queries, cand, labels, f"bbc_news ({passage} relevance set)", where))
 
 
-def load_groups(spec: str, **options) -> GroupTable:
-    """``bbc_news`` (the relevance set of :func:`bbc_news_groups`) or a table file."""
+def load_groups(spec: str | DataObject, **options) -> GroupTable:
+    """``bbc_news`` (the relevance set of :func:`bbc_news_groups`), a table file or an in-memory table."""
+    if isinstance(spec, DataObject):
+        return load_group_table(spec, query_column=options.get("query_column"))
     if spec == "bbc_news":
         return bbc_news_groups(**{k: v for k, v in options.items() if k in ("negatives", "seed", "limit", "passage")})
     if not os.path.exists(spec):

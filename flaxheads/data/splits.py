@@ -15,10 +15,13 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from flaxheads.data.batching import bucket_length, pad_rows, token_batch
+from flaxheads.data.objects import DataObject, record
 from flaxheads.data.tables import DataError, LabelSpace, TextTable, encode_labels, infer_label_space, load_source
 from flaxheads.losses import SINGLE_LABEL
 
 SPLITS = ("train", "validation", "test")
+#: The fields of :class:`TableSources` that name a source (a path or an in-memory table).
+SOURCE_FIELDS = ("data", "train_file", "validation_file", "test_file")
 
 
 # ---- splits --------------------------------------------------------------------------------
@@ -219,12 +222,14 @@ def iterate_batches(
 @dataclasses.dataclass(frozen=True)
 class TableSources:
     """Where a run's rows come from: one source split by fractions, or a file per split, and the
-    columns to read (shared by the reader's :class:`DataConfig` and the run spec's data group)."""
+    columns to read (shared by the reader's :class:`DataConfig` and the run spec's data group). A
+    source is a path or an in-memory table (:class:`~flaxheads.data.objects.DataObject`)."""
 
-    data: str | None = "bbc_news"  # packaged name, class folder, table file or glob (split with `split`)
-    train_file: str | None = None  # explicit splits instead of `data`
-    validation_file: str | None = None
-    test_file: str | None = None
+    # packaged name, class folder, table file, glob or in-memory table (split with `split`)
+    data: str | DataObject | None = "bbc_news"
+    train_file: str | DataObject | None = None  # explicit splits instead of `data` (`train=` etc.)
+    validation_file: str | DataObject | None = None
+    test_file: str | DataObject | None = None
     text_column: str = "text"
     text_pair_column: str | None = None
     label_column: str = "label"
@@ -242,6 +247,12 @@ class DataConfig(TableSources):
     labels: tuple[str, ...] | None = None  # the class names (single/multi-label), instead of discovering them
     eval_limit: int | None = None  # evaluate during training on a sample of this many validation examples
     stream: bool | None = None  # read tables as training runs (None: large files and globs; training/streaming/)
+
+
+def source_record(cfg: TableSources) -> dict:
+    """``cfg`` as a run's ``config.json`` records it: each in-memory source as its description."""
+    plain = dataclasses.replace(cfg, **{k: None for k in SOURCE_FIELDS})  # asdict would deep-copy the tables
+    return {**dataclasses.asdict(plain), **{k: record(getattr(cfg, k)) for k in SOURCE_FIELDS}}
 
 
 def load_splits(cfg: DataConfig) -> tuple[dict[str, TextTable], LabelSpace, dict[str, np.ndarray]]:

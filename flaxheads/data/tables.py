@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from flaxheads.data.objects import PAIR_COLUMN, TUPLE, Columns, DataObject
 from flaxheads.errors import FlaxheadsError
 from flaxheads.losses import MULTI_LABEL, REGRESSION, SINGLE_LABEL
 
@@ -105,21 +106,34 @@ def load_table(
     """A CSV / TSV / JSON Lines / Parquet file with a text column (+ optional pair column) and a
     label column (class name, integer id, list of names for multi-label, or float)."""
     path = os.fspath(path)
-    ds = read_table(path)
+    return _columns_table(read_table(path), path, text_column, label_column, text_pair_column, flags=True)
+
+
+def object_table(
+    source: DataObject, *, text_column: str = "text", label_column: str = "label", text_pair_column: str | None = None
+) -> TextTable:
+    """An in-memory table (:mod:`flaxheads.data.objects`) read as :func:`load_table` reads a file: the
+    same columns, the same checks (a three-part tuple's middle part is the text pairs)."""
+    cols = Columns(source, text=text_column, label=label_column, pair=text_pair_column)
+    if cols.kind == TUPLE and len(source.obj) == 3:
+        text_pair_column = text_pair_column or PAIR_COLUMN
+    return _columns_table(cols, str(source), text_column, label_column, text_pair_column, flags=False)
+
+
+def _columns_table(ds, source: str, text_column: str, label_column: str, pair: str | None, *, flags: bool) -> TextTable:
+    """The rows of ``ds`` (a ``datasets.Dataset`` or :class:`~flaxheads.data.objects.Columns`) as a
+    checked :class:`TextTable`; a missing column is named with the flag (``flags``) or keyword that chooses it."""
     cols = list(ds.column_names)
-    for col, flag in (
-        (text_column, "--text-column"),
-        (label_column, "--label-column"),
-        (text_pair_column, "--text-pair-column"),
-    ):
+    for col, name in ((text_column, "text_column"), (label_column, "label_column"), (pair, "text_pair_column")):
         if col is not None and col not in cols:
-            raise DataError(f"{path}: no column {col!r} (columns: {cols}); choose one with {flag}")
+            how = "--" + name.replace("_", "-") if flags else name + "="
+            raise DataError(f"{source}: no column {col!r} (columns: {cols}); choose one with {how}")
     texts = list(ds[text_column])
     labels = list(ds[label_column])
-    pairs = list(ds[text_pair_column]) if text_pair_column else None
+    pairs = list(ds[pair]) if pair else None
     rows = [f"row {i + 1}" for i in range(len(texts))]  # 1-based data rows (header not counted)
-    table = TextTable(texts, labels, path, rows, pairs, label_column, text_column)
-    _check_texts(table, text_pair_column)
+    table = TextTable(texts, labels, source, rows, pairs, label_column, text_column)
+    _check_texts(table, pair)
     return table
 
 
@@ -288,8 +302,11 @@ def bbc_news_path() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / "bbcnews" / "data"
 
 
-def load_source(spec: str, **table_options) -> TextTable:
-    """``bbc_news`` (packaged), a class folder, or a table file."""
+def load_source(spec: str | os.PathLike | DataObject, **table_options) -> TextTable:
+    """``bbc_news`` (packaged), a class folder, a table file or an in-memory table (:class:`DataObject`)."""
+    if isinstance(spec, DataObject):
+        return object_table(spec, **table_options)
+    spec = os.fspath(spec)
     if spec in PACKAGED:
         return load_class_folder(bbc_news_path())
     if os.path.isdir(spec):

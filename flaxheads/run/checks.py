@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 import os
 
+from flaxheads.data.objects import DataObject, missing_message
+from flaxheads.data.splits import SOURCE_FIELDS
 from flaxheads.errors import TrainingError, UsageError
 from flaxheads.heads.poolers import POOLER_NAMES
 from flaxheads.layers.remat import REMAT_POLICIES
@@ -24,6 +26,7 @@ def check_spec(spec: RunSpec) -> RunSpec:
     :class:`~flaxheads.errors.UsageError` on the first conflict (``report_to``: when the job resolves it)."""
     _check_values(spec)
     _check_model(spec)
+    spec = _check_sources(spec)
     if (spec.data.validation_file or spec.data.test_file) and not spec.data.train_file:
         raise UsageError("--validation-file/--test-file need --train-file (or give one --data file and --split)")
     o, d = spec.optim, spec.devices
@@ -45,6 +48,18 @@ def check_spec(spec: RunSpec) -> RunSpec:
     if spec.ranking:
         _check_ranking(spec)
     return spec.replace(precision=settle_precision(spec.model.precision))
+
+
+def _check_sources(spec: RunSpec) -> RunSpec:
+    """In-memory tables are there (a spec read from a run folder holds only their descriptions), each
+    to be described afresh by this run (it may have changed since the spec was made)."""
+    d = spec.data
+    used = [k for k in SOURCE_FIELDS if k != "data" or not d.train_file]
+    objects = {k: v for k in used if isinstance(v := getattr(d, k), DataObject)}
+    missing = {v.given_as: v for v in objects.values() if v.missing}
+    if missing:
+        raise UsageError(missing_message(missing))
+    return spec.replace(**{k: v.fresh() for k, v in objects.items()}) if objects else spec
 
 
 def _check_profile(spec: RunSpec) -> None:
@@ -107,8 +122,13 @@ def _check_model(spec: RunSpec) -> None:
                 f"--pooler {m.pooler!r}: unknown pooler {bad[0]!r}; valid poolers: "
                 f"{', '.join(sorted(POOLER_NAMES))}, `preset`, or several names joined by commas"
             )
-    if m.head not in ("linear", "mlp", "preset"):
-        raise UsageError(f"--head {m.head!r} is not one of linear, mlp, preset")
+    if m.head not in ("linear", "mlp", "preset", "token-logits"):
+        raise UsageError(f"--head {m.head!r} is not one of linear, mlp, preset, token-logits")
+    if m.head == "token-logits" and (not spec.ranking or m.pooler not in ("mean", "preset")):
+        raise UsageError(
+            "--head token-logits scores (query, document) pairs from the LM head at the last token: train it "
+            "with a ranking --objective, and leave --pooler out (it takes the preset's last token)"
+        )
     if m.head_hidden and m.head != "mlp":
         raise UsageError(f"--head-hidden sets the widths of an MLP head; it needs --head mlp (got --head {m.head})")
     if m.remat not in REMAT_POLICIES:

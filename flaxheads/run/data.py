@@ -11,10 +11,11 @@ from typing import Any, cast
 
 import numpy as np
 
-from flaxheads.checkpoint import resolve_root
+from flaxheads.checkpoint import CheckpointError, read_meta, resolve_root
 from flaxheads.checkpoint.meta import CHECKPOINTS_SUBDIR
 from flaxheads.data.groups import GroupTable, check_unit_relevance, load_groups, split_groups, tokenize_groups
-from flaxheads.data.splits import DataConfig, TableSources, load_splits, tokenize_shared
+from flaxheads.data.objects import DataObject, is_description, record, summary
+from flaxheads.data.splits import SOURCE_FIELDS, DataConfig, TableSources, load_splits, source_record, tokenize_shared
 from flaxheads.data.streaming import open_stream, split_table, streams
 from flaxheads.data.tables import DataError, LabelSpace, TextTable
 from flaxheads.errors import UsageError
@@ -98,9 +99,9 @@ def load_data(spec: RunSpec) -> RunData:
             )
         with phases.phase("scanning the data stream"):
             stream = open_stream(cfg)
-        return RunData(stream.sources, stream.space, "rows", dataclasses.asdict(cfg), stream=stream)
+        return RunData(stream.sources, stream.space, "rows", source_record(cfg), stream=stream)
     tables, space, labels = load_splits(cfg)
-    return RunData(tables, space, "rows", dataclasses.asdict(cfg), labels)
+    return RunData(tables, space, "rows", source_record(cfg), labels)
 
 
 def run_split(source: str | os.PathLike, name: str) -> TextTable | GroupTable:
@@ -113,6 +114,12 @@ def run_split(source: str | os.PathLike, name: str) -> TextTable | GroupTable:
         raise UsageError(
             f"--split needs a run folder that recorded its data (config.json); {source} has "
             "none: give --input with a labelled file"
+        )
+    held = [f"{k}= was a {summary(v)}" for k, v in cfg["data"].items() if k in SOURCE_FIELDS and is_description(v)]
+    if held:
+        raise UsageError(
+            f"--split reads a run's data again, and {source} trained on in-memory data ({held[0]}), which "
+            "a run folder does not keep: give --input with a labelled file"
         )
     if cfg.get("objective", "classification") != "classification":
         tables = _groups(run_spec(source)).tables
@@ -162,10 +169,10 @@ def _groups(spec: RunSpec) -> RunData:
         )
     kind = tables["train"].kind
     config = {
-        "data": d.data,
-        "train_file": d.train_file,
-        "validation_file": d.validation_file,
-        "test_file": d.test_file,
+        "data": record(d.data),
+        "train_file": record(d.train_file),
+        "validation_file": record(d.validation_file),
+        "test_file": record(d.test_file),
         "split": list(d.split),
         "seed": spec.seed,
         "limit": d.limit,
@@ -173,3 +180,35 @@ def _groups(spec: RunSpec) -> RunData:
         "negatives": d.negatives if d.data == "bbc_news" else None,
     }
     return RunData(tables, None, kind, config)
+
+
+def check_same_data(out: str | os.PathLike, spec: RunSpec) -> None:
+    """Before any model loads: a run folder with checkpoints trained on an in-memory table resumes
+    only on the same one (same kind, columns, rows and fingerprint), and one trained on files is not
+    resumed on an in-memory table (one line, exit 2). Files against files are the resume's to warn about."""
+    root = os.path.join(os.fspath(out), CHECKPOINTS_SUBDIR)
+    resume = spec.checkpoints.resume
+    if resume == "never" or not os.path.isdir(root) or not any(p.isdigit() for p in os.listdir(root)):
+        return
+    try:
+        meta, step, _ = read_meta(root, None if resume == "auto" else int(resume))
+    except CheckpointError:
+        return  # no finished step, or a damaged one: the restore reports it
+    before = (meta.get("run") or {}).get("data") or {}
+    for key in SOURCE_FIELDS:
+        was, now = before.get(key), getattr(spec.data, key)
+        if not (is_description(was) or isinstance(now, DataObject)) or key not in before:
+            continue
+        now = record(now)
+        fields = ("object", "columns", "rows", "fingerprint")
+        if is_description(was) and is_description(now) and all(was.get(f) == now.get(f) for f in fields):
+            continue
+        name = key.removesuffix("_file")
+        raise UsageError(
+            f"{out} holds a run trained on {name}={_shown(was)} (checkpoint step {step}), not {name}={_shown(now)}: "
+            f"pass the same {name}= to resume it, or train this data in a new output_dir"
+        )
+
+
+def _shown(source) -> str:
+    return summary(source) if is_description(source) else repr(source)

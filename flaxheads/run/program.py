@@ -16,12 +16,14 @@ from typing import Any
 import jax
 
 from flaxheads.data.batching import make_buckets
+from flaxheads.data.chat import pair_tokenizer
 from flaxheads.data.packing import AUTO_PACK_SHARE, packed_slot_share
 from flaxheads.data.splits import Split
 from flaxheads.data.streaming import StreamSplit
 from flaxheads.data.tables import LabelSpace
 from flaxheads.disk.preflight import check_run_folder
 from flaxheads.errors import UsageError
+from flaxheads.heads.token_logits import reranker_head
 from flaxheads.interop.peft import load_peft
 from flaxheads.interop.tokenizers import load_tokenizer, model_max_positions
 from flaxheads.model.base_dtype import resolve_base_dtype
@@ -32,7 +34,7 @@ from flaxheads.model.sequence import SequenceModel
 from flaxheads.run.cached import head_steps, run_cached
 from flaxheads.run.checkpoints import check_resume_model
 from flaxheads.run.checks import check_spec
-from flaxheads.run.data import load_data
+from flaxheads.run.data import check_same_data, load_data
 from flaxheads.run.finetune import fine_tune
 from flaxheads.run.job import Job, Run
 from flaxheads.run.reporters import resolve_report_to
@@ -132,11 +134,14 @@ def build_model(spec: RunSpec, path: str, space: LabelSpace | None, plan: Comput
             )
         model = model.with_base_dtype(base_dtype(spec, plan))
         return model if m.quantize is None else model.with_quantized_base(m.quantize)
-    pooler = None if m.pooler == "preset" else m.pooler.split(",") if "," in m.pooler else m.pooler
+    # a token-logit reranker reads the LM head at the preset's pooled token, the last one
+    preset = m.pooler == "preset" or m.head == "token-logits"
+    pooler = None if preset else m.pooler.split(",") if "," in m.pooler else m.pooler
+    head = reranker_head() if m.head == "token-logits" else None if m.head == "preset" else m.head
     model = from_pretrained(
         path,
         pooler=pooler,
-        head=None if m.head == "preset" else m.head,
+        head=head,
         id2label=id2label,
         num_labels=num_labels,
         problem_type=problem_type,
@@ -203,7 +208,11 @@ def _require_validation(spec: RunSpec, has_validation: bool) -> None:
         if on
     ]
     if needs and not has_validation:
-        how = "--validation-file" if spec.data.train_file else "a validation fraction in --split (e.g. 0.8,0.1,0.1)"
+        how = (
+            "--validation-file (validation=)"
+            if spec.data.train_file
+            else "a validation fraction in --split (e.g. 0.8,0.1,0.1)"
+        )
         raise UsageError(f"{needs[0]} needs a validation split, and this run has none: give {how}")
 
 
@@ -214,6 +223,7 @@ def prepare(spec: RunSpec) -> Job:
     out = checked_run_folder(spec, path)
     init_distributed(spec)  # before anything starts JAX's backend (reading a checkpoint's meta does)
     check_resume_model(out, path, spec.checkpoints.resume)
+    check_same_data(out, spec)
     with phase("reading the data"):
         data = load_data(spec)
     _require_validation(spec, data.has_validation)
@@ -226,7 +236,7 @@ def prepare(spec: RunSpec) -> Job:
         tok = load_tokenizer(path)
     max_length = usable_max_length(spec.data.max_length, tok, model, path)
     with phase("tokenising"):
-        splits = data.tokenize(tok, max_length)
+        splits = data.tokenize(pair_tokenizer(tok, model), max_length)  # a reranker's pairs in its prompt
     buckets = make_buckets(max_length, min(spec.data.bucket_step, max_length))
     tcfg = train_config(spec)
     pack, share = (

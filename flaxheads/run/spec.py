@@ -7,7 +7,9 @@ the run's ``config.json`` (key ``"spec"``): :meth:`RunSpec.from_run` gives back 
 run folder, and running it again resumes that run.
 
 Keyword arguments reach their group by name (:meth:`RunSpec.from_kwargs`, :meth:`RunSpec.replace`):
-every field name is unique across the groups.
+every field name is unique across the groups. ``train=``, ``validation=`` and ``test=`` are
+``train_file=``, ``validation_file=`` and ``test_file=``; these and ``data=`` take a path or an
+in-memory table (:mod:`flaxheads.data.objects`), which the JSON form records by its description.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from flaxheads.data.splits import TableSources
+from flaxheads.data.objects import DataObject, as_source, record, recorded, split_objects
+from flaxheads.data.splits import SOURCE_FIELDS, TableSources
 from flaxheads.errors import UsageError
 from flaxheads.losses import MULTI_LABEL, REGRESSION, SINGLE_LABEL
 from flaxheads.model.hub import PACKAGED_MODEL
@@ -41,7 +44,7 @@ class ModelSpec:
 
     model: str = PACKAGED_MODEL  # local Hugging Face folder, the packaged model, or a hub id in the cache
     pooler: str = "mean"  # a pooler name, names joined by commas (concatenated), or "preset"
-    head: str = "linear"  # linear | mlp | preset
+    head: str = "linear"  # linear | mlp | preset | token-logits (an LLM reranker: heads.token_logits)
     head_hidden: tuple[int, ...] | None = None  # hidden widths of an mlp head
     precision: str | None = None  # auto | float32 | bfloat16 (None: $FLAXHEADS_PRECISION, else auto)
     base_dtype: str = "auto"  # a frozen base's storage: auto (bfloat16 if frozen and precision is) | float32 | bfloat16
@@ -142,6 +145,8 @@ GROUPS: dict[str, type] = {
 #: field name -> its group
 FIELD_GROUP: dict[str, str] = {f.name: g for g, cls in GROUPS.items() for f in dataclasses.fields(cls)}
 _TUPLES = {"head_hidden", "lora_targets", "labels", "split", "report_to"}
+#: The other names of settings: ``train=`` is ``train_file=`` (a path or an in-memory table).
+ALIASES = {"train": "train_file", "validation": "validation_file", "test": "test_file"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,14 +170,15 @@ class RunSpec:
         """A copy with the named fields changed (flat names, each routed to its group)."""
         groups: dict[str, dict] = {}
         top = {}
-        for name, value in kwargs.items():
+        for name, value in _sources(kwargs).items():
             if name == "seed":
                 top["seed"] = value
                 continue
             group = FIELD_GROUP.get(name)
             if group is None:
                 raise UsageError(
-                    f"{name!r} is not a run setting; the settings are: seed, " + ", ".join(sorted(FIELD_GROUP))
+                    f"{name!r} is not a run setting; the settings are: seed, "
+                    + ", ".join(sorted([*FIELD_GROUP, *ALIASES]))
                 )
             if name == "report_to" and isinstance(value, str):  # "tensorboard,jsonl", as the flag spells it
                 value = tuple(v.strip() for v in value.split(",") if v.strip())
@@ -189,8 +195,12 @@ class RunSpec:
         return {**out, "seed": self.seed}
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON form: ``{"model": {...}, ..., "seed": 0}``."""
-        return json.loads(json.dumps(dataclasses.asdict(self)))
+        """The JSON form: ``{"model": {...}, ..., "seed": 0}``; an in-memory table is its description."""
+        out: dict[str, Any] = {
+            g: {f.name: record(getattr(getattr(self, g), f.name)) for f in dataclasses.fields(cls)}
+            for g, cls in GROUPS.items()
+        }
+        return json.loads(json.dumps({**out, "seed": self.seed}))
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> RunSpec:
@@ -210,7 +220,7 @@ class RunSpec:
                     raise UsageError(
                         f"run spec group {key!r} has no setting {bad[0]!r}; it has {', '.join(sorted(known))}"
                     )
-                flat.update(value)
+                flat.update({k: recorded(v, _given_as(k)) if k in SOURCE_FIELDS else v for k, v in value.items()})
             else:
                 raise UsageError(f"run spec key {key!r} is not one of {', '.join(GROUPS)}, seed")
         return cls.from_kwargs(**flat)
@@ -239,7 +249,9 @@ class RunSpec:
     def run_folder(self) -> Path:
         """``output_dir``, or ``runs/<time>-<data name>[-<ranking objective>]``."""
         d = self.data
-        stem = Path(str(d.train_file or d.data)).stem + (f"-{self.task.objective}" if self.ranking else "")
+        source = d.train_file or d.data
+        name = source.kind.split(".")[-1].lower() if isinstance(source, DataObject) else Path(str(source)).stem
+        stem = name + (f"-{self.task.objective}" if self.ranking else "")
         return Path(self.checkpoints.output_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{stem}")
 
     @property
@@ -273,6 +285,32 @@ class RunSpec:
     def parallel_mode(self) -> str:
         d = self.devices
         return "mesh" if d.coordinator_address is not None or d.mesh else d.parallel
+
+
+def _given_as(field: str) -> str:
+    """The keyword an in-memory source is given as (``train`` for ``train_file``)."""
+    return {v: k for k, v in ALIASES.items()}.get(field, field)
+
+
+def _sources(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` with aliases under their field's name, data sources as a spec holds them, and a
+    ``DatasetDict`` given as ``data=`` spread over ``train_file`` / ``validation_file`` / ``test_file``."""
+    out: dict[str, Any] = {}
+    for name, value in kwargs.items():
+        field = ALIASES.get(name, name)
+        if field in out:
+            raise UsageError(f"{name}= and {field}= are one setting: give one of them")
+        if field == "data" and (splits := split_objects(value)) is not None:
+            if any(k in kwargs for k in (*ALIASES, *ALIASES.values())):
+                raise UsageError(
+                    "data= got a dict of splits, which sets train=, validation= and test=: give one or the other"
+                )
+            out["data"] = None
+            for split, obj in splits.items():
+                out[f"{split}_file"] = as_source(obj, split)
+            continue
+        out[field] = as_source(value, _given_as(field)) if field in SOURCE_FIELDS else value
+    return out
 
 
 def settle_precision(name: str | None) -> str:

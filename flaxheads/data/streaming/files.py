@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from flaxheads.data.objects import ITERABLE, DataObject
 from flaxheads.data.tables import PACKAGED, TABLE_FORMATS, DataError, _quiet_datasets, check_csv_quoting, check_utf8
 
 #: ``--stream`` unset: a table file larger than this streams (smaller ones are read into memory,
@@ -42,10 +43,13 @@ def table_files(spec: str) -> list[str]:
     return files
 
 
-def streams(spec: str | None, want: bool | None) -> bool:
+def streams(spec: str | DataObject | None, want: bool | None) -> bool:
     """Whether the table ``spec`` is streamed: ``want`` (``--stream`` / ``--no-stream``) when
     given; else for a glob, or a table file larger than :data:`STREAM_BYTES`. Packaged data and
-    class folders are read into memory."""
+    class folders are read into memory; of in-memory tables, an ``IterableDataset`` streams (unless
+    ``want`` is False) and the others are in memory already."""
+    if isinstance(spec, DataObject):
+        return spec.kind == ITERABLE and want is not False
     if spec is None or os.path.isdir(spec) or spec in PACKAGED:
         return False
     if want is not None:

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from flaxheads.data.objects import DataObject, missing_message
 from flaxheads.data.splits import SPLITS, tokenize
 from flaxheads.data.streaming.batches import StreamSplit
 from flaxheads.data.streaming.files import table_files
@@ -266,21 +267,27 @@ class StreamData:
         return out
 
 
+def _files(source) -> tuple[tuple[str, ...], Any]:
+    """A streamed source's files, or an in-memory table (an ``IterableDataset``) under its one name."""
+    if isinstance(source, DataObject):
+        if source.obj is None:
+            raise UsageError(missing_message({source.given_as: source}))
+        return (str(source),), source.obj
+    return tuple(table_files(source)), None
+
+
 def _sources(cfg) -> list[list[StreamSource]]:
     """The splits' sources, grouped by the files one pass reads (a hash split reads its files once)."""
     topt = dict(text_column=cfg.text_column, label_column=cfg.label_column, pair_column=cfg.text_pair_column)
     if cfg.train_file:
-        return [
-            [StreamSource(name, tuple(table_files(f)), **topt)]
-            for name, f in zip(SPLITS, (cfg.train_file, cfg.validation_file, cfg.test_file))
-            if f
-        ]
+        named = [(n, _files(f)) for n, f in zip(SPLITS, (cfg.train_file, cfg.validation_file, cfg.test_file)) if f]
+        return [[StreamSource(name, files, **topt, dataset=dataset)] for name, (files, dataset) in named]
     if not cfg.data:
         raise DataError("no data: give --data (bbc_news, a class folder or a file) or --train-file")
-    files = tuple(table_files(cfg.data))
+    files, dataset = _files(cfg.data)
     return [
         [
-            StreamSource(name, files, **topt, fractions=tuple(cfg.split), part=k, seed=cfg.seed)
+            StreamSource(name, files, **topt, fractions=tuple(cfg.split), part=k, seed=cfg.seed, dataset=dataset)
             for k, name in enumerate(SPLITS)
             if cfg.split[k] > 0
         ]

@@ -10,7 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from flaxheads.data.streaming.files import read_chunks
+from flaxheads.data.objects import iter_chunks
+from flaxheads.data.streaming.files import CHUNK_ROWS, read_chunks
 from flaxheads.data.tables import DataError
 
 # ---- rows and splits ---------------------------------------------------------------------------
@@ -53,6 +54,8 @@ class StreamSource:
     fractions: tuple[float, ...] | None = None  # None: every row is this split's
     part: int = 0
     seed: int = 0
+    #: an ``IterableDataset`` read instead of ``files`` (then its one name, for messages)
+    dataset: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def columns(self) -> dict[str, str]:
@@ -69,13 +72,15 @@ def file_rows(
     files: Sequence[str],
     columns: dict[str, str],
     order: Sequence[int] | None = None,
+    dataset: Any = None,
 ) -> Iterator[tuple[int, np.ndarray, Any]]:
     """``(file index, 1-based row numbers, chunk of the columns)`` for every chunk of the files,
     in ``order`` (file indices; default as given). ``columns``: name -> the flag that chose it,
-    named when the column is missing."""
+    named when the column is missing. ``dataset``: an ``IterableDataset`` read instead (``files``
+    is then its one name)."""
     for fi in range(len(files)) if order is None else order:
         first = 1
-        for chunk in read_chunks(files[fi]):
+        for chunk in read_chunks(files[fi]) if dataset is None else iter_chunks(dataset, CHUNK_ROWS):
             if first == 1:
                 for col, flag in columns.items():
                     if col not in chunk.column_names:
@@ -89,7 +94,7 @@ def file_rows(
 
 def source_rows(src: StreamSource, order: Sequence[int] | None = None) -> Iterator[tuple[int, np.ndarray, Any]]:
     """:func:`file_rows` of the source, only the rows of its split."""
-    for fi, rows, chunk in file_rows(src.files, src.columns, order):
+    for fi, rows, chunk in file_rows(src.files, src.columns, order, src.dataset):
         if src.fractions is not None:
             keep = np.flatnonzero(split_parts(row_hash(src.seed, fi, rows), src.fractions) == src.part)
             if len(keep) < len(rows):
