@@ -144,7 +144,7 @@ def as_source(value: Any, given_as: str = "data") -> Any:
     if kind in (COLUMNS, TUPLE):
         lengths = {len(v) for v in (value.values() if isinstance(value, Mapping) else value)}
         if len(lengths) > 1:
-            raise UsageError(f"{given_as}=: the {kind}'s columns have different lengths {sorted(lengths)}")
+            raise UsageError(f"{given_as}=: a {kind} needs columns of one length; got lengths {sorted(lengths)}")
     return DataObject(value, given_as)
 
 

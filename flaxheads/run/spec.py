@@ -299,7 +299,7 @@ def _sources(kwargs: dict[str, Any]) -> dict[str, Any]:
     for name, value in kwargs.items():
         field = ALIASES.get(name, name)
         if field in out:
-            raise UsageError(f"{name}= and {field}= are one setting: give one of them")
+            raise UsageError(f"{_given_as(field)}= and {field}= are one setting: give one of them")
         if field == "data" and (splits := split_objects(value)) is not None:
             if any(k in kwargs for k in (*ALIASES, *ALIASES.values())):
                 raise UsageError(

@@ -314,7 +314,7 @@ def open_stream(cfg) -> StreamData:
             counts[s.name], stats[s.name] = 0, _LabelStats()
             if s.name == "validation" and getattr(cfg, "eval_limit", None):
                 samples[s.name] = _Sample(cfg.eval_limit)
-        for fi, rows, chunk in file_rows(first.files, first.columns):
+        for fi, rows, chunk in file_rows(first.files, first.columns, dataset=first.dataset):
             path = first.files[fi]
             parts = (
                 split_parts(row_hash(first.seed, fi, rows), first.fractions)
