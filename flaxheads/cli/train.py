@@ -60,7 +60,12 @@ def _model_flags(ap: argparse.ArgumentParser) -> None:
         f"backbone (default: mean; names: {', '.join(sorted(POOLER_NAMES))})",
     )
     g.add_argument(
-        "--head", default="linear", choices=("linear", "mlp", "preset"), help="linear | mlp | preset (default: linear)"
+        "--head",
+        default="linear",
+        choices=("linear", "mlp", "preset", "token-logits"),
+        help="linear | mlp | preset | token-logits (default: linear). token-logits: an LLM reranker on a causal "
+        "LM (Qwen3-Reranker's form: logit('yes') - logit('no') at the end of its prompt, each (query, document) "
+        "written in it); with a ranking --objective",
     )
     g.add_argument(
         "--head-hidden", type=flags.positive_ints, default=None, help="--head mlp hidden widths, e.g. 256 or 512,256"

@@ -1,4 +1,6 @@
-"""Chat-template pairs: a (prompt, response) rendered with a tokenizer's ``chat_template``, as reward models
+"""How a model reads a text pair when it is not the tokenizer's own pair encoding.
+
+Chat-template pairs: a (prompt, response) rendered with a tokenizer's ``chat_template``, as reward models
 (Skywork-Reward-V2 and the like) read their inputs.
 
 The text equals what transformers' ``tokenizer.apply_chat_template(messages, tokenize=False)`` gives: the
@@ -7,18 +9,25 @@ same Jinja settings (a sandboxed environment, ``trim_blocks`` and ``lstrip_block
 tag), and the tokenizer's named special tokens (``bos_token``, ``eos_token``, ...) as variables. The
 template is read from the folder's ``chat_template.jinja`` or its ``tokenizer_config.json``. Tokenise the
 result without adding special tokens: the template writes them.
+
+Prompt-template pairs: an LLM reranker's (a :class:`~flaxheads.heads.heads.TokenLogits` head's) (query,
+document) written in its prompt template (:mod:`flaxheads.heads.templates`) as one text,
+:func:`prompt_pairs`; training (:func:`pair_tokenizer`), prediction and serving all write them there, so a
+reranker trains on the text it is later asked about.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
 from typing import Any
 
 from flaxheads.errors import FlaxheadsError
+from flaxheads.heads.templates import PairTemplate, fit_pairs, render_pairs
 
 #: the special tokens transformers passes to a chat template (its ``special_tokens_map``)
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -128,3 +137,61 @@ def chat_pairs(folder: str | os.PathLike, pairs: Iterable[tuple[str, str]], *, s
         render_chat(head + [{"role": "user", "content": p}, {"role": "assistant", "content": r}], template, special)
         for p, r in pairs
     ]
+
+
+# ---- an LLM reranker's prompt template -------------------------------------------------------------------
+def prompt_pairs(
+    tokenizer,
+    template: str | PairTemplate,
+    queries: Sequence[str],
+    documents: Sequence[str],
+    max_length: int,
+    *,
+    truncate: bool = True,
+) -> tuple[list[str], list[int]]:
+    """Each (query, document) written in ``template`` as one text, and the indices of the pairs whose document
+    was cut: with ``truncate``, a document too long for ``max_length`` tokens (``tokenizer`` called as
+    transformers' are) is cut at its end, so the prompt keeps its end, where the answer token is read."""
+    pairs = list(zip(queries, documents))
+    if not truncate:
+        return render_pairs(template, pairs), []
+
+    def count(texts: list[str]) -> list[int]:
+        out = tokenizer(texts, None, truncation=True, max_length=max_length + 1, padding=False)
+        return [len(x) for x in out["input_ids"]]
+
+    return fit_pairs(template, pairs, count, max_length)
+
+
+class PromptPairTokenizer:
+    """``tokenizer`` (called as transformers' are) that writes each text pair in an LLM reranker's prompt
+    ``template`` (:func:`prompt_pairs`) and tokenises it as one text; single texts and every other attribute
+    are the tokenizer's own. What a run tokenises a token-logit reranker's (query, document) tables with."""
+
+    def __init__(self, tokenizer, template: str | PairTemplate):
+        self.tokenizer, self.template = tokenizer, template
+
+    def __call__(self, texts, pairs=None, *, max_length: int | None = None, **options):
+        if pairs is not None:
+            if max_length is None:
+                texts = render_pairs(self.template, zip(texts, pairs))
+            else:
+                texts, cut = prompt_pairs(self.tokenizer, self.template, texts, pairs, max_length)
+                if cut:
+                    warnings.warn(
+                        f"{len(cut)} of {len(texts)} documents were cut at their end to fit the reranker's "
+                        f"prompt in {max_length} tokens",
+                        stacklevel=2,
+                    )
+            pairs = None
+        return self.tokenizer(texts, pairs, max_length=max_length, **options)
+
+    def __getattr__(self, name: str):
+        return getattr(self.tokenizer, name)
+
+
+def pair_tokenizer(tokenizer, model):
+    """``tokenizer`` as ``model`` reads text pairs: in its head's prompt template (a TokenLogits head that has
+    one: :class:`PromptPairTokenizer`), else the tokenizer itself."""
+    template = getattr(model.head.head, "template", None)
+    return tokenizer if template is None else PromptPairTokenizer(tokenizer, template)

@@ -18,8 +18,11 @@ import numpy as np
 from flaxheads.backbones.families.decoder_config import HF_CLASSES as DECODER_HF_CLASSES
 from flaxheads.errors import FlaxheadsError
 from flaxheads.heads.heads import TokenLogits
+from flaxheads.heads.templates import get_template
 
 LM_HEAD = "lm_head.weight"
+#: the template ``flaxheads train --head token-logits`` writes pairs in (its answer tokens are the head's)
+RERANKER_TEMPLATE = "qwen3-reranker"
 
 
 class TokenLogitsError(FlaxheadsError):
@@ -117,3 +120,10 @@ def describe(head: TokenLogits) -> str:
     if head.two_way:
         return f"lm_head[{head.tokens[1]!r}] - lm_head[{head.tokens[0]!r}]"
     return "lm_head[" + ", ".join(map(repr, head.tokens)) + "]"
+
+
+def reranker_head(template: str = RERANKER_TEMPLATE) -> TokenLogits:
+    """The TokenLogits head of an LLM reranker trained on ``template``'s prompts: its answer tokens, two-way
+    (``flaxheads train --head token-logits``: the Qwen3-Reranker form)."""
+    t = get_template(template)
+    return TokenLogits(tokens=t.tokens or ("no", "yes"), template=t.name)

@@ -12,11 +12,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from flaxheads.data.batching import make_buckets
-from flaxheads.data.chat import chat_pairs, has_chat_template
+from flaxheads.data.chat import chat_pairs, has_chat_template, prompt_pairs
 from flaxheads.errors import UsageError
 from flaxheads.formats import load_source
 from flaxheads.heads.heads import IdentityHead, ProjectionHead
-from flaxheads.heads.templates import fit_pairs, render_pairs
 from flaxheads.interop.sentence_transformers import Prompts, read_prompts
 from flaxheads.interop.tokenizers import Tokenizer, load_tokenizer, model_max_positions
 from flaxheads.losses import MULTI_LABEL, SINGLE_LABEL
@@ -145,14 +144,7 @@ class Classifier:
         """Each (query, document) written in :attr:`template`; with ``truncate``, a document too long for
         ``max_length`` is cut at its end, so the prompt keeps its end, where the answer is read."""
         assert self.template is not None
-        if not truncate:
-            return render_pairs(self.template, zip(queries, documents))
-
-        def count(texts: list[str]) -> list[int]:
-            out = self.tokenizer(texts, None, truncation=True, max_length=self.max_length + 1, padding=False)
-            return [len(x) for x in out["input_ids"]]
-
-        texts, cut = fit_pairs(self.template, zip(queries, documents), count, self.max_length)
+        texts, cut = prompt_pairs(self.tokenizer, self.template, queries, documents, self.max_length, truncate=truncate)
         if cut:
             warnings.warn(
                 f"{len(cut)} of {len(texts)} documents were cut at their end to fit the reranker's prompt "

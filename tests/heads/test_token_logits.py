@@ -43,7 +43,13 @@ def _save_tokenizer(path: str) -> None:
     vocab = {w: i for i, w in enumerate(WORDS + [f"w{i}" for i in range(V - len(WORDS))])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        pad_token="<pad>",
+        eos_token="<eos>",
+        model_input_names=["input_ids", "attention_mask"],  # as Qwen's tokenizer: no token types
+    )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(path)
 
@@ -272,3 +278,73 @@ def test_a_long_document_is_cut_so_the_prompt_keeps_its_end(untied):
     with pytest.warns(TruncationWarning):
         score = clf.outputs([query], [doc])[0]
     np.testing.assert_array_equal(score, clf.outputs([text])[0])
+
+
+# ---- training a token-logit reranker (flaxheads train --head token-logits) -------------------------------
+def _preferences(path, n: int, seed: int) -> str:
+    """prompt / chosen / rejected rows of the tokenizer's words: the chosen response shares the prompt's words."""
+    import csv
+
+    rng = np.random.default_rng(seed)
+    topics = [[f"w{i}" for i in range(10 + 6 * t, 16 + 6 * t)] for t in range(4)]
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["prompt", "chosen", "rejected"])
+        w.writeheader()
+        for _ in range(n):
+            a, b = rng.choice(len(topics), 2, replace=False)
+            words = lambda t, k: " ".join(rng.choice(topics[t], k))  # noqa: E731
+            w.writerow({"prompt": words(a, 3), "chosen": words(a, 4), "rejected": words(b, 4)})
+    return str(path)
+
+
+@pytest.mark.full
+def test_train_token_logits_reranker_from_the_command_line(untied, tmp_path, capsys):
+    """``flaxheads train --head token-logits`` fine-tunes a causal LM as a Qwen3-Reranker-style reranker: the
+    run trains on each (query, document) written in the qwen3-reranker prompt, and what it saved scores
+    pairs as PyTorch's ``Qwen3ForSequenceClassification`` of its transformers export does on those prompts'
+    tokens (1e-5); the run's own test scores (training's evaluation) are ``flaxheads rank``'s (serving's)."""
+    import csv
+
+    import torch
+    from transformers import AutoTokenizer, Qwen3ForSequenceClassification
+
+    import flaxheads as fh
+    from flaxheads.cli.main import main
+    from flaxheads.heads.templates import render_pairs
+    from flaxheads.predict import Classifier
+
+    path, _ = untied
+    files = {n: _preferences(tmp_path / f"{n}.csv", k, s) for n, k, s in (("train", 8, 0), ("test", 4, 1))}
+    out = tmp_path / "run"
+    argv = ["train", "--model", path, "--head", "token-logits", "--objective", "pairwise"]
+    argv += ["--train-file", files["train"], "--test-file", files["test"], "--batch-size", "4", "--max-steps", "2"]
+    argv += ["--lr", "1e-3", "--max-length", "64", "--bucket-step", "64", "--no-progress", "--output-dir", str(out)]
+    assert main(argv) == 0, capsys.readouterr().err
+    model = fh.load(out)
+    head = model.head.head
+    assert isinstance(head, fh.TokenLogits) and head.template == "qwen3-reranker" and head.tokens == ("no", "yes")
+    with open(files["test"]) as f:
+        pairs = [(r["prompt"], r[k]) for r in csv.DictReader(f) for k in ("chosen", "rejected")]
+    scores = Classifier.from_pretrained(str(out)).score(pairs)
+    np.testing.assert_allclose(np.load(out / "predictions.npz")["test_scores"], scores, atol=1e-5)
+    flat = tmp_path / "pairs.csv"
+    flat.write_text("query,passage\n" + "".join(f"{q},{p}\n" for q, p in pairs))
+    assert (
+        main(["rank", str(out), "--input", str(flat), "--output", str(tmp_path / "ranked.csv"), "--no-progress"]) == 0
+    )
+    with open(tmp_path / "ranked.csv") as f:
+        np.testing.assert_allclose([float(r["score"]) for r in csv.DictReader(f)], scores, atol=1e-5)
+    exported = fh.export(model, tmp_path / "seq_cls", tokenizer_from=path)
+    pt = Qwen3ForSequenceClassification.from_pretrained(exported).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    start = fh.from_pretrained(path, head=fh.heads.TokenLogits(tokens=("no", "yes")))
+    moved = []
+    for text, score in zip(render_pairs("qwen3-reranker", pairs), scores):
+        ids = np.asarray([tok(text)["input_ids"]])
+        with torch.no_grad():
+            ref = pt(input_ids=torch.tensor(ids), attention_mask=torch.ones_like(torch.tensor(ids))).logits[0, 0]
+        np.testing.assert_allclose(score, float(ref), atol=1e-5)
+        moved.append(abs(score - float(np.asarray(start.apply(start.params, ids, np.ones_like(ids)))[0, 0])))
+    assert max(moved) > 1e-4  # the saved model is the trained one, not the causal LM it started from
+    with pytest.raises(fh.FlaxheadsError, match="ranking --objective"):
+        fh.train(model=path, head="token-logits", train_file=files["train"], output_dir=str(tmp_path / "no"))
