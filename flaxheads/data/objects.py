@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 from flaxheads.errors import UsageError
 
@@ -155,7 +155,7 @@ def split_objects_quiet(value: Any) -> bool:
         return True
 
 
-def is_description(value: Any) -> bool:
+def is_description(value: Any) -> TypeGuard[Mapping[str, Any]]:
     """Whether ``value`` is a :func:`describe` dictionary (as a run folder's JSON holds it)."""
     return isinstance(value, Mapping) and "object" in value and "fingerprint" in value
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -251,7 +252,8 @@ class DataConfig(TableSources):
 
 def source_record(cfg: TableSources) -> dict:
     """``cfg`` as a run's ``config.json`` records it: each in-memory source as its description."""
-    plain = dataclasses.replace(cfg, **{k: None for k in SOURCE_FIELDS})  # asdict would deep-copy the tables
+    none: dict[str, Any] = dict.fromkeys(SOURCE_FIELDS)
+    plain = dataclasses.replace(cfg, **none)  # asdict would deep-copy the tables
     return {**dataclasses.asdict(plain), **{k: record(getattr(cfg, k)) for k in SOURCE_FIELDS}}
 
 
