@@ -123,7 +123,8 @@ def test_end_to_end_run_folder(bert_folder, tmp_path, capsys):
         "predictions.npz",
     ):
         assert (out / name).is_file(), name
-    assert not (out / "checkpoints").exists()  # --checkpoint-every 0 leaves no empty folder
+    # --checkpoint-every 0: nothing saved along the way, the last step saved (the run holds its model)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == ["6"]
     cfg = _config(out)
     assert cfg["labels"] == ["business", "politics", "sport"] and cfg["num_labels"] == 3  # folder had 2: resized
     assert cfg["sizes"] == {"train": 36, "validation": 6, "test": 3}
