@@ -8,7 +8,8 @@ Both are made at build time from the code itself, so neither can miss a name:
   does, its usage line and each option with its help and default.
 
 The page text comes from :func:`api_rst` and :func:`cli_rst` (plain functions, which the tests call
-without building the site); the directives parse it in place.
+without Sphinx); the directives parse it in place. The index's guides are listed in reading order
+(:data:`GUIDE_ORDER`).
 """
 
 from __future__ import annotations
@@ -19,10 +20,6 @@ import inspect
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
-
-from docutils.parsers.rst import Directive
-from docutils.statemachine import StringList
-from sphinx.util.nodes import nested_parse_with_titles
 
 ROOT = Path(__file__).resolve().parents[2]
 INIT = ROOT / "flaxheads" / "__init__.py"
@@ -121,7 +118,7 @@ def _option_help(action: argparse.Action, formatter: argparse.HelpFormatter) -> 
         and default is not argparse.SUPPRESS
         and not isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse._HelpAction))
         and action.option_strings
-        and "%(default)" not in (action.help or "")
+        and "default" not in text.lower()  # the help says it already
         and default != []
     )
     return " ".join(x for x in (text.strip(), f"Default: {default}." if shown else "") if x)
@@ -131,11 +128,8 @@ def _command_rst(prog: str, summary: str, parser: argparse.ArgumentParser, level
     formatter = parser._get_formatter()
     title = f"``{prog}``"
     out = [title, level * len(title), ""]
-    description = parser.description or summary
-    if description:
-        out += [escape(" ".join(description.split())), ""]
-    usage = parser.format_usage().strip()
-    out += ["::", ""] + ["   " + line for line in usage.splitlines()] + [""]
+    out += _text_rst(parser, parser.description or summary)
+    out += _literal(parser.format_usage())
     for group in parser._action_groups:
         actions = [a for a in group._group_actions if a.help is not argparse.SUPPRESS]
         actions = [a for a in actions if not isinstance(a, argparse._SubParsersAction)]
@@ -146,9 +140,24 @@ def _command_rst(prog: str, summary: str, parser: argparse.ArgumentParser, level
             out.append(f"``{_option_term(action, formatter)}``")
             body = _option_help(action, formatter)
             out += ["   " + escape(" ".join(body.split())) if body else "   (no description)", ""]
+    out += _text_rst(parser, parser.epilog)
     for name, help_text, sub in subcommands(parser):
         out += _command_rst(f"{prog} {name}", help_text, sub, "^")
     return out
+
+
+def _literal(text: str) -> list[str]:
+    return ["::", ""] + [f"   {line}".rstrip() for line in text.strip("\n").splitlines()] + [""]
+
+
+def _text_rst(parser: argparse.ArgumentParser, text: str | None) -> list[str]:
+    """A description or epilog: laid out by hand (a raw formatter keeps its lines and examples) as a
+    literal block, else one paragraph."""
+    if not text:
+        return []
+    if issubclass(parser.formatter_class, argparse.RawDescriptionHelpFormatter) and "\n" in text.strip():
+        return _literal(inspect.cleandoc(text))
+    return [escape(" ".join(text.split())), ""]
 
 
 def cli_rst(parser: argparse.ArgumentParser | None = None) -> str:
@@ -158,37 +167,62 @@ def cli_rst(parser: argparse.ArgumentParser | None = None) -> str:
         from flaxheads.cli.main import build_parser
 
         parser = build_parser()
-    out = [escape(" ".join((parser.description or "").split())), ""]
-    out += ["::", ""] + ["   " + line for line in parser.format_usage().strip().splitlines()] + [""]
+    out = _text_rst(parser, parser.description) + _literal(parser.format_usage())
     for name, help_text, sub in subcommands(parser):
         out += _command_rst(f"{parser.prog} {name}", help_text, sub, "-")
     return "\n".join(out)
 
 
-class _Generated(Directive):
-    """Parses generated reStructuredText in place (sections included)."""
-
-    make: Callable[[], str]
-
-    def run(self):
-        from docutils import nodes
-
-        holder = nodes.section()
-        holder.document = self.state.document
-        source = self.state.document.current_source or "<generated>"
-        nested_parse_with_titles(self.state, StringList(type(self).make().splitlines(), source=source), holder)
-        return holder.children
-
-
-class ApiDirective(_Generated):
-    make = staticmethod(api_rst)
+#: The guides in reading order; a guide not named here follows them, by name.
+GUIDE_ORDER = (
+    "poolers-and-heads",
+    "training",
+    "rerankers",
+    "big-models",
+    "sharding",
+    "exporting",
+    "serving",
+    "reliability",
+    "command-line",
+)
 
 
-class CliDirective(_Generated):
-    make = staticmethod(cli_rst)
+def ordered_guides(folder: Path) -> list[str]:
+    """The guides' document names (``guides/<stem>``) in reading order."""
+    stems = [p.stem for p in folder.glob("*.md")]
+    rank = {name: i for i, name in enumerate(GUIDE_ORDER)}
+    return [f"guides/{s}" for s in sorted(stems, key=lambda s: (rank.get(s, len(rank)), s))]
+
+
+def _order_guides(app, docname: str, source: list[str]) -> None:
+    """The index's ``guides/*`` toctree entry becomes the guides in reading order (a glob sorts
+    them by name)."""
+    guides = ordered_guides(Path(app.srcdir) / "guides")
+    if docname == "index" and guides:
+        source[0] = source[0].replace("\nguides/*\n", "\n" + "\n".join(guides) + "\n")
+
+
+def generated_directive(make: Callable[[], str]):
+    """A directive that parses the reStructuredText ``make()`` returns in place, sections included.
+    (Sphinx is imported here only: the tests call the generators without it.)"""
+    from docutils import nodes
+    from docutils.parsers.rst import Directive
+    from docutils.statemachine import StringList
+    from sphinx.util.nodes import nested_parse_with_titles
+
+    class Generated(Directive):
+        def run(self):
+            holder = nodes.section()
+            holder.document = self.state.document
+            source = self.state.document.current_source or "<generated>"
+            nested_parse_with_titles(self.state, StringList(make().splitlines(), source=source), holder)
+            return holder.children
+
+    return Generated
 
 
 def setup(app):
-    app.add_directive("flaxheads-api", ApiDirective)
-    app.add_directive("flaxheads-cli", CliDirective)
+    app.add_directive("flaxheads-api", generated_directive(api_rst))
+    app.add_directive("flaxheads-cli", generated_directive(cli_rst))
+    app.connect("source-read", _order_guides)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
