@@ -99,3 +99,29 @@ def names(text: str) -> tuple[str, ...]:
             f"expected two or more distinct comma-separated names (e.g. sport,tech), got {text!r}"
         )
     return values
+
+
+# ---- --chat-template (rank, predict, serve) -----------------------------------------------------------
+def add_chat_template_flag(p: argparse.ArgumentParser, auto: str) -> None:
+    """``--chat-template auto|on|off``: text pairs as conversations in the tokenizer's chat template (a reward
+    model's input); ``auto``: what it means for this command."""
+    p.add_argument(
+        "--chat-template",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="write each (prompt, response) text pair as a conversation in the tokenizer's chat template, as a "
+        f"reward model reads it (default auto: {auto})",
+    )
+
+
+def chat_template_wanted(args: argparse.Namespace, clf: Any, *, reward_model: bool) -> bool:
+    """Whether ``--chat-template`` turns chat templates on for ``clf`` (a :class:`~flaxheads.predict.Classifier`):
+    ``auto`` for a reward model's scores (``reward_model``) when the tokenizer has one; ``on`` needs one."""
+    if args.chat_template == "auto":
+        return reward_model and clf.has_chat_template
+    if args.chat_template == "on" and not clf.has_chat_template:
+        raise UsageError(
+            f"--chat-template on: the tokenizer of {clf.source} has no chat_template (tokenizer_config.json or "
+            "chat_template.jinja); give the texts already formatted, or leave --chat-template out"
+        )
+    return args.chat_template == "on"

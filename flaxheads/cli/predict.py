@@ -128,7 +128,10 @@ def run_predict(args: argparse.Namespace, program: Program | None = None) -> int
     if args.output != STDIO:
         check_file(args.output, what="--output")
     clf = load_classifier(args)
-    pred = _run(clf, "predict", args, table.texts, table.pairs, table.names, top_k=args.top_k)
+    chat = flags.chat_template_wanted(args, clf, reward_model=False)
+    if chat and table.pairs is None:
+        raise UsageError("--chat-template on writes (prompt, response) pairs: give --text-pair-column (the responses)")
+    pred = _run(clf, "predict", args, table.texts, table.pairs, table.names, top_k=args.top_k, chat_template=chat)
     cols, new = prediction_columns(pred)
     check_new_columns(table, cols)
     write_rows(args.output, fmt, [{**r, **n} for r, n in zip(table.rows, new)], table.columns + cols)
@@ -229,6 +232,7 @@ def add_predict_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output", default=STDIO, help="CSV or JSON Lines file, or - (stdout, JSON Lines; default)")
     p.add_argument("--output-format", choices=OUTPUT_FORMATS, default=None)
     p.add_argument("--top-k", type=flags.positive_int, default=None, help="single-label: also the K best labels")
+    flags.add_chat_template_flag(p, "off; on: a reward model's (--text-column, --text-pair-column) pairs")
     p.add_argument(
         "--threshold",
         type=flags.open_unit,

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from flaxheads.cli import flags
 from flaxheads.cli.flags import Program
 from flaxheads.cli.predict import _run, _source_flags, load_classifier
 from flaxheads.data.tables import DataError
@@ -54,7 +55,7 @@ def run_rank(args: argparse.Namespace, program: Program | None = None) -> int:
         table.texts,
         table.pairs,
         table.names,
-        chat_template=_chat_template(args, clf, reward_model=False),
+        chat_template=flags.chat_template_wanted(args, clf, reward_model=False),
     )[0][:, 0]
     ranks = ranks_within(scores, table.texts)
     rows = [{**r, "score": float(s), "rank": int(k)} for r, s, k in zip(table.rows, scores, ranks)]
@@ -93,7 +94,7 @@ def run_preferences(args: argparse.Namespace) -> int:
         table.texts * 2,
         list(chosen) + rejected,
         names,
-        chat_template=_chat_template(args, clf, reward_model=True),
+        chat_template=flags.chat_template_wanted(args, clf, reward_model=True),
     )[0][:, 0]
     n = len(table.rows)
     rows = [
@@ -105,13 +106,6 @@ def run_preferences(args: argparse.Namespace) -> int:
         share = sum(r["prefers_chosen"] for r in rows) / max(n, 1)
         print(f"wrote {n} preference scores to {args.output} (chosen scored higher in {share:.1%})", file=sys.stderr)
     return 0
-
-
-def _chat_template(args: argparse.Namespace, clf, *, reward_model: bool) -> bool:
-    """``--chat-template``: ``auto`` is on for a reward model's preferences when the tokenizer has a template."""
-    if args.chat_template == "auto":
-        return reward_model and clf.has_chat_template
-    return args.chat_template == "on"
 
 
 def add_rank_command(sub: argparse._SubParsersAction) -> None:
@@ -135,13 +129,7 @@ def add_rank_command(sub: argparse._SubParsersAction) -> None:
         help="the input has prompt, chosen and rejected columns: write chosen_score, rejected_score and "
         "prefers_chosen for each row (a reward model's view of the pairs)",
     )
-    p.add_argument(
-        "--chat-template",
-        choices=("auto", "on", "off"),
-        default="auto",
-        help="write each (prompt, response) as a conversation in the tokenizer's chat template, as a "
-        "reward model reads it (default auto: on with --preference when the tokenizer has one)",
-    )
+    flags.add_chat_template_flag(p, "on with --preference when the tokenizer has one")
     p.add_argument("--output", default=STDIO, help="output .csv or .jsonl (default: JSON Lines on stdout)")
     p.add_argument("--output-format", choices=OUTPUT_FORMATS, default=None)
     p.set_defaults(func=run_rank)

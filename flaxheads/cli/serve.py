@@ -51,6 +51,7 @@ def run_serve(args: argparse.Namespace, program: Program | None = None) -> int:
                 hint = "choose another --grpc-port" if e.errno == errno.EADDRINUSE else "check --host"
                 raise UsageError(f"cannot listen on {args.host}:{args.grpc_port}: {e.strerror}; {hint}") from None
     clf = load_classifier(args)
+    clf.chat_template = flags.chat_template_wanted(args, clf, reward_model=False)  # /rerank and /predict pairs
     settings = serve.ServeSettings(
         max_batch_tokens=args.max_batch_tokens,
         max_batch_size=args.max_batch_size,
@@ -132,5 +133,6 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="also serve TEI's gRPC services (tei.proto) on this port of --host (0: a free one)",
     )
+    flags.add_chat_template_flag(p, "off; on: /rerank's (query, text) and /predict's pairs of a reward model")
     p.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
     p.set_defaults(func=run_serve)

@@ -52,6 +52,9 @@ class Classifier:
     source: str = ""
     #: the sentence-transformers prompts of the source folder (the server's ``prompt_name``)
     prompts: Prompts = dataclasses.field(default_factory=Prompts)
+    #: text pairs are written in the tokenizer's chat template unless a call says otherwise (a reward model:
+    #: ``flaxheads predict / serve --chat-template on``)
+    chat_template: bool = False
     _runner: Runner | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     # ---- construction -----------------------------------------------------------------------
@@ -154,6 +157,25 @@ class Classifier:
             )
         return texts
 
+    def pair_texts(
+        self,
+        queries: Sequence[str],
+        documents: Sequence[str],
+        *,
+        truncate: bool = True,
+        chat_template: bool | None = None,
+    ) -> list[str] | None:
+        """Each (query, document) as the one text the model reads: a conversation in the tokenizer's chat
+        template (``chat_template``, default :attr:`chat_template`: a reward model's input, its special tokens
+        written, :func:`flaxheads.data.chat.chat_pairs`), else in an LLM reranker's prompt template
+        (:meth:`prompts_of`); None where the pairs are the tokenizer's own pair encoding. What
+        :meth:`outputs` and the server (``/rerank``, ``/predict``) both write pairs with."""
+        if self.chat_template if chat_template is None else chat_template:
+            return chat_pairs(self.tokenizer.name_or_path, zip(queries, documents))
+        if self.template is not None:
+            return self.prompts_of(queries, documents, truncate=truncate)
+        return None
+
     @property
     def has_chat_template(self) -> bool:
         """The tokenizer has a chat template (what ``outputs(..., chat_template=True)`` writes pairs in)."""
@@ -183,12 +205,13 @@ class Classifier:
         truncate: bool = True,
         progress: bool | None = None,
         rows: Sequence[str] | None = None,
-        chat_template: bool = False,
+        chat_template: bool | None = None,
     ) -> tuple[np.ndarray, int]:
         """The model's raw outputs ``[N, K]`` (logits, or embeddings) in input order, and how many
         texts were truncated. ``rows``: how to name each input in errors (default ``texts[i]``).
-        ``chat_template``: each (prompt, response) pair is written in the tokenizer's chat template
-        (:func:`flaxheads.data.chat.chat_pairs`, as a reward model reads it) and tokenised as it is."""
+        ``chat_template`` (default :attr:`chat_template`): each (prompt, response) pair is written in the
+        tokenizer's chat template (:func:`flaxheads.data.chat.chat_pairs`, as a reward model reads it) and
+        tokenised as it is (:meth:`pair_texts`)."""
         if int(batch_size) < 1:
             raise UsageError(f"batch_size must be a positive integer, got {batch_size}")
         texts = check_texts(texts, "texts", rows)
@@ -197,12 +220,13 @@ class Classifier:
             pairs = check_texts(text_pairs, "text_pairs", None if rows is None else [f"{r} (pair)" for r in rows])
             if len(pairs) != len(texts):
                 raise UsageError(f"{len(texts)} texts but {len(pairs)} text pairs; give one pair per text")
-            if chat_template:  # a reward model's conversation: the template writes the special tokens
-                texts, pairs = chat_pairs(self.tokenizer.name_or_path, zip(texts, pairs)), None
-            elif self.template is not None:  # an LLM reranker: each (query, document) is one text in its prompt
-                texts, pairs = self.prompts_of(texts, pairs, truncate=truncate), None
+            chat = self.chat_template if chat_template is None else chat_template
+            written = self.pair_texts(texts, pairs, truncate=truncate, chat_template=chat)
+            texts, pairs = (texts, pairs) if written is None else (written, None)
         elif chat_template:
             raise UsageError("chat_template=True formats (prompt, response) pairs: give text_pairs (the responses)")
+        else:
+            chat = False  # single texts are read as they are
         with phases.phase("tokenising", unless_named=True):
             enc = encode(
                 self.tokenizer,
@@ -211,7 +235,7 @@ class Classifier:
                 self.max_length,
                 truncate=truncate,
                 rows=rows,
-                add_special_tokens=not chat_template,
+                add_special_tokens=not chat,  # a chat template writes its special tokens
             )
         with phases.phase("predicting", unless_named=True):
             out = self.runner()(
@@ -229,9 +253,11 @@ class Classifier:
         truncate: bool = True,
         progress: bool | None = None,
         rows: Sequence[str] | None = None,
+        chat_template: bool | None = None,
     ) -> Predictions:
         """Labels and scores (single-label: softmax, the best label, ``top_k`` best; multi-label:
-        sigmoid, the labels over :attr:`threshold`; regression: the values), and the raw logits."""
+        sigmoid, the labels over :attr:`threshold`; regression: the values), and the raw logits.
+        ``chat_template``: text pairs in the tokenizer's chat template, as :meth:`outputs`."""
         if self.is_embedding:
             raise UsageError(
                 f"{self.source}: this model has an embedding head ({type(self.model.head.head).__name__}),"
@@ -245,7 +271,13 @@ class Classifier:
                 "(multi-label gives every label's score)"
             )
         logits, cut = self.outputs(
-            texts, text_pairs, batch_size=batch_size, truncate=truncate, progress=progress, rows=rows
+            texts,
+            text_pairs,
+            batch_size=batch_size,
+            truncate=truncate,
+            progress=progress,
+            rows=rows,
+            chat_template=chat_template,
         )
         return Predictions(
             logits,

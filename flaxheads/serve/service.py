@@ -114,11 +114,13 @@ class Service:
         used as given (checked against the vocabulary). Past the maximum length an input is cut at
         ``side`` when ``truncate`` (special tokens kept), else a 413 naming it."""
         clf, n = self.clf, self.clf.max_length
-        if clf.template is not None:  # an LLM reranker (TokenLogits): each (query, text) is one text in its prompt
-            at = [i for i, x in enumerate(inputs) if isinstance(x, tuple)]
-            written = (
-                clf.prompts_of([inputs[i][0] for i in at], [inputs[i][1] for i in at], truncate=truncate) if at else []
-            )
+        # a pair is one text in a reward model's chat template or an LLM reranker's prompt (Classifier.pair_texts)
+        at = [i for i, x in enumerate(inputs) if isinstance(x, tuple)]
+        written = (
+            clf.pair_texts([inputs[i][0] for i in at], [inputs[i][1] for i in at], truncate=truncate) if at else None
+        )
+        chat = set(at) if written is not None and clf.chat_template else set()  # texts that hold their special tokens
+        if written is not None:
             inputs = list(inputs)
             for i, text in zip(at, written):
                 inputs[i] = text
@@ -148,15 +150,18 @@ class Service:
                     types[i] = np.zeros(len(ids[i]), np.int32)
         if over_ids and not truncate:
             raise too_long(over_ids[0], len(over_ids))
-        texts = {i: x for i, x in enumerate(inputs) if isinstance(x, str)}
+        texts = {i: x for i, x in enumerate(inputs) if isinstance(x, str) and i not in chat}
         pairs = {i: x for i, x in enumerate(inputs) if isinstance(x, tuple)}
-        for idx, first, second in (
-            (list(texts), [prompt + x for x in texts.values()], None),
-            (list(pairs), [x[0] for x in pairs.values()], [x[1] for x in pairs.values()]),
+        for idx, first, second, special in (
+            (list(texts), [prompt + x for x in texts.values()], None, True),
+            (sorted(chat), [inputs[i] for i in sorted(chat)], None, False),
+            (list(pairs), [x[0] for x in pairs.values()], [x[1] for x in pairs.values()], True),
         ):
             if not idx:
                 continue
-            out = clf.tokenizer(first, second, truncation=True, max_length=n + 1, padding=False)
+            out = clf.tokenizer(
+                first, second, truncation=True, max_length=n + 1, padding=False, add_special_tokens=special
+            )
             over = [j for j, x in enumerate(out["input_ids"]) if len(x) > n]
             if over and not truncate:
                 raise too_long(idx[over[0]], len(over))
@@ -168,6 +173,7 @@ class Service:
                     max_length=n,
                     padding=False,
                     truncation_side=side,
+                    add_special_tokens=special,
                 )
                 for k, j in enumerate(over):
                     for key in out:
