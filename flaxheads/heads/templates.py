@@ -5,7 +5,12 @@ A template is plain text with ``{instruction}``, ``{query}`` and ``{document}`` 
 three are filled (a brace elsewhere in it, or in the texts, is kept as it is). ``qwen3-reranker`` is
 the Qwen3-Reranker model card's prompt: a system turn asking for "yes" or "no", the pair as
 ``<Instruct>`` / ``<Query>`` / ``<Document>`` lines in the user turn, and the assistant turn opened
-with an empty think block, so the next token is the answer.
+with an empty think block, so the next token is the answer. ``mxbai-rerank-v2`` is mixedbread's
+mxbai-rerank-v2 prompt (its ``mxbai_rerank`` package): Qwen's default system turn, then ``query: ...`` and
+``document: ...`` lines and the relevance question in the user turn, answered "1" or "0". That code tokenises
+the parts apart and joins the ids; written as one text they tokenise the same except where a part's end
+merges with the newline after it (a document ending in punctuation, under Qwen's pre-tokenizer). Its
+optional ``instruction:`` line is not written (the template has no instruction).
 """
 
 from __future__ import annotations
@@ -51,6 +56,12 @@ _QWEN3_SYSTEM = (
     'Instruct provided. Note that the answer can only be "yes" or "no".<|im_end|>\n'
 )
 
+_MXBAI_TASK = (
+    "You are a search relevance expert who evaluates how well documents match search queries. For each "
+    "query-document pair, carefully analyze the semantic relationship between them, then provide your binary "
+    "relevance judgment (0 for not relevant, 1 for relevant).\nRelevance:"
+)
+
 TEMPLATES: dict[str, PairTemplate] = {
     "qwen3-reranker": PairTemplate(
         "qwen3-reranker",
@@ -58,6 +69,14 @@ TEMPLATES: dict[str, PairTemplate] = {
         "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n",
         instruction="Given a web search query, retrieve relevant passages that answer the query",
         tokens=("no", "yes"),
+    ),
+    "mxbai-rerank-v2": PairTemplate(
+        "mxbai-rerank-v2",
+        "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
+        "<|im_start|>user\nquery: {query}\ndocument: {document}\n"
+        + _MXBAI_TASK
+        + "<|im_end|>\n<|im_start|>assistant\n",
+        tokens=("0", "1"),
     ),
 }
 

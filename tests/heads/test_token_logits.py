@@ -203,6 +203,29 @@ def test_qwen3_reranker_template():
     assert "<Instruct>: Find code\n" in t.render("q", "d", instruction="Find code") and t.tokens == ("no", "yes")
 
 
+def test_mxbai_rerank_v2_template():
+    """mxbai-rerank-v2's prompt as its own package (mxbai_rerank 0.1.6, MxbaiRerankV2) joins it: chat prefix,
+    ``query: q``, separator, ``document: d``, separator, the task prompt, chat suffix; answers "0" / "1"."""
+    from flaxheads.heads.templates import get_template, render_pairs
+    from flaxheads.heads.token_logits import reranker_head
+
+    prefix = "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
+    prefix += "<|im_start|>user\n"
+    task = (
+        "You are a search relevance expert who evaluates how well documents match search queries. For each "
+        "query-document pair, carefully analyze the semantic relationship between them, then provide your "
+        "binary relevance judgment (0 for not relevant, 1 for relevant).\nRelevance:"
+    )
+    pairs = [("Who wrote {query}?", "Harper Lee, in 1960"), ("q", "")]
+    want = [
+        prefix + f"query: {q}" + "\n" + f"document: {d}" + "\n" + task + "<|im_end|>\n<|im_start|>assistant\n"
+        for q, d in pairs
+    ]
+    assert render_pairs("mxbai-rerank-v2", pairs) == want
+    head = reranker_head("mxbai-rerank-v2")
+    assert head.tokens == ("0", "1") and head.two_way and head.template == get_template("mxbai-rerank-v2").name
+
+
 def test_classifier_scores_pairs_in_the_heads_template(untied):
     import flaxheads as fh
     from flaxheads.heads.templates import render_pairs
