@@ -151,10 +151,11 @@ class Service:
         if over_ids and not truncate:
             raise too_long(over_ids[0], len(over_ids))
         texts = {i: x for i, x in enumerate(inputs) if isinstance(x, str) and i not in chat}
+        chats = {i: x for i, x in enumerate(inputs) if isinstance(x, str) and i in chat}
         pairs = {i: x for i, x in enumerate(inputs) if isinstance(x, tuple)}
         for idx, first, second, special in (
             (list(texts), [prompt + x for x in texts.values()], None, True),
-            (sorted(chat), [inputs[i] for i in sorted(chat)], None, False),
+            (list(chats), list(chats.values()), None, False),
             (list(pairs), [x[0] for x in pairs.values()], [x[1] for x in pairs.values()], True),
         ):
             if not idx:
