@@ -243,6 +243,15 @@ class RunSpec:
         return cls.from_dict(cfg["spec"])
 
     @property
+    def needs_data(self) -> dict[str, dict]:
+        """The in-memory tables this spec trains on but does not hold (a spec read from a run folder):
+        keyword (``data``, ``train``, ...) -> the description the folder recorded. Pass each again:
+        ``fh.train(spec, data=frame)``."""
+        d = self.data
+        used = [getattr(d, k) for k in SOURCE_FIELDS if k != "data" or not d.train_file]
+        return {v.given_as: v.description for v in used if isinstance(v, DataObject) and v.missing}
+
+    @property
     def ranking(self) -> bool:
         return self.task.objective != "classification"
 

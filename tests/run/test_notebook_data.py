@@ -16,6 +16,7 @@ from train_helpers import WORDS
 
 import flaxheads as fh
 from flaxheads.errors import UsageError
+from flaxheads.run.data import run_split
 from flaxheads.training.loop import TIMED, hooks
 from flaxheads.training.preemption import Interrupted
 
@@ -72,6 +73,8 @@ def test_a_dataframe_trains_as_the_csv_pandas_writes(runs, frame):
     for where in (recorded["data"]["data"], recorded["spec"]["data"]["data"]):
         assert {k: where[k] for k in want} == want and len(where["fingerprint"]) == 16
     assert recorded["sizes"] == _config(d / "csv")["sizes"]
+    with pytest.raises(UsageError, match="trained on in-memory data .*give --input with a labelled file"):
+        run_split(d / "frame", "test")  # what `flaxheads predict --split test` rebuilds from a folder
 
 
 @pytest.mark.parametrize("kind", ["dataset", "columns", "tuple"])
@@ -151,6 +154,7 @@ def test_interrupted_then_given_the_same_frame_resumes_bitwise(runs, frame):
         )
     spec = fh.RunSpec.from_run(out)
     recorded = _config(out)["data"]["data"]
+    assert spec.needs_data == {"data": recorded}
     with pytest.raises(UsageError) as needs:
         fh.train(spec, progress=False)
     message = str(needs.value)
