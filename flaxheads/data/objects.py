@@ -98,6 +98,11 @@ class DataObject:
         return table_kind(self.obj) or "?" if self.obj is not None else str(self.description["object"])
 
     @property
+    def stem(self) -> str:
+        """A file-name word for the kind (``dataframe``, ``dataset``, ``columns``, ...), for run folder names."""
+        return {COLUMNS: "columns", TUPLE: "tuple"}.get(self.kind, self.kind.split(".")[-1].lower())
+
+    @property
     def missing(self) -> bool:
         """Only the description of the object is known (a spec read from a run folder)."""
         return self.obj is None

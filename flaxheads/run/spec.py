@@ -259,7 +259,7 @@ class RunSpec:
         """``output_dir``, or ``runs/<time>-<data name>[-<ranking objective>]``."""
         d = self.data
         source = d.train_file or d.data
-        name = source.kind.split(".")[-1].lower() if isinstance(source, DataObject) else Path(str(source)).stem
+        name = source.stem if isinstance(source, DataObject) else Path(str(source)).stem
         stem = name + (f"-{self.task.objective}" if self.ranking else "")
         return Path(self.checkpoints.output_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{stem}")
 

@@ -169,6 +169,7 @@ def test_the_spec_json_holds_descriptions(frame):
     assert back == RunSpec.from_dict(d) and back.to_dict() == d
     assert back.replace(train=frame).data.train_file.obj is frame
     assert isinstance(spec.data.train_file, DataObject) and spec.run_folder().name.endswith("-dataframe")
+    assert RunSpec.from_kwargs(data=(["a"], ["b"])).run_folder().name.endswith("-tuple")
 
 
 @pytest.mark.parametrize(
