@@ -95,7 +95,7 @@ class DataObject:
 
     @property
     def kind(self) -> str:
-        return table_kind(self.obj) or "?" if self.obj is not None else str(self.description["object"])
+        return (table_kind(self.obj) or "?") if self.obj is not None else str(self.description["object"])
 
     @property
     def stem(self) -> str:

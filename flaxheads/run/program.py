@@ -310,6 +310,11 @@ def train(
     ``summary.json`` (with the throughput), the plots, ``report.html`` and, with ``profile_steps``, a
     ``jax.profiler`` trace.
 
+    ``data=`` (or ``train=``, ``validation=``, ``test=``) is a path or the data itself: a pandas
+    ``DataFrame``, a ``datasets`` ``Dataset`` / ``DatasetDict`` (its splits) / ``IterableDataset``
+    (streamed), a dict of columns or a ``(texts, labels)`` tuple (:mod:`flaxheads.data.objects`); a run
+    folder trained on such data resumes only on the same data.
+
     ``callbacks`` are :class:`~flaxheads.training.loop.Callback` objects given to ``fit``. A
     SIGTERM or Ctrl-C saves the step reached and raises
     :class:`~flaxheads.training.preemption.Interrupted`; calling again resumes. ``argv``,
