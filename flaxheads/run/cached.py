@@ -20,7 +20,7 @@ from flaxheads.training.feature_cache import FeatureCache, bucket_sizes, choose_
 from flaxheads.training.features import cache_features, make_encoder, predict_cached
 from flaxheads.training.sweep import SweepResult, steps_per_epoch, sweep, sweep_variants
 
-log = get_logger("flaxheads.run")
+logger = get_logger("flaxheads.run")
 
 
 def head_steps(spec: RunSpec, model, train, buckets) -> int:
@@ -101,7 +101,7 @@ def run_cached(job: Job, argv=None) -> Run:
     final = {n: job.task.metrics(a["logits"], a["labels"]) for n, a in arrays.items()}
     (job.out / "sweep.md").write_text(res.table() + "\n")
     epochs, h = len(res.losses), job.task.headline
-    log.info(
+    logger.info(
         f"encoded {sum(len(c) for c in caches.values())} examples once in {encode_s:.1f} s; trained {k} head(s) "
         f"x {epochs} epochs in {res.seconds:.1f} s\n{res.table()}"
     )

@@ -17,7 +17,7 @@ from flaxheads.runtime.logs import get_logger
 from flaxheads.runtime.sharding import abstract
 from flaxheads.training import loop
 
-log = get_logger("flaxheads.run")
+logger = get_logger("flaxheads.run")
 
 #: The run settings a resumed run compares with the checkpoint's (a change is warned about).
 RESUME_SETTINGS = (
@@ -81,12 +81,12 @@ def _restore(resume: str | int, ckr: RunCheckpointer, trainer: loop.Trainer, set
     changed = loop.changed_settings(ckr.read_meta(step).get("run"), settings)
     state = ckr.restore(step, target_state=restore_target(trainer, ckr))
     if changed and lead:  # after the restore: a setting that cannot resume is its one error line, not a warning too
-        log.warning(
+        logger.warning(
             "resuming with other settings than the checkpoint's (the run will not repeat an "
             "uninterrupted one): " + "; ".join(changed[:8])
         )
     if lead:
-        log.info(f"resuming from step {step} ({ckr.root})")
+        logger.info(f"resuming from step {step} ({ckr.root})")
         _trim_log(Path(ckr.run_dir) / "metrics.jsonl", step)
     return state
 

@@ -24,7 +24,7 @@ from flaxheads.training.optim import OptimConfig, learning_rates
 #: Keys of fit's step metrics that go to metrics.jsonl (``loop.TIMED``: the wall-clock ones).
 LOGGED = ("epoch", "loss", "loss_avg", "grad_norm", "padding", *loop.TIMED)
 
-log = get_logger("flaxheads.run")
+_logger = get_logger("flaxheads.run")
 
 
 def scalars(results: dict) -> dict:
@@ -55,7 +55,7 @@ class RunLog(loop.Callback):
         self.write({"step": step, "eval": {n: scalars(r) for n, r in results.items()}})
         if self.lead:
             line = ", ".join(f"{n} {self.metric} {r[self.metric]:.4f}" for n, r in results.items())
-            log.info(f"step {step}: {line}")
+            _logger.info(f"step {step}: {line}")
 
 
 class RunFolder:
@@ -73,8 +73,8 @@ class RunFolder:
         self.path.mkdir(parents=True, exist_ok=True)
         write_marker(self.path, "run")
         (self.path / "config.json").write_text(json.dumps(config, indent=2, default=str))
-        log.info(f"run folder: {self.path}")
-        log.log(SUMMARY, intro)
+        _logger.info(f"run folder: {self.path}")
+        _logger.log(SUMMARY, intro)
 
     def logger(
         self,
@@ -156,8 +156,8 @@ class RunFolder:
                 break
         page = write_report(self.path)
         if final:
-            log.log(SUMMARY, metrics_table(final))
-        log.info(f"{text}\n\n{tail}; run folder: {self.path}; report: {page}")
+            _logger.log(SUMMARY, metrics_table(final))
+        _logger.info(f"{text}\n\n{tail}; run folder: {self.path}; report: {page}")
 
 
 def metrics_table(final: dict) -> str:

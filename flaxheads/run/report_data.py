@@ -17,7 +17,7 @@ from flaxheads.training import loop
 
 #: Rows of the worst-classified table.
 WORST = 10
-log = get_logger("flaxheads.run")
+logger = get_logger("flaxheads.run")
 
 
 class ReportPage(loop.Callback):
@@ -37,7 +37,7 @@ class ReportPage(loop.Callback):
             write_report(self.run_dir, live=results)
         except OSError as e:
             self.failed = True
-            log.warning(
+            logger.warning(
                 f"could not write {self.run_dir / 'report.html'}: {e.strerror or e}; training goes on "
                 "(`flaxheads report` writes it again)"
             )

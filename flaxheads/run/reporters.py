@@ -24,7 +24,7 @@ from flaxheads.runtime.logs import get_logger
 
 #: The values ``report_to`` takes (several joined by commas), besides ``none``.
 REPORTERS = ("jsonl", "tensorboard")
-log = get_logger("flaxheads.run")
+logger = get_logger("flaxheads.run")
 #: The run folder's subfolder of TensorBoard event files.
 EVENTS_DIR = "tensorboard"
 
@@ -78,7 +78,7 @@ class EventWriter:
             with contextlib.suppress(OSError):
                 self.file.close()
             self.file = None
-        log.warning(
+        logger.warning(
             f"could not write TensorBoard events in {self.folder}: {e.strerror or e}; training goes "
             "on (metrics.jsonl keeps every entry)"
         )

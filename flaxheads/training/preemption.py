@@ -33,7 +33,7 @@ from flaxheads.runtime.logs import get_logger
 from flaxheads.training.loop import Callback, FitCheckpointing
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
-log = get_logger("flaxheads.training")
+logger = get_logger("flaxheads.training")
 
 
 def exit_code(signum: int) -> int:
@@ -89,7 +89,7 @@ class SignalWatch:
         self.checkpoints = checkpoints
         self.signum: int | None = None
         self.step = 0  # the last step the loop finished (for the abort line)
-        self._write = write or log.error
+        self._write = write or logger.error
         self._previous: dict[int, Callable[[int, FrameType | None], Any] | int | signal.Handlers | None] = {}
 
     def __enter__(self) -> SignalWatch:
