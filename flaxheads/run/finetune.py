@@ -63,7 +63,7 @@ def fine_tune(job: Job, callbacks: list, *, progress: bool, argv, started, compi
     folder = RunFolder(job.out, lead)
     folder.start(config, _intro(job, trainer))
     if lead:
-        logger.info(f"{job.model.plan.describe()}; {job.precision.name}: {job.precision.reason}")
+        logger.info(f"{job.model.plan.describe()}; precision {job.precision.reason}")
     memory = _memory_plan(job, trainer, lead)
     log = folder.logger(
         job.optim, job.steps, job.train.log_every, job.task.headline, report_to=job.report_to, resumed_at=resumed

@@ -155,9 +155,11 @@ class RunFolder:
                 )
                 break
         page = write_report(self.path)
+        if text:
+            _logger.info(f"\n{text}\n")
         if final:
             _logger.log(SUMMARY, metrics_table(final))
-        _logger.info(f"{text}\n\n{tail}; run folder: {self.path}; report: {page}")
+        _logger.info(f"{tail}; run folder: {self.path}; report: {page}")
 
 
 def metrics_table(final: dict) -> str:

@@ -91,7 +91,8 @@ class MemoryPlan:
         """The plan as printed by ``flaxheads plan`` and at the start of ``flaxheads train``."""
         b, t = self.batch
         out = [
-            f"memory plan per device ({self.model}, {self.layout}, batch {b} x {t}, compiled for {self.backend}):",
+            f"memory plan per device ({self.model}, {self.layout}, batch {b} x {t}, "
+            f"{'compiled for' if self.activations is not None else 'on'} {self.backend}):",
             f"  base {gib(self.base)}, adapters {gib(self.adapters)}, head {gib(self.head)}, "
             f"optimizer state {gib(self.opt_state)}",
         ]
