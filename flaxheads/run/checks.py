@@ -53,6 +53,9 @@ def check_spec(spec: RunSpec) -> RunSpec:
 def _check_sources(spec: RunSpec) -> RunSpec:
     """In-memory tables are there (a spec read from a run folder holds only their descriptions), each
     to be described afresh by this run (it may have changed since the spec was made)."""
+    raw = {k: v for k in SOURCE_FIELDS if not isinstance(v := getattr(spec.data, k), (str, os.PathLike, DataObject))}
+    if any(v is not None for v in raw.values()):  # a DataSpec made directly holds the tables themselves
+        spec = spec.replace(**{k: v for k, v in raw.items() if v is not None})
     d = spec.data
     used = [k for k in SOURCE_FIELDS if k != "data" or not d.train_file]
     objects = {k: v for k in used if isinstance(v := getattr(d, k), DataObject)}

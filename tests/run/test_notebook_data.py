@@ -183,3 +183,14 @@ def test_a_wrong_type_is_one_line_naming_what_is_accepted(tmp_path):
             fh.train(**{name: bad}, output_dir=str(tmp_path / "r"))
         assert "\n" not in str(e.value) and f"{name}= takes a path, a pandas DataFrame" in str(e.value)
     assert not (tmp_path / "r").exists()
+
+
+def test_a_data_spec_made_directly_may_hold_the_table(frame):
+    from flaxheads.run.checks import check_spec
+    from flaxheads.run.spec import DataSpec
+
+    spec = check_spec(fh.RunSpec(data=DataSpec(data=frame)))
+    assert spec.data.data.obj is frame and spec.run_folder().name.endswith("-dataframe")
+    dd = datasets.DatasetDict(train=datasets.Dataset.from_pandas(frame))
+    spec = check_spec(fh.RunSpec(data=DataSpec(data=dd)))
+    assert spec.data.data is None and spec.data.train_file.obj is dd["train"]
