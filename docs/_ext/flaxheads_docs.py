@@ -175,8 +175,10 @@ def cli_rst(parser: argparse.ArgumentParser | None = None) -> str:
 
 #: The guides in reading order; a guide not named here follows them, by name.
 GUIDE_ORDER = (
+    "backbones",
     "poolers-and-heads",
     "training",
+    "predicting",
     "rerankers",
     "big-models",
     "sharding",
