@@ -69,7 +69,7 @@ def test_a_dataframe_trains_as_the_csv_pandas_writes(runs, frame):
     assert runs["frame"].metrics == runs["csv"].metrics
     recorded = _config(d / "frame")
     # the folder records the object by its description: kind, columns, rows, a fingerprint
-    want = {"object": "pandas.DataFrame", "rows": 40, "columns": {"text": str(frame.text.dtype), "label": "str"}}
+    want = {"object": "pandas.DataFrame", "rows": 40, "columns": {c: str(t) for c, t in frame.dtypes.items()}}
     for where in (recorded["data"]["data"], recorded["spec"]["data"]["data"]):
         assert {k: where[k] for k in want} == want and len(where["fingerprint"]) == 16
     assert recorded["sizes"] == _config(d / "csv")["sizes"]
