@@ -62,7 +62,8 @@ def abstract_model(
     if quantize is not None:
         shapes = jax.eval_shape(lambda p: quantize_params(p, quantize, config.get("model_type")), shapes)
     backbone = fam(config, shapes, dtype=dtype, remat=remat, plan=plan if plan is not None else ComputePlan.for_host())
-    n = int(num_labels or getattr(config, "num_labels", 2) or 2)
+    # transformers 5 writes id2label and no num_labels: the labels count, as in from_pretrained
+    n = int(num_labels or len(config.get("id2label") or {}) or config.get("num_labels") or 2)
     seq_head, _ = build_head(config, n, pooler=pooler, head=head)
     head_shapes = jax.eval_shape(lambda: init_head(seq_head, config.hidden_size))
     ptype = infer_problem_type(n)

@@ -186,6 +186,24 @@ def test_hidden_states_and_logits_match_pytorch(tiny, name, side):
     assert np.abs(ref).max() > 1e-2
 
 
+@pytest.mark.parametrize("name", [*FAMILIES, "mmbert"])
+def test_every_loading_path_reads_the_folder(tiny, name):
+    """``fh.load`` (a transformers classifier), the shapes-only model (memory plans, mesh layouts) and the read
+    onto a mesh take each new family's folder (mmBERT's in its hub form) as from_pretrained does."""
+    from flaxheads.model.abstract import abstract_model
+
+    path, pt = tiny(name)
+    ids, mask = padded_batch(CASES[name].arch, pt.config, "left")
+    want = _torch_logits(pt, ids, mask)
+    loaded = fh.load(path)
+    assert isinstance(loaded.backbone, CASES[name].backbone)
+    np.testing.assert_allclose(np.asarray(jax.jit(loaded.apply)(loaded.params, ids, mask)), want, atol=1e-4, rtol=0)
+    assert jax.tree.map(np.shape, abstract_model(path).params) == jax.tree.map(np.shape, loaded.params)
+    on_mesh = fh.from_pretrained(path, mesh="fsdp=1")
+    assert on_mesh.report.new == []
+    np.testing.assert_allclose(np.asarray(jax.jit(on_mesh.apply)(on_mesh.params, ids, mask)), want, atol=1e-4, rtol=0)
+
+
 def test_the_variants_and_new_families_read_their_switches(tiny):
     """What the parity above runs on: no causal mask, the windows, the RoPE bases, the pooling."""
     gemma = load_backbone(tiny("embeddinggemma")[0])
