@@ -100,10 +100,13 @@ def without_checkpoint(path: str | os.PathLike) -> str:
     path = os.path.abspath(os.fspath(path))
     run = os.path.dirname(path) if os.path.basename(path) == CHECKPOINTS_SUBDIR else path
     if not (_run_marker(run) or os.path.isfile(os.path.join(run, "config.json"))):
-        return (
-            f"{path} is a checkpoint folder with no finished step: no <step>/meta folders inside (a save "
-            "that was cut off leaves only a temporary folder)"
-        )
+        names = sorted(os.listdir(path)) if os.path.isdir(path) else []
+        if any(n.split(".")[0].isdigit() and "tmp" in n for n in names):  # Orbax's <step>.orbax-checkpoint-tmp-*
+            return (
+                f"{path} is a checkpoint folder with no finished step: no <step>/meta folders inside, only "
+                "the temporary folder of a save that was cut off"
+            )
+        return f"{path} has no checkpoints: no <step>/meta folders inside ({_holds(names)}); expected {_HOLDS}"
     if os.path.isfile(os.path.join(run, "summary.json")):
         why = (
             "the run finished without saving one (earlier flaxheads releases saved nothing with "
@@ -124,9 +127,12 @@ def not_loadable(path: str | os.PathLike) -> str:
         return f"{path} does not exist; expected {_HOLDS}"
     if not os.path.isdir(path):
         return f"{path} is a file, not a folder; expected {_HOLDS}"
-    names = sorted(os.listdir(path))
-    held = "it is empty" if not names else "it holds " + ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
+    held = _holds(sorted(os.listdir(path)))
     return (
         f"{path} is not a model, run or checkpoint folder: no config.json, {CHECKPOINTS_SUBDIR}/ or "
         f"<step>/meta ({held}); expected {_HOLDS}"
     )
+
+
+def _holds(names: list[str]) -> str:
+    return "it is empty" if not names else "it holds " + ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")

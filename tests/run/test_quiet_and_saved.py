@@ -129,6 +129,11 @@ def test_folders_that_cannot_be_loaded_say_what_they_are(default_run, tmp_path):
         fh.load(finished)
     with pytest.raises(BackboneError, match=rf"{finished} is a flaxheads run folder, not a base model.*fh.load"):
         fh.from_pretrained(finished)
+    with pytest.raises(
+        CheckpointNotFoundError, match=r"empty has no checkpoints: no <step>/meta folders inside \(it is empty\)"
+    ):
+        (tmp_path / "empty").mkdir()
+        fh.load_head(tmp_path / "empty")
     junk = tmp_path / "junk"
     junk.mkdir()
     (junk / "notes.txt").write_text("x")
