@@ -138,8 +138,10 @@ class DataObject:
 def as_source(value: Any, given_as: str = "data") -> Any:
     """``value`` as a spec's data source: a path (or None) unchanged, an in-memory table as a
     :class:`DataObject`; anything else is a :class:`UsageError` naming what is accepted."""
-    if value is None or isinstance(value, (str, os.PathLike)):
+    if value is None or isinstance(value, str):
         return value
+    if isinstance(value, os.PathLike):  # a pathlib.Path: the spec (and its JSON) holds text
+        return os.fspath(value)
     if isinstance(value, DataObject):
         return value if value.given_as == given_as else DataObject(value.obj, given_as, description=value._description)
     kind = table_kind(value)

@@ -8,7 +8,7 @@ Every objective runs through it: what differs between them is the job's
 from __future__ import annotations
 
 import dataclasses
-import sys
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -40,6 +40,7 @@ from flaxheads.run.job import Job, Run
 from flaxheads.run.reporters import resolve_report_to
 from flaxheads.run.spec import RunSpec
 from flaxheads.runtime import ComputePlan
+from flaxheads.runtime.logs import verbosity as verbosity_of
 from flaxheads.runtime.phases import phase
 from flaxheads.runtime.sharding import parse_mesh
 from flaxheads.training import loop
@@ -172,11 +173,8 @@ def usable_max_length(requested: int, tok, model: SequenceModel, path: str) -> i
     """``max_length``, or the model's positions with a warning when it asks for more."""
     limit = model_max_positions(tok, model.backbone.config)
     if limit is not None and requested > limit:
-        print(
-            f"warning: --max-length {requested} is more than the {limit} positions of {path}; "
-            f"using --max-length {limit}",
-            file=sys.stderr,
-            flush=True,
+        logging.getLogger("flaxheads.run").warning(
+            f"--max-length {requested} is more than the {limit} positions of {path}; using --max-length {limit}"
         )
         return limit
     return requested
@@ -190,9 +188,10 @@ def checked_run_folder(spec: RunSpec, model_path: str) -> Path:
         out,
         model_path,
         trains_backbone=not spec.base_frozen,
-        keep=c.keep,
-        keep_best=c.keep_best_by != "none",
-        checkpoints=c.checkpoint_every != 0,
+        # checkpoint_every=0 still saves the last step: room for that one
+        keep=c.keep if c.checkpoint_every != 0 else 1,
+        keep_best=c.keep_best_by != "none" and c.checkpoint_every != 0,
+        checkpoints=True,
     )
     return out
 
@@ -302,6 +301,7 @@ def train(
     argv: Sequence[str] | None = None,
     started: float | None = None,
     compile_cache=None,
+    verbosity: str | int | None = None,
     **settings: Any,
 ) -> Run:
     """Run ``spec`` (or ``RunSpec.from_kwargs(**settings)``; both: the spec with those settings
@@ -319,8 +319,12 @@ def train(
     SIGTERM or Ctrl-C saves the step reached and raises
     :class:`~flaxheads.training.preemption.Interrupted`; calling again resumes. ``argv``,
     ``started`` (``time.perf_counter()`` at the program's start) and ``compile_cache`` are what the
-    command records of itself."""
-    job = prepare(check_spec((spec or RunSpec()).replace(**settings)))
-    if job.spec.cached:
-        return run_cached(job, argv=argv)
-    return fine_tune(job, list(callbacks), progress=progress, argv=argv, started=started, compile_cache=compile_cache)
+    command records of itself. ``verbosity`` (``"warning"``, ``"summary"``, ``"info"``, ``"debug"``)
+    sets how much this call tells, as :func:`flaxheads.set_verbosity` does for every call."""
+    with verbosity_of(verbosity):
+        job = prepare(check_spec((spec or RunSpec()).replace(**settings)))
+        if job.spec.cached:
+            return run_cached(job, argv=argv)
+        return fine_tune(
+            job, list(callbacks), progress=progress, argv=argv, started=started, compile_cache=compile_cache
+        )

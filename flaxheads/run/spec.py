@@ -116,7 +116,7 @@ class CheckpointSpec:
 
     output_dir: str | None = None  # None: runs/<time>-<data name>
     resume: str | int = "auto"  # auto (latest checkpoint, if any) | never | a step number
-    checkpoint_every: int | None = None  # None: at each evaluation and the last step; 0: never
+    checkpoint_every: int | None = None  # None: at each evaluation and the last step; 0: the last step only
     keep: int = 3
     keep_best_by: str = "auto"  # validation/<metric>, auto (the headline metric) or none
     report_to: tuple[str, ...] | None = None  # jsonl, tensorboard, or none (None: both)
@@ -318,7 +318,11 @@ def _sources(kwargs: dict[str, Any]) -> dict[str, Any]:
             for split, obj in splits.items():
                 out[f"{split}_file"] = as_source(obj, split)
             continue
-        out[field] = as_source(value, _given_as(field)) if field in SOURCE_FIELDS else value
+        if field in SOURCE_FIELDS:
+            value = as_source(value, _given_as(field))
+        elif isinstance(value, os.PathLike):  # a pathlib.Path for model=, output_dir=, ...: the spec holds text
+            value = os.fspath(value)
+        out[field] = value
     return out
 
 

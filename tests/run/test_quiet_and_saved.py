@@ -100,6 +100,25 @@ def test_at_warning_a_run_prints_nothing(news, tiny_bert, capfd):
     np.testing.assert_array_equal(_logits(fh.load(run.folder)), _logits(run.model))
 
 
+def test_verbosity_of_one_call_and_paths_as_pathlib(news, tiny_bert, capfd):
+    """``verbosity=`` quiets this call alone; a ``pathlib.Path`` is taken wherever a path is."""
+    from pathlib import Path
+
+    with fresh_logging(install=False) as logger:
+        before = logger.level
+        run = fh.train(
+            model=Path(tiny_bert),
+            data=news / "news.csv",
+            output_dir=news / "by-path",
+            progress=False,
+            verbosity="warning",
+            **SETTINGS,
+        )
+        assert logger.level == before
+    assert capfd.readouterr() == ("", "")
+    assert fh.RunSpec.from_run(run.folder).model.model == str(tiny_bert)
+
+
 def test_a_run_without_checkpoints_along_the_way_holds_its_last_step(default_run):
     run = default_run[0]
     want = _logits(run.model)
