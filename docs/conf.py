@@ -22,7 +22,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' "Loading weights" bar
-os.environ["COLUMNS"] = "100"
+os.environ["COLUMNS"] = "88"  # the page's code width
 
 from flaxheads import __version__  # noqa: E402
 

@@ -147,7 +147,7 @@ def _command_rst(prog: str, summary: str, parser: argparse.ArgumentParser, level
 
 
 def _literal(text: str) -> list[str]:
-    return ["::", ""] + [f"   {line}".rstrip() for line in text.strip("\n").splitlines()] + [""]
+    return [".. code-block:: text", ""] + [f"   {line}".rstrip() for line in text.strip("\n").splitlines()] + [""]
 
 
 def _text_rst(parser: argparse.ArgumentParser, text: str | None) -> list[str]:
