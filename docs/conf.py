@@ -61,8 +61,6 @@ nb_merge_streams = True
 # the type hints, so the descriptions do not repeat them.
 autodoc_typehints = "description"
 autodoc_member_order = "bysource"
-autodoc_class_signature = "separated"
-autodoc_default_options = {"undoc-members": False, "show-inheritance": False}
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 # a cross-reference to a name outside the reference pages (a submodule's helper) stays plain text
