@@ -15,6 +15,7 @@ import json
 import shlex
 from pathlib import Path
 
+from flaxheads.data.objects import is_description
 from flaxheads.run.report_html import SCRIPT, STYLE, _e, _kv, _num, _section, _table, curves, fmt
 
 REPORT = "report.html"
@@ -169,10 +170,16 @@ def _checkpoint_section(run: Path, config: dict, summary: dict | None) -> str:
     root = run / "checkpoints"
     steps = sorted(int(p.name) for p in root.iterdir() if p.is_dir() and p.name.isdigit()) if root.is_dir() else []
     q = shlex.quote(str(run))
+    # a run trained on in-memory tables resumes only when they are passed again (the spec holds their description)
+    data = (config.get("spec") or {}).get("data") or {}
+    given = {k: v["object"] for k, v in data.items() if is_description(v)}
+    again = "".join(f", {k.removesuffix('_file')}=<the same {kind}>" for k, kind in given.items())
     out = (
         f"<p>checkpoints: {', '.join(map(str, steps)) or 'none'} in <code>{_e(root)}</code></p>"
-        f"<p>Resume or extend (the same spec; it continues from the latest checkpoint):</p>"
-        f'<pre>python -c "import flaxheads as fh; fh.train(fh.RunSpec.from_run({_e(repr(str(run)))}))"</pre>'
+        f"<p>Resume or extend (the same spec; it continues from the latest checkpoint"
+        + ("; pass the same in-memory data again" if given else "")
+        + "):</p>"
+        f'<pre>python -c "import flaxheads as fh; fh.train(fh.RunSpec.from_run({_e(repr(str(run)))}){_e(again)})"</pre>'
         f"<p>Export the trained model, predict with it, rebuild this page:</p>"
         f"<pre>flaxheads export --from {_e(q)} --format transformers --out exported\n"
         f"flaxheads predict {_e(q)} --input new.csv --output predicted.csv\n"

@@ -73,6 +73,9 @@ def test_a_dataframe_trains_as_the_csv_pandas_writes(runs, frame):
     for where in (recorded["data"]["data"], recorded["spec"]["data"]["data"]):
         assert {k: where[k] for k in want} == want and len(where["fingerprint"]) == 16
     assert recorded["sizes"] == _config(d / "csv")["sizes"]
+    # the report's resume line asks for the same table again; a run from a file needs nothing more
+    assert "data=&lt;the same pandas.DataFrame&gt;" in (d / "frame" / "report.html").read_text()
+    assert "=&lt;the same" not in (d / "csv" / "report.html").read_text()
     with pytest.raises(UsageError, match="trained on in-memory data .*give --input with a labelled file"):
         run_split(d / "frame", "test")  # what `flaxheads predict --split test` rebuilds from a folder
 
