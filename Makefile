@@ -59,7 +59,7 @@ demo: $(BASE)
 
 # The linters and the type checker, configured in pyproject.toml and installed by the dev extra (pinned).
 # All three run, and the target fails after them if any did: one CI run reports every finding.
-LINT_PATHS := flaxheads tests bench examples tools
+LINT_PATHS := flaxheads tests bench examples tools docs/conf.py docs/_ext
 
 lint: $(TESTS)
 	@status=0; \
