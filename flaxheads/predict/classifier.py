@@ -112,14 +112,18 @@ class Classifier:
         dtype=None,
         revision: str | None = None,
         verify: bool = False,
+        task: str | None = None,
     ) -> Classifier:
         """Load what :func:`flaxheads.load` loads, the same way: a run folder (``step``: latest by
         default, ``"best"`` or a number), a checkpoint folder, a transformers classifier folder, a
         sentence-transformers folder, a PEFT adapter, a head export (with ``backbone``, default: the
         folder it names), or a hub id (``org/name``; the local hub cache when offline). A run's own
         maximum length, buckets and threshold are used unless given here; ``verify``: check every
-        byte against the recorded checksums."""
-        got = load_source(source, step=step, backbone=backbone, dtype=dtype, revision=revision, verify=verify)
+        byte against the recorded checksums; ``task``: a transformers folder's task adapters (Jina v3's
+        ``"retrieval.query"``, ...), as :func:`flaxheads.load` takes it."""
+        got = load_source(
+            source, step=step, backbone=backbone, dtype=dtype, revision=revision, verify=verify, task=task
+        )
         tok = load_tokenizer(got.tokenizer_folder)
         return cls.from_model(
             got.model,

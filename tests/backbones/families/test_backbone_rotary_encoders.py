@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -415,7 +416,7 @@ def test_jina_hub_folder_and_its_task_adapters(folders, tmp_path):
 
 
 @pytest.mark.skipif(not _has("jina_embeddings_v3"), reason="transformers has no jina_embeddings_v3")
-def test_task_chosen_when_loading_is_with_task(folders, tmp_path):
+def test_task_chosen_when_loading_is_with_task(folders, tmp_path, tiny_bert):
     """``from_pretrained(folder, task=...)`` and ``fh.load(folder, task=...)`` are ``with_task`` on the model as
     loaded: the weights with that task's adapters (jina's formula, in PyTorch), different for each task; an
     unknown task is one line naming the folder's tasks, before any weight is read."""
@@ -423,6 +424,11 @@ def test_task_chosen_when_loading_is_with_task(folders, tmp_path):
 
     path, pt = folders("jina_embeddings_v3")
     folder, refs = _jina_hub_folder(pt, path, tmp_path / "hub")
+    for name in os.listdir(
+        tiny_bert
+    ):  # a tokenizer, for Classifier (its vocabulary is not the model's: no text is read)
+        if name.startswith(("vocab", "tokenizer", "special_tokens")):
+            shutil.copy(os.path.join(tiny_bert, name), folder)
     ids, mask = padded_batch("jina_embeddings_v3", pt.config, "left")
     base = fh.from_pretrained(folder)
     got = {}
@@ -432,6 +438,8 @@ def test_task_chosen_when_loading_is_with_task(folders, tmp_path):
         np.testing.assert_array_equal(got[task], _ours(with_task(base, task), ids, mask))
         np.testing.assert_allclose(got[task], _logits(ref, ids, mask), atol=1e-4, rtol=0)
         np.testing.assert_array_equal(_ours(fh.load(folder, task=task), ids, mask), got[task])
+        clf = fh.Classifier.from_pretrained(folder, task=task)
+        np.testing.assert_array_equal(_ours(clf.model, ids, mask), got[task])
     assert np.abs(got[TASKS[0]] - got[TASKS[1]]).max() > 1e-2
     for load in (fh.from_pretrained, fh.load):
         with pytest.raises(UsageError) as e:
