@@ -26,23 +26,12 @@ ROWS = [("w1 w2", "w3 w4 w5"), ("w7", " w8 "), ("w9 w10 w11", "w12")]
 @pytest.fixture(scope="module")
 def reward_model(tiny_model, tmp_path_factory):
     """A tiny one-output Qwen3 classifier with a word-level tokenizer that has a chat template."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from chat_helpers import word_tokenizer
 
     folder = str(tmp_path_factory.mktemp("reward_model") / "rm")
     shutil.copytree(tiny_model("qwen3", num_labels=1, layers=1).path, folder)
     words = ["<pad>", "<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"] + [f"w{i}" for i in range(40)]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        unk_token="<unk>",
-        bos_token="<s>",
-        eos_token="</s>",
-        pad_token="<pad>",
-        model_input_names=["input_ids", "attention_mask"],
-    )
-    fast.chat_template = TEMPLATE
+    fast = word_tokenizer(words, TEMPLATE, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
     fast.save_pretrained(folder)
     return folder
 

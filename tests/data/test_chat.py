@@ -27,21 +27,10 @@ PAIRS = [("What is 2 + 2?", " 4 "), ("Écris « bonjour »", "bonjour\nau revoir
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from chat_helpers import word_tokenizer
 
     words = ["<pad>", "<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(40)]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        unk_token="<unk>",
-        bos_token="<s>",
-        eos_token="</s>",
-        pad_token="<pad>",
-        model_input_names=["input_ids", "attention_mask"],
-    )
-    fast.chat_template = TEMPLATE
+    fast = word_tokenizer(words, TEMPLATE, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
     path = tmp_path_factory.mktemp("chat_tokenizer")
     fast.save_pretrained(path)
     return str(path)

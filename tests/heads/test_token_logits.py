@@ -36,21 +36,12 @@ CHAT_TEMPLATE = (
 
 def _save_tokenizer(path: str) -> None:
     """A word-level fast tokenizer of hf_tiny's vocabulary size (:data:`WORDS`, then ``w<i>``), with a chat template."""
+    from chat_helpers import word_tokenizer
     from hf_tiny import V
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
-    vocab = {w: i for i, w in enumerate(WORDS + [f"w{i}" for i in range(V - len(WORDS))])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        unk_token="<unk>",
-        pad_token="<pad>",
-        eos_token="<eos>",
-        model_input_names=["input_ids", "attention_mask"],  # as Qwen's tokenizer: no token types
+    fast = word_tokenizer(
+        WORDS + [f"w{i}" for i in range(V - len(WORDS))], CHAT_TEMPLATE, pad_token="<pad>", eos_token="<eos>"
     )
-    fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(path)
 
 
