@@ -116,12 +116,5 @@ def add_chat_template_flag(p: argparse.ArgumentParser, auto: str) -> None:
 
 def chat_template_wanted(args: argparse.Namespace, clf: Any, *, reward_model: bool) -> bool:
     """Whether ``--chat-template`` turns chat templates on for ``clf`` (a :class:`~flaxheads.predict.Classifier`):
-    ``auto`` for a reward model's scores (``reward_model``) when the tokenizer has one; ``on`` needs one."""
-    if args.chat_template == "auto":
-        return reward_model and clf.has_chat_template
-    if args.chat_template == "on" and not clf.has_chat_template:
-        raise UsageError(
-            f"--chat-template on: the tokenizer of {clf.source} has no chat_template (tokenizer_config.json or "
-            "chat_template.jinja); give the texts already formatted, or leave --chat-template out"
-        )
-    return args.chat_template == "on"
+    the library's decision, :meth:`~flaxheads.predict.Classifier.wants_chat_template`."""
+    return clf.wants_chat_template(args.chat_template, reward_model=reward_model)

@@ -185,6 +185,21 @@ class Classifier:
         """The tokenizer has a chat template (what ``outputs(..., chat_template=True)`` writes pairs in)."""
         return has_chat_template(self.tokenizer.name_or_path) if self.tokenizer.name_or_path else False
 
+    def wants_chat_template(self, choice: str = "auto", *, reward_model: bool = False) -> bool:
+        """Whether text pairs go in the tokenizer's chat template for ``choice`` (``auto``, ``on``, ``off``:
+        ``flaxheads rank / predict / serve --chat-template``): ``auto`` is on for a reward model's scores
+        (``reward_model``: ``rank --preference``) when the tokenizer has one; ``on`` needs one."""
+        if choice not in ("auto", "on", "off"):
+            raise UsageError(f"chat template choice must be auto, on or off, got {choice!r}")
+        if choice == "auto":
+            return reward_model and self.has_chat_template
+        if choice == "on" and not self.has_chat_template:
+            raise UsageError(
+                f"--chat-template on: the tokenizer of {self.source} has no chat_template (tokenizer_config.json "
+                "or chat_template.jinja); give the texts already formatted, or leave --chat-template out"
+            )
+        return choice == "on"
+
     @property
     def pad_id(self) -> int:
         return int(self.tokenizer.pad_token_id or 0)

@@ -1,5 +1,5 @@
 """``--chat-template`` on ``flaxheads predict`` and ``flaxheads serve`` (as on ``rank``; one flag and one
-decision, :func:`flaxheads.cli.flags.chat_template_wanted`): a reward model's (prompt, response) pairs are
+decision, :meth:`flaxheads.predict.Classifier.wants_chat_template`): a reward model's (prompt, response) pairs are
 scored as the conversation transformers' ``apply_chat_template`` writes, tokenised as it is (no special
 tokens added), by the command line, ``Classifier.predict`` and the server's ``/predict`` and ``/rerank``."""
 
