@@ -168,8 +168,8 @@ def encode(
     rotary = {kind: rotary_cos_sin(position_ids, d, theta, dtype) for kind, theta in s.thetas}
     keep = attention_mask_for(attention_mask, s.window) if mbc.LOCAL in s.kinds else None
     bias = mask_bias(attention_mask, dtype)
+    step = checkpointed(partial(layer, s=s, plan=plan), remat)
     for i, (kind, r) in enumerate(zip(s.kinds, rngs, strict=True)):
-        step = checkpointed(partial(layer, s=s, plan=plan), remat)
         x = step(params["layers"][str(i)], x, *rotary[kind], keep if kind == mbc.LOCAL else None, bias, r)
     return mb.norm(x, params["final_norm"], s.eps, plan)
 
