@@ -123,10 +123,17 @@ def render_chat(
         raise ChatTemplateError(f"the chat template cannot render these messages: {e}") from None
 
 
-def chat_pairs(folder: str | os.PathLike, pairs: Iterable[tuple[str, str]], *, system: str | None = None) -> list[str]:
+def chat_pairs(
+    folder: str | os.PathLike,
+    pairs: Iterable[tuple[str, str]],
+    *,
+    system: str | None = None,
+    chat: tuple[str | None, Mapping[str, str]] | None = None,
+) -> list[str]:
     """Each ``(prompt, response)`` as the conversation ``[system?, user: prompt, assistant: response]`` written
-    with the chat template of the tokenizer in ``folder``: a reward model's input texts."""
-    template, special = read_chat_template(folder)
+    with the chat template of the tokenizer in ``folder``: a reward model's input texts. ``chat``: the folder's
+    :func:`read_chat_template`, when the caller has read it already."""
+    template, special = read_chat_template(folder) if chat is None else chat
     if template is None:
         raise ChatTemplateError(
             f"{os.fspath(folder)}: the tokenizer has no chat_template (tokenizer_config.json or "

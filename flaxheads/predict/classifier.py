@@ -5,6 +5,7 @@ labels and scores, regression values or embeddings."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import warnings
 from collections.abc import Sequence
@@ -12,7 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from flaxheads.data.batching import make_buckets
-from flaxheads.data.chat import chat_pairs, has_chat_template, prompt_pairs
+from flaxheads.data.chat import chat_pairs, prompt_pairs, read_chat_template
 from flaxheads.errors import UsageError
 from flaxheads.formats import load_source
 from flaxheads.heads.heads import IdentityHead, ProjectionHead
@@ -175,15 +176,22 @@ class Classifier:
         (:meth:`prompts_of`); None where the pairs are the tokenizer's own pair encoding. What
         :meth:`outputs` and the server (``/rerank``, ``/predict``) both write pairs with."""
         if self.chat_template if chat_template is None else chat_template:
-            return chat_pairs(self.tokenizer.name_or_path, zip(queries, documents))
+            return chat_pairs(self.tokenizer.name_or_path, zip(queries, documents), chat=self._chat)
         if self.template is not None:
             return self.prompts_of(queries, documents, truncate=truncate)
         return None
 
+    @functools.cached_property
+    def _chat(self) -> tuple[str | None, dict[str, str]]:
+        """The tokenizer folder's chat template and special tokens (:func:`~flaxheads.data.chat.read_chat_template`),
+        read once, not with each batch of pairs."""
+        folder = self.tokenizer.name_or_path
+        return read_chat_template(folder) if folder else (None, {})
+
     @property
     def has_chat_template(self) -> bool:
         """The tokenizer has a chat template (what ``outputs(..., chat_template=True)`` writes pairs in)."""
-        return has_chat_template(self.tokenizer.name_or_path) if self.tokenizer.name_or_path else False
+        return self._chat[0] is not None
 
     def wants_chat_template(self, choice: str = "auto", *, reward_model: bool = False) -> bool:
         """Whether text pairs go in the tokenizer's chat template for ``choice`` (``auto``, ``on``, ``off``:
