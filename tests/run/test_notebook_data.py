@@ -12,12 +12,12 @@ import signal
 
 import numpy as np
 import pytest
-from train_helpers import WORDS
+from run_helpers import TOPICS, metrics_rows
 
 import flaxheads as fh
 from flaxheads.errors import UsageError
 from flaxheads.run.data import run_split
-from flaxheads.training.loop import TIMED, hooks
+from flaxheads.training.loop import hooks
 from flaxheads.training.preemption import Interrupted
 
 pd = pytest.importorskip("pandas")
@@ -25,19 +25,7 @@ datasets = pytest.importorskip("datasets")
 
 pytestmark = pytest.mark.full
 
-TOPICS = [WORDS[32:38], WORDS[38:43], WORDS[43:48], WORDS[48:53]]
 SETTINGS = dict(max_length=16, bucket_step=16, batch_size=4, max_steps=6, eval_every=3, log_every=1, lr=3e-3, keep=2)
-
-
-def _rows(folder) -> list[dict]:
-    """metrics.jsonl without the wall-clock throughput."""
-    out = []
-    for line in open(folder / "metrics.jsonl"):
-        e = json.loads(line)
-        for k in TIMED:
-            e.pop(k, None)
-        out.append(e)
-    return out
 
 
 def _config(folder) -> dict:
@@ -65,7 +53,7 @@ def runs(tmp_path_factory, tiny_bert, frame):
 
 def test_a_dataframe_trains_as_the_csv_pandas_writes(runs, frame):
     d = runs["dir"]
-    assert _rows(d / "frame") == _rows(d / "csv")
+    assert metrics_rows(d / "frame") == metrics_rows(d / "csv")
     assert runs["frame"].metrics == runs["csv"].metrics
     recorded = _config(d / "frame")
     # the folder records the object by its description: kind, columns, rows, a fingerprint
@@ -89,7 +77,7 @@ def test_every_kind_trains_as_the_dataframe(runs, frame, kind):
     }
     out = runs["dir"] / kind
     run = fh.train(**runs["base"], data=made[kind](), output_dir=str(out), progress=False)
-    assert _rows(out) == _rows(runs["dir"] / "frame")
+    assert metrics_rows(out) == metrics_rows(runs["dir"] / "frame")
     assert run.metrics == runs["frame"].metrics
 
 
@@ -110,7 +98,7 @@ def test_a_dataset_dict_gives_its_own_splits(runs, frame):
         progress=False,
     )
     run = fh.train(**base, data=datasets.DatasetDict(parts), output_dir=str(d / "dd"), progress=False)
-    assert _rows(d / "dd") == _rows(d / "dd_files")
+    assert metrics_rows(d / "dd") == metrics_rows(d / "dd_files")
     assert run.metrics == files.metrics
     cfg = _config(d / "dd")
     assert cfg["sizes"] == {"train": 24, "validation": 8, "test": 8}
@@ -136,7 +124,7 @@ def test_a_ranking_dataset_trains_as_its_file(runs, tiny_bert):
     base = dict(runs["base"], objective="pairwise", split=(0.5, 0.25, 0.25))
     file_run = fh.train(**base, data=str(d / "pref.jsonl"), output_dir=str(d / "rank_file"), progress=False)
     run = fh.train(**base, data=ds, output_dir=str(d / "rank"), progress=False)
-    assert _rows(d / "rank") == _rows(d / "rank_file")
+    assert metrics_rows(d / "rank") == metrics_rows(d / "rank_file")
     assert run.metrics == file_run.metrics and "pairwise_accuracy" in run.metrics["test"]
     assert _config(d / "rank")["data"]["data"]["fingerprint"] == ds._fingerprint
 
@@ -177,7 +165,7 @@ def test_interrupted_then_given_the_same_frame_resumes_bitwise(runs, frame):
 
     again = fh.train(spec, data=frame, progress=False)
     assert again.summary["resumed_from"] == 4
-    assert _rows(out) == _rows(d / "frame")
+    assert metrics_rows(out) == metrics_rows(d / "frame")
 
 
 def test_a_wrong_type_is_one_line_naming_what_is_accepted(tmp_path):

@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import csv
 import json
 import logging
 import shutil
@@ -19,7 +18,7 @@ import jax
 import numpy as np
 import pytest
 from log_helpers import fresh_logging
-from train_helpers import WORDS
+from run_helpers import write_news
 
 import flaxheads as fh
 from flaxheads.backbones.base import BackboneError
@@ -30,7 +29,6 @@ from flaxheads.runtime import logs
 
 pytestmark = pytest.mark.full
 
-TOPICS = [WORDS[32:38], WORDS[38:43], WORDS[43:48]]
 SETTINGS = dict(max_length=16, bucket_step=16, batch_size=4, max_steps=4, lr=3e-3, checkpoint_every=0)
 IDS = np.array([[2, 40, 41, 42, 3, 0], [2, 50, 3, 0, 0, 0]], np.int32)
 
@@ -39,12 +37,7 @@ IDS = np.array([[2, 40, 41, 42, 3, 0], [2, 50, 3, 0, 0, 0]], np.int32)
 def news(tmp_path_factory):
     d = tmp_path_factory.mktemp("quiet")
     rng = np.random.default_rng(0)
-    with open(d / "news.csv", "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["text", "label"])
-        for i in range(40):
-            t = i % 3
-            w.writerow([" ".join(rng.choice(TOPICS[t], int(rng.integers(3, 9)))), f"c{t}"])
+    write_news(d / "news.csv", rng)
     return d
 
 

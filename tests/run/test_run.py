@@ -15,16 +15,15 @@ import signal
 import jax
 import numpy as np
 import pytest
-from train_helpers import WORDS, tiny_bert_folder
+from run_helpers import TOPICS, metrics_rows, write_news
+from train_helpers import tiny_bert_folder
 
 import flaxheads as fh
 from flaxheads.errors import UsageError
-from flaxheads.training.loop import TIMED
 from flaxheads.training.preemption import Interrupted
 
 pytestmark = pytest.mark.full
 
-TOPICS = [WORDS[32:38], WORDS[38:43], WORDS[43:48], WORDS[48:53]]
 #: One setting, two spellings: the command's flags and the library's keywords.
 SETTINGS = {
     "max_length": 16,
@@ -42,17 +41,6 @@ def _argv(settings: dict) -> list[str]:
     return [x for k, v in settings.items() for x in (f"--{k.replace('_', '-')}", str(v))]
 
 
-def _rows(path) -> list[dict]:
-    """metrics.jsonl without the wall-clock throughput."""
-    out = []
-    for line in open(path):
-        e = json.loads(line)
-        for k in TIMED:
-            e.pop(k, None)
-        out.append(e)
-    return out
-
-
 def _config(path) -> dict:
     c = json.loads((path / "config.json").read_text())
     for k in ("argv",):
@@ -65,12 +53,7 @@ def _config(path) -> dict:
 def files(tmp_path_factory):
     d = tmp_path_factory.mktemp("run")
     rng = np.random.default_rng(0)
-    with open(d / "news.csv", "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["text", "label"])
-        for i in range(40):
-            t = i % 3
-            w.writerow([" ".join(rng.choice(TOPICS[t], int(rng.integers(3, 9)))), f"c{t}"])
+    write_news(d / "news.csv", rng)
     with open(d / "pref.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["prompt", "chosen", "rejected"])
@@ -130,7 +113,7 @@ def test_a_run_holds_its_params_once(classification):
 
 def test_a_python_run_equals_the_command(classification):
     cli, lib, run, *_ = classification
-    assert _rows(cli / "metrics.jsonl") == _rows(lib / "metrics.jsonl")
+    assert metrics_rows(cli) == metrics_rows(lib)
     assert _config(cli) == _config(lib)
     for name in ("summary.json", "eval.txt", "predictions.npz", "curve.png", "confusion_matrix.png"):
         assert (lib / name).is_file(), name
@@ -163,7 +146,7 @@ def test_interrupted_from_python_and_called_again_resumes_bitwise(classification
     assert caught.value.saved == 4
     again = fh.train(fh.RunSpec.from_run(out), progress=False)
     assert again.summary["resumed_from"] == 4
-    assert _rows(out / "metrics.jsonl") == _rows(lib / "metrics.jsonl")
+    assert metrics_rows(out) == metrics_rows(lib)
 
 
 def test_load_and_export_what_the_run_saved(classification, tmp_path):
@@ -199,7 +182,7 @@ def test_a_ranking_run_from_python_equals_the_command(files):
     )
     assert main(["train", *_argv(base), "--no-progress", "--output-dir", str(d / "rank_cli")]) == 0
     run = fh.train(**dict(base, split=(0.5, 0.25, 0.25)), output_dir=str(d / "rank_lib"), progress=False)
-    assert _rows(d / "rank_cli" / "metrics.jsonl") == _rows(d / "rank_lib" / "metrics.jsonl")
+    assert metrics_rows(d / "rank_cli") == metrics_rows(d / "rank_lib")
     assert _config(d / "rank_cli") == _config(d / "rank_lib")
     assert run.summary["objective"] == "pairwise" and "pairwise_accuracy" in run.metrics["test"]
     assert isinstance(run.model, fh.SequenceModel) and run.model.num_labels == 1
