@@ -45,7 +45,8 @@ from flaxheads.backbones.families.rotary_bert import (
     hub_to_native,
     native_keys,
 )
-from flaxheads.backbones.weights import SAFE, SAFE_INDEX, read_state_dict
+from flaxheads.backbones.lazy import safetensors_files
+from flaxheads.backbones.weights import WeightsNotFoundError, read_state_dict
 
 #: jina's hub code: the ``AutoConfig`` class of its ``config.json``
 HUB_CONFIG = "configuration_xlm_roberta.XLMRobertaFlashConfig"
@@ -160,11 +161,9 @@ def task_adapters(folder: str | os.PathLike, config: Mapping, task: str) -> Task
 
 def _lora_tensors(folder: str) -> dict[str, np.ndarray]:
     """The ``parametrize`` LoRA tensors of a folder's weights (only those read, from safetensors)."""
-    files = [os.path.join(folder, SAFE)] if os.path.isfile(os.path.join(folder, SAFE)) else []
-    if not files and os.path.isfile(os.path.join(folder, SAFE_INDEX)):
-        with open(os.path.join(folder, SAFE_INDEX)) as f:
-            files = [os.path.join(folder, s) for s in sorted(set(json.load(f)["weight_map"].values()))]
-    if not files:
+    try:
+        files = safetensors_files(folder)
+    except WeightsNotFoundError:  # PyTorch .bin weights: read whole
         return {k: v for k, v in read_state_dict(folder).items() if ".parametrizations.weight.0.lora_" in k}
     from safetensors import safe_open
 
