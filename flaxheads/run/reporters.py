@@ -118,10 +118,6 @@ class Reporters:
         self.jsonl = open(folder / "metrics.jsonl", "a") if folder is not None and "jsonl" in names else None
         self.events = EventWriter(folder, purge_step) if folder is not None and "tensorboard" in names else None
 
-    @property
-    def active(self) -> bool:
-        return self.jsonl is not None or self.events is not None
-
     def write(self, entry: dict) -> None:
         if self.jsonl is not None:
             try:
