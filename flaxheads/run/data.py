@@ -169,10 +169,7 @@ def _groups(spec: RunSpec) -> RunData:
         )
     kind = tables["train"].kind
     config = {
-        "data": record(d.data),
-        "train_file": record(d.train_file),
-        "validation_file": record(d.validation_file),
-        "test_file": record(d.test_file),
+        **{k: record(getattr(d, k)) for k in SOURCE_FIELDS},
         "split": list(d.split),
         "seed": spec.seed,
         "limit": d.limit,
