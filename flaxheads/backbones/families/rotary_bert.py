@@ -85,13 +85,13 @@ def head_dim(config: Mapping) -> int:
 
 def config_problem(config: Mapping, default_theta: float) -> str:
     """Why :func:`encode` would not compute what the PyTorch class computes for ``config`` ("" when it does)."""
-    h, nh = int(config["hidden_size"]), int(config["num_attention_heads"])
+    h, nh, d = int(config["hidden_size"]), int(config["num_attention_heads"]), head_dim(config)
     if h % nh:
         return f"hidden_size {h} is not divisible by num_attention_heads {nh}"
-    if head_dim(config) * nh != h:
-        return f"head_dim {head_dim(config)} x {nh} heads is not hidden_size {h}"
-    if head_dim(config) % 2:
-        return f"the head dim {head_dim(config)} is odd; rotary embeddings rotate pairs of dims"
+    if d * nh != h:
+        return f"head_dim {d} x {nh} heads is not hidden_size {h}"
+    if d % 2:
+        return f"the head dim {d} is odd; rotary embeddings rotate pairs of dims"
     p = rope_parameters(config, default_theta)
     if p["rope_type"] not in ROPE_TYPES:
         return f"RoPE type {p['rope_type']!r} (supported: {', '.join(ROPE_TYPES)})"
