@@ -56,9 +56,7 @@ def _check_sources(spec: RunSpec) -> RunSpec:
     raw = {k: v for k in SOURCE_FIELDS if not isinstance(v := getattr(spec.data, k), (str, os.PathLike, DataObject))}
     if any(v is not None for v in raw.values()):  # a DataSpec made directly holds the tables themselves
         spec = spec.replace(**{k: v for k, v in raw.items() if v is not None})
-    d = spec.data
-    used = [k for k in SOURCE_FIELDS if k != "data" or not d.train_file]
-    objects = {k: v for k in used if isinstance(v := getattr(d, k), DataObject)}
+    objects = spec.data_objects
     missing = {v.given_as: v for v in objects.values() if v.missing}
     if missing:
         raise UsageError(missing_message(missing))

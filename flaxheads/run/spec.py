@@ -247,9 +247,14 @@ class RunSpec:
         """The in-memory tables this spec trains on but does not hold (a spec read from a run folder):
         keyword (``data``, ``train``, ...) -> the description the folder recorded. Pass each again:
         ``fh.train(spec, data=frame)``."""
+        return {v.given_as: v.description for v in self.data_objects.values() if v.missing}
+
+    @property
+    def data_objects(self) -> dict[str, DataObject]:
+        """The in-memory tables the run reads, by field (``data`` only when no ``train_file`` replaces it)."""
         d = self.data
-        used = [getattr(d, k) for k in SOURCE_FIELDS if k != "data" or not d.train_file]
-        return {v.given_as: v.description for v in used if isinstance(v, DataObject) and v.missing}
+        used = [k for k in SOURCE_FIELDS if k != "data" or not d.train_file]
+        return {k: v for k in used if isinstance(v := getattr(d, k), DataObject)}
 
     @property
     def ranking(self) -> bool:
