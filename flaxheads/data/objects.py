@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from typing import Any, TypeGuard
 
 from flaxheads.errors import UsageError
@@ -188,7 +188,7 @@ def summary(description: Mapping) -> str:
 # ---- columns ------------------------------------------------------------------------------------
 
 
-def _arrow(obj: Any, kind: str, names: Sequence[str] | None = None):
+def _arrow(obj: Any, kind: str):
     """The table as one ``pyarrow.Table`` (columns as given)."""
     import pyarrow as pa
 
@@ -199,7 +199,7 @@ def _arrow(obj: Any, kind: str, names: Sequence[str] | None = None):
     if kind == ITERABLE:
         chunks = list(iter_chunks(obj))
         return pa.concat_tables(chunks, promote_options="default") if chunks else pa.table({})
-    cols = obj if kind == COLUMNS else dict(zip(names or _tuple_names(len(obj)), obj))
+    cols = obj if kind == COLUMNS else dict(zip(_tuple_names(len(obj)), obj))
     return pa.table({k: v.tolist() if hasattr(v, "tolist") else list(v) for k, v in cols.items()})
 
 
@@ -207,17 +207,9 @@ def _tuple_names(n: int, text: str = "text", label: str = "label", pair: str | N
     return [text, label] if n == 2 else [text, pair or PAIR_COLUMN, label]
 
 
-def iter_chunks(obj: Any, rows: int = 8192) -> Iterator[Any]:
-    """An in-memory table (an ``IterableDataset``, read as it goes) as ``pyarrow.Table`` chunks of up to
-    ``rows`` rows."""
-    import pyarrow as pa
-
-    kind = table_kind(obj)
-    if kind == ITERABLE:
-        yield from obj.with_format("arrow").iter(batch_size=rows)
-        return
-    for batch in _arrow(obj, kind or "?").to_batches(max_chunksize=rows):
-        yield pa.Table.from_batches([batch])
+def iter_chunks(dataset: Any, rows: int = 8192) -> Iterator[Any]:
+    """An ``IterableDataset``, read as it goes, as ``pyarrow.Table`` chunks of up to ``rows`` rows."""
+    yield from dataset.with_format("arrow").iter(batch_size=rows)
 
 
 class Columns:
