@@ -37,7 +37,15 @@ from flaxheads.layers.remat import REMAT_POLICIES
 from flaxheads.model.base_dtype import BASE_DTYPES
 from flaxheads.model.quantize import QUANTIZATIONS
 from flaxheads.run import RunSpec, train
-from flaxheads.run.spec import DEFAULT_HEAD_LR, DEFAULT_LR, FIELD_GROUP, PROBE_LR, PROBLEM_TYPES, RANKING_OBJECTIVES
+from flaxheads.run.spec import (
+    DEFAULT_HEAD_LR,
+    DEFAULT_LR,
+    FIELD_GROUP,
+    HEADS,
+    PROBE_LR,
+    PROBLEM_TYPES,
+    RANKING_OBJECTIVES,
+)
 from flaxheads.runtime.precision import PRECISIONS
 from flaxheads.runtime.sharding import parse_mesh
 
@@ -62,7 +70,7 @@ def _model_flags(ap: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--head",
         default="linear",
-        choices=("linear", "mlp", "preset", "token-logits"),
+        choices=HEADS,
         help="linear | mlp | preset | token-logits (default: linear). token-logits: an LLM reranker on a causal "
         "LM (Qwen3-Reranker's form: logit('yes') - logit('no') at the end of its prompt, each (query, document) "
         "written in it); with a ranking --objective",

@@ -14,7 +14,7 @@ from flaxheads.heads.poolers import POOLER_NAMES
 from flaxheads.layers.remat import REMAT_POLICIES
 from flaxheads.model.base_dtype import BASE_DTYPES
 from flaxheads.model.quantize import QUANTIZATIONS
-from flaxheads.run.spec import PROBLEM_TYPES, RunSpec, settle_precision
+from flaxheads.run.spec import HEADS, PROBLEM_TYPES, RunSpec, settle_precision
 from flaxheads.runtime.sharding import parse_mesh
 from flaxheads.tasks.ranking.objectives import MARGIN_OBJECTIVES, OBJECTIVES
 from flaxheads.tasks.ranking.task import SCALE_OBJECTIVES, Ranking
@@ -123,8 +123,8 @@ def _check_model(spec: RunSpec) -> None:
                 f"--pooler {m.pooler!r}: unknown pooler {bad[0]!r}; valid poolers: "
                 f"{', '.join(sorted(POOLER_NAMES))}, `preset`, or several names joined by commas"
             )
-    if m.head not in ("linear", "mlp", "preset", "token-logits"):
-        raise UsageError(f"--head {m.head!r} is not one of linear, mlp, preset, token-logits")
+    if m.head not in HEADS:
+        raise UsageError(f"--head {m.head!r} is not one of {', '.join(HEADS)}")
     if m.head == "token-logits" and (not spec.ranking or m.pooler not in ("mean", "preset")):
         raise UsageError(
             "--head token-logits scores (query, document) pairs from the LM head at the last token: train it "

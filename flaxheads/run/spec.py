@@ -34,6 +34,8 @@ from flaxheads.training.trainer import TrainConfig
 
 #: The problem types a classification run can be given (default: guessed from the labels).
 PROBLEM_TYPES = (SINGLE_LABEL, MULTI_LABEL, REGRESSION)
+#: The heads a run can put on its pooler (``token-logits``: an LLM reranker, :mod:`flaxheads.heads.token_logits`).
+HEADS = ("linear", "mlp", "preset", "token-logits")
 #: ``task.objective`` values other than ``classification``.
 RANKING_OBJECTIVES = OBJECTIVES
 
