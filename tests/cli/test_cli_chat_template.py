@@ -121,3 +121,16 @@ def test_serve_chat_template(reward_model):
         [d["score"] for d in sorted(reranked, key=lambda d: d["index"])], same_query, atol=1e-5, rtol=0
     )
     np.testing.assert_allclose(same_query[0], want[0], atol=1e-5, rtol=0)
+
+
+def test_the_decision_from_python(reward_model):
+    """``Classifier.wants_chat_template``: auto is on only for a reward model's scores; a bad choice is one line."""
+    from flaxheads.errors import UsageError
+    from flaxheads.predict import Classifier
+
+    clf = Classifier.from_pretrained(reward_model)
+    assert clf.has_chat_template
+    assert clf.wants_chat_template("auto", reward_model=True) and not clf.wants_chat_template("auto")
+    assert clf.wants_chat_template("on") and not clf.wants_chat_template("off", reward_model=True)
+    with pytest.raises(UsageError, match="must be auto, on or off, got 'yes'"):
+        clf.wants_chat_template("yes")
